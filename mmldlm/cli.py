@@ -1,0 +1,40 @@
+"""The `mmldlm` command. Each subcommand lives in `mmldlm/commands/<name>.py`, which defines
+`add_arguments(parser)` and `run(args) -> int`, imports only argparse-level things at the top and
+the library inside `run`, so `mmldlm --help` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from mmldlm.config import ConfigError
+
+# subcommand -> (module under mmldlm.commands, one-line help)
+COMMANDS = {
+    "model-info": ("model_info", "parameter counts per part and training FLOPs of a model preset"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mmldlm", description="MM-LDLM: multimodal latent diffusion language models")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(f"mmldlm.commands.{module_name}")
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except ConfigError as err:
+        print(f"mmldlm {args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,373 @@
+"""Typed configuration: one small dataclass per component, YAML presets, `section.key=value` overrides.
+
+A run config is a `RunConfig` of sections. Each component takes only its own section
+(`MultimodalMMDiT(cfg.model)`, `MaskedDiffusion(cfg.text_diffusion)`, ...). Every value is checked
+for type and range before any work starts; a bad one raises `ConfigError` naming the key, the value
+given and what is allowed.
+
+Presets are YAML files:
+- `configs/NAME.yaml` holds a whole run config; `inherit: OTHER.yaml` starts from another file.
+- `configs/model/NAME.yaml` holds a model size preset; `model: NAME` in a run config (or the
+  override `model=NAME`) loads it, and later `model.key=value` overrides apply on top.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+MODES = ("l2t", "t2l", "joint")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the key, the value and what is allowed."""
+
+
+def _fail(key: str, value: Any, allowed: str) -> typing.NoReturn:
+    raise ConfigError(f"config key '{key}': got {value!r}; expected {allowed}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Component configs. Each `check(prefix)` validates values that the type alone cannot.
+
+
+@dataclass
+class ModelConfig:
+    """The MultimodalMMDiT network (see mmldlm/model/mmdit.py)."""
+
+    hidden_size: int = 256
+    num_blocks: int = 4
+    num_heads: int = 4
+    mlp_ratio: float = 4.0
+    vocab_size: int | None = None  # None: taken from the prepared dataset's tokenizer
+    max_seq_len: int = 128  # longest text (in tokens) the model accepts
+    latent_dim: int = 384  # D: must equal the dataset's sentence-encoder dimension
+    num_latents: int = 1  # K latent vectors per sample (K = 1: one sentence embedding)
+    pos_embedding: Literal["rope", "learned"] = "rope"
+    qk_norm: bool = True  # RMSNorm on queries and keys, per head
+    attention: Literal["sdpa", "explicit"] = "sdpa"  # explicit softmax exists for the baseline only
+    timestep_embed_dim: int = 256  # sinusoidal features fed to the timestep MLPs
+    null_latent: bool = True  # learned "no condition" latent for classifier-free guidance
+    dropout: float = 0.0
+    init_std: float = 0.02
+    norm_eps: float = 1e-6
+
+    def check(self, prefix: str = "model") -> None:
+        for key in ("hidden_size", "num_blocks", "num_heads", "max_seq_len", "latent_dim",
+                    "num_latents", "timestep_embed_dim"):
+            if getattr(self, key) < 1:
+                _fail(f"{prefix}.{key}", getattr(self, key), "an integer >= 1")
+        if self.hidden_size % self.num_heads:
+            _fail(f"{prefix}.hidden_size", self.hidden_size,
+                  f"a multiple of {prefix}.num_heads={self.num_heads}")
+        head_dim = self.hidden_size // self.num_heads
+        if self.pos_embedding == "rope" and head_dim % 2:
+            _fail(f"{prefix}.num_heads", self.num_heads,
+                  f"a head count giving an even head dim for RoPE (hidden_size/num_heads = {head_dim})")
+        if self.timestep_embed_dim % 2:
+            _fail(f"{prefix}.timestep_embed_dim", self.timestep_embed_dim, "an even integer")
+        if self.vocab_size is not None and self.vocab_size < 3:
+            _fail(f"{prefix}.vocab_size", self.vocab_size, "null (from the dataset) or an integer >= 3")
+        if self.mlp_ratio <= 0:
+            _fail(f"{prefix}.mlp_ratio", self.mlp_ratio, "a number > 0")
+        if not 0.0 <= self.dropout < 1.0:
+            _fail(f"{prefix}.dropout", self.dropout, "a number in [0, 1)")
+        if self.init_std <= 0 or self.norm_eps <= 0:
+            key = "init_std" if self.init_std <= 0 else "norm_eps"
+            _fail(f"{prefix}.{key}", getattr(self, key), "a number > 0")
+
+
+@dataclass
+class TextDiffusionConfig:
+    """Masked (absorbing-state) diffusion over tokens, MDLM (see mmldlm/diffusion/masked.py)."""
+
+    schedule: Literal["loglinear", "linear"] = "loglinear"
+    loss: Literal["elbo", "masked_ce"] = "elbo"  # elbo: continuous-time MDLM weight; masked_ce: unweighted
+    eps: float = 1e-3  # alpha_t is kept within [eps, 1 - eps] so the ELBO weight stays finite
+
+    def check(self, prefix: str = "text_diffusion") -> None:
+        if not 0.0 < self.eps < 0.5:
+            _fail(f"{prefix}.eps", self.eps, "a number in (0, 0.5)")
+
+
+@dataclass
+class LatentDiffusionConfig:
+    """Continuous-time Gaussian diffusion over standardised latents (see mmldlm/diffusion/gaussian.py)."""
+
+    schedule: Literal["cosine"] = "cosine"
+    prediction: Literal["eps", "x0", "v"] = "v"
+    loss: Literal["mse", "cosine", "normalized_mse"] = "mse"
+    min_alpha: float = 1e-4  # alpha(t=1) floor: keeps eps <-> x0 conversions finite at t = 1
+    num_sampling_steps: int = 50
+    sampler: Literal["ddim", "ddpm"] = "ddim"
+
+    def check(self, prefix: str = "latent_diffusion") -> None:
+        if not 0.0 < self.min_alpha < 0.1:
+            _fail(f"{prefix}.min_alpha", self.min_alpha, "a number in (0, 0.1)")
+        if self.num_sampling_steps < 1:
+            _fail(f"{prefix}.num_sampling_steps", self.num_sampling_steps, "an integer >= 1")
+
+
+@dataclass
+class ObjectiveConfig:
+    """Which direction is trained at each step and how the two losses combine (see mmldlm/objective.py)."""
+
+    mode: Literal["l2t", "t2l", "joint", "random", "sequential"] = "random"
+    # random: relative weights of the modes, drawn per step from (seed, step) so all ranks agree.
+    mode_weights: dict[str, float] = field(default_factory=lambda: {"l2t": 1.0, "t2l": 1.0, "joint": 1.0})
+    # sequential: [[first_step, mode], ...] sorted by step, the first at step 0.
+    mode_schedule: list[list[Any]] = field(default_factory=lambda: [[0, "l2t"]])
+    text_loss_weight: float = 1.0
+    latent_loss_weight: float = 1.0
+    t_sampling: Literal["uniform", "antithetic", "stratified"] = "stratified"
+    cond_drop_prob: float = 0.1  # l2t/t2l: replace the condition by the null condition (for CFG)
+    seed: int = 0
+
+    def check(self, prefix: str = "objective") -> None:
+        for name, weight in self.mode_weights.items():
+            if name not in MODES:
+                _fail(f"{prefix}.mode_weights.{name}", weight, f"weights for the modes {', '.join(MODES)}")
+            if not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight < 0:
+                _fail(f"{prefix}.mode_weights.{name}", weight, "a number >= 0")
+        if self.mode == "random" and sum(self.mode_weights.values()) <= 0:
+            _fail(f"{prefix}.mode_weights", self.mode_weights, "at least one weight > 0")
+        if self.mode == "sequential":
+            last = -1
+            for i, entry in enumerate(self.mode_schedule):
+                ok = (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], int)
+                      and not isinstance(entry[0], bool) and entry[1] in MODES)
+                if not ok:
+                    _fail(f"{prefix}.mode_schedule[{i}]", entry, f"[step, mode] with mode in {MODES}")
+                if entry[0] <= last:
+                    _fail(f"{prefix}.mode_schedule[{i}]", entry, "steps strictly increasing")
+                last = entry[0]
+            if not self.mode_schedule or self.mode_schedule[0][0] != 0:
+                _fail(f"{prefix}.mode_schedule", self.mode_schedule, "a list whose first entry starts at step 0")
+        for key in ("text_loss_weight", "latent_loss_weight"):
+            if getattr(self, key) < 0:
+                _fail(f"{prefix}.{key}", getattr(self, key), "a number >= 0")
+        if not 0.0 <= self.cond_drop_prob < 1.0:
+            _fail(f"{prefix}.cond_drop_prob", self.cond_drop_prob, "a number in [0, 1)")
+
+
+@dataclass
+class RunConfig:
+    """A whole run: one section per component."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    text_diffusion: TextDiffusionConfig = field(default_factory=TextDiffusionConfig)
+    latent_diffusion: LatentDiffusionConfig = field(default_factory=LatentDiffusionConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+
+    def check(self) -> None:
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if hasattr(section, "check"):
+                section.check(f.name)
+
+
+# --------------------------------------------------------------------------------------------------
+# Typed construction from plain data (YAML or parsed overrides).
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if origin is not None:
+        return {list: "a list", dict: "a mapping"}.get(origin, str(tp))
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, tp.__name__)
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Return `value` as type `tp`, or raise ConfigError. Only lossless conversions (int -> float)."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        _fail(key, value, _type_name(tp))
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            try:
+                return _coerce(key, value, option)
+            except ConfigError:
+                continue
+        _fail(key, value, _type_name(tp))
+    if tp is type(None):
+        if value is None:
+            return None
+        _fail(key, value, "null")
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            _fail(key, value, "a list")
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            _fail(key, value, "a mapping")
+        key_tp, val_tp = typing.get_args(tp) or (Any, Any)
+        return {_coerce(key, k, key_tp): _coerce(f"{key}.{k}", v, val_tp) for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        _fail(key, value, "true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        _fail(key, value, "an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        _fail(key, value, "a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        _fail(key, value, "a string")
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key)
+    raise TypeError(f"unsupported config type {tp} for {key}")
+
+
+def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
+    """Build dataclass `cls` from a mapping; unknown keys and wrong types raise ConfigError."""
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        _fail(prefix or cls.__name__, data, f"a mapping of {cls.__name__} keys")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            raise ConfigError(f"config key '{full}': unknown key; allowed keys here are: {', '.join(names)}")
+        kwargs[key] = _coerce(full, value, hints[key])
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+# --------------------------------------------------------------------------------------------------
+# Files and overrides.
+
+
+def resolve_preset(name: str | Path, subdir: str = "") -> Path:
+    """A path as given if it exists, else `configs/[subdir/]NAME[.yaml]`."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    base = CONFIG_DIR / subdir if subdir else CONFIG_DIR
+    for candidate in (base / name, base / f"{name}.yaml"):
+        if candidate.is_file():
+            return candidate
+    known = sorted(p.stem for p in base.glob("*.yaml"))
+    raise ConfigError(f"config file '{name}' not found (looked in {base}); known presets: {', '.join(known)}")
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file '{path}': not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}': expected a mapping of sections at the top level")
+    return data
+
+
+def _merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "mode_weights":
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    if path.resolve() in seen:
+        raise ConfigError(f"config file '{path}': 'inherit' forms a cycle")
+    data = _read_yaml(path)
+    parent = data.pop("inherit", None)
+    if parent is not None:
+        parent_path = path.parent / parent if (path.parent / parent).is_file() else resolve_preset(parent)
+        data = _merge(_load_raw(parent_path, seen + (path.resolve(),)), data)
+    return data
+
+
+def _expand_model_preset(raw: dict) -> dict:
+    if isinstance(raw.get("model"), str):
+        raw = dict(raw)
+        raw["model"] = _read_yaml(resolve_preset(raw["model"], "model"))
+    return raw
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`section.key=value` -> (["section", "key"], value). The value is read as YAML (`4`, `1e-3`, `[1, 2]`)."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}': expected section.key=value")
+    key, raw_value = text.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override '{text}': expected section.key=value")
+    try:
+        value = yaml.safe_load(raw_value) if raw_value.strip() else ""
+    except yaml.YAMLError:
+        value = raw_value
+    return key.split("."), value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    raw = _expand_model_preset(raw)
+    for text in overrides:
+        path, value = parse_override(text)
+        if path == ["model"] and isinstance(value, str):
+            raw = _expand_model_preset({**raw, "model": value})
+            continue
+        node = raw
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{text}': '{part}' is not a section")
+            node = child
+        node[path[-1]] = value
+    return raw
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), cls: type = RunConfig) -> Any:
+    """Read a run config file (or the defaults), apply overrides, build and check it."""
+    raw = _load_raw(resolve_preset(path)) if path is not None else {}
+    raw = apply_overrides(raw, list(overrides))
+    cfg = from_dict(cls, raw)
+    cfg.check()
+    return cfg
+
+
+def load_model_preset(name: str) -> ModelConfig:
+    cfg = from_dict(ModelConfig, _read_yaml(resolve_preset(name, "model")), "model")
+    cfg.check()
+    return cfg
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    """Write the resolved config as YAML (atomically: a reader never sees half a file)."""
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tmp.replace(path)
