@@ -157,6 +157,12 @@ class ObjectiveConfig:
             _fail(f"{prefix}.cond_drop_prob", self.cond_drop_prob, "a number in [0, 1)")
 
 
+# --- data sections (data issue) ---
+
+
+# --- training sections (training-engine issue) ---
+
+
 @dataclass
 class RunConfig:
     """A whole run: one section per component."""
