@@ -90,7 +90,9 @@ class TextDiffusionConfig:
 
     schedule: Literal["loglinear", "linear"] = "loglinear"
     loss: Literal["elbo", "masked_ce"] = "elbo"  # elbo: continuous-time MDLM weight; masked_ce: unweighted
-    eps: float = 1e-3  # alpha_t is kept within [eps, 1 - eps] so the ELBO weight stays finite
+    # alpha_1 = eps (a sliver of signal at t = 1, as in MDLM); the ELBO weight is evaluated at t >= eps
+    # so it stays finite near t = 0 (at most 1/eps for loglinear)
+    eps: float = 1e-3
 
     def check(self, prefix: str = "text_diffusion") -> None:
         if not 0.0 < self.eps < 0.5:
@@ -155,6 +157,8 @@ class ObjectiveConfig:
                 _fail(f"{prefix}.{key}", getattr(self, key), "a number >= 0")
         if not 0.0 <= self.cond_drop_prob < 1.0:
             _fail(f"{prefix}.cond_drop_prob", self.cond_drop_prob, "a number in [0, 1)")
+        if self.seed < 0:
+            _fail(f"{prefix}.seed", self.seed, "an integer >= 0")
 
 
 # --- data sections (data issue) ---

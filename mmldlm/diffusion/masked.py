@@ -1,0 +1,182 @@
+"""Masked (absorbing-state) diffusion over tokens: MDLM, Sahoo et al. 2024, "Simple and Effective
+Masked Diffusion Language Models" (arXiv:2406.07524). Equation numbers refer to that paper.
+
+Time t runs from 0 (clean text) to 1 (all masked). Each real token of x is, independently, still
+itself at time t with probability alpha_t and the mask token otherwise (eq. 2 with the absorbing
+prior pi = m); padding is never masked.
+
+Schedules (alpha_0 = 1 exactly, alpha_1 = eps: a sliver of signal remains at t = 1, as in MDLM):
+- loglinear: alpha_t = 1 - (1 - eps) t, i.e. sigma_t = -log(1 - (1 - eps) t)    (MDLM LogLinearNoise)
+- linear:    sigma_t = sigma_max t with sigma_max = -log(eps), i.e. alpha_t = eps^t  (MDLM LinearNoise)
+
+SUBS parameterisation (sec. 3.2.3): the denoiser never predicts the mask token (its logit is -inf)
+and copies unmasked inputs, so only masked positions carry loss. The continuous-time negative ELBO
+(eq. 11) is
+
+    NELBO = E_t E_q [ -alpha'_t / (1 - alpha_t) * sum_{masked i} -log p_theta(x_i | z_t) ],
+
+which with loglinear is a 1/t weight on the masked cross-entropy. `loss` returns it in nats per real
+(non-pad) token: the weighted cross-entropy summed over masked non-pad tokens of the batch, divided
+by the number of non-pad tokens of the batch (MDLM's reported NLL per token; eval reuses it). The
+weight is evaluated at max(t, eps) so it stays finite as t -> 0 (at most 1/eps for loglinear); this
+truncates the integral over (0, eps), where only about t * L tokens are masked.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from mmldlm.config import TextDiffusionConfig
+from mmldlm.diffusion import rng
+
+
+def _per_row(t, batch_size: int, device, dtype=torch.float64) -> torch.Tensor:
+    """A time given as a number, a 0-d or a (B,) tensor -> (B,) tensor."""
+    t = torch.as_tensor(t, device=device, dtype=dtype)
+    return t.expand(batch_size) if t.dim() == 0 else t.to(dtype)
+
+
+def _gumbel_argmax(scores: torch.Tensor, generator) -> torch.Tensor:
+    """argmax(scores + Gumbel noise) over the last dim, in float64: float32 Gumbel noise is truncated
+    in its tail and lowers the effective temperature (Zheng et al. 2024, arXiv:2409.02908)."""
+    u = rng.uniform(scores.shape, scores.device, generator, dtype=torch.float64)
+    gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(torch.float64).tiny)))
+    return (scores.double() + gumbel).argmax(dim=-1)
+
+
+class MaskedDiffusion:
+    """MDLM forward process, loss and ancestral sampling step."""
+
+    def __init__(self, cfg: TextDiffusionConfig, mask_token_id: int, pad_token_id: int):
+        if mask_token_id == pad_token_id:
+            raise ValueError(f"MaskedDiffusion: mask_token_id and pad_token_id are both {mask_token_id}; "
+                             "the tokenizer must give them different ids")
+        self.cfg = cfg
+        self.mask_token_id = mask_token_id
+        self.pad_token_id = pad_token_id
+
+    # --- schedule --------------------------------------------------------------------------------
+
+    def alpha(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(alpha_t, 1 - alpha_t), the second computed without cancellation near t = 0."""
+        eps = self.cfg.eps
+        if self.cfg.schedule == "loglinear":
+            one_minus = (1.0 - eps) * t
+            return 1.0 - one_minus, one_minus
+        sigma = -math.log(eps) * t
+        return torch.exp(-sigma), -torch.expm1(-sigma)
+
+    def elbo_weight(self, t: torch.Tensor) -> torch.Tensor:
+        """-alpha'_t / (1 - alpha_t) (eq. 11), evaluated at max(t, eps) so it stays finite."""
+        t = t.clamp(min=self.cfg.eps)
+        eps = self.cfg.eps
+        if self.cfg.schedule == "loglinear":
+            return 1.0 / t  # (1 - eps) / ((1 - eps) t)
+        sigma_max = -math.log(eps)
+        return sigma_max / torch.expm1(sigma_max * t)  # sigma' alpha / (1 - alpha)
+
+    # --- forward process -------------------------------------------------------------------------
+
+    def add_noise(self, tokens: torch.Tensor, t, pad_mask: torch.Tensor | None = None,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+        """z_t ~ q(z_t | x) (eq. 2): each non-pad token becomes the mask with prob 1 - alpha_t.
+
+        tokens (B, L) int64; t (B,) in [0, 1]; pad_mask (B, L) bool, True = real token.
+        """
+        B, L = tokens.shape
+        _, mask_prob = self.alpha(_per_row(t, B, tokens.device))  # (B,)
+        u = rng.uniform((B, L), tokens.device, generator, dtype=torch.float64)
+        masked = u < mask_prob[:, None]  # (B, L)
+        if pad_mask is not None:
+            masked &= pad_mask
+        return tokens.masked_fill(masked, self.mask_token_id)
+
+    # --- loss ------------------------------------------------------------------------------------
+
+    def loss(self, logits: torch.Tensor, tokens: torch.Tensor, noised: torch.Tensor, t,
+             pad_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """The training loss over masked non-pad tokens and its metrics.
+
+        logits (B, L, V) from the model on `noised`; tokens (B, L) clean; t (B,) the times `noised`
+        was drawn at. cfg.loss "elbo": NELBO in nats per non-pad token (module docstring);
+        "masked_ce": unweighted mean cross-entropy over masked non-pad tokens.
+        Metrics (detached): accuracy of the argmax over masked non-pad tokens, num_masked, num_tokens
+        (non-pad tokens: the ELBO denominator, for token-weighted averages over batches).
+        """
+        B, L, V = logits.shape
+        masked = noised == self.mask_token_id  # (B, L)
+        if pad_mask is not None:
+            masked = masked & pad_mask
+        num_real = pad_mask.sum() if pad_mask is not None else torch.tensor(B * L, device=logits.device)
+        num_masked = masked.sum()
+
+        # SUBS: the mask is never the answer (its logit is -inf); unmasked positions copy their
+        # input and contribute zero, so only masked rows are gathered (saves a (B, L, V) copy).
+        masked_logits = logits[masked].float()  # (N, V)
+        mask_index = torch.tensor([self.mask_token_id], device=logits.device)
+        masked_logits = masked_logits.index_fill(-1, mask_index, float("-inf"))
+        targets = tokens[masked]  # (N,)
+        ce = F.cross_entropy(masked_logits, targets, reduction="none")  # (N,)
+
+        if self.cfg.loss == "elbo":
+            weight = self.elbo_weight(_per_row(t, B, logits.device, torch.float32))  # (B,)
+            row_weight = weight[:, None].expand(B, L)[masked]  # (N,)
+            loss = (row_weight * ce).sum() / num_real.clamp_min(1)
+        else:
+            loss = ce.sum() / num_masked.clamp_min(1)
+
+        with torch.no_grad():
+            correct = (masked_logits.argmax(dim=-1) == targets).sum()
+            accuracy = correct.float() / num_masked.clamp_min(1)
+        return loss, {"accuracy": accuracy, "num_masked": num_masked, "num_tokens": num_real}
+
+    # --- reverse process -------------------------------------------------------------------------
+
+    def step(self, logits: torch.Tensor, x_t: torch.Tensor, t, s, generator: torch.Generator | None = None,
+             strategy: Literal["ancestral", "confidence"] = "ancestral") -> torch.Tensor:
+        """One reverse step from time t to time s < t: returns z_s (B, L).
+
+        logits (B, L, V) from the model on x_t at time t; t, s numbers or (B,) tensors, 0 <= s < t <= 1.
+        Unmasked tokens (and padding) are kept. A masked position
+        - "ancestral": follows p_theta(z_s | z_t) (eq. 7 with SUBS): it stays masked with prob
+          (1 - alpha_s) / (1 - alpha_t), else takes a token drawn from x_theta. At s = 0 nothing
+          stays masked.
+        - "confidence": a token is drawn from x_theta at every masked position, and the k most
+          confident draws (highest log-probability) are kept, k = round(n_masked (alpha_s - alpha_t)
+          / (1 - alpha_t)) per sequence, i.e. the expected number of the ancestral step.
+        Draws use float64 Gumbel-max.
+        """
+        B, L, V = logits.shape
+        alpha_t, one_minus_t = self.alpha(_per_row(t, B, x_t.device))  # (B,)
+        alpha_s, one_minus_s = self.alpha(_per_row(s, B, x_t.device))
+        stay_prob = one_minus_s / one_minus_t  # (B,) P(still masked at s | masked at t)
+
+        masked = x_t == self.mask_token_id  # (B, L)
+        log_x0 = logits[masked].double()  # (N, V)
+        log_x0[:, self.mask_token_id] = float("-inf")  # SUBS: never predict the mask
+        log_x0 = torch.log_softmax(log_x0, dim=-1)
+        row_of = masked.nonzero()[:, 0]  # (N,) sequence index of each masked position
+
+        if strategy == "ancestral":
+            # eq. 7: (alpha_s - alpha_t)/(1 - alpha_t) * x_theta + (1 - alpha_s)/(1 - alpha_t) * m
+            scores = log_x0 + torch.log1p(-stay_prob)[row_of, None]
+            scores[:, self.mask_token_id] = torch.log(stay_prob)[row_of]
+            new = _gumbel_argmax(scores, generator)  # (N,)
+        elif strategy == "confidence":
+            draw = _gumbel_argmax(log_x0, generator)  # (N,)
+            confidence = torch.full((B, L), float("-inf"), dtype=torch.float64, device=x_t.device)
+            confidence[masked] = log_x0.gather(-1, draw[:, None])[:, 0]
+            num_unmask = torch.round(masked.sum(dim=1) * (1.0 - stay_prob))  # (B,)
+            rank = confidence.argsort(dim=1, descending=True).argsort(dim=1)  # (B, L) 0 = most confident
+            keep = rank < num_unmask[:, None]
+            new = torch.where(keep[masked], draw, self.mask_token_id)
+        else:
+            raise ValueError(f"MaskedDiffusion.step: strategy {strategy!r}; expected 'ancestral' or 'confidence'")
+
+        out = x_t.clone()
+        out[masked] = new.to(x_t.dtype)
+        return out

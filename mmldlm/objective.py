@@ -1,0 +1,124 @@
+"""The training objective: which direction a step trains, how its times are drawn, and the loss.
+
+| mode  | text stream              | latent stream                       | heads  |
+|-------|--------------------------|-------------------------------------|--------|
+| l2t   | masked at t_text ~ p(t)  | clean, t_latent = 0                 | text   |
+| t2l   | clean, t_text = 0        | noised at t_latent ~ p(t)           | latent |
+| joint | masked at t_text ~ p(t)  | noised at an independent t_latent   | both   |
+
+p(t) is cfg.t_sampling over [0, 1]; the same t is what the model is told (t_text, t_latent).
+
+Only the output head of the stream that is not generated is idle (it is not computed, so its
+parameters get no gradient); both input encoders always train, so the condition is learned.
+
+Classifier-free guidance: with prob cond_drop_prob a row's condition is replaced by "no condition":
+in l2t the latent by the model's learned null latent (latent_null=True), in t2l the text by fully
+masked text at t_text = 1 (the text stream's own "nothing known" state: no extra parameters). A
+sampler asks for the unconditional prediction the same way.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mmldlm.config import MODES, ObjectiveConfig
+from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion, rng
+
+
+class Objective:
+    """Loss of one micro-batch in the mode of its step; see the module docstring."""
+
+    def __init__(self, cfg: ObjectiveConfig, text: MaskedDiffusion, latent: GaussianDiffusion):
+        self.cfg = cfg
+        self.text = text
+        self.latent = latent
+        # random mode: only modes with a positive weight can be drawn
+        drawable = [(m, float(cfg.mode_weights.get(m, 0.0))) for m in MODES]
+        self._random_modes = [m for m, w in drawable if w > 0]
+        self._random_cum = np.cumsum([w for _, w in drawable if w > 0])
+
+    # --- which direction -------------------------------------------------------------------------
+
+    def mode_at(self, step: int) -> str:
+        """The mode of training step `step`: a pure function of (cfg, step), the same on every rank
+        and untouched by (and not touching) any global RNG."""
+        mode = self.cfg.mode
+        if mode in MODES:
+            return mode
+        if mode == "sequential":
+            current = self.cfg.mode_schedule[0][1]
+            for first_step, name in self.cfg.mode_schedule:
+                if step >= first_step:
+                    current = name
+            return current
+        # random: a draw from its own stream seeded by (seed, step)
+        u = np.random.default_rng([self.cfg.seed, step]).random() * self._random_cum[-1]
+        return self._random_modes[int(np.searchsorted(self._random_cum, u, side="right"))]
+
+    # --- times -----------------------------------------------------------------------------------
+
+    def sample_t(self, batch_size: int, device, generator: torch.Generator | None = None) -> torch.Tensor:
+        """(B,) diffusion times in [0, 1] drawn by cfg.t_sampling:
+        uniform: i.i.d. U(0, 1); antithetic: u and 1 - u in pairs; stratified: (i + u_i) / B for a
+        random assignment of strata i to rows (one time per stratum: lower-variance batch loss)."""
+        B = batch_size
+        if self.cfg.t_sampling == "uniform":
+            return rng.uniform(B, device, generator)
+        if self.cfg.t_sampling == "antithetic":
+            u = rng.uniform((B + 1) // 2, device, generator)
+            return torch.cat([u, 1.0 - u])[:B]
+        strata = rng.permutation(B, device, generator).float()
+        return (strata + rng.uniform(B, device, generator)) / B
+
+    # --- loss ------------------------------------------------------------------------------------
+
+    def __call__(self, model, batch: dict, step: int, generator: torch.Generator | None = None):
+        """(loss, metrics) for one micro-batch at training step `step`.
+
+        batch: tokens (B, L) int64, pad_mask (B, L) bool (True = real), latents (B, K, D) raw encoder space.
+        metrics (detached tensors, and `mode` a str): loss, and for the active heads only
+        text: text_loss (NELBO nats/token or masked CE, per text cfg), accuracy, num_masked, num_tokens;
+        latent: latent_loss. Keys of an idle head are absent.
+        """
+        mode = self.mode_at(step)
+        tokens, pad_mask = batch["tokens"], batch.get("pad_mask")
+        latents = self.latent.standardize(batch["latents"])  # (B, K, D)
+        B, device = tokens.shape[0], tokens.device
+        text_on, latent_on = mode in ("l2t", "joint"), mode in ("t2l", "joint")
+        drop_prob = self.cfg.cond_drop_prob
+
+        t_text = torch.zeros(B, device=device)
+        t_latent = torch.zeros(B, device=device)
+        text_in, latent_in, latent_null = tokens, latents, None
+        if text_on:
+            t_text = self.sample_t(B, device, generator)
+            text_in = self.text.add_noise(tokens, t_text, pad_mask, generator)  # (B, L)
+        if latent_on:
+            t_latent = self.sample_t(B, device, generator)
+            noise = self.latent.sample_noise(latents, generator)  # (B, K, D)
+            latent_in = self.latent.add_noise(latents, t_latent, noise)
+        if mode == "l2t" and drop_prob > 0:
+            latent_null = rng.uniform(B, device, generator) < drop_prob  # (B,)
+        if mode == "t2l" and drop_prob > 0:
+            drop = rng.uniform(B, device, generator) < drop_prob  # (B,)
+            hide = drop[:, None] if pad_mask is None else drop[:, None] & pad_mask  # (B, L)
+            text_in = tokens.masked_fill(hide, self.text.mask_token_id)
+            t_text = drop.float()  # all masked = time 1
+
+        text_logits, latent_out = model(text_in, latent_in, t_text, t_latent, text_pad_mask=pad_mask,
+                                        latent_null=latent_null, text_head=text_on, latent_head=latent_on)
+
+        metrics: dict = {"mode": mode}
+        loss = 0.0
+        if text_on:
+            text_loss, text_metrics = self.text.loss(text_logits, tokens, text_in, t_text, pad_mask)
+            loss = loss + self.cfg.text_loss_weight * text_loss
+            metrics["text_loss"] = text_loss.detach()
+            metrics.update(text_metrics)
+        if latent_on:
+            latent_loss = self.latent.loss(latent_out, latents, noise, t_latent)
+            loss = loss + self.cfg.latent_loss_weight * latent_loss
+            metrics["latent_loss"] = latent_loss.detach()
+        metrics["loss"] = loss.detach()
+        return loss, metrics
