@@ -14,6 +14,7 @@ Presets are YAML files:
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -482,6 +483,9 @@ def _expand_model_preset(raw: dict) -> dict:
     return raw
 
 
+_YAML11_FLOAT = re.compile(r"^[-+]?\d+(\.\d*)?[eE][-+]?\d+$")
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`section.key=value` -> (["section", "key"], value). The value is read as YAML (`4`, `1e-3`, `[1, 2]`)."""
     if "=" not in text:
@@ -493,6 +497,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw_value) if raw_value.strip() else ""
     except yaml.YAMLError:
         value = raw_value
+    if isinstance(value, str) and _YAML11_FLOAT.match(value):
+        value = float(value)  # YAML 1.1 reads `1e-3` (no dot) as a string
     return key.split("."), value
 
 
