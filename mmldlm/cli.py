@@ -13,6 +13,7 @@ from mmldlm.config import ConfigError
 # subcommand -> (module under mmldlm.commands, one-line help)
 COMMANDS = {
     "model-info": ("model_info", "parameter counts per part and training FLOPs of a model preset"),
+    "train": ("train", "train a model (under torchrun for many processes/nodes); --resume auto continues a run"),
 }
 
 
