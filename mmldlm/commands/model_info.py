@@ -1,0 +1,53 @@
+"""`mmldlm model-info PRESET`: parameter counts per part and training FLOPs per sample of a model preset."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_VOCAB_SIZE = 8192  # when neither the preset nor --vocab-size gives one
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("preset", help="a model preset name (configs/model/NAME.yaml) or a path to one")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help=f"vocabulary size (default: the preset's, else {DEFAULT_VOCAB_SIZE})")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="text length for the FLOPs (default: the preset's max_seq_len)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from mmldlm.config import ConfigError, load_model_preset
+    from mmldlm.model import MultimodalMMDiT, parameter_counts, training_flops_per_sample
+
+    cfg = load_model_preset(args.preset)
+    vocab_size = args.vocab_size or cfg.vocab_size or DEFAULT_VOCAB_SIZE
+    vocab_note = "" if args.vocab_size or cfg.vocab_size else " (assumed: pass --vocab-size)"
+    seq_len = args.seq_len or cfg.max_seq_len
+    if not 1 <= seq_len <= cfg.max_seq_len:
+        raise ConfigError(f"--seq-len {seq_len}: expected 1..{cfg.max_seq_len} (model.max_seq_len of '{args.preset}')")
+    if vocab_size < 3:
+        raise ConfigError(f"--vocab-size {vocab_size}: expected an integer >= 3")
+
+    with torch.device("meta"):  # shapes only: even the largest preset costs no memory
+        model = MultimodalMMDiT(cfg, vocab_size)
+    counts = parameter_counts(model)
+
+    head_dim = cfg.hidden_size // cfg.num_heads
+    print(f"model preset '{args.preset}': hidden_size {cfg.hidden_size}, num_blocks {cfg.num_blocks}, "
+          f"num_heads {cfg.num_heads} (head dim {head_dim}), mlp_ratio {cfg.mlp_ratio}, "
+          f"latents {cfg.num_latents} x {cfg.latent_dim}, vocab_size {vocab_size}{vocab_note}")
+    print()
+    rows = [("text stream", counts["text"]), ("latent stream", counts["latent"]),
+            ("shared (timestep MLPs, null latent)", counts["shared"]), ("total", counts["total"])]
+    width = max(len(label) for label, _ in rows)
+    print(f"{'part':<{width}}  {'parameters':>14}  {'share':>6}")
+    for label, n in rows:
+        print(f"{label:<{width}}  {n:>14,}  {n / counts['total']:>6.1%}")
+    print()
+    print(f"training FLOPs per sample at text length {seq_len} (+{cfg.num_latents} latent), forward + backward:")
+    for mode, heads in (("joint", (True, True)), ("l2t", (True, False)), ("t2l", (False, True))):
+        flops = training_flops_per_sample(model, seq_len, text_head=heads[0], latent_head=heads[1])
+        print(f"  {mode:<5}  {flops:.4e}")
+    return 0

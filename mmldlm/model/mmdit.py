@@ -1,0 +1,326 @@
+"""MultimodalMMDiT: one dual-stream transformer over text tokens and K sentence latents.
+
+The two modalities keep separate weights (SD3's MMDiT, Esser et al. 2024, sec. 3.3) and meet in a
+joint attention over the concatenated sequence [text; latent], so the text can read the latent and
+the latent can read the text in every block. Both streams are conditioned on one vector
+c = MLP_text(emb(t_text)) + MLP_latent(emb(t_latent)) through adaLN-Zero (DiT, Peebles & Xie 2023,
+sec. 3.2): every block starts as the identity and the heads start at zero.
+
+Shapes: B batch, L text length, K latent slots, D latent dim, H hidden size, nh heads, hd head dim,
+S = L + K joint length, V vocabulary.
+
+The model knows nothing of DDP, FSDP, compile, activation checkpointing or precision: the trainer
+wraps each entry of `model.blocks` as it sees fit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from mmldlm.config import ConfigError, ModelConfig
+
+
+# --------------------------------------------------------------------------------------------------
+# Positions and timesteps.
+
+
+def rope_angles(seq_len: int, head_dim: int, device: torch.device, base: float = 10000.0) -> tuple[Tensor, Tensor]:
+    """cos and sin of the rotary angles for positions 0..seq_len-1 (RoFormer, Su et al. 2021, eq. 34).
+
+    Computed on the fly in float32 rather than stored as a buffer: it costs O(L * hd) and leaves the
+    model with no buffers to lose when it is built on the meta device or cast to another dtype."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)  # (hd/2,)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # (L, hd/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs (x_i, x_{i + hd/2}) of x (B, nh, L, hd) by the angles of each position."""
+    x1, x2 = x.float().chunk(2, dim=-1)  # (B, nh, L, hd/2) each
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return rotated.type_as(x)
+
+
+class TimestepEmbedder(nn.Module):
+    """t in [0, 1] (B,) -> sinusoidal features -> MLP -> (B, H), as DiT's TimestepEmbedder."""
+
+    def __init__(self, freq_dim: int, hidden_size: int):
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.mlp = nn.Sequential(nn.Linear(freq_dim, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size))
+
+    def forward(self, t: Tensor) -> Tensor:
+        half = self.freq_dim // 2
+        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+        # t is scaled to [0, 1000], the range of step indices the sinusoid periods were chosen for
+        # (DDPM/DiT): with t in [0, 1] most features would be nearly constant over the whole range.
+        args = (1000.0 * t.float())[:, None] * freqs[None, :]  # (B, half)
+        features = torch.cat([args.cos(), args.sin()], dim=-1)  # (B, freq_dim)
+        return self.mlp(features.to(self.mlp[0].weight.dtype))
+
+
+# --------------------------------------------------------------------------------------------------
+# The block.
+
+
+def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+    """adaLN: x (B, T, H) normalised elsewhere; shift, scale (B, H) from the conditioning vector."""
+    return x * (1 + scale[:, None, :]) + shift[:, None, :]
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, mlp_hidden: int):
+        super().__init__()
+        self.fc = nn.Linear(hidden_size, mlp_hidden, bias=False)
+        self.proj = nn.Linear(mlp_hidden, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class StreamLayers(nn.Module):
+    """One modality's weights inside a block: adaLN modulation, qkv, QK-RMSNorm, output projection, MLP.
+
+    Linear layers carry no bias (as in current LMs); the modulation does, because its output at
+    zero input (the adaLN offsets) is what it must learn first."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H, self.num_heads = cfg.hidden_size, cfg.num_heads
+        head_dim = H // cfg.num_heads
+        self.modulation = nn.Sequential(nn.SiLU(), nn.Linear(H, 6 * H))  # shift, scale, gate for attn and MLP
+        self.norm_attn = nn.LayerNorm(H, eps=cfg.norm_eps, elementwise_affine=False)
+        self.qkv = nn.Linear(H, 3 * H, bias=False)
+        # Per-head RMSNorm on q and k (SD3 sec. 5.3.2): bounds the attention logits, which otherwise
+        # grow and make bf16 training diverge.
+        self.q_norm = nn.RMSNorm(head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.attn_proj = nn.Linear(H, H, bias=False)
+        self.norm_mlp = nn.LayerNorm(H, eps=cfg.norm_eps, elementwise_affine=False)
+        self.mlp = MLP(H, int(cfg.mlp_ratio * H))
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def qkv_heads(self, x: Tensor, shift: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, H) -> q, k, v (B, nh, T, hd), q and k normalised per head."""
+        B, T, H = x.shape
+        qkv = self.qkv(modulate(self.norm_attn(x), shift, scale))  # (B, T, 3H)
+        q, k, v = qkv.view(B, T, 3, self.num_heads, H // self.num_heads).permute(2, 0, 3, 1, 4)  # (B, nh, T, hd)
+        return self.q_norm(q), self.k_norm(k), v
+
+    def residual(self, x: Tensor, attn_out: Tensor, mod: list[Tensor]) -> Tensor:
+        """The gated attention and MLP residual updates of x (B, T, H); attn_out (B, T, H)."""
+        _, _, gate_attn, shift_mlp, scale_mlp, gate_mlp = mod
+        x = x + gate_attn[:, None, :] * self.dropout(self.attn_proj(attn_out))
+        x = x + gate_mlp[:, None, :] * self.dropout(self.mlp(modulate(self.norm_mlp(x), shift_mlp, scale_mlp)))
+        return x
+
+    def output_parameters(self) -> list[nn.Parameter]:
+        """The parameters that serve only this stream's own outputs (its queries, output projection
+        and MLP); its keys and values (qkv, k_norm, modulation) also feed the other stream."""
+        return [*self.q_norm.parameters(), *self.attn_proj.parameters(), *self.mlp.parameters()]
+
+
+class MMDiTBlock(nn.Module):
+    """Per-modality weights, one joint attention over [text; latent]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.text = StreamLayers(cfg)
+        self.latent = StreamLayers(cfg)
+        self.attention = cfg.attention
+        self.dropout = cfg.dropout
+
+    def forward(self, x_text: Tensor, x_latent: Tensor, c: Tensor, attn_mask: Tensor | None = None,
+                rope: tuple[Tensor, Tensor] | None = None, text_out: bool = True,
+                latent_out: bool = True) -> tuple[Tensor | None, Tensor | None]:
+        """x_text (B, L, H), x_latent (B, K, H), c (B, H); attn_mask (B, 1, 1, L + K) bool, True = key
+        takes part; rope = (cos, sin) (L, hd/2) for the text positions.
+
+        A stream with `*_out=False` only lends its keys and values: its queries, attention output and
+        MLP are not computed and it returns None (SD3's last "context_pre_only" block), so a head that
+        is skipped leaves no parameter of the last block waiting for a gradient."""
+        mod_text = self.text.modulation(c).chunk(6, dim=-1)  # 6 x (B, H)
+        mod_latent = self.latent.modulation(c).chunk(6, dim=-1)
+        q_text, k_text, v_text = self.text.qkv_heads(x_text, mod_text[0], mod_text[1])  # (B, nh, L, hd)
+        q_latent, k_latent, v_latent = self.latent.qkv_heads(x_latent, mod_latent[0], mod_latent[1])  # (B, nh, K, hd)
+        if rope is not None:
+            # Only text positions rotate. Latent slots have no place in the token order; leaving
+            # them unrotated is the same as putting them all at position 0, so a text token sees the
+            # latent at an offset equal to its own position, and the slots are told apart by their
+            # learned slot embeddings instead.
+            q_text, k_text = apply_rope(q_text, *rope), apply_rope(k_text, *rope)
+
+        k = torch.cat([k_text, k_latent], dim=2)  # (B, nh, S, hd)
+        v = torch.cat([v_text, v_latent], dim=2)
+        queries = [q for q, wanted in ((q_text, text_out), (q_latent, latent_out)) if wanted]
+        q = torch.cat(queries, dim=2)  # (B, nh, Sq, hd): Sq = L + K, or L or K in a last block
+        y = self.attend(q, k, v, attn_mask)  # (B, nh, Sq, hd)
+        B, nh, Sq, hd = y.shape
+        y = y.transpose(1, 2).reshape(B, Sq, nh * hd)  # (B, Sq, H)
+
+        L = x_text.shape[1]
+        if text_out and latent_out:
+            y_text, y_latent = y[:, :L], y[:, L:]
+        else:
+            y_text = y_latent = y
+        x_text = self.text.residual(x_text, y_text, mod_text) if text_out else None
+        x_latent = self.latent.residual(x_latent, y_latent, mod_latent) if latent_out else None
+        return x_text, x_latent
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tensor:
+        """softmax(q k^T / sqrt(hd)) v per head; q (B, nh, Sq, hd), k and v (B, nh, S, hd)."""
+        dropout_p = self.dropout if self.training else 0.0
+        if self.attention == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+        # The explicit path materialises the (Sq, S) score matrix: the older recipe, kept for the
+        # baseline preset only.
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, nh, Sq, S)
+        if attn_mask is not None:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        weights = F.dropout(F.softmax(scores, dim=-1), p=dropout_p)
+        return weights @ v
+
+
+class FinalLayer(nn.Module):
+    """adaLN-modulated final norm and output head of one stream."""
+
+    def __init__(self, hidden_size: int, out_dim: int, eps: float, bias: bool):
+        super().__init__()
+        self.modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
+        self.norm = nn.LayerNorm(hidden_size, eps=eps, elementwise_affine=False)
+        self.head = nn.Linear(hidden_size, out_dim, bias=bias)
+
+    def forward(self, x: Tensor, c: Tensor) -> Tensor:
+        shift, scale = self.modulation(c).chunk(2, dim=-1)
+        return self.head(modulate(self.norm(x), shift, scale))
+
+
+# --------------------------------------------------------------------------------------------------
+# The model.
+
+
+class MultimodalMMDiT(nn.Module):
+    """Text logits and a latent prediction from noised text, noised latents and their timesteps.
+
+    Parameter names start with the stream they belong to (`text_*`, `latent_*`, `blocks.i.text.*`,
+    `blocks.i.latent.*`); the timestep MLPs (`t_*`) and the null latent are shared
+    (see mmldlm/model/info.py)."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int | None = None):
+        super().__init__()
+        vocab_size = vocab_size if vocab_size is not None else cfg.vocab_size
+        if vocab_size is None:
+            raise ConfigError("config key 'model.vocab_size': got None and no vocab_size was given; "
+                              "expected the vocabulary size of the prepared dataset's tokenizer")
+        cfg.check()
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        H, K, D = cfg.hidden_size, cfg.num_latents, cfg.latent_dim
+
+        self.text_embed = nn.Embedding(vocab_size, H)
+        self.text_pos = nn.Embedding(cfg.max_seq_len, H) if cfg.pos_embedding == "learned" else None
+        self.latent_proj = nn.Linear(D, H)
+        # One learned position per latent slot: the K latents stay K tokens (never pooled away),
+        # and this embedding is what tells them apart.
+        self.latent_pos = nn.Parameter(torch.empty(K, H))
+        self.t_text_embed = TimestepEmbedder(cfg.timestep_embed_dim, H)
+        self.t_latent_embed = TimestepEmbedder(cfg.timestep_embed_dim, H)
+        # Classifier-free guidance: a learned stand-in for "no latent", in the (standardised) input space.
+        self.null_latent = nn.Parameter(torch.empty(K, D)) if cfg.null_latent else None
+
+        self.blocks = nn.ModuleList(MMDiTBlock(cfg) for _ in range(cfg.num_blocks))
+        self.text_final = FinalLayer(H, vocab_size, cfg.norm_eps, bias=False)
+        self.latent_final = FinalLayer(H, D, cfg.norm_eps, bias=True)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every parameter; also the way to materialise a model built on the meta device."""
+        std = self.cfg.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.RMSNorm):
+                module.reset_parameters()
+        nn.init.normal_(self.latent_pos, std=std)
+        if self.null_latent is not None:
+            # Zero is the mean of the standardised latents: "no information" to start from.
+            nn.init.zeros_(self.null_latent)
+        # adaLN-Zero: zero modulation makes every gate 0, so each block starts as the identity, and
+        # zero heads start from uniform text logits and a zero latent prediction (DiT sec. 3.2).
+        for block in self.blocks:
+            for stream in (block.text, block.latent):
+                nn.init.zeros_(stream.modulation[-1].weight)
+                nn.init.zeros_(stream.modulation[-1].bias)
+        for final in (self.text_final, self.latent_final):
+            for p in final.parameters():
+                nn.init.zeros_(p)
+
+    def text_head_parameters(self) -> list[nn.Parameter]:
+        """Parameters that get no gradient when the text head is skipped (t2l): the text final layer
+        and the last block's text-only tail (text queries, output projection, MLP)."""
+        return [*self.blocks[-1].text.output_parameters(), *self.text_final.parameters()]
+
+    def latent_head_parameters(self) -> list[nn.Parameter]:
+        """Parameters that get no gradient when the latent head is skipped (l2t)."""
+        return [*self.blocks[-1].latent.output_parameters(), *self.latent_final.parameters()]
+
+    def forward(self, tokens: Tensor, latents: Tensor, t_text: Tensor, t_latent: Tensor,
+                text_pad_mask: Tensor | None = None, latent_null: Tensor | None = None, *,
+                text_head: bool = True, latent_head: bool = True) -> tuple[Tensor | None, Tensor | None]:
+        """tokens (B, L) int64, latents (B, K, D) standardised and noised, t_text and t_latent (B,) in
+        [0, 1]; text_pad_mask (B, L) bool, True = real token; latent_null (B,) bool, True = use the
+        null latent. Returns (text logits (B, L, V), latent prediction (B, K, D)); a head not asked
+        for is not computed and returns None."""
+        B, L = tokens.shape
+        K, D = self.cfg.num_latents, self.cfg.latent_dim
+        if L > self.cfg.max_seq_len:
+            raise ValueError(f"text length {L} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        if tuple(latents.shape) != (B, K, D):
+            raise ValueError(f"latents have shape {tuple(latents.shape)}; expected (B, K, D) = ({B}, {K}, {D}) "
+                             "from model.num_latents and model.latent_dim")
+        if not (text_head or latent_head):
+            raise ValueError("forward needs at least one of text_head, latent_head")
+
+        # Conditioning: both timesteps, separate MLPs, summed into one vector.
+        c = self.t_text_embed(t_text) + self.t_latent_embed(t_latent)  # (B, H)
+
+        x_text = self.text_embed(tokens)  # (B, L, H)
+        rope = None
+        if self.text_pos is not None:
+            x_text = x_text + self.text_pos.weight[:L]
+        else:
+            rope = rope_angles(L, self.cfg.hidden_size // self.cfg.num_heads, tokens.device)
+
+        if self.null_latent is not None:
+            # Always through torch.where (an all-False mask when no row is dropped) so the null
+            # latent is in every graph and DDP never waits for its gradient in vain.
+            if latent_null is None:
+                latent_null = torch.zeros(B, dtype=torch.bool, device=latents.device)
+            latents = torch.where(latent_null[:, None, None], self.null_latent.to(latents.dtype), latents)
+        elif latent_null is not None:
+            raise ValueError("latent_null was given but model.null_latent is false: there is no null latent")
+        x_latent = self.latent_proj(latents) + self.latent_pos  # (B, K, H)
+
+        attn_mask = None
+        if text_pad_mask is not None:
+            # Latent slots are always valid keys, so every query (even in a fully padded text row)
+            # has at least one key and the softmax never normalises over nothing.
+            keep = torch.cat([text_pad_mask, text_pad_mask.new_ones(B, K)], dim=1)  # (B, S)
+            attn_mask = keep[:, None, None, :]  # (B, 1, 1, S): same for every head and query
+
+        last = len(self.blocks) - 1
+        for i, block in enumerate(self.blocks):
+            x_text, x_latent = block(x_text, x_latent, c, attn_mask, rope,
+                                     text_out=text_head or i < last, latent_out=latent_head or i < last)
+
+        logits = self.text_final(x_text, c) if text_head else None  # (B, L, V)
+        latent_out = self.latent_final(x_latent, c) if latent_head else None  # (B, K, D)
+        return logits, latent_out

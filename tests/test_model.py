@@ -1,0 +1,238 @@
+"""MultimodalMMDiT on the tiny preset: joint attention, padding, heads, adaLN-Zero, size accounting."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from mmldlm.cli import main
+from mmldlm.config import load_model_preset
+from mmldlm.model import MultimodalMMDiT, parameter_counts, training_flops_per_sample
+
+VOCAB = 512
+
+
+def tiny(**overrides):
+    return dataclasses.replace(load_model_preset("tiny"), **overrides)
+
+
+def randomised(cfg, seed=0):
+    """A model whose zero-initialised parts (adaLN modulation, heads) are random too, so every path
+    carries signal; a fresh model would output constants."""
+    torch.manual_seed(seed)
+    model = MultimodalMMDiT(cfg, VOCAB).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def inputs(cfg, B=3, L=16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (B, L), generator=g)
+    latents = torch.randn(B, cfg.num_latents, cfg.latent_dim, generator=g)
+    return tokens, latents, torch.rand(B, generator=g), torch.rand(B, generator=g)
+
+
+def pad_mask(B=3, L=16, lengths=(16, 11, 6)):
+    return torch.arange(L)[None, :] < torch.tensor(lengths)[:B, None]  # (B, L), True = real token
+
+
+@pytest.mark.parametrize("pos_embedding", ["rope", "learned"])
+def test_joint_attention_flows_both_ways(pos_embedding):
+    cfg = tiny(pos_embedding=pos_embedding)
+    model = randomised(cfg)
+    tokens, latents, t_text, t_latent = inputs(cfg)
+    logits, latent_out = model(tokens, latents, t_text, t_latent)
+
+    other_latents = latents.clone()
+    other_latents[0] += 1.0
+    logits2, _ = model(tokens, other_latents, t_text, t_latent)
+    assert (logits2[0] - logits[0]).abs().max() > 1e-3  # the text reads the latent
+    torch.testing.assert_close(logits2[1:], logits[1:])  # and only its own sample's
+
+    other_tokens = tokens.clone()
+    other_tokens[0, 3] = (tokens[0, 3] + 1) % VOCAB
+    _, latent_out2 = model(other_tokens, latents, t_text, t_latent)
+    assert (latent_out2[0] - latent_out[0]).abs().max() > 1e-3  # the latent reads the text
+    torch.testing.assert_close(latent_out2[1:], latent_out[1:])
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "explicit"])
+@pytest.mark.parametrize("pos_embedding", ["rope", "learned"])
+def test_padding_token_ids_change_no_real_output(attention, pos_embedding):
+    cfg = tiny(attention=attention, pos_embedding=pos_embedding)
+    model = randomised(cfg)
+    tokens, latents, t_text, t_latent = inputs(cfg)
+    mask = pad_mask()
+    logits, latent_out = model(tokens, latents, t_text, t_latent, text_pad_mask=mask)
+
+    other_tokens = torch.where(mask, tokens, (tokens + 7) % VOCAB)
+    logits2, latent_out2 = model(other_tokens, latents, t_text, t_latent, text_pad_mask=mask)
+    torch.testing.assert_close(logits2[mask], logits[mask], rtol=0, atol=1e-6)
+    torch.testing.assert_close(latent_out2, latent_out, rtol=0, atol=1e-6)
+    # Without the mask the same change is seen: the equality above is the mask's doing.
+    unmasked, _ = model(tokens, latents, t_text, t_latent)
+    unmasked2, _ = model(other_tokens, latents, t_text, t_latent)
+    assert (unmasked2[1, :11] - unmasked[1, :11]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("pos_embedding", ["rope", "learned"])
+def test_sdpa_and_explicit_attention_agree(padded, pos_embedding):
+    sdpa = randomised(tiny(attention="sdpa", pos_embedding=pos_embedding, num_heads=4))
+    explicit = MultimodalMMDiT(tiny(attention="explicit", pos_embedding=pos_embedding, num_heads=4), VOCAB).eval()
+    explicit.load_state_dict(sdpa.state_dict())
+    tokens, latents, t_text, t_latent = inputs(sdpa.cfg)
+    mask = pad_mask() if padded else None
+    for a, b in zip(sdpa(tokens, latents, t_text, t_latent, mask), explicit(tokens, latents, t_text, t_latent, mask)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_fresh_block_leaves_residual_streams_unchanged():
+    cfg = tiny()
+    torch.manual_seed(0)
+    model = MultimodalMMDiT(cfg, VOCAB)
+    x_text, x_latent = torch.randn(2, 16, cfg.hidden_size), torch.randn(2, 1, cfg.hidden_size)
+    c = torch.randn(2, cfg.hidden_size)
+    for block in model.blocks:
+        out_text, out_latent = block(x_text, x_latent, c)
+        assert torch.equal(out_text, x_text) and torch.equal(out_latent, x_latent)
+    # The zero heads start from uniform text logits and a zero latent prediction.
+    logits, latent_out = model(*inputs(cfg, B=2))
+    assert torch.equal(logits, torch.zeros_like(logits)) and torch.equal(latent_out, torch.zeros_like(latent_out))
+
+
+@pytest.mark.parametrize("num_heads", [2, 4])
+def test_configured_head_count_is_honoured(num_heads):
+    """Changing the queries of head 0 alone must change only head 0's slice of the attention output."""
+    cfg = tiny(num_heads=num_heads)
+    model = randomised(cfg)
+    head_dim = cfg.hidden_size // num_heads
+    block = model.blocks[0]
+    seen = []
+    hooks = [block.text.attn_proj.register_forward_hook(lambda m, args, out: seen.append(args[0])),
+             block.latent.attn_proj.register_forward_hook(lambda m, args, out: seen.append(args[0]))]
+    tokens, latents, t_text, t_latent = inputs(cfg)
+    model(tokens, latents, t_text, t_latent)
+    with torch.no_grad():
+        block.text.qkv.weight[:head_dim] += 0.5 * torch.randn(head_dim, cfg.hidden_size)  # rows of q, head 0
+    model(tokens, latents, t_text, t_latent)
+    for hook in hooks:
+        hook.remove()
+    text_before, latent_before, text_after, latent_after = seen  # (B, T, H) inputs of block 0's attn_proj
+    changed = (text_after - text_before).abs().amax(dim=(0, 1))  # (H,) per attention output channel
+    assert changed[:head_dim].min() > 1e-4
+    assert changed[head_dim:].max() == 0
+    assert torch.equal(latent_after, latent_before)  # latent queries do not involve text queries
+
+
+def test_each_latent_slot_gets_its_own_output():
+    cfg = tiny(num_latents=3)
+    model = randomised(cfg)
+    tokens, latents, t_text, t_latent = inputs(cfg)
+    latents[:] = latents[:, :1]  # the same vector in every slot
+    logits, latent_out = model(tokens, latents, t_text, t_latent)
+    assert logits.shape == (3, 16, VOCAB) and latent_out.shape == (3, 3, cfg.latent_dim)
+    for i, j in [(0, 1), (0, 2), (1, 2)]:
+        assert (latent_out[:, i] - latent_out[:, j]).abs().max() > 1e-3  # told apart by slot position
+
+
+def test_latent_null_replaces_the_latent_input():
+    cfg = tiny()
+    model = randomised(cfg)
+    tokens, latents, t_text, t_latent = inputs(cfg)
+    null = torch.tensor([True, False, True])
+    a = model(tokens, latents, t_text, t_latent, latent_null=null)
+    b = model(tokens, torch.randn_like(latents), t_text, t_latent, latent_null=null)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x[null], y[null], rtol=0, atol=0)
+        assert (x[1] - y[1]).abs().max() > 1e-3
+    # The null latent is in the graph even when no row is dropped, so DDP never waits for it.
+    model(tokens, latents, t_text, t_latent)[0].sum().backward()
+    assert model.null_latent.grad is not None
+    without = MultimodalMMDiT(tiny(null_latent=False), VOCAB)
+    assert not any("null" in name for name, _ in without.named_parameters())
+    with pytest.raises(ValueError, match="null_latent"):
+        without(tokens, latents, t_text, t_latent, latent_null=null)
+
+
+@pytest.mark.parametrize("skipped", ["text", "latent"])
+def test_skipped_head_returns_none_and_its_parameters_get_no_gradient(skipped):
+    cfg = tiny()
+    model = randomised(cfg).train()
+    tokens, latents, t_text, t_latent = inputs(cfg)
+    mask = pad_mask()
+    full = model(tokens, latents, t_text, t_latent, mask)
+    logits, latent_out = model(tokens, latents, t_text, t_latent, mask,
+                               text_head=skipped != "text", latent_head=skipped != "latent")
+    kept = latent_out if skipped == "text" else logits
+    assert (logits if skipped == "text" else latent_out) is None
+    torch.testing.assert_close(kept, full[1] if skipped == "text" else full[0])  # the other head is unaffected
+
+    model.zero_grad(set_to_none=True)
+    kept.square().mean().backward()
+    idle = model.text_head_parameters() if skipped == "text" else model.latent_head_parameters()
+    idle_ids = {id(p) for p in idle}
+    assert all(p.grad is None for p in idle)
+    # Every other parameter is in the graph: DDP can run with find_unused_parameters=False once the
+    # trainer freezes the idle ones.
+    missing = [n for n, p in model.named_parameters() if id(p) not in idle_ids and p.grad is None]
+    assert not missing
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "explicit"])
+def test_fully_padded_text_row_gives_no_nan(attention):
+    cfg = tiny(attention=attention)
+    model = randomised(cfg).train()
+    tokens, latents, t_text, t_latent = inputs(cfg)
+    mask = pad_mask(lengths=(16, 0, 6))
+    logits, latent_out = model(tokens, latents, t_text, t_latent, mask)
+    assert torch.isfinite(logits).all() and torch.isfinite(latent_out).all()
+    (logits.logsumexp(-1)[mask].mean() + latent_out.square().mean()).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_bad_shapes_are_refused():
+    cfg = tiny()
+    model = MultimodalMMDiT(cfg, VOCAB)
+    tokens, latents, t_text, t_latent = inputs(cfg, L=cfg.max_seq_len + 1)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(tokens, latents, t_text, t_latent)
+    tokens, latents, t_text, t_latent = inputs(cfg)
+    with pytest.raises(ValueError, match="latent_dim"):
+        model(tokens, latents[..., :-1], t_text, t_latent)
+
+
+@pytest.mark.parametrize("heads", [(True, True), (True, False), (False, True)])
+def test_training_flops_match_torch_flop_counter(heads):
+    """The formula against torch's own count of every matmul in a forward + backward (the explicit
+    path: the counter does not see CPU SDPA). The formula counts a grad-input matmul for the first
+    layers too, which autograd skips: a few hundred thousand FLOPs out of ~10^8."""
+    cfg = tiny(attention="explicit")
+    model = randomised(cfg).train()
+    B, L = 2, 32
+    tokens, latents, t_text, t_latent = inputs(cfg, B=B, L=L)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        outputs = model(tokens, latents, t_text, t_latent, text_head=heads[0], latent_head=heads[1])
+        sum(out.sum() for out in outputs if out is not None).backward()
+    expected = training_flops_per_sample(model, L, text_head=heads[0], latent_head=heads[1])
+    assert expected == pytest.approx(counter.get_total_flops() / B, rel=2e-3)
+
+
+def test_model_info_prints_counts_and_tiny_is_under_5m(capsys):
+    assert main(["model-info", "tiny", "--vocab-size", "8192", "--seq-len", "32"]) == 0
+    out = capsys.readouterr().out
+    model = MultimodalMMDiT(load_model_preset("tiny"), 8192)
+    counts = parameter_counts(model)
+    total = sum(p.numel() for p in model.parameters())
+    assert counts["total"] == total == counts["text"] + counts["latent"] + counts["shared"]
+    assert total < 5_000_000
+    for part in ("text", "latent", "shared", "total"):
+        assert f"{counts[part]:,}" in out
+    assert "text length 32" in out and f"{training_flops_per_sample(model, 32):.4e}" in out
+    # The vocabulary only grows the text stream.
+    bigger = parameter_counts(MultimodalMMDiT(load_model_preset("tiny"), 16384))
+    assert bigger["text"] - counts["text"] == 2 * 8192 * 128 and bigger["latent"] == counts["latent"]
