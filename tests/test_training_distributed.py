@@ -19,10 +19,29 @@ WORKER = REPO / "tests" / "train_worker.py"
 PYTHON = sys.executable
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
 
-# The tiny model, small batches, every step logged, deterministic kernels.
+# A smaller tiny model, small batches, every step logged, deterministic kernels, no loader workers.
 BASE = ["model=tiny", "model.hidden_size=64", "model.num_blocks=2", "model.timestep_embed_dim=32",
         "train.micro_batch_size=2", "train.log_every=1", "train.deterministic=true", "logging.progress_bar=false",
-        "schedule.warmup_steps=2", "optim.lr=1e-3", "checkpoint.every=1000"]
+        "schedule.warmup_steps=2", "optim.lr=1e-3", "checkpoint.every=1000", "data.num_workers=0"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def dataset(tmp_path_factory):
+    """A small prepared dataset (real tokenizer, encoder and on-disk format) for every run here."""
+    import gzip
+
+    from mmldlm.data.corpus import DEFAULT_CORPUS
+    from mmldlm.data.prepare import PrepareOptions, prepare
+
+    root = tmp_path_factory.mktemp("data")
+    with gzip.open(DEFAULT_CORPUS, "rt", encoding="utf-8") as f:
+        texts = f.read().splitlines()[::500][:240]
+    (root / "corpus.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    prepare(PrepareOptions(inputs=[str(root / "corpus.txt")], out=str(root / "prepared"), vocab_size=300,
+                           shard_size=64, val_fraction=0.05, progress=False), log=lambda _msg: None)
+    BASE.append(f"data.path={root / 'prepared'}")
+    yield root / "prepared"
+    BASE.remove(f"data.path={root / 'prepared'}")
 
 
 def free_port() -> int:
@@ -72,7 +91,9 @@ def assert_params_close(a: dict, b: dict, tol: float = 1e-5):
 @pytest.mark.parametrize("mode,strategy", [("l2t", "ddp"), ("t2l", "ddp"), ("joint", "ddp"), ("random", "ddp"),
                                            ("joint", "fsdp2")])
 def test_two_processes_match_one_process(tmp_path, mode, strategy):
-    args = ["train.steps=10", "train.global_batch_size=4", f"objective.mode={mode}",
+    # The loader strides samples over ranks (rank r takes r, r + W, ...): with one sample per
+    # micro-batch, 1 process x 2 accumulation steps sees exactly the two ranks' micro-batches.
+    args = ["train.steps=10", "train.micro_batch_size=1", "train.global_batch_size=2", f"objective.mode={mode}",
             f"distributed.strategy={strategy}"]
     assert_ok(train(tmp_path / "one", args))
     assert_ok(train(tmp_path / "two", args, nproc=2))
@@ -131,3 +152,57 @@ def test_stalled_rank_fails_the_job_with_a_message(tmp_path):
     ckpt = tmp_path / "checkpoints"
     assert (ckpt / "latest").read_text().strip() == "step-0000002"
     assert json.loads((ckpt / "step-0000002" / "meta.json").read_text())["step"] == 2
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_launcher_two_nodes_trains_and_restarts_a_killed_worker(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**_env(), "NNODES": "2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "MAX_RESTARTS": "2", "LOG_DIR": str(tmp_path / "logs"),
+           "RUN_ID": "launcher-test", "PYTHON": PYTHON}
+    args = [*BASE, f"train.run_dir={run_dir}", "train.steps=30", "train.global_batch_size=4", "checkpoint.every=5"]
+    nodes = [subprocess.Popen(["bash", str(REPO / "scripts" / "launch.sh"), *args], cwd=REPO,
+                              env={**env, "NODE_RANK": str(rank)}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for rank in (0, 1)]
+    try:
+        latest = run_dir / "checkpoints" / "latest"
+        deadline = time.monotonic() + 150
+        while not latest.exists() and time.monotonic() < deadline and all(n.poll() is None for n in nodes):
+            time.sleep(0.2)
+        assert latest.exists(), "no checkpoint was written"
+        workers = [p for p in _descendants(nodes[1].pid) if "mmldlm.cli" in _cmdline(p)
+                   and "torch.distributed.run" not in _cmdline(p)]
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        assert [n.wait(timeout=240) for n in nodes] == [0, 0]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+    recs = records(run_dir)
+    assert [r["step"] for r in recs] == list(range(1, 31))
+    logs = "".join((tmp_path / "logs" / f"node-{r}.log").read_text() for r in (0, 1))
+    assert "resumed from" in logs
+    assert (run_dir / "checkpoints" / "step-0000030" / "model.safetensors").is_file()

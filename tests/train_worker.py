@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
@@ -39,9 +38,6 @@ def _install_fault(spec: str) -> None:
 
 
 if __name__ == "__main__":
-    import _synthetic
-    from mmldlm.training import run as run_module
-    run_module.open_train_data = _synthetic.open_train_data
     if os.environ.get("MMLDLM_TEST_FAULT"):
         _install_fault(os.environ["MMLDLM_TEST_FAULT"])
     sys.exit(cli.main(["train", *sys.argv[1:]]))

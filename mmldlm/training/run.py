@@ -45,26 +45,27 @@ def set_deterministic(enabled: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def build_model_and_objective(cfg: RunConfig, meta: dict):
+def build_model_and_objective(cfg: RunConfig, dataset):
     """The network and the objective for a prepared dataset's vocabulary, special ids and latent stats."""
     from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
     from mmldlm.model.mmdit import MultimodalMMDiT
     from mmldlm.objective import Objective
 
-    model = MultimodalMMDiT(cfg.model, vocab_size=meta["vocab_size"])
-    text = MaskedDiffusion(cfg.text_diffusion, mask_token_id=meta["mask_id"], pad_token_id=meta["pad_id"])
-    latent = GaussianDiffusion(cfg.latent_diffusion, mean=torch.tensor(meta["latent_mean"]),
-                               std=torch.tensor(meta["latent_std"]))
-    return model, Objective(cfg.objective, text, latent)
+    model = MultimodalMMDiT(cfg.model, vocab_size=cfg.model.vocab_size or dataset.vocab_size)
+    text = MaskedDiffusion(cfg.text_diffusion, mask_token_id=dataset.mask_id, pad_token_id=dataset.pad_id)
+    mean, std = dataset.latent_stats()
+    return model, Objective(cfg.objective, text, GaussianDiffusion(cfg.latent_diffusion, mean=mean, std=std))
 
 
 def open_train_data(cfg: RunConfig, info: DistInfo):
-    """(meta, loader) of the training split, preparing the bundled corpus first if no dataset is given."""
-    from mmldlm.data import build_loader, open_dataset
+    """(dataset, loader) of the training split. With data.path null the bundled corpus is prepared
+    first (once, into the cache; every rank takes part)."""
+    from mmldlm.data import build_loader, dataset_path, open_dataset, resolve_for_model
 
-    dataset = open_dataset(cfg.data.path, "train")
-    loader = build_loader(dataset, cfg.data, cfg.train.micro_batch_size, info.rank, info.world_size, cfg.train.seed)
-    return dataset.meta, loader
+    dataset = open_dataset(dataset_path(cfg.data, log=log.info), "train")
+    data_cfg = resolve_for_model(cfg.data, cfg.model, dataset)
+    loader = build_loader(dataset, data_cfg, cfg.train.micro_batch_size, info.rank, info.world_size)
+    return dataset, loader
 
 
 def train(cfg: RunConfig, resume: str | None = None) -> int:
@@ -77,9 +78,9 @@ def train(cfg: RunConfig, resume: str | None = None) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
     try:
-        meta, loader = open_train_data(cfg, info)
+        dataset, loader = open_train_data(cfg, info)
         seed_everything(cfg.train.seed)  # the same initial weights on every rank (FSDP2 relies on it)
-        model, objective = build_model_and_objective(cfg, meta)
+        model, objective = build_model_and_objective(cfg, dataset)
         seed_everything(cfg.train.seed + info.rank)  # rank-local randomness (dropout) differs per rank
         trainer = Trainer(cfg, model, objective, loader, info)
         trainer.resume(resume)
