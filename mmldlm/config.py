@@ -161,6 +161,44 @@ class ObjectiveConfig:
 # --- data sections (data issue) ---
 
 
+@dataclass
+class DataConfig:
+    """The prepared dataset and its loader (see mmldlm/data/dataset.py and `mmldlm prepare`)."""
+
+    path: str | None = None  # a prepared dataset directory; null: the bundled default corpus, prepared once into cache_dir
+    cache_dir: str | None = None  # null: $MMLDLM_CACHE, else ~/.cache/mmldlm
+    max_length: int | None = None  # tokens per sample, longer ones cut; null: model.max_seq_len (rounded down to pad_to_multiple)
+    pad_to_multiple: int = 8  # batch length rounded up to this; 64 bounds the shapes torch.compile sees
+    num_workers: int | None = None  # null: min(8, cpus // local ranks)
+    prefetch_factor: int | None = 4  # batches each worker keeps ready; null: torch's default (2)
+    persistent_workers: bool = True  # keep workers alive between epochs
+    pin_memory: bool | None = None  # null: on when CUDA is available
+    shuffle: bool = True
+    drop_last: bool = True  # every rank gets the same number of full batches
+    seed: int = 0  # shuffle order (epoch e uses seed + e); build_loader's seed argument overrides it
+    # Preparing the default corpus (path null); `mmldlm prepare` has these and more as options.
+    vocab_size: int = 8192
+    val_fraction: float = 0.01
+    encoder: str = "all-MiniLM-L6-v2"
+
+    def check(self, prefix: str = "data") -> None:
+        if self.pad_to_multiple < 1:
+            _fail(f"{prefix}.pad_to_multiple", self.pad_to_multiple, "an integer >= 1")
+        if self.max_length is not None and (self.max_length < 1 or self.max_length % self.pad_to_multiple):
+            _fail(f"{prefix}.max_length", self.max_length,
+                  f"null or a positive multiple of {prefix}.pad_to_multiple={self.pad_to_multiple}")
+        if self.num_workers is not None and self.num_workers < 0:
+            _fail(f"{prefix}.num_workers", self.num_workers, "null (automatic) or an integer >= 0")
+        if self.prefetch_factor is not None and self.prefetch_factor < 1:
+            _fail(f"{prefix}.prefetch_factor", self.prefetch_factor, "null or an integer >= 1")
+        if self.vocab_size < 258:
+            _fail(f"{prefix}.vocab_size", self.vocab_size, "an integer >= 258 (256 bytes + [PAD] + [MASK])")
+        if not 0.0 <= self.val_fraction < 1.0:
+            _fail(f"{prefix}.val_fraction", self.val_fraction, "a number in [0, 1)")
+        if not self.encoder:
+            _fail(f"{prefix}.encoder", self.encoder, "a registered encoder name or a local sentence-transformers folder")
+
+
 # --- training sections (training-engine issue) ---
 
 
@@ -325,6 +363,7 @@ class RunConfig:
     text_diffusion: TextDiffusionConfig = field(default_factory=TextDiffusionConfig)
     latent_diffusion: LatentDiffusionConfig = field(default_factory=LatentDiffusionConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
