@@ -94,11 +94,14 @@ def collective_guard(what: str, info: DistInfo):
         # DDP's gradient all-reduce fails inside backward as a plain RuntimeError from the backend.
         if not (isinstance(err, dist.DistError) or _PEER_FAILURE.search(str(err))):
             raise
-        raise RankTimeout(
-            f"rank {info.rank}/{info.world_size}: {what} did not complete within "
-            f"distributed.timeout_minutes={info.timeout_s / 60:g} ({info.timeout_s:g} s): another rank "
-            f"stalled or died (look at its log). The last checkpoint is untouched. Backend said: "
-            f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if re.search(r"timed out|timeout", message, re.IGNORECASE):
+            happened = (f"did not complete within distributed.timeout_minutes={info.timeout_s / 60:g} "
+                        f"({info.timeout_s:g} s): another rank stalled")
+        else:
+            happened = "failed: another rank closed its connection (it died or was killed)"
+        raise RankTimeout(f"rank {info.rank}/{info.world_size}: {what} {happened}; look at that rank's log. "
+                          f"The last checkpoint is untouched. Backend said: {message}") from err
 
 
 def all_reduce_max(values: torch.Tensor, info: DistInfo, what: str) -> torch.Tensor:
