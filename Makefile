@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test clean
+.PHONY: install test train clean
 
 install: $(STAMP)
 
@@ -17,6 +17,11 @@ $(STAMP): requirements.txt pyproject.toml
 
 test: install
 	$(PY) -m pytest -q
+
+# The main job: prepare the bundled corpus (first time only, cached), train configs/default.yaml
+# with a progress bar; checkpoints and metrics go to runs/default/. Running it again continues.
+train: install
+	$(PY) -m mmldlm.cli train --config configs/default.yaml --resume auto
 
 clean:
 	rm -rf $(VENV) .pytest_cache

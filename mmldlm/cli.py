@@ -9,10 +9,13 @@ import importlib
 import sys
 
 from mmldlm.config import ConfigError
+from mmldlm.data.errors import DataError
 
 # subcommand -> (module under mmldlm.commands, one-line help)
 COMMANDS = {
     "model-info": ("model_info", "parameter counts per part and training FLOPs of a model preset"),
+    "prepare": ("prepare", "corpus -> tokenizer, token shards, sentence-encoder latent shards and meta.json"),
+    "train": ("train", "train a model (under torchrun for many processes/nodes); --resume auto continues a run"),
 }
 
 
@@ -31,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)
-    except ConfigError as err:
+    except (ConfigError, DataError) as err:
         print(f"mmldlm {args.command}: {err}", file=sys.stderr)
         return 2
 

@@ -14,6 +14,7 @@ Presets are YAML files:
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -164,7 +165,198 @@ class ObjectiveConfig:
 # --- data sections (data issue) ---
 
 
+@dataclass
+class DataConfig:
+    """The prepared dataset and its loader (see mmldlm/data/dataset.py and `mmldlm prepare`)."""
+
+    path: str | None = None  # a prepared dataset directory; null: the bundled default corpus, prepared once into cache_dir
+    cache_dir: str | None = None  # null: $MMLDLM_CACHE, else ~/.cache/mmldlm
+    max_length: int | None = None  # tokens per sample, longer ones cut; null: model.max_seq_len (rounded down to pad_to_multiple)
+    pad_to_multiple: int = 8  # batch length rounded up to this; 64 bounds the shapes torch.compile sees
+    num_workers: int | None = None  # null: min(8, cpus // local ranks)
+    prefetch_factor: int | None = 4  # batches each worker keeps ready; null: torch's default (2)
+    persistent_workers: bool = True  # keep workers alive between epochs
+    pin_memory: bool | None = None  # null: on when CUDA is available
+    shuffle: bool = True
+    drop_last: bool = True  # every rank gets the same number of full batches
+    seed: int = 0  # shuffle order (epoch e uses seed + e); build_loader's seed argument overrides it
+    # Preparing the default corpus (path null); `mmldlm prepare` has these and more as options.
+    vocab_size: int = 8192
+    val_fraction: float = 0.01
+    encoder: str = "all-MiniLM-L6-v2"
+
+    def check(self, prefix: str = "data") -> None:
+        if self.pad_to_multiple < 1:
+            _fail(f"{prefix}.pad_to_multiple", self.pad_to_multiple, "an integer >= 1")
+        if self.max_length is not None and (self.max_length < 1 or self.max_length % self.pad_to_multiple):
+            _fail(f"{prefix}.max_length", self.max_length,
+                  f"null or a positive multiple of {prefix}.pad_to_multiple={self.pad_to_multiple}")
+        if self.num_workers is not None and self.num_workers < 0:
+            _fail(f"{prefix}.num_workers", self.num_workers, "null (automatic) or an integer >= 0")
+        if self.prefetch_factor is not None and self.prefetch_factor < 1:
+            _fail(f"{prefix}.prefetch_factor", self.prefetch_factor, "null or an integer >= 1")
+        if self.vocab_size < 258:
+            _fail(f"{prefix}.vocab_size", self.vocab_size, "an integer >= 258 (256 bytes + [PAD] + [MASK])")
+        if not 0.0 <= self.val_fraction < 1.0:
+            _fail(f"{prefix}.val_fraction", self.val_fraction, "a number in [0, 1)")
+        if not self.encoder:
+            _fail(f"{prefix}.encoder", self.encoder, "a registered encoder name or a local sentence-transformers folder")
+
+
 # --- training sections (training-engine issue) ---
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and gradient clipping (see mmldlm/training/optim.py)."""
+
+    lr: float = 3e-4  # peak learning rate; the schedule scales it
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # never applied to norms, biases, embeddings or the null latent
+    fused: bool | Literal["auto"] = "auto"  # auto: fused kernel where the device has one, else foreach
+    grad_clip: float = 1.0  # max global grad norm; 0 = measure the norm but do not clip
+
+    def check(self, prefix: str = "optim") -> None:
+        if self.lr <= 0:
+            _fail(f"{prefix}.lr", self.lr, "a number > 0")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            _fail(f"{prefix}.betas", self.betas, "two numbers in [0, 1)")
+        if self.eps <= 0:
+            _fail(f"{prefix}.eps", self.eps, "a number > 0")
+        for key in ("weight_decay", "grad_clip"):
+            if getattr(self, key) < 0:
+                _fail(f"{prefix}.{key}", getattr(self, key), "a number >= 0")
+
+
+@dataclass
+class PlateauConfig:
+    """Reduce-on-plateau on top of the schedule: every `every` steps the mean training loss of that
+    window is compared with the best so far; after `patience` windows without a relative improvement
+    of `threshold` the LR multiplier is scaled by `factor` (never below `min_lr`)."""
+
+    enabled: bool = False
+    every: int = 100
+    patience: int = 5
+    factor: float = 0.5
+    min_lr: float = 1e-6
+    threshold: float = 1e-3
+
+    def check(self, prefix: str = "schedule.plateau") -> None:
+        for key in ("every", "patience"):
+            if getattr(self, key) < 1:
+                _fail(f"{prefix}.{key}", getattr(self, key), "an integer >= 1")
+        if not 0.0 < self.factor < 1.0:
+            _fail(f"{prefix}.factor", self.factor, "a number in (0, 1)")
+        if self.min_lr < 0 or self.threshold < 0:
+            key = "min_lr" if self.min_lr < 0 else "threshold"
+            _fail(f"{prefix}.{key}", getattr(self, key), "a number >= 0")
+
+
+@dataclass
+class ScheduleConfig:
+    """Learning-rate schedule by optimizer step (see mmldlm/training/schedules.py)."""
+
+    kind: Literal["constant", "warmup_cosine", "cosine_restarts", "wsd"] = "warmup_cosine"
+    warmup_steps: int = 100  # linear warmup from 0, every kind
+    min_lr_ratio: float = 0.1  # floor of the decay, as a fraction of optim.lr
+    restart_period: int = 1000  # cosine_restarts: steps per cosine cycle after warmup
+    decay_fraction: float = 0.2  # wsd: share of the steps after warmup spent decaying at the end
+    plateau: PlateauConfig = field(default_factory=PlateauConfig)
+
+    def check(self, prefix: str = "schedule") -> None:
+        if self.warmup_steps < 0:
+            _fail(f"{prefix}.warmup_steps", self.warmup_steps, "an integer >= 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            _fail(f"{prefix}.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+        if self.restart_period < 1:
+            _fail(f"{prefix}.restart_period", self.restart_period, "an integer >= 1")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            _fail(f"{prefix}.decay_fraction", self.decay_fraction, "a number in (0, 1]")
+        self.plateau.check(f"{prefix}.plateau")
+
+
+@dataclass
+class TrainConfig:
+    """The training loop (see mmldlm/training/trainer.py)."""
+
+    steps: int = 1000  # optimizer steps
+    micro_batch_size: int = 8  # samples per process per forward/backward
+    # Effective batch per optimizer step over all processes; accumulation steps =
+    # global_batch_size / (micro_batch_size * world size), which must divide exactly.
+    global_batch_size: int = 32
+    # Progressive batch size: [[first_step, global_batch_size], ...], sorted, the first at step 0.
+    batch_schedule: list[list[int]] = field(default_factory=list)
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    log_every: int = 10
+    seed: int = 0
+    deterministic: bool = False  # deterministic kernels: resumed runs repeat losses bit for bit
+    max_consecutive_skips: int = 5  # non-finite updates in a row before the run stops
+    run_dir: str = "runs/default"
+
+    def check(self, prefix: str = "train") -> None:
+        for key in ("steps", "micro_batch_size", "global_batch_size", "log_every", "max_consecutive_skips"):
+            if getattr(self, key) < 1:
+                _fail(f"{prefix}.{key}", getattr(self, key), "an integer >= 1")
+        if self.global_batch_size % self.micro_batch_size:
+            _fail(f"{prefix}.global_batch_size", self.global_batch_size,
+                  f"a multiple of {prefix}.micro_batch_size={self.micro_batch_size}")
+        last = -1
+        for i, entry in enumerate(self.batch_schedule):
+            if len(entry) != 2 or entry[0] <= last or entry[1] < 1 or entry[1] % self.micro_batch_size:
+                _fail(f"{prefix}.batch_schedule[{i}]", entry,
+                      f"[step, global_batch_size] with steps increasing and sizes multiples of "
+                      f"{prefix}.micro_batch_size={self.micro_batch_size}")
+            last = entry[0]
+        if self.batch_schedule and self.batch_schedule[0][0] != 0:
+            _fail(f"{prefix}.batch_schedule", self.batch_schedule, "a list whose first entry starts at step 0")
+        if not self.run_dir:
+            _fail(f"{prefix}.run_dir", self.run_dir, "a directory path")
+
+
+@dataclass
+class DistributedConfig:
+    """Process group and model wrapping (see mmldlm/training/distributed.py, parallelize.py)."""
+
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on CUDA, gloo on CPU
+    strategy: Literal["ddp", "fsdp2"] = "ddp"
+    # A collective that waits longer than this fails the job with a message instead of hanging.
+    timeout_minutes: float = 30.0
+    # DDP static graph; auto: on, since the idle head is anchored into the loss every step and the
+    # set of parameters that receive gradients is therefore the same on every step.
+    static_graph: bool | Literal["auto"] = "auto"
+
+    def check(self, prefix: str = "distributed") -> None:
+        if self.timeout_minutes <= 0:
+            _fail(f"{prefix}.timeout_minutes", self.timeout_minutes, "a number of minutes > 0")
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints under RUN/checkpoints/ (see mmldlm/training/checkpoint.py)."""
+
+    every: int = 500  # steps between checkpoints; the last step is always saved
+    keep_last: int = 3
+    milestone_every: int = 0  # also keep every step that is a multiple of this; 0 = none
+    async_save: bool = False  # snapshot to CPU, write in a background thread
+
+    def check(self, prefix: str = "checkpoint") -> None:
+        if self.every < 1 or self.keep_last < 1:
+            key = "every" if self.every < 1 else "keep_last"
+            _fail(f"{prefix}.{key}", getattr(self, key), "an integer >= 1")
+        if self.milestone_every < 0:
+            _fail(f"{prefix}.milestone_every", self.milestone_every, "an integer >= 0 (0 = no milestones)")
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go besides RUN/metrics.jsonl (see mmldlm/training/metrics.py)."""
+
+    progress_bar: bool = True
+    tensorboard: bool = False  # RUN/tensorboard/
+    wandb: bool = False  # offline mode into RUN/wandb/; needs `pip install wandb`
+    wandb_project: str = "mmldlm"
 
 
 @dataclass
@@ -175,6 +367,13 @@ class RunConfig:
     text_diffusion: TextDiffusionConfig = field(default_factory=TextDiffusionConfig)
     latent_diffusion: LatentDiffusionConfig = field(default_factory=LatentDiffusionConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def check(self) -> None:
         for f in dataclasses.fields(self):
@@ -327,6 +526,9 @@ def _expand_model_preset(raw: dict) -> dict:
     return raw
 
 
+_YAML11_FLOAT = re.compile(r"^[-+]?\d+(\.\d*)?[eE][-+]?\d+$")
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`section.key=value` -> (["section", "key"], value). The value is read as YAML (`4`, `1e-3`, `[1, 2]`)."""
     if "=" not in text:
@@ -338,6 +540,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw_value) if raw_value.strip() else ""
     except yaml.YAMLError:
         value = raw_value
+    if isinstance(value, str) and _YAML11_FLOAT.match(value):
+        value = float(value)  # YAML 1.1 reads `1e-3` (no dot) as a string
     return key.split("."), value
 
 

@@ -1,0 +1,84 @@
+"""`mmldlm prepare`: a text corpus (or the bundled default, or a legacy .npz/.npy folder) -> a
+prepared dataset directory of token and latent shards. Under `torchrun --nproc_per_node N` the
+ranks share the work and write the same output as one process."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_argument_group("input")
+    src.add_argument("--input", nargs="+", metavar="PATH", dest="inputs",
+                     help="corpus file(s): .txt, .jsonl, .parquet, or .gz of each; 'default' is the bundled corpus "
+                          "(154k WordNet glosses and examples)")
+    src.add_argument("--format", choices=["auto", "txt", "jsonl", "parquet"], default="auto",
+                     help="input format (auto: from the file name)")
+    src.add_argument("--text-field", default="text", help="the jsonl field or parquet column holding the text")
+    src.add_argument("--paragraphs", action="store_true",
+                     help="txt: samples are blank-line separated passages (lines joined by a space), not lines")
+    src.add_argument("--min-chars", type=int, default=1, help="drop samples shorter than this")
+    src.add_argument("--max-chars", type=int, default=1000,
+                     help="drop samples longer than this (the loader would cut their tokens while the latent saw all)")
+    src.add_argument("--keep-duplicates", action="store_true",
+                     help="keep exact repeats (by default only the first stays: a repeat could land in train and val)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--out", required=True, metavar="DIR", help="the dataset directory to create")
+    out.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+    out.add_argument("--val-fraction", type=float, default=0.01, help="share of samples in the val split (0: none)")
+    out.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
+    out.add_argument("--shard-size", type=int, default=16384, help="samples per shard file")
+    out.add_argument("--latent-dtype", choices=["float16", "float32"], default="float16")
+    tk = parser.add_argument_group("tokenizer")
+    tk.add_argument("--vocab-size", type=int, default=8192, help="train a byte-level BPE of this size on the train split")
+    tk.add_argument("--tokenizer", metavar="PATH",
+                    help="use this tokenizer.json (or a Hugging Face tokenizer folder) instead of training one")
+    enc = parser.add_argument_group("latents")
+    enc.add_argument("--encoder", default="all-MiniLM-L6-v2",
+                     help="a registered sentence encoder or a local sentence-transformers folder "
+                          "(with --legacy-*: the encoder that made the legacy latents, recorded only)")
+    enc.add_argument("--no-normalize", action="store_true",
+                     help="keep the encoder's raw pooled vectors (default: L2-normalised, unit length)")
+    enc.add_argument("--encode-batch-size", type=int, default=128)
+    enc.add_argument("--device", default="auto", help="auto: cuda:LOCAL_RANK when CUDA is available, else cpu")
+    leg = parser.add_argument_group("legacy import (the older codebase's per-sample files)")
+    leg.add_argument("--legacy-tokens", metavar="DIR", help="folder of <stem>_tokens.npz (input_ids, attention_mask)")
+    leg.add_argument("--legacy-latents", metavar="DIR", help="folder of <stem>.npy latents, float32 [D] or [1, D]")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def options_from_args(args: argparse.Namespace):
+    from mmldlm.data.errors import DataError
+    from mmldlm.data.prepare import PrepareOptions
+
+    legacy = args.legacy_tokens is not None or args.legacy_latents is not None
+    if legacy == (args.inputs is not None):
+        raise DataError("give either --input PATH|default or --legacy-tokens DIR --legacy-latents DIR")
+    return PrepareOptions(
+        inputs=args.inputs or [], out=args.out, format=args.format, text_field=args.text_field,
+        paragraphs=args.paragraphs, min_chars=args.min_chars, max_chars=args.max_chars,
+        dedup=not args.keep_duplicates, vocab_size=args.vocab_size, tokenizer=args.tokenizer, encoder=args.encoder,
+        normalize=not args.no_normalize, latent_dtype=args.latent_dtype, val_fraction=args.val_fraction,
+        seed=args.seed, shard_size=args.shard_size, legacy_tokens=args.legacy_tokens,
+        legacy_latents=args.legacy_latents, encode_batch_size=args.encode_batch_size, device=args.device,
+        overwrite=args.overwrite, progress=not args.quiet)
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    import torch.distributed as dist
+
+    from mmldlm.data.prepare import prepare
+
+    opts = options_from_args(args)
+    # Under torchrun the ranks share the work over a CPU (gloo) group.
+    own_group = int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo")
+    try:
+        prepare(opts)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+    return 0

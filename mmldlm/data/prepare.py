@@ -1,0 +1,368 @@
+"""Corpus -> prepared dataset directory (see format.py), on one process or sharded under torchrun.
+
+1. Rank 0 looks at the output: complete with the same options -> nothing to do; else a fresh
+   temporary directory `.NAME.partial` beside it.
+2. Every rank reads and filters the corpus (cheap, identical everywhere) and draws the same
+   train/val split from the seed: a seeded permutation, the first `val_fraction` of it is val, and
+   each split keeps corpus order.
+3. Rank 0 trains (or loads) the tokenizer once and broadcasts it, so every rank tokenises with
+   the same merges whatever `tokenizers` does with threads.
+4. Each split is cut into shards of `shard_size` consecutive samples; rank r tokenises, encodes
+   and writes shards r, r + W, r + 2W, ... and reports per-shard latent sums.
+5. Rank 0 adds the sums in shard order (float64), writes meta.json and the tokenizer, and renames
+   the temporary directory onto the output. Shards and sums do not depend on W, so the output is
+   the same for any number of processes.
+
+A failure on any rank reaches every rank as the same DataError (no rank waits forever on a dead
+peer), and rank 0 removes the temporary directory: no half-written output is ever left behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from tqdm import tqdm
+
+from mmldlm import __version__
+from mmldlm.data import corpus, format as fmt, tokenizer as tok
+from mmldlm.data.encoders import DEFAULT_ENCODER
+from mmldlm.data.errors import DataError
+
+LATENT_DTYPES = ("float16", "float32")
+STD_FLOOR = 1e-6  # standardising by the std never divides by zero, even for a constant dimension
+# Options that only change how the work runs, not what is written; a rerun may change them freely.
+RUN_ONLY_OPTIONS = ("out", "overwrite", "device", "encode_batch_size", "progress")
+
+
+@dataclass
+class PrepareOptions:
+    """What `mmldlm prepare` takes; see mmldlm/commands/prepare.py for each option's help."""
+
+    inputs: list[str] = field(default_factory=lambda: ["default"])
+    out: str = "data/prepared/default"
+    format: str = "auto"
+    text_field: str = "text"
+    paragraphs: bool = False
+    min_chars: int = 1
+    max_chars: int = 1000
+    dedup: bool = True
+    vocab_size: int = 8192
+    tokenizer: str | None = None
+    encoder: str = DEFAULT_ENCODER
+    normalize: bool = True
+    latent_dtype: str = "float16"
+    val_fraction: float = 0.01
+    seed: int = 0
+    shard_size: int = 16384
+    legacy_tokens: str | None = None
+    legacy_latents: str | None = None
+    encode_batch_size: int = 128
+    device: str = "auto"
+    overwrite: bool = False
+    progress: bool = True
+
+    def recorded(self) -> dict[str, Any]:
+        """The options that decide the content, as stored in meta.json["prepare"]."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in RUN_ONLY_OPTIONS}
+
+    def check(self) -> None:
+        if self.latent_dtype not in LATENT_DTYPES:
+            raise DataError(f"--latent-dtype {self.latent_dtype}: expected one of {', '.join(LATENT_DTYPES)}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise DataError(f"--val-fraction {self.val_fraction}: expected a number in [0, 1)")
+        for name in ("shard_size", "encode_batch_size", "min_chars"):
+            if getattr(self, name) < 1:
+                raise DataError(f"--{name.replace('_', '-')} {getattr(self, name)}: expected an integer >= 1")
+        if self.max_chars < self.min_chars:
+            raise DataError(f"--max-chars {self.max_chars}: expected >= --min-chars {self.min_chars}")
+        if (self.legacy_tokens is None) != (self.legacy_latents is None):
+            raise DataError("--legacy-tokens and --legacy-latents go together: give both folders")
+        if self.legacy_tokens is not None and self.tokenizer is None:
+            raise DataError("--legacy-tokens needs --tokenizer: the tokenizer.json that produced the legacy ids")
+        if self.tokenizer is None and self.vocab_size < tok.MIN_VOCAB_SIZE:
+            raise DataError(f"--vocab-size {self.vocab_size}: a byte-level BPE needs at least {tok.MIN_VOCAB_SIZE} "
+                            f"(256 byte symbols + {tok.PAD} + {tok.MASK})")
+
+
+# --------------------------------------------------------------------------------------------------
+# Ranks. Every collective goes through these two helpers, which turn a DataError on any rank into
+# the same DataError on all ranks.
+
+
+class Ranks:
+    """This process's place among the preparing processes (a gloo group when torch.distributed is up)."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.dist = dist if dist.is_available() and dist.is_initialized() else None
+        self.rank = self.dist.get_rank() if self.dist else 0
+        self.world_size = self.dist.get_world_size() if self.dist else 1
+        # Object collectives need a CPU group; a trainer may have set up NCCL.
+        self.group = None
+        if self.dist and self.dist.get_backend() != "gloo":
+            self.group = self.dist.new_group(backend="gloo")
+
+    def on_rank0(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on rank 0 only and hand its result (or its DataError) to every rank."""
+        box = [_attempt(fn) if self.rank == 0 else None]
+        if self.dist:
+            self.dist.broadcast_object_list(box, src=0, group=self.group)
+        return _unwrap(box)
+
+    def on_all(self, fn: Callable[[], Any], gather: bool = False) -> Any:
+        """Run `fn` on every rank; returns this rank's result, or with `gather` all ranks' results in
+        rank order. A DataError on any rank is raised on all."""
+        error, value = _attempt(fn)
+        outcomes = [(error, value if gather else None)]
+        if self.dist:
+            outcomes = [None] * self.world_size
+            self.dist.all_gather_object(outcomes, (error, value if gather else None), group=self.group)
+        _unwrap(outcomes)
+        return [v for _, v in outcomes] if gather else value
+
+
+def _attempt(fn: Callable[[], Any]) -> tuple[str | None, Any]:
+    try:
+        return None, fn()
+    except DataError as err:
+        return str(err), None
+
+
+def _unwrap(results: list[tuple[str | None, Any]]) -> Any:
+    for error, _ in results:
+        if error is not None:
+            raise DataError(error)
+    return results[0][1]
+
+
+# --------------------------------------------------------------------------------------------------
+# Sources: where the samples of a shard come from.
+
+
+class TextSource:
+    """Corpus texts, tokenised and encoded shard by shard."""
+
+    def __init__(self, texts: list[str], tokenizer, encoder, batch_size: int):
+        self.texts, self.tokenizer, self.encoder, self.batch_size = texts, tokenizer, encoder, batch_size
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def shard(self, indices: np.ndarray, progress: Callable[[int], None]) -> tuple[list, np.ndarray]:
+        texts = [self.texts[i] for i in indices]
+        return tok.encode_texts(self.tokenizer, texts), self.encoder.encode(texts, self.batch_size, progress)
+
+
+def split_indices(num_samples: int, val_fraction: float, seed: int) -> dict[str, np.ndarray]:
+    """Disjoint train/val sample indices, each in corpus order; the same for a given seed."""
+    num_val = 0 if val_fraction == 0 else max(1, round(num_samples * val_fraction))
+    if num_val >= num_samples:
+        raise DataError(f"{num_samples} sample(s) cannot be split into train and val (val_fraction "
+                        f"{val_fraction}); give more data or --val-fraction 0")
+    perm = np.random.default_rng(seed).permutation(num_samples)
+    return {"train": np.sort(perm[num_val:]), "val": np.sort(perm[:num_val])}
+
+
+def plan_shards(splits: dict[str, np.ndarray], shard_size: int) -> list[tuple[str, int, np.ndarray]]:
+    """(split, shard index, sample indices) for every shard, in the order meta.json lists them."""
+    return [(name, i, idx[start:start + shard_size])
+            for name, idx in splits.items()
+            for i, start in enumerate(range(0, len(idx), shard_size))]
+
+
+def _write_shards(source, work: list[tuple[str, int, np.ndarray]], root: Path, token_dtype: np.dtype,
+                  latent_dtype: np.dtype, bar: tqdm) -> list[dict]:
+    """Write this rank's shards; returns each one's meta entry plus its latent sums for the stats."""
+    done = []
+    for split, index, indices in work:
+        token_lists, latents = source.shard(indices, bar.update)
+        stored = latents.astype(latent_dtype)
+        info = fmt.write_shard(root, split, index, token_lists, stored, token_dtype, latent_dtype)
+        values = stored.astype(np.float64).reshape(-1, stored.shape[-1])  # statistics of what the loader will read
+        done.append({"split": split, "index": index, "info": info, "shape": list(stored.shape[1:]),
+                     "max_tokens": max((len(ids) for ids in token_lists), default=0),
+                     "sum": values.sum(0), "sumsq": np.square(values).sum(0), "count": len(values)})
+    return done
+
+
+# --------------------------------------------------------------------------------------------------
+# The output directory.
+
+
+def _partial_dir(out: Path) -> Path:
+    return out.with_name(f".{out.name}.partial")
+
+
+def output_state(opts: PrepareOptions) -> str:
+    """'complete' (same options, nothing to do) or 'absent' (to be written); DataError when the
+    output holds something that must not be replaced silently."""
+    out = Path(opts.out)
+    if not out.exists() or opts.overwrite:
+        return "absent"
+    if out.is_dir() and not any(out.iterdir()):
+        return "absent"
+    if not (out / fmt.META).is_file():
+        raise DataError(f"{out}: exists and is not a prepared dataset; pass --overwrite to replace it or choose another --out")
+    meta = fmt.read_meta(out)
+    previous = meta.get("prepare", {})
+    changed = [f"{k}: {previous.get(k)!r} -> {v!r}" for k, v in opts.recorded().items() if previous.get(k) != v]
+    if changed:
+        raise DataError(f"{out}: already prepared with other options ({'; '.join(changed)}); pass --overwrite to "
+                        f"rebuild it or choose another --out")
+    return "complete"
+
+
+def _fresh_partial(out: Path) -> str:
+    partial = _partial_dir(out)
+    if partial.exists():  # left by a run that was killed
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    return str(partial)
+
+
+def _publish(partial: Path, out: Path) -> None:
+    """Move the finished directory onto `out`; an existing output (--overwrite) is replaced."""
+    if out.exists():
+        old = out.with_name(f".{out.name}.old")
+        if old.exists():
+            shutil.rmtree(old)
+        out.rename(old)
+        partial.rename(out)
+        shutil.rmtree(old)
+    else:
+        partial.rename(out)
+
+
+def _merge(opts: PrepareOptions, tokenizer_json: str, counts: dict, shards: list[dict], partial: Path,
+           extra: dict) -> dict:
+    shards = sorted(shards, key=lambda s: (fmt.SPLITS.index(s["split"]), s["index"]))
+    shapes = {tuple(s["shape"]) for s in shards}
+    if len(shapes) > 1:
+        raise DataError(f"latents of different shapes (K, D) across samples: {sorted(shapes)}")
+    num_latents, latent_dim = shapes.pop()
+    train = [s for s in shards if s["split"] == "train"]
+    count = sum(s["count"] for s in train)
+    total, total_sq = np.zeros(latent_dim), np.zeros(latent_dim)
+    for s in train:  # a fixed order: the float64 sums are the same for any number of ranks
+        total += s["sum"]
+        total_sq += s["sumsq"]
+    mean = total / count
+    std = np.maximum(np.sqrt(np.maximum(total_sq / count - mean**2, 0.0)), STD_FLOOR)
+    tokenizer = tok.from_json(tokenizer_json)
+    vocab = tok.vocab_size(tokenizer)
+    meta = {
+        "format_version": fmt.FORMAT_VERSION,
+        "created_by": f"mmldlm {__version__}",
+        "tokenizer": fmt.TOKENIZER,
+        "vocab_size": vocab,
+        **tok.special_ids(tokenizer),
+        "token_dtype": tok.token_dtype(vocab).name,
+        "encoder": opts.encoder,
+        **extra,
+        "latent_dim": int(latent_dim),
+        "num_latents": int(num_latents),
+        "latent_dtype": opts.latent_dtype,
+        "splits": {name: sum(s["info"]["num_samples"] for s in shards if s["split"] == name) for name in fmt.SPLITS},
+        "num_tokens": {name: sum(s["info"]["num_tokens"] for s in shards if s["split"] == name) for name in fmt.SPLITS},
+        "max_sample_tokens": {name: max((s["max_tokens"] for s in shards if s["split"] == name), default=0)
+                              for name in fmt.SPLITS},
+        "latent_mean": mean.tolist(),
+        "latent_std": std.tolist(),
+        "counts": counts,
+        "prepare": opts.recorded(),
+        "shards": {name: [s["info"] for s in shards if s["split"] == name] for name in fmt.SPLITS},
+    }
+    (partial / fmt.TOKENIZER).write_text(tokenizer_json)
+    (partial / fmt.META).write_text(json.dumps(meta, indent=1) + "\n")
+    _publish(partial, Path(opts.out))
+    return meta
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _device(requested: str) -> str:
+    import torch
+
+    if requested != "auto":
+        return requested
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+
+
+def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
+    """Prepare the dataset described by `opts` (on every rank of an initialised process group).
+    Returns {"status": "created" | "exists", "path": str, "meta": dict}; `log` is called on rank 0 only."""
+    opts.check()
+    ranks = Ranks()
+    say = log if ranks.rank == 0 else (lambda _msg: None)
+    out = Path(opts.out)
+    if ranks.on_rank0(lambda: output_state(opts)) == "complete":
+        say(f"{out}: already complete with these options; nothing to do (pass --overwrite to rebuild)")
+        return {"status": "exists", "path": str(out), "meta": fmt.read_meta(out)}
+
+    if opts.legacy_tokens is not None:
+        from mmldlm.data.legacy import LegacySource
+
+        tokenizer_json = ranks.on_rank0(lambda: tok.load_tokenizer(opts.tokenizer).to_str())
+        source = ranks.on_all(lambda: LegacySource(opts.legacy_tokens, opts.legacy_latents,
+                                                   tok.vocab_size(tok.from_json(tokenizer_json)), opts.tokenizer))
+        counts = {"read": len(source), "kept": len(source)}
+        splits = split_indices(len(source), opts.val_fraction, opts.seed)
+        extra = {"encoder_normalize": None}  # not known: the legacy latents were made elsewhere
+    else:
+        texts, counts = ranks.on_all(lambda: _read_corpus(opts))
+        say(f"read {counts['read']} samples: kept {counts['kept']}, dropped {counts['too_short']} shorter than "
+            f"{opts.min_chars} chars, {counts['too_long']} longer than {opts.max_chars}, {counts['duplicates']} duplicates")
+        splits = split_indices(len(texts), opts.val_fraction, opts.seed)
+
+        def make_tokenizer() -> str:
+            if opts.tokenizer is not None:
+                return tok.load_tokenizer(opts.tokenizer).to_str()
+            say(f"training a byte-level BPE tokenizer (vocab {opts.vocab_size}) on {len(splits['train'])} train samples")
+            return tok.train_bpe([texts[i] for i in splits["train"]], opts.vocab_size).to_str()
+
+        tokenizer_json = ranks.on_rank0(make_tokenizer)
+        from mmldlm.data.encoders import load_encoder
+
+        encoder = ranks.on_all(lambda: load_encoder(opts.encoder, _device(opts.device), opts.normalize))
+        source = TextSource(texts, tok.from_json(tokenizer_json), encoder, opts.encode_batch_size)
+        extra = {"encoder": encoder.name, "encoder_normalize": opts.normalize}
+
+    partial = Path(ranks.on_rank0(lambda: _fresh_partial(out)))
+    completed = False
+    try:
+        mine = plan_shards(splits, opts.shard_size)[ranks.rank::ranks.world_size]
+        token_dtype = tok.token_dtype(tok.vocab_size(tok.from_json(tokenizer_json)))
+        desc = "prepare" if ranks.world_size == 1 else f"prepare (rank 0 of {ranks.world_size})"
+        with tqdm(total=sum(len(idx) for _, _, idx in mine), desc=desc, unit="sample",
+                  disable=not (opts.progress and ranks.rank == 0)) as bar:
+            results = ranks.on_all(lambda: _write_shards(source, mine, partial, token_dtype,
+                                                         np.dtype(opts.latent_dtype), bar), gather=True)
+        shards = [s for rank_shards in results for s in rank_shards]
+        meta = ranks.on_rank0(lambda: _merge(opts, tokenizer_json, counts, shards, partial, extra))
+        completed = True
+    finally:
+        if ranks.rank == 0 and not completed and partial.exists():
+            shutil.rmtree(partial)
+    say(f"{out}: {meta['splits']['train']} train + {meta['splits']['val']} val samples, "
+        f"{meta['num_tokens']['train'] + meta['num_tokens']['val']} tokens, latents {meta['num_latents']}x{meta['latent_dim']}")
+    return {"status": "created", "path": str(out), "meta": meta}
+
+
+def _read_corpus(opts: PrepareOptions) -> tuple[list[str], dict]:
+    texts: list[str] = []
+    for name in opts.inputs:
+        texts.extend(corpus.read_texts(corpus.resolve_input(name), opts.format, opts.text_field, opts.paragraphs))
+    kept, counts = corpus.filter_texts(texts, opts.min_chars, opts.max_chars, opts.dedup)
+    if not kept:
+        raise DataError(f"{', '.join(opts.inputs)}: no sample left after the length filter "
+                        f"({counts['too_short']} shorter than {opts.min_chars} chars, {counts['too_long']} longer than {opts.max_chars})")
+    return kept, counts

@@ -1,0 +1,123 @@
+"""Process group setup from the torchrun environment, and failing loudly instead of hanging.
+
+A single process (no torchrun) runs with world size 1 and no process group. Under torchrun the
+group uses NCCL on CUDA and gloo on CPU, with a finite timeout (default 30 minutes, not the days
+that let a dead rank freeze a job): a collective that waits longer raises on the waiting ranks,
+and `collective_guard` turns that into `RankTimeout`, whose message says which collective of which
+step timed out and what to look at.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mmldlm.config import DistributedConfig
+
+
+# How gloo/NCCL describe a peer that stopped answering (timeout) or went away (connection lost).
+_PEER_FAILURE = re.compile(r"timed out|timeout|connection (closed|reset)|broken pipe", re.IGNORECASE)
+
+
+class RankTimeout(RuntimeError):
+    """A collective did not complete within the process-group timeout (another rank stalled or died)."""
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    timeout_s: float = 1800.0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def pick_device(kind: str) -> torch.device:
+    """"auto" -> CUDA when present, else CPU; "cuda" without a GPU is an error naming the key."""
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
+    if kind == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def set_nccl_env_defaults(timeout_s: float) -> None:
+    """Sane NCCL watchdog settings unless the user already chose: async error handling tears the
+    process down when a collective times out (so torchrun sees a failure and can restart), and the
+    heartbeat monitor, which kills a rank whose watchdog itself is stuck, waits a little longer than
+    the collective timeout so the clearer collective-timeout message comes first."""
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    os.environ.setdefault("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(int(timeout_s + 60)))
+
+
+def init_distributed(cfg: DistributedConfig, device_kind: str = "auto") -> DistInfo:
+    """Join the torchrun process group (if launched by torchrun) and pick this rank's device."""
+    timeout_s = cfg.timeout_minutes * 60
+    device = pick_device(device_kind)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if world_size == 1:
+        return DistInfo(device=device, timeout_s=timeout_s)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl":
+        if device.type != "cuda":
+            raise RuntimeError("distributed.backend=nccl needs CUDA devices; use distributed.backend=auto or gloo")
+        set_nccl_env_defaults(timeout_s)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if backend == "nccl" else None)
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, timeout_s=timeout_s)
+
+
+@contextlib.contextmanager
+def collective_guard(what: str, info: DistInfo):
+    """Re-raise a backend failure inside the block as `RankTimeout` naming `what` (e.g. "gradient
+    all-reduce of step 12") and the timeout, so a stalled peer reads as such, not as a C++ trace."""
+    try:
+        yield
+    except RuntimeError as err:
+        # DDP's gradient all-reduce fails inside backward as a plain RuntimeError from the backend.
+        if not (isinstance(err, dist.DistError) or _PEER_FAILURE.search(str(err))):
+            raise
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if re.search(r"timed out|timeout", message, re.IGNORECASE):
+            happened = (f"did not complete within distributed.timeout_minutes={info.timeout_s / 60:g} "
+                        f"({info.timeout_s:g} s): another rank stalled")
+        else:
+            happened = "failed: another rank closed its connection (it died or was killed)"
+        raise RankTimeout(f"rank {info.rank}/{info.world_size}: {what} {happened}; look at that rank's log. "
+                          f"The last checkpoint is untouched. Backend said: {message}") from err
+
+
+def all_reduce_max(values: torch.Tensor, info: DistInfo, what: str) -> torch.Tensor:
+    """Element-wise max over ranks (identity on one process)."""
+    if info.distributed:
+        with collective_guard(what, info):
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values
+
+
+def barrier(info: DistInfo, what: str) -> None:
+    if info.distributed:
+        with collective_guard(what, info):
+            dist.barrier()
+
+
+def shutdown(info: DistInfo) -> None:
+    if info.distributed and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,115 @@
+"""Structured metrics: RUN/metrics.jsonl (one JSON record per log step), plus optional TensorBoard
+and W&B (offline) writers, and the memory / FLOP numbers the records carry.
+
+The JSONL file is append-only. A resumed run continues it; only records past the resumed
+checkpoint's line count are dropped first, because the steps they describe are trained again
+(without that, a run killed between two checkpoints would list those steps twice).
+Only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from mmldlm.config import LoggingConfig
+
+log = logging.getLogger(__name__)
+
+# Dense bf16 peak FLOP/s of known accelerators, by a substring of torch.cuda.get_device_name().
+# MFU is reported only for these; an unknown device gets no MFU rather than a made-up one.
+PEAK_FLOPS_BF16 = {
+    "H200": 989e12,
+    "H100 SXM": 989e12,
+    "H100 80GB HBM3": 989e12,
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 70e12,
+    "L4": 121e12,
+}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_FLOPS_BF16.items() if key in name), None)
+
+
+def memory_stats(device: torch.device) -> dict:
+    """GiB of CUDA memory allocated / reserved (peak since the last call), or process RSS on CPU."""
+    if device.type == "cuda":
+        stats = {"mem_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+                 "mem_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+        torch.cuda.reset_peak_memory_stats(device)
+        return stats
+    with open("/proc/self/statm") as f:  # Linux; fields are in pages
+        rss_pages = int(f.read().split()[1])
+    return {"mem_rss_gib": rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**30}
+
+
+def truncate_lines(path: Path, num_lines: int) -> None:
+    """Keep the first `num_lines` complete lines of `path` (atomically)."""
+    if not path.exists():
+        return
+    lines = path.read_bytes().split(b"\n")
+    kept = b"".join(line + b"\n" for line in lines[:num_lines] if line)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(kept)
+    tmp.replace(path)
+
+
+class MetricsLogger:
+    """Writes records to metrics.jsonl (and TensorBoard / W&B when configured) on rank 0."""
+
+    def __init__(self, run_dir: Path, cfg: LoggingConfig, enabled: bool, keep_lines: int = 0):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.num_lines = keep_lines
+        self._tb = self._wandb = None
+        if not enabled:
+            return
+        truncate_lines(self.path, keep_lines)
+        self._file = open(self.path, "a", encoding="utf-8")
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        if cfg.wandb:
+            try:
+                import wandb
+            except ImportError:
+                log.warning("logging.wandb=true but wandb is not installed (pip install wandb); skipping W&B")
+            else:
+                self._wandb = wandb.init(project=cfg.wandb_project, dir=str(run_dir), mode="offline",
+                                         resume="allow", id=Path(run_dir).resolve().name)
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()  # a kill -9 loses nothing already logged
+        self.num_lines += 1
+        numeric = {k: v for k, v in record.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" and math.isfinite(v)}
+        if self._tb is not None:
+            for key, value in numeric.items():
+                self._tb.add_scalar(key, value, record["step"])
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=record["step"])
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

@@ -1,0 +1,49 @@
+"""AdamW with decoupled weight decay on weight matrices only.
+
+Weight decay pulls parameters towards zero. That is a useful prior for the weight matrices of linear
+layers, and harmful for everything else: norm gains (decay towards 0 instead of 1), biases, token
+and position embeddings (rare tokens would shrink to nothing), and the learned null latent (the CFG
+"no condition" vector must keep its scale). So the rule is by module type, not by name matching:
+the `weight` of an `nn.Linear` decays, every other parameter does not.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from mmldlm.config import OptimConfig
+
+log = logging.getLogger(__name__)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW groups: Linear weights with `weight_decay`, all other parameters without."""
+    decay_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    decay, no_decay = [], []
+    for param in model.parameters():  # parameters() dedups shared (tied) tensors
+        if param.requires_grad:
+            (decay if id(param) in decay_ids else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over `param_groups`; the fused kernel when asked for or (auto) when the device has one."""
+    groups = param_groups(model, cfg.weight_decay)
+    kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    if cfg.fused is False:
+        log.info("optimizer: AdamW (foreach), optim.fused=false")
+        return torch.optim.AdamW(groups, foreach=True, **kwargs)
+    try:
+        optimizer = torch.optim.AdamW(groups, fused=True, **kwargs)
+    except (RuntimeError, ValueError) as err:
+        if cfg.fused is True:
+            raise RuntimeError(f"optim.fused=true but fused AdamW is unavailable here: {err}; "
+                               "set optim.fused=auto to fall back to the foreach kernel") from err
+        log.info("optimizer: AdamW (foreach); the fused kernel is unavailable: %s", err)
+        return torch.optim.AdamW(groups, foreach=True, **kwargs)
+    log.info("optimizer: AdamW (fused)")
+    return optimizer

@@ -1,0 +1,96 @@
+"""`mmldlm train` as a library call: set up the process group, data, model and objective, then run
+the loop. Used by the command (mmldlm/commands/train.py) under plain python or torchrun."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from mmldlm.config import RunConfig, save_config
+from mmldlm.training.distributed import DistInfo, RankTimeout, init_distributed, shutdown
+from mmldlm.training.trainer import Trainer, TrainingStopped, seed_everything
+
+log = logging.getLogger(__name__)
+
+
+class _TqdmHandler(logging.Handler):
+    """Log lines that do not tear the progress bar apart."""
+
+    def emit(self, record):
+        from tqdm import tqdm
+
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
+def setup_logging(info: DistInfo) -> None:
+    """INFO on rank 0; other ranks only report errors (one voice, not N copies of every line)."""
+    handler = _TqdmHandler()
+    prefix = f"[rank {info.rank}] " if info.distributed else ""
+    handler.setFormatter(logging.Formatter(f"{prefix}%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("mmldlm")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO if info.is_main else logging.ERROR)
+    root.propagate = False
+
+
+def set_deterministic(enabled: bool) -> None:
+    """Deterministic kernels everywhere (cuBLAS needs its workspace setting before first use)."""
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+def build_model_and_objective(cfg: RunConfig, dataset):
+    """The network and the objective for a prepared dataset's vocabulary, special ids and latent stats."""
+    from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
+    from mmldlm.model.mmdit import MultimodalMMDiT
+    from mmldlm.objective import Objective
+
+    model = MultimodalMMDiT(cfg.model, vocab_size=cfg.model.vocab_size or dataset.vocab_size)
+    text = MaskedDiffusion(cfg.text_diffusion, mask_token_id=dataset.mask_id, pad_token_id=dataset.pad_id)
+    mean, std = dataset.latent_stats()
+    return model, Objective(cfg.objective, text, GaussianDiffusion(cfg.latent_diffusion, mean=mean, std=std))
+
+
+def open_train_data(cfg: RunConfig, info: DistInfo):
+    """(dataset, loader) of the training split. With data.path null the bundled corpus is prepared
+    first (once, into the cache; every rank takes part)."""
+    from mmldlm.data import build_loader, dataset_path, open_dataset, resolve_for_model
+
+    dataset = open_dataset(dataset_path(cfg.data, log=log.info), "train")
+    data_cfg = resolve_for_model(cfg.data, cfg.model, dataset)
+    loader = build_loader(dataset, data_cfg, cfg.train.micro_batch_size, info.rank, info.world_size)
+    return dataset, loader
+
+
+def train(cfg: RunConfig, resume: str | None = None) -> int:
+    """Train `cfg` (resuming per `resume`: None, "auto" or a checkpoint path); returns the exit status."""
+    info = init_distributed(cfg.distributed, cfg.train.device)
+    setup_logging(info)
+    set_deterministic(cfg.train.deterministic)
+    run_dir = Path(cfg.train.run_dir)
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+    try:
+        dataset, loader = open_train_data(cfg, info)
+        seed_everything(cfg.train.seed)  # the same initial weights on every rank (FSDP2 relies on it)
+        model, objective = build_model_and_objective(cfg, dataset)
+        seed_everything(cfg.train.seed + info.rank)  # rank-local randomness (dropout) differs per rank
+        trainer = Trainer(cfg, model, objective, loader, info)
+        trainer.resume(resume)
+        status = trainer.fit()
+    except RankTimeout as err:
+        # Do not wait on a process group whose peer is gone: report and leave at once.
+        print(f"mmldlm train: {err}", file=sys.stderr, flush=True)
+        os._exit(1)
+    except TrainingStopped as err:
+        print(f"mmldlm train: {err}", file=sys.stderr, flush=True)
+        status = 1
+    shutdown(info)
+    return status

