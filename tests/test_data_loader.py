@@ -1,0 +1,194 @@
+"""The memory-mapped dataset and its loader: batch format and padding, the DistributedSampler order,
+exact resumption (1 and 2 ranks, with workers), model/data checks and damaged datasets."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from mmldlm.config import ConfigError, DataConfig, ModelConfig, load_config
+from mmldlm.data import DataError
+from mmldlm.data.dataset import PreparedDataset, build_loader, default_num_workers, open_dataset, resolve_for_model
+
+from data_support import prepared
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return prepared(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def train(data_dir):
+    return open_dataset(data_dir, "train")
+
+
+def cfg(**kw) -> DataConfig:
+    base = DataConfig(num_workers=0)
+    for key, value in kw.items():
+        setattr(base, key, value)
+    base.check()
+    return base
+
+
+def stream(loader, n):
+    """The next n batches of `loader`, across epoch ends, as a training loop reads them."""
+    out = []
+    while len(out) < n:
+        for batch in loader:
+            out.append(batch)
+            if len(out) == n:
+                break
+    return out
+
+
+def assert_same_batches(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for key in x:
+            assert torch.equal(x[key], y[key]), key
+
+
+def test_batches_are_padded_to_the_multiple(train):
+    for multiple in (8, 64):
+        for batch in build_loader(train, cfg(pad_to_multiple=multiple), micro_batch_size=8):
+            lengths = torch.tensor([len(train[int(i)][1]) for i in batch["index"]])
+            B, L = batch["tokens"].shape
+            assert L % multiple == 0 and L - multiple < lengths.max() <= L
+            assert batch["tokens"].dtype == torch.int64 and batch["pad_mask"].dtype == torch.bool
+            assert torch.equal(batch["pad_mask"].sum(1), lengths)
+            assert (batch["tokens"][~batch["pad_mask"]] == train.pad_id).all()
+            first = int(batch["index"][0])
+            assert batch["tokens"][0, :lengths[0]].tolist() == train[first][1].tolist()
+            assert batch["latents"].shape == (B, 1, 384) and batch["latents"].dtype == torch.float32
+            assert torch.equal(batch["latents"][0], torch.from_numpy(train[first][2].astype(np.float32)))
+
+
+def test_truncation_to_max_length(train):
+    batch = next(iter(build_loader(train, cfg(max_length=8), micro_batch_size=16)))
+    assert batch["tokens"].shape[1] == 8 and batch["pad_mask"].sum(1).max() == 8
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_order_is_distributed_samplers(train, world_size):
+    for rank in range(world_size):
+        loader = build_loader(train, cfg(), micro_batch_size=5, rank=rank, world_size=world_size, seed=3)
+        ours = [i for b in loader for i in b["index"].tolist()]
+        sampler = DistributedSampler(train, world_size, rank, shuffle=True, seed=3, drop_last=True)
+        assert ours == list(sampler)[:len(loader) * 5]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_resumed_loader_yields_the_same_next_batches(train, num_workers, world_size):
+    config = cfg(num_workers=num_workers, prefetch_factor=2 if num_workers else None)
+    for rank in range(world_size):
+        def make():
+            return build_loader(train, config, micro_batch_size=4, rank=rank, world_size=world_size, seed=7)
+
+        per_epoch = len(make())
+        total = per_epoch + per_epoch // 2
+        expected = stream(make(), total)
+        for stop in (3, per_epoch, per_epoch + 2):  # inside an epoch, at its end, inside the next one
+            first = make()
+            seen = stream(first, stop)
+            resumed = make()
+            resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))  # as a checkpoint stores it
+            assert_same_batches(seen + stream(resumed, total - stop), expected)
+
+
+def test_resume_reads_no_skipped_sample(train, monkeypatch):
+    loader = build_loader(train, cfg(), micro_batch_size=4, seed=1)
+    skipped = [b["index"].tolist() for b in stream(loader, 5)]
+    state = loader.state_dict()
+    read = []
+    original = PreparedDataset.__getitem__
+    monkeypatch.setattr(PreparedDataset, "__getitem__", lambda self, i: (read.append(i), original(self, i))[1])
+    resumed = build_loader(train, cfg(), micro_batch_size=4, seed=1)
+    resumed.load_state_dict(state)
+    batch = next(iter(resumed))
+    assert read == batch["index"].tolist() and not set(read) & {i for b in skipped for i in b}
+
+
+def test_resume_on_another_world_size(train):
+    two = [build_loader(train, cfg(), micro_batch_size=4, rank=r, world_size=2, seed=5) for r in range(2)]
+    for loader in two:
+        stream(loader, 3)
+    state = two[0].state_dict()
+    assert state["samples"] == 3 * 4 * 2
+    nxt = [stream(loader, 1)[0]["index"].tolist() for loader in two]
+    one = build_loader(train, cfg(), micro_batch_size=8, seed=5)  # 1 rank x 8 = 2 ranks x 4 per step
+    one.load_state_dict(state)
+    assert sorted(stream(one, 1)[0]["index"].tolist()) == sorted(nxt[0] + nxt[1])
+    with pytest.raises(DataError, match="saved with seed=5, this loader has 6"):
+        build_loader(train, cfg(), micro_batch_size=8, seed=6).load_state_dict(state)
+    with pytest.raises(DataError, match="24 samples into epoch 0 is not a whole number of global batches of 16"):
+        build_loader(train, cfg(), micro_batch_size=16, seed=5).load_state_dict(state)
+
+
+def test_ranks_share_an_epoch_without_overlap(train):
+    config = cfg(drop_last=False, shuffle=False)
+    parts = [[i for b in build_loader(train, config, 8, rank=r, world_size=2) for i in b["index"].tolist()]
+             for r in range(2)]
+    assert len(parts[0]) == len(parts[1])
+    assert set(parts[0]) | set(parts[1]) == set(range(len(train)))
+
+
+def test_dataloader_settings_come_from_config(train, monkeypatch):
+    loader = build_loader(train, DataConfig(num_workers=2, prefetch_factor=4, pin_memory=False), 8)
+    dl = loader.dataloader
+    assert (dl.num_workers, dl.prefetch_factor, dl.persistent_workers, dl.pin_memory) == (2, 4, True, False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(32)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert default_num_workers() == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert default_num_workers() == 4
+    assert build_loader(train, DataConfig(num_workers=None), 8).dataloader.num_workers == 4
+
+
+def test_data_config_checks():
+    with pytest.raises(ConfigError, match=r"'data.max_length': got 60; expected null or a positive multiple of data.pad_to_multiple=8"):
+        load_config(None, ["data.max_length=60"])
+    with pytest.raises(ConfigError, match=r"'data.num_workers': got -1"):
+        load_config(None, ["data.num_workers=-1"])
+    assert load_config(None, ["data.path=/x", "data.pad_to_multiple=64"]).data.pad_to_multiple == 64
+
+
+def test_model_must_match_the_dataset(train, data_dir):
+    with pytest.raises(ConfigError, match=rf"'model.latent_dim': got 512; expected 384, the latent dim of the dataset {data_dir}"):
+        resolve_for_model(DataConfig(), ModelConfig(latent_dim=512), train)
+    with pytest.raises(ConfigError, match=r"'model.num_latents': got 2; expected 1"):
+        resolve_for_model(DataConfig(), ModelConfig(num_latents=2), train)
+    with pytest.raises(ConfigError, match=r"'model.vocab_size': got 300; expected null or >= 400"):
+        resolve_for_model(DataConfig(), ModelConfig(vocab_size=300), train)
+    with pytest.raises(ConfigError, match=r"'data.max_length': got 256; expected <= model.max_seq_len=128"):
+        resolve_for_model(DataConfig(max_length=256), ModelConfig(), train)
+    resolved = resolve_for_model(DataConfig(pad_to_multiple=64), ModelConfig(max_seq_len=100), train)
+    assert resolved.max_length == 64
+
+
+def test_damaged_or_foreign_datasets(data_dir, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(data_dir, copy)
+    meta = json.loads((copy / "meta.json").read_text())
+    shard = meta["shards"]["train"][1]
+    latents = copy / shard["latents"]
+    latents.write_bytes(latents.read_bytes()[:-100])
+    with pytest.raises(DataError, match=rf"{latents}: \d+ bytes, expected \d+ from meta.json \(truncated\)"):
+        open_dataset(copy, "train")
+    shutil.copy(data_dir / shard["latents"], latents)
+    tokens = copy / shard["tokens"]
+    tokens.write_bytes(tokens.read_bytes()[:-2])
+    with pytest.raises(DataError, match=rf"{tokens}: .* \(truncated\)"):
+        open_dataset(copy, "train")
+    (copy / "meta.json").write_text(json.dumps({**meta, "format_version": 99}))
+    with pytest.raises(DataError, match=r"format_version 99, but this mmldlm reads format version 1; re-run"):
+        open_dataset(copy, "val")
+    with pytest.raises(DataError, match=r"not a prepared dataset \(no meta.json\)"):
+        open_dataset(tmp_path, "train")
+    with pytest.raises(DataError, match=r"no split 'test' \(splits: train, val\)"):
+        open_dataset(data_dir, "test")
