@@ -119,5 +119,8 @@ def barrier(info: DistInfo, what: str) -> None:
 
 
 def shutdown(info: DistInfo) -> None:
+    """Leave the process group together: a rank that tears down gloo while a peer is still busy
+    (rank 0 writing the last checkpoint) can abort in gloo's threads at exit."""
     if info.distributed and dist.is_initialized():
+        barrier(info, "the final barrier before shutdown")
         dist.destroy_process_group()
