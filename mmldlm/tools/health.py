@@ -44,7 +44,7 @@ class HealthConfig:
 
     window: int = 50  # records per mode behind the loss-spike and grad-norm statistics
     min_history: int = 10  # records of a mode before spikes and explosions are judged
-    spike_z: float = 6.0  # robust z-score 0.6745 * (x - median) / MAD above which a loss is a spike
+    spike_z: float = 6.0  # robust z-score of a loss's jump above its local level that makes it a spike
     trend_window: int = 10  # records per mode in the rolling median that trend, divergence and plateau follow
     divergence_ratio: float = 0.3  # rolling median this far above its best: sustained divergence
     plateau_window: int = 50  # records per mode without a new best (by plateau_min_improvement): a plateau
@@ -103,15 +103,14 @@ def memory_of(record: dict) -> float | None:
     return next((record[k] for k in MEMORY_KEYS if finite(record.get(k))), None)
 
 
-def robust_z(value: float, history) -> float:
+def robust_z(value: float, history, floor: float) -> float:
     """0.6745 * (value - median) / MAD (Iglewicz & Hoaglin 1993): about a z-score for normal data,
-    unmoved by the outliers it is meant to find. The MAD is floored at 0.1% of the median so a
-    near-constant history does not turn noise into infinite scores."""
+    unmoved by the outliers it is meant to find. The MAD is floored at `floor` so a near-constant
+    history does not turn rounding noise into huge scores."""
     values = list(history)
     median = statistics.median(values)
     mad = statistics.median(abs(v - median) for v in values)
-    mad = max(mad, 1e-3 * abs(median), 1e-12)
-    return 0.6745 * (value - median) / mad
+    return 0.6745 * (value - median) / max(mad, floor, 1e-12)
 
 
 class _Latch:
@@ -132,14 +131,15 @@ class _Latch:
 class _ModeState:
     """What the detectors remember about one mode."""
 
-    losses: deque
+    residuals: deque  # loss minus the rolling median before it: the loss's jumps off its local level
     grad_norms: deque
     throughput: deque
     smoothed: deque  # the last trend_window losses, for the rolling median
     previous_medians: deque  # rolling medians of earlier records, for the trend
     all_throughput: list = field(default_factory=list)
     best: float = math.inf  # lowest rolling median so far
-    best_at: int = 0  # records of this mode seen when `best` last improved by plateau_min_improvement
+    anchor: float = math.inf  # the rolling median when it last improved by plateau_min_improvement...
+    anchor_at: int = 0  # ...and the count of this mode's records then
     count: int = 0
     latches: dict = field(default_factory=lambda: defaultdict(_Latch))
 
@@ -209,14 +209,20 @@ class HealthTracker:
             self._num_skipped = num_skipped
 
     def _check_loss(self, state: _ModeState, loss: float, step: int, mode: str, lr) -> None:
+        # A spike is a jump off the local level (the rolling median of the records before it) that is
+        # large against the usual jumps: a steady trend, even a rising one, moves the level with it
+        # and is left to the divergence and plateau tests.
         cfg = self.cfg
-        if len(state.losses) >= cfg.min_history:
-            z = robust_z(loss, state.losses)
-            if state.latches["spike"].fire(z > cfg.spike_z):
-                self._raise("loss_spike", "warning", step,
-                            f"loss {loss:.4g} in mode {mode} is {z:.1f} robust standard deviations above the "
-                            f"median {statistics.median(state.losses):.4g} of its last {len(state.losses)} records")
-        state.losses.append(loss)
+        if len(state.smoothed) == cfg.trend_window:
+            level = statistics.median(state.smoothed)
+            residual = loss - level
+            if len(state.residuals) >= cfg.min_history:
+                z = robust_z(residual, state.residuals, floor=1e-3 * abs(level))
+                if state.latches["spike"].fire(z > cfg.spike_z):
+                    self._raise("loss_spike", "warning", step,
+                                f"loss {loss:.4g} in mode {mode} jumped {z:.1f} robust standard deviations above "
+                                f"its local level {level:.4g} (rolling median of {cfg.trend_window} records)")
+            state.residuals.append(residual)
         state.smoothed.append(loss)
         if len(state.smoothed) < cfg.trend_window:
             return
@@ -226,11 +232,14 @@ class HealthTracker:
             self._raise("divergence", "warning", step,
                         f"loss in mode {mode} has risen to a rolling median of {rolling:.4g}, "
                         f"{rolling / state.best - 1:.0%} above its best {state.best:.4g}")
-        if rolling < state.best * (1 - cfg.plateau_min_improvement):
-            state.best_at = state.count
+        if rolling < state.anchor * (1 - cfg.plateau_min_improvement):
+            state.anchor, state.anchor_at = rolling, state.count
         state.best = min(state.best, rolling)
+        # Flat: no new best for plateau_window records, and not far above the best either (a rising
+        # loss is a divergence, not a plateau).
         judged = finite(lr) and lr >= cfg.plateau_lr_fraction * self.peak_lr
-        flat = state.count - state.best_at >= cfg.plateau_window
+        flat = (state.count - state.anchor_at >= cfg.plateau_window
+                and rolling <= state.best * (1 + cfg.divergence_ratio / 2))
         if state.latches["plateau"].fire(judged and flat):
             self._raise("plateau", "warning", step,
                         f"loss in mode {mode} has not improved by {cfg.plateau_min_improvement:.0%} over "
@@ -281,12 +290,13 @@ class HealthTracker:
         if len(self._memory) < cfg.memory_window:
             return
         # Steady growth, not one jump (a mode using a bigger head for the first time): the medians of
-        # the window's three thirds must each rise by a quarter of the total rise at least.
+        # the window's three thirds rise in order, and no single record adds half of the rise.
         values = list(self._memory)
         third = len(values) // 3
         m1, m2, m3 = (statistics.median(values[i * third:(i + 1) * third]) for i in range(3))
         rise = m3 - m1
-        steady = rise > 0 and min(m2 - m1, m3 - m2) >= 0.25 * rise
+        largest_jump = max(b - a for a, b in zip(values, values[1:]))
+        steady = m1 < m2 < m3 and largest_jump < 0.5 * rise
         large = rise > max(cfg.memory_creep_fraction * m1, cfg.memory_creep_min_gib)
         if self._latches["memory"].fire(steady and large):
             self._raise("memory_creep", "warning", step,
