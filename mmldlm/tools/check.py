@@ -375,23 +375,27 @@ def check_checkpoint_retention(cfg: RunConfig, env: Environment, est: Estimate) 
 
 def check_batch_divisible(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
     per_step = cfg.train.micro_batch_size * env.world_size
-    why = (f"the global batch is split into micro-batches of train.micro_batch_size={cfg.train.micro_batch_size} "
-           f"on each of {env.world_size} process(es); the trainer refuses to start otherwise")
-    findings = []
-    g = cfg.train.global_batch_size
-    if g % per_step:
-        fixed = math.ceil(g / per_step) * per_step
-        findings.append(Finding("batch_divisible", "error",
-                                f"train.global_batch_size={g} is not a multiple of micro-batch x world size = "
-                                f"{cfg.train.micro_batch_size} x {env.world_size} = {per_step}", why,
-                                f"train.global_batch_size={fixed}", {"train.global_batch_size": fixed}))
-    schedule = cfg.train.batch_schedule
-    if any(size % per_step for _, size in schedule):
-        fixed = [[step, math.ceil(size / per_step) * per_step] for step, size in schedule]
-        findings.append(Finding("batch_divisible", "error",
-                                f"train.batch_schedule={schedule} has sizes that are not multiples of {per_step}",
-                                why, f"train.batch_schedule={fixed}", {"train.batch_schedule": fixed}))
-    return findings
+    sizes = {"train.global_batch_size": cfg.train.global_batch_size}
+    sizes.update({f"train.batch_schedule[{i}]": size for i, (_, size) in enumerate(cfg.train.batch_schedule)})
+    bad = {key: size for key, size in sizes.items() if size % per_step}
+    if not bad:
+        return []
+    message = (", ".join(f"{key}={size}" for key, size in bad.items()) + f" not a multiple of micro-batch x world "
+               f"size = {cfg.train.micro_batch_size} x {env.world_size} = {per_step}")
+    why = (f"the global batch is split into micro-batches of train.micro_batch_size on each of {env.world_size} "
+           f"process(es); the trainer refuses to start otherwise")
+    # A smaller micro-batch keeps the global batch (the recipe the LR was tuned for); only when none
+    # divides it is the global batch rounded up.
+    micro = _largest_micro_batch(cfg, env, est, limit=math.inf)
+    if micro is not None:
+        return [Finding("batch_divisible", "error", message, why,
+                        f"train.micro_batch_size={micro} (the global batch stays)", {"train.micro_batch_size": micro})]
+    changes = {"train.global_batch_size": math.ceil(cfg.train.global_batch_size / per_step) * per_step}
+    if cfg.train.batch_schedule:
+        changes["train.batch_schedule"] = [[step, math.ceil(size / per_step) * per_step]
+                                           for step, size in cfg.train.batch_schedule]
+    return [Finding("batch_divisible", "error", message, why,
+                    ", ".join(f"{key}={value}" for key, value in changes.items()), changes)]
 
 
 def check_lr_schedule(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
