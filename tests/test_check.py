@@ -53,7 +53,7 @@ def test_a_clean_config_has_no_error_or_warning(tmp_path):
     (["schedule.kind=cosine_restarts", "schedule.restart_period=400", "schedule.warmup_steps=0"], {},
      [("lr_schedule", "warning")]),
     (["train.batch_schedule=[[0, 32], [600, 64]]"], {}, [("lr_schedule", "warning")]),
-], ids=lambda v: None if not isinstance(v, list) or not v or not isinstance(v[0], tuple) else v[0][0])
+])
 def test_planted_problem_is_flagged_and_fix_passes(tmp_path, overrides, env_changes, expected):
     env = Environment(**{**ENV.__dict__, **env_changes})
     cfg, findings = findings_of(tmp_path, overrides, env)

@@ -98,7 +98,7 @@ def _memory_creep(records):
         r["mem_rss_gib"] += 0.01 * i
 
 
-@pytest.mark.parametrize("edit,kind,first,last", [
+@pytest.mark.parametrize("edit,kind,first,last", [pytest.param(*case, id=case[1]) for case in [
     (_nonfinite, "nonfinite", 150, 150),
     (_unlogged_skips, "skipped_updates", 150, 150),
     (_scale("loss", 3.0, 150, 150), "loss_spike", 150, 150),
@@ -108,7 +108,7 @@ def _memory_creep(records):
     (_scale("samples_per_s", 0.5, 150), "throughput_drop", 152, 152),  # the 3rd slow record tips the median of 5
     (_scale("data_wait_share", 25.0, 150), "data_wait", 152, 152),
     (_memory_creep, "memory_creep", 151, 180),
-], ids=lambda v: v if isinstance(v, str) else None)
+]])
 def test_each_alert_fires_at_its_step_and_nothing_else(tmp_path, edit, kind, first, last):
     records = make_records()
     edit(records)
