@@ -21,15 +21,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
     from mmldlm.tools.monitor import Monitor, exit_code, follow, plot, write_report
 
     if args.interval <= 0 or args.stall_seconds <= 0:
-        raise SystemExit("mmldlm monitor: --interval and --stall-seconds must be > 0")
+        print(f"mmldlm monitor: --interval {args.interval:g} and --stall-seconds {args.stall_seconds:g}: "
+              f"expected numbers of seconds > 0", file=sys.stderr)
+        return 2
     monitor = Monitor(args.target, stall_seconds=args.stall_seconds)
     try:
         status = follow(monitor, interval=args.interval, once=args.once)
     except FileNotFoundError as err:
-        print(f"mmldlm monitor: {err}")
+        print(f"mmldlm monitor: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C while following: still write what was asked for
         status = monitor.report()["status"]

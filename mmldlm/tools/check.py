@@ -40,9 +40,6 @@ class Finding:
     fix: str
     changes: dict[str, Any] = field(default_factory=dict)  # config key -> corrected value; empty: not a config fix
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 @dataclass
 class Environment:

@@ -22,7 +22,6 @@ import statistics
 from collections import defaultdict, deque
 from dataclasses import asdict, dataclass, field
 
-SEVERITIES = ("warning", "critical")
 MEMORY_KEYS = ("mem_allocated_gib", "mem_rss_gib")  # CUDA peak allocated, else process RSS
 
 
@@ -313,6 +312,8 @@ class HealthTracker:
         first, last = state.previous_medians[0], state.previous_medians[-1]
         return last / first - 1 if first else None
 
-    def status(self) -> str:
-        severities = {a.severity for a in self.alerts}
-        return "critical" if "critical" in severities else "warning" if severities else "healthy"
+
+def status_of(alerts: list[Alert]) -> str:
+    """healthy, warning or critical: the worst severity among `alerts`."""
+    severities = {a.severity for a in alerts}
+    return "critical" if "critical" in severities else "warning" if severities else "healthy"

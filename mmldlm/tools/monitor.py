@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mmldlm.tools.health import Alert, HealthConfig, HealthTracker, REMEDIES, finite, memory_of
+from mmldlm.tools.health import REMEDIES, Alert, HealthConfig, HealthTracker, finite, memory_of, status_of
 
 EXIT_HEALTHY, EXIT_WARNING, EXIT_CRITICAL = 0, 1, 2
 STAT_KEYS = ("text_loss", "latent_loss", "accuracy", "lr", "grad_norm", "samples_per_s", "tokens_per_s",
@@ -158,11 +158,6 @@ class RunHistory:
     def trailing(self, key: str, count: int = 20) -> float | None:
         values = [r[key] for r in self.records[-count:] if finite(r.get(key))]
         return statistics.median(values) if values else None
-
-
-def status_of(alerts: list[Alert]) -> str:
-    severities = {a.severity for a in alerts}
-    return "critical" if "critical" in severities else "warning" if severities else "healthy"
 
 
 def exit_code(status: str, strict: bool) -> int:
