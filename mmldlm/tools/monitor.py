@@ -119,7 +119,8 @@ class RunHistory:
         """The file was rewritten: `records` is all of it."""
         old = self.records
         same = 0
-        while same < min(len(old), len(records)) and old[same] == records[same]:
+        # Compared as JSON text: a NaN loss never equals itself as a float.
+        while same < min(len(old), len(records)) and json.dumps(old[same]) == json.dumps(records[same]):
             same += 1
         self._restart(old[:same], old[same:])
         self.extend(records[same:])
