@@ -16,6 +16,8 @@ COMMANDS = {
     "model-info": ("model_info", "parameter counts per part and training FLOPs of a model preset"),
     "prepare": ("prepare", "corpus -> tokenizer, token shards, sentence-encoder latent shards and meta.json"),
     "train": ("train", "train a model (under torchrun for many processes/nodes); --resume auto continues a run"),
+    "monitor": ("monitor", "follow a run's metrics.jsonl: status, alerts, health report (JSON), plot (PNG)"),
+    "check": ("check", "audit a config and its environment for critical issues; --fix writes a corrected config"),
 }
 
 

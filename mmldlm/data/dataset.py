@@ -187,10 +187,14 @@ class PadCollate:
 # The loader.
 
 
-def default_num_workers() -> int:
-    """min(8, cpus // local ranks): enough to keep ahead of a step, never more processes than cores."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(8, cpus // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+def default_num_workers(cpus: int | None = None, local_ranks: int | None = None) -> int:
+    """min(8, cpus // local ranks): enough to keep ahead of a step, never more processes than cores.
+    By default this process's CPUs and torchrun's LOCAL_WORLD_SIZE (`mmldlm check` passes others)."""
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if local_ranks is None:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return min(8, cpus // local_ranks)
 
 
 class Loader:

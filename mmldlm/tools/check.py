@@ -1,0 +1,521 @@
+"""`mmldlm check`: audit a run config, and the machine it would run on, for the plan's critical
+issues (the seeds' apply_critical_fixes.sh and validation script) before any device hour is spent.
+
+Each rule is one small function `rule(cfg, env, est) -> list[Finding]`, listed in RULES. A finding
+says what is wrong (with the values), why it matters and the fix; when the fix is a config change it
+also carries it as {"section.key": value}, which `fix_config` applies (`--fix OUT`). Fixes outside
+the config (environment variables, free disk) are described but cannot be applied to a file.
+
+The memory and checkpoint-size numbers are estimates from the parameter count (the model is built on
+the meta device: no memory), documented in `estimate`; they are meant to catch a run that cannot fit
+by a wide margin, not to replace a measurement (`mmldlm train` logs the real peak memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mmldlm.config import MODES, RunConfig, from_dict, to_dict
+
+GIB = 2**30
+SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
+
+
+@dataclass
+class Finding:
+    rule: str
+    severity: str  # "error": the run fails or wastes its resources; "warning": slower or riskier; "info": a note
+    message: str
+    why: str
+    fix: str
+    changes: dict[str, Any] = field(default_factory=dict)  # config key -> corrected value; empty: not a config fix
+
+
+@dataclass
+class Environment:
+    """Where the run would go: detected by `detect_environment`, or built by hand (tests, what-ifs)."""
+
+    device: str = "cpu"  # "cuda" | "cpu"
+    device_memory_gib: float = 16.0  # per process: the GPU's memory, or RAM / processes per node on CPU
+    cpus: int = 1  # CPUs this node's processes share
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    free_disk_gib: float = 100.0  # at train.run_dir (or its nearest existing parent)
+    fused_adamw: bool = True  # torch's fused AdamW kernel works on `device`
+    environ: dict[str, str] = field(default_factory=dict)  # the NCCL / torch variables that matter
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+NCCL_VARIABLES = ("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING",
+                  "TORCH_NCCL_ENABLE_MONITORING")
+
+
+def _fused_adamw_works(device: str) -> bool:
+    import torch
+
+    try:
+        torch.optim.AdamW([torch.zeros(1, device=device, requires_grad=True)], fused=True)
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
+def detect_environment(cfg: RunConfig, nproc_per_node: int | None = None, nnodes: int | None = None,
+                       device_memory_gib: float | None = None) -> Environment:
+    """This machine as the run would see it; process counts default to the torchrun/launcher variables."""
+    import torch
+
+    nproc = nproc_per_node or int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("NPROC_PER_NODE") or 1)
+    nodes = nnodes or int(os.environ.get("NNODES") or 1)
+    cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
+    if device_memory_gib is None:
+        if cuda:
+            device_memory_gib = torch.cuda.get_device_properties(0).total_memory / GIB
+        else:  # CPU: the node's RAM is shared by its processes
+            device_memory_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GIB / nproc
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    where = Path(cfg.train.run_dir).absolute()
+    while not where.exists():
+        where = where.parent
+    return Environment(device="cuda" if cuda else "cpu", device_memory_gib=device_memory_gib, cpus=cpus,
+                       nproc_per_node=nproc, nnodes=nodes, free_disk_gib=shutil.disk_usage(where).free / GIB,
+                       fused_adamw=_fused_adamw_works("cuda" if cuda else "cpu"),
+                       environ={k: os.environ[k] for k in NCCL_VARIABLES if k in os.environ})
+
+
+# --------------------------------------------------------------------------------------------------
+# Estimates.
+
+
+@dataclass
+class Estimate:
+    num_params: int
+    vocab_size: int
+    seq_len: int  # text tokens per sample (data.max_length or model.max_seq_len)
+    static_gib: float  # weights, gradients, optimizer state, autocast copies and runtime overhead per process
+    activations_gib_per_sample: float
+    checkpoint_gib: float
+
+    def memory_gib(self, micro_batch_size: int) -> float:
+        return self.static_gib + micro_batch_size * self.activations_gib_per_sample
+
+
+def vocab_size_of(cfg: RunConfig) -> int:
+    """model.vocab_size, else the prepared dataset's (data.path/meta.json), else the default corpus's."""
+    if cfg.model.vocab_size is not None:
+        return cfg.model.vocab_size
+    if cfg.data.path is not None:
+        meta = Path(cfg.data.path) / "meta.json"
+        if meta.is_file():
+            return int(json.loads(meta.read_text())["vocab_size"])
+    return cfg.data.vocab_size
+
+
+def count_parameters(cfg: RunConfig, vocab_size: int) -> int:
+    import torch
+
+    from mmldlm.model.mmdit import MultimodalMMDiT
+
+    with torch.device("meta"):  # shapes only
+        model = MultimodalMMDiT(cfg.model, vocab_size=vocab_size)
+    return sum(p.numel() for p in model.parameters())
+
+
+def estimate(cfg: RunConfig, env: Environment) -> Estimate:
+    """Memory per process and checkpoint size from the parameter count P.
+
+    Static: fp32 weights 4P + gradients 4P + AdamW moments 8P (divided by the world size under
+    FSDP2, which shards all three), plus a 2P low-precision weight copy under bf16/fp16 autocast,
+    plus runtime overhead (CUDA context and allocator slack 0.75 GiB; 0.3 GiB of process on CPU).
+    Activations per sample: a GPT block stores about S * H * (34 + 5 * nh * S / H) bytes with 16-bit
+    activations (Korthikanti et al. 2022, sec. 4.1), over S = L + K tokens here. An MMDiT block also
+    keeps its adaLN-modulated inputs and the QK-norm and RoPE outputs: 50 instead of 34 matches the
+    tiny preset's measured RSS growth per sample in fp32 on CPU (twice the bytes of 16-bit). The
+    5 * nh * S / H term (the attention matrix) counts only for the explicit-softmax attention; SDPA's
+    fused kernels do not store it. The text head adds L * V * 12 bytes (logits, log-probabilities
+    and their gradient in fp32).
+    Checkpoint: model.safetensors 4P + optimizer.pt 8P (fp32 weights and the two AdamW moments).
+    """
+    m = cfg.model
+    vocab = vocab_size_of(cfg)
+    params = count_parameters(cfg, vocab)
+    seq_len = cfg.data.max_length or m.max_seq_len
+    tokens = seq_len + m.num_latents
+    low_precision = cfg.train.precision in ("bf16", "fp16") or (cfg.train.precision == "auto" and env.device == "cuda")
+    shards = env.world_size if cfg.distributed.strategy == "fsdp2" else 1
+    static = 16 * params / shards + (2 * params if low_precision else 0)
+    static += (0.75 if env.device == "cuda" else 0.3) * GIB
+    attention = 5 * m.num_heads * tokens / m.hidden_size if m.attention == "explicit" else 0
+    per_block = tokens * m.hidden_size * (50 + attention) * (1 if low_precision else 2)
+    per_sample = m.num_blocks * per_block + seq_len * vocab * 12
+    return Estimate(num_params=params, vocab_size=vocab, seq_len=seq_len, static_gib=static / GIB,
+                    activations_gib_per_sample=per_sample / GIB, checkpoint_gib=12 * params / GIB)
+
+
+# --------------------------------------------------------------------------------------------------
+# The rules.
+
+MEMORY_HEADROOM = 0.9  # share of the device the estimate may fill (fragmentation, temporaries)
+
+
+def check_timeout(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
+    minutes = cfg.distributed.timeout_minutes
+    why = ("a rank that dies or hangs leaves the others waiting in a collective for this long, holding every "
+           "device of the job, before the job fails and the launcher can restart it from the last checkpoint")
+    fix = "distributed.timeout_minutes=30"
+    if minutes > 24 * 60:
+        return [Finding("timeout", "error", f"distributed.timeout_minutes={minutes:g} ({minutes / 1440:.1f} days)",
+                        why, fix, {"distributed.timeout_minutes": 30.0})]
+    if minutes > 120:
+        return [Finding("timeout", "warning", f"distributed.timeout_minutes={minutes:g} is over 2 hours",
+                        why, fix, {"distributed.timeout_minutes": 30.0})]
+    if minutes < 5:
+        return [Finding("timeout", "warning", f"distributed.timeout_minutes={minutes:g} is under 5 minutes",
+                        "a slow but healthy collective (the checkpoint gather of a large model, the first step "
+                        "compiling) would be taken for a hang and kill the job", fix,
+                        {"distributed.timeout_minutes": 30.0})]
+    return []
+
+
+def check_nccl_environment(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
+    findings = []
+    timeout_s = cfg.distributed.timeout_minutes * 60
+    heartbeat = env.environ.get("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC")
+    if heartbeat is not None:
+        seconds = float(heartbeat) if heartbeat.replace(".", "", 1).isdigit() else None
+        why = ("the NCCL heartbeat monitor kills a rank whose watchdog is stuck; days let a wedged rank hold the "
+               "job, and less than the collective timeout kills ranks before the timeout can say which "
+               "collective hung")
+        fix = (f"unset TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC: the trainer sets it to the collective timeout + 60 s "
+               f"({timeout_s + 60:.0f})")
+        if seconds is None or seconds > 86400:
+            findings.append(Finding("nccl_env", "error", f"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC={heartbeat} in the "
+                                    "environment", why, fix))
+        elif seconds < timeout_s:
+            findings.append(Finding("nccl_env", "warning", f"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC={heartbeat} is "
+                                    f"below distributed.timeout_minutes ({timeout_s:g} s)", why, fix))
+    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):
+        if env.environ.get(name) == "0":
+            findings.append(Finding("nccl_env", "error", f"{name}=0 in the environment",
+                                    "a collective that times out then leaves the process hanging instead of "
+                                    "tearing it down, so torchrun never sees a failure and never restarts",
+                                    f"unset {name} (the trainer and scripts/launch.sh set it to 1)"))
+    if env.environ.get("TORCH_NCCL_ENABLE_MONITORING") == "0":
+        findings.append(Finding("nccl_env", "warning", "TORCH_NCCL_ENABLE_MONITORING=0 in the environment",
+                                "without the heartbeat monitor a rank whose NCCL watchdog is stuck is never killed",
+                                "unset TORCH_NCCL_ENABLE_MONITORING"))
+    return findings
+
+
+def check_loader(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
+    from mmldlm.data.dataset import default_num_workers
+
+    d, findings = cfg.data, []
+    per_rank = max(1, env.cpus // env.nproc_per_node)
+    auto = default_num_workers(env.cpus, env.nproc_per_node)
+    workers = auto if d.num_workers is None else d.num_workers
+    if d.num_workers is not None and d.num_workers > per_rank:
+        findings.append(Finding(
+            "loader_workers", "warning",
+            f"data.num_workers={d.num_workers} with {env.cpus} CPUs for {env.nproc_per_node} process(es) per node "
+            f"({per_rank} per process)",
+            "more worker processes than CPUs fight each other and the training threads for cores; the seeds' 16 "
+            "workers per rank slowed data loading down",
+            f"data.num_workers=null (min(8, cpus // local ranks) = {auto} here)", {"data.num_workers": None}))
+        workers = auto
+    if workers > 0 and d.prefetch_factor is None:
+        findings.append(Finding("loader_prefetch", "warning", "data.prefetch_factor=null (torch's default: 2)",
+                                "each worker keeps only 2 batches ready, so a slow batch stalls the step",
+                                "data.prefetch_factor=4", {"data.prefetch_factor": 4}))
+    if workers > 0 and not d.persistent_workers:
+        findings.append(Finding("loader_persistence", "warning", "data.persistent_workers=false",
+                                "the worker processes are started again every epoch (fork, dataset reopen), and "
+                                "the first batches of each epoch wait for them",
+                                "data.persistent_workers=true", {"data.persistent_workers": True}))
+    if env.device == "cuda" and d.pin_memory is False:
+        findings.append(Finding("loader_pin_memory", "warning", "data.pin_memory=false on CUDA",
+                                "copies from pageable memory cannot overlap with compute",
+                                "data.pin_memory=null (on with CUDA)", {"data.pin_memory": None}))
+    if env.device == "cuda" and workers == 0 and per_rank >= 2:
+        findings.append(Finding("loader_workers", "warning", "data.num_workers=0 on CUDA",
+                                "the training process reads and pads every batch itself while the GPU waits",
+                                f"data.num_workers=null ({auto} here)", {"data.num_workers": None}))
+    return findings
+
+
+def _largest_micro_batch(cfg: RunConfig, env: Environment, est: Estimate, limit: float) -> int | None:
+    """The largest micro-batch below the configured one that fits `limit` GiB and still divides every
+    global batch size over the world size (the global batch, hence the training, stays the same)."""
+    sizes = [cfg.train.global_batch_size] + [size for _, size in cfg.train.batch_schedule]
+    for micro in range(cfg.train.micro_batch_size - 1, 0, -1):
+        if all(size % (micro * env.world_size) == 0 for size in sizes) and est.memory_gib(micro) <= limit:
+            return micro
+    return None
+
+
+def check_memory(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
+    micro = cfg.train.micro_batch_size
+    need, limit = est.memory_gib(micro), MEMORY_HEADROOM * env.device_memory_gib
+    if need <= limit:
+        return []
+    device = "GPU" if env.device == "cuda" else "RAM per process"
+    message = (f"estimated {need:.1f} GiB per process ({est.static_gib:.1f} GiB weights, gradients, optimizer state "
+               f"and overhead for {est.num_params / 1e6:.1f}M parameters + {micro} x "
+               f"{est.activations_gib_per_sample * 1024:.0f} MiB of activations at micro-batch {micro}) > "
+               f"{MEMORY_HEADROOM:.0%} of {env.device_memory_gib:.1f} GiB {device}")
+    why = "the first steps run out of memory (CUDA OOM, or the kernel's OOM killer on CPU)"
+    smaller = _largest_micro_batch(cfg, env, est, limit)
+    if smaller is not None:
+        return [Finding("memory", "error", message, why,
+                        f"train.micro_batch_size={smaller} (more accumulation steps, the same global batch)",
+                        {"train.micro_batch_size": smaller})]
+    if cfg.distributed.strategy == "ddp" and env.world_size > 1:
+        sharded = dataclasses.replace(
+            est, static_gib=est.static_gib - 16 * est.num_params / GIB * (1 - 1 / env.world_size))
+        fits = _largest_micro_batch(cfg, env, sharded, limit) or (micro if sharded.memory_gib(micro) <= limit else None)
+        if fits is not None:
+            return [Finding("memory", "error", message, why,
+                            f"distributed.strategy=fsdp2 (shards weights, gradients and optimizer state over "
+                            f"{env.world_size} processes), train.micro_batch_size={fits}",
+                            {"distributed.strategy": "fsdp2", "train.micro_batch_size": fits})]
+    return [Finding("memory", "error", message, why,
+                    "even micro-batch 1 does not fit: a smaller model preset, more devices with "
+                    "distributed.strategy=fsdp2, or a device with more memory")]
+
+
+def _modes_in_mix(cfg: RunConfig) -> list[str]:
+    o = cfg.objective
+    if o.mode == "random":
+        return [m for m in MODES if o.mode_weights.get(m, 0) > 0]
+    if o.mode == "sequential":
+        return sorted({mode for _, mode in o.mode_schedule}, key=MODES.index)
+    return [o.mode]
+
+
+def check_unused_parameters(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
+    """Which output head is idle in the mode mix, and why DDP still needs no find_unused_parameters."""
+    idle = {"l2t": "latent head", "t2l": "text head"}
+    modes = _modes_in_mix(cfg)
+    idle_heads = sorted({idle[m] for m in modes if m in idle})
+    if not idle_heads or env.world_size == 1:
+        return []
+    if cfg.distributed.strategy == "fsdp2":
+        how = ("FSDP2 reduce-scatters only the gradients that exist; the idle head keeps a None gradient on every "
+               "rank (all ranks train the same mode at a step)")
+    else:
+        how = ("the trainer anchors the idle head into the loss (an exact zero gradient, then .grad=None before "
+               "AdamW), so DDP runs with find_unused_parameters=False and static_graph is valid")
+    return [Finding("unused_parameters", "info",
+                    f"modes {', '.join(modes)}: the {' and the '.join(idle_heads)} get no gradient on some steps",
+                    f"plain DDP would need find_unused_parameters=True (a graph walk every step) or fail with "
+                    f"'Expected to have finished reduction'; {how}", "nothing to do")]
+
+
+def check_fused_optimizer(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
+    if cfg.optim.fused is True and not env.fused_adamw:
+        return [Finding("fused_optimizer", "error", f"optim.fused=true but fused AdamW is unavailable on {env.device}",
+                        "building the optimizer fails before the first step",
+                        "optim.fused=auto (fused where available, else the foreach kernel)",
+                        {"optim.fused": "auto"})]
+    if cfg.optim.fused is False and env.fused_adamw:
+        return [Finding("fused_optimizer", "warning", f"optim.fused=false although fused AdamW works on {env.device}",
+                        "the foreach kernel launches several kernels per parameter group step; the fused one, one",
+                        "optim.fused=auto", {"optim.fused": "auto"})]
+    return []
+
+
+def _num_saved(cfg: RunConfig) -> tuple[int, int]:
+    """(checkpoints the run writes, milestones among them that are never pruned)."""
+    steps, every, milestone = cfg.train.steps, cfg.checkpoint.every, cfg.checkpoint.milestone_every
+    saved = steps // every + (1 if steps % every else 0)  # plus the final step
+    if not milestone:
+        return saved, 0
+    milestones = steps // math.lcm(every, milestone) + (1 if steps % milestone == 0 and steps % every else 0)
+    return saved, milestones
+
+
+def check_checkpoint_retention(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
+    saved, milestones = _num_saved(cfg)
+    kept = min(saved, cfg.checkpoint.keep_last + milestones)
+    need = (kept + 1) * est.checkpoint_gib  # +1: the next one is written before the oldest is pruned
+    if need <= 0.5 * env.free_disk_gib:
+        return []
+    severity = "error" if need > env.free_disk_gib else "warning"
+    message = (f"checkpoints need up to {need:.1f} GiB ({kept} kept + 1 being written, {est.checkpoint_gib:.2f} GiB "
+               f"each: checkpoint.keep_last={cfg.checkpoint.keep_last}, {milestones} milestone(s)) with "
+               f"{env.free_disk_gib:.1f} GiB free at {cfg.train.run_dir}")
+    why = "a checkpoint write that runs out of disk fails the run (and the disk of everything else on it)"
+    budget = int(0.5 * env.free_disk_gib / est.checkpoint_gib) - 1
+    if budget - milestones >= 1:
+        return [Finding("checkpoint_retention", severity, message, why,
+                        f"checkpoint.keep_last={budget - milestones}", {"checkpoint.keep_last": budget - milestones})]
+    if budget >= 1:
+        return [Finding("checkpoint_retention", severity, message, why,
+                        f"checkpoint.milestone_every=0, checkpoint.keep_last={budget}",
+                        {"checkpoint.milestone_every": 0, "checkpoint.keep_last": budget})]
+    return [Finding("checkpoint_retention", severity, message, why,
+                    "free disk space or put train.run_dir on a larger filesystem")]
+
+
+def check_batch_divisible(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
+    per_step = cfg.train.micro_batch_size * env.world_size
+    sizes = {"train.global_batch_size": cfg.train.global_batch_size}
+    sizes.update({f"train.batch_schedule[{i}]": size for i, (_, size) in enumerate(cfg.train.batch_schedule)})
+    bad = {key: size for key, size in sizes.items() if size % per_step}
+    if not bad:
+        return []
+    message = (", ".join(f"{key}={size}" for key, size in bad.items()) + f" not a multiple of micro-batch x world "
+               f"size = {cfg.train.micro_batch_size} x {env.world_size} = {per_step}")
+    why = (f"the global batch is split into micro-batches of train.micro_batch_size on each of {env.world_size} "
+           f"process(es); the trainer refuses to start otherwise")
+    # A smaller micro-batch keeps the global batch (the recipe the LR was tuned for); only when none
+    # divides it is the global batch rounded up.
+    micro = _largest_micro_batch(cfg, env, est, limit=math.inf)
+    if micro is not None:
+        return [Finding("batch_divisible", "error", message, why,
+                        f"train.micro_batch_size={micro} (the global batch stays)", {"train.micro_batch_size": micro})]
+    changes = {"train.global_batch_size": math.ceil(cfg.train.global_batch_size / per_step) * per_step}
+    if cfg.train.batch_schedule:
+        changes["train.batch_schedule"] = [[step, math.ceil(size / per_step) * per_step]
+                                           for step, size in cfg.train.batch_schedule]
+    return [Finding("batch_divisible", "error", message, why,
+                    ", ".join(f"{key}={value}" for key, value in changes.items()), changes)]
+
+
+def check_lr_schedule(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
+    s, steps, findings = cfg.schedule, cfg.train.steps, []
+    warmup_fix = {"schedule.warmup_steps": steps // 10}
+    if s.warmup_steps >= steps:
+        findings.append(Finding("lr_schedule", "error",
+                                f"schedule.warmup_steps={s.warmup_steps} >= train.steps={steps}",
+                                "the run ends during warmup: the LR never reaches optim.lr and never decays",
+                                f"schedule.warmup_steps={steps // 10}", warmup_fix))
+    elif s.warmup_steps > steps // 2:
+        findings.append(Finding("lr_schedule", "warning",
+                                f"schedule.warmup_steps={s.warmup_steps} is over half of train.steps={steps}",
+                                "most of the run trains below the peak LR; the decay is squeezed into the rest",
+                                f"schedule.warmup_steps={steps // 10}", warmup_fix))
+    after = steps - min(s.warmup_steps, steps)
+    if s.kind == "cosine_restarts" and after and (after - 1) % s.restart_period < s.restart_period // 2:
+        cycles = max(1, round(after / s.restart_period))
+        period = math.ceil(after / cycles)  # the last cycle ends at (or just before) the last step
+        findings.append(Finding("lr_schedule", "warning",
+                                f"schedule.restart_period={s.restart_period} ends the run early in a cosine cycle "
+                                f"({after} steps after warmup)",
+                                "the last steps train at a high LR just after a restart, so the final weights are "
+                                "not annealed", f"schedule.restart_period={period}",
+                                {"schedule.restart_period": period}))
+    if s.plateau.enabled and s.plateau.min_lr >= cfg.optim.lr:
+        findings.append(Finding("lr_schedule", "warning",
+                                f"schedule.plateau.min_lr={s.plateau.min_lr:g} >= optim.lr={cfg.optim.lr:g}",
+                                "reduce-on-plateau can never lower the LR", f"schedule.plateau.min_lr={cfg.optim.lr / 100:g}",
+                                {"schedule.plateau.min_lr": cfg.optim.lr / 100}))
+    late = [entry for entry in cfg.train.batch_schedule if entry[0] >= steps]
+    if late:
+        kept = [entry for entry in cfg.train.batch_schedule if entry[0] < steps]
+        findings.append(Finding("lr_schedule", "warning",
+                                f"train.batch_schedule entries {late} start at or after train.steps={steps}",
+                                "they are never reached: the batch growth planned with the LR schedule never happens",
+                                f"train.batch_schedule={kept}", {"train.batch_schedule": kept}))
+    findings += _resume_with_other_length(cfg)
+    return findings
+
+
+def _resume_with_other_length(cfg: RunConfig) -> list[Finding]:
+    """A run directory that already holds a checkpoint of a run planned with other train.steps: the
+    schedule is a function of train.steps, so resuming with a new length makes the LR jump."""
+    from mmldlm.training.schedules import LRSchedule
+
+    run_dir = Path(cfg.train.run_dir)
+    pointer = run_dir / "checkpoints" / "latest"
+    try:
+        before = yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["steps"]
+        step = int(pointer.read_text().strip().split("-")[1])
+    except (OSError, yaml.YAMLError, KeyError, TypeError, IndexError, ValueError):
+        return []
+    if before == cfg.train.steps or cfg.schedule.kind == "constant" or not isinstance(before, int):
+        return []
+    old = LRSchedule(cfg.schedule, cfg.optim.lr, before).lr(step)
+    new = LRSchedule(cfg.schedule, cfg.optim.lr, cfg.train.steps).lr(step)
+    return [Finding("lr_schedule", "warning",
+                    f"{run_dir} holds a checkpoint at step {step} of a run planned for train.steps={before}; this "
+                    f"config has train.steps={cfg.train.steps}",
+                    f"the schedule spans train.steps: resuming makes the LR jump from {old:.3g} to {new:.3g} at "
+                    f"step {step}" + (" and the old schedule had already ended" if step >= before - 1 else ""),
+                    f"keep train.steps={before}, or accept the jump (schedule.warmup_steps does not apply again)")]
+
+
+RULES = (check_timeout, check_nccl_environment, check_loader, check_memory, check_unused_parameters,
+         check_fused_optimizer, check_checkpoint_retention, check_batch_divisible, check_lr_schedule)
+
+
+def audit(cfg: RunConfig, env: Environment) -> tuple[list[Finding], Estimate]:
+    est = estimate(cfg, env)
+    findings = [finding for rule in RULES for finding in rule(cfg, env, est)]
+    return sorted(findings, key=lambda f: SEVERITY_ORDER[f.severity]), est
+
+
+# --------------------------------------------------------------------------------------------------
+# --fix
+
+
+def apply_changes(cfg: RunConfig, changes: dict[str, Any]) -> RunConfig:
+    raw = to_dict(cfg)
+    for key, value in changes.items():
+        node = raw
+        *sections, name = key.split(".")
+        for section in sections:
+            node = node[section]
+        node[name] = value
+    fixed = from_dict(RunConfig, raw)
+    fixed.check()
+    return fixed
+
+
+def fix_config(cfg: RunConfig, env: Environment, max_fixes: int = 20) -> tuple[RunConfig, list[Finding]]:
+    """Apply the findings' config changes one at a time, most severe first, auditing again after each:
+    one fix can settle another (a smaller micro-batch can make the global batch divisible) or expose
+    one. Returns the corrected config and the findings whose changes were applied."""
+    applied = []
+    for _ in range(max_fixes):
+        fixable = [f for f in audit(cfg, env)[0] if f.changes]
+        if not fixable:
+            break
+        cfg = apply_changes(cfg, fixable[0].changes)
+        applied.append(fixable[0])
+    return cfg, applied
+
+
+def config_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def config_diff(before: RunConfig, after: RunConfig, name_before: str, name_after: str) -> str:
+    return "".join(difflib.unified_diff(config_yaml(before).splitlines(keepends=True),
+                                        config_yaml(after).splitlines(keepends=True), name_before, name_after))
+
+
+def format_finding(f: Finding) -> str:
+    return f"{f.severity.upper():7s} [{f.rule}] {f.message}\n    why: {f.why}\n    fix: {f.fix}"
+
+
+def describe(env: Environment, est: Estimate, cfg: RunConfig) -> str:
+    where = "GPU" if env.device == "cuda" else "RAM"
+    return (f"environment: {env.device}, {env.cpus} CPU(s), {env.nproc_per_node} process(es) x {env.nnodes} node(s), "
+            f"{env.device_memory_gib:.1f} GiB {where} per process, {env.free_disk_gib:.1f} GiB free disk\n"
+            f"model: {est.num_params / 1e6:.2f}M parameters (vocab {est.vocab_size}); estimated "
+            f"{est.memory_gib(cfg.train.micro_batch_size):.2f} GiB per process at micro-batch "
+            f"{cfg.train.micro_batch_size}; {est.checkpoint_gib:.3f} GiB per checkpoint")

@@ -1,0 +1,319 @@
+"""Health of a training run from its metrics records: alerts, each with a severity, the step it fired
+at, and a remedy that names the config switch.
+
+The input is the records of RUN/metrics.jsonl exactly as the trainer writes them (Trainer.train_step
+plus metrics.memory_stats): step, mode, loss, text_loss, latent_loss, lr, grad_norm, samples_per_s,
+tokens_per_s, step_time_s, data_wait_share, skipped, num_skipped, and mem_allocated_gib (CUDA) or
+mem_rss_gib (CPU). `HealthTracker.observe(record)` feeds one record to every detector, so a live run
+is analysed as it grows at a constant cost per record.
+
+Like is compared with like: the modes l2t / t2l / joint have their own loss scales, gradient norms
+and step costs (a `random` run jumps between them every step), so losses, gradient norms and
+throughput are compared only with earlier records of the same mode. Thresholds are robust (medians
+and the median absolute deviation) so a single outlier neither hides nor fakes a trend.
+Each episode raises one alert: a detector fires when its condition becomes true and re-arms only
+once the condition has cleared.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict, deque
+from dataclasses import asdict, dataclass, field
+
+MEMORY_KEYS = ("mem_allocated_gib", "mem_rss_gib")  # CUDA peak allocated, else process RSS
+
+
+@dataclass
+class Alert:
+    kind: str
+    severity: str  # "warning" | "critical"
+    step: int
+    message: str
+    remedy: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class HealthConfig:
+    """Detector thresholds. Windows count records (one per train.log_every steps), per mode where noted."""
+
+    window: int = 50  # records per mode behind the loss-spike and grad-norm statistics
+    min_history: int = 10  # records of a mode before spikes and explosions are judged
+    spike_z: float = 6.0  # robust z-score of a loss's jump above its local level that makes it a spike
+    trend_window: int = 10  # records per mode in the rolling median that trend, divergence and plateau follow
+    divergence_ratio: float = 0.3  # rolling median this far above its best: sustained divergence
+    plateau_window: int = 50  # records per mode without a new best (by plateau_min_improvement): a plateau
+    plateau_min_improvement: float = 0.01
+    plateau_lr_fraction: float = 0.5  # judge plateaus only while lr >= this share of the peak lr seen
+    grad_explosion_factor: float = 10.0  # grad norm above this multiple of its running median
+    throughput_window: int = 5  # recent records per mode compared with the run's own median
+    throughput_drop: float = 0.3  # recent median below (1 - this) x the run's median
+    data_wait_share: float = 0.2  # median data-wait share of step time over throughput_window records
+    memory_window: int = 30  # records over which memory must rise steadily
+    memory_creep_fraction: float = 0.1  # rise above this share of the window's starting memory...
+    memory_creep_min_gib: float = 0.05  # ...and above this many GiB
+    warmup_records: int = 2  # first records of the run left out of throughput and memory baselines
+    resume_tolerance: float = 1e-3  # relative loss difference of a re-trained step after a resume
+
+    def check(self) -> None:
+        for name, value in asdict(self).items():
+            if not value > 0:
+                raise ValueError(f"monitor threshold '{name}': got {value!r}; expected a number > 0")
+
+
+REMEDIES = {
+    "nonfinite": "lower optim.lr, keep optim.grad_clip > 0 (1.0), prefer train.precision=bf16 over fp16; "
+                 "the trainer skips such updates and stops after train.max_consecutive_skips in a row; "
+                 "continue with --resume auto (or --resume PATH of an earlier checkpoint)",
+    "skipped_updates": "updates with a non-finite loss or gradient norm were skipped between logged records: "
+                       "lower optim.lr, keep optim.grad_clip > 0, check the data; "
+                       "train.log_every=1 shows each one",
+    "loss_spike": "optim.grad_clip=1.0, lower optim.lr or a longer schedule.warmup_steps; a spike that does "
+                  "not recover becomes a divergence",
+    "divergence": "lower optim.lr (halve it) and resume from a checkpoint before the rise (--resume PATH); "
+                  "schedule.warmup_steps longer, optim.grad_clip=1.0",
+    "plateau": "schedule.plateau.enabled=true reduces the LR when the loss stops improving; if optim.lr is small "
+               "raise it; check objective.mode_weights and that the data is not tiny (memorised)",
+    "grad_explosion": "optim.grad_clip=1.0 (clipping bounds the update, the norm is still logged), lower optim.lr",
+    "throughput_drop": "another process on the device or node, thermal throttling, a slow filesystem, or the "
+                       "loader: data.num_workers, data.persistent_workers=true; `mmldlm check` audits the loader",
+    "data_wait": "the loader cannot keep up: data.num_workers (null = min(8, cpus // local ranks)), "
+                 "data.prefetch_factor=4, data.persistent_workers=true, data.pin_memory on GPU",
+    "memory_creep": "tensors kept across steps (a metric not detached, a growing list) or allocator "
+                    "fragmentation from many shapes: data.pad_to_multiple=64 bounds the shapes, "
+                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, a lower train.micro_batch_size",
+    "stall": "a rank or the loader is stuck: distributed.timeout_minutes bounds how long a collective waits "
+             "(30 by default; `mmldlm check` flags absurd values), look at each rank's log "
+             "(scripts/launch.sh writes logs/node-N.log), resume with --resume auto",
+    "resume_mismatch": "the resumed run does not repeat the interrupted one: resume with the same config, data "
+                       "and number of processes; train.deterministic=true makes resumed losses repeat exactly",
+}
+
+
+def finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def memory_of(record: dict) -> float | None:
+    return next((record[k] for k in MEMORY_KEYS if finite(record.get(k))), None)
+
+
+def robust_z(value: float, history, floor: float) -> float:
+    """0.6745 * (value - median) / MAD (Iglewicz & Hoaglin 1993): about a z-score for normal data,
+    unmoved by the outliers it is meant to find. The MAD is floored at `floor` so a near-constant
+    history does not turn rounding noise into huge scores."""
+    values = list(history)
+    median = statistics.median(values)
+    mad = statistics.median(abs(v - median) for v in values)
+    return 0.6745 * (value - median) / max(mad, floor, 1e-12)
+
+
+class _Latch:
+    """One alert per episode: `fire(cond)` is True when `cond` becomes true; re-armed when it is false."""
+
+    def __init__(self):
+        self.armed = True
+
+    def fire(self, condition: bool) -> bool:
+        if not condition:
+            self.armed = True
+            return False
+        fired, self.armed = self.armed, False
+        return fired
+
+
+@dataclass
+class _ModeState:
+    """What the detectors remember about one mode."""
+
+    residuals: deque  # loss minus the rolling median before it: the loss's jumps off its local level
+    grad_norms: deque
+    throughput: deque
+    smoothed: deque  # the last trend_window losses, for the rolling median
+    previous_medians: deque  # rolling medians of earlier records, for the trend
+    all_throughput: list = field(default_factory=list)
+    best: float = math.inf  # lowest rolling median so far
+    anchor: float = math.inf  # the rolling median when it last improved by plateau_min_improvement...
+    anchor_at: int = 0  # ...and the count of this mode's records then
+    count: int = 0
+    latches: dict = field(default_factory=lambda: defaultdict(_Latch))
+
+
+class HealthTracker:
+    """Streaming detectors over one run's records (in step order; the caller replays after a resume)."""
+
+    def __init__(self, cfg: HealthConfig | None = None):
+        self.cfg = cfg or HealthConfig()
+        self.cfg.check()
+        self.alerts: list[Alert] = []
+        self.num_records = 0
+        self.peak_lr = 0.0
+        self._modes: dict[str, _ModeState] = {}
+        self._latches = defaultdict(_Latch)
+        self._data_wait = deque(maxlen=self.cfg.throughput_window)
+        self._memory = deque(maxlen=self.cfg.memory_window)
+        self._num_skipped = 0
+
+    def _mode(self, name: str) -> _ModeState:
+        if name not in self._modes:
+            w = self.cfg.window
+            self._modes[name] = _ModeState(deque(maxlen=w), deque(maxlen=w), deque(maxlen=self.cfg.throughput_window),
+                                           deque(maxlen=self.cfg.trend_window), deque(maxlen=self.cfg.trend_window))
+        return self._modes[name]
+
+    def _raise(self, kind: str, severity: str, step: int, message: str) -> Alert:
+        alert = Alert(kind, severity, step, message, REMEDIES[kind])
+        self.alerts.append(alert)
+        return alert
+
+    def observe(self, record: dict) -> list[Alert]:
+        """Feed one record; returns the alerts it raised."""
+        before = len(self.alerts)
+        self.num_records += 1
+        step = int(record["step"])
+        mode = str(record.get("mode", "all"))
+        self._check_finite(record, step, mode)
+        state = self._mode(mode)
+        loss, grad_norm = record.get("loss"), record.get("grad_norm")
+        if finite(record.get("lr")):
+            self.peak_lr = max(self.peak_lr, record["lr"])
+        if finite(loss) and finite(grad_norm) and not record.get("skipped"):
+            state.count += 1
+            self._check_loss(state, loss, step, mode, record.get("lr"))
+            self._check_grad_norm(state, grad_norm, step, mode)
+        self._check_throughput(state, record, step, mode)
+        self._check_memory(record, step)
+        return self.alerts[before:]
+
+    # ---------------------------------------------------------------- detectors
+
+    def _check_finite(self, record: dict, step: int, mode: str) -> None:
+        bad = {k: record.get(k) for k in ("loss", "grad_norm", "text_loss", "latent_loss")
+               if record.get(k) is not None and not finite(record.get(k))}
+        if self._latches["nonfinite"].fire(bool(bad)):
+            values = ", ".join(f"{k}={v}" for k, v in bad.items())
+            skipped = " (the update was skipped)" if record.get("skipped") else ""
+            self._raise("nonfinite", "critical", step, f"non-finite {values} in mode {mode}{skipped}")
+        num_skipped = record.get("num_skipped")
+        if isinstance(num_skipped, int):
+            unlogged = num_skipped - self._num_skipped - (1 if record.get("skipped") else 0)
+            if unlogged > 0:
+                self._raise("skipped_updates", "critical", step,
+                            f"{unlogged} update(s) skipped for a non-finite loss or gradient norm before step "
+                            f"{step} ({num_skipped} in the run so far)")
+            self._num_skipped = num_skipped
+
+    def _check_loss(self, state: _ModeState, loss: float, step: int, mode: str, lr) -> None:
+        # A spike is a jump off the local level (the rolling median of the records before it) that is
+        # large against the usual jumps: a steady trend, even a rising one, moves the level with it
+        # and is left to the divergence and plateau tests.
+        cfg = self.cfg
+        if len(state.smoothed) == cfg.trend_window:
+            level = statistics.median(state.smoothed)
+            residual = loss - level
+            if len(state.residuals) >= cfg.min_history:
+                z = robust_z(residual, state.residuals, floor=1e-3 * abs(level))
+                if state.latches["spike"].fire(z > cfg.spike_z):
+                    self._raise("loss_spike", "warning", step,
+                                f"loss {loss:.4g} in mode {mode} jumped {z:.1f} robust standard deviations above "
+                                f"its local level {level:.4g} (rolling median of {cfg.trend_window} records)")
+            state.residuals.append(residual)
+        state.smoothed.append(loss)
+        if len(state.smoothed) < cfg.trend_window:
+            return
+        rolling = statistics.median(state.smoothed)
+        state.previous_medians.append(rolling)
+        if state.latches["divergence"].fire(rolling > state.best * (1 + cfg.divergence_ratio)):
+            self._raise("divergence", "warning", step,
+                        f"loss in mode {mode} has risen to a rolling median of {rolling:.4g}, "
+                        f"{rolling / state.best - 1:.0%} above its best {state.best:.4g}")
+        if rolling < state.anchor * (1 - cfg.plateau_min_improvement):
+            state.anchor, state.anchor_at = rolling, state.count
+        state.best = min(state.best, rolling)
+        # Flat: no new best for plateau_window records, and not far above the best either (a rising
+        # loss is a divergence, not a plateau).
+        judged = finite(lr) and lr >= cfg.plateau_lr_fraction * self.peak_lr
+        flat = (state.count - state.anchor_at >= cfg.plateau_window
+                and rolling <= state.best * (1 + cfg.divergence_ratio / 2))
+        if state.latches["plateau"].fire(judged and flat):
+            self._raise("plateau", "warning", step,
+                        f"loss in mode {mode} has not improved by {cfg.plateau_min_improvement:.0%} over "
+                        f"{cfg.plateau_window} records (rolling median {rolling:.4g}, best {state.best:.4g}) "
+                        f"while lr={lr:.3g} is still at least {cfg.plateau_lr_fraction:.0%} of its peak")
+
+    def _check_grad_norm(self, state: _ModeState, grad_norm: float, step: int, mode: str) -> None:
+        cfg = self.cfg
+        if len(state.grad_norms) >= cfg.min_history:
+            median = statistics.median(state.grad_norms)
+            if state.latches["grad"].fire(grad_norm > cfg.grad_explosion_factor * median):
+                self._raise("grad_explosion", "warning", step,
+                            f"grad norm {grad_norm:.4g} in mode {mode} is {grad_norm / median:.0f}x its running "
+                            f"median {median:.4g}")
+        state.grad_norms.append(grad_norm)
+
+    def _check_throughput(self, state: _ModeState, record: dict, step: int, mode: str) -> None:
+        cfg = self.cfg
+        if self.num_records <= cfg.warmup_records:  # first steps: allocation, compilation, worker start-up
+            return
+        if finite(record.get("data_wait_share")):
+            self._data_wait.append(record["data_wait_share"])
+            share = statistics.median(self._data_wait)
+            full = len(self._data_wait) == cfg.throughput_window
+            if self._latches["data_wait"].fire(full and share > cfg.data_wait_share):
+                self._raise("data_wait", "warning", step,
+                            f"the loader held up {share:.0%} of the step time (median of the last "
+                            f"{cfg.throughput_window} records; alert above {cfg.data_wait_share:.0%})")
+        speed = record.get("samples_per_s")
+        if not finite(speed):
+            return
+        state.throughput.append(speed)
+        state.all_throughput.append(speed)
+        if len(state.all_throughput) < 2 * cfg.throughput_window:
+            return
+        recent, overall = statistics.median(state.throughput), statistics.median(state.all_throughput)
+        if state.latches["throughput"].fire(recent < (1 - cfg.throughput_drop) * overall):
+            self._raise("throughput_drop", "warning", step,
+                        f"{recent:.4g} samples/s in mode {mode} (median of the last {cfg.throughput_window} "
+                        f"records) is {1 - recent / overall:.0%} below the run's median {overall:.4g}")
+
+    def _check_memory(self, record: dict, step: int) -> None:
+        cfg = self.cfg
+        memory = memory_of(record)
+        if memory is None or self.num_records <= cfg.warmup_records:
+            return
+        self._memory.append(memory)
+        if len(self._memory) < cfg.memory_window:
+            return
+        # Steady growth, not one jump (a mode using a bigger head for the first time): the medians of
+        # the window's three thirds rise in order, and no single record adds half of the rise.
+        values = list(self._memory)
+        third = len(values) // 3
+        m1, m2, m3 = (statistics.median(values[i * third:(i + 1) * third]) for i in range(3))
+        rise = m3 - m1
+        largest_jump = max(b - a for a, b in zip(values, values[1:]))
+        steady = m1 < m2 < m3 and largest_jump < 0.5 * rise
+        large = rise > max(cfg.memory_creep_fraction * m1, cfg.memory_creep_min_gib)
+        if self._latches["memory"].fire(steady and large):
+            self._raise("memory_creep", "warning", step,
+                        f"memory rose steadily from {m1:.3g} to {m3:.3g} GiB over the last {cfg.memory_window} "
+                        f"records (+{rise / m1:.0%})")
+
+    # ---------------------------------------------------------------- summaries
+
+    def trend(self, mode: str) -> float | None:
+        """Relative change of the rolling median loss of `mode` over the last trend_window records."""
+        state = self._modes.get(mode)
+        if state is None or len(state.previous_medians) < 2:
+            return None
+        first, last = state.previous_medians[0], state.previous_medians[-1]
+        return last / first - 1 if first else None
+
+
+def status_of(alerts: list[Alert]) -> str:
+    """healthy, warning or critical: the worst severity among `alerts`."""
+    severities = {a.severity for a in alerts}
+    return "critical" if "critical" in severities else "warning" if severities else "healthy"

@@ -1,0 +1,104 @@
+"""`mmldlm check` on the tiny preset: each planted problem is flagged by its rule (and nothing else
+is an error or a warning), `--fix` output passes, and the command's exit codes."""
+
+import pytest
+import yaml
+
+from mmldlm import cli
+from mmldlm.config import load_config
+from mmldlm.tools.check import Environment, audit, fix_config
+
+# A machine described by hand, so findings do not depend on where the tests run: 2 processes on a
+# node with 8 CPUs, 24 GiB per process, plenty of disk, fused AdamW available.
+ENV = Environment(device="cuda", device_memory_gib=24.0, cpus=8, nproc_per_node=2, nnodes=1, free_disk_gib=500.0,
+                  fused_adamw=True)
+CLEAN = ["model=tiny", "train.steps=600", "train.global_batch_size=32", "train.micro_batch_size=16"]
+
+
+def findings_of(tmp_path, overrides, env=ENV):
+    cfg = load_config(None, [*CLEAN, f"train.run_dir={tmp_path / 'run'}", *overrides])
+    return cfg, audit(cfg, env)[0]
+
+
+def serious(findings):
+    return sorted((f.rule, f.severity) for f in findings if f.severity != "info")
+
+
+def test_a_clean_config_has_no_error_or_warning(tmp_path):
+    _, findings = findings_of(tmp_path, [])
+    assert serious(findings) == []
+    # The random mode mix leaves a head idle on l2t/t2l steps: explained, nothing to fix.
+    assert [(f.rule, f.severity) for f in findings] == [("unused_parameters", "info")]
+    assert "find_unused_parameters=False" in findings[0].why
+
+
+@pytest.mark.parametrize("overrides,env_changes,expected", [
+    (["distributed.timeout_minutes=198720"], {}, [("timeout", "error")]),  # the seeds' 138 days
+    (["distributed.timeout_minutes=1"], {}, [("timeout", "warning")]),
+    ([], {"environ": {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "11923200"}}, [("nccl_env", "error")]),
+    ([], {"environ": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}}, [("nccl_env", "error")]),
+    (["data.num_workers=16"], {}, [("loader_workers", "warning")]),
+    (["data.prefetch_factor=null"], {}, [("loader_prefetch", "warning")]),
+    (["data.persistent_workers=false"], {}, [("loader_persistence", "warning")]),
+    (["data.pin_memory=false"], {}, [("loader_pin_memory", "warning")]),
+    (["train.micro_batch_size=4096", "train.global_batch_size=8192"], {}, [("memory", "error")]),
+    (["optim.fused=true"], {"fused_adamw": False}, [("fused_optimizer", "error")]),
+    (["optim.fused=false"], {}, [("fused_optimizer", "warning")]),
+    (["checkpoint.every=10", "checkpoint.keep_last=60"], {"free_disk_gib": 3.0}, [("checkpoint_retention", "error")]),
+    (["checkpoint.every=10", "checkpoint.milestone_every=20"], {"free_disk_gib": 3.0},
+     [("checkpoint_retention", "warning")]),
+    (["train.micro_batch_size=12", "train.global_batch_size=36"], {}, [("batch_divisible", "error")]),
+    (["train.batch_schedule=[[0, 16], [300, 48]]"], {}, [("batch_divisible", "error")]),
+    (["schedule.warmup_steps=600"], {}, [("lr_schedule", "error")]),
+    (["schedule.kind=cosine_restarts", "schedule.restart_period=400", "schedule.warmup_steps=0"], {},
+     [("lr_schedule", "warning")]),
+    (["train.batch_schedule=[[0, 32], [600, 64]]"], {}, [("lr_schedule", "warning")]),
+])
+def test_planted_problem_is_flagged_and_fix_passes(tmp_path, overrides, env_changes, expected):
+    env = Environment(**{**ENV.__dict__, **env_changes})
+    cfg, findings = findings_of(tmp_path, overrides, env)
+    assert serious(findings) == expected
+    flagged = next(f for f in findings if f.severity != "info")
+    assert flagged.why and flagged.fix
+    if not flagged.changes:  # an environment variable: the fix is outside the config
+        assert flagged.fix.startswith("unset ")
+        return
+    fixed, applied = fix_config(cfg, env)
+    assert applied and serious(audit(fixed, env)[0]) == []
+    assert fixed.train.global_batch_size == cfg.train.global_batch_size  # the training itself stays the same
+
+
+def test_out_of_memory_fix_keeps_the_global_batch_and_respects_the_world_size(tmp_path):
+    cfg, _ = findings_of(tmp_path, ["train.micro_batch_size=4096", "train.global_batch_size=8192"])
+    fixed, _ = fix_config(cfg, ENV)
+    micro = fixed.train.micro_batch_size
+    assert 1 < micro < 4096 and 8192 % (micro * ENV.world_size) == 0
+    assert not any(f.rule == "memory" for f in audit(fixed, ENV)[0])
+
+
+def test_resuming_with_another_length_warns_that_the_lr_jumps(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump({"train": {"steps": 300}}))
+    (run / "checkpoints" / "latest").write_text("step-0000300\n")
+    _, findings = findings_of(tmp_path, [])
+    (finding,) = [f for f in findings if f.rule == "lr_schedule"]
+    assert "train.steps=300" in finding.message and "jump" in finding.why
+
+
+def test_cli_prints_why_and_fix_writes_a_config_that_passes(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", raising=False)
+    base = ["default", f"train.run_dir={tmp_path / 'run'}", "distributed.timeout_minutes=198720",
+            "data.num_workers=64", "data.persistent_workers=false", "train.micro_batch_size=65536",
+            "train.global_batch_size=65536", "--device-memory-gib", "16"]
+    out = tmp_path / "fixed.yaml"
+    assert cli.main(["check", *base, "--fix", str(out)]) == 2
+    printed = capsys.readouterr().out
+    assert "ERROR   [timeout] distributed.timeout_minutes=198720" in printed and "why: " in printed
+    diff = (tmp_path / "fixed.yaml.diff").read_text()
+    assert "-  timeout_minutes: 198720.0\n+  timeout_minutes: 30.0" in diff
+    assert "+  persistent_workers: true" in diff
+    assert cli.main(["check", str(out), "--device-memory-gib", "16", "--strict"]) == 0
+    assert load_config(out).train.global_batch_size == 65536
+    assert cli.main(["check", "default", "data.num_workers=64", "--strict"]) == 1
+    assert cli.main(["check", "default", "data.num_workers=64"]) == 0

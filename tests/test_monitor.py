@@ -1,0 +1,252 @@
+"""`mmldlm monitor` on synthetic metrics files shaped like the trainer's records: each alert fires
+at the right step and nothing else does, a healthy run raises none, resumes and partial lines are
+read correctly, a stalled file raises the stall alert, the report, the plot and the exit codes."""
+
+import json
+import math
+import os
+import random
+
+import pytest
+
+from mmldlm import cli
+from mmldlm.tools.monitor import PANELS, Monitor, follow, plot
+
+MODE_SCALE = {"l2t": 5.0, "t2l": 1.0, "joint": 6.0}  # each mode its own loss scale, as in a real run
+MODE_SPEED = {"l2t": 80.0, "t2l": 120.0, "joint": 70.0}
+
+
+def make_records(n=240, modes=("l2t",), seed=0) -> list[dict]:
+    """A healthy run: power-law loss decay with 1% noise, steady grad norm, throughput and data wait,
+    memory that steps up once (a one-off jump is not a creep)."""
+    rng = random.Random(seed)
+    records = []
+    for step in range(1, n + 1):
+        mode = modes[step % len(modes)]
+        loss = MODE_SCALE[mode] * (step + 10) ** -0.3 * (1 + 0.01 * rng.gauss(0, 1))
+        text = loss if mode == "l2t" else 0.8 * loss if mode == "joint" else None
+        latent = loss if mode == "t2l" else 0.2 * loss if mode == "joint" else None
+        speed = MODE_SPEED[mode] * (1 + 0.03 * rng.gauss(0, 1))
+        records.append({
+            "step": step, "mode": mode, "loss": loss, "text_loss": text, "latent_loss": latent, "accuracy": 0.5,
+            "lr": 1e-3, "grad_norm": 0.2 * MODE_SCALE[mode] * (1 + 0.05 * rng.gauss(0, 1)),
+            "micro_batch_size": 16, "global_batch_size": 32, "accumulation_steps": 2, "samples_per_s": speed,
+            "tokens_per_s": 30 * speed, "step_time_s": 32 / speed, "data_wait_share": 0.02 * (1 + 0.1 * rng.gauss(0, 1)),
+            "skipped": False, "num_skipped": 0, "stop_requested": False,
+            "mem_rss_gib": (1.0 if step < 100 else 1.2) + 0.001 * rng.gauss(0, 1)})
+    return records
+
+
+def write_run(run_dir, records, total=None):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(f"train:\n  steps: {total or records[-1]['step']}\n")
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return run_dir
+
+
+def analyse(run_dir, **kwargs) -> Monitor:
+    monitor = Monitor(run_dir, **kwargs)
+    follow(monitor, once=True, out=lambda _line: None)
+    return monitor
+
+
+def kinds_and_steps(monitor):
+    return [(a.kind, a.step) for a in monitor.alerts]
+
+
+@pytest.mark.parametrize("modes", [("l2t",), ("l2t", "t2l", "joint")])
+def test_healthy_run_raises_no_alert(tmp_path, modes):
+    monitor = analyse(write_run(tmp_path, make_records(300, modes)))
+    assert monitor.alerts == []
+    report = monitor.report()
+    assert report["status"] == "healthy" and report["complete"] and report["num_records"] == 300
+    assert set(report["statistics"]["loss"]) == set(modes)
+
+
+def _scale(key, factor, start, end=None):
+    def edit(records):
+        for r in records[start - 1:end]:
+            r[key] *= factor
+    return edit
+
+
+def _nonfinite(records):
+    records[149].update(loss=math.nan, text_loss=math.nan, grad_norm=math.inf, skipped=True)
+    for r in records[149:]:
+        r["num_skipped"] = 1
+
+
+def _unlogged_skips(records):
+    for r in records[149:]:
+        r["num_skipped"] = 2
+
+
+def _divergence(records):  # from step 150 the loss grows 0.4% per record (1% noise): a trend, not a spike
+    rng = random.Random(1)
+    for i, r in enumerate(records[149:]):
+        r["loss"] = records[148]["loss"] * 1.004 ** (i + 1) * (1 + 0.01 * rng.gauss(0, 1))
+
+
+def _plateau(records):  # flat (1% noise) from step 100 while the LR stays at its peak
+    rng = random.Random(1)
+    for r in records[99:]:
+        r["loss"] = records[98]["loss"] * (1 + 0.01 * rng.gauss(0, 1))
+
+
+def _memory_creep(records):
+    for i, r in enumerate(records[149:]):
+        r["mem_rss_gib"] += 0.01 * i
+
+
+@pytest.mark.parametrize("edit,kind,first,last", [pytest.param(*case, id=case[1]) for case in [
+    (_nonfinite, "nonfinite", 150, 150),
+    (_unlogged_skips, "skipped_updates", 150, 150),
+    (_scale("loss", 3.0, 150, 150), "loss_spike", 150, 150),
+    (_divergence, "divergence", 151, 240),
+    (_plateau, "plateau", 150, 165),
+    (_scale("grad_norm", 50.0, 150, 150), "grad_explosion", 150, 150),
+    (_scale("samples_per_s", 0.5, 150), "throughput_drop", 152, 152),  # the 3rd slow record tips the median of 5
+    (_scale("data_wait_share", 25.0, 150), "data_wait", 152, 152),
+    (_memory_creep, "memory_creep", 151, 180),
+]])
+def test_each_alert_fires_at_its_step_and_nothing_else(tmp_path, edit, kind, first, last):
+    records = make_records()
+    edit(records)
+    monitor = analyse(write_run(tmp_path, records))
+    assert [a.kind for a in monitor.alerts] == [kind], kinds_and_steps(monitor)
+    assert first <= monitor.alerts[0].step <= last, kinds_and_steps(monitor)
+    severity = "critical" if kind in ("nonfinite", "skipped_updates") else "warning"
+    assert monitor.alerts[0].severity == severity and monitor.report()["status"] == severity
+    assert "." in monitor.alerts[0].remedy  # names a config switch such as optim.lr
+
+
+def test_spike_is_judged_within_its_mode(tmp_path):
+    # In a random-mode run a t2l loss of 2.5 is far below the l2t and joint losses, yet 2.5x its own level.
+    records = make_records(300, ("l2t", "t2l", "joint"))
+    spike = next(r for r in records[150:] if r["mode"] == "t2l")
+    spike["loss"] *= 2.5
+    monitor = analyse(write_run(tmp_path, records))
+    assert kinds_and_steps(monitor) == [("loss_spike", spike["step"])]
+    assert "t2l" in monitor.alerts[0].message
+
+
+def test_stalled_file_raises_the_stall_alert(tmp_path):
+    run = write_run(tmp_path / "stalled", make_records(50), total=100)
+    os.utime(run / "metrics.jsonl", (0, os.path.getmtime(run / "metrics.jsonl") - 3600))
+    monitor = analyse(run, stall_seconds=600)
+    assert kinds_and_steps(monitor) == [("stall", 50)] and monitor.alerts[0].severity == "critical"
+    # A complete run is not stalled however old its file, and a fresh one not yet.
+    done = write_run(tmp_path / "done", make_records(50))
+    os.utime(done / "metrics.jsonl", (0, 0))
+    assert analyse(done, stall_seconds=600).alerts == []
+    assert analyse(write_run(tmp_path / "fresh", make_records(50), total=100), stall_seconds=600).alerts == []
+
+
+def test_live_stall_counts_from_the_last_new_record(tmp_path):
+    run = write_run(tmp_path, make_records(20), total=100)
+    now = [1000.0]
+    monitor = Monitor(run, stall_seconds=30, clock=lambda: now[0])
+    assert monitor.poll()
+    now[0] += 29
+    assert monitor.check_stall(live=True) is None
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({**make_records(21)[-1]}) + "\n")
+    now[0] += 20
+    assert monitor.poll() and monitor.check_stall(live=True) is None
+    now[0] += 29  # 49 s since the first poll, 29 s since the new record
+    assert monitor.check_stall(live=True) is None
+    now[0] += 1
+    assert monitor.check_stall(live=True).step == 21
+
+
+def test_resume_that_rewrites_the_file_replaces_the_dropped_steps(tmp_path):
+    records = make_records(40)
+    run = write_run(tmp_path, records[:8], total=40)
+    monitor = Monitor(run)
+    monitor.poll()
+    # What a resume from the step-5 checkpoint does: truncate_lines writes the first 5 lines into a
+    # new file that replaces the old one, then the steps from 6 on are trained (and logged) again.
+    tmp = run / "metrics.tmp"
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records[:5]))
+    tmp.replace(run / "metrics.jsonl")
+    monitor.poll()
+    assert [r["step"] for r in monitor.history.records] == [1, 2, 3, 4, 5]
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records[5:]))
+    monitor.poll()
+    assert [r["step"] for r in monitor.history.records] == list(range(1, 41))
+    assert monitor.history.num_resumes == 1 and monitor.alerts == [] and monitor.complete
+
+
+def test_resume_detected_when_the_file_already_grew_past_the_old_end(tmp_path):
+    records = make_records(40)
+    run = write_run(tmp_path, records[:8], total=40)
+    monitor = Monitor(run)
+    monitor.poll()
+    changed = [dict(r) for r in records[5:12]]
+    changed[0]["loss"] *= 1.5  # step 6 trained again gives another loss: the resume is not exact
+    with open(run / "metrics.jsonl", "r+") as f:  # rewritten in place, longer than before
+        f.truncate(0)
+        f.write("".join(json.dumps(r) + "\n" for r in records[:5] + changed))
+    monitor.poll()
+    assert [r["step"] for r in monitor.history.records] == list(range(1, 13))
+    assert kinds_and_steps(monitor) == [("resume_mismatch", 6)]
+    assert "train.deterministic" in monitor.alerts[0].remedy
+
+
+def test_repeated_steps_appended_without_truncation_replace_the_old_ones(tmp_path):
+    records = make_records(12)
+    run = write_run(tmp_path, records[:8] + records[5:], total=12)
+    monitor = analyse(run)
+    assert [r["step"] for r in monitor.history.records] == list(range(1, 13))
+    assert monitor.history.num_resumes == 1 and monitor.alerts == []
+
+
+def test_a_partial_last_line_waits_and_bad_lines_are_counted(tmp_path):
+    records = make_records(3)
+    run = write_run(tmp_path, records[:1], total=3)
+    line = json.dumps(records[1])
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write("not json\n" + line[:20])
+    monitor = Monitor(run)
+    monitor.poll()
+    assert [r["step"] for r in monitor.history.records] == [1]
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(line[20:] + "\n")
+    monitor.poll()
+    assert [r["step"] for r in monitor.history.records] == [1, 2]
+    assert monitor.reader.num_unreadable == 1
+
+
+def test_plot_is_a_png_with_every_curve(tmp_path):
+    records = make_records(60, ("l2t", "t2l", "joint"))
+    titles = plot(records, tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert titles == [title for title, _ in PANELS]
+    assert titles == ["loss", "text loss", "latent loss", "learning rate", "grad norm", "throughput (samples/s)",
+                      "memory (GiB)"]
+
+
+def test_cli_report_plot_and_exit_codes(tmp_path, capsys):
+    healthy = write_run(tmp_path / "healthy", make_records())
+    spiky_records = make_records()
+    spiky_records[149]["loss"] *= 3
+    spiky = write_run(tmp_path / "spiky", spiky_records)
+    broken_records = make_records()
+    _nonfinite(broken_records)
+    broken = write_run(tmp_path / "broken", broken_records)
+
+    assert cli.main(["monitor", str(healthy), "--once", "--strict"]) == 0
+    assert cli.main(["monitor", str(spiky / "metrics.jsonl"), "--once"]) == 0
+    report, png = tmp_path / "report.json", tmp_path / "plot.png"
+    assert cli.main(["monitor", str(spiky), "--once", "--strict", "--report", str(report), "--plot", str(png)]) == 1
+    data = json.loads(report.read_text())
+    assert data["status"] == "warning" and data["last_step"] == 240 and data["total_steps"] == 240
+    assert [(a["kind"], a["step"], a["severity"]) for a in data["alerts"]] == [("loss_spike", 150, "warning")]
+    assert data["statistics"]["loss"]["l2t"]["max"] == pytest.approx(spiky_records[149]["loss"])
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert cli.main(["monitor", str(broken), "--once"]) == 2
+    assert cli.main(["monitor", str(tmp_path / "missing"), "--once"]) == 2
+    out = capsys.readouterr().out
+    assert "[CRITICAL] step 150 nonfinite" in out and "fix: lower optim.lr" in out
+    assert "step 240/240 (100%)" in out and "ETA 0m00s" in out
