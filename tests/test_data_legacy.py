@@ -1,5 +1,7 @@
 """Import of the older codebase's per-sample layout, and that a failure leaves nothing behind."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -83,3 +85,10 @@ def test_a_failure_midway_leaves_no_output(tmp_path):
     with pytest.raises(DataError, match=r"doc0035.npy: not a readable .npy"):
         prepare(legacy_options(tmp_path, tmp_path / "out", val_fraction=0.0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latents", "tokenizer.json", "tokens"]
+
+
+def test_legacy_and_corpus_input_are_exclusive(tmp_path):
+    with pytest.raises(DataError, match=re.escape("give either --input PATH|default or --legacy-tokens DIR --legacy-latents DIR")):
+        prepare(PrepareOptions(inputs=["default"], out=str(tmp_path / "o"), legacy_tokens="a", legacy_latents="b"))
+    with pytest.raises(DataError, match="--legacy-tokens needs --tokenizer"):
+        prepare(PrepareOptions(inputs=[], out=str(tmp_path / "o"), legacy_tokens="a", legacy_latents="b"))
