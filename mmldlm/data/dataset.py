@@ -195,7 +195,8 @@ def default_num_workers() -> int:
 
 class Loader:
     """Iterates one epoch per pass from the current position; `state_dict()` tells where the next
-    batch starts (counted when a batch is handed out, not when a worker prefetches it)."""
+    batch starts (counted when a batch is handed out, not when a worker prefetches it). A pass left
+    early (a `break`) resumes at the next batch on the next `iter()`; use one pass at a time."""
 
     def __init__(self, dataset: PreparedDataset, order: BatchOrder, collate: PadCollate, num_workers: int,
                  prefetch_factor: int | None, persistent_workers: bool, pin_memory: bool):
