@@ -1,10 +1,13 @@
 """Import of the older codebase's per-sample layout, and that a failure leaves nothing behind."""
 
+import re
+
 import numpy as np
 import pytest
 
 from mmldlm.data import DataError
-from mmldlm.data.dataset import open_dataset
+from mmldlm.config import DataConfig
+from mmldlm.data.dataset import build_loader, open_dataset
 from mmldlm.data.prepare import PrepareOptions, prepare
 from mmldlm.data.tokenizer import train_bpe
 
@@ -13,8 +16,9 @@ from data_support import corpus_texts
 PAD_ID = 7  # whatever the old tokenizer padded with; attention_mask says what is real
 
 
-def make_legacy(root, num, dim=16, flat_every=2):
-    """A legacy folder pair: padded input_ids [1, 24] + attention_mask, latents [D] or [1, D]."""
+def make_legacy(root, num, dim=16, flat_every=2, num_latents=1):
+    """A legacy folder pair: padded input_ids [1, 24] + attention_mask, latents [D] or [1, D]
+    (or [K, D] with num_latents K > 1)."""
     tokenizer = train_bpe(corpus_texts(), 300)
     tokenizer.save(str(root / "tokenizer.json"))
     tokens_dir, latents_dir = root / "tokens", root / "latents"
@@ -30,7 +34,9 @@ def make_legacy(root, num, dim=16, flat_every=2):
         mask = (np.arange(24) < len(ids))[None].astype(np.int64)
         np.savez(tokens_dir / f"{stem}_tokens.npz", input_ids=padded, attention_mask=mask)
         latent = rng.standard_normal(dim).astype(np.float32)
-        np.save(latents_dir / f"{stem}.npy", latent if i % flat_every else latent[None])
+        if num_latents > 1:
+            latent = rng.standard_normal((num_latents, dim)).astype(np.float32)
+        np.save(latents_dir / f"{stem}.npy", latent if i % flat_every or num_latents > 1 else latent[None])
         samples[stem] = (ids.tolist(), latent)
     return tokens_dir, latents_dir, samples
 
@@ -83,3 +89,21 @@ def test_a_failure_midway_leaves_no_output(tmp_path):
     with pytest.raises(DataError, match=r"doc0035.npy: not a readable .npy"):
         prepare(legacy_options(tmp_path, tmp_path / "out", val_fraction=0.0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latents", "tokenizer.json", "tokens"]
+
+
+def test_legacy_and_corpus_input_are_exclusive(tmp_path):
+    with pytest.raises(DataError, match=re.escape("give either --input PATH|default or --legacy-tokens DIR --legacy-latents DIR")):
+        prepare(PrepareOptions(inputs=["default"], out=str(tmp_path / "o"), legacy_tokens="a", legacy_latents="b"))
+    with pytest.raises(DataError, match="--legacy-tokens needs --tokenizer"):
+        prepare(PrepareOptions(inputs=[], out=str(tmp_path / "o"), legacy_tokens="a", legacy_latents="b"))
+
+
+def test_several_latents_per_sample_flow_through(tmp_path):
+    _, _, samples = make_legacy(tmp_path, 12, dim=8, num_latents=3)
+    meta = prepare(legacy_options(tmp_path, tmp_path / "out", val_fraction=0.0), log=lambda _m: None)["meta"]
+    assert (meta["num_latents"], meta["latent_dim"]) == (3, 8) and len(meta["latent_mean"]) == 8
+    dataset = open_dataset(tmp_path / "out")
+    batch = next(iter(build_loader(dataset, DataConfig(num_workers=0), micro_batch_size=4)))
+    assert batch["latents"].shape == (4, 3, 8)
+    first = sorted(samples)[int(batch["index"][0])]
+    np.testing.assert_array_equal(batch["latents"][0].numpy(), samples[first][1])

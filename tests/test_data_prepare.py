@@ -12,7 +12,8 @@ import pytest
 
 from mmldlm import cli
 from mmldlm.data import format as fmt
-from mmldlm.data.dataset import open_dataset
+from mmldlm.config import DataConfig
+from mmldlm.data.dataset import dataset_path, default_prepare_options, open_dataset
 from mmldlm.data.encoders import sentence_transformer
 from mmldlm.data.prepare import STD_FLOOR, split_indices
 
@@ -82,7 +83,7 @@ def test_latents_equal_the_encoders_output_and_stats_match(data_dir):
     np.testing.assert_allclose(std.numpy(), np.maximum(train.std(0), STD_FLOOR), rtol=1e-5)
 
 
-def test_rerun_says_complete_changed_options_refused_overwrite_rebuilds(data_dir, monkeypatch, capsys):
+def test_rerun_says_complete_changed_options_refused_overwrite_rebuilds(data_dir, tmp_path, monkeypatch, capsys):
     args = ["--input", data_dir.parent / "corpus.txt", "--out", data_dir, "--vocab-size", 400, "--shard-size", 32,
             "--val-fraction", 0.1, "--quiet"]
     before = (data_dir / "meta.json").stat().st_mtime_ns
@@ -91,12 +92,13 @@ def test_rerun_says_complete_changed_options_refused_overwrite_rebuilds(data_dir
     assert (data_dir / "meta.json").stat().st_mtime_ns == before
     assert run_cli(monkeypatch, *args[:-1], "--seed", 1) == 2
     assert "already prepared with other options (seed: 0 -> 1); pass --overwrite" in capsys.readouterr().err
-    other = data_dir.parent / "other"
-    assert run_cli(monkeypatch, *args[:3], other, *args[4:]) == 0
-    meta = json.loads((other / "meta.json").read_text())
-    assert run_cli(monkeypatch, *args[:3], other, *args[4:], "--seed", 1, "--overwrite") == 0
-    assert json.loads((other / "meta.json").read_text())["prepare"]["seed"] == 1 != meta["prepare"]["seed"]
-    assert sorted(p.name for p in data_dir.parent.iterdir()) == ["corpus.txt", "data", "other"]  # no temp dirs left
+    tiny, other = tmp_path / "tiny.txt", tmp_path / "other"
+    tiny.write_text("\n".join(corpus_texts()[:20]))
+    small = ["--input", tiny, "--out", other, "--vocab-size", 300, "--val-fraction", 0.1, "--quiet"]
+    assert run_cli(monkeypatch, *small) == 0
+    assert run_cli(monkeypatch, *small, "--seed", 1, "--overwrite") == 0
+    assert json.loads((other / "meta.json").read_text())["prepare"]["seed"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "tiny.txt"]  # no temporary directory left
 
 
 def test_cli_reports_bad_input_cleanly(tmp_path, monkeypatch, capsys):
@@ -137,3 +139,16 @@ def test_torchrun_two_processes_write_the_same_dataset(data_dir, tmp_path):
     assert len([p for p in single if p.name.startswith("latents")]) > 2  # really split across ranks
     for rel in single:
         assert (out / rel).read_bytes() == (data_dir / rel).read_bytes(), rel
+
+
+def test_null_data_path_prepares_the_default_corpus_once_into_the_cache(data_dir, tmp_path, monkeypatch):
+    # The bundled corpus stands in for a small one here; the full one takes minutes to encode on CPU.
+    monkeypatch.setattr("mmldlm.data.corpus.DEFAULT_CORPUS", data_dir.parent / "corpus.txt")
+    cfg = DataConfig(cache_dir=str(tmp_path), vocab_size=400, val_fraction=0.1)
+    messages = []
+    path = dataset_path(cfg, log=messages.append)
+    assert path.parent == tmp_path and path.name.startswith("default-")
+    assert open_dataset(path, "val").meta["splits"] == json.loads((data_dir / "meta.json").read_text())["splits"]
+    assert dataset_path(cfg, log=messages.append) == path and "already complete" in messages[-1]
+    assert default_prepare_options(DataConfig(cache_dir=str(tmp_path), vocab_size=512)).out != str(path)
+    assert dataset_path(DataConfig(path="/some/dir")) == Path("/some/dir")

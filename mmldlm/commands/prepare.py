@@ -48,12 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace):
-    from mmldlm.data.errors import DataError
     from mmldlm.data.prepare import PrepareOptions
 
-    legacy = args.legacy_tokens is not None or args.legacy_latents is not None
-    if legacy == (args.inputs is not None):
-        raise DataError("give either --input PATH|default or --legacy-tokens DIR --legacy-latents DIR")
     return PrepareOptions(
         inputs=args.inputs or [], out=args.out, format=args.format, text_field=args.text_field,
         paragraphs=args.paragraphs, min_chars=args.min_chars, max_chars=args.max_chars,

@@ -199,7 +199,8 @@ def default_num_workers(cpus: int | None = None, local_ranks: int | None = None)
 
 class Loader:
     """Iterates one epoch per pass from the current position; `state_dict()` tells where the next
-    batch starts (counted when a batch is handed out, not when a worker prefetches it)."""
+    batch starts (counted when a batch is handed out, not when a worker prefetches it). A pass left
+    early (a `break`) resumes at the next batch on the next `iter()`; use one pass at a time."""
 
     def __init__(self, dataset: PreparedDataset, order: BatchOrder, collate: PadCollate, num_workers: int,
                  prefetch_factor: int | None, persistent_workers: bool, pin_memory: bool):
@@ -279,18 +280,25 @@ def resolve_for_model(data: DataConfig, model: ModelConfig, dataset: PreparedDat
     return data
 
 
+def default_prepare_options(cfg: DataConfig):
+    """The PrepareOptions that prepare the bundled corpus into the cache. The cache entry is named by
+    what decides its content, so a changed option never reuses a stale one."""
+    from mmldlm.data.corpus import DEFAULT_CORPUS
+    from mmldlm.data.prepare import PrepareOptions
+
+    opts = PrepareOptions(inputs=["default"], vocab_size=cfg.vocab_size, val_fraction=cfg.val_fraction,
+                          encoder=cfg.encoder)
+    key = json.dumps([fmt.FORMAT_VERSION, opts.recorded(), DEFAULT_CORPUS.stat().st_size], sort_keys=True)
+    cache = Path(cfg.cache_dir or os.environ.get("MMLDLM_CACHE") or Path.home() / ".cache" / "mmldlm")
+    opts.out = str(cache / f"default-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
+    return opts
+
+
 def dataset_path(cfg: DataConfig, log=print) -> Path:
     """The dataset directory of a run: `cfg.path`, or for a null path the bundled default corpus,
     prepared on first use into the cache (every rank must call this; the work is shared)."""
     if cfg.path is not None:
         return Path(cfg.path)
-    from mmldlm.data.corpus import DEFAULT_CORPUS
-    from mmldlm.data.prepare import PrepareOptions, prepare
+    from mmldlm.data.prepare import prepare
 
-    opts = PrepareOptions(inputs=["default"], vocab_size=cfg.vocab_size, val_fraction=cfg.val_fraction,
-                          encoder=cfg.encoder)
-    # The cache entry is named by what decides its content, so a changed option never reuses a stale one.
-    key = json.dumps([fmt.FORMAT_VERSION, opts.recorded(), DEFAULT_CORPUS.stat().st_size], sort_keys=True)
-    cache = Path(cfg.cache_dir or os.environ.get("MMLDLM_CACHE") or Path.home() / ".cache" / "mmldlm")
-    opts.out = str(cache / f"default-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
-    return Path(prepare(opts, log)["path"])
+    return Path(prepare(default_prepare_options(cfg), log)["path"])

@@ -82,6 +82,8 @@ class PrepareOptions:
                 raise DataError(f"--{name.replace('_', '-')} {getattr(self, name)}: expected an integer >= 1")
         if self.max_chars < self.min_chars:
             raise DataError(f"--max-chars {self.max_chars}: expected >= --min-chars {self.min_chars}")
+        if bool(self.inputs) == (self.legacy_tokens is not None or self.legacy_latents is not None):
+            raise DataError("give either --input PATH|default or --legacy-tokens DIR --legacy-latents DIR")
         if (self.legacy_tokens is None) != (self.legacy_latents is None):
             raise DataError("--legacy-tokens and --legacy-latents go together: give both folders")
         if self.legacy_tokens is not None and self.tokenizer is None:
