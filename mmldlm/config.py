@@ -184,6 +184,7 @@ class DataConfig:
     vocab_size: int = 8192
     val_fraction: float = 0.01
     encoder: str = "all-MiniLM-L6-v2"
+    max_samples: int | None = None  # null: the whole bundled corpus (154k texts); N: a seeded subset of N
 
     def check(self, prefix: str = "data") -> None:
         if self.pad_to_multiple < 1:
@@ -199,6 +200,8 @@ class DataConfig:
             _fail(f"{prefix}.vocab_size", self.vocab_size, "an integer >= 258 (256 bytes + [PAD] + [MASK])")
         if not 0.0 <= self.val_fraction < 1.0:
             _fail(f"{prefix}.val_fraction", self.val_fraction, "a number in [0, 1)")
+        if self.max_samples is not None and self.max_samples < 2:
+            _fail(f"{prefix}.max_samples", self.max_samples, "null (the whole corpus) or an integer >= 2")
         if not self.encoder:
             _fail(f"{prefix}.encoder", self.encoder, "a registered encoder name or a local sentence-transformers folder")
 

@@ -152,3 +152,23 @@ def test_null_data_path_prepares_the_default_corpus_once_into_the_cache(data_dir
     assert dataset_path(cfg, log=messages.append) == path and "already complete" in messages[-1]
     assert default_prepare_options(DataConfig(cache_dir=str(tmp_path), vocab_size=512)).out != str(path)
     assert dataset_path(DataConfig(path="/some/dir")) == Path("/some/dir")
+
+
+def test_max_samples_keeps_a_seeded_subset_in_corpus_order(tmp_path):
+    from mmldlm.data.prepare import PrepareOptions, _read_corpus
+
+    from data_support import corpus_file
+
+    source = str(corpus_file(tmp_path))
+    full, _ = _read_corpus(PrepareOptions(inputs=[source]))
+    subset, counts = _read_corpus(PrepareOptions(inputs=[source], max_samples=5))
+    again, _ = _read_corpus(PrepareOptions(inputs=[source], max_samples=5))
+    other, _ = _read_corpus(PrepareOptions(inputs=[source], max_samples=5, seed=1))
+    assert len(subset) == 5 and subset == again and other != subset
+    positions = [full.index(t) for t in subset]
+    assert positions == sorted(positions)  # corpus order kept
+    assert counts["kept"] == 5 and counts["over_max_samples"] == len(full) - 5
+    assert DataConfig(max_samples=5).max_samples == 5
+    with pytest.raises(ValueError, match="max_samples"):
+        from mmldlm.config import load_config
+        load_config(None, ["data.max_samples=1"])

@@ -20,6 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--min-chars", type=int, default=1, help="drop samples shorter than this")
     src.add_argument("--max-chars", type=int, default=1000,
                      help="drop samples longer than this (the loader would cut their tokens while the latent saw all)")
+    src.add_argument("--max-samples", type=int, metavar="N",
+                     help="keep a seeded random subset of N samples (after filtering), in corpus order")
     src.add_argument("--keep-duplicates", action="store_true",
                      help="keep exact repeats (by default only the first stays: a repeat could land in train and val)")
     out = parser.add_argument_group("output")
@@ -53,7 +55,7 @@ def options_from_args(args: argparse.Namespace):
     return PrepareOptions(
         inputs=args.inputs or [], out=args.out, format=args.format, text_field=args.text_field,
         paragraphs=args.paragraphs, min_chars=args.min_chars, max_chars=args.max_chars,
-        dedup=not args.keep_duplicates, vocab_size=args.vocab_size, tokenizer=args.tokenizer, encoder=args.encoder,
+        dedup=not args.keep_duplicates, max_samples=args.max_samples, vocab_size=args.vocab_size, tokenizer=args.tokenizer, encoder=args.encoder,
         normalize=not args.no_normalize, latent_dtype=args.latent_dtype, val_fraction=args.val_fraction,
         seed=args.seed, shard_size=args.shard_size, legacy_tokens=args.legacy_tokens,
         legacy_latents=args.legacy_latents, encode_batch_size=args.encode_batch_size, device=args.device,

@@ -287,7 +287,7 @@ def default_prepare_options(cfg: DataConfig):
     from mmldlm.data.prepare import PrepareOptions
 
     opts = PrepareOptions(inputs=["default"], vocab_size=cfg.vocab_size, val_fraction=cfg.val_fraction,
-                          encoder=cfg.encoder)
+                          encoder=cfg.encoder, max_samples=cfg.max_samples)
     key = json.dumps([fmt.FORMAT_VERSION, opts.recorded(), DEFAULT_CORPUS.stat().st_size], sort_keys=True)
     cache = Path(cfg.cache_dir or os.environ.get("MMLDLM_CACHE") or Path.home() / ".cache" / "mmldlm")
     opts.out = str(cache / f"default-{hashlib.sha256(key.encode()).hexdigest()[:12]}")

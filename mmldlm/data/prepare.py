@@ -53,6 +53,7 @@ class PrepareOptions:
     min_chars: int = 1
     max_chars: int = 1000
     dedup: bool = True
+    max_samples: int | None = None  # a seeded random subset of the filtered samples
     vocab_size: int = 8192
     tokenizer: str | None = None
     encoder: str = DEFAULT_ENCODER
@@ -77,6 +78,8 @@ class PrepareOptions:
             raise DataError(f"--latent-dtype {self.latent_dtype}: expected one of {', '.join(LATENT_DTYPES)}")
         if not 0.0 <= self.val_fraction < 1.0:
             raise DataError(f"--val-fraction {self.val_fraction}: expected a number in [0, 1)")
+        if self.max_samples is not None and self.max_samples < 2:
+            raise DataError(f"--max-samples {self.max_samples}: expected an integer >= 2 (train and val)")
         for name in ("shard_size", "encode_batch_size", "min_chars"):
             if getattr(self, name) < 1:
                 raise DataError(f"--{name.replace('_', '-')} {getattr(self, name)}: expected an integer >= 1")
@@ -322,7 +325,8 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
     else:
         texts, counts = ranks.on_all(lambda: _read_corpus(opts))
         say(f"read {counts['read']} samples: kept {counts['kept']}, dropped {counts['too_short']} shorter than "
-            f"{opts.min_chars} chars, {counts['too_long']} longer than {opts.max_chars}, {counts['duplicates']} duplicates")
+            f"{opts.min_chars} chars, {counts['too_long']} longer than {opts.max_chars}, {counts['duplicates']} duplicates, "
+            f"{counts.get('over_max_samples', 0)} over --max-samples")
         splits = split_indices(len(texts), opts.val_fraction, opts.seed)
 
         def make_tokenizer() -> str:
@@ -367,4 +371,10 @@ def _read_corpus(opts: PrepareOptions) -> tuple[list[str], dict]:
     if not kept:
         raise DataError(f"{', '.join(opts.inputs)}: no sample left after the length filter "
                         f"({counts['too_short']} shorter than {opts.min_chars} chars, {counts['too_long']} longer than {opts.max_chars})")
+    if opts.max_samples is not None and len(kept) > opts.max_samples:
+        # A seeded subset in corpus order: the same N samples for a given seed on every rank.
+        chosen = np.sort(np.random.default_rng(opts.seed).permutation(len(kept))[:opts.max_samples])
+        counts["over_max_samples"] = len(kept) - opts.max_samples
+        kept = [kept[i] for i in chosen]
+        counts["kept"] = len(kept)
     return kept, counts
