@@ -182,7 +182,8 @@ def test_launcher_two_nodes_trains_and_restarts_a_killed_worker(tmp_path):
     env = {**_env(), "NNODES": "2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "MAX_RESTARTS": "5", "LOG_DIR": str(tmp_path / "logs"),
            "RUN_ID": "launcher-test", "PYTHON": PYTHON}
-    args = [*BASE, f"train.run_dir={run_dir}", "train.steps=30", "train.global_batch_size=4", "checkpoint.every=5"]
+    args = [*BASE, f"train.run_dir={run_dir}", "train.steps=30", "train.global_batch_size=4", "checkpoint.every=5",
+            "distributed.timeout_minutes=2"]
     nodes = [subprocess.Popen(["bash", str(REPO / "scripts" / "launch.sh"), *args], cwd=REPO,
                               env={**env, "NODE_RANK": str(rank)}, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL) for rank in (0, 1)]
@@ -198,9 +199,15 @@ def test_launcher_two_nodes_trains_and_restarts_a_killed_worker(tmp_path):
         os.kill(workers[0], signal.SIGKILL)
         assert [n.wait(timeout=240) for n in nodes] == [0, 0]
     finally:
+        # Kill every process the launchers started: a torchrun agent killed alone leaves its workers
+        # orphaned, blocked in a collective.
         for n in nodes:
-            if n.poll() is None:
-                n.kill()
+            for pid in [n.pid, *_descendants(n.pid)]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            n.wait()
     recs = records(run_dir)
     assert [r["step"] for r in recs] == list(range(1, 31))
     logs = "".join((tmp_path / "logs" / f"node-{r}.log").read_text() for r in (0, 1))
