@@ -8,7 +8,9 @@ given and what is allowed.
 Presets are YAML files:
 - `configs/NAME.yaml` holds a whole run config; `inherit: OTHER.yaml` starts from another file.
 - `configs/model/NAME.yaml` holds a model size preset; `model: NAME` in a run config (or the
-  override `model=NAME`) loads it, and later `model.key=value` overrides apply on top.
+  override `model=NAME`) loads it, and later `model.key=value` overrides apply on top. The override
+  `model=NAME` sets the preset's keys and keeps other model keys set before it (e.g. the baseline
+  preset's `model.attention`), so it picks a size without undoing a run config's choices.
 """
 
 from __future__ import annotations
@@ -574,7 +576,8 @@ def _load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     parent = data.pop("inherit", None)
     if parent is not None:
         parent_path = path.parent / parent if (path.parent / parent).is_file() else resolve_preset(parent)
-        data = _merge(_load_raw(parent_path, seen + (path.resolve(),)), data)
+        # The parent's `model: NAME` is expanded first, so a child's `model: {key: value}` refines it.
+        data = _merge(_expand_model_preset(_load_raw(parent_path, seen + (path.resolve(),))), data)
     return data
 
 
@@ -609,7 +612,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     for text in overrides:
         path, value = parse_override(text)
         if path == ["model"] and isinstance(value, str):
-            raw = _expand_model_preset({**raw, "model": value})
+            preset = _expand_model_preset({"model": value})["model"]
+            raw = {**raw, "model": {**raw.get("model", {}), **preset}}
             continue
         node = raw
         for part in path[:-1]:

@@ -129,7 +129,7 @@ class _StopRequest:
 class Trainer:
     """Owns the wrapped model, optimizer, schedule, checkpoints and metrics of one run.
 
-    `loader` is a loader, or a function of the micro-batch size that builds one: with
+    `loader` is a loader (an iterable, not callable), or a callable of the micro-batch size that builds one: with
     train.micro_batch_size=auto the size is known only once the set-up model has been probed."""
 
     def __init__(self, cfg: RunConfig, model: nn.Module, objective, loader, info: DistInfo,
@@ -148,8 +148,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.schedule = LRSchedule(cfg.schedule, cfg.optim.lr, cfg.train.steps)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
-        self.loader = loader if hasattr(loader, "state_dict") else loader(self.micro_batch_size)
-        self._batches = iter(loader)
+        self.loader = loader(self.micro_batch_size) if callable(loader) else loader
+        self._batches = iter(self.loader)
         self.checkpoints = CheckpointManager(cfg.checkpoint, self.run_dir, info)
         self.generator = torch.Generator(device=self.device)
         self.anchor_idle = uses_anchor(cfg.distributed, info)
