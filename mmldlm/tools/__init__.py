@@ -1,0 +1,1 @@
+"""Tools around training: bench (baseline vs optimized, the ablation ladder)."""
