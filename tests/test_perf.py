@@ -279,3 +279,11 @@ def test_presets_differ_only_in_performance_keys(size):
     assert baseline["latent_diffusion.loss"] == "normalized_mse"
     assert baseline["distributed.find_unused_parameters"] and baseline["perf.refreeze_every_step"]
     assert baseline["data.num_workers"] == 16 and not baseline["data.persistent_workers"]
+
+
+def test_compiled_preset_adds_only_compile_and_its_padding():
+    optimized = flatten(to_dict(load_config("optimized", [])))
+    compiled = flatten(to_dict(load_config("compiled", [])))
+    assert {key for key in compiled if compiled[key] != optimized[key]} == {
+        "perf.compile", "data.pad_to_multiple", "train.run_dir"}
+    assert compiled["perf.compile"] and compiled["data.pad_to_multiple"] == 64
