@@ -31,7 +31,8 @@ def test_bench_three_steps_writes_a_well_formed_report(tmp_path_factory, tmp_pat
         assert c["peak_memory_kind"] == "cpu_peak_rss_above_runtime"
         assert c["mfu"] is None  # no known peak FLOP/s on a CPU: no MFU claimed
         assert c["largest_micro_batch"] == 4  # the tiny model fits the largest tried under 4 GiB
-    assert set(report["ratios"]) == {"samples_per_s", "tokens_per_s", "peak_memory_gib", "largest_micro_batch"}
+    assert set(report["ratios"]) == {"samples_per_s", "best_samples_per_s", "tokens_per_s",
+                                       "peak_memory_gib", "largest_micro_batch"}
     assert "model.attention" in report["configs"]["optimized"]["changes"]
     md = (tmp_path / "bench.md").read_text()
     header = next(line for line in md.splitlines() if line.startswith("| config"))

@@ -65,21 +65,26 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field} line")
 
 
-def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak-memory window (see `peak_memory_bytes`).
-
-    CPU: freed heap pages are first handed back to the OS (glibc malloc_trim), so memory the last
-    window freed does not count as in use in this one; then the kernel's RSS high-water mark is set
-    to the current RSS (writing 5 to /proc/self/clear_refs, Linux >= 4.0)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return
+def release_free_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc malloc_trim), so the resident set shows what is in use."""
     libc_name = ctypes.util.find_library("c")
     if libc_name:
         libc = ctypes.CDLL(libc_name)
         if hasattr(libc, "malloc_trim"):
             libc.malloc_trim(0)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory window (see `peak_memory_bytes`).
+
+    CPU: freed heap pages are first handed back to the OS, so memory the last window freed does not
+    count as in use in this one; then the kernel's RSS high-water mark is set to the current RSS
+    (writing 5 to /proc/self/clear_refs, Linux >= 4.0)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    release_free_memory()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
 
