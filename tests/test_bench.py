@@ -46,7 +46,7 @@ def test_ladder_adds_one_group_at_a_time_and_ends_at_optimized():
     assert rungs[0]["name"] == "baseline" and rungs[-1]["name"].endswith("(= optimized)")
     changed = [key for rung in rungs[1:] for key in rung["changes"]]
     assert len(changed) == len(set(changed))  # each key changes once
-    assert "model.attention" in rungs[1]["changes"]
+    assert rungs[1]["changes"][0].startswith("data.") and "model.attention" in rungs[2]["changes"]
     last = _flat(to_dict(load_config(rungs[-1]["config"], rungs[-1]["overrides"])))
     optimized = _flat(to_dict(load_config("optimized", ["model=tiny"])))
     assert {k for k in last if last[k] != optimized[k]} == {"train.run_dir"}

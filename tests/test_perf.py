@@ -273,7 +273,8 @@ def test_presets_differ_only_in_performance_keys(size):
     differ = {key for key in baseline if baseline[key] != optimized[key]}
     differ = {key for key in differ if not key.startswith("perf.")}
     assert differ <= PERFORMANCE_KEYS, differ - PERFORMANCE_KEYS
-    assert baseline["model.hidden_size"] == optimized["model.hidden_size"] == load_config(None, [f"model={size}"]).model.hidden_size
+    size_default = load_config(None, [f"model={size}"]).model
+    assert baseline["model.hidden_size"] == optimized["model.hidden_size"] == size_default.hidden_size
     assert baseline["train.global_batch_size"] == optimized["train.global_batch_size"]
     assert baseline["model.attention"] == "explicit" and optimized["model.attention"] == "sdpa"
     assert baseline["latent_diffusion.loss"] == "normalized_mse"

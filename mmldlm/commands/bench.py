@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-cap-gib", type=float, default=8.0,
                         help="memory cap of the largest-micro-batch search: CUDA allocation, or CPU RSS (default 8)")
     parser.add_argument("--max-micro-batch", type=int, default=512, help="largest micro-batch tried (default 512)")
-    parser.add_argument("--out", default="runs/bench", help="directory for bench.json and bench.md (default runs/bench)")
+    parser.add_argument("--out", default="runs/bench",
+                        help="directory for bench.json and bench.md (default runs/bench)")
 
 
 def run(args: argparse.Namespace) -> int:
