@@ -13,6 +13,7 @@ from mmldlm.data.errors import DataError
 
 # subcommand -> (module under mmldlm.commands, one-line help)
 COMMANDS = {
+    "bench": ("bench", "baseline vs optimized training speed and memory in one run; --ladder: one switch at a time"),
     "model-info": ("model_info", "parameter counts per part and training FLOPs of a model preset"),
     "prepare": ("prepare", "corpus -> tokenizer, token shards, sentence-encoder latent shards and meta.json"),
     "train": ("train", "train a model (under torchrun for many processes/nodes); --resume auto continues a run"),

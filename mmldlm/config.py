@@ -8,7 +8,9 @@ given and what is allowed.
 Presets are YAML files:
 - `configs/NAME.yaml` holds a whole run config; `inherit: OTHER.yaml` starts from another file.
 - `configs/model/NAME.yaml` holds a model size preset; `model: NAME` in a run config (or the
-  override `model=NAME`) loads it, and later `model.key=value` overrides apply on top.
+  override `model=NAME`) loads it, and later `model.key=value` overrides apply on top. The override
+  `model=NAME` sets the preset's keys and keeps other model keys set before it (e.g. the baseline
+  preset's `model.attention`), so it picks a size without undoing a run config's choices.
 """
 
 from __future__ import annotations
@@ -218,6 +220,9 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1  # never applied to norms, biases, embeddings or the null latent
     fused: bool | Literal["auto"] = "auto"  # auto: fused kernel where the device has one, else foreach
+    # Used when the fused kernel is off or unavailable. false: one update loop per parameter tensor,
+    # the older recipe's optimizer (baseline preset only).
+    foreach: bool = True
     grad_clip: float = 1.0  # max global grad norm; 0 = measure the norm but do not clip
 
     def check(self, prefix: str = "optim") -> None:
@@ -284,7 +289,12 @@ class TrainConfig:
     """The training loop (see mmldlm/training/trainer.py)."""
 
     steps: int = 1000  # optimizer steps
-    micro_batch_size: int = 8  # samples per process per forward/backward
+    # Samples per process per forward/backward. auto: the largest divisor of the per-process batch
+    # that fits (backing off on CUDA out-of-memory; on CPU under memory_cap_gib), see batch_size.py.
+    micro_batch_size: int | Literal["auto"] = 8
+    # Memory a micro-batch may use for auto: peak CUDA allocation, or on CPU the process's peak RSS.
+    # null: no cap on CUDA (the device's memory decides), 80% of the machine's memory on CPU.
+    memory_cap_gib: float | None = None
     # Effective batch per optimizer step over all processes; accumulation steps =
     # global_batch_size / (micro_batch_size * world size), which must divide exactly.
     global_batch_size: int = 32
@@ -299,9 +309,17 @@ class TrainConfig:
     run_dir: str = "runs/default"
 
     def check(self, prefix: str = "train") -> None:
-        for key in ("steps", "micro_batch_size", "global_batch_size", "log_every", "max_consecutive_skips"):
+        for key in ("steps", "global_batch_size", "log_every", "max_consecutive_skips"):
             if getattr(self, key) < 1:
                 _fail(f"{prefix}.{key}", getattr(self, key), "an integer >= 1")
+        if not self.run_dir:
+            _fail(f"{prefix}.run_dir", self.run_dir, "a directory path")
+        if self.memory_cap_gib is not None and self.memory_cap_gib <= 0:
+            _fail(f"{prefix}.memory_cap_gib", self.memory_cap_gib, "null or a number of GiB > 0")
+        if self.micro_batch_size == "auto":  # divisibility is checked once the size is found
+            return
+        if self.micro_batch_size < 1:
+            _fail(f"{prefix}.micro_batch_size", self.micro_batch_size, "an integer >= 1 or auto")
         if self.global_batch_size % self.micro_batch_size:
             _fail(f"{prefix}.global_batch_size", self.global_batch_size,
                   f"a multiple of {prefix}.micro_batch_size={self.micro_batch_size}")
@@ -314,8 +332,6 @@ class TrainConfig:
             last = entry[0]
         if self.batch_schedule and self.batch_schedule[0][0] != 0:
             _fail(f"{prefix}.batch_schedule", self.batch_schedule, "a list whose first entry starts at step 0")
-        if not self.run_dir:
-            _fail(f"{prefix}.run_dir", self.run_dir, "a directory path")
 
 
 @dataclass
@@ -329,6 +345,9 @@ class DistributedConfig:
     # DDP static graph; auto: on, since the idle head is anchored into the loss every step and the
     # set of parameters that receive gradients is therefore the same on every step.
     static_graph: bool | Literal["auto"] = "auto"
+    # true: DDP searches the autograd graph for unused parameters every step instead of the idle-head
+    # anchor (parallelize.py); the older recipe's setting, baseline preset only.
+    find_unused_parameters: bool = False
 
     def check(self, prefix: str = "distributed") -> None:
         if self.timeout_minutes <= 0:
@@ -362,6 +381,47 @@ class LoggingConfig:
     wandb_project: str = "mmldlm"
 
 
+# --- performance sections (perf issue) ---
+
+
+@dataclass
+class ProfilerConfig:
+    """A torch.profiler window: skip `skip` steps, warm up `warmup`, record `active`; the trace goes
+    to RUN/profiler/ (open it in Perfetto or chrome://tracing)."""
+
+    enabled: bool = False
+    skip: int = 10
+    warmup: int = 2
+    active: int = 3
+
+    def check(self, prefix: str = "perf.profiler") -> None:
+        for key in ("skip", "warmup"):
+            if getattr(self, key) < 0:
+                _fail(f"{prefix}.{key}", getattr(self, key), "an integer >= 0")
+        if self.active < 1:
+            _fail(f"{prefix}.active", self.active, "an integer >= 1")
+
+
+@dataclass
+class PerfConfig:
+    """Speed and memory switches applied when the trainer sets the model up (see parallelize.py)."""
+
+    # none; full: every block; every_k: blocks 0, k, 2k, ...; selective: every block, keeping the
+    # matmul and attention outputs and recomputing the cheap elementwise rest in backward.
+    activation_checkpointing: Literal["none", "full", "every_k", "selective"] = "none"
+    checkpoint_every_k: int = 2
+    compile: bool = False  # torch.compile each block (pair with data.pad_to_multiple=64: few shapes)
+    # Toggle requires_grad over every parameter at every step, the older recipe's freezing
+    # (baseline preset only: the idle head is handled once per mode, see parallelize.py).
+    refreeze_every_step: bool = False
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+
+    def check(self, prefix: str = "perf") -> None:
+        if self.checkpoint_every_k < 1:
+            _fail(f"{prefix}.checkpoint_every_k", self.checkpoint_every_k, "an integer >= 1")
+        self.profiler.check(f"{prefix}.profiler")
+
+
 @dataclass
 class RunConfig:
     """A whole run: one section per component."""
@@ -377,6 +437,7 @@ class RunConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    perf: PerfConfig = field(default_factory=PerfConfig)
 
     def check(self) -> None:
         for f in dataclasses.fields(self):
@@ -518,7 +579,8 @@ def _load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     parent = data.pop("inherit", None)
     if parent is not None:
         parent_path = path.parent / parent if (path.parent / parent).is_file() else resolve_preset(parent)
-        data = _merge(_load_raw(parent_path, seen + (path.resolve(),)), data)
+        # The parent's `model: NAME` is expanded first, so a child's `model: {key: value}` refines it.
+        data = _merge(_expand_model_preset(_load_raw(parent_path, seen + (path.resolve(),))), data)
     return data
 
 
@@ -553,7 +615,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     for text in overrides:
         path, value = parse_override(text)
         if path == ["model"] and isinstance(value, str):
-            raw = _expand_model_preset({**raw, "model": value})
+            preset = _expand_model_preset({"model": value})["model"]
+            raw = {**raw, "model": {**raw.get("model", {}), **preset}}
             continue
         node = raw
         for part in path[:-1]:

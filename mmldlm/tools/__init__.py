@@ -1,2 +1,3 @@
-"""Operating tools: `monitor` (health of a run from its metrics.jsonl) and `check` (a config and its
-environment audited before a run starts). The commands in mmldlm/commands/ are thin wrappers."""
+"""Operating tools: `monitor` (health of a run from its metrics.jsonl), `check` (a config and its
+environment audited before a run starts) and `bench` (baseline vs optimized, the ablation ladder).
+The commands in mmldlm/commands/ are thin wrappers."""

@@ -9,6 +9,8 @@ Only rank 0 writes.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import logging
 import math
@@ -53,6 +55,54 @@ def memory_stats(device: torch.device) -> dict:
     with open("/proc/self/statm") as f:  # Linux; fields are in pages
         rss_pages = int(f.read().split()[1])
     return {"mem_rss_gib": rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**30}
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:  # Linux
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field} line")
+
+
+def release_free_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc malloc_trim), so the resident set shows what is in use."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name:
+        libc = ctypes.CDLL(libc_name)
+        if hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory window (see `peak_memory_bytes`).
+
+    CPU: freed heap pages are first handed back to the OS, so memory the last window freed does not
+    count as in use in this one; then the kernel's RSS high-water mark is set to the current RSS
+    (writing 5 to /proc/self/clear_refs, Linux >= 4.0)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    release_free_memory()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process since `reset_peak_memory`: CUDA memory allocated by tensors, or
+    on CPU the peak resident set size (VmHWM), which also counts the Python runtime and torch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    return _status_kib("VmHWM") * 1024
+
+
+def current_memory_bytes(device: torch.device) -> int:
+    """CUDA memory allocated now, or on CPU the resident set size now."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return _status_kib("VmRSS") * 1024
 
 
 def truncate_lines(path: Path, num_lines: int) -> None:

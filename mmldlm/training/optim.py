@@ -31,19 +31,22 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over `param_groups`; the fused kernel when asked for or (auto) when the device has one."""
+    """AdamW over `param_groups`: the fused kernel when asked for or (auto) when the device has one,
+    else the foreach kernel (one launch over all tensors), or with optim.foreach=false the
+    per-parameter loop of the older recipe. The choice and any fallback reason are logged."""
     groups = param_groups(model, cfg.weight_decay)
     kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    unfused = "foreach" if cfg.foreach else "per-parameter loop"
     if cfg.fused is False:
-        log.info("optimizer: AdamW (foreach), optim.fused=false")
-        return torch.optim.AdamW(groups, foreach=True, **kwargs)
+        log.info("optimizer: AdamW (%s), optim.fused=false", unfused)
+        return torch.optim.AdamW(groups, foreach=cfg.foreach, fused=False, **kwargs)
     try:
         optimizer = torch.optim.AdamW(groups, fused=True, **kwargs)
     except (RuntimeError, ValueError) as err:
         if cfg.fused is True:
             raise RuntimeError(f"optim.fused=true but fused AdamW is unavailable here: {err}; "
                                "set optim.fused=auto to fall back to the foreach kernel") from err
-        log.info("optimizer: AdamW (foreach); the fused kernel is unavailable: %s", err)
-        return torch.optim.AdamW(groups, foreach=True, **kwargs)
+        log.info("optimizer: AdamW (%s); the fused kernel is unavailable: %s", unfused, err)
+        return torch.optim.AdamW(groups, foreach=cfg.foreach, fused=False, **kwargs)
     log.info("optimizer: AdamW (fused)")
     return optimizer

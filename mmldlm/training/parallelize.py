@@ -3,6 +3,11 @@ knows nothing of this. The order is fixed (as in torchtitan): activation checkpo
 then per-block `torch.compile`, then the data-parallel wrap (DDP or FSDP2), because each step must
 see the modules the previous one produced.
 
+Checkpointing and compile act on each block in place (its `forward` is replaced by a checkpointed
+call, `nn.Module.compile` compiles its call), so parameter names stay `blocks.i....` in every mode:
+checkpoints load across modes, and `model.blocks[-1].text` still names the last block's stream.
+Under compile every block shares one graph: dynamo guards on the code, not on the module instance.
+
 The idle output head. In l2t the latent head is not computed, in t2l the text head is not (and
 neither is the last block's tail that only feeds it: `model.latent_head_parameters()` /
 `model.text_head_parameters()`). Under DDP with find_unused_parameters=False every parameter must
@@ -22,17 +27,67 @@ reduce-scatter (every rank runs the same mode at a given step), so the idle head
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from mmldlm.config import DistributedConfig
+from mmldlm.config import DistributedConfig, PerfConfig
 from mmldlm.training.distributed import DistInfo
 
+aten = torch.ops.aten
 
-def parallelize(model: nn.Module, cfg: DistributedConfig, info: DistInfo) -> nn.Module:
-    """Wrap `model` (already on its device) for data-parallel training; a single process trains it as is."""
+# Selective checkpointing keeps the outputs of these ops: the matmuls and the attention kernels,
+# whose recomputation would cost as much again as the forward. Everything else in a block (norms,
+# adaLN modulate, GELU, RoPE, residual adds, softmax of the explicit path) is elementwise: cheap to
+# recompute, and together it is most of a block's saved activations.
+_SAVED_OPS = {
+    aten.mm.default, aten.addmm.default, aten.bmm.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpointed_blocks(num_blocks: int, cfg: PerfConfig) -> list[int]:
+    """Indices of the blocks that activation checkpointing wraps."""
+    if cfg.activation_checkpointing == "none":
+        return []
+    step = cfg.checkpoint_every_k if cfg.activation_checkpointing == "every_k" else 1
+    return list(range(0, num_blocks, step))
+
+
+def apply_activation_checkpointing(model: nn.Module, cfg: PerfConfig) -> None:
+    """Recompute the activations of the chosen blocks in backward instead of keeping them (in place)."""
+    context_fn = None
+    if cfg.activation_checkpointing == "selective":
+        context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+    for i in checkpointed_blocks(len(model.blocks), cfg):
+        block = model.blocks[i]
+        kwargs = {"context_fn": context_fn} if context_fn is not None else {}
+        # Non-reentrant checkpoint: works with keyword arguments, inputs that need no grad, and compile.
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, **kwargs)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each block in place (one graph shared by all blocks; few shapes with padding to 64)."""
+    for block in model.blocks:
+        block.compile()
+
+
+def parallelize(model: nn.Module, perf: PerfConfig, cfg: DistributedConfig, info: DistInfo) -> nn.Module:
+    """Apply activation checkpointing, then compile, to `model` (already on its device), then wrap it
+    for data-parallel training; a single process trains it unwrapped."""
+    apply_activation_checkpointing(model, perf)
+    if perf.compile:
+        apply_compile(model)
     if not info.distributed:
         return model
     if cfg.strategy == "fsdp2":
@@ -47,18 +102,19 @@ def parallelize(model: nn.Module, cfg: DistributedConfig, info: DistInfo) -> nn.
     return DistributedDataParallel(
         model,
         device_ids=[info.device.index] if info.device.type == "cuda" else None,
-        find_unused_parameters=False,  # the idle head is anchored instead (see the module doc)
+        # Off: the idle head is anchored instead (see the module doc); on only in the baseline preset.
+        find_unused_parameters=cfg.find_unused_parameters,
         gradient_as_bucket_view=True,  # grads live in the all-reduce buckets: no copy, less memory
         # broadcast_buffers=False under its current name: no buffer broadcast before every forward
         # (the model has no buffers that training changes).
         forward_sync_buffers=False,
-        static_graph=cfg.static_graph if cfg.static_graph != "auto" else True,
+        static_graph=cfg.static_graph if cfg.static_graph != "auto" else not cfg.find_unused_parameters,
     )
 
 
 def uses_anchor(cfg: DistributedConfig, info: DistInfo) -> bool:
-    """Whether the loop must anchor idle-head parameters into the loss (DDP only)."""
-    return info.distributed and cfg.strategy == "ddp"
+    """Whether the loop must anchor idle-head parameters into the loss (DDP without the unused-parameter search)."""
+    return info.distributed and cfg.strategy == "ddp" and not cfg.find_unused_parameters
 
 
 def anchor(loss: torch.Tensor, params: list[nn.Parameter]) -> torch.Tensor:

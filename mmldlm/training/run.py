@@ -58,14 +58,18 @@ def build_model_and_objective(cfg: RunConfig, dataset):
 
 
 def open_train_data(cfg: RunConfig, info: DistInfo):
-    """(dataset, loader) of the training split. With data.path null the bundled corpus is prepared
-    first (once, into the cache; every rank takes part)."""
+    """(dataset, make_loader, data config) of the training split: make_loader(micro_batch_size)
+    builds this rank's loader. With data.path null the bundled corpus is prepared first (once,
+    into the cache; every rank takes part)."""
     from mmldlm.data import build_loader, dataset_path, open_dataset, resolve_for_model
 
     dataset = open_dataset(dataset_path(cfg.data, log=log.info), "train")
     data_cfg = resolve_for_model(cfg.data, cfg.model, dataset)
-    loader = build_loader(dataset, data_cfg, cfg.train.micro_batch_size, info.rank, info.world_size)
-    return dataset, loader
+
+    def make_loader(micro_batch_size: int):
+        return build_loader(dataset, data_cfg, micro_batch_size, info.rank, info.world_size)
+
+    return dataset, make_loader, data_cfg
 
 
 def train(cfg: RunConfig, resume: str | None = None) -> int:
@@ -78,11 +82,11 @@ def train(cfg: RunConfig, resume: str | None = None) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
     try:
-        dataset, loader = open_train_data(cfg, info)
+        dataset, make_loader, data_cfg = open_train_data(cfg, info)
         seed_everything(cfg.train.seed)  # the same initial weights on every rank (FSDP2 relies on it)
         model, objective = build_model_and_objective(cfg, dataset)
         seed_everything(cfg.train.seed + info.rank)  # rank-local randomness (dropout) differs per rank
-        trainer = Trainer(cfg, model, objective, loader, info)
+        trainer = Trainer(cfg, model, objective, make_loader, info, max_seq_len=data_cfg.max_length)
         trainer.resume(resume)
         status = trainer.fit()
     except RankTimeout as err:

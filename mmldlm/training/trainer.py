@@ -35,6 +35,7 @@ from mmldlm.training.distributed import DistInfo, collective_guard
 from mmldlm.training.metrics import MetricsLogger, memory_stats, peak_flops
 from mmldlm.training.optim import build_optimizer
 from mmldlm.training.parallelize import anchor, no_grad_sync, parallelize, uses_anchor
+from mmldlm.training.profiler import profiler_window
 from mmldlm.training.schedules import LRSchedule
 
 log = logging.getLogger(__name__)
@@ -126,22 +127,29 @@ class _StopRequest:
 
 
 class Trainer:
-    """Owns the wrapped model, optimizer, schedule, checkpoints and metrics of one run."""
+    """Owns the wrapped model, optimizer, schedule, checkpoints and metrics of one run.
 
-    def __init__(self, cfg: RunConfig, model: nn.Module, objective, loader, info: DistInfo):
+    `loader` is a loader (an iterable, not callable), or a callable of the micro-batch size that builds one: with
+    train.micro_batch_size=auto the size is known only once the set-up model has been probed."""
+
+    def __init__(self, cfg: RunConfig, model: nn.Module, objective, loader, info: DistInfo,
+                 max_seq_len: int | None = None):
         self.cfg = cfg
         self.info = info
         self.run_dir = Path(cfg.train.run_dir)
         self.device = info.device
         self.precision = resolve_precision(cfg.train.precision, self.device)
         self.raw_model = model.to(self.device)
-        self.model = parallelize(self.raw_model, cfg.distributed, info)
+        self.model = parallelize(self.raw_model, cfg.perf, cfg.distributed, info)
+        self.objective = objective
+        self.micro_batch_size = cfg.train.micro_batch_size
+        if self.micro_batch_size == "auto":
+            self.micro_batch_size = self._find_micro_batch(max_seq_len or self.raw_model.cfg.max_seq_len)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.schedule = LRSchedule(cfg.schedule, cfg.optim.lr, cfg.train.steps)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
-        self.objective = objective
-        self.loader = loader
-        self._batches = iter(loader)
+        self.loader = loader(self.micro_batch_size) if callable(loader) else loader
+        self._batches = iter(self.loader)
         self.checkpoints = CheckpointManager(cfg.checkpoint, self.run_dir, info)
         self.generator = torch.Generator(device=self.device)
         self.anchor_idle = uses_anchor(cfg.distributed, info)
@@ -153,9 +161,39 @@ class Trainer:
         self._last_saved = -1
         # Every accumulation split of every scheduled batch size must be valid before step 0.
         for i, (_, size) in enumerate(cfg.train.batch_schedule):
-            accumulation_steps(size, cfg.train.micro_batch_size, info.world_size, f"train.batch_schedule[{i}]")
-        accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, info.world_size,
+            accumulation_steps(size, self.micro_batch_size, info.world_size, f"train.batch_schedule[{i}]")
+        accumulation_steps(cfg.train.global_batch_size, self.micro_batch_size, info.world_size,
                            "train.global_batch_size")
+
+    def _find_micro_batch(self, seq_len: int) -> int:
+        """train.micro_batch_size=auto: the largest micro-batch that fits (see batch_size.py), the
+        same on every rank."""
+        from mmldlm.training.batch_size import default_memory_cap, find_micro_batch
+
+        cfg, info = self.cfg.train, self.info
+        batches = [cfg.global_batch_size] + [size for _, size in cfg.batch_schedule]
+        for size in batches:
+            if size % info.world_size:
+                raise ConfigError(f"config key 'train.global_batch_size': got {size}; expected a multiple of "
+                                  f"the world size {info.world_size}")
+        cap = cfg.memory_cap_gib * 2**30 if cfg.memory_cap_gib is not None else default_memory_cap(self.device)
+
+        def agree(fits: bool) -> bool:
+            if not info.distributed:
+                return fits
+            flag = torch.tensor([float(fits)], device=self.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+            return bool(flag.item())
+
+        size, peaks = find_micro_batch(self.model, self.objective, [b // info.world_size for b in batches],
+                                       seq_len, self.device, cap, self._autocast, agree)
+        if info.is_main:
+            probed = ", ".join(f"{b}: {p / 2**30:.2f} GiB" if p is not None else f"{b}: out of memory"
+                               for b, p in sorted(peaks.items()))
+            log.info("micro-batch: auto -> %d (cap %s; probed peak at text length %d: %s); accumulation "
+                     "%d for the global batch of %d", size, f"{cap / 2**30:.2f} GiB" if cap else "none",
+                     seq_len, probed, cfg.global_batch_size // (size * info.world_size), cfg.global_batch_size)
+        return size
 
     # ---------------------------------------------------------------- state
 
@@ -227,11 +265,13 @@ class Trainer:
         """One optimizer step; returns the step's record (losses averaged over all ranks)."""
         cfg, info, step = self.cfg, self.info, self.step
         start = time.perf_counter()
-        micro = cfg.train.micro_batch_size
+        micro = self.micro_batch_size
         global_batch = self.global_batch_at(step)
         num_accum = accumulation_steps(global_batch, micro, info.world_size, "train.global_batch_size")
         mode = self.objective.mode_at(step)
         idle = self.idle_parameters(mode)
+        if cfg.perf.refreeze_every_step:
+            self._refreeze(idle)
         lr = self.schedule.apply(self.optimizer, step)
         sums = torch.zeros(7, dtype=torch.float64)
         data_wait = 0.0
@@ -318,6 +358,13 @@ class Trainer:
             self.schedule.observe(record["loss"])
         return record
 
+    def _refreeze(self, idle: list[nn.Parameter]) -> None:
+        """The older recipe's freezing, kept for the baseline preset: a pass over every parameter at
+        every step setting requires_grad (the idle head frozen, the rest trainable)."""
+        idle_ids = {id(p) for p in idle}
+        for p in self.raw_model.parameters():
+            p.requires_grad_(id(p) not in idle_ids)
+
     def _flops(self, tokens: torch.Tensor, mode: str) -> float:
         from mmldlm.model.info import training_flops_per_sample
 
@@ -339,9 +386,12 @@ class Trainer:
 
             bar = tqdm(total=total, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
         try:
-            with _StopRequest() as stop:
+            with _StopRequest() as stop, profiler_window(cfg.perf.profiler, self.run_dir, self.device,
+                                                         info.rank) as profiler:
                 while self.step < total:
                     record = self.train_step(stop.requested)
+                    if profiler is not None:
+                        profiler.step()
                     if record["skipped"] and info.is_main:
                         log.warning("step %d: non-finite loss or gradient norm on some rank; update skipped "
                                     "(%d in a row)", record["step"], self.consecutive_skips)

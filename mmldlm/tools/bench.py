@@ -1,0 +1,427 @@
+"""`mmldlm bench`: two training configs (default configs/baseline.yaml vs configs/optimized.yaml) on
+the same model and data, measured in one run; with `ladder`, every step from the first to the
+second adding one group of performance keys at a time.
+
+How it measures, and why:
+1. Each config trains in its own worker process (spawned). Peak memory is a per-process quantity
+   (on CPU the resident set never shrinks back cleanly inside one process after a larger config
+   ran), so one process per config is the honest way to give each its own peak.
+2. The workers take turns: round after round each runs `round_steps` optimizer steps while the
+   others wait, so a slow phase of a shared machine hits every config alike, and no two configs
+   compete for the cores. Warm-up steps first (compile, allocator, loader workers), not measured.
+3. Every config runs the same steps: same seed, data order, modes and noise; only speed differs.
+4. Step time: median and spread (p10..p90) over the measured steps; samples/s = global batch /
+   median step time; tokens/s = median over steps of real (non-pad) tokens / step time.
+5. Peak memory over the measured steps: CUDA max allocated; on CPU the peak resident set size minus
+   the worker's RSS before it built anything (the Python runtime and torch), i.e. what training adds:
+   weights, gradients, optimizer state, activations, temporaries. Loader worker processes are not
+   counted (they hold batches, not the model).
+6. Largest micro-batch under a memory cap: in a fresh process per config, the auto micro-batch probe
+   (mmldlm/training/batch_size.py: one joint-mode forward + backward at full text length, plus
+   AdamW state) at 1, 2, 4, ... until the cap is passed, then bisected. The probe runs eagerly
+   (compile off: it would recompile at every probed size); checkpointing and attention as configured.
+7. MFU from the model's FLOPs per sample and the device's peak (mmldlm.training.metrics), only where
+   the peak is known: never on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import multiprocessing as mp
+import os
+import platform
+import signal
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from mmldlm.config import load_config, to_dict
+
+log = logging.getLogger(__name__)
+
+# The ladder from baseline to optimized: each rung sets these keys to the optimized config's values
+# (only the keys whose values differ; a rung with none is left out). Keys that differ but are in
+# no rung form a last rung, so the ladder always ends exactly at the optimized config. The loader
+# comes first: the baseline's 16 worker processes per config then exist in one config only.
+LADDER = [
+    ("loader: workers, prefetch, persistence",
+     ["data.num_workers", "data.prefetch_factor", "data.persistent_workers", "data.pin_memory"]),
+    ("SDPA attention", ["model.attention"]),
+    ("fused AdamW", ["optim.fused", "optim.foreach"]),
+    ("freeze once per mode, no unused-parameter search",
+     ["perf.refreeze_every_step", "distributed.find_unused_parameters", "distributed.static_graph"]),
+    ("MSE latent loss", ["latent_diffusion.loss"]),
+    ("activation checkpointing", ["perf.activation_checkpointing", "perf.checkpoint_every_k"]),
+    ("compile, padding to 64", ["perf.compile", "data.pad_to_multiple"]),
+]
+IGNORED = {"train.run_dir"}  # differs between presets without changing what is measured
+
+
+@dataclasses.dataclass
+class BenchOptions:
+    baseline: str = "baseline"
+    optimized: str = "optimized"
+    overrides: list[str] = dataclasses.field(default_factory=list)  # applied to every config
+    steps: int = 10  # measured optimizer steps per config
+    warmup: int = 3
+    round_steps: int = 2  # steps per config per round
+    ladder: bool = False
+    fit: bool = True
+    memory_cap_gib: float = 8.0
+    max_micro_batch: int = 512
+    out: str = "runs/bench"
+
+
+# -------------------------------------------------------------------------------- configs
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "mode_weights":
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _override(key: str, value) -> str:
+    return f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
+
+
+def bench_configs(opts: BenchOptions) -> list[dict]:
+    """[{name, changes, overrides}] to run: baseline and optimized, or with opts.ladder every rung."""
+    base = [*opts.overrides]
+    first = _flat(to_dict(load_config(opts.baseline, base)))
+    last = _flat(to_dict(load_config(opts.optimized, base)))
+    differ = [key for key in first if first[key] != last[key] and key not in IGNORED]
+    if not opts.ladder:
+        return [{"name": "baseline", "config": opts.baseline, "changes": [], "overrides": base},
+                {"name": "optimized", "config": opts.optimized, "changes": differ, "overrides": base}]
+    rungs, covered, applied = [], set(), list(base)
+    rungs.append({"name": "baseline", "config": opts.baseline, "changes": [], "overrides": list(applied)})
+    groups = LADDER + [("other differences", [k for k in differ if not any(k in keys for _, keys in LADDER)])]
+    for label, keys in groups:
+        changes = [k for k in keys if k in differ and k not in covered]
+        if not changes:
+            continue
+        covered.update(changes)
+        applied += [_override(k, last[k]) for k in changes]
+        rungs.append({"name": f"+ {label}", "config": opts.baseline, "changes": changes, "overrides": list(applied)})
+    if len(rungs) > 1:
+        rungs[-1]["name"] += " (= optimized)"
+    return rungs
+
+
+# -------------------------------------------------------------------------------- workers
+
+
+def _setup_worker_logging(name: str) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"[bench {name}] %(message)s"))
+    root = logging.getLogger("mmldlm")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    root.propagate = False
+
+
+def _build_trainer(config: str, overrides: list[str], run_dir: str, extra: list[str] = ()):
+    from mmldlm.training.distributed import init_distributed
+    from mmldlm.training.run import build_model_and_objective, open_train_data
+    from mmldlm.training.trainer import Trainer, seed_everything
+
+    cfg = load_config(config, [*overrides, f"train.run_dir={run_dir}", "logging.progress_bar=false", *extra])
+    info = init_distributed(cfg.distributed, cfg.train.device)
+    dataset, make_loader, data_cfg = open_train_data(cfg, info)
+    seed_everything(cfg.train.seed)
+    model, objective = build_model_and_objective(cfg, dataset)
+    trainer = Trainer(cfg, model, objective, make_loader, info, max_seq_len=data_cfg.max_length)
+    return cfg, info, trainer, data_cfg
+
+
+def _train_worker(conn, spec: dict, run_dir: str) -> None:
+    """Serve ("steps", n) / ("reset_memory",) / ("memory",) / ("stop",) for one config."""
+    from mmldlm.training.metrics import (current_memory_bytes, peak_memory_bytes, release_free_memory,
+                                         reset_peak_memory)
+
+    _setup_worker_logging(spec["name"])
+    os.setpgrp()  # its own process group: the parent can end it with its loader workers (_Worker.close)
+    try:
+        import torch
+
+        runtime = current_memory_bytes(torch.device("cpu"))  # before anything is built
+        cfg, info, trainer, _ = _build_trainer(spec["config"], spec["overrides"], run_dir)
+        if info.device.type == "cuda":
+            runtime = 0  # CUDA's allocated counter starts at zero for this process
+        from mmldlm.model.info import parameter_counts
+
+        conn.send({"ok": True, "device": str(info.device), "micro_batch_size": trainer.micro_batch_size,
+                   "global_batch_size": cfg.train.global_batch_size,
+                   "parameters": parameter_counts(trainer.raw_model)["total"]})
+        while True:
+            command = conn.recv()
+            if command[0] == "steps":
+                records = []
+                for _ in range(command[1]):
+                    record = trainer.train_step()
+                    records.append({k: record.get(k) for k in ("step", "mode", "loss", "step_time_s", "samples_per_s",
+                                                               "tokens_per_s", "global_batch_size", "micro_batch_size",
+                                                               "accumulation_steps", "data_wait_share", "mfu")})
+                if spec["release_memory"] and info.device.type == "cpu":
+                    # Ladder: waiting configs give back what the step freed, so N configs fit in
+                    # memory at once (the next step then faults its pages in again, a cost every rung
+                    # pays per byte it uses). The peak already recorded stays.
+                    release_free_memory()
+                conn.send({"ok": True, "records": records})
+            elif command[0] == "reset_memory":
+                reset_peak_memory(info.device)
+                conn.send({"ok": True})
+            elif command[0] == "memory":
+                peak = peak_memory_bytes(info.device)
+                conn.send({"ok": True, "peak_bytes": peak, "runtime_bytes": runtime})
+            else:
+                conn.send({"ok": True})
+                return
+    except Exception as err:  # reported to the parent, which names the config
+        conn.send({"ok": False, "error": f"{type(err).__name__}: {err}"})
+
+
+def _fit_worker(conn, spec: dict, run_dir: str, cap_bytes: float, max_size: int) -> None:
+    """The largest micro-batch under `cap_bytes`: probes at 1, 2, 4, ... then bisection."""
+    _setup_worker_logging(spec["name"] + " fit")
+    os.setpgrp()
+    try:
+        from mmldlm.training.batch_size import probe_peak_bytes
+
+        _, info, trainer, data_cfg = _build_trainer(spec["config"], spec["overrides"], run_dir,
+                                                    ["perf.compile=false", "train.micro_batch_size=1",
+                                                     "train.global_batch_size=1", "data.num_workers=0"])
+        peaks = {}
+
+        def fits(size: int) -> bool:
+            peaks[size] = probe_peak_bytes(trainer.model, trainer.objective, size, data_cfg.max_length,
+                                           info.device, trainer._autocast)
+            return peaks[size] <= cap_bytes
+
+        lo, hi = 0, None  # lo fits (0: nothing yet), hi does not
+        size = 1
+        while size <= max_size and fits(size):
+            lo, size = size, size * 2
+        hi = size if size <= max_size else None
+        while hi is not None and hi - lo > max(1, lo // 8):  # bisect to within 1/8
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        conn.send({"ok": True, "largest": lo, "capped_by_max": hi is None, "text_length": data_cfg.max_length,
+                   "peaks_gib": {str(k): round(v / 2**30, 3) for k, v in sorted(peaks.items())}})
+    except Exception as err:
+        conn.send({"ok": False, "error": f"{type(err).__name__}: {err}"})
+
+
+class _Worker:
+    def __init__(self, ctx, target, spec: dict, *args):
+        self.spec = spec
+        self.conn, child = ctx.Pipe()
+        # Not a daemon: a daemon process may not start the DataLoader's worker processes.
+        self.process = ctx.Process(target=target, args=(child, spec, *args), daemon=False)
+        self.process.start()
+
+    def call(self, *command) -> dict:
+        if command:
+            self.conn.send(command)
+        reply = self.conn.recv()
+        if not reply["ok"]:
+            raise RuntimeError(f"bench: config '{self.spec['name']}' ({self.spec['config']} "
+                               f"{' '.join(self.spec['overrides'])}) failed: {reply['error']}")
+        return reply
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+            self.process.join(timeout=30)
+        if self.process.is_alive():  # stuck or interrupted: end it and its loader workers, by group
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.join()
+
+
+# -------------------------------------------------------------------------------- the run
+
+
+def _spread(values: list[float]) -> dict:
+    ordered = sorted(values)
+
+    def quantile(q: float) -> float:
+        pos = q * (len(ordered) - 1)
+        low = math.floor(pos)
+        return ordered[low] + (ordered[min(low + 1, len(ordered) - 1)] - ordered[low]) * (pos - low)
+
+    return {"median": statistics.median(ordered), "p10": quantile(0.1), "p90": quantile(0.9),
+            "min": ordered[0], "max": ordered[-1]}
+
+
+def _summary(setup: dict, records: list[dict], memory: dict) -> dict:
+    times = [r["step_time_s"] for r in records]
+    step_time = _spread(times)
+    mfu = [r["mfu"] for r in records if r.get("mfu") is not None]
+    device_is_cuda = setup["device"].startswith("cuda")
+    return {
+        "micro_batch_size": setup["micro_batch_size"], "global_batch_size": setup["global_batch_size"],
+        "accumulation_steps": records[0]["accumulation_steps"], "measured_steps": len(records),
+        "step_time_s": step_time,
+        "samples_per_s": setup["global_batch_size"] / step_time["median"],
+        # From the fastest step: on a shared machine the least disturbed estimate of what the config can do.
+        "best_samples_per_s": setup["global_batch_size"] / step_time["min"],
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
+        "data_wait_share": statistics.median(r["data_wait_share"] for r in records),
+        "peak_memory_gib": (memory["peak_bytes"] - memory["runtime_bytes"]) / 2**30,
+        "peak_memory_kind": "cuda_max_allocated" if device_is_cuda else "cpu_peak_rss_above_runtime",
+        "peak_rss_gib": None if device_is_cuda else memory["peak_bytes"] / 2**30,
+        "mfu": statistics.median(mfu) if mfu else None,
+        "losses": [r["loss"] for r in records],
+        "step_times_s": times,  # in order: a shared machine's disturbances show as outliers
+    }
+
+
+def run_bench(opts: BenchOptions, command: str = "") -> dict:
+    """Run the benchmark; write bench.json and bench.md into opts.out; return the report."""
+    specs = bench_configs(opts)
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("spawn")
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="bench-", dir=out) as scratch:
+        workers = []
+        try:
+            for i, spec in enumerate(specs):  # one at a time: setups do not compete for the cores
+                spec["release_memory"] = len(specs) > 2
+                workers.append(_Worker(ctx, _train_worker, spec, os.path.join(scratch, f"run{i}")))
+                spec["setup"] = workers[-1].call()
+                log.info("bench: %s ready (%s, micro-batch %d)", spec["name"], spec["setup"]["device"],
+                         spec["setup"]["micro_batch_size"])
+            records = {spec["name"]: [] for spec in specs}
+            for _ in range(math.ceil(opts.warmup / opts.round_steps)):
+                for worker in workers:
+                    worker.call("steps", opts.round_steps)
+            for worker in workers:
+                worker.call("reset_memory")
+            for r in range(math.ceil(opts.steps / opts.round_steps)):
+                for worker in workers:
+                    records[worker.spec["name"]] += worker.call("steps", opts.round_steps)["records"]
+                log.info("bench: round %d/%d done", r + 1, math.ceil(opts.steps / opts.round_steps))
+            memory = {w.spec["name"]: w.call("memory") for w in workers}
+        finally:
+            for worker in workers:
+                worker.close()
+        results = {spec["name"]: {"config": spec["config"], "changes": spec["changes"], "overrides": spec["overrides"],
+                                  **_summary(spec["setup"], records[spec["name"]], memory[spec["name"]])}
+                   for spec in specs}
+        fits = {}
+        if opts.fit:
+            for spec in (specs[0], specs[-1]):
+                worker = _Worker(ctx, _fit_worker, spec, os.path.join(scratch, "fit"),
+                                 opts.memory_cap_gib * 2**30, opts.max_micro_batch)
+                try:
+                    fits[spec["name"]] = worker.call()
+                finally:
+                    worker.close()
+                results[spec["name"]]["largest_micro_batch"] = fits[spec["name"]]["largest"]
+                results[spec["name"]]["largest_micro_batch_probe"] = {
+                    k: v for k, v in fits[spec["name"]].items() if k != "ok"}
+
+    first, last = specs[0]["name"], specs[-1]["name"]
+    ratios = {key: results[last][key] / results[first][key]
+              for key in ("samples_per_s", "best_samples_per_s", "tokens_per_s", "peak_memory_gib")}
+    if opts.fit:
+        ratios["largest_micro_batch"] = (results[last]["largest_micro_batch"] / results[first]["largest_micro_batch"]
+                                         if results[first]["largest_micro_batch"] else None)
+    setup = specs[0]["setup"]
+    report = {
+        "command": command,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": _machine(setup["device"]),
+        "model_parameters": setup["parameters"],
+        "options": dataclasses.asdict(opts),
+        "wall_time_s": round(time.time() - started, 1),
+        "baseline": first, "optimized": last,
+        "configs": results,
+        "ratios": ratios,
+        "order": [spec["name"] for spec in specs],
+    }
+    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "bench.md").write_text(markdown(report))
+    return report
+
+
+def _machine(device: str) -> dict:
+    import torch
+
+    machine = {"device": device, "torch": torch.__version__, "python": platform.python_version(),
+               "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+               "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()}
+    if device.startswith("cuda"):
+        machine["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return machine
+
+
+# -------------------------------------------------------------------------------- the report
+
+
+def markdown(report: dict) -> str:
+    """The report as markdown: the configs side by side, the ratios, and the ladder when there is one."""
+    configs, order = report["configs"], report["order"]
+    m = report["machine"]
+    device = m.get("gpu", f"CPU ({m['cpus']} cores, {m['torch_threads']} torch threads)")
+    lines = [f"# mmldlm bench ({report['date']})", "",
+             f"`{report['command']}`" if report["command"] else "", "",
+             f"{device}, torch {m['torch']}; model {report['model_parameters']:,} parameters; "
+             f"{report['options']['steps']} measured steps per config after {report['options']['warmup']} "
+             f"warm-up, {report['options']['round_steps']} per turn; wall time {report['wall_time_s']:.0f} s.", ""]
+    memory_kind = configs[order[0]]["peak_memory_kind"]
+    memory_label = "peak CUDA alloc GiB" if memory_kind == "cuda_max_allocated" else "peak RSS above runtime GiB"
+    fit = "largest_micro_batch" in configs[order[0]]
+    header = ["config", "micro x accum", "samples/s", "tokens/s", "step s (median)", "step s (min, p10-p90)",
+              memory_label, "MFU"]
+    if fit:
+        header.append(f"largest micro-batch @ {report['options']['memory_cap_gib']:g} GiB")
+    if len(order) > 2:
+        header += ["vs previous", "vs baseline"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    first = configs[order[0]]
+    previous = None
+    for name in order:
+        c = configs[name]
+        row = [name, f"{c['micro_batch_size']} x {c['accumulation_steps']}", f"{c['samples_per_s']:.2f}",
+               f"{c['tokens_per_s']:.0f}", f"{c['step_time_s']['median']:.3f}",
+               f"{c['step_time_s']['min']:.3f}, {c['step_time_s']['p10']:.3f}-{c['step_time_s']['p90']:.3f}",
+               f"{c['peak_memory_gib']:.2f}",
+               f"{c['mfu']:.1%}" if c["mfu"] is not None else "n/a"]
+        if fit:
+            row.append(str(c["largest_micro_batch"]) if "largest_micro_batch" in c else "")
+        if len(order) > 2:
+            row += [f"{c['samples_per_s'] / previous['samples_per_s']:.2f}x" if previous else "",
+                    f"{c['samples_per_s'] / first['samples_per_s']:.2f}x"]
+        lines.append("| " + " | ".join(row) + " |")
+        previous = c
+    r = report["ratios"]
+    lines += ["", f"optimized / baseline: samples/s **{r['samples_per_s']:.2f}x** (from the fastest steps "
+                  f"{r['best_samples_per_s']:.2f}x), tokens/s "
+                  f"{r['tokens_per_s']:.2f}x, peak memory at equal batch **{r['peak_memory_gib']:.2f}x**"
+              + (f", largest micro-batch **{r['largest_micro_batch']:.2f}x**" if r.get("largest_micro_batch") else "")
+              + ".", ""]
+    if len(order) > 2:
+        lines += ["Ladder rungs (keys each one sets to the optimized value):", ""]
+        lines += [f"- {name}: {', '.join(configs[name]['changes'])}" for name in order[1:]]
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,126 @@
+"""`train.micro_batch_size: auto`: the largest micro-batch that fits, with the accumulation that
+keeps the effective batch.
+
+The candidates are the divisors of every per-process batch the run will use (global batch / world
+size, and each size in train.batch_schedule), so accumulation = per-process batch / micro-batch is
+always exact: auto changes how the effective batch is split, never the effective batch.
+
+A candidate fits when one forward + backward in the joint mode (both heads: the most memory), on
+that many samples at the longest text length, peaks under the cap:
+- CUDA: an out-of-memory error means it does not fit (the allocator's cache is emptied and the search
+  backs off to a smaller candidate); train.memory_cap_gib, when set, also bounds the peak allocation.
+- CPU: the process's peak RSS (mmldlm.training.metrics.peak_memory_bytes) must stay under
+  train.memory_cap_gib, by default 80% of the machine's memory shared by the local processes.
+The probe takes no optimizer step, so the weights are untouched; AdamW's two state tensors per
+parameter, allocated at the first real step, are added to the measured peak. It runs the model as
+the trainer set it up (checkpointing and compile applied) and draws from its own RNG stream.
+Memory grows with the batch, so a binary search over the sorted candidates finds the largest fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from mmldlm.training.metrics import peak_memory_bytes, reset_peak_memory
+
+
+def candidate_sizes(per_process_batches: list[int]) -> list[int]:
+    """Micro-batch sizes that divide every per-process batch, ascending."""
+    common = math.gcd(*per_process_batches)
+    return [d for d in range(1, common + 1) if common % d == 0]
+
+
+def largest_fitting(candidates: list[int], fits: Callable[[int], bool]) -> int | None:
+    """The largest of the ascending `candidates` for which `fits` holds (it must be monotone: what
+    fits at some size fits at every smaller one); None when not even the smallest fits."""
+    lo, hi, best = 0, len(candidates) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(candidates[mid]):
+            best, lo = candidates[mid], mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def default_memory_cap(device: torch.device) -> float | None:
+    """Bytes: None on CUDA (out-of-memory decides); on CPU 80% of MemTotal shared by the local processes."""
+    if device.type == "cuda":
+        return None
+    with open("/proc/meminfo") as f:
+        total_kib = int(next(line for line in f if line.startswith("MemTotal:")).split()[1])
+    return 0.8 * total_kib * 1024 / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
+def optimizer_state_bytes(model: nn.Module) -> int:
+    """AdamW's exp_avg and exp_avg_sq: two tensors like every trainable parameter."""
+    return sum(2 * p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def probe_batch(batch_size: int, seq_len: int, vocab_size: int, num_latents: int, latent_dim: int,
+                device: torch.device, generator: torch.Generator) -> dict:
+    """A batch of the largest shape the loader can produce: every row a full-length text."""
+    return {
+        "tokens": torch.randint(2, vocab_size, (batch_size, seq_len), generator=generator).to(device),  # (B, L)
+        "pad_mask": torch.ones(batch_size, seq_len, dtype=torch.bool, device=device),  # (B, L)
+        "latents": torch.randn(batch_size, num_latents, latent_dim, generator=generator).to(device),  # (B, K, D)
+    }
+
+
+def probe_peak_bytes(model: nn.Module, objective, batch_size: int, seq_len: int, device: torch.device,
+                     autocast: Callable = None) -> int:
+    """Peak memory of one joint-mode forward + backward of `batch_size` full-length samples, plus the
+    optimizer state; raises torch.OutOfMemoryError where CUDA runs out."""
+    from mmldlm.objective import Objective
+
+    joint = Objective(dataclasses.replace(objective.cfg, mode="joint"), objective.text, objective.latent)
+    raw = getattr(model, "module", model)
+    generator = torch.Generator().manual_seed(batch_size)
+    batch = probe_batch(batch_size, seq_len, raw.vocab_size, raw.cfg.num_latents, raw.cfg.latent_dim,
+                        device, generator)
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):  # dropout must not shift the run's RNG stream
+        reset_peak_memory(device)
+        try:
+            with autocast() if autocast is not None else torch.autocast(device.type, enabled=False):
+                loss, _ = joint(model, batch, step=0, generator=torch.Generator(device).manual_seed(0))
+            loss.backward()
+            peak = peak_memory_bytes(device)
+        finally:
+            del batch
+            model.zero_grad(set_to_none=True)
+    return peak + optimizer_state_bytes(raw)
+
+
+def find_micro_batch(model: nn.Module, objective, per_process_batches: list[int], seq_len: int,
+                     device: torch.device, cap_bytes: float | None, autocast: Callable = None,
+                     agree: Callable[[bool], bool] = lambda fits: fits) -> tuple[int, dict]:
+    """The largest candidate micro-batch whose probe fits under `cap_bytes` (see the module doc), and
+    {size: peak bytes or None for out-of-memory} of the probes. `agree` makes every rank take the
+    same decision (a MIN all-reduce of the flag) so all ranks probe in lockstep and end equal."""
+    peaks: dict[int, int | None] = {}
+
+    def fits(size: int) -> bool:
+        try:
+            peaks[size] = probe_peak_bytes(model, objective, size, seq_len, device, autocast)
+            ok = cap_bytes is None or peaks[size] <= cap_bytes
+        except torch.OutOfMemoryError:
+            peaks[size] = None
+            ok = False
+            torch.cuda.empty_cache()
+        return agree(ok)
+
+    size = largest_fitting(candidate_sizes(per_process_batches), fits)
+    if size is None:
+        cap = f"{cap_bytes / 2**30:.2f} GiB" if cap_bytes is not None else "the device's memory"
+        peak = f"peak {peaks[1] / 2**30:.2f} GiB" if peaks.get(1) is not None else "out of memory"
+        raise RuntimeError(f"train.micro_batch_size=auto: not even a micro-batch of 1 fits in {cap} "
+                           f"({peak} at text length {seq_len}); raise train.memory_cap_gib, or use a "
+                           f"smaller model or activation checkpointing")
+    return size, peaks

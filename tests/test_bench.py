@@ -1,0 +1,52 @@
+"""`mmldlm bench` end to end on the tiny preset: both configs measured, JSON and markdown well formed;
+the ladder goes from baseline to exactly the optimized config one group of keys at a time."""
+
+import json
+
+from data_support import prepared
+
+from mmldlm.cli import main
+from mmldlm.config import load_config, to_dict
+from mmldlm.tools.bench import BenchOptions, _flat, bench_configs
+
+# The tiny model made smaller still, no compile and no loader workers: this checks the report, not
+# the speed, and must stay fast.
+TINY = ["model=tiny", "model.hidden_size=64", "model.num_blocks=2", "model.timestep_embed_dim=32",
+        "perf.compile=false", "data.num_workers=0", "train.global_batch_size=8", "train.micro_batch_size=4"]
+
+
+def test_bench_three_steps_writes_a_well_formed_report(tmp_path_factory, tmp_path, capsys):
+    data = prepared(tmp_path_factory)
+    status = main(["bench", *TINY, f"data.path={data}", "--steps", "3", "--warmup", "1", "--round-steps", "1",
+                   "--memory-cap-gib", "4", "--max-micro-batch", "4", "--out", str(tmp_path)])
+    assert status == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["order"] == ["baseline", "optimized"]
+    for name in report["order"]:
+        c = report["configs"][name]
+        assert c["measured_steps"] == 3 and len(c["losses"]) == 3
+        assert c["micro_batch_size"] * c["accumulation_steps"] == c["global_batch_size"] == 8
+        assert c["samples_per_s"] > 0 and c["tokens_per_s"] > 0 and c["peak_memory_gib"] > 0
+        assert c["step_time_s"]["p10"] <= c["step_time_s"]["median"] <= c["step_time_s"]["p90"]
+        assert c["peak_memory_kind"] == "cpu_peak_rss_above_runtime"
+        assert c["mfu"] is None  # no known peak FLOP/s on a CPU: no MFU claimed
+        assert c["largest_micro_batch"] == 4  # the tiny model fits the largest tried under 4 GiB
+    assert set(report["ratios"]) == {"samples_per_s", "best_samples_per_s", "tokens_per_s",
+                                       "peak_memory_gib", "largest_micro_batch"}
+    assert "model.attention" in report["configs"]["optimized"]["changes"]
+    md = (tmp_path / "bench.md").read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| config"))
+    assert "samples/s" in header and "MFU" in header and "largest micro-batch" in header
+    assert md.count("| baseline |") == 1 and md.count("| optimized |") == 1
+    assert "optimized / baseline" in capsys.readouterr().out
+
+
+def test_ladder_adds_one_group_at_a_time_and_ends_at_optimized():
+    rungs = bench_configs(BenchOptions(ladder=True, overrides=["model=tiny"]))
+    assert rungs[0]["name"] == "baseline" and rungs[-1]["name"].endswith("(= optimized)")
+    changed = [key for rung in rungs[1:] for key in rung["changes"]]
+    assert len(changed) == len(set(changed))  # each key changes once
+    assert rungs[1]["changes"][0].startswith("data.") and "model.attention" in rungs[2]["changes"]
+    last = _flat(to_dict(load_config(rungs[-1]["config"], rungs[-1]["overrides"])))
+    optimized = _flat(to_dict(load_config("optimized", ["model=tiny"])))
+    assert {k for k in last if last[k] != optimized[k]} == {"train.run_dir"}

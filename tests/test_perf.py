@@ -1,0 +1,290 @@
+"""The performance switches change speed and memory, never the numbers: activation checkpointing
+(each mode) and compile give the plain model's loss and gradients, the baseline's switches train to
+the optimized switches' losses, auto micro-batch keeps the effective batch; the presets differ only
+in performance keys; the profiler writes a trace."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mmldlm.config import ModelConfig, PerfConfig, load_config, to_dict
+from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
+from mmldlm.model.mmdit import MultimodalMMDiT
+from mmldlm.objective import Objective
+from mmldlm.training.batch_size import candidate_sizes, largest_fitting, probe_peak_bytes
+from mmldlm.training.distributed import DistInfo
+from mmldlm.training.parallelize import apply_activation_checkpointing, apply_compile, checkpointed_blocks
+from mmldlm.training.trainer import Trainer
+
+VOCAB, LEN, DIM = 40, 8, 16
+MASK_ID, PAD_ID = 1, 0
+
+
+def tiny_model(num_blocks=3, attention="sdpa", seed=0):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(hidden_size=32, num_blocks=num_blocks, num_heads=2, max_seq_len=LEN, latent_dim=DIM,
+                      timestep_embed_dim=16, attention=attention)
+    model = MultimodalMMDiT(cfg, vocab_size=VOCAB)
+    with torch.no_grad():  # adaLN-Zero starts every block as the identity: give the blocks work to do
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def model_inputs(batch=3):
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(2, VOCAB, (batch, LEN), generator=g)
+    pad_mask = torch.ones(batch, LEN, dtype=torch.bool)
+    pad_mask[0, 5:] = False
+    return (tokens, torch.randn(batch, 1, DIM, generator=g), torch.rand(batch, generator=g),
+            torch.rand(batch, generator=g), pad_mask)
+
+
+def loss_and_grads(model):
+    tokens, latents, t_text, t_latent, pad_mask = model_inputs()
+    logits, out = model(tokens, latents, t_text, t_latent, text_pad_mask=pad_mask)
+    loss = F.cross_entropy(logits.transpose(1, 2), tokens) + out.pow(2).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same(reference, other):
+    (loss_a, grads_a), (loss_b, grads_b) = reference, other
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-6)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops by name (the overload packet, e.g. 'mm', 'gelu')."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def backward_op_counts(model):
+    tokens, latents, t_text, t_latent, pad_mask = model_inputs()
+    logits, out = model(tokens, latents, t_text, t_latent, text_pad_mask=pad_mask)
+    loss = F.cross_entropy(logits.transpose(1, 2), tokens) + out.pow(2).mean()
+    with OpCounter() as counter:
+        loss.backward()
+    return counter.counts
+
+
+@pytest.mark.parametrize("mode", ["full", "every_k", "selective"])
+def test_activation_checkpointing_keeps_loss_and_gradients(mode):
+    plain = tiny_model()
+    checkpointed = copy.deepcopy(plain)
+    apply_activation_checkpointing(checkpointed, PerfConfig(activation_checkpointing=mode, checkpoint_every_k=2))
+    assert [n for n, _ in checkpointed.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert_same(loss_and_grads(plain), loss_and_grads(checkpointed))
+
+
+def test_checkpointing_modes_recompute_what_they_promise():
+    """full recomputes each block's forward in backward (its matmuls run again); selective keeps the
+    matmul outputs (no extra matmul) and recomputes only the elementwise ops (GELU runs again)."""
+    assert checkpointed_blocks(5, PerfConfig(activation_checkpointing="every_k", checkpoint_every_k=2)) == [0, 2, 4]
+    counts = {}
+    for mode in ("none", "full", "selective"):
+        model = tiny_model()
+        apply_activation_checkpointing(model, PerfConfig(activation_checkpointing=mode))
+        counts[mode] = backward_op_counts(model)
+    none, full, selective = counts["none"], counts["full"], counts["selective"]
+    assert none.get("gelu", 0) == 0 and full["gelu"] > 0 and selective["gelu"] == full["gelu"]
+    assert full["mm"] > none["mm"]
+    assert selective["mm"] == none["mm"]
+
+
+def test_compiled_block_keeps_loss_and_gradients():
+    """Inductor on this machine's C++ compiler: one tiny block, one shape (tens of seconds cold)."""
+    plain = tiny_model(num_blocks=1)
+    compiled = copy.deepcopy(plain)
+    apply_compile(compiled)
+    assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert_same(loss_and_grads(plain), loss_and_grads(compiled))
+
+
+# ------------------------------------------------------------------------------------------- the loop
+
+
+class RandomLoader:
+    """Micro-batches of a fixed random set with padding, resumable."""
+
+    def __init__(self, micro):
+        g = torch.Generator().manual_seed(0)
+        self.tokens = torch.randint(2, VOCAB, (64, LEN), generator=g)
+        self.lengths = torch.randint(3, LEN + 1, (64,), generator=g)
+        self.latents = torch.randn(64, 1, DIM, generator=g)
+        self.micro, self.pos = micro, 0
+
+    def __iter__(self):
+        while True:
+            idx = torch.arange(self.pos * self.micro, (self.pos + 1) * self.micro) % 64
+            self.pos += 1
+            pad_mask = torch.arange(LEN)[None, :] < self.lengths[idx, None]
+            yield {"tokens": self.tokens[idx].masked_fill(~pad_mask, PAD_ID), "pad_mask": pad_mask,
+                   "latents": self.latents[idx], "index": idx}
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.pos = state["pos"]
+
+
+def objective_for(cfg):
+    text = MaskedDiffusion(cfg.text_diffusion, mask_token_id=MASK_ID, pad_token_id=PAD_ID)
+    return Objective(cfg.objective, text, GaussianDiffusion(cfg.latent_diffusion, mean=torch.zeros(DIM),
+                                                            std=torch.ones(DIM)))
+
+
+def run_losses(tmp_path, overrides, steps=4, attention="sdpa"):
+    cfg = load_config(None, ["train.log_every=1", "logging.progress_bar=false", "schedule.kind=constant",
+                             "schedule.warmup_steps=0", "optim.lr=3e-3", f"train.run_dir={tmp_path}",
+                             f"train.steps={steps}", "train.global_batch_size=8", *overrides])
+    trainer = Trainer(cfg, tiny_model(attention=attention), objective_for(cfg),
+                      lambda micro: RandomLoader(micro), DistInfo())
+    return [trainer.train_step()["loss"] for _ in range(steps)], trainer
+
+
+def test_baseline_switches_train_to_the_optimized_switches_losses(tmp_path):
+    """Explicit-softmax attention + per-parameter-loop AdamW + per-step re-freezing (the baseline's)
+    against SDPA + fused AdamW + selective checkpointing, over steps of every mode."""
+    optimized, _ = run_losses(tmp_path / "o", ["train.micro_batch_size=4", "perf.activation_checkpointing=selective"])
+    baseline, trainer = run_losses(tmp_path / "b", ["train.micro_batch_size=4", "optim.fused=false",
+                                                    "optim.foreach=false", "perf.refreeze_every_step=true"],
+                                   attention="explicit")
+    assert trainer.optimizer.defaults["foreach"] is False and trainer.optimizer.defaults["fused"] is False
+    assert {trainer.objective.mode_at(s) for s in range(4)} >= {"l2t", "t2l"}
+    torch.testing.assert_close(torch.tensor(baseline), torch.tensor(optimized), rtol=1e-4, atol=1e-5)
+    assert optimized[-1] != optimized[0]  # it trained
+
+
+class PerSampleObjective:
+    """The real objective's modes with noise fixed per sample (not per micro-batch), so every split of
+    a batch into micro-batches gives the same loss and gradient."""
+
+    def __init__(self, objective):
+        self.objective = objective
+
+    def mode_at(self, step):
+        return self.objective.mode_at(step)
+
+    def __call__(self, model, batch, step, generator=None):
+        losses = []
+        for i, index in enumerate(batch["index"].tolist()):
+            row = {key: value[i:i + 1] for key, value in batch.items()}
+            loss, metrics = self.objective(model, row, step, generator=torch.Generator().manual_seed(index))
+            losses.append(loss)
+        loss = torch.stack(losses).mean()
+        return loss, {"loss": loss.detach(), "mode": metrics["mode"]}
+
+
+def test_auto_micro_batch_keeps_the_effective_batch(tmp_path, monkeypatch):
+    """auto picks the largest divisor of the per-process batch under the cap, derives the
+    accumulation from it, and trains exactly the steps of the same effective batch in one micro-batch."""
+    import mmldlm.training.batch_size as batch_size
+
+    monkeypatch.setattr(batch_size, "probe_peak_bytes", lambda model, objective, size, *args: size * 2**30)
+    losses = {}
+    for name, micro in (("auto", "auto"), ("whole", 8)):
+        cfg = load_config(None, ["logging.progress_bar=false", "schedule.kind=constant", "schedule.warmup_steps=0",
+                                 "optim.lr=3e-3", f"train.run_dir={tmp_path / name}", "train.global_batch_size=8",
+                                 f"train.micro_batch_size={micro}", "train.memory_cap_gib=2.5"])
+        trainer = Trainer(cfg, tiny_model(), PerSampleObjective(objective_for(cfg)), RandomLoader, DistInfo())
+        records = [trainer.train_step() for _ in range(3)]
+        losses[name] = [r["loss"] for r in records]
+        assert all(r["global_batch_size"] == 8 for r in records)
+        if name == "auto":
+            assert trainer.micro_batch_size == 2  # 2 GiB <= 2.5 GiB < 4 GiB
+            assert all(r["micro_batch_size"] * r["accumulation_steps"] == 8 for r in records)
+    torch.testing.assert_close(torch.tensor(losses["auto"]), torch.tensor(losses["whole"]), rtol=1e-5, atol=1e-6)
+
+
+def test_auto_micro_batch_search_is_the_largest_divisor_that_fits():
+    assert candidate_sizes([96, 64]) == [1, 2, 4, 8, 16, 32]
+    probed = []
+
+    def fits(size):
+        probed.append(size)
+        return size <= 12
+
+    assert largest_fitting(candidate_sizes([96]), fits) == 12
+    assert len(probed) <= 4  # a binary search, not a scan
+    assert largest_fitting([1, 2, 4], lambda size: False) is None
+
+
+def test_memory_probe_grows_with_the_micro_batch():
+    cfg = load_config(None, [])
+    model = tiny_model()
+    objective = objective_for(cfg)
+    small = probe_peak_bytes(model, objective, 1, LEN, torch.device("cpu"))
+    large = probe_peak_bytes(model, objective, 512, LEN, torch.device("cpu"))
+    assert large > small
+    assert all(p.grad is None for p in model.parameters())  # the probe leaves no gradients behind
+
+
+def test_profiler_window_writes_a_trace(tmp_path):
+    cfg = load_config(None, ["logging.progress_bar=false", f"train.run_dir={tmp_path}", "train.steps=3",
+                             "train.micro_batch_size=8", "train.global_batch_size=8", "checkpoint.every=1000",
+                             "perf.profiler.enabled=true", "perf.profiler.skip=1", "perf.profiler.warmup=1",
+                             "perf.profiler.active=1"])
+    trainer = Trainer(cfg, tiny_model(), objective_for(cfg), RandomLoader(8), DistInfo())
+    assert trainer.fit() == 0
+    traces = list((tmp_path / "profiler").glob("rank0*.pt.trace.json*"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 1000
+
+
+# ------------------------------------------------------------------------------------------- presets
+
+PERFORMANCE_KEYS = {
+    "model.attention", "optim.fused", "optim.foreach", "distributed.find_unused_parameters",
+    "distributed.static_graph", "data.num_workers", "data.prefetch_factor", "data.persistent_workers",
+    "data.pin_memory", "data.pad_to_multiple", "train.micro_batch_size", "train.run_dir",
+    # the older recipe's latent loss: part of what the baseline reproduces (SPEC section 2)
+    "latent_diffusion.loss",
+}
+
+
+def flatten(tree, prefix=""):
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "mode_weights":
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@pytest.mark.parametrize("size", ["tiny", "small"])
+def test_presets_differ_only_in_performance_keys(size):
+    baseline = flatten(to_dict(load_config("baseline", [f"model={size}"])))
+    optimized = flatten(to_dict(load_config("optimized", [f"model={size}"])))
+    differ = {key for key in baseline if baseline[key] != optimized[key]}
+    differ = {key for key in differ if not key.startswith("perf.")}
+    assert differ <= PERFORMANCE_KEYS, differ - PERFORMANCE_KEYS
+    size_default = load_config(None, [f"model={size}"]).model
+    assert baseline["model.hidden_size"] == optimized["model.hidden_size"] == size_default.hidden_size
+    assert baseline["train.global_batch_size"] == optimized["train.global_batch_size"]
+    assert baseline["model.attention"] == "explicit" and optimized["model.attention"] == "sdpa"
+    assert baseline["latent_diffusion.loss"] == "normalized_mse"
+    assert baseline["distributed.find_unused_parameters"] and baseline["perf.refreeze_every_step"]
+    assert baseline["data.num_workers"] == 16 and not baseline["data.persistent_workers"]
+
+
+def test_compiled_preset_adds_only_compile_and_its_padding():
+    optimized = flatten(to_dict(load_config("optimized", [])))
+    compiled = flatten(to_dict(load_config("compiled", [])))
+    assert {key for key in compiled if compiled[key] != optimized[key]} == {
+        "perf.compile", "data.pad_to_multiple", "train.run_dir"}
+    assert compiled["perf.compile"] and compiled["data.pad_to_multiple"] == 64
