@@ -53,6 +53,11 @@ def test_a_clean_config_has_no_error_or_warning(tmp_path):
     (["schedule.kind=cosine_restarts", "schedule.restart_period=400", "schedule.warmup_steps=0"], {},
      [("lr_schedule", "warning")]),
     (["train.batch_schedule=[[0, 32], [600, 64]]"], {}, [("lr_schedule", "warning")]),
+    (["distributed.find_unused_parameters=true"], {}, [("find_unused_parameters", "warning")]),
+    (["optim.foreach=false", "optim.fused=false"], {"fused_adamw": False}, [("optimizer_loop", "warning")]),
+    (["perf.refreeze_every_step=true"], {}, [("refreeze", "warning")]),
+    (["model.attention=explicit"], {}, [("attention", "warning")]),
+    (["perf.compile=true"], {}, [("compile_shapes", "warning")]),
 ])
 def test_planted_problem_is_flagged_and_fix_passes(tmp_path, overrides, env_changes, expected):
     env = Environment(**{**ENV.__dict__, **env_changes})
@@ -74,6 +79,22 @@ def test_out_of_memory_fix_keeps_the_global_batch_and_respects_the_world_size(tm
     micro = fixed.train.micro_batch_size
     assert 1 < micro < 4096 and 8192 % (micro * ENV.world_size) == 0
     assert not any(f.rule == "memory" for f in audit(fixed, ENV)[0])
+
+
+def test_auto_micro_batch_needs_only_micro_batch_one_to_fit(tmp_path):
+    _, findings = findings_of(tmp_path, ["train.micro_batch_size=auto"])
+    assert serious(findings) == []
+    small_gpu = Environment(**{**ENV.__dict__, "device_memory_gib": 0.001})
+    _, findings = findings_of(tmp_path, ["train.micro_batch_size=auto"], small_gpu)
+    assert ("memory", "error") in serious(findings)
+
+
+def test_the_baseline_preset_is_flagged_for_its_slow_switches(tmp_path):
+    cfg = load_config("baseline", [f"train.run_dir={tmp_path / 'run'}"])
+    rules = {f.rule for f in audit(cfg, ENV)[0] if f.severity == "warning"}
+    assert {"find_unused_parameters", "optimizer_loop", "refreeze", "attention"} <= rules
+    assert not {"find_unused_parameters", "optimizer_loop", "refreeze", "attention"} & {
+        f.rule for f in audit(load_config("optimized", [f"train.run_dir={tmp_path / 'run'}"]), ENV)[0]}
 
 
 def test_resuming_with_another_length_warns_that_the_lr_jumps(tmp_path):

@@ -267,6 +267,11 @@ def _largest_micro_batch(cfg: RunConfig, env: Environment, est: Estimate, limit:
 
 
 def check_memory(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
+    if cfg.train.micro_batch_size == "auto":
+        # The trainer picks the largest micro-batch that fits; only micro-batch 1 must fit.
+        if est.memory_gib(1) <= MEMORY_HEADROOM * env.device_memory_gib:
+            return []
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=1))
     micro = cfg.train.micro_batch_size
     need, limit = est.memory_gib(micro), MEMORY_HEADROOM * env.device_memory_gib
     if need <= limit:
@@ -371,6 +376,8 @@ def check_checkpoint_retention(cfg: RunConfig, env: Environment, est: Estimate) 
 
 
 def check_batch_divisible(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
+    if cfg.train.micro_batch_size == "auto":
+        return []  # the auto micro-batch is chosen among the divisors of the per-process batch
     per_step = cfg.train.micro_batch_size * env.world_size
     sizes = {"train.global_batch_size": cfg.train.global_batch_size}
     sizes.update({f"train.batch_schedule[{i}]": size for i, (_, size) in enumerate(cfg.train.batch_schedule)})
@@ -458,8 +465,42 @@ def _resume_with_other_length(cfg: RunConfig) -> list[Finding]:
                     f"keep train.steps={before}, or accept the jump (schedule.warmup_steps does not apply again)")]
 
 
+def check_slow_switches(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
+    """The older recipe's performance choices (configs/baseline.yaml), each slower with no gain."""
+    findings = []
+    if cfg.distributed.find_unused_parameters:
+        findings.append(Finding(
+            "find_unused_parameters", "warning", "distributed.find_unused_parameters=true",
+            "DDP then walks the autograd graph after every forward; the idle head is already handled once per "
+            "mode (parallelize.py), so every parameter takes part in every step",
+            "distributed.find_unused_parameters=false", {"distributed.find_unused_parameters": False}))
+    if not cfg.optim.foreach and cfg.optim.fused is not True:
+        findings.append(Finding(
+            "optimizer_loop", "warning", "optim.foreach=false: AdamW steps one parameter at a time",
+            "a Python loop over every parameter tensor each step; foreach and fused kernels batch them",
+            "optim.foreach=true", {"optim.foreach": True}))
+    if cfg.perf.refreeze_every_step:
+        findings.append(Finding(
+            "refreeze", "warning", "perf.refreeze_every_step=true",
+            "a loop over every parameter toggling requires_grad each step; freezing belongs to mode changes",
+            "perf.refreeze_every_step=false", {"perf.refreeze_every_step": False}))
+    if cfg.model.attention == "explicit":
+        findings.append(Finding(
+            "attention", "warning", "model.attention=explicit materialises the (S, S) score matrix per head",
+            "scaled_dot_product_attention uses flash / memory-efficient kernels on GPU: less memory, faster",
+            "model.attention=sdpa", {"model.attention": "sdpa"}))
+    if cfg.perf.compile and cfg.data.pad_to_multiple < 64:
+        findings.append(Finding(
+            "compile_shapes", "warning",
+            f"perf.compile=true with data.pad_to_multiple={cfg.data.pad_to_multiple}",
+            "every new padded length recompiles the blocks; padding to 64 bounds the number of shapes",
+            "data.pad_to_multiple=64", {"data.pad_to_multiple": 64}))
+    return findings
+
+
 RULES = (check_timeout, check_nccl_environment, check_loader, check_memory, check_unused_parameters,
-         check_fused_optimizer, check_checkpoint_retention, check_batch_divisible, check_lr_schedule)
+         check_fused_optimizer, check_checkpoint_retention, check_batch_divisible, check_lr_schedule,
+         check_slow_switches)
 
 
 def audit(cfg: RunConfig, env: Environment) -> tuple[list[Finding], Estimate]:
@@ -517,5 +558,10 @@ def describe(env: Environment, est: Estimate, cfg: RunConfig) -> str:
     return (f"environment: {env.device}, {env.cpus} CPU(s), {env.nproc_per_node} process(es) x {env.nnodes} node(s), "
             f"{env.device_memory_gib:.1f} GiB {where} per process, {env.free_disk_gib:.1f} GiB free disk\n"
             f"model: {est.num_params / 1e6:.2f}M parameters (vocab {est.vocab_size}); estimated "
-            f"{est.memory_gib(cfg.train.micro_batch_size):.2f} GiB per process at micro-batch "
-            f"{cfg.train.micro_batch_size}; {est.checkpoint_gib:.3f} GiB per checkpoint")
+            f"{est.memory_gib(_micro_for_estimate(cfg)):.2f} GiB per process at micro-batch "
+            f"{_micro_for_estimate(cfg)}; {est.checkpoint_gib:.3f} GiB per checkpoint")
+
+
+def _micro_for_estimate(cfg: RunConfig) -> int:
+    """The configured micro-batch, or 1 for `auto` (the least the trainer will try)."""
+    return 1 if cfg.train.micro_batch_size == "auto" else cfg.train.micro_batch_size
