@@ -78,5 +78,6 @@ def run(args: argparse.Namespace) -> int:
         prepare(opts)
     finally:
         if own_group:
+            dist.barrier()  # leave together: see mmldlm.training.distributed.shutdown
             dist.destroy_process_group()
     return 0
