@@ -16,6 +16,8 @@ COMMANDS = {
     "model-info": ("model_info", "parameter counts per part and training FLOPs of a model preset"),
     "prepare": ("prepare", "corpus -> tokenizer, token shards, sentence-encoder latent shards and meta.json"),
     "train": ("train", "train a model (under torchrun for many processes/nodes); --resume auto continues a run"),
+    "sample": ("sample", "text from latents (l2t), latents from text (t2l) or both (joint) from a trained run"),
+    "eval": ("evaluate", "validation ELBO per mode, l2t reconstruction and t2l retrieval of a trained run"),
 }
 
 

@@ -23,13 +23,6 @@ from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.sampling.sampler import Sampler, SamplingOptions
 
 
-def pick_device(name: str = "auto") -> torch.device:
-    """"auto": the GPU when there is one, else the CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 @dataclass
 class TrainedRun:
     """A model with everything needed to feed it and read its output; see the module docstring."""
@@ -132,13 +125,15 @@ def find_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
 
 
 def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: str = "auto") -> TrainedRun:
-    """The model of `checkpoint` (default RUN/checkpoints/latest) with the config it was trained with."""
+    """The model of `checkpoint` (default RUN/checkpoints/latest) with the config it was trained with,
+    on `device`: "auto" (the GPU when there is one), "cpu" or "cuda"."""
     import json
 
     from safetensors.torch import load_file
 
     from mmldlm.data import dataset_path, open_dataset
     from mmldlm.model import MultimodalMMDiT
+    from mmldlm.training.distributed import pick_device
 
     run_dir = Path(run_dir)
     path = find_checkpoint(run_dir, checkpoint)
