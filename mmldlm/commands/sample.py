@@ -7,9 +7,9 @@ both together, from a trained run (RUN/checkpoints/latest unless --checkpoint).
     mmldlm sample --run runs/default --mode t2l --text-file lines.txt --latents-out z.npy
     mmldlm sample --run runs/default --mode joint --num 4 --out pairs.jsonl --latents-out z.npy
 
-Writes one JSON record per sample to --out (default: stdout). Text length: the source text's token
-length when there is a source text (l2t from --text or validation), else --length, else drawn from
-the validation split's lengths.
+Writes one JSON record per sample to --out (default: stdout). Text length (in tokens; the model has no
+end-of-text token, see mmldlm/sampling/sampler.py): the source text's length when there is a source
+text (l2t from --text or validation), else --length, else drawn from the validation split's lengths.
 """
 
 from __future__ import annotations
@@ -120,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
         pad_mask = pad_mask_from_lengths([lengths[i] for i in rows])
         if args.mode == "l2t":
             out = run.decode(sampler.l2t(latents[b:rows.stop], pad_mask, generator), pad_mask)
-            records += [{"index": i, **({"source": texts[i]} if texts else {}), "text": t} for i, t in zip(rows, out)]
+            records += [{"index": i, **({"source": texts[i]} if texts else {}), "text": t, "length": lengths[i]}
+                        for i, t in zip(rows, out)]
         elif args.mode == "t2l":
             tokens, pad_mask = run.batch_of(ids[b:rows.stop])
             z = sampler.t2l(tokens, pad_mask, generator).cpu()
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             tokens, z = sampler.joint(pad_mask, generator)
             all_latents.append(z.cpu())
-            records += [{"index": i, "text": t, "latent_norm": round(z[j].norm().item(), 4)}
+            records += [{"index": i, "text": t, "length": lengths[i], "latent_norm": round(z[j].norm().item(), 4)}
                         for j, (i, t) in enumerate(zip(rows, run.decode(tokens, pad_mask)))]
 
     if args.latents_out and all_latents:

@@ -65,10 +65,11 @@ def eval_objective(run: TrainedRun, mode: str) -> Objective:
 
 
 @torch.no_grad()
-def elbo(run: TrainedRun, num_samples: int, batch_size: int, num_t_draws: int = 1, seed: int = 0) -> dict:
+def elbo(run: TrainedRun, num_samples: int, batch_size: int, num_t_draws: int = 1, seed: int = 0,
+         modes: tuple[str, ...] = MODES) -> dict:
     """{mode: {text_nats_per_token, text_bits_per_token, text_ppl_bound, latent_loss, ...}} (module docstring)."""
     out = {}
-    for m, mode in enumerate(MODES):
+    for m, mode in enumerate(modes):
         objective = eval_objective(run, mode)
         nats = tokens = latent = samples = 0.0
         for b, batch in enumerate(val_batches(run, num_samples, batch_size)):
