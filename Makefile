@@ -20,8 +20,10 @@ test: install
 
 # The main job: prepare the bundled corpus (first time only, cached), train configs/default.yaml
 # with a progress bar; checkpoints and metrics go to runs/default/. Running it again continues.
+# Then evaluate the last checkpoint: l2t reconstructions next to their sources and the figures.
 train: install
 	$(PY) -m mmldlm.cli train --config configs/default.yaml --resume auto
+	$(PY) -m mmldlm.cli eval --run runs/default --num-samples 128
 
 clean:
 	rm -rf $(VENV) .pytest_cache
