@@ -142,3 +142,28 @@ def test_elbo_is_the_mdlm_training_loss_formula_on_the_same_batch(run_dir):
     expected = (nll * weight[:, None] * masked).sum() / pad_mask.sum()
     assert report["text_nats_per_token"] == pytest.approx(expected.item(), rel=1e-5)
     assert report["num_tokens"] == int(pad_mask.sum())
+
+
+def test_evaluation_leaves_the_training_trajectory_unchanged(run_dir, tmp_path):
+    data = load_config(run_dir / "config.yaml").data.path
+    assert train(load_config(None, [*RUN, f"data.path={data}", f"train.run_dir={tmp_path}", "eval.every=0"])) == 0
+    plain = [r["loss"] for r in read_jsonl(tmp_path / "metrics.jsonl")]
+    assert plain == [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+
+
+def test_fsdp2_ranks_gather_for_rank0_evaluation_and_wait(run_dir, tmp_path):
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from test_training_distributed import TORCHRUN, WORKER, free_port
+
+    data = load_config(run_dir / "config.yaml").data.path
+    cmd = [*TORCHRUN, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(WORKER), *RUN, "train.steps=4", "train.micro_batch_size=4", "eval.every=2", "distributed.strategy=fsdp2",
+           f"data.path={data}", f"train.run_dir={tmp_path}"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    evals = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "eval_t2l_cosine_mean" in r]
+    assert [r["step"] for r in evals] == [2, 4]
