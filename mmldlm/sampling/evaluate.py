@@ -121,8 +121,8 @@ def l2t_reconstruction(run: TrainedRun, options: SamplingOptions, num_samples: i
         generated += run.decode(out, pad_mask)
     seconds = time.perf_counter() - start
     result = {"num_samples": len(ids), "exact_match": sum(g == s for g, s in zip(generated, sources)) / len(ids),
-              "samples_per_s": len(ids) / seconds, "model_calls_per_sample_batch":
-              sampler.num_forward / math.ceil(len(ids) / batch_size)}
+              "samples_per_s": len(ids) / seconds,
+              "model_calls_per_batch": sampler.num_forward / math.ceil(len(ids) / batch_size)}
     cosines = None
     if use_encoder:
         cosines = F.cosine_similarity(run.encode_latents(generated).flatten(1), latents.flatten(1), dim=-1)

@@ -20,7 +20,7 @@ import torch
 
 from mmldlm.config import RunConfig, load_config
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
-from mmldlm.sampling.sampler import Sampler, SamplingOptions
+from mmldlm.sampling.sampler import Sampler, SamplingOptions, pad_mask_from_lengths
 
 
 @dataclass
@@ -74,8 +74,6 @@ class TrainedRun:
 
     def batch_of(self, token_lists: list) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens (B, L) padded with the pad id, pad_mask (B, L)) of lists of token ids."""
-        from mmldlm.sampling.sampler import pad_mask_from_lengths
-
         pad_mask = pad_mask_from_lengths([max(len(ids), 1) for ids in token_lists])
         tokens = torch.full(pad_mask.shape, self.text.pad_token_id, dtype=torch.long)
         for row, ids in enumerate(token_lists):
