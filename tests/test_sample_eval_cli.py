@@ -108,8 +108,8 @@ def test_eval_writes_report_and_summary(run_dir, tmp_path, capsys):
     assert -1 <= report["l2t"]["cosine_mean"] <= 1 and 0 <= report["l2t"]["exact_match"] <= 1
     assert report["t2l"]["pool_size"] == 12 and len(report["l2t"]["examples"]) == 4
     summary = capsys.readouterr().out
-    assert "retrieval@1 among 12" in summary and report["l2t"]["examples"][0]["generated"].split("|")[0] in summary
-    assert out.with_suffix(".md").read_text() in summary
+    assert "retrieval@1 among 12" in summary and report["l2t"]["examples"][0]["source"] in summary
+    assert out.with_suffix(".md").read_text(encoding="utf-8") in summary
 
 
 class Recording(torch.nn.Module):

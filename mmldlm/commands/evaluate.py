@@ -53,9 +53,9 @@ def run(args: argparse.Namespace) -> int:
     report = evaluate(run, cfg, options, num_t_draws=args.num_t_draws, seed=args.seed)
     out = Path(args.out) if args.out else Path(args.run) / "eval" / f"{step_dir_name(run.step or 0)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
+    out.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     summary = markdown(report)
-    out.with_suffix(".md").write_text(summary)
+    out.with_suffix(".md").write_text(summary, encoding="utf-8")
     print(summary, end="")
     print(f"mmldlm eval: wrote {out} and {out.with_suffix('.md')}")
     return 0

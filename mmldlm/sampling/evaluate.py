@@ -206,6 +206,6 @@ def markdown(report: dict) -> str:
               f"t2l ({t2l['num_samples']} validation texts): mean cosine to the true latent {t2l['cosine_mean']:.4f}, "
               f"retrieval@1 among {t2l['pool_size']} {t2l['retrieval_at_1']:.1%}, {t2l['samples_per_s']:.1f} samples/s",
               "", "| source | generated from its latent |", "|---|---|"]
-    cell = lambda text: text.replace("|", "\\|").replace("\n", " ")  # noqa: E731
-    lines += [f"| {cell(e['source'])} | {cell(e['generated'])} |" for e in l2t["examples"]]
+    row_text = lambda text: " ".join(text.split()).replace("|", "\\|")  # one table row: no line breaks  # noqa: E731
+    lines += [f"| {row_text(e['source'])} | {row_text(e['generated'])} |" for e in l2t["examples"]]
     return "\n".join(lines) + "\n"
