@@ -20,8 +20,11 @@ test: install
 
 # The main job: prepare the bundled corpus (first time only, cached), train configs/default.yaml
 # with a progress bar; checkpoints and metrics go to runs/default/. Running it again continues.
+# Then evaluate the last checkpoint: l2t reconstructions next to their sources and the figures
+# (one thread: on a 2-core machine shared with other jobs, two torch threads ran 6-8x slower).
 train: install
 	$(PY) -m mmldlm.cli train --config configs/default.yaml --resume auto
+	$(PY) -m mmldlm.cli eval --run runs/default --num-samples 128 --threads 1
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -19,6 +19,8 @@ COMMANDS = {
     "train": ("train", "train a model (under torchrun for many processes/nodes); --resume auto continues a run"),
     "monitor": ("monitor", "follow a run's metrics.jsonl: status, alerts, health report (JSON), plot (PNG)"),
     "check": ("check", "audit a config and its environment for critical issues; --fix writes a corrected config"),
+    "sample": ("sample", "text from latents (l2t), latents from text (t2l) or both (joint) from a trained run"),
+    "eval": ("evaluate", "validation ELBO per mode, l2t reconstruction and t2l retrieval of a trained run"),
 }
 
 

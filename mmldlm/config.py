@@ -372,6 +372,27 @@ class CheckpointConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Evaluation on rank 0 during training, written to metrics.jsonl (see mmldlm/sampling/evaluate.py);
+    `mmldlm eval` takes the same figures with a larger budget from the command line."""
+
+    every: int = 0  # steps between evaluations; 0 = never during training
+    num_samples: int = 32  # validation samples decoded (l2t) and encoded (t2l)
+    num_steps: int = 32  # sampling steps of each stream
+    num_elbo_batches: int = 4  # validation batches of the ELBO / latent loss, per mode
+    batch_size: int = 32
+    retrieval_pool: int = 1000  # validation sentences the t2l latent must find its own among
+    encoder: bool = True  # re-encode generated text with the dataset's sentence encoder (l2t cosine)
+
+    def check(self, prefix: str = "eval") -> None:
+        if self.every < 0:
+            _fail(f"{prefix}.every", self.every, "an integer >= 0 (0 = no evaluation during training)")
+        for key in ("num_samples", "num_steps", "num_elbo_batches", "batch_size", "retrieval_pool"):
+            if getattr(self, key) < 1:
+                _fail(f"{prefix}.{key}", getattr(self, key), "an integer >= 1")
+
+
+@dataclass
 class LoggingConfig:
     """Where metrics go besides RUN/metrics.jsonl (see mmldlm/training/metrics.py)."""
 
@@ -438,6 +459,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     perf: PerfConfig = field(default_factory=PerfConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def check(self) -> None:
         for f in dataclasses.fields(self):

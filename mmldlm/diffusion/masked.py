@@ -136,6 +136,12 @@ class MaskedDiffusion:
 
     # --- reverse process -------------------------------------------------------------------------
 
+    def _log_x0(self, logits: torch.Tensor) -> torch.Tensor:
+        """log x_theta of rows of logits (N, V), float64, the mask never predicted (SUBS)."""
+        log_x0 = logits.double()
+        log_x0[:, self.mask_token_id] = float("-inf")
+        return torch.log_softmax(log_x0, dim=-1)
+
     def step(self, logits: torch.Tensor, x_t: torch.Tensor, t, s, generator: torch.Generator | None = None,
              strategy: Literal["ancestral", "confidence"] = "ancestral") -> torch.Tensor:
         """One reverse step from time t to time s < t: returns z_s (B, L).
@@ -156,17 +162,20 @@ class MaskedDiffusion:
         stay_prob = one_minus_s / one_minus_t  # (B,) P(still masked at s | masked at t)
 
         masked = x_t == self.mask_token_id  # (B, L)
-        log_x0 = logits[masked].double()  # (N, V)
-        log_x0[:, self.mask_token_id] = float("-inf")  # SUBS: never predict the mask
-        log_x0 = torch.log_softmax(log_x0, dim=-1)
-        row_of = masked.nonzero()[:, 0]  # (N,) sequence index of each masked position
+        where = masked.nonzero()  # (N, 2) (sequence, position) of each masked position
+        row_of = where[:, 0]
 
         if strategy == "ancestral":
-            # eq. 7: (alpha_s - alpha_t)/(1 - alpha_t) * x_theta + (1 - alpha_s)/(1 - alpha_t) * m
-            scores = log_x0 + torch.log1p(-stay_prob)[row_of, None]
-            scores[:, self.mask_token_id] = torch.log(stay_prob)[row_of]
-            new = _gumbel_argmax(scores, generator)  # (N,)
+            # eq. 7: (alpha_s - alpha_t)/(1 - alpha_t) * x_theta + (1 - alpha_s)/(1 - alpha_t) * m, drawn in
+            # two stages with the same law: reveal with prob 1 - stay_prob, then a token from x_theta.
+            # Only revealed positions pay for a draw over the vocabulary, so over a whole trajectory each
+            # position is drawn about once rather than once per step.
+            reveal = rng.uniform(row_of.shape, x_t.device, generator, dtype=torch.float64) >= stay_prob[row_of]
+            new = torch.full_like(row_of, self.mask_token_id)
+            chosen = where[reveal]
+            new[reveal] = _gumbel_argmax(self._log_x0(logits[chosen[:, 0], chosen[:, 1]]), generator)
         elif strategy == "confidence":
+            log_x0 = self._log_x0(logits[masked])  # (N, V)
             draw = _gumbel_argmax(log_x0, generator)  # (N,)
             confidence = torch.full((B, L), float("-inf"), dtype=torch.float64, device=x_t.device)
             confidence[masked] = log_x0.gather(-1, draw[:, None])[:, 0]

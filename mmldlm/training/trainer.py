@@ -415,6 +415,8 @@ class Trainer:
                             log.warning("stopped by signal at step %d; checkpoint written, resume with --resume auto",
                                         self.step)
                         return 0
+                    if cfg.eval.every and self.step % cfg.eval.every == 0:
+                        self._evaluate()
                     if self.step % cfg.checkpoint.every == 0:
                         self.save()
                 if self._last_saved != self.step:
@@ -425,6 +427,14 @@ class Trainer:
                 bar.close()
             self.metrics.close()
         return 0
+
+    def _evaluate(self) -> None:
+        """Evaluation with the small `eval` budget on rank 0, into metrics.jsonl (training/evaluation.py)."""
+        from mmldlm.training.evaluation import evaluate_during_training
+
+        record = evaluate_during_training(self)
+        if record is not None:
+            self.metrics.log(record)
 
     def _with_memory(self, record: dict) -> dict:
         return {**record, **memory_stats(self.device)}

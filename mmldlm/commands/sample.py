@@ -1,0 +1,152 @@
+"""`mmldlm sample --run RUN_DIR --mode l2t|t2l|joint ...`: text from latents, latents from text, or
+both together, from a trained run (RUN/checkpoints/latest unless --checkpoint).
+
+    mmldlm sample --run runs/default --mode l2t --text "a small dog"        # encode, then decode back
+    mmldlm sample --run runs/default --mode l2t --latents z.npy --length 12
+    mmldlm sample --run runs/default --mode l2t --num 8                     # the first 8 validation latents
+    mmldlm sample --run runs/default --mode t2l --text-file lines.txt --latents-out z.npy
+    mmldlm sample --run runs/default --mode joint --num 4 --out pairs.jsonl --latents-out z.npy
+
+Writes one JSON record per sample to --out (default: stdout). Text length (in tokens; the model has no
+end-of-text token, see mmldlm/sampling/sampler.py): the source text's length when there is a source
+text (l2t from --text or validation), else --length, else drawn from the validation split's lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", required=True, metavar="RUN_DIR", help="a training run directory")
+    parser.add_argument("--checkpoint", metavar="PATH", help="a checkpoint directory (default: RUN/checkpoints/latest)")
+    parser.add_argument("--mode", required=True, choices=["l2t", "t2l", "joint"])
+    src = parser.add_argument_group("source")
+    src.add_argument("--text", action="append", metavar="TEXT",
+                     help="a source text (repeatable): l2t encodes it with the run's sentence encoder first")
+    src.add_argument("--text-file", metavar="FILE", help="source texts, one per line")
+    src.add_argument("--latents", metavar="FILE.npy", help="l2t: latents (N, K, D) or (N, D) in the encoder's space")
+    src.add_argument("--num", type=int, default=8,
+                     help="joint: pairs to generate; l2t without --text/--latents: validation samples (default 8)")
+    src.add_argument("--length", type=int, help="text length in tokens where no source text gives one")
+    opt = parser.add_argument_group("sampling")
+    opt.add_argument("--steps", type=int, help="reverse steps (default: the run's latent_diffusion.num_sampling_steps)")
+    opt.add_argument("--temperature", type=float, default=1.0)
+    opt.add_argument("--strategy", choices=["ancestral", "confidence"], default="ancestral",
+                     help="text: MDLM ancestral unmasking, or the most confident positions first")
+    opt.add_argument("--guidance-scale", type=float, default=0.0,
+                     help="classifier-free guidance w: cond + w (cond - uncond); 0 = off")
+    opt.add_argument("--latent-sampler", choices=["ddim", "ddpm"], help="default: the run's latent_diffusion.sampler")
+    opt.add_argument("--no-reuse", action="store_true", help="l2t: call the model even when a step changed nothing")
+    opt.add_argument("--seed", type=int, default=0)
+    opt.add_argument("--batch-size", type=int, default=64)
+    out = parser.add_argument_group("output")
+    out.add_argument("--out", metavar="FILE.jsonl", help="JSON lines, one per sample (default: stdout)")
+    out.add_argument("--latents-out", metavar="FILE.npy", help="t2l/joint: the latents (N, K, D), encoder space")
+    out.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="auto: the GPU when there is one, else the CPU")
+    out.add_argument("--threads", type=int, default=0,
+                        help="CPU threads for torch (0: torch's default); 1 is fastest on a CPU other jobs share")
+
+
+def _sources(args, run) -> tuple[list[str] | None, "torch.Tensor | None"]:  # noqa: F821
+    """(source texts or None, latents or None) from the arguments."""
+    import numpy as np
+    import torch
+
+    from mmldlm.data.errors import DataError
+
+    texts = list(args.text or [])
+    if args.text_file:
+        with open(args.text_file, encoding="utf-8") as f:
+            texts += [line.rstrip("\n") for line in f if line.strip()]
+    if args.latents:
+        if args.mode != "l2t":
+            raise DataError("--latents is a source for --mode l2t only")
+        latents = torch.from_numpy(np.load(args.latents).astype(np.float32))
+        if latents.dim() == 2:
+            latents = latents[:, None, :]
+        K, D = run.cfg.model.num_latents, run.cfg.model.latent_dim
+        if latents.dim() != 3 or tuple(latents.shape[1:]) != (K, D):
+            raise DataError(f"{args.latents}: latents of shape {tuple(latents.shape)}; this run expects (N, {K}, {D})")
+        return None, latents
+    if texts:
+        return texts, None
+    if args.mode == "t2l":
+        raise DataError("--mode t2l needs --text or --text-file")
+    return None, None
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    import numpy as np
+    import torch
+
+    from mmldlm.sampling import SamplingOptions, load_run, pad_mask_from_lengths
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    run = load_run(args.run, args.checkpoint, args.device)
+    options = SamplingOptions(num_steps=args.steps or run.cfg.latent_diffusion.num_sampling_steps,
+                              temperature=args.temperature, strategy=args.strategy,
+                              guidance_scale=args.guidance_scale,
+                              latent_sampler=args.latent_sampler or run.cfg.latent_diffusion.sampler,
+                              reuse_output=not args.no_reuse)
+    sampler = run.sampler(options)
+    texts, latents = _sources(args, run)
+    lengths_rng = torch.Generator().manual_seed(args.seed)
+
+    # The inputs of every sample: token ids (when there is a source text) and latents (l2t).
+    ids = run.tokenize(texts) if texts is not None else None
+    if args.mode == "l2t" and latents is None:
+        if texts is not None:
+            latents = run.encode_latents(texts)
+        else:  # the first --num validation samples
+            n = min(args.num, len(run.val))
+            samples = [run.val[i] for i in range(n)]
+            ids = [s[1][:run.data_cfg.max_length].tolist() for s in samples]
+            texts = run.decode(*run.batch_of(ids))
+            latents = torch.stack([torch.from_numpy(s[2].astype(np.float32)) for s in samples])
+    num = len(ids) if ids is not None else (len(latents) if latents is not None else args.num)
+    if ids is not None:
+        lengths = [max(len(x), 1) for x in ids]
+    elif args.length is not None:
+        lengths = [args.length] * num
+    else:
+        lengths = run.sample_lengths(num, lengths_rng)
+
+    records, all_latents = [], []
+    for b in range(0, num, args.batch_size):
+        generator = torch.Generator().manual_seed(args.seed * 1_000_003 + b)
+        rows = range(b, min(b + args.batch_size, num))
+        pad_mask = pad_mask_from_lengths([lengths[i] for i in rows])
+        if args.mode == "l2t":
+            out = run.decode(sampler.l2t(latents[b:rows.stop], pad_mask, generator), pad_mask)
+            records += [{"index": i, **({"source": texts[i]} if texts else {}), "text": t, "length": lengths[i]}
+                        for i, t in zip(rows, out)]
+        elif args.mode == "t2l":
+            tokens, pad_mask = run.batch_of(ids[b:rows.stop])
+            z = sampler.t2l(tokens, pad_mask, generator).cpu()
+            all_latents.append(z)
+            records += [{"index": i, "text": texts[i], "latent_norm": round(z[j].norm().item(), 4)}
+                        for j, i in enumerate(rows)]
+        else:
+            tokens, z = sampler.joint(pad_mask, generator)
+            all_latents.append(z.cpu())
+            records += [{"index": i, "text": t, "length": lengths[i], "latent_norm": round(z[j].norm().item(), 4)}
+                        for j, (i, t) in enumerate(zip(rows, run.decode(tokens, pad_mask)))]
+
+    if args.latents_out and all_latents:
+        np.save(args.latents_out, torch.cat(all_latents).numpy())
+    out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
+    try:
+        for record in records:
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    finally:
+        if args.out:
+            out.close()
+    if args.mode in ("t2l", "joint") and not args.latents_out:
+        print("mmldlm sample: latents not written (give --latents-out FILE.npy to keep them)", file=sys.stderr)
+    return 0

@@ -1,0 +1,192 @@
+"""Samplers: text from latents (l2t), latents from text (t2l), and both together (joint).
+
+Every sampler walks a uniform time grid 1 = t_0 > t_1 > ... > t_N = 0 (N = num_steps) and calls the
+diffusions' own `step` for each transition t_i -> t_{i+1}:
+- text: starts fully masked at t = 1 (padding stays padding: the text length is given, see below)
+  and ends with every position unmasked at t = 0 (`MaskedDiffusion.step`, float64 Gumbel, ancestral
+  or confidence-ordered);
+- latent: starts from N(0, I) at t = 1 in the standardised space and ends at the x0 estimate at
+  t = 0 (`GaussianDiffusion.step`, DDIM or DDPM); results are returned de-standardised, in the
+  sentence encoder's space.
+In `joint` both streams move on the same grid (t_text = t_latent = t_i), which is inside the training
+distribution since `joint` trains on independent times.
+
+Length. The text has no end-of-text token and padding is never predicted (it is excluded from the
+loss), so the caller fixes each text's length with `pad_mask` (True = a real position); the CLI takes
+it from a source text or draws it from the validation split's lengths.
+
+Classifier-free guidance (Ho & Salimans 2022) with scale w:
+    guided = cond + w * (cond - uncond) = uncond + (1 + w) * (cond - uncond)
+on the text logits (l2t) or the latent prediction (t2l). w = 0 is the unguided sampler exactly: the
+unconditional pass is not even run. The unconditional input is what training substitutes when it
+drops the condition (objective.cond_drop_prob): the learned null latent for l2t, fully masked text at
+t_text = 1 for t2l. The joint sampler is unconditional and takes no guidance. (Some papers write the
+same rule as uncond + s * (cond - uncond); their s = 1 + w.)
+
+Reusing the model output (MDLM sec. 3.3.1, "caching"): in l2t the latent is fixed, so when a step
+unmasks nothing the model's input tokens are unchanged and the next step reuses the previous logits.
+MDLM's denoiser takes no time input, which makes this exact; ours sees t_text, but the optimal
+denoiser of absorbing diffusion does not depend on t given the tokens (Ou et al. 2024,
+arXiv:2406.03736), so the reuse only drops a dependence the model should not have. With many steps
+per token most steps change nothing and are skipped; `reuse_output=False` turns it off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion, rng
+
+
+@dataclass
+class SamplingOptions:
+    num_steps: int = 32  # reverse steps of each stream from t = 1 to t = 0
+    temperature: float = 1.0  # text logits are divided by it; 1 samples the model's distribution
+    strategy: Literal["ancestral", "confidence"] = "ancestral"  # how masked text positions are revealed
+    guidance_scale: float = 0.0  # classifier-free guidance w (module docstring); 0 = off
+    latent_sampler: Literal["ddim", "ddpm"] = "ddim"
+    reuse_output: bool = True  # l2t: skip the model call when the last step unmasked nothing
+
+    def check(self) -> None:
+        if self.num_steps < 1:
+            raise ValueError(f"sampling: num_steps {self.num_steps}; expected an integer >= 1")
+        if self.temperature <= 0:
+            raise ValueError(f"sampling: temperature {self.temperature}; expected a number > 0")
+        if self.strategy not in ("ancestral", "confidence"):
+            raise ValueError(f"sampling: strategy {self.strategy!r}; expected 'ancestral' or 'confidence'")
+        if self.latent_sampler not in ("ddim", "ddpm"):
+            raise ValueError(f"sampling: latent sampler {self.latent_sampler!r}; expected 'ddim' or 'ddpm'")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def time_grid(num_steps: int) -> list[tuple[float, float]]:
+    """The (t, s) pairs of the reverse steps: 1 -> ... -> 0 in equal steps (float64 values)."""
+    times = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64).tolist()
+    times[-1] = 0.0
+    return list(zip(times[:-1], times[1:]))
+
+
+def pad_mask_from_lengths(lengths, max_len: int | None = None) -> torch.Tensor:
+    """(B,) lengths -> (B, L) bool, True on the first lengths[b] positions; L = max_len or max(lengths)."""
+    lengths = torch.as_tensor(lengths, dtype=torch.long)
+    L = int(max_len if max_len is not None else lengths.max())
+    return torch.arange(L)[None, :] < lengths[:, None]
+
+
+class Sampler:
+    """The three samplers for one model and its diffusions. `num_forward` counts model calls (one
+    call may carry a conditional and an unconditional half)."""
+
+    def __init__(self, model, text: MaskedDiffusion, latent: GaussianDiffusion, options: SamplingOptions):
+        options.check()
+        self.model, self.text, self.latent, self.options = model, text, latent, options
+        self.num_forward = 0
+        if options.guidance_scale != 0 and getattr(model, "null_latent", None) is None:
+            raise ValueError("sampling: guidance needs the learned null latent, but this model was built with "
+                             "model.null_latent=false; use guidance scale 0")
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # --- model calls -----------------------------------------------------------------------------
+
+    def _model(self, tokens, latents, t_text, t_latent, pad_mask, latent_null=None, *,
+               text_head: bool, latent_head: bool):
+        """The model on a batch; t_text and t_latent are numbers (the same for every row) or (B,) tensors."""
+        B = tokens.shape[0]
+        self.num_forward += 1
+        rows = lambda t: torch.as_tensor(t, dtype=torch.float32, device=tokens.device).expand(B)  # noqa: E731
+        return self.model(tokens, latents, rows(t_text), rows(t_latent), text_pad_mask=pad_mask,
+                          latent_null=latent_null, text_head=text_head, latent_head=latent_head)
+
+    def _guide(self, cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
+        return cond + self.options.guidance_scale * (cond - uncond)
+
+    def _text_scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits -> what the text step samples from: tempered, and never padding (padding is not a
+        training target at a real position, so its logit carries no information)."""
+        logits = logits.float()
+        if self.options.temperature != 1.0:
+            logits = logits / self.options.temperature
+        logits[..., self.text.pad_token_id] = float("-inf")
+        return logits
+
+    def _l2t_logits(self, tokens, latents, t: float, pad_mask) -> torch.Tensor:
+        """Text logits given the clean latent at text time t, guided when the scale is not 0."""
+        if self.options.guidance_scale == 0:
+            logits, _ = self._model(tokens, latents, t, 0.0, pad_mask, text_head=True, latent_head=False)
+            return self._text_scores(logits)
+        B = tokens.shape[0]
+        null = torch.arange(2 * B, device=tokens.device) >= B  # second half: the null latent
+        logits, _ = self._model(tokens.repeat(2, 1), latents.repeat(2, 1, 1), t, 0.0, pad_mask.repeat(2, 1),
+                                latent_null=null, text_head=True, latent_head=False)
+        cond, uncond = logits.float().chunk(2)
+        return self._text_scores(self._guide(cond, uncond))
+
+    def _t2l_prediction(self, tokens, x, t: float, pad_mask) -> torch.Tensor:
+        """Latent prediction given the clean text at latent time t, guided when the scale is not 0."""
+        if self.options.guidance_scale == 0:
+            _, pred = self._model(tokens, x, 0.0, t, pad_mask, text_head=False, latent_head=True)
+            return pred.float()
+        B = tokens.shape[0]
+        hidden = tokens.masked_fill(pad_mask, self.text.mask_token_id)  # "no text": every real token masked
+        t_text = (torch.arange(2 * B, device=tokens.device) >= B).float()  # the masked half is at t = 1
+        _, pred = self._model(torch.cat([tokens, hidden]), x.repeat(2, 1, 1), t_text, t, pad_mask.repeat(2, 1),
+                              text_head=False, latent_head=True)
+        cond, uncond = pred.float().chunk(2)
+        return self._guide(cond, uncond)
+
+    # --- samplers --------------------------------------------------------------------------------
+
+    def _start_text(self, pad_mask: torch.Tensor) -> torch.Tensor:
+        """Fully masked text (t = 1) with padding where pad_mask is False."""
+        return torch.where(pad_mask, self.text.mask_token_id, self.text.pad_token_id).long()
+
+    def _start_latent(self, batch_size: int, generator) -> torch.Tensor:
+        K, D = self.model.cfg.num_latents, self.model.cfg.latent_dim
+        return rng.normal((batch_size, K, D), self.device, generator)
+
+    @torch.no_grad()
+    def l2t(self, latents: torch.Tensor, pad_mask: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Text tokens (B, L) for latents (B, K, D) in encoder space; pad_mask (B, L) fixes the lengths."""
+        pad_mask = pad_mask.to(self.device)
+        latents = self.latent.standardize(latents.to(self.device, torch.float32))
+        tokens = self._start_text(pad_mask)
+        logits = None
+        for t, s in time_grid(self.options.num_steps):
+            if logits is None or not self.options.reuse_output:
+                logits = self._l2t_logits(tokens, latents, t, pad_mask)
+            new = self.text.step(logits, tokens, t, s, generator, self.options.strategy)
+            if not torch.equal(new, tokens):
+                logits = None  # the input changed: the next step needs a fresh model output
+            tokens = new
+        return tokens
+
+    @torch.no_grad()
+    def t2l(self, tokens: torch.Tensor, pad_mask: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Latents (B, K, D) in encoder space for text tokens (B, L) (padding where pad_mask is False)."""
+        tokens, pad_mask = tokens.to(self.device), pad_mask.to(self.device)
+        x = self._start_latent(tokens.shape[0], generator)  # (B, K, D) at t = 1
+        for t, s in time_grid(self.options.num_steps):
+            pred = self._t2l_prediction(tokens, x, t, pad_mask)
+            x = self.latent.step(pred, x, t, s, self.options.latent_sampler, generator)
+        return self.latent.destandardize(x)
+
+    @torch.no_grad()
+    def joint(self, pad_mask: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unconditional (text tokens (B, L), latents (B, K, D) in encoder space) with the given lengths."""
+        pad_mask = pad_mask.to(self.device)
+        tokens = self._start_text(pad_mask)
+        x = self._start_latent(tokens.shape[0], generator)
+        for t, s in time_grid(self.options.num_steps):
+            logits, pred = self._model(tokens, x, t, t, pad_mask, text_head=True, latent_head=True)
+            tokens = self.text.step(self._text_scores(logits), tokens, t, s, generator, self.options.strategy)
+            x = self.latent.step(pred.float(), x, t, s, self.options.latent_sampler, generator)
+        return tokens, self.latent.destandardize(x)

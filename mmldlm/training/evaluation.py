@@ -1,0 +1,55 @@
+"""Evaluation during training: every `eval.every` steps rank 0 runs mmldlm/sampling/evaluate.py with
+the small budget of the `eval` config section and returns a metrics record
+
+    {"step": 200, "eval_elbo_l2t_text_nats_per_token": ..., "eval_l2t_exact_match": ..., ...}
+
+for the one metrics.jsonl writer. The other ranks wait at a barrier, so no rank runs ahead into a
+collective while rank 0 is busy. Under FSDP2 no rank holds the whole model, so every rank first
+takes part in gathering the full weights, and rank 0 evaluates a copy. Evaluation draws from its own
+generators and leaves the training RNG, data position and train/eval mode as they were.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def _full_model(trainer):
+    """The unsharded model on rank 0 (None elsewhere); the raw model itself unless FSDP2 shards it."""
+    if not (trainer.info.distributed and trainer.cfg.distributed.strategy == "fsdp2"):
+        return trainer.raw_model if trainer.info.is_main else None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from mmldlm.model import MultimodalMMDiT
+    from mmldlm.training.distributed import collective_guard
+
+    with collective_guard(f"evaluation weight gather of step {trainer.step}", trainer.info):
+        state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not trainer.info.is_main:
+        return None
+    model = MultimodalMMDiT(copy.deepcopy(trainer.cfg.model), vocab_size=trainer.raw_model.vocab_size)
+    model.load_state_dict(state)
+    return model.to(trainer.device)
+
+
+def evaluate_during_training(trainer) -> dict | None:
+    """The eval record of the trainer's current step on rank 0, None on the other ranks."""
+    from mmldlm.sampling.evaluate import evaluate, flat
+    from mmldlm.sampling.run import TrainedRun
+    from mmldlm.training.distributed import barrier
+
+    model = _full_model(trainer)
+    record = None
+    if trainer.info.is_main:
+        objective = trainer.objective
+        run = TrainedRun(trainer.cfg, model, objective.text, objective.latent, trainer.loader.dataset.path,
+                         step=trainer.step)
+        report = evaluate(run, trainer.cfg.eval, seed=trainer.cfg.train.seed)
+        record = {"step": trainer.step, **flat(report)}
+        log.info("eval at step %d: l2t exact match %.1f%%, t2l retrieval@1 %.1f%%", trainer.step,
+                 100 * report["l2t"]["exact_match"], 100 * report["t2l"]["retrieval_at_1"])
+    barrier(trainer.info, f"evaluation of step {trainer.step}")
+    return record

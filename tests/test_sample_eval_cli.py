@@ -1,0 +1,169 @@
+"""`mmldlm sample` and `mmldlm eval` end to end on a small run trained here on a real prepared dataset
+(real tokenizer and sentence encoder), evaluation records during training, and the ELBO of
+`mmldlm eval` against the MDLM formula written out on the same batch."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from data_support import prepared
+from mmldlm.cli import main
+from mmldlm.config import load_config
+from mmldlm.sampling import load_run
+from mmldlm.sampling.evaluate import elbo, val_batches
+from mmldlm.training.run import train
+
+RUN = ["model=tiny", "model.hidden_size=64", "model.num_blocks=2", "model.timestep_embed_dim=32",
+       "train.steps=20", "train.micro_batch_size=8", "train.global_batch_size=8", "train.log_every=5",
+       "logging.progress_bar=false", "schedule.warmup_steps=2", "data.num_workers=0", "checkpoint.every=1000",
+       "eval.every=10", "eval.num_samples=4", "eval.num_steps=4", "eval.num_elbo_batches=1", "eval.batch_size=4",
+       "eval.retrieval_pool=12"]
+FAST = ["--steps", "4", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    data = prepared(tmp_path_factory)
+    out = tmp_path_factory.mktemp("run") / "run"
+    assert train(load_config(None, [*RUN, f"data.path={data}", f"train.run_dir={out}"])) == 0
+    yield out
+    torch.set_num_threads(threads)
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_training_writes_eval_records_every_eval_every_steps(run_dir):
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    evals = [r for r in records if "eval_l2t_exact_match" in r]
+    assert [r["step"] for r in evals] == [10, 20]
+    for r in evals:
+        for key in ("eval_elbo_l2t_text_nats_per_token", "eval_elbo_t2l_latent_loss", "eval_elbo_joint_latent_loss",
+                    "eval_l2t_cosine_mean", "eval_t2l_cosine_mean", "eval_t2l_retrieval_at_1"):
+            assert math.isfinite(r[key]), key
+        assert 0 <= r["eval_t2l_retrieval_at_1"] <= 1 and r["eval_t2l_pool_size"] == 12
+    assert [r["step"] for r in records if "loss" in r] == [1, 5, 10, 15, 20]  # training records intact
+
+
+def test_sample_l2t_from_text_validation_and_latent_file(run_dir, tmp_path):
+    out = tmp_path / "l2t.jsonl"
+    assert main(["sample", "--run", str(run_dir), "--mode", "l2t", "--text", "a small dog", "--text", "to run fast",
+                 "--out", str(out), *FAST]) == 0
+    records = read_jsonl(out)
+    assert [r["source"] for r in records] == ["a small dog", "to run fast"]
+    assert all(r["text"] for r in records)
+
+    assert main(["sample", "--run", str(run_dir), "--mode", "l2t", "--num", "3", "--out", str(out), *FAST]) == 0
+    run = load_run(run_dir, device="cpu")
+    sources = [r["source"] for r in read_jsonl(out)]  # cut to the length training used, as the model saw them
+    assert sources == run.decode(*run.batch_of([run.val[i][1][:run.data_cfg.max_length].tolist() for i in range(3)]))
+
+    np.save(tmp_path / "z.npy", run.val[0][2][0].astype(np.float32)[None].repeat(2, 0))  # (2, D)
+    assert main(["sample", "--run", str(run_dir), "--mode", "l2t", "--latents", str(tmp_path / "z.npy"),
+                 "--length", "5", "--out", str(out), *FAST]) == 0
+    assert [r["length"] for r in read_jsonl(out)] == [5, 5]
+
+
+def test_sample_t2l_and_joint_write_latents(run_dir, tmp_path, capsys):
+    (tmp_path / "lines.txt").write_text("a small dog\n\nthe act of running\nblue\n")
+    z_file = tmp_path / "z.npy"
+    assert main(["sample", "--run", str(run_dir), "--mode", "t2l", "--text-file", str(tmp_path / "lines.txt"),
+                 "--latents-out", str(z_file), "--guidance-scale", "1.5", *FAST]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["text"] for r in records] == ["a small dog", "the act of running", "blue"]
+    z = np.load(z_file)
+    assert z.shape == (3, 1, 384) and np.isfinite(z).all()
+
+    assert main(["sample", "--run", str(run_dir), "--mode", "joint", "--num", "2", "--latent-sampler", "ddpm",
+                 "--latents-out", str(z_file), "--out", str(tmp_path / "joint.jsonl"), *FAST]) == 0
+    joint = read_jsonl(tmp_path / "joint.jsonl")
+    assert len(joint) == 2 and all(1 <= r["length"] <= 64 for r in joint) and np.load(z_file).shape == (2, 1, 384)
+
+
+def test_sample_errors_name_the_problem(run_dir, tmp_path, capsys):
+    assert main(["sample", "--run", str(run_dir), "--mode", "t2l", *FAST]) == 2
+    assert "needs --text" in capsys.readouterr().err
+    np.save(tmp_path / "bad.npy", np.zeros((2, 7), dtype=np.float32))
+    assert main(["sample", "--run", str(run_dir), "--mode", "l2t", "--latents", str(tmp_path / "bad.npy"), *FAST]) == 2
+    assert "expects (N, 1, 384)" in capsys.readouterr().err
+
+
+def test_eval_writes_report_and_summary(run_dir, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    assert main(["eval", "--run", str(run_dir), "--num-samples", "4", "--batch-size", "4", "--retrieval-pool", "12",
+                 "--out", str(out), *FAST]) == 0
+    report = json.loads(out.read_text())
+    assert report["step"] == 20 and report["sampling"]["num_steps"] == 4
+    l2t = report["elbo"]["l2t"]
+    assert l2t["text_bits_per_token"] == pytest.approx(l2t["text_nats_per_token"] / math.log(2))
+    assert l2t["text_ppl_bound"] == pytest.approx(math.exp(l2t["text_nats_per_token"]))
+    assert set(report["elbo"]["t2l"]) == {"latent_loss"}
+    assert -1 <= report["l2t"]["cosine_mean"] <= 1 and 0 <= report["l2t"]["exact_match"] <= 1
+    assert report["t2l"]["pool_size"] == 12 and len(report["l2t"]["examples"]) == 4
+    summary = capsys.readouterr().out
+    assert "retrieval@1 among 12" in summary and report["l2t"]["examples"][0]["source"] in summary
+    assert out.with_suffix(".md").read_text(encoding="utf-8") in summary
+
+
+class Recording(torch.nn.Module):
+    """The model, keeping what it was last given and what it returned."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.seen = model, {}
+
+    def forward(self, tokens, latents, t_text, t_latent, *args, **kwargs):
+        out = self.inner(tokens, latents, t_text, t_latent, *args, **kwargs)
+        self.seen.update(tokens=tokens, t_text=t_text, logits=out[0])
+        return out
+
+
+def test_elbo_is_the_mdlm_training_loss_formula_on_the_same_batch(run_dir):
+    run = load_run(run_dir, device="cpu")
+    run.model = Recording(run.model)
+    report = elbo(run, num_samples=4, batch_size=4, modes=("l2t",))["l2t"]
+    seen = run.model.seen
+    batch = next(iter(val_batches(run, 4, 4)))
+    tokens, pad_mask = batch["tokens"], batch["pad_mask"]
+    # NELBO (MDLM eq. 11, loglinear schedule): sum over masked real tokens of -log p / t, per real token.
+    masked = (seen["tokens"] == run.text.mask_token_id) & pad_mask
+    assert masked.any() and torch.equal(seen["tokens"][~masked], tokens[~masked])
+    logits = seen["logits"].float()
+    logits[..., run.text.mask_token_id] = float("-inf")
+    nll = F.cross_entropy(logits.transpose(1, 2), tokens, reduction="none")  # (B, L)
+    weight = 1.0 / seen["t_text"].clamp_min(run.text.cfg.eps)
+    expected = (nll * weight[:, None] * masked).sum() / pad_mask.sum()
+    assert report["text_nats_per_token"] == pytest.approx(expected.item(), rel=1e-5)
+    assert report["num_tokens"] == int(pad_mask.sum())
+
+
+def test_evaluation_leaves_the_training_trajectory_unchanged(run_dir, tmp_path):
+    data = load_config(run_dir / "config.yaml").data.path
+    assert train(load_config(None, [*RUN, f"data.path={data}", f"train.run_dir={tmp_path}", "eval.every=0"])) == 0
+    plain = [r["loss"] for r in read_jsonl(tmp_path / "metrics.jsonl")]
+    assert plain == [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+
+
+def test_fsdp2_ranks_gather_for_rank0_evaluation_and_wait(run_dir, tmp_path):
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from test_training_distributed import TORCHRUN, WORKER, free_port
+
+    data = load_config(run_dir / "config.yaml").data.path
+    cmd = [*TORCHRUN, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(WORKER), *RUN, "train.steps=4", "train.micro_batch_size=4", "eval.every=2", "distributed.strategy=fsdp2",
+           f"data.path={data}", f"train.run_dir={tmp_path}"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    evals = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "eval_t2l_cosine_mean" in r]
+    assert [r["step"] for r in evals] == [2, 4]

@@ -1,0 +1,189 @@
+"""The samplers on a tiny model overfitted (in this module, a few seconds) on six short token
+sequences with fixed random latents: l2t gives each sequence back from its latent, t2l finds each
+latent from its sequence; sampling is deterministic for a seed, finite at t = 1 and t = 0, and
+guidance scale 0 is the unguided sampler exactly."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from mmldlm.config import LatentDiffusionConfig, ModelConfig, ObjectiveConfig, TextDiffusionConfig
+from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
+from mmldlm.model import MultimodalMMDiT
+from mmldlm.objective import Objective
+from mmldlm.sampling import Sampler, SamplingOptions, pad_mask_from_lengths, time_grid
+
+PAD, MASK, VOCAB, D = 0, 1, 24, 8
+LENGTHS = [5, 7, 6, 4, 7, 5]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Small ops gain nothing from intra-op threads on a busy 2-core machine (see test_objective.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def sentences() -> dict:
+    """Six sequences of words 2..23 of ragged lengths and six random raw latents (mean 1, std 3)."""
+    g = torch.Generator().manual_seed(0)
+    pad_mask = pad_mask_from_lengths(LENGTHS)  # (6, 7)
+    tokens = torch.randint(2, VOCAB, pad_mask.shape, generator=g).masked_fill(~pad_mask, PAD)
+    latents = 1.0 + 3.0 * torch.randn(len(LENGTHS), 1, D, generator=g)
+    return {"tokens": tokens, "pad_mask": pad_mask, "latents": latents}
+
+
+def diffusions(data: dict, prediction: str = "v") -> tuple[MaskedDiffusion, GaussianDiffusion]:
+    flat = data["latents"].reshape(-1, D)
+    return (MaskedDiffusion(TextDiffusionConfig(), mask_token_id=MASK, pad_token_id=PAD),
+            GaussianDiffusion(LatentDiffusionConfig(prediction=prediction), mean=flat.mean(0), std=flat.std(0)))
+
+
+def small_model(seed: int = 0) -> MultimodalMMDiT:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(hidden_size=64, num_blocks=2, num_heads=2, max_seq_len=8, latent_dim=D, timestep_embed_dim=32)
+    return MultimodalMMDiT(cfg, vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def overfit():
+    """(model, text, latent, data): the model trained on `sentences()` in an l2t / t2l mixture. No
+    condition dropping: with six samples it slows the memorising several-fold, and nothing here needs a
+    trained null latent (the guidance test checks the rule, not its effect)."""
+    data = sentences()
+    text, latent = diffusions(data)
+    objective = Objective(ObjectiveConfig(mode="random", mode_weights={"l2t": 1.0, "t2l": 1.0}, cond_drop_prob=0.0),
+                          text, latent)
+    model = small_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    batch = {k: v.repeat(4, *[1] * (v.dim() - 1)) for k, v in data.items()}  # 24 rows: 4 draws of t each
+    g = torch.Generator().manual_seed(0)
+    for step in range(500):
+        loss, _ = objective(model, batch, step, generator=g)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    return model, text, latent, data
+
+
+def test_l2t_reproduces_every_training_sentence_from_its_latent(overfit):
+    model, text, latent, data = overfit
+    for strategy in ("ancestral", "confidence"):
+        sampler = Sampler(model, text, latent, SamplingOptions(num_steps=16, strategy=strategy))
+        tokens = sampler.l2t(data["latents"], data["pad_mask"], torch.Generator().manual_seed(1))
+        assert torch.equal(tokens, data["tokens"]), strategy
+
+
+def test_t2l_retrieves_every_latent_from_its_sentence(overfit):
+    model, text, latent, data = overfit
+    for sampler_name in ("ddim", "ddpm"):
+        sampler = Sampler(model, text, latent, SamplingOptions(num_steps=16, latent_sampler=sampler_name))
+        z = sampler.t2l(data["tokens"], data["pad_mask"], torch.Generator().manual_seed(1))  # encoder space
+        similarity = torch.nn.functional.normalize(z.flatten(1), dim=-1) @ \
+            torch.nn.functional.normalize(data["latents"].flatten(1), dim=-1).T  # (6, 6)
+        assert torch.equal(similarity.argmax(dim=1), torch.arange(6)), sampler_name
+        assert torch.nn.functional.cosine_similarity(z.flatten(1), data["latents"].flatten(1)).min() > 0.9
+
+
+def test_reusing_the_output_skips_model_calls_and_still_reproduces(overfit):
+    model, text, latent, data = overfit
+    calls = {}
+    for reuse in (True, False):
+        sampler = Sampler(model, text, latent, SamplingOptions(num_steps=64, reuse_output=reuse))
+        tokens = sampler.l2t(data["latents"], data["pad_mask"], torch.Generator().manual_seed(2))
+        assert torch.equal(tokens, data["tokens"])
+        calls[reuse] = sampler.num_forward
+    assert calls[False] == 64 and calls[True] < 64
+
+
+def test_sampling_is_deterministic_for_a_seed(overfit):
+    model, text, latent, data = overfit
+    sampler = Sampler(model, text, latent, SamplingOptions(num_steps=8, temperature=3.0, latent_sampler="ddpm"))
+    pad_mask = pad_mask_from_lengths([7, 5, 6])
+    runs = [sampler.joint(pad_mask, torch.Generator().manual_seed(seed)) for seed in (5, 5, 6)]
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    assert not torch.equal(runs[0][1], runs[2][1])  # another seed, other noise
+    hot = [sampler.l2t(data["latents"], data["pad_mask"], torch.Generator().manual_seed(seed)) for seed in (3, 3)]
+    assert torch.equal(*hot)
+
+
+def test_guidance_scale_zero_is_the_unguided_sampler_exactly(overfit):
+    model, text, latent, data = overfit
+    pad_mask, latents = data["pad_mask"], data["latents"]
+    t_zero = torch.zeros(6)
+
+    def reference_l2t(g):
+        """MDLM ancestral sampling written out: one conditional model call per step, nothing else."""
+        tokens, z = torch.where(pad_mask, MASK, PAD), latent.standardize(latents)
+        for t, s in time_grid(8):
+            logits, _ = model(tokens, z, torch.full((6,), t), t_zero, pad_mask, latent_head=False)
+            logits = logits / 2.0
+            logits[..., PAD] = float("-inf")
+            tokens = text.step(logits, tokens, t, s, g)
+        return tokens
+
+    def reference_t2l(g):
+        x = torch.randn(6, 1, D, generator=g)
+        for t, s in time_grid(8):
+            _, pred = model(data["tokens"], x, t_zero, torch.full((6,), t), pad_mask, text_head=False)
+            x = latent.step(pred, x, t, s, "ddpm", g)
+        return latent.destandardize(x)
+
+    options = SamplingOptions(num_steps=8, temperature=2.0, guidance_scale=0.0, reuse_output=False,
+                              latent_sampler="ddpm")
+    sampler = Sampler(model, text, latent, options)
+    with torch.no_grad():
+        assert torch.equal(sampler.l2t(latents, pad_mask, torch.Generator().manual_seed(4)),
+                           reference_l2t(torch.Generator().manual_seed(4)))
+        assert torch.equal(sampler.t2l(data["tokens"], pad_mask, torch.Generator().manual_seed(4)),
+                           reference_t2l(torch.Generator().manual_seed(4)))
+    assert sampler.num_forward == 16  # no unconditional pass at scale 0
+    # The guided rule itself: scale w moves the logits by w (cond - uncond).
+    guided = Sampler(model, text, latent, SamplingOptions(guidance_scale=2.0))
+    plain = Sampler(model, text, latent, SamplingOptions())
+    tokens = torch.where(data["pad_mask"], MASK, PAD)
+    z = latent.standardize(data["latents"])
+    cond = plain._l2t_logits(tokens, z, 0.5, data["pad_mask"])
+    null = torch.ones(6, dtype=torch.bool)
+    uncond, _ = model(tokens, z, torch.full((6,), 0.5), torch.zeros(6), data["pad_mask"], latent_null=null,
+                      latent_head=False)
+    expected = plain._text_scores(cond + 2.0 * (cond - uncond))
+    assert torch.allclose(guided._l2t_logits(tokens, z, 0.5, data["pad_mask"]), expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("prediction", ["eps", "x0", "v"])
+def test_no_nan_at_t1_or_t0_for_every_parameterisation(prediction):
+    data = sentences()
+    text, latent = diffusions(data, prediction)
+    model = small_model(seed=1)
+    with torch.no_grad():  # non-zero heads, so the predictions are not trivially 0
+        for p in [*model.latent_final.parameters(), *model.text_final.parameters()]:
+            p.normal_(std=0.5)
+    assert time_grid(1) == [(1.0, 0.0)]  # one step goes from t = 1 straight to t = 0
+    for num_steps in (1, 3):
+        for sampler_name in ("ddim", "ddpm"):
+            sampler = Sampler(model.eval(), text, latent, SamplingOptions(num_steps=num_steps, guidance_scale=1.5,
+                                                                          latent_sampler=sampler_name))
+            g = torch.Generator().manual_seed(0)
+            z = sampler.t2l(data["tokens"], data["pad_mask"], g)
+            tokens, z_joint = sampler.joint(data["pad_mask"], g)
+            out = sampler.l2t(data["latents"], data["pad_mask"], g)
+            assert torch.isfinite(z).all() and torch.isfinite(z_joint).all()
+            for t in (tokens, out):  # everything unmasked at t = 0, padding kept, no pad predicted
+                assert not (t == MASK).any()
+                assert torch.equal(t == PAD, ~data["pad_mask"])
+
+
+def test_bad_options_fail_with_a_message():
+    data = sentences()
+    text, latent = diffusions(data)
+    model = small_model()
+    with pytest.raises(ValueError, match="num_steps 0"):
+        Sampler(model, text, latent, SamplingOptions(num_steps=0))
+    no_null = MultimodalMMDiT(dataclasses.replace(model.cfg, null_latent=False), vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="null latent"):
+        Sampler(no_null, text, latent, SamplingOptions(guidance_scale=1.0))
