@@ -34,6 +34,10 @@ fi
 # down so torchrun sees the failure and restarts, instead of a rank hanging forever; the trainer sets
 # the process-group timeout itself (distributed.timeout_minutes, 30 by default).
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+# A fresh store for every restart round: with the rendezvous store shared across rounds, a restarted
+# worker group can read the previous round's process-group keys and wait on peers that are gone
+# (seen as gloo "Connection refused" or a hang in init_process_group after a worker was killed).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # One intra-op thread pool per process that does not oversubscribe the node's cores.
 CORES=$(nproc)

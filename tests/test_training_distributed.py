@@ -180,7 +180,7 @@ def _cmdline(pid: int) -> str:
 def test_launcher_two_nodes_trains_and_restarts_a_killed_worker(tmp_path):
     run_dir = tmp_path / "run"
     env = {**_env(), "NNODES": "2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "MAX_RESTARTS": "5", "LOG_DIR": str(tmp_path / "logs"),
+           "MASTER_PORT": str(free_port()), "MAX_RESTARTS": "1", "LOG_DIR": str(tmp_path / "logs"),
            "RUN_ID": "launcher-test", "PYTHON": PYTHON}
     args = [*BASE, f"train.run_dir={run_dir}", "train.steps=30", "train.global_batch_size=4", "checkpoint.every=5",
             "distributed.timeout_minutes=2"]
