@@ -557,6 +557,17 @@ def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def flat_keys(tree: dict, prefix: str = "") -> dict:
+    """{"section.key": value} of a config dict (`to_dict`); mode_weights is one value, not a section."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "mode_weights":
+            out.update(flat_keys(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 # --------------------------------------------------------------------------------------------------
 # Files and overrides.
 

@@ -6,8 +6,8 @@ import json
 from data_support import prepared
 
 from mmldlm.cli import main
-from mmldlm.config import load_config, to_dict
-from mmldlm.tools.bench import BenchOptions, _flat, bench_configs
+from mmldlm.config import flat_keys, load_config, to_dict
+from mmldlm.tools.bench import BenchOptions, bench_configs
 
 # The tiny model made smaller still, no compile and no loader workers: this checks the report, not
 # the speed, and must stay fast.
@@ -47,6 +47,6 @@ def test_ladder_adds_one_group_at_a_time_and_ends_at_optimized():
     changed = [key for rung in rungs[1:] for key in rung["changes"]]
     assert len(changed) == len(set(changed))  # each key changes once
     assert rungs[1]["changes"][0].startswith("data.") and "model.attention" in rungs[2]["changes"]
-    last = _flat(to_dict(load_config(rungs[-1]["config"], rungs[-1]["overrides"])))
-    optimized = _flat(to_dict(load_config("optimized", ["model=tiny"])))
+    last = flat_keys(to_dict(load_config(rungs[-1]["config"], rungs[-1]["overrides"])))
+    optimized = flat_keys(to_dict(load_config("optimized", ["model=tiny"])))
     assert {k for k in last if last[k] != optimized[k]} == {"train.run_dir"}

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mmldlm.config import ModelConfig, PerfConfig, load_config, to_dict
+from mmldlm.config import ModelConfig, PerfConfig, flat_keys, load_config, to_dict
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.model.mmdit import MultimodalMMDiT
 from mmldlm.objective import Objective
@@ -256,20 +256,10 @@ PERFORMANCE_KEYS = {
 }
 
 
-def flatten(tree, prefix=""):
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and key != "mode_weights":
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 @pytest.mark.parametrize("size", ["tiny", "small"])
 def test_presets_differ_only_in_performance_keys(size):
-    baseline = flatten(to_dict(load_config("baseline", [f"model={size}"])))
-    optimized = flatten(to_dict(load_config("optimized", [f"model={size}"])))
+    baseline = flat_keys(to_dict(load_config("baseline", [f"model={size}"])))
+    optimized = flat_keys(to_dict(load_config("optimized", [f"model={size}"])))
     differ = {key for key in baseline if baseline[key] != optimized[key]}
     differ = {key for key in differ if not key.startswith("perf.")}
     assert differ <= PERFORMANCE_KEYS, differ - PERFORMANCE_KEYS
@@ -283,8 +273,8 @@ def test_presets_differ_only_in_performance_keys(size):
 
 
 def test_compiled_preset_adds_only_compile_and_its_padding():
-    optimized = flatten(to_dict(load_config("optimized", [])))
-    compiled = flatten(to_dict(load_config("compiled", [])))
+    optimized = flat_keys(to_dict(load_config("optimized", [])))
+    compiled = flat_keys(to_dict(load_config("compiled", [])))
     assert {key for key in compiled if compiled[key] != optimized[key]} == {
         "perf.compile", "data.pad_to_multiple", "train.run_dir"}
     assert compiled["perf.compile"] and compiled["data.pad_to_multiple"] == 64

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import yaml
 
-from mmldlm.config import load_config, to_dict
+from mmldlm.config import flat_keys, load_config, to_dict
 
 log = logging.getLogger(__name__)
 
@@ -82,16 +82,6 @@ class BenchOptions:
 # -------------------------------------------------------------------------------- configs
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and key != "mode_weights":
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def _override(key: str, value) -> str:
     return f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
 
@@ -99,8 +89,8 @@ def _override(key: str, value) -> str:
 def bench_configs(opts: BenchOptions) -> list[dict]:
     """[{name, changes, overrides}] to run: baseline and optimized, or with opts.ladder every rung."""
     base = [*opts.overrides]
-    first = _flat(to_dict(load_config(opts.baseline, base)))
-    last = _flat(to_dict(load_config(opts.optimized, base)))
+    first = flat_keys(to_dict(load_config(opts.baseline, base)))
+    last = flat_keys(to_dict(load_config(opts.optimized, base)))
     differ = [key for key in first if first[key] != last[key] and key not in IGNORED]
     if not opts.ladder:
         return [{"name": "baseline", "config": opts.baseline, "changes": [], "overrides": base},
