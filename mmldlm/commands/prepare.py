@@ -64,6 +64,7 @@ def options_from_args(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     import os
+    import sys
 
     import torch.distributed as dist
 
@@ -76,8 +77,15 @@ def run(args: argparse.Namespace) -> int:
         dist.init_process_group("gloo")
     try:
         prepare(opts)
-    finally:
+    except BaseException:
         if own_group:
-            dist.barrier()  # leave together: see mmldlm.training.distributed.shutdown
             dist.destroy_process_group()
+        raise
+    if own_group:
+        # Leave together and skip gloo's teardown at exit, which sometimes aborted a finished rank
+        # (see mmldlm.training.distributed.leave).
+        dist.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0

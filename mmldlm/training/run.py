@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from mmldlm.config import RunConfig, save_config
-from mmldlm.training.distributed import DistInfo, RankTimeout, init_distributed, shutdown
+from mmldlm.training.distributed import DistInfo, RankTimeout, init_distributed, leave
 from mmldlm.training.trainer import Trainer, TrainingStopped, seed_everything
 
 log = logging.getLogger(__name__)
@@ -96,5 +96,4 @@ def train(cfg: RunConfig, resume: str | None = None) -> int:
     except TrainingStopped as err:
         print(f"mmldlm train: {err}", file=sys.stderr, flush=True)
         status = 1
-    shutdown(info)
-    return status
+    return leave(info, status)
