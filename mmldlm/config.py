@@ -300,7 +300,8 @@ class TrainConfig:
     global_batch_size: int = 32
     # Progressive batch size: [[first_step, global_batch_size], ...], sorted, the first at step 0.
     batch_schedule: list[list[int]] = field(default_factory=list)
-    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    # auto: bf16 autocast where bf16 matmuls are native (CUDA; CPUs with AVX512-BF16 or AMX), else fp32
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_every: int = 10
     seed: int = 0

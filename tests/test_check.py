@@ -11,7 +11,7 @@ from mmldlm.tools.check import Environment, audit, fix_config
 # A machine described by hand, so findings do not depend on where the tests run: 2 processes on a
 # node with 8 CPUs, 24 GiB per process, plenty of disk, fused AdamW available.
 ENV = Environment(device="cuda", device_memory_gib=24.0, cpus=8, nproc_per_node=2, nnodes=1, free_disk_gib=500.0,
-                  fused_adamw=True)
+                  fused_adamw=True, native_bf16=True)
 CLEAN = ["model=tiny", "train.steps=600", "train.global_batch_size=32", "train.micro_batch_size=16"]
 
 
@@ -92,9 +92,16 @@ def test_auto_micro_batch_needs_only_micro_batch_one_to_fit(tmp_path):
 def test_the_baseline_preset_is_flagged_for_its_slow_switches(tmp_path):
     cfg = load_config("baseline", [f"train.run_dir={tmp_path / 'run'}"])
     rules = {f.rule for f in audit(cfg, ENV)[0] if f.severity == "warning"}
-    assert {"find_unused_parameters", "optimizer_loop", "refreeze", "attention"} <= rules
-    assert not {"find_unused_parameters", "optimizer_loop", "refreeze", "attention"} & {
+    assert {"find_unused_parameters", "optimizer_loop", "refreeze", "attention", "precision"} <= rules
+    assert not {"find_unused_parameters", "optimizer_loop", "refreeze", "attention", "precision"} & {
         f.rule for f in audit(load_config("optimized", [f"train.run_dir={tmp_path / 'run'}"]), ENV)[0]}
+
+
+def test_bf16_without_native_bf16_matmuls_is_flagged(tmp_path):
+    cpu = Environment(device="cpu", device_memory_gib=24.0, cpus=8, free_disk_gib=500.0, native_bf16=False)
+    assert ("precision", "warning") in serious(findings_of(tmp_path, ["train.precision=bf16"], cpu)[1])
+    assert ("precision", "warning") not in serious(findings_of(tmp_path, ["train.precision=auto"], cpu)[1])
+    assert ("precision", "warning") not in serious(findings_of(tmp_path, ["train.precision=fp32"], cpu)[1])
 
 
 def test_resuming_with_another_length_warns_that_the_lr_jumps(tmp_path):

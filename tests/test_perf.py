@@ -200,7 +200,8 @@ def test_auto_micro_batch_keeps_the_effective_batch(tmp_path, monkeypatch):
     for name, micro in (("auto", "auto"), ("whole", 8)):
         cfg = load_config(None, ["logging.progress_bar=false", "schedule.kind=constant", "schedule.warmup_steps=0",
                                  "optim.lr=3e-3", f"train.run_dir={tmp_path / name}", "train.global_batch_size=8",
-                                 f"train.micro_batch_size={micro}", "train.memory_cap_gib=2.5"])
+                                 f"train.micro_batch_size={micro}", "train.memory_cap_gib=2.5",
+                                 "train.precision=fp32"])  # equal losses across batch splits need fp32
         trainer = Trainer(cfg, tiny_model(), PerSampleObjective(objective_for(cfg)), RandomLoader, DistInfo())
         records = [trainer.train_step() for _ in range(3)]
         losses[name] = [r["loss"] for r in records]
@@ -250,7 +251,7 @@ def test_profiler_window_writes_a_trace(tmp_path):
 PERFORMANCE_KEYS = {
     "model.attention", "optim.fused", "optim.foreach", "distributed.find_unused_parameters",
     "distributed.static_graph", "data.num_workers", "data.prefetch_factor", "data.persistent_workers",
-    "data.pin_memory", "data.pad_to_multiple", "train.micro_batch_size", "train.run_dir",
+    "data.pin_memory", "data.pad_to_multiple", "train.micro_batch_size", "train.run_dir", "train.precision",
     # the older recipe's latent loss: part of what the baseline reproduces (SPEC section 2)
     "latent_diffusion.loss",
 }
@@ -267,6 +268,7 @@ def test_presets_differ_only_in_performance_keys(size):
     assert baseline["model.hidden_size"] == optimized["model.hidden_size"] == size_default.hidden_size
     assert baseline["train.global_batch_size"] == optimized["train.global_batch_size"]
     assert baseline["model.attention"] == "explicit" and optimized["model.attention"] == "sdpa"
+    assert baseline["train.precision"] == "fp32" and optimized["train.precision"] == "auto"
     assert baseline["latent_diffusion.loss"] == "normalized_mse"
     assert baseline["distributed.find_unused_parameters"] and baseline["perf.refreeze_every_step"]
     assert baseline["data.num_workers"] == 16 and not baseline["data.persistent_workers"]

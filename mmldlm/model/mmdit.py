@@ -73,6 +73,15 @@ def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     return x * (1 + scale[:, None, :]) + shift[:, None, :]
 
 
+class RMSNorm(nn.RMSNorm):
+    """RMSNorm computed in fp32 and returned in the input's dtype: under bf16 autocast q and k arrive
+    in bf16 while the weight stays fp32, a mix torch's fused kernel refuses (and a bf16 mean of
+    squares loses precision the QK-norm exists to keep)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x.float(), self.normalized_shape, self.weight, self.eps).to(x.dtype)
+
+
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, mlp_hidden: int):
         super().__init__()
@@ -98,8 +107,8 @@ class StreamLayers(nn.Module):
         self.qkv = nn.Linear(H, 3 * H, bias=False)
         # Per-head RMSNorm on q and k (SD3 sec. 5.3.2): bounds the attention logits, which otherwise
         # grow and make bf16 training diverge.
-        self.q_norm = nn.RMSNorm(head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.q_norm = RMSNorm(head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.attn_proj = nn.Linear(H, H, bias=False)
         self.norm_mlp = nn.LayerNorm(H, eps=cfg.norm_eps, elementwise_affine=False)
         self.mlp = MLP(H, int(cfg.mlp_ratio * H))

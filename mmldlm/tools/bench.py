@@ -55,6 +55,7 @@ LADDER = [
      ["data.num_workers", "data.prefetch_factor", "data.persistent_workers", "data.pin_memory"]),
     ("SDPA attention", ["model.attention"]),
     ("fused AdamW", ["optim.fused", "optim.foreach"]),
+    ("bf16 autocast where native", ["train.precision"]),
     ("freeze once per mode, no unused-parameter search",
      ["perf.refreeze_every_step", "distributed.find_unused_parameters", "distributed.static_graph"]),
     ("MSE latent loss", ["latent_diffusion.loss"]),

@@ -52,6 +52,7 @@ class Environment:
     nnodes: int = 1
     free_disk_gib: float = 100.0  # at train.run_dir (or its nearest existing parent)
     fused_adamw: bool = True  # torch's fused AdamW kernel works on `device`
+    native_bf16: bool = False  # bf16 matmuls in hardware (a CUDA GPU, or a CPU with AVX512-BF16/AMX)
     environ: dict[str, str] = field(default_factory=dict)  # the NCCL / torch variables that matter
 
     @property
@@ -78,6 +79,8 @@ def detect_environment(cfg: RunConfig, nproc_per_node: int | None = None, nnodes
     """This machine as the run would see it; process counts default to the torchrun/launcher variables."""
     import torch
 
+    from mmldlm.training.trainer import cpu_has_native_bf16
+
     nproc = nproc_per_node or int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("NPROC_PER_NODE") or 1)
     nodes = nnodes or int(os.environ.get("NNODES") or 1)
     cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
@@ -93,6 +96,7 @@ def detect_environment(cfg: RunConfig, nproc_per_node: int | None = None, nnodes
     return Environment(device="cuda" if cuda else "cpu", device_memory_gib=device_memory_gib, cpus=cpus,
                        nproc_per_node=nproc, nnodes=nodes, free_disk_gib=shutil.disk_usage(where).free / GIB,
                        fused_adamw=_fused_adamw_works("cuda" if cuda else "cpu"),
+                       native_bf16=torch.cuda.is_bf16_supported() if cuda else cpu_has_native_bf16(),
                        environ={k: os.environ[k] for k in NCCL_VARIABLES if k in os.environ})
 
 
@@ -154,7 +158,7 @@ def estimate(cfg: RunConfig, env: Environment) -> Estimate:
     params = count_parameters(cfg, vocab)
     seq_len = cfg.data.max_length or m.max_seq_len
     tokens = seq_len + m.num_latents
-    low_precision = cfg.train.precision in ("bf16", "fp16") or (cfg.train.precision == "auto" and env.device == "cuda")
+    low_precision = cfg.train.precision in ("bf16", "fp16") or (cfg.train.precision == "auto" and env.native_bf16)
     shards = env.world_size if cfg.distributed.strategy == "fsdp2" else 1
     static = 16 * params / shards + (2 * params if low_precision else 0)
     static += (0.75 if env.device == "cuda" else 0.3) * GIB
@@ -489,6 +493,17 @@ def check_slow_switches(cfg: RunConfig, env: Environment, est: Estimate) -> list
             "attention", "warning", "model.attention=explicit materialises the (S, S) score matrix per head",
             "scaled_dot_product_attention uses flash / memory-efficient kernels on GPU: less memory, faster",
             "model.attention=sdpa", {"model.attention": "sdpa"}))
+    if cfg.train.precision == "fp32" and env.native_bf16:
+        findings.append(Finding(
+            "precision", "warning", f"train.precision=fp32 on a {env.device} with native bf16 matmuls",
+            "bf16 autocast (fp32 master weights and optimizer state) runs the model's matmuls at about twice "
+            "the speed and stores activations in half the bytes",
+            "train.precision=auto", {"train.precision": "auto"}))
+    if cfg.train.precision == "bf16" and not env.native_bf16:
+        findings.append(Finding(
+            "precision", "warning", f"train.precision=bf16 on a {env.device} without native bf16 matmuls",
+            "bf16 is emulated there: slower than fp32, with less precision",
+            "train.precision=auto (bf16 where native, else fp32)", {"train.precision": "auto"}))
     if cfg.perf.compile and cfg.data.pad_to_multiple < 64:
         findings.append(Finding(
             "compile_shapes", "warning",

@@ -49,10 +49,20 @@ class TrainingStopped(RuntimeError):
     """The run cannot continue (e.g. too many non-finite updates in a row); checkpoints are untouched."""
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX), where bf16
+    autocast runs a training step about 2x faster than fp32 (docs/benchmarks.md). Without them
+    oneDNN emulates bf16 and autocast is no faster than fp32."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # private helpers: absent from other torch builds
+        return False
+
+
 def resolve_precision(name: str, device: torch.device) -> str:
-    """"auto": bf16 on CUDA (fp32 master weights, bf16 matmuls); fp32 on CPU, where bf16 autocast
-    is slower than fp32 on most CPUs (no bf16 matrix units) and the small CPU presets gain no memory
-    that matters from it."""
+    """"auto": bf16 autocast (fp32 master weights and optimizer) where the hardware multiplies bf16
+    natively, a CUDA GPU with bf16 (fp16 with loss scaling on older GPUs) or a CPU with AVX512-BF16/AMX;
+    fp32 elsewhere. Tests and debugging that compare numbers across machines pin `fp32`."""
     if name != "auto":
         if name == "fp16" and device.type != "cuda":
             raise ConfigError("config key 'train.precision': got 'fp16'; fp16 with loss scaling needs CUDA; "
@@ -60,7 +70,7 @@ def resolve_precision(name: str, device: torch.device) -> str:
         return name
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return "fp32"
+    return "bf16" if cpu_has_native_bf16() else "fp32"
 
 
 def accumulation_steps(global_batch: int, micro_batch: int, world_size: int, key: str) -> int:
