@@ -106,8 +106,11 @@ class Objective:
             text_in = tokens.masked_fill(hide, self.text.mask_token_id)
             t_text = drop.float()  # all masked = time 1
 
+        # The text head runs only where the loss reads it: the masked non-pad positions.
+        rows = self.text.loss_positions(text_in, pad_mask) if text_on else None
         text_logits, latent_out = model(text_in, latent_in, t_text, t_latent, text_pad_mask=pad_mask,
-                                        latent_null=latent_null, text_head=text_on, latent_head=latent_on)
+                                        latent_null=latent_null, text_head=text_on, latent_head=latent_on,
+                                        text_rows=rows)
 
         metrics: dict = {"mode": mode}
         loss = 0.0

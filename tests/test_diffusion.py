@@ -48,6 +48,17 @@ def test_masked_elbo_equals_hand_computed_value():
     assert metrics["num_masked"].item() == 3 and metrics["num_tokens"].item() == 7
 
 
+def test_masked_loss_takes_logits_only_at_its_positions():
+    logits, tokens, noised, t, pad_mask = hand_example()
+    diffusion = masked_diffusion(schedule="loglinear")
+    rows = diffusion.loss_positions(noised, pad_mask)
+    full, full_metrics = diffusion.loss(logits, tokens, noised, t, pad_mask)
+    gathered, metrics = diffusion.loss(logits[rows], tokens, noised, t, pad_mask)
+    assert gathered.item() == full.item() and metrics["accuracy"].item() == full_metrics["accuracy"].item()
+    with pytest.raises(ValueError, match="one row per masked non-pad position"):
+        diffusion.loss(logits[rows][:-1], tokens, noised, t, pad_mask)
+
+
 def test_masked_ce_equals_hand_computed_value():
     logits, tokens, noised, t, pad_mask = hand_example()
     loss, _ = masked_diffusion(loss="masked_ce").loss(logits, tokens, noised, t, pad_mask)

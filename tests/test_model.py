@@ -59,6 +59,39 @@ def test_joint_attention_flows_both_ways(pos_embedding):
     torch.testing.assert_close(latent_out2[1:], latent_out[1:])
 
 
+def test_text_rows_give_the_full_logits_at_those_positions_and_the_same_gradients():
+    """The training loss reads logits only at masked positions: computing only those must change
+    nothing else, including gradients, and keep every parameter in the graph when none is selected."""
+    cfg = tiny()
+    model = randomised(cfg).train()
+    tokens, latents, t_text, t_latent = inputs(cfg)
+    mask = pad_mask()
+    rows = (torch.rand(tokens.shape, generator=torch.Generator().manual_seed(5)) < 0.4) & mask  # (B, L)
+    target = torch.randn(int(rows.sum()), VOCAB, generator=torch.Generator().manual_seed(6))
+
+    def grads(select):
+        model.zero_grad(set_to_none=True)
+        logits, latent_out = model(tokens, latents, t_text, t_latent, mask, text_rows=rows if select else None)
+        chosen = logits if select else logits[rows]
+        ((chosen * target).sum() + latent_out.sum()).backward()
+        return chosen.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    full_logits, full_grads = grads(False)
+    row_logits, row_grads = grads(True)
+    assert row_logits.shape == (int(rows.sum()), VOCAB)
+    torch.testing.assert_close(row_logits, full_logits, rtol=1e-5, atol=1e-6)
+    for name in full_grads:
+        # Summation order differs (index_select vs a (B, L, V) head), so compare as vectors
+        error = (row_grads[name] - full_grads[name]).norm() / full_grads[name].norm().clamp_min(1e-12)
+        assert error < 1e-5, (name, float(error))
+
+    model.zero_grad(set_to_none=True)
+    logits, latent_out = model(tokens, latents, t_text, t_latent, mask, text_rows=torch.zeros_like(rows))
+    assert logits.shape == (0, VOCAB)
+    (logits.sum() + latent_out.sum()).backward()
+    assert all(p.grad is not None for p in model.parameters())  # DDP finds no unused parameter
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "explicit"])
 @pytest.mark.parametrize("pos_embedding", ["rope", "learned"])
 def test_padding_token_ids_change_no_real_output(attention, pos_embedding):

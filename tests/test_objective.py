@@ -65,11 +65,13 @@ class RecordingModel:
         self.calls = []
 
     def __call__(self, tokens, latents, t_text, t_latent, text_pad_mask=None, latent_null=None, *,
-                 text_head=True, latent_head=True):
+                 text_head=True, latent_head=True, text_rows=None):
         self.calls.append(dict(tokens=tokens, latents=latents, t_text=t_text, t_latent=t_latent,
                                text_pad_mask=text_pad_mask, latent_null=latent_null,
-                               text_head=text_head, latent_head=latent_head))
+                               text_head=text_head, latent_head=latent_head, text_rows=text_rows))
         logits = torch.zeros(*tokens.shape, VOCAB, requires_grad=True) if text_head else None
+        if text_rows is not None:
+            logits = logits[text_rows]
         latent = torch.zeros(latents.shape, requires_grad=True) if latent_head else None
         return logits, latent
 

@@ -121,7 +121,7 @@ class Recording(torch.nn.Module):
 
     def forward(self, tokens, latents, t_text, t_latent, *args, **kwargs):
         out = self.inner(tokens, latents, t_text, t_latent, *args, **kwargs)
-        self.seen.update(tokens=tokens, t_text=t_text, logits=out[0])
+        self.seen.update(tokens=tokens, t_text=t_text, logits=out[0], text_rows=kwargs.get("text_rows"))
         return out
 
 
@@ -135,11 +135,12 @@ def test_elbo_is_the_mdlm_training_loss_formula_on_the_same_batch(run_dir):
     # NELBO (MDLM eq. 11, loglinear schedule): sum over masked real tokens of -log p / t, per real token.
     masked = (seen["tokens"] == run.text.mask_token_id) & pad_mask
     assert masked.any() and torch.equal(seen["tokens"][~masked], tokens[~masked])
-    logits = seen["logits"].float()
+    assert torch.equal(seen["text_rows"], masked)  # the model computed logits at exactly these positions
+    logits = seen["logits"].float()  # (N, V), row-major over the masked positions
     logits[..., run.text.mask_token_id] = float("-inf")
-    nll = F.cross_entropy(logits.transpose(1, 2), tokens, reduction="none")  # (B, L)
-    weight = 1.0 / seen["t_text"].clamp_min(run.text.cfg.eps)
-    expected = (nll * weight[:, None] * masked).sum() / pad_mask.sum()
+    nll = F.cross_entropy(logits, tokens[masked], reduction="none")  # (N,)
+    weight = 1.0 / seen["t_text"].clamp_min(run.text.cfg.eps)  # (B,)
+    expected = (nll * weight[:, None].expand_as(masked)[masked]).sum() / pad_mask.sum()
     assert report["text_nats_per_token"] == pytest.approx(expected.item(), rel=1e-5)
     assert report["num_tokens"] == int(pad_mask.sum())
 

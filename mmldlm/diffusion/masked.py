@@ -97,29 +97,36 @@ class MaskedDiffusion:
 
     # --- loss ------------------------------------------------------------------------------------
 
+    def loss_positions(self, noised: torch.Tensor, pad_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, L) bool: the masked non-pad positions of `noised`, the only ones the loss reads."""
+        masked = noised == self.mask_token_id
+        return masked & pad_mask if pad_mask is not None else masked
+
     def loss(self, logits: torch.Tensor, tokens: torch.Tensor, noised: torch.Tensor, t,
              pad_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """The training loss over masked non-pad tokens and its metrics.
 
-        logits (B, L, V) from the model on `noised`; tokens (B, L) clean; t (B,) the times `noised`
-        was drawn at. cfg.loss "elbo": NELBO in nats per non-pad token (module docstring);
+        logits (B, L, V) from the model on `noised`, or (N, V) only at `loss_positions(noised,
+        pad_mask)` in row-major order (the model's text_rows); tokens (B, L) clean; t (B,) the times
+        `noised` was drawn at. cfg.loss "elbo": NELBO in nats per non-pad token (module docstring);
         "masked_ce": unweighted mean cross-entropy over masked non-pad tokens.
         Metrics (detached): accuracy of the argmax over masked non-pad tokens, num_masked, num_tokens
         (non-pad tokens: the ELBO denominator, for token-weighted averages over batches).
         """
-        B, L, V = logits.shape
-        masked = noised == self.mask_token_id  # (B, L)
-        if pad_mask is not None:
-            masked = masked & pad_mask
+        B, L = tokens.shape
+        masked = self.loss_positions(noised, pad_mask)  # (B, L)
         num_real = pad_mask.sum() if pad_mask is not None else torch.tensor(B * L, device=logits.device)
         num_masked = masked.sum()
 
         # SUBS: the mask is never the answer (its logit is -inf); unmasked positions copy their
         # input and contribute zero, so only masked rows are gathered (saves a (B, L, V) copy).
-        masked_logits = logits[masked].float()  # (N, V)
+        targets = tokens[masked]  # (N,)
+        if logits.dim() == 2 and logits.shape[0] != targets.shape[0]:
+            raise ValueError(f"text logits of shape {tuple(logits.shape)}: expected (B, L, V) or one row per "
+                             f"masked non-pad position ({targets.shape[0]}, V)")
+        masked_logits = (logits[masked] if logits.dim() == 3 else logits).float()  # (N, V)
         mask_index = torch.tensor([self.mask_token_id], device=logits.device)
         masked_logits = masked_logits.index_fill(-1, mask_index, float("-inf"))
-        targets = tokens[masked]  # (N,)
         ce = F.cross_entropy(masked_logits, targets, reduction="none")  # (N,)
 
         if self.cfg.loss == "elbo":

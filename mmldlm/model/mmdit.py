@@ -204,9 +204,18 @@ class FinalLayer(nn.Module):
         self.norm = nn.LayerNorm(hidden_size, eps=eps, elementwise_affine=False)
         self.head = nn.Linear(hidden_size, out_dim, bias=bias)
 
-    def forward(self, x: Tensor, c: Tensor) -> Tensor:
-        shift, scale = self.modulation(c).chunk(2, dim=-1)
-        return self.head(modulate(self.norm(x), shift, scale))
+    def forward(self, x: Tensor, c: Tensor, rows: Tensor | None = None) -> Tensor:
+        """x (B, T, H), c (B, H) -> (B, T, out_dim); with rows (B, T) bool, only at those positions,
+        (N, out_dim) in row-major order (as x[rows]): the text head's training loss needs its logits
+        only at masked positions, and (N, V) is the largest activation of a small model."""
+        shift, scale = self.modulation(c).chunk(2, dim=-1)  # (B, H) each
+        if rows is None:
+            return self.head(modulate(self.norm(x), shift, scale))
+        B, T, H = x.shape
+        index = rows.reshape(-1).nonzero().squeeze(1)  # (N,) into the flattened (B * T) positions
+        batch = torch.div(index, T, rounding_mode="floor")  # (N,) the row each position belongs to
+        x = self.norm(x.reshape(B * T, H).index_select(0, index))  # (N, H)
+        return self.head(x * (1 + scale.index_select(0, batch)) + shift.index_select(0, batch))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -283,11 +292,13 @@ class MultimodalMMDiT(nn.Module):
 
     def forward(self, tokens: Tensor, latents: Tensor, t_text: Tensor, t_latent: Tensor,
                 text_pad_mask: Tensor | None = None, latent_null: Tensor | None = None, *,
-                text_head: bool = True, latent_head: bool = True) -> tuple[Tensor | None, Tensor | None]:
+                text_head: bool = True, latent_head: bool = True,
+                text_rows: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
         """tokens (B, L) int64, latents (B, K, D) standardised and noised, t_text and t_latent (B,) in
         [0, 1]; text_pad_mask (B, L) bool, True = real token; latent_null (B,) bool, True = use the
         null latent. Returns (text logits (B, L, V), latent prediction (B, K, D)); a head not asked
-        for is not computed and returns None."""
+        for is not computed and returns None. text_rows (B, L) bool: text logits only at those
+        positions, (N, V) in row-major order (equal to the full logits[text_rows])."""
         B, L = tokens.shape
         K, D = self.cfg.num_latents, self.cfg.latent_dim
         if L > self.cfg.max_seq_len:
@@ -330,6 +341,6 @@ class MultimodalMMDiT(nn.Module):
             x_text, x_latent = block(x_text, x_latent, c, attn_mask, rope,
                                      text_out=text_head or i < last, latent_out=latent_head or i < last)
 
-        logits = self.text_final(x_text, c) if text_head else None  # (B, L, V)
+        logits = self.text_final(x_text, c, text_rows) if text_head else None  # (B, L, V) or (N, V)
         latent_out = self.latent_final(x_latent, c) if latent_head else None  # (B, K, D)
         return logits, latent_out
