@@ -3,6 +3,8 @@ the ladder goes from baseline to exactly the optimized config one group of keys 
 
 import json
 
+import pytest
+
 from data_support import prepared
 
 from mmldlm.cli import main
@@ -29,10 +31,12 @@ def test_bench_three_steps_writes_a_well_formed_report(tmp_path_factory, tmp_pat
         assert c["samples_per_s"] > 0 and c["tokens_per_s"] > 0 and c["peak_memory_gib"] > 0
         assert c["step_time_s"]["p10"] <= c["step_time_s"]["median"] <= c["step_time_s"]["p90"]
         assert c["peak_memory_kind"] == "cpu_peak_rss_above_runtime"
+        assert c["state_gib"] == pytest.approx(16 * report["model_parameters"] / 2**30)
+        assert c["peak_above_state_gib"] == pytest.approx(c["peak_memory_gib"] - c["state_gib"])
         assert c["mfu"] is None  # no known peak FLOP/s on a CPU: no MFU claimed
         assert c["largest_micro_batch"] == 4  # the tiny model fits the largest tried under 4 GiB
     assert set(report["ratios"]) == {"samples_per_s", "best_samples_per_s", "tokens_per_s",
-                                       "peak_memory_gib", "largest_micro_batch"}
+                                       "peak_memory_gib", "peak_above_state_gib", "largest_micro_batch"}
     assert "model.attention" in report["configs"]["optimized"]["changes"]
     md = (tmp_path / "bench.md").read_text()
     header = next(line for line in md.splitlines() if line.startswith("| config"))

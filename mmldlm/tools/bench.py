@@ -15,7 +15,10 @@ How it measures, and why:
 5. Peak memory over the measured steps: CUDA max allocated; on CPU the peak resident set size minus
    the worker's RSS before it built anything (the Python runtime and torch), i.e. what training adds:
    weights, gradients, optimizer state, activations, temporaries. Loader worker processes are not
-   counted (they hold batches, not the model).
+   counted (they hold batches, not the model). Reported also as the part above the training state
+   (16 bytes per parameter: fp32 weights, gradients, AdamW moments), which no switch here changes in
+   one process and which dominates small batches: that part is what checkpointing, attention and
+   precision act on.
 6. Largest micro-batch under a memory cap: in a fresh process per config, the auto micro-batch probe
    (mmldlm/training/batch_size.py: one joint-mode forward + backward at full text length, plus
    AdamW state) at 1, 2, 4, ... until the cap is passed, then bisected. The probe runs eagerly
@@ -277,6 +280,11 @@ def _summary(setup: dict, records: list[dict], memory: dict) -> dict:
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
         "data_wait_share": statistics.median(r["data_wait_share"] for r in records),
         "peak_memory_gib": (memory["peak_bytes"] - memory["runtime_bytes"]) / 2**30,
+        # fp32 weights, gradients and AdamW's two moments: 16 bytes per parameter, the same in every
+        # config (one process, nothing sharded). The rest of the peak is what the switches can move:
+        # activations, low-precision weight copies, temporaries.
+        "state_gib": 16 * setup["parameters"] / 2**30,
+        "peak_above_state_gib": (memory["peak_bytes"] - memory["runtime_bytes"]) / 2**30 - 16 * setup["parameters"] / 2**30,
         "peak_memory_kind": "cuda_max_allocated" if device_is_cuda else "cpu_peak_rss_above_runtime",
         "peak_rss_gib": None if device_is_cuda else memory["peak_bytes"] / 2**30,
         "mfu": statistics.median(mfu) if mfu else None,
@@ -333,7 +341,8 @@ def run_bench(opts: BenchOptions, command: str = "") -> dict:
 
     first, last = specs[0]["name"], specs[-1]["name"]
     ratios = {key: results[last][key] / results[first][key]
-              for key in ("samples_per_s", "best_samples_per_s", "tokens_per_s", "peak_memory_gib")}
+              for key in ("samples_per_s", "best_samples_per_s", "tokens_per_s", "peak_memory_gib",
+                          "peak_above_state_gib")}
     if opts.fit:
         ratios["largest_micro_batch"] = (results[last]["largest_micro_batch"] / results[first]["largest_micro_batch"]
                                          if results[first]["largest_micro_batch"] else None)
@@ -383,7 +392,7 @@ def markdown(report: dict) -> str:
     memory_label = "peak CUDA alloc GiB" if memory_kind == "cuda_max_allocated" else "peak RSS above runtime GiB"
     fit = "largest_micro_batch" in configs[order[0]]
     header = ["config", "micro x accum", "samples/s", "tokens/s", "step s (median)", "step s (min, p10-p90)",
-              memory_label, "MFU"]
+              memory_label, "of which above state", "MFU"]
     if fit:
         header.append(f"largest micro-batch @ {report['options']['memory_cap_gib']:g} GiB")
     if len(order) > 2:
@@ -396,7 +405,7 @@ def markdown(report: dict) -> str:
         row = [name, f"{c['micro_batch_size']} x {c['accumulation_steps']}", f"{c['samples_per_s']:.2f}",
                f"{c['tokens_per_s']:.0f}", f"{c['step_time_s']['median']:.3f}",
                f"{c['step_time_s']['min']:.3f}, {c['step_time_s']['p10']:.3f}-{c['step_time_s']['p90']:.3f}",
-               f"{c['peak_memory_gib']:.2f}",
+               f"{c['peak_memory_gib']:.2f}", f"{c['peak_above_state_gib']:.2f}",
                f"{c['mfu']:.1%}" if c["mfu"] is not None else "n/a"]
         if fit:
             row.append(str(c["largest_micro_batch"]) if "largest_micro_batch" in c else "")
@@ -406,9 +415,13 @@ def markdown(report: dict) -> str:
         lines.append("| " + " | ".join(row) + " |")
         previous = c
     r = report["ratios"]
-    lines += ["", f"optimized / baseline: samples/s **{r['samples_per_s']:.2f}x** (from the fastest steps "
+    lines += ["", f"State: 16 bytes per parameter (fp32 weights, gradients, AdamW moments), "
+                  f"{first['state_gib']:.2f} GiB in every config.", "",
+              f"optimized / baseline: samples/s **{r['samples_per_s']:.2f}x** (from the fastest steps "
                   f"{r['best_samples_per_s']:.2f}x), tokens/s "
-                  f"{r['tokens_per_s']:.2f}x, peak memory at equal batch **{r['peak_memory_gib']:.2f}x**"
+                  f"{r['tokens_per_s']:.2f}x, peak memory at equal batch **{r['peak_memory_gib']:.2f}x** "
+                  f"(above the {first['state_gib']:.2f} GiB of weights, gradients and AdamW state: "
+                  f"{r['peak_above_state_gib']:.2f}x)"
               + (f", largest micro-batch **{r['largest_micro_batch']:.2f}x**" if r.get("largest_micro_batch") else "")
               + ".", ""]
     if len(order) > 2:
