@@ -238,7 +238,7 @@ def test_bad_shapes_are_refused():
         model(tokens, latents[..., :-1], t_text, t_latent)
 
 
-@pytest.mark.parametrize("heads", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("heads", [(True, True), (True, False), (False, True), "rows"])
 def test_training_flops_match_torch_flop_counter(heads):
     """The formula against torch's own count of every matmul in a forward + backward (the explicit
     path: the counter does not see CPU SDPA). The formula counts a grad-input matmul for the first
@@ -247,11 +247,16 @@ def test_training_flops_match_torch_flop_counter(heads):
     model = randomised(cfg).train()
     B, L = 2, 32
     tokens, latents, t_text, t_latent = inputs(cfg, B=B, L=L)
+    rows = None
+    if heads == "rows":  # the text head at 23 of the 64 positions, as in training at masked positions
+        heads, rows = (True, True), torch.zeros(B, L, dtype=torch.bool)
+        rows[0, :15], rows[1, 4:12] = True, True
     counter = FlopCounterMode(display=False)
     with counter:
-        outputs = model(tokens, latents, t_text, t_latent, text_head=heads[0], latent_head=heads[1])
+        outputs = model(tokens, latents, t_text, t_latent, text_head=heads[0], latent_head=heads[1], text_rows=rows)
         sum(out.sum() for out in outputs if out is not None).backward()
-    expected = training_flops_per_sample(model, L, text_head=heads[0], latent_head=heads[1])
+    expected = training_flops_per_sample(model, L, text_head=heads[0], latent_head=heads[1],
+                                         text_head_rows=None if rows is None else int(rows.sum()) / B)
     assert expected == pytest.approx(counter.get_total_flops() / B, rel=2e-3)
 
 

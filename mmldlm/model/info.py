@@ -36,7 +36,7 @@ def parameter_counts(model: MultimodalMMDiT) -> dict[str, int]:
 
 
 def training_flops_per_sample(model: MultimodalMMDiT, seq_len: int, *, text_head: bool = True,
-                              latent_head: bool = True) -> int:
+                              latent_head: bool = True, text_head_rows: float | None = None) -> float:
     """Forward + backward FLOPs of one sample with `seq_len` text tokens and K latent slots:
 
         FLOPs = 6 * sum_linear(W.numel() * rows) + 12 * H * sum_blocks(S_q * S)
@@ -50,6 +50,8 @@ def training_flops_per_sample(model: MultimodalMMDiT, seq_len: int, *, text_head
       with S = L + K keys and S_q = S queries, except in the last block, whose queries come only
       from the streams whose head is computed. This is the dense count: padding is not subtracted.
     - a head that is skipped (and the last block's tail that only feeds it) counts 0.
+    - text_head_rows: the positions the text head's output matmul runs at, if not all L (training
+      computes logits only at masked positions; the mean per sample, since the count is linear).
     - not counted: the embedding lookup (a gather), norms, activations, softmax, RoPE, biases and
       adaLN modulate (all O(tokens * H), well under 1% at any preset size).
     """
@@ -68,6 +70,8 @@ def training_flops_per_sample(model: MultimodalMMDiT, seq_len: int, *, text_head
         part = parameter_part(name)
         if part == "shared" or ".modulation." in f".{name}.":
             rows = 1
+        elif module is model.text_final.head and text_head_rows is not None:
+            rows = text_head_rows
         else:
             rows = L if part == "text" else K
         matmul += module.weight.numel() * rows

@@ -309,7 +309,7 @@ class Trainer:
             pad_mask = batch.get("pad_mask")
             sums[_TOKENS] += float(pad_mask.sum()) if pad_mask is not None else batch["tokens"].numel()
             if self.peak_flops is not None:
-                flops += self._flops(batch["tokens"], mode)
+                flops += self._flops(batch["tokens"], mode, metrics.get("num_masked"))
         sums[_NONFINITE] = float(not math.isfinite(sums[_LOSS].item()))
         sums[_STOP] = float(stop_requested)
 
@@ -378,12 +378,14 @@ class Trainer:
         for p in self.raw_model.parameters():
             p.requires_grad_(id(p) not in idle_ids)
 
-    def _flops(self, tokens: torch.Tensor, mode: str) -> float:
+    def _flops(self, tokens: torch.Tensor, mode: str, num_masked: torch.Tensor | None) -> float:
+        """The micro-batch's training FLOPs; the text head counts only the masked positions it ran at."""
         from mmldlm.model.info import training_flops_per_sample
 
         B, L = tokens.shape
+        rows = float(num_masked) / B if num_masked is not None else None
         return B * training_flops_per_sample(self.raw_model, L, text_head=mode != "t2l",
-                                             latent_head=mode != "l2t")
+                                             latent_head=mode != "l2t", text_head_rows=rows)
 
     # ---------------------------------------------------------------- the loop
 
