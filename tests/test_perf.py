@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from loader_support import SyntheticLoader
+
 from mmldlm.config import ModelConfig, PerfConfig, flat_keys, load_config, to_dict
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.model.mmdit import MultimodalMMDiT
@@ -117,29 +119,9 @@ def test_compiled_block_keeps_loss_and_gradients():
 # ------------------------------------------------------------------------------------------- the loop
 
 
-class RandomLoader:
-    """Micro-batches of a fixed random set with padding, resumable."""
-
-    def __init__(self, micro):
-        g = torch.Generator().manual_seed(0)
-        self.tokens = torch.randint(2, VOCAB, (64, LEN), generator=g)
-        self.lengths = torch.randint(3, LEN + 1, (64,), generator=g)
-        self.latents = torch.randn(64, 1, DIM, generator=g)
-        self.micro, self.pos = micro, 0
-
-    def __iter__(self):
-        while True:
-            idx = torch.arange(self.pos * self.micro, (self.pos + 1) * self.micro) % 64
-            self.pos += 1
-            pad_mask = torch.arange(LEN)[None, :] < self.lengths[idx, None]
-            yield {"tokens": self.tokens[idx].masked_fill(~pad_mask, PAD_ID), "pad_mask": pad_mask,
-                   "latents": self.latents[idx], "index": idx}
-
-    def state_dict(self):
-        return {"pos": self.pos}
-
-    def load_state_dict(self, state):
-        self.pos = state["pos"]
+def RandomLoader(micro):
+    """Padded micro-batches (random lengths) of a fixed random set, resumable."""
+    return SyntheticLoader(micro, VOCAB, LEN, DIM, pad_id=PAD_ID, first_token=2)
 
 
 def objective_for(cfg):

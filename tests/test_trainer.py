@@ -8,6 +8,8 @@ import signal
 import torch
 import torch.nn.functional as F
 
+from loader_support import SyntheticLoader
+
 from mmldlm.config import ModelConfig, RunConfig, load_config
 from mmldlm.model.mmdit import MultimodalMMDiT
 from mmldlm.training.distributed import DistInfo
@@ -39,26 +41,8 @@ class FixedNoiseObjective:
         return loss, {"loss": loss.detach(), "mode": self.mode}
 
 
-class SequentialLoader:
-    """Micro-batches of consecutive samples of a fixed random set, with a resumable position."""
-
-    def __init__(self, micro):
-        g = torch.Generator().manual_seed(0)
-        self.tokens = torch.randint(0, VOCAB, (64, LEN), generator=g)
-        self.latents = torch.randn(64, 1, DIM, generator=g)
-        self.micro, self.pos = micro, 0
-
-    def __iter__(self):
-        while True:
-            idx = torch.arange(self.pos * self.micro, (self.pos + 1) * self.micro) % 64
-            self.pos += 1
-            yield {"tokens": self.tokens[idx], "latents": self.latents[idx], "index": idx}
-
-    def state_dict(self):
-        return {"pos": self.pos}
-
-    def load_state_dict(self, state):
-        self.pos = state["pos"]
+def SequentialLoader(micro):
+    return SyntheticLoader(micro, VOCAB, LEN, DIM)
 
 
 def make_trainer(tmp_path, overrides, mode="joint"):
