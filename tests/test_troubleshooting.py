@@ -94,7 +94,6 @@ def test_idle_heads_of_the_mode_mix_are_explained(capsys):
     assert "INFO    [unused_parameters] modes l2t, t2l: the latent head and the text head" in out
 
 
-@pytest.mark.parametrize("override,rule", [("schedule.warmup_steps=2500", "lr_schedule")])
-def test_flat_loss_from_a_schedule_that_never_leaves_warmup_is_flagged(capsys, override, rule):
-    status, out = check(capsys, override)
-    assert status == 2 and f"ERROR   [{rule}] schedule.warmup_steps=2500 >= train.steps=2500" in out
+def test_flat_loss_from_a_schedule_that_never_leaves_warmup_is_flagged(capsys):
+    status, out = check(capsys, "train.steps=2000", "schedule.warmup_steps=2000")
+    assert status == 2 and "ERROR   [lr_schedule] schedule.warmup_steps=2000 >= train.steps=2000" in out
