@@ -202,6 +202,29 @@ def test_repeated_steps_appended_without_truncation_replace_the_old_ones(tmp_pat
     assert monitor.history.num_resumes == 1 and monitor.alerts == []
 
 
+def test_evaluation_records_are_neither_steps_nor_resumes(tmp_path):
+    """eval.every appends a record with the step of the training record before it: the monitor
+    must not read that as a resume (which restarted its detectors) nor show its missing loss."""
+    records = make_records(300, ("l2t", "t2l", "joint"))
+    evaluation = lambda step: {"step": step, "eval_l2t_cosine_mean": 0.1 * step / 100}  # noqa: E731
+    lines = records[:100] + [evaluation(100)] + records[100:200] + [evaluation(200)] + records[200:]
+    monitor = analyse(write_run(tmp_path, lines))
+    report = monitor.report()
+    assert report["num_resumes"] == 0 and report["num_records"] == 300 and monitor.alerts == []
+    assert report["num_evaluations"] == 2 and report["last_evaluation"]["eval_l2t_cosine_mean"] == 0.2
+    # The same file read in two polls, the second after a rewrite (a resume from step 150).
+    run = write_run(tmp_path / "resumed", lines[:151], total=300)
+    monitor = Monitor(run)
+    monitor.poll()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines[:101] + records[100:150]))
+    monitor.poll()
+    assert [r["step"] for r in monitor.history.records] == list(range(1, 151))
+    assert [e["step"] for e in monitor.history.evaluations] == [100]
+    lines_out = []
+    follow(monitor, once=True, out=lines_out.append)
+    assert "loss None" not in lines_out[0]
+
+
 def test_a_partial_last_line_waits_and_bad_lines_are_counted(tmp_path):
     records = make_records(3)
     run = write_run(tmp_path, records[:1], total=3)

@@ -98,12 +98,20 @@ class MetricsReader:
         return f.read(len(self._last_line) + 1) == self._last_line + b"\n"
 
 
+def is_evaluation(record: dict) -> bool:
+    """A record of the in-training evaluation (`eval.every`): written after the training record of
+    the same step, with `eval_*` keys and no loss. It is not a training step (nor a resume)."""
+    return "loss" not in record and any(key.startswith("eval_") for key in record)
+
+
 @dataclass
 class RunHistory:
-    """The records of a run in step order, with the detectors' view of them."""
+    """The records of a run in step order, with the detectors' view of them; evaluation records
+    apart, in `evaluations`."""
 
     health: HealthConfig = field(default_factory=HealthConfig)
     records: list[dict] = field(default_factory=list)
+    evaluations: list[dict] = field(default_factory=list)
     num_resumes: int = 0
     resume_alerts: list[Alert] = field(default_factory=list)
 
@@ -117,6 +125,8 @@ class RunHistory:
 
     def rewrite(self, records: list[dict]) -> None:
         """The file was rewritten: `records` is all of it."""
+        self.evaluations = [r for r in records if is_evaluation(r)]
+        records = [r for r in records if not is_evaluation(r)]
         old = self.records
         same = 0
         # Compared as JSON text: a NaN loss never equals itself as a float.
@@ -127,6 +137,10 @@ class RunHistory:
 
     def extend(self, records: list[dict]) -> None:
         for record in records:
+            if is_evaluation(record):
+                # A resume evaluates a re-trained step again: the new figures replace the old ones.
+                self.evaluations = [e for e in self.evaluations if e["step"] < record["step"]] + [record]
+                continue
             if self.records and record["step"] <= self.records[-1]["step"]:
                 kept = [r for r in self.records if r["step"] < record["step"]]
                 self._restart(kept, self.records[len(kept):])
@@ -313,6 +327,8 @@ class Monitor:
             "eta_s": eta_seconds(self.history, self.total),
             "num_records": len(records),
             "num_resumes": self.history.num_resumes,
+            "num_evaluations": len(self.history.evaluations),
+            "last_evaluation": self.history.evaluations[-1] if self.history.evaluations else None,
             "num_unreadable_lines": self.reader.num_unreadable,
             "num_skipped": records[-1].get("num_skipped", 0) if records else 0,
             "statistics": statistics_of(records),
