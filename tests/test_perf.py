@@ -107,13 +107,21 @@ def test_checkpointing_modes_recompute_what_they_promise():
     assert selective["mm"] == none["mm"]
 
 
-def test_compiled_block_keeps_loss_and_gradients():
-    """Inductor on this machine's C++ compiler: one tiny block, one shape (tens of seconds cold)."""
+@pytest.mark.parametrize("checkpointing", ["none", "selective"])
+def test_compiled_block_keeps_loss_and_gradients(checkpointing):
+    """Inductor on this machine's C++ compiler: one tiny block, one shape (tens of seconds cold).
+    The counting backend shows the block's graph was really captured, checkpointed or not (compile
+    of a checkpointed block once fell back to eager without a word)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
     plain = tiny_model(num_blocks=1)
     compiled = copy.deepcopy(plain)
-    apply_compile(compiled)
+    apply_activation_checkpointing(compiled, PerfConfig(activation_checkpointing=checkpointing))
+    counter = CompileCounterWithBackend("inductor")
+    apply_compile(compiled, backend=counter)
     assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in plain.named_parameters()]
     assert_same(loss_and_grads(plain), loss_and_grads(compiled))
+    assert counter.frame_count >= 1 and counter.op_count > 0
 
 
 # ------------------------------------------------------------------------------------------- the loop
