@@ -508,7 +508,9 @@ def check_slow_switches(cfg: RunConfig, env: Environment, est: Estimate) -> list
         findings.append(Finding(
             "compile_shapes", "warning",
             f"perf.compile=true with data.pad_to_multiple={cfg.data.pad_to_multiple}",
-            "every new padded length recompiles the blocks; padding to 64 bounds the number of shapes",
+            "a new padded length recompiles the blocks; after the first recompile torch falls back to a "
+            "dynamic-length graph, whose kernels can be slower and which still recompiles now and then. Padding "
+            "to 64 bounds the shapes, but on short texts it costs tokens: measure both (docs/benchmarks.md)",
             "data.pad_to_multiple=64", {"data.pad_to_multiple": 64}))
     return findings
 
