@@ -267,6 +267,11 @@ def _spread(values: list[float]) -> dict:
 
 def _summary(setup: dict, records: list[dict], memory: dict) -> dict:
     times = [r["step_time_s"] for r in records]
+    peak_gib = (memory["peak_bytes"] - memory["runtime_bytes"]) / 2**30
+    # fp32 weights, gradients and AdamW's two moments: 16 bytes per parameter, the same in every
+    # config (one process, nothing sharded). The rest of the peak is what the switches can move:
+    # activations, low-precision weight copies, temporaries.
+    state_gib = 16 * setup["parameters"] / 2**30
     step_time = _spread(times)
     mfu = [r["mfu"] for r in records if r.get("mfu") is not None]
     device_is_cuda = setup["device"].startswith("cuda")
@@ -279,12 +284,9 @@ def _summary(setup: dict, records: list[dict], memory: dict) -> dict:
         "best_samples_per_s": setup["global_batch_size"] / step_time["min"],
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
         "data_wait_share": statistics.median(r["data_wait_share"] for r in records),
-        "peak_memory_gib": (memory["peak_bytes"] - memory["runtime_bytes"]) / 2**30,
-        # fp32 weights, gradients and AdamW's two moments: 16 bytes per parameter, the same in every
-        # config (one process, nothing sharded). The rest of the peak is what the switches can move:
-        # activations, low-precision weight copies, temporaries.
-        "state_gib": 16 * setup["parameters"] / 2**30,
-        "peak_above_state_gib": (memory["peak_bytes"] - memory["runtime_bytes"]) / 2**30 - 16 * setup["parameters"] / 2**30,
+        "peak_memory_gib": peak_gib,
+        "state_gib": state_gib,
+        "peak_above_state_gib": peak_gib - state_gib,
         "peak_memory_kind": "cuda_max_allocated" if device_is_cuda else "cpu_peak_rss_above_runtime",
         "peak_rss_gib": None if device_is_cuda else memory["peak_bytes"] / 2**30,
         "mfu": statistics.median(mfu) if mfu else None,

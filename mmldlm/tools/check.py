@@ -79,7 +79,7 @@ def detect_environment(cfg: RunConfig, nproc_per_node: int | None = None, nnodes
     """This machine as the run would see it; process counts default to the torchrun/launcher variables."""
     import torch
 
-    from mmldlm.training.trainer import cpu_has_native_bf16
+    from mmldlm.training.metrics import cpu_has_native_bf16
 
     nproc = nproc_per_node or int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("NPROC_PER_NODE") or 1)
     nodes = nnodes or int(os.environ.get("NNODES") or 1)

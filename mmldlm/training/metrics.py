@@ -45,6 +45,16 @@ def peak_flops(device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_FLOPS_BF16.items() if key in name), None)
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX), where bf16
+    autocast runs a training step about 2x faster than fp32 (docs/benchmarks.md). Without them
+    oneDNN emulates bf16 and autocast is no faster than fp32."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # private helpers: absent from other torch builds
+        return False
+
+
 def memory_stats(device: torch.device) -> dict:
     """GiB of CUDA memory allocated / reserved (peak since the last call), or process RSS on CPU."""
     if device.type == "cuda":

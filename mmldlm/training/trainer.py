@@ -32,7 +32,7 @@ from torch import nn
 from mmldlm.config import ConfigError, RunConfig
 from mmldlm.training.checkpoint import CheckpointManager
 from mmldlm.training.distributed import DistInfo, collective_guard
-from mmldlm.training.metrics import MetricsLogger, memory_stats, peak_flops
+from mmldlm.training.metrics import MetricsLogger, cpu_has_native_bf16, memory_stats, peak_flops
 from mmldlm.training.optim import build_optimizer
 from mmldlm.training.parallelize import anchor, no_grad_sync, parallelize, uses_anchor
 from mmldlm.training.profiler import profiler_window
@@ -47,16 +47,6 @@ _LOSS, _NONFINITE, _STOP, _TEXT, _LATENT, _ACC, _TOKENS = range(7)
 
 class TrainingStopped(RuntimeError):
     """The run cannot continue (e.g. too many non-finite updates in a row); checkpoints are untouched."""
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX), where bf16
-    autocast runs a training step about 2x faster than fp32 (docs/benchmarks.md). Without them
-    oneDNN emulates bf16 and autocast is no faster than fp32."""
-    try:
-        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-    except AttributeError:  # private helpers: absent from other torch builds
-        return False
 
 
 def resolve_precision(name: str, device: torch.device) -> str:
