@@ -58,6 +58,18 @@ class ModelConfig:
     attention: Literal["sdpa", "explicit"] = "sdpa"  # explicit softmax exists for the baseline only
     timestep_embed_dim: int = 256  # sinusoidal features fed to the timestep MLPs
     null_latent: bool = True  # learned "no condition" latent for classifier-free guidance
+    # Latent self-conditioning (Chen et al. 2022): the latent stream also reads an earlier x0 estimate.
+    self_condition: bool = False
+    # The latent input (all K slots, projected) also joins the adaLN conditioning vector of every
+    # block, as SD3 adds its pooled text embedding: each text token reads it without attending.
+    latent_adaln: bool = False
+    # A small head that predicts the text length from the clean latent (the model has no end-of-text
+    # token): what a sampler uses where no source text gives the length.
+    length_head: bool = True
+    # Vocabulary prior: every text logit gets a bonus for the tokens whose own sentence-encoder latent
+    # is near the latent input (cosine), scaled by a learned function of t_latent. Needs the dataset's
+    # token latents (made by `mmldlm prepare`, or added at the first training start).
+    vocab_prior: bool = False
     dropout: float = 0.0
     init_std: float = 0.02
     norm_eps: float = 1e-6
@@ -96,10 +108,13 @@ class TextDiffusionConfig:
     # alpha_1 = eps (a sliver of signal at t = 1, as in MDLM); the ELBO weight is evaluated at t >= eps
     # so it stays finite near t = 0 (at most 1/eps for loglinear)
     eps: float = 1e-3
+    num_sampling_steps: int = 50  # default reverse steps of the text sampler (l2t, joint)
 
     def check(self, prefix: str = "text_diffusion") -> None:
         if not 0.0 < self.eps < 0.5:
             _fail(f"{prefix}.eps", self.eps, "a number in (0, 0.5)")
+        if self.num_sampling_steps < 1:
+            _fail(f"{prefix}.num_sampling_steps", self.num_sampling_steps, "an integer >= 1")
 
 
 @dataclass
@@ -110,12 +125,26 @@ class LatentDiffusionConfig:
     prediction: Literal["eps", "x0", "v"] = "v"
     loss: Literal["mse", "cosine", "normalized_mse"] = "mse"
     min_alpha: float = 1e-4  # alpha(t=1) floor: keeps eps <-> x0 conversions finite at t = 1
-    num_sampling_steps: int = 50
+    # Shifted schedule: the signal-to-noise ratio at every t divided by shift^2 (> 1: noisier, more of
+    # training and sampling where the condition must supply what the noised latent no longer holds).
+    shift: float = 1.0
+    # Weight of the loss over t, as a weight on the x0 error: none (the plain MSE of the
+    # parameterisation), min_snr (min(SNR, min_snr_gamma), Hang et al. 2023).
+    loss_weighting: Literal["none", "min_snr"] = "none"
+    min_snr_gamma: float = 5.0
+    num_sampling_steps: int = 50  # default reverse steps of the latent sampler (t2l)
     sampler: Literal["ddim", "ddpm"] = "ddim"
 
     def check(self, prefix: str = "latent_diffusion") -> None:
         if not 0.0 < self.min_alpha < 0.1:
             _fail(f"{prefix}.min_alpha", self.min_alpha, "a number in (0, 0.1)")
+        if self.shift <= 0:
+            _fail(f"{prefix}.shift", self.shift, "a number > 0 (1 = the plain cosine schedule)")
+        if self.min_snr_gamma <= 0:
+            _fail(f"{prefix}.min_snr_gamma", self.min_snr_gamma, "a number > 0")
+        if self.loss_weighting != "none" and self.loss != "mse":
+            _fail(f"{prefix}.loss_weighting", self.loss_weighting,
+                  f"'none' with {prefix}.loss={self.loss!r} (weighting over t applies to the mse loss)")
         if self.num_sampling_steps < 1:
             _fail(f"{prefix}.num_sampling_steps", self.num_sampling_steps, "an integer >= 1")
 
@@ -131,8 +160,12 @@ class ObjectiveConfig:
     mode_schedule: list[list[Any]] = field(default_factory=lambda: [[0, "l2t"]])
     text_loss_weight: float = 1.0
     latent_loss_weight: float = 1.0
+    length_loss_weight: float = 0.1  # cross-entropy of the length head (model.length_head), every step
     t_sampling: Literal["uniform", "antithetic", "stratified"] = "stratified"
     cond_drop_prob: float = 0.1  # l2t/t2l: replace the condition by the null condition (for CFG)
+    # With model.self_condition: the share of steps (t2l, joint) whose latent input carries the x0
+    # estimate of a first, gradient-free pass; the other steps train the first pass itself.
+    self_condition_prob: float = 0.5
     seed: int = 0
 
     def check(self, prefix: str = "objective") -> None:
@@ -155,11 +188,13 @@ class ObjectiveConfig:
                 last = entry[0]
             if not self.mode_schedule or self.mode_schedule[0][0] != 0:
                 _fail(f"{prefix}.mode_schedule", self.mode_schedule, "a list whose first entry starts at step 0")
-        for key in ("text_loss_weight", "latent_loss_weight"):
+        for key in ("text_loss_weight", "latent_loss_weight", "length_loss_weight"):
             if getattr(self, key) < 0:
                 _fail(f"{prefix}.{key}", getattr(self, key), "a number >= 0")
         if not 0.0 <= self.cond_drop_prob < 1.0:
             _fail(f"{prefix}.cond_drop_prob", self.cond_drop_prob, "a number in [0, 1)")
+        if not 0.0 <= self.self_condition_prob <= 1.0:
+            _fail(f"{prefix}.self_condition_prob", self.self_condition_prob, "a number in [0, 1]")
         if self.seed < 0:
             _fail(f"{prefix}.seed", self.seed, "an integer >= 0")
 
@@ -181,6 +216,9 @@ class DataConfig:
     pin_memory: bool | None = None  # null: on when CUDA is available
     shuffle: bool = True
     drop_last: bool = True  # every rank gets the same number of full batches
+    # Length bucketing: each run of this many batches is regrouped into batches of similar lengths
+    # (less padding computed; see BatchOrder); 1 = off. Resuming then needs the same batch size.
+    bucket_batches: int = 1
     seed: int = 0  # shuffle order (epoch e uses seed + e); build_loader's seed argument overrides it
     # Preparing the default corpus (path null); `mmldlm prepare` has these and more as options.
     vocab_size: int = 8192
@@ -196,6 +234,8 @@ class DataConfig:
                   f"null or a positive multiple of {prefix}.pad_to_multiple={self.pad_to_multiple}")
         if self.num_workers is not None and self.num_workers < 0:
             _fail(f"{prefix}.num_workers", self.num_workers, "null (automatic) or an integer >= 0")
+        if self.bucket_batches < 1:
+            _fail(f"{prefix}.bucket_batches", self.bucket_batches, "an integer >= 1 (1 = no length bucketing)")
         if self.prefetch_factor is not None and self.prefetch_factor < 1:
             _fail(f"{prefix}.prefetch_factor", self.prefetch_factor, "null or an integer >= 1")
         if self.vocab_size < 258:
@@ -306,6 +346,9 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     deterministic: bool = False  # deterministic kernels: resumed runs repeat losses bit for bit
+    # EMA of the weights (training/ema.py), used by sample and eval; 0 = off. The decay warms up as
+    # min(ema_decay, (1 + n) / (10 + n)) over the first updates.
+    ema_decay: float = 0.0
     max_consecutive_skips: int = 5  # non-finite updates in a row before the run stops
     run_dir: str = "runs/default"
 
@@ -315,6 +358,8 @@ class TrainConfig:
                 _fail(f"{prefix}.{key}", getattr(self, key), "an integer >= 1")
         if not self.run_dir:
             _fail(f"{prefix}.run_dir", self.run_dir, "a directory path")
+        if not 0.0 <= self.ema_decay < 1.0:
+            _fail(f"{prefix}.ema_decay", self.ema_decay, "a number in [0, 1) (0 = no EMA)")
         if self.memory_cap_gib is not None and self.memory_cap_gib <= 0:
             _fail(f"{prefix}.memory_cap_gib", self.memory_cap_gib, "null or a number of GiB > 0")
         if self.micro_batch_size == "auto":  # divisibility is checked once the size is found
@@ -379,7 +424,7 @@ class EvalConfig:
 
     every: int = 0  # steps between evaluations; 0 = never during training
     num_samples: int = 32  # validation samples decoded (l2t) and encoded (t2l)
-    num_steps: int = 32  # sampling steps of each stream
+    num_steps: int | None = None  # sampling steps of every sampler; null: the diffusions' num_sampling_steps
     num_elbo_batches: int = 4  # validation batches of the ELBO / latent loss, per mode
     batch_size: int = 32
     retrieval_pool: int = 1000  # validation sentences the t2l latent must find its own among
@@ -388,7 +433,9 @@ class EvalConfig:
     def check(self, prefix: str = "eval") -> None:
         if self.every < 0:
             _fail(f"{prefix}.every", self.every, "an integer >= 0 (0 = no evaluation during training)")
-        for key in ("num_samples", "num_steps", "num_elbo_batches", "batch_size", "retrieval_pool"):
+        if self.num_steps is not None and self.num_steps < 1:
+            _fail(f"{prefix}.num_steps", self.num_steps, "null (the diffusions' num_sampling_steps) or an integer >= 1")
+        for key in ("num_samples", "num_elbo_batches", "batch_size", "retrieval_pool"):
             if getattr(self, key) < 1:
                 _fail(f"{prefix}.{key}", getattr(self, key), "an integer >= 1")
 
@@ -619,9 +666,15 @@ def _load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict:
 
 
 def _expand_model_preset(raw: dict) -> dict:
-    if isinstance(raw.get("model"), str):
-        raw = dict(raw)
-        raw["model"] = _read_yaml(resolve_preset(raw["model"], "model"))
+    """`model: NAME` -> the preset's keys; `model: {preset: NAME, key: value}` -> the preset refined."""
+    model = raw.get("model")
+    if isinstance(model, str):
+        raw = {**raw, "model": _read_yaml(resolve_preset(model, "model"))}
+    elif isinstance(model, dict) and "preset" in model:
+        rest = {k: v for k, v in model.items() if k != "preset"}
+        if not isinstance(model["preset"], str):
+            raise ConfigError(f"model.preset: got {model['preset']!r}; expected a preset name such as 'tiny'")
+        raw = {**raw, "model": {**_read_yaml(resolve_preset(model["preset"], "model")), **rest}}
     return raw
 
 

@@ -42,3 +42,22 @@ def prepared(tmp_path_factory, name: str = "single", **overrides) -> Path:
         prepare(opts, log=lambda _msg: None)
         _cache[name] = root / "data"
     return _cache[name]
+
+
+def trained_run(tmp_path_factory, overrides: list[str]) -> Path:
+    """A run of `mmldlm train` (config defaults + `overrides`) on the small prepared corpus, trained in
+    this process with one torch thread."""
+    import torch
+
+    from mmldlm.config import load_config
+    from mmldlm.training.run import train
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = tmp_path_factory.mktemp("run") / "run"
+        data = prepared(tmp_path_factory)
+        assert train(load_config(None, [*overrides, f"data.path={data}", f"train.run_dir={out}"])) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return out

@@ -130,6 +130,40 @@ def test_resume_on_another_world_size(train):
         build_loader(train, cfg(), micro_batch_size=16, seed=5).load_state_dict(state)
 
 
+def test_length_bucketing_keeps_the_epoch_and_cuts_the_padding(train):
+    plain = build_loader(train, cfg(), micro_batch_size=8, seed=2)
+    bucketed = build_loader(train, cfg(bucket_batches=6), micro_batch_size=8, seed=2)
+    a, b = list(plain), list(bucketed)
+    assert sorted(i for x in a for i in x["index"].tolist()) == sorted(i for x in b for i in x["index"].tolist())
+    positions = lambda batches: sum(x["tokens"].numel() for x in batches)  # noqa: E731
+    real = sum(int(x["pad_mask"].sum()) for x in a)
+    assert real == sum(int(x["pad_mask"].sum()) for x in b)
+    assert positions(b) < 0.8 * positions(a), (real, positions(a), positions(b))
+    lengths = train.lengths()
+    assert lengths.tolist() == [len(train[i][1]) for i in range(len(train))]
+    within = [np.ptp(lengths[x["index"].numpy()]) for x in b]
+    across = [np.ptp(lengths[x["index"].numpy()]) for x in a]
+    assert np.mean(within) < 0.5 * np.mean(across)  # a batch holds similar lengths
+
+
+def test_bucketed_loader_resumes_exactly_and_refuses_another_batch_size(train):
+    config = cfg(bucket_batches=4)
+
+    def make(micro=4):
+        return build_loader(train, config, micro_batch_size=micro, seed=7)
+
+    expected = stream(make(), len(make()) + 3)
+    first = make()
+    seen = stream(first, 5)
+    resumed = make()
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert_same_batches(seen + stream(resumed, len(expected) - 5), expected)
+    with pytest.raises(DataError, match="batch_size=4, this loader has 8"):
+        make(micro=8).load_state_dict(first.state_dict())
+    with pytest.raises(DataError, match="bucket_batches=4, this loader has 1"):
+        build_loader(train, cfg(), micro_batch_size=4, seed=7).load_state_dict(first.state_dict())
+
+
 def test_ranks_share_an_epoch_without_overlap(train):
     config = cfg(drop_last=False, shuffle=False)
     parts = [[i for b in build_loader(train, config, 8, rank=r, world_size=2) for i in b["index"].tolist()]

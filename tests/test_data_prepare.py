@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from mmldlm.data import format as fmt
 from mmldlm.config import DataConfig
 from mmldlm.data.dataset import dataset_path, default_prepare_options, open_dataset
 from mmldlm.data.encoders import sentence_transformer
-from mmldlm.data.prepare import STD_FLOOR, split_indices
+from mmldlm.data.prepare import STD_FLOOR, ensure_token_latents, split_indices
 
 from data_support import SMALL, corpus_texts, prepared
 
@@ -172,3 +173,25 @@ def test_max_samples_keeps_a_seeded_subset_in_corpus_order(tmp_path):
     with pytest.raises(ValueError, match="max_samples"):
         from mmldlm.config import load_config
         load_config(None, ["data.max_samples=1"])
+
+
+def test_token_latents_are_the_encoders_latents_of_each_vocabulary_entry(data_dir, tmp_path):
+    meta = json.loads((data_dir / "meta.json").read_text())
+    stored = np.load(data_dir / meta["token_latents"])
+    tokenizer = open_dataset(data_dir, "train").tokenizer()
+    assert stored.shape == (meta["vocab_size"], 1, 384) and stored.dtype == np.float32
+    assert not stored[meta["pad_id"]].any() and not stored[meta["mask_id"]].any()  # special: no prior
+    model = sentence_transformer("all-MiniLM-L6-v2", "cpu")
+    some = [i for i in range(2, meta["vocab_size"], 37) if tokenizer.decode([i]).strip()]
+    direct = model.encode([tokenizer.decode([i]) for i in some], convert_to_numpy=True)
+    np.testing.assert_allclose(stored[some, 0], direct, atol=1e-5)
+    # A dataset prepared before token latents existed gets them (with its own encoder) on first use.
+    old = tmp_path / "old"
+    shutil.copytree(data_dir, old)
+    (old / meta["token_latents"]).unlink()
+    old_meta = {k: v for k, v in meta.items() if k != "token_latents"}
+    (old / "meta.json").write_text(json.dumps(old_meta))
+    added = ensure_token_latents(old, log=lambda _msg: None)
+    np.testing.assert_allclose(added, stored, atol=1e-5)
+    assert json.loads((old / "meta.json").read_text())["token_latents"] == "token_latents.npy"
+    assert np.array_equal(ensure_token_latents(old, log=lambda _msg: None), added)  # now read, not made again

@@ -1,6 +1,7 @@
 """`mmldlm prepare`: a text corpus (or the bundled default, or a legacy .npz/.npy folder) -> a
 prepared dataset directory of token and latent shards. Under `torchrun --nproc_per_node N` the
-ranks share the work and write the same output as one process."""
+ranks share the work and write the same output as one process. `--like RUN_DIR` prepares text with
+a trained run's tokenizer and sentence encoder, so that `mmldlm eval --data` can evaluate the run on it."""
 
 from __future__ import annotations
 
@@ -32,13 +33,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--shard-size", type=int, default=16384, help="samples per shard file")
     out.add_argument("--latent-dtype", choices=["float16", "float32"], default="float16")
     tk = parser.add_argument_group("tokenizer")
-    tk.add_argument("--vocab-size", type=int, default=8192, help="train a byte-level BPE of this size on the train split")
+    tk.add_argument("--like", metavar="RUN_DIR",
+                    help="the tokenizer (reused as is: no new BPE) and the sentence encoder of this training run's "
+                         "dataset, to evaluate the run on this text (mmldlm eval --data)")
+    # --vocab-size and --encoder default to None so that giving them beside --like can be refused.
+    tk.add_argument("--vocab-size", type=int,
+                    help="train a byte-level BPE of this size on the train split (default 8192)")
     tk.add_argument("--tokenizer", metavar="PATH",
                     help="use this tokenizer.json (or a Hugging Face tokenizer folder) instead of training one")
     enc = parser.add_argument_group("latents")
-    enc.add_argument("--encoder", default="all-MiniLM-L6-v2",
+    enc.add_argument("--encoder",
                      help="a registered sentence encoder or a local sentence-transformers folder "
-                          "(with --legacy-*: the encoder that made the legacy latents, recorded only)")
+                          "(with --legacy-*: the encoder that made the legacy latents, recorded only; "
+                          "default all-MiniLM-L6-v2)")
     enc.add_argument("--no-normalize", action="store_true",
                      help="keep the encoder's raw pooled vectors (default: L2-normalised, unit length)")
     enc.add_argument("--encode-batch-size", type=int, default=128)
@@ -49,14 +56,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
+def tokenizer_and_encoder(args: argparse.Namespace) -> dict:
+    """The tokenizer, vocab_size, encoder and normalize fields: the run's with --like, else the flags'."""
+    from mmldlm.data.errors import DataError
+    from mmldlm.data.prepare import PrepareOptions, options_like_run
+
+    if args.like is None:
+        return {"tokenizer": args.tokenizer, "normalize": not args.no_normalize,
+                "vocab_size": PrepareOptions.vocab_size if args.vocab_size is None else args.vocab_size,
+                "encoder": PrepareOptions.encoder if args.encoder is None else args.encoder}
+    decided = {"--tokenizer": args.tokenizer, "--vocab-size": args.vocab_size, "--encoder": args.encoder,
+               "--no-normalize": args.no_normalize or None, "--legacy-tokens": args.legacy_tokens,
+               "--legacy-latents": args.legacy_latents}  # what --like takes from the run, or would contradict
+    given = [flag for flag, value in decided.items() if value is not None]
+    if given:
+        raise DataError(f"--like {args.like} takes the tokenizer and the encoder from the run's dataset; drop "
+                        f"{', '.join(given)} (or drop --like)")
+    return options_like_run(args.like)
+
+
 def options_from_args(args: argparse.Namespace):
     from mmldlm.data.prepare import PrepareOptions
 
     return PrepareOptions(
         inputs=args.inputs or [], out=args.out, format=args.format, text_field=args.text_field,
         paragraphs=args.paragraphs, min_chars=args.min_chars, max_chars=args.max_chars,
-        dedup=not args.keep_duplicates, max_samples=args.max_samples, vocab_size=args.vocab_size, tokenizer=args.tokenizer, encoder=args.encoder,
-        normalize=not args.no_normalize, latent_dtype=args.latent_dtype, val_fraction=args.val_fraction,
+        dedup=not args.keep_duplicates, max_samples=args.max_samples, **tokenizer_and_encoder(args),
+        latent_dtype=args.latent_dtype, val_fraction=args.val_fraction,
         seed=args.seed, shard_size=args.shard_size, legacy_tokens=args.legacy_tokens,
         legacy_latents=args.legacy_latents, encode_batch_size=args.encode_batch_size, device=args.device,
         overwrite=args.overwrite, progress=not args.quiet)

@@ -70,6 +70,10 @@ class PreparedDataset(Dataset):
         local = index - int(self.starts[shard])
         return index, tokens[offsets[local]:offsets[local + 1]], latents[local]
 
+    def lengths(self) -> np.ndarray:
+        """(N,) int64: every sample's token count, from the offsets alone (no token is read)."""
+        return np.concatenate([np.diff(offsets) for _, offsets, _ in self.arrays])
+
     @property
     def vocab_size(self) -> int:
         return self.meta["vocab_size"]
@@ -114,14 +118,24 @@ class BatchOrder:
     (permutation seeded by seed + epoch, truncated or wrapped to a multiple of world_size, rank r
     takes positions r, r + W, ...), cut into batches. After b batches on every rank exactly the first
     b * B * W positions of the epoch's permutation are consumed, so a position is a sample count
-    and a run can resume with another batch size or world size when it divides that count."""
+    and a run can resume with another batch size or world size when it divides that count.
+
+    Length bucketing (`lengths` given, `bucket_batches` = n > 1): each run of n batches of the rank's
+    order is sorted by length, cut into n batches of similar lengths, and those n batches are handed
+    out in a seeded random order. A batch is padded to its longest sample, so with random batches of
+    the default corpus (mean 12.5 tokens, a long tail to 76) about 70% of the text positions computed
+    are padding; bucketed, about 25%. The samples of an epoch are the same; only their grouping
+    changes, so resuming needs the same batch size and world size (the loader's state says so)."""
 
     def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, seed: int,
-                 shuffle: bool = True, drop_last: bool = True):
+                 shuffle: bool = True, drop_last: bool = True, lengths: np.ndarray | None = None,
+                 bucket_batches: int = 1):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.num_samples, self.batch_size, self.rank, self.world_size = num_samples, batch_size, rank, world_size
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        self.lengths = lengths if bucket_batches > 1 else None
+        self.bucket_batches = bucket_batches if self.lengths is not None else 1
         self.per_rank = num_samples // world_size if drop_last else math.ceil(num_samples / world_size)
         self.num_batches = self.per_rank // batch_size if drop_last else math.ceil(self.per_rank / batch_size)
         if self.num_batches == 0:
@@ -141,8 +155,22 @@ class BatchOrder:
     def batches(self, epoch: int, start: int):
         """Batches start, start + 1, ... of `epoch`; the ones before `start` are never formed."""
         indices = self.rank_indices(epoch)
+        if self.bucket_batches > 1:
+            indices = self._bucketed(indices, epoch)
         for b in range(start, self.num_batches):
             yield indices[b * self.batch_size:(b + 1) * self.batch_size].tolist()
+
+    def _bucketed(self, indices: np.ndarray, epoch: int) -> np.ndarray:
+        """`indices` regrouped window by window (class docstring); the same for a given (seed, epoch, rank)."""
+        B, n = self.batch_size, self.bucket_batches
+        out = indices.copy()
+        g = np.random.default_rng([self.seed, epoch, self.rank])
+        for first in range(0, self.num_batches * B, n * B):
+            window = indices[first:min(first + n * B, self.num_batches * B)]  # whole batches only
+            by_length = window[np.argsort(self.lengths[window], kind="stable")]
+            batches = by_length.reshape(-1, B)
+            out[first:first + window.size] = batches[g.permutation(len(batches))].reshape(-1)
+        return out
 
 
 class _EpochBatches:
@@ -225,15 +253,25 @@ class Loader:
 
     def state_dict(self) -> dict:
         global_batch = self.order.batch_size * self.order.world_size
-        return {"epoch": self.epoch, "samples": self.batch * global_batch, "num_samples": self.order.num_samples,
-                "seed": self.order.seed, "shuffle": self.order.shuffle}
+        state = {"epoch": self.epoch, "samples": self.batch * global_batch, "num_samples": self.order.num_samples,
+                 "seed": self.order.seed, "shuffle": self.order.shuffle}
+        if self.order.bucket_batches > 1:  # bucketed batches are formed per (batch size, rank)
+            state.update(bucket_batches=self.order.bucket_batches, batch_size=self.order.batch_size,
+                         world_size=self.order.world_size)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("num_samples", "seed", "shuffle"):
+        keys = ["num_samples", "seed", "shuffle"]
+        state = {"bucket_batches": 1, **state}
+        keys.append("bucket_batches")
+        if state["bucket_batches"] > 1:  # bucketed batches exist only for the batch size and ranks they were cut for
+            keys += ["batch_size", "world_size"]
+        for key in keys:
             if state[key] != getattr(self.order, key):
                 raise DataError(f"loader state: saved with {key}={state[key]!r}, this loader has "
                                 f"{getattr(self.order, key)!r} ({self.dataset.path}, split {self.dataset.split}); "
-                                f"resume with the same dataset and seed")
+                                f"resume with the same dataset, seed and data.bucket_batches (and, bucketed, the "
+                                f"same batch size and world size)")
         global_batch = self.order.batch_size * self.order.world_size
         if state["samples"] % global_batch:
             raise DataError(f"loader state: {state['samples']} samples into epoch {state['epoch']} is not a whole "
@@ -245,8 +283,14 @@ class Loader:
 def build_loader(dataset: PreparedDataset, cfg: DataConfig, micro_batch_size: int, rank: int = 0,
                  world_size: int = 1, seed: int | None = None) -> Loader:
     """The loader of this rank's share of `dataset`; `seed` (default cfg.seed) fixes the shuffle order."""
+    lengths = None
+    if cfg.bucket_batches > 1:
+        lengths = dataset.lengths()
+        if cfg.max_length is not None:
+            lengths = np.minimum(lengths, cfg.max_length)  # what the collate keeps
     order = BatchOrder(len(dataset), micro_batch_size, rank, world_size, cfg.seed if seed is None else seed,
-                       shuffle=cfg.shuffle, drop_last=cfg.drop_last)
+                       shuffle=cfg.shuffle, drop_last=cfg.drop_last, lengths=lengths,
+                       bucket_batches=cfg.bucket_batches)
     collate = PadCollate(dataset.pad_id, cfg.pad_to_multiple, cfg.max_length)
     num_workers = default_num_workers() if cfg.num_workers is None else cfg.num_workers
     pin_memory = torch.cuda.is_available() if cfg.pin_memory is None else cfg.pin_memory

@@ -5,6 +5,9 @@
     DIR/<split>/tokens-00000.bin    flat token ids of the shard's samples, no padding (uint16 or uint32)
     DIR/<split>/offsets-00000.npy   int64 (n + 1,): sample i is tokens[offsets[i]:offsets[i + 1]]
     DIR/<split>/latents-00000.npy   (n, K, D) float16 or float32, memory-mappable .npy
+    DIR/token_latents.npy           (V, K, D) float32: the encoder's latent of each vocabulary entry's
+                                    own text (zeros for special and blank entries); optional, named
+                                    by meta.json "token_latents", for the model's vocabulary prior
 
 A split is a list of shards of consecutive samples; shard boundaries depend only on the shard
 size, never on how many processes prepared the data.
@@ -24,6 +27,7 @@ from mmldlm.data.errors import DataError
 FORMAT_VERSION = 1
 META = "meta.json"
 TOKENIZER = "tokenizer.json"
+TOKEN_LATENTS = "token_latents.npy"
 SPLITS = ("train", "val")
 REQUIRED_KEYS = ("format_version", "tokenizer", "vocab_size", "pad_id", "mask_id", "token_dtype", "encoder",
                  "latent_dim", "num_latents", "latent_dtype", "splits", "shards", "latent_mean", "latent_std")

@@ -31,8 +31,10 @@ import numpy as np
 from tqdm import tqdm
 
 from mmldlm import __version__
+from mmldlm.config import load_config
 from mmldlm.data import corpus, format as fmt, tokenizer as tok
-from mmldlm.data.encoders import DEFAULT_ENCODER
+from mmldlm.data.dataset import default_prepare_options
+from mmldlm.data.encoders import DEFAULT_ENCODER, REGISTRY, load_encoder
 from mmldlm.data.errors import DataError
 
 LATENT_DTYPES = ("float16", "float32")
@@ -94,6 +96,41 @@ class PrepareOptions:
         if self.tokenizer is None and self.vocab_size < tok.MIN_VOCAB_SIZE:
             raise DataError(f"--vocab-size {self.vocab_size}: a byte-level BPE needs at least {tok.MIN_VOCAB_SIZE} "
                             f"(256 byte symbols + {tok.PAD} + {tok.MASK})")
+
+
+def options_like_run(run_dir: str | Path) -> dict[str, Any]:
+    """The PrepareOptions fields (tokenizer, encoder, normalize) that prepare new text the way a
+    training run's own dataset was prepared: its tokenizer.json, reused as is (no new BPE, so the
+    same text gets the same ids), and its sentence encoder with the same normalisation, so that the
+    run can be evaluated on the result. Nothing is prepared here: the run's dataset must exist."""
+    config_file = Path(run_dir) / "config.yaml"
+    if not config_file.is_file():
+        raise DataError(f"--like {run_dir}: no config.yaml there; expected a training run directory (train.run_dir)")
+    data = load_config(config_file).data
+    if data.path is not None:
+        data_dir, origin = Path(data.path), f"data.path {data.path!r}"
+    else:  # the bundled corpus, prepared into the cache on the run's first use
+        data_dir, origin = Path(default_prepare_options(data).out), "data.path null (the bundled corpus in the cache)"
+    meta_file = data_dir / fmt.META
+    if not meta_file.is_file():
+        raise DataError(f"{config_file}: {origin}: no prepared dataset at {data_dir}; --like needs the run's "
+                        f"dataset on this machine (copy it there, or set data.path in {config_file} to where it is)")
+    meta = fmt.read_meta(data_dir)
+    tokenizer = data_dir / meta["tokenizer"]
+    if not tokenizer.is_file():
+        raise DataError(f"{meta_file}: tokenizer {meta['tokenizer']!r}: no such file {tokenizer}; restore it from "
+                        f"where the run was trained (a rebuilt dataset may have another tokenizer)")
+    normalize = meta.get("encoder_normalize")
+    if normalize is None:
+        raise DataError(f"{meta_file}: encoder_normalize is null: the run's latents were imported, so the encoder that "
+                        f"made them is not known and new text cannot be encoded like them; prepare it without --like, "
+                        f"with --tokenizer {tokenizer} and the --encoder that made those latents")
+    encoder = meta["encoder"]
+    if encoder not in REGISTRY and not Path(encoder).is_dir():
+        raise DataError(f"{meta_file}: encoder {encoder!r} is not available here: neither a registered encoder "
+                        f"({', '.join(REGISTRY)}) nor a local sentence-transformers folder; to prepare text like this run, "
+                        f"put that encoder's folder at this path (or register the name in mmldlm/data/encoders.py)")
+    return {"tokenizer": str(tokenizer), "encoder": encoder, "normalize": normalize}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -246,8 +283,46 @@ def _publish(partial: Path, out: Path) -> None:
         partial.rename(out)
 
 
+def token_latents(tokenizer, encoder, batch_size: int = 256) -> np.ndarray:
+    """(V, K, D) float32: the encoder's latent of each vocabulary entry's own text, e.g. of " landing"
+    for that token. Entries that decode to nothing (the special tokens, blank pieces) get zeros. The
+    model's vocabulary prior (model.vocab_prior) scores tokens by their cosine to a sentence latent."""
+    texts = [tokenizer.decode([i]) for i in range(tok.vocab_size(tokenizer))]
+    real = [i for i, text in enumerate(texts) if text.strip()]
+    out = np.zeros((len(texts), encoder.num_latents, encoder.latent_dim), dtype=np.float32)
+    out[real] = encoder.encode([texts[i] for i in real], batch_size)
+    return out
+
+
+def ensure_token_latents(path: str | Path, log: Callable[[str], None] = print) -> np.ndarray:
+    """The dataset's token latents (see `token_latents`), computed with its own encoder and added to it
+    (the file, then meta.json, each replaced atomically) when a dataset prepared before they existed
+    lacks them. Call on one process at a time (training: rank 0, see `Ranks.on_rank0`)."""
+    path = Path(path)
+    meta = fmt.read_meta(path)
+    if meta.get("token_latents") and (path / meta["token_latents"]).is_file():
+        return np.load(path / meta["token_latents"])
+    normalize = meta.get("encoder_normalize")
+    if normalize is None:
+        raise DataError(f"{path / fmt.META}: encoder_normalize is null (the latents were imported), so the latents "
+                        f"of the vocabulary tokens cannot be made with the same encoder; set model.vocab_prior=false")
+    log(f"{path}: adding the latents of the {meta['vocab_size']} vocabulary tokens (model.vocab_prior) "
+        f"with {meta['encoder']}")
+    latents = token_latents(tok.load_tokenizer(path / meta["tokenizer"]),
+                            load_encoder(meta["encoder"], _device("auto"), normalize))
+    tmp = path / f".{fmt.TOKEN_LATENTS}.tmp"
+    with open(tmp, "wb") as f:
+        np.save(f, latents)
+    os.replace(tmp, path / fmt.TOKEN_LATENTS)
+    meta["token_latents"] = fmt.TOKEN_LATENTS
+    tmp = path / f".{fmt.META}.tmp"
+    tmp.write_text(json.dumps(meta, indent=1) + "\n")
+    os.replace(tmp, path / fmt.META)
+    return latents
+
+
 def _merge(opts: PrepareOptions, tokenizer_json: str, counts: dict, shards: list[dict], partial: Path,
-           extra: dict) -> dict:
+           extra: dict, encoder=None) -> dict:
     shards = sorted(shards, key=lambda s: (fmt.SPLITS.index(s["split"]), s["index"]))
     shapes = {tuple(s["shape"]) for s in shards}
     if len(shapes) > 1:
@@ -285,6 +360,9 @@ def _merge(opts: PrepareOptions, tokenizer_json: str, counts: dict, shards: list
         "prepare": opts.recorded(),
         "shards": {name: [s["info"] for s in shards if s["split"] == name] for name in fmt.SPLITS},
     }
+    if encoder is not None:  # imported latents: their encoder is not at hand
+        np.save(partial / fmt.TOKEN_LATENTS, token_latents(tokenizer, encoder, opts.encode_batch_size))
+        meta["token_latents"] = fmt.TOKEN_LATENTS
     (partial / fmt.TOKENIZER).write_text(tokenizer_json)
     (partial / fmt.META).write_text(json.dumps(meta, indent=1) + "\n")
     _publish(partial, Path(opts.out))
@@ -336,8 +414,6 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
             return tok.train_bpe([texts[i] for i in splits["train"]], opts.vocab_size).to_str()
 
         tokenizer_json = ranks.on_rank0(make_tokenizer)
-        from mmldlm.data.encoders import load_encoder
-
         encoder = ranks.on_all(lambda: load_encoder(opts.encoder, _device(opts.device), opts.normalize))
         source = TextSource(texts, tok.from_json(tokenizer_json), encoder, opts.encode_batch_size)
         extra = {"encoder": encoder.name, "encoder_normalize": opts.normalize}
@@ -353,7 +429,8 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
             results = ranks.on_all(lambda: _write_shards(source, mine, partial, token_dtype,
                                                          np.dtype(opts.latent_dtype), bar), gather=True)
         shards = [s for rank_shards in results for s in rank_shards]
-        meta = ranks.on_rank0(lambda: _merge(opts, tokenizer_json, counts, shards, partial, extra))
+        meta = ranks.on_rank0(lambda: _merge(opts, tokenizer_json, counts, shards, partial, extra,
+                                             getattr(source, "encoder", None)))
         completed = True
     finally:
         if ranks.rank == 0 and not completed and partial.exists():
