@@ -15,12 +15,19 @@ Classifier-free guidance: with prob cond_drop_prob a row's condition is replaced
 in l2t the latent by the model's learned null latent (latent_null=True), in t2l the text by fully
 masked text at t_text = 1 (the text stream's own "nothing known" state: no extra parameters). A
 sampler asks for the unconditional prediction the same way.
+
+Self-conditioning (Chen et al. 2022, "Analog Bits", sec. 3.2; with model.self_condition): in the
+modes that noise the latent, on a share self_condition_prob of the steps a first pass without
+gradient estimates x0, and the trained pass reads that estimate beside x_t; on the other steps it
+reads zeros, which is what a sampler's first step sees. A sampler feeds each step the x0 estimate
+of the step before.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from mmldlm.config import MODES, ObjectiveConfig
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion, rng
@@ -29,10 +36,14 @@ from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion, rng
 class Objective:
     """Loss of one micro-batch in the mode of its step; see the module docstring."""
 
-    def __init__(self, cfg: ObjectiveConfig, text: MaskedDiffusion, latent: GaussianDiffusion):
+    def __init__(self, cfg: ObjectiveConfig, text: MaskedDiffusion, latent: GaussianDiffusion,
+                 self_condition: bool = False, length_head: bool = False):
         self.cfg = cfg
         self.text = text
         self.latent = latent
+        # What the model has (model.self_condition, model.length_head): whether to feed and train them.
+        self.self_condition = self_condition
+        self.length_head = length_head
         # random mode: only modes with a positive weight can be drawn
         drawable = [(m, float(cfg.mode_weights.get(m, 0.0))) for m in MODES]
         self._random_modes = [m for m, w in drawable if w > 0]
@@ -79,7 +90,8 @@ class Objective:
         batch: tokens (B, L) int64, pad_mask (B, L) bool (True = real), latents (B, K, D) raw encoder space.
         metrics (detached tensors, and `mode` a str): loss, and for the active heads only
         text: text_loss (NELBO nats/token or masked CE, per text cfg), accuracy, num_masked, num_tokens;
-        latent: latent_loss. Keys of an idle head are absent.
+        latent: latent_loss; length head (every mode): length_loss, length_accuracy. Keys of an idle
+        head are absent.
         """
         mode = self.mode_at(step)
         tokens, pad_mask = batch["tokens"], batch.get("pad_mask")
@@ -106,22 +118,54 @@ class Objective:
             text_in = tokens.masked_fill(hide, self.text.mask_token_id)
             t_text = drop.float()  # all masked = time 1
 
+        self_cond = None
+        if self.self_condition and latent_on and rng.uniform(1, device, generator).item() < self.cfg.self_condition_prob:
+            with torch.no_grad():
+                first = model(text_in, latent_in, t_text, t_latent, text_pad_mask=pad_mask,
+                              latent_null=latent_null, text_head=False, latent_head=True).latent
+                self_cond, _ = self.latent.predict_x0_eps(first.float(), latent_in, t_latent)
+
         # The text head runs only where the loss reads it: the masked non-pad positions.
         rows = self.text.loss_positions(text_in, pad_mask) if text_on else None
-        text_logits, latent_out = model(text_in, latent_in, t_text, t_latent, text_pad_mask=pad_mask,
-                                        latent_null=latent_null, text_head=text_on, latent_head=latent_on,
-                                        text_rows=rows)
+        extra = {"latent_self_cond": self_cond} if self.self_condition else {}
+        if self.length_head:
+            extra["length_from"] = latents  # every step, from the clean latents
+        out = model(text_in, latent_in, t_text, t_latent, text_pad_mask=pad_mask, latent_null=latent_null,
+                    text_head=text_on, latent_head=latent_on, text_rows=rows, **extra)
 
         metrics: dict = {"mode": mode}
         loss = 0.0
         if text_on:
-            text_loss, text_metrics = self.text.loss(text_logits, tokens, text_in, t_text, pad_mask)
+            text_loss, text_metrics = self.text.loss(out.text_logits, tokens, text_in, t_text, pad_mask)
             loss = loss + self.cfg.text_loss_weight * text_loss
             metrics["text_loss"] = text_loss.detach()
             metrics.update(text_metrics)
         if latent_on:
-            latent_loss = self.latent.loss(latent_out, latents, noise, t_latent)
+            latent_loss = self.latent.loss(out.latent, latents, noise, t_latent)
             loss = loss + self.cfg.latent_loss_weight * latent_loss
             metrics["latent_loss"] = latent_loss.detach()
+        if self.length_head:
+            length_loss, length_accuracy = length_loss_and_accuracy(out.length_logits, tokens, pad_mask)
+            loss = loss + self.cfg.length_loss_weight * length_loss
+            metrics.update(length_loss=length_loss.detach(), length_accuracy=length_accuracy)
         metrics["loss"] = loss.detach()
         return loss, metrics
+
+
+def text_lengths(tokens: torch.Tensor, pad_mask: torch.Tensor | None) -> torch.Tensor:
+    """(B,) int64: the real tokens of each row."""
+    if pad_mask is None:
+        return torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long, device=tokens.device)
+    return pad_mask.sum(dim=1)
+
+
+def length_loss_and_accuracy(length_logits: torch.Tensor, tokens: torch.Tensor,
+                             pad_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy of the length head's (B, max_seq_len) logits over lengths 1..max_seq_len against the
+    batch's text lengths, and the accuracy of its argmax (detached)."""
+    target = text_lengths(tokens, pad_mask).clamp(1, length_logits.shape[1]) - 1  # (B,) class index
+    logits = length_logits.float()
+    loss = F.cross_entropy(logits, target)
+    with torch.no_grad():
+        accuracy = (logits.argmax(dim=1) == target).float().mean()
+    return loss, accuracy

@@ -202,6 +202,46 @@ def test_schedule_endpoints_and_variance_preserving():
     assert (alpha[1:] < alpha[:-1]).all()
 
 
+@pytest.mark.parametrize("shift", [0.5, 4.0, 64.0])
+def test_shift_divides_the_snr_by_its_square_at_every_t(shift):
+    plain, shifted = gaussian(), gaussian(shift=shift)
+    like = torch.zeros(7, 1, 3, dtype=torch.float64)
+    t = torch.tensor([0.0, 0.05, 0.25, 0.5, 0.75, 0.95, 1.0], dtype=torch.float64)
+    ratio = plain.snr(t, like)[1:] / shifted.snr(t, like)[1:]  # t = 0: both infinite
+    assert torch.allclose(ratio, torch.full_like(ratio, shift ** 2), rtol=1e-9)
+    alpha, sigma = shifted.alpha_sigma(t, like)
+    assert alpha[0].item() == 1.0 and torch.allclose(alpha ** 2 + sigma ** 2, torch.ones_like(alpha))
+    assert (alpha[1:] < alpha[:-1]).all()  # still a schedule from clean to noise
+    assert torch.equal(gaussian(shift=1.0).alpha_sigma(t, like)[0], plain.alpha_sigma(t, like)[0])
+
+
+def test_min_snr_weighting_is_the_same_x0_weight_in_every_parameterisation():
+    """min(SNR, gamma) * ||x0_hat - x0||^2: one loss whatever the network predicts (Hang et al. 2023)."""
+    x0, noise = latents(B=9)
+    t = torch.linspace(0.05, 1.0, 9, dtype=torch.float64)
+    x0_hat = x0 + 0.3 * torch.randn(x0.shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    losses = {}
+    for prediction in ("eps", "x0", "v"):
+        diffusion = gaussian(prediction=prediction, loss_weighting="min_snr", min_snr_gamma=2.0)
+        x_t = diffusion.add_noise(x0, t, noise)
+        eps_hat = (x_t - diffusion.alpha_sigma(t, x0)[0] * x0_hat) / diffusion.alpha_sigma(t, x0)[1]
+        pred = diffusion.from_x0_eps(x0_hat, eps_hat, t)
+        losses[prediction] = diffusion.loss(pred, x0, noise, t).item()
+    snr = gaussian().snr(t, x0)
+    expected = (snr.clamp(max=2.0) * (x0_hat - x0) ** 2).mean().item()
+    for prediction, value in losses.items():
+        assert value == pytest.approx(expected, rel=1e-4), prediction
+    unweighted = gaussian(prediction="x0")
+    assert unweighted.loss(x0_hat, x0, noise, t).item() == pytest.approx(((x0_hat - x0) ** 2).mean().item(), rel=1e-5)
+
+
+def test_loss_weighting_needs_the_mse_loss():
+    from mmldlm.config import ConfigError
+
+    with pytest.raises(ConfigError, match="latent_diffusion.loss_weighting"):
+        LatentDiffusionConfig(loss="cosine", loss_weighting="min_snr").check()
+
+
 @pytest.mark.parametrize("prediction", ["eps", "x0", "v"])
 def test_true_target_recovers_x0_and_eps_exactly(prediction):
     diffusion = gaussian(prediction=prediction)

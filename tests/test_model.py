@@ -44,17 +44,17 @@ def test_joint_attention_flows_both_ways(pos_embedding):
     cfg = tiny(pos_embedding=pos_embedding)
     model = randomised(cfg)
     tokens, latents, t_text, t_latent = inputs(cfg)
-    logits, latent_out = model(tokens, latents, t_text, t_latent)
+    logits, latent_out, _ = model(tokens, latents, t_text, t_latent)
 
     other_latents = latents.clone()
     other_latents[0] += 1.0
-    logits2, _ = model(tokens, other_latents, t_text, t_latent)
+    logits2, _, _ = model(tokens, other_latents, t_text, t_latent)
     assert (logits2[0] - logits[0]).abs().max() > 1e-3  # the text reads the latent
     torch.testing.assert_close(logits2[1:], logits[1:])  # and only its own sample's
 
     other_tokens = tokens.clone()
     other_tokens[0, 3] = (tokens[0, 3] + 1) % VOCAB
-    _, latent_out2 = model(other_tokens, latents, t_text, t_latent)
+    _, latent_out2, _ = model(other_tokens, latents, t_text, t_latent)
     assert (latent_out2[0] - latent_out[0]).abs().max() > 1e-3  # the latent reads the text
     torch.testing.assert_close(latent_out2[1:], latent_out[1:])
 
@@ -71,10 +71,10 @@ def test_text_rows_give_the_full_logits_at_those_positions_and_the_same_gradient
 
     def grads(select):
         model.zero_grad(set_to_none=True)
-        logits, latent_out = model(tokens, latents, t_text, t_latent, mask, text_rows=rows if select else None)
+        logits, latent_out, _ = model(tokens, latents, t_text, t_latent, mask, text_rows=rows if select else None)
         chosen = logits if select else logits[rows]
         ((chosen * target).sum() + latent_out.sum()).backward()
-        return chosen.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+        return chosen.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     full_logits, full_grads = grads(False)
     row_logits, row_grads = grads(True)
@@ -86,10 +86,11 @@ def test_text_rows_give_the_full_logits_at_those_positions_and_the_same_gradient
         assert error < 1e-5, (name, float(error))
 
     model.zero_grad(set_to_none=True)
-    logits, latent_out = model(tokens, latents, t_text, t_latent, mask, text_rows=torch.zeros_like(rows))
+    logits, latent_out, _ = model(tokens, latents, t_text, t_latent, mask, text_rows=torch.zeros_like(rows))
     assert logits.shape == (0, VOCAB)
     (logits.sum() + latent_out.sum()).backward()
-    assert all(p.grad is not None for p in model.parameters())  # DDP finds no unused parameter
+    length = {id(p) for p in model.length_head.parameters()}  # not asked for here (no length_from)
+    assert all(p.grad is not None for p in model.parameters() if id(p) not in length)  # DDP finds no unused parameter
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "explicit"])
@@ -99,15 +100,15 @@ def test_padding_token_ids_change_no_real_output(attention, pos_embedding):
     model = randomised(cfg)
     tokens, latents, t_text, t_latent = inputs(cfg)
     mask = pad_mask()
-    logits, latent_out = model(tokens, latents, t_text, t_latent, text_pad_mask=mask)
+    logits, latent_out, _ = model(tokens, latents, t_text, t_latent, text_pad_mask=mask)
 
     other_tokens = torch.where(mask, tokens, (tokens + 7) % VOCAB)
-    logits2, latent_out2 = model(other_tokens, latents, t_text, t_latent, text_pad_mask=mask)
+    logits2, latent_out2, _ = model(other_tokens, latents, t_text, t_latent, text_pad_mask=mask)
     torch.testing.assert_close(logits2[mask], logits[mask], rtol=0, atol=1e-6)
     torch.testing.assert_close(latent_out2, latent_out, rtol=0, atol=1e-6)
     # Without the mask the same change is seen: the equality above is the mask's doing.
-    unmasked, _ = model(tokens, latents, t_text, t_latent)
-    unmasked2, _ = model(other_tokens, latents, t_text, t_latent)
+    unmasked, _, _ = model(tokens, latents, t_text, t_latent)
+    unmasked2, _, _ = model(other_tokens, latents, t_text, t_latent)
     assert (unmasked2[1, :11] - unmasked[1, :11]).abs().max() > 1e-4
 
 
@@ -133,7 +134,7 @@ def test_fresh_block_leaves_residual_streams_unchanged():
         out_text, out_latent = block(x_text, x_latent, c)
         assert torch.equal(out_text, x_text) and torch.equal(out_latent, x_latent)
     # The zero heads start from uniform text logits and a zero latent prediction.
-    logits, latent_out = model(*inputs(cfg, B=2))
+    logits, latent_out, _ = model(*inputs(cfg, B=2))
     assert torch.equal(logits, torch.zeros_like(logits)) and torch.equal(latent_out, torch.zeros_like(latent_out))
 
 
@@ -166,7 +167,7 @@ def test_each_latent_slot_gets_its_own_output():
     model = randomised(cfg)
     tokens, latents, t_text, t_latent = inputs(cfg)
     latents[:] = latents[:, :1]  # the same vector in every slot
-    logits, latent_out = model(tokens, latents, t_text, t_latent)
+    logits, latent_out, _ = model(tokens, latents, t_text, t_latent)
     assert logits.shape == (3, 16, VOCAB) and latent_out.shape == (3, 3, cfg.latent_dim)
     for i, j in [(0, 1), (0, 2), (1, 2)]:
         assert (latent_out[:, i] - latent_out[:, j]).abs().max() > 1e-3  # told apart by slot position
@@ -179,7 +180,7 @@ def test_latent_null_replaces_the_latent_input():
     null = torch.tensor([True, False, True])
     a = model(tokens, latents, t_text, t_latent, latent_null=null)
     b = model(tokens, torch.randn_like(latents), t_text, t_latent, latent_null=null)
-    for x, y in zip(a, b):
+    for x, y in zip(a[:2], b[:2]):
         torch.testing.assert_close(x[null], y[null], rtol=0, atol=0)
         assert (x[1] - y[1]).abs().max() > 1e-3
     # The null latent is in the graph even when no row is dropped, so DDP never waits for it.
@@ -192,20 +193,24 @@ def test_latent_null_replaces_the_latent_input():
 
 
 @pytest.mark.parametrize("skipped", ["text", "latent"])
-def test_skipped_head_returns_none_and_its_parameters_get_no_gradient(skipped):
-    cfg = tiny()
+@pytest.mark.parametrize("vocab_prior", [False, True])
+def test_skipped_head_returns_none_and_its_parameters_get_no_gradient(skipped, vocab_prior):
+    cfg = tiny(vocab_prior=vocab_prior)
     model = randomised(cfg).train()
+    if vocab_prior:
+        model.set_token_latents(torch.randn(VOCAB, cfg.num_latents, cfg.latent_dim,
+                                            generator=torch.Generator().manual_seed(1)))
     tokens, latents, t_text, t_latent = inputs(cfg)
     mask = pad_mask()
     full = model(tokens, latents, t_text, t_latent, mask)
-    logits, latent_out = model(tokens, latents, t_text, t_latent, mask,
-                               text_head=skipped != "text", latent_head=skipped != "latent")
+    logits, latent_out, length_logits = model(tokens, latents, t_text, t_latent, mask, length_from=latents,
+                                              text_head=skipped != "text", latent_head=skipped != "latent")
     kept = latent_out if skipped == "text" else logits
     assert (logits if skipped == "text" else latent_out) is None
     torch.testing.assert_close(kept, full[1] if skipped == "text" else full[0])  # the other head is unaffected
 
     model.zero_grad(set_to_none=True)
-    kept.square().mean().backward()
+    (kept.square().mean() + length_logits.square().mean()).backward()
     idle = model.text_head_parameters() if skipped == "text" else model.latent_head_parameters()
     idle_ids = {id(p) for p in idle}
     assert all(p.grad is None for p in idle)
@@ -221,7 +226,7 @@ def test_fully_padded_text_row_gives_no_nan(attention):
     model = randomised(cfg).train()
     tokens, latents, t_text, t_latent = inputs(cfg)
     mask = pad_mask(lengths=(16, 0, 6))
-    logits, latent_out = model(tokens, latents, t_text, t_latent, mask)
+    logits, latent_out, _ = model(tokens, latents, t_text, t_latent, mask)
     assert torch.isfinite(logits).all() and torch.isfinite(latent_out).all()
     (logits.logsumexp(-1)[mask].mean() + latent_out.square().mean()).backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
@@ -253,7 +258,8 @@ def test_training_flops_match_torch_flop_counter(heads):
         rows[0, :15], rows[1, 4:12] = True, True
     counter = FlopCounterMode(display=False)
     with counter:
-        outputs = model(tokens, latents, t_text, t_latent, text_head=heads[0], latent_head=heads[1], text_rows=rows)
+        outputs = model(tokens, latents, t_text, t_latent, text_head=heads[0], latent_head=heads[1], text_rows=rows,
+                        length_from=latents)  # training runs the length head at every step
         sum(out.sum() for out in outputs if out is not None).backward()
     expected = training_flops_per_sample(model, L, text_head=heads[0], latent_head=heads[1],
                                          text_head_rows=None if rows is None else int(rows.sum()) / B)
@@ -274,3 +280,36 @@ def test_model_info_prints_counts_and_tiny_is_under_5m(capsys):
     # The vocabulary only grows the text stream.
     bigger = parameter_counts(MultimodalMMDiT(load_model_preset("tiny"), 16384))
     assert bigger["text"] - counts["text"] == 2 * 8192 * 128 and bigger["latent"] == counts["latent"]
+
+
+def test_vocab_prior_adds_a_latent_cosine_bonus_to_the_text_logits():
+    """Logits with the prior = logits without it + s(t_latent) * cos(latent, token latent), s ~ 10 at the
+    start; the same at text_rows; no bonus from the (zero) null latent."""
+    cfg = tiny(vocab_prior=True)
+    model = randomised(cfg)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        model.vocab_prior_scale.weight.zero_()
+        model.vocab_prior_scale.bias.fill_(10.0)
+        model.null_latent.zero_()
+    token_latents = torch.randn(VOCAB, 1, cfg.latent_dim)
+    model.set_token_latents(token_latents)
+    tokens, latents, t_text, t_latent = inputs(cfg)
+    with_prior = model(tokens, latents, t_text, t_latent).text_logits
+    plain = MultimodalMMDiT(tiny(), VOCAB)
+    plain.load_state_dict(model.state_dict(), strict=False)
+    plain.eval()
+    without = plain(tokens, latents, t_text, t_latent).text_logits
+    cosine = torch.nn.functional.cosine_similarity(latents.flatten(1)[:, None, :], token_latents.flatten(1)[None], dim=-1)
+    expected = without + torch.nn.functional.softplus(torch.tensor(10.0)) * cosine[:, None, :]
+    torch.testing.assert_close(with_prior, expected, rtol=1e-4, atol=1e-4)
+    rows = torch.rand(tokens.shape, generator=torch.Generator().manual_seed(2)) < 0.5
+    at_rows = model(tokens, latents, t_text, t_latent, text_rows=rows).text_logits
+    torch.testing.assert_close(at_rows, with_prior[rows], rtol=1e-5, atol=1e-5)
+    null = torch.ones(tokens.shape[0], dtype=torch.bool)
+    dropped = model(tokens, latents, t_text, t_latent, latent_null=null).text_logits
+    dropped_plain = plain(tokens, latents, t_text, t_latent, latent_null=null).text_logits
+    torch.testing.assert_close(dropped, dropped_plain, rtol=1e-5, atol=1e-5)
+    assert "token_latents" in model.state_dict()  # it travels with the weights
+    with pytest.raises(ValueError, match="token latents of shape"):
+        model.set_token_latents(torch.zeros(VOCAB + 1, 1, cfg.latent_dim))

@@ -12,7 +12,7 @@ import torch
 from mmldlm.config import (ConfigError, LatentDiffusionConfig, ObjectiveConfig, TextDiffusionConfig,
                            load_config, load_model_preset)
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
-from mmldlm.model import MultimodalMMDiT
+from mmldlm.model import ModelOutput, MultimodalMMDiT
 from mmldlm.objective import Objective
 
 PAD, MASK, VOCAB = 0, 1, 64
@@ -40,14 +40,18 @@ def make_batch(seed: int = 0) -> dict:
     return {"tokens": tokens, "pad_mask": pad_mask, "latents": latents, "index": torch.arange(B)}
 
 
-def make_objective(batch: dict | None = None, **objective_kw) -> Objective:
+def make_objective(batch: dict | None = None, *, self_condition: bool = False, length_head: bool = False,
+                   latent_cfg: LatentDiffusionConfig | None = None, **objective_kw) -> Objective:
+    """The objective for `batch`'s latent statistics; self_condition and length_head say what the
+    model has (tiny_model: a length head, no self-conditioning)."""
     text = MaskedDiffusion(TextDiffusionConfig(), mask_token_id=MASK, pad_token_id=PAD)
     stats = {}
     if batch is not None:
         flat = batch["latents"].reshape(-1, D)
         stats = {"mean": flat.mean(0), "std": flat.std(0)}
-    latent = GaussianDiffusion(LatentDiffusionConfig(), **stats)
-    return Objective(ObjectiveConfig(**objective_kw), text, latent)
+    latent = GaussianDiffusion(latent_cfg or LatentDiffusionConfig(), **stats)
+    return Objective(ObjectiveConfig(**objective_kw), text, latent, self_condition=self_condition,
+                     length_head=length_head)
 
 
 def tiny_model(seed: int = 0) -> MultimodalMMDiT:
@@ -73,7 +77,7 @@ class RecordingModel:
         if text_rows is not None:
             logits = logits[text_rows]
         latent = torch.zeros(latents.shape, requires_grad=True) if latent_head else None
-        return logits, latent
+        return ModelOutput(logits, latent, None)
 
 
 def run_recorded(mode: str, cond_drop_prob: float = 0.0, batch_size: int = 64):
@@ -202,7 +206,7 @@ def test_tiny_model_overfits_one_batch(mode, target_ratio):
 @pytest.mark.parametrize("mode", ["l2t", "t2l", "joint"])
 def test_gradients_reach_the_condition_and_never_the_idle_head(mode):
     batch = make_batch()
-    objective = make_objective(batch, mode=mode, cond_drop_prob=0.0)
+    objective = make_objective(batch, mode=mode, cond_drop_prob=0.0, length_head=True)
     model = tiny_model()
     # adaLN-Zero starts every head and gate at 0, which blocks the gradient below them: step 1
     # moves the heads, step 2 the gates, and from step 3 on gradients reach the inputs
@@ -283,3 +287,85 @@ def test_bad_config_names_key_value_and_allowed(overrides, expected):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert str(err.value).startswith(expected)
+
+
+# --------------------------------------------------------------------------------------------------
+# Self-conditioning and the length head.
+
+
+class SelfConditionedRecorder(RecordingModel):
+    """A stand-in that also takes the self-conditioning input and records the grad mode of each call;
+    its latent prediction is a fixed function of the noised latent (not zero), so the x0 estimate
+    fed back is something to check."""
+
+    def __call__(self, tokens, latents, t_text, t_latent, text_pad_mask=None, latent_null=None, *,
+                 text_head=True, latent_head=True, text_rows=None, latent_self_cond=None, length_from=None):
+        out = super().__call__(tokens, latents, t_text, t_latent, text_pad_mask, latent_null, text_head=text_head,
+                               latent_head=latent_head, text_rows=text_rows)
+        self.calls[-1].update(latent_self_cond=latent_self_cond, grad_enabled=torch.is_grad_enabled())
+        latent = 0.5 * latents if latent_head else None
+        if latent is not None and torch.is_grad_enabled():
+            latent = latent.requires_grad_()
+        return ModelOutput(out.text_logits, latent, None)
+
+
+def test_without_self_conditioning_the_model_is_called_once_and_gets_no_estimate():
+    _, _, call, _, _ = run_recorded("t2l")
+    assert "latent_self_cond" not in call  # RecordingModel would have failed on the keyword
+    names = [n for n, _ in tiny_model().named_parameters()]
+    assert not any("self_cond" in n for n in names)
+    # A self-conditioned model starts equal to the plain one (its input projection is zero).
+    cfg = dataclasses.replace(load_model_preset("tiny"), latent_dim=D, max_seq_len=L)
+    torch.manual_seed(0)
+    plain = MultimodalMMDiT(cfg, vocab_size=VOCAB)
+    torch.manual_seed(0)
+    conditioned = MultimodalMMDiT(dataclasses.replace(cfg, self_condition=True), vocab_size=VOCAB)
+    conditioned.load_state_dict(plain.state_dict(), strict=False)
+    batch = make_batch()
+    a = make_objective(batch, mode="t2l")(plain, batch, 0, generator=torch.Generator().manual_seed(1))[0]
+    b = make_objective(batch, mode="t2l", self_condition=True, self_condition_prob=1.0)(
+        conditioned, batch, 0, generator=torch.Generator().manual_seed(1))[0]
+    assert a.item() == pytest.approx(b.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["t2l", "joint"])
+def test_self_conditioning_feeds_a_gradient_free_x0_estimate(mode):
+    batch = make_batch()
+    objective = make_objective(batch, mode=mode, self_condition=True, self_condition_prob=1.0,
+                               latent_cfg=LatentDiffusionConfig(prediction="v"))
+    model = SelfConditionedRecorder()
+    objective(model, batch, step=0, generator=torch.Generator().manual_seed(1))
+    first, second = model.calls
+    assert not first["grad_enabled"] and second["grad_enabled"]
+    assert first["latent_head"] and not first["text_head"]  # the first pass only estimates x0
+    estimate = second["latent_self_cond"]
+    assert not estimate.requires_grad
+    expected, _ = objective.latent.predict_x0_eps(0.5 * first["latents"], first["latents"], first["t_latent"])
+    torch.testing.assert_close(estimate, expected)
+    # l2t keeps its latent clean: nothing to estimate, one call.
+    model = SelfConditionedRecorder()
+    make_objective(batch, mode="l2t", self_condition=True, self_condition_prob=1.0)(
+        model, batch, step=0, generator=torch.Generator().manual_seed(1))
+    assert len(model.calls) == 1 and model.calls[0]["latent_self_cond"] is None
+    # With probability 0 the trained pass sees no estimate (zeros inside the model).
+    model = SelfConditionedRecorder()
+    make_objective(batch, mode=mode, self_condition=True, self_condition_prob=0.0)(
+        model, batch, step=0, generator=torch.Generator().manual_seed(1))
+    assert len(model.calls) == 1 and model.calls[0]["latent_self_cond"] is None
+
+
+def test_length_head_learns_the_lengths_of_an_overfit_set():
+    batch = make_batch()  # 8 texts of lengths 16, 16, 14, 12, 16, 9, 16, 11, each with its own latent
+    objective = make_objective(batch, mode="t2l", length_head=True)
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(60):
+        loss, metrics = objective(model, batch, step, generator=generator)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    assert metrics["length_accuracy"].item() == 1.0, metrics["length_loss"]
+    with torch.no_grad():
+        predicted = model.length_logits(objective.latent.standardize(batch["latents"])).argmax(dim=1) + 1
+    assert predicted.tolist() == batch["pad_mask"].sum(dim=1).tolist()

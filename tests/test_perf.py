@@ -47,7 +47,7 @@ def model_inputs(batch=3):
 
 def loss_and_grads(model):
     tokens, latents, t_text, t_latent, pad_mask = model_inputs()
-    logits, out = model(tokens, latents, t_text, t_latent, text_pad_mask=pad_mask)
+    logits, out, _ = model(tokens, latents, t_text, t_latent, text_pad_mask=pad_mask)
     loss = F.cross_entropy(logits.transpose(1, 2), tokens) + out.pow(2).mean()
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -76,7 +76,7 @@ class OpCounter(TorchDispatchMode):
 
 def backward_op_counts(model):
     tokens, latents, t_text, t_latent, pad_mask = model_inputs()
-    logits, out = model(tokens, latents, t_text, t_latent, text_pad_mask=pad_mask)
+    logits, out, _ = model(tokens, latents, t_text, t_latent, text_pad_mask=pad_mask)
     loss = F.cross_entropy(logits.transpose(1, 2), tokens) + out.pow(2).mean()
     with OpCounter() as counter:
         loss.backward()
@@ -149,10 +149,13 @@ def run_losses(tmp_path, overrides, steps=4, attention="sdpa"):
 
 def test_baseline_switches_train_to_the_optimized_switches_losses(tmp_path):
     """Explicit-softmax attention + per-parameter-loop AdamW + per-step re-freezing (the baseline's)
-    against SDPA + fused AdamW + selective checkpointing, over steps of every mode."""
-    optimized, _ = run_losses(tmp_path / "o", ["train.micro_batch_size=4", "perf.activation_checkpointing=selective"])
+    against SDPA + fused AdamW + selective checkpointing, over steps of every mode (in fp32: under
+    bf16 the two attention paths round differently, by more than the tolerance on some weights)."""
+    optimized, _ = run_losses(tmp_path / "o", ["train.micro_batch_size=4", "perf.activation_checkpointing=selective",
+                                               "train.precision=fp32"])
     baseline, trainer = run_losses(tmp_path / "b", ["train.micro_batch_size=4", "optim.fused=false",
-                                                    "optim.foreach=false", "perf.refreeze_every_step=true"],
+                                                    "optim.foreach=false", "perf.refreeze_every_step=true",
+                                                    "train.precision=fp32"],
                                    attention="explicit")
     assert trainer.optimizer.defaults["foreach"] is False and trainer.optimizer.defaults["fused"] is False
     assert {trainer.objective.mode_at(s) for s in range(4)} >= {"l2t", "t2l"}

@@ -31,7 +31,7 @@ class FixedNoiseObjective:
     def __call__(self, model, batch, step, generator=None):
         tokens, latents = batch["tokens"], batch["latents"]
         t = torch.full((tokens.shape[0],), 0.5)
-        logits, out = model(tokens, latents, t, t, text_head=self.mode != "t2l", latent_head=self.mode != "l2t")
+        logits, out, _ = model(tokens, latents, t, t, text_head=self.mode != "t2l", latent_head=self.mode != "l2t")
         per_sample = torch.zeros(tokens.shape[0])
         if logits is not None:
             per_sample = per_sample + F.cross_entropy(logits.transpose(1, 2), tokens, reduction="none").mean(1)

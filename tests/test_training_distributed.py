@@ -23,7 +23,8 @@ TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
 BASE = ["model=tiny", "model.hidden_size=64", "model.num_blocks=2", "model.timestep_embed_dim=32",
         "train.micro_batch_size=2", "train.log_every=1", "train.deterministic=true", "logging.progress_bar=false",
         "schedule.warmup_steps=2", "optim.lr=1e-3", "checkpoint.every=1000", "data.num_workers=0",
-        "train.precision=fp32"]  # auto is bf16 on CPUs with native bf16: equalities across batch splits need fp32
+        "train.precision=fp32",  # auto is bf16 on CPUs with native bf16: equalities across batch splits need fp32
+        "data.bucket_batches=1"]  # bucketed batches are cut per rank: 1 x 2 accumulation steps != 2 ranks
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -74,9 +75,9 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def final_params(run_dir: Path) -> dict:
+def final_params(run_dir: Path, weights: str = "model") -> dict:
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    return load_file(str(run_dir / "checkpoints" / latest / "model.safetensors"))
+    return load_file(str(run_dir / "checkpoints" / latest / f"{weights}.safetensors"))
 
 
 def assert_ok(proc):
@@ -95,7 +96,7 @@ def test_two_processes_match_one_process(tmp_path, mode, strategy):
     # The loader strides samples over ranks (rank r takes r, r + W, ...): with one sample per
     # micro-batch, 1 process x 2 accumulation steps sees exactly the two ranks' micro-batches.
     args = ["train.steps=10", "train.micro_batch_size=1", "train.global_batch_size=2", f"objective.mode={mode}",
-            f"distributed.strategy={strategy}"]
+            f"distributed.strategy={strategy}", "train.ema_decay=0.9"]
     assert_ok(train(tmp_path / "one", args))
     assert_ok(train(tmp_path / "two", args, nproc=2))
     one, two = records(tmp_path / "one"), records(tmp_path / "two")
@@ -104,10 +105,13 @@ def test_two_processes_match_one_process(tmp_path, mode, strategy):
     for a, b in zip(one, two):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
     assert_params_close(final_params(tmp_path / "one"), final_params(tmp_path / "two"))
+    # The EMA of the weights too (under FSDP2 each rank averages its shards; the checkpoint gathers them).
+    assert_params_close(final_params(tmp_path / "one", "ema"), final_params(tmp_path / "two", "ema"))
 
 
 def test_kill_and_resume_repeats_the_straight_run_exactly(tmp_path):
-    args = ["train.steps=40", "train.global_batch_size=2", "checkpoint.every=10", "objective.mode=random"]
+    args = ["train.steps=40", "train.global_batch_size=2", "checkpoint.every=10", "objective.mode=random",
+            "train.ema_decay=0.95"]
     assert_ok(train(tmp_path / "straight", args))
     killed = train(tmp_path / "resumed", args, fault="kill:23")  # SIGKILL before step 24's forward
     assert killed.returncode == -signal.SIGKILL
@@ -116,8 +120,9 @@ def test_kill_and_resume_repeats_the_straight_run_exactly(tmp_path):
     straight, resumed = records(tmp_path / "straight"), records(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == list(range(1, 41))  # each step once, in order
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
-    a, b = final_params(tmp_path / "straight"), final_params(tmp_path / "resumed")
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    for weights in ("model", "ema"):
+        a, b = final_params(tmp_path / "straight", weights), final_params(tmp_path / "resumed", weights)
+        assert all(torch.equal(a[k], b[k]) for k in a), weights
 
 
 def test_nonfinite_loss_on_one_rank_is_skipped_on_every_rank(tmp_path):

@@ -73,7 +73,7 @@ def test_out_of_memory_is_flagged_and_fixed_before_the_run(capsys, tmp_path):
 
 def test_slow_data_settings_are_flagged(capsys):
     status, out = check(capsys, "data.num_workers=16", "data.persistent_workers=false", "data.prefetch_factor=null",
-                        "--nproc-per-node", "2", "--strict")
+                        "train.micro_batch_size=32", "--nproc-per-node", "2", "--strict")
     assert status == 1
     for rule in ("loader_workers", "loader_prefetch", "loader_persistence"):
         assert f"WARNING [{rule}]" in out
@@ -89,7 +89,7 @@ def test_distributed_hang_settings_are_flagged(capsys, monkeypatch):
 
 def test_idle_heads_of_the_mode_mix_are_explained(capsys):
     status, out = check(capsys, "objective.mode=sequential", "objective.mode_schedule=[[0, l2t], [300, t2l]]",
-                        "--nproc-per-node", "2")
+                        "train.micro_batch_size=32", "--nproc-per-node", "2")
     assert status == 0
     assert "INFO    [unused_parameters] modes l2t, t2l: the latent head and the text head" in out
 

@@ -6,6 +6,17 @@ sigma_t = sin(phi t). With phi = pi/2 alpha_1 would be 0 and x0 = (x_t - sigma e
 undefined at t = 1, so phi = arccos(min_alpha): alpha_1 = min_alpha exactly and the schedule stays
 smooth (no kink from clipping).
 
+Shifted schedule (`shift` s; Hoogeboom et al. 2023 "simple diffusion", sec. 3.1; the same SNR / s^2
+as SD3's timestep shift): tan(angle_t) = s tan(phi t), so SNR_t = alpha_t^2 / sigma_t^2 is divided
+by s^2 at every t. A sentence latent is one point in 384 dimensions on a low-dimensional manifold:
+at the plain schedule's middle times the noised latent alone still identifies its sentence, the
+condition is not needed there, and the t2l direction learns from only the last stretch of t.
+
+Loss weighting over t (Hang et al. 2023, "min-SNR", eq. 6-8): written as a weight lambda_t on the
+x0 error, ||x0_hat - x0||^2 = ||eps_hat - eps||^2 / SNR = ||v_hat - v||^2 / (SNR + 1), so the
+parameterisation's own MSE gets lambda_t / (1, SNR, SNR + 1) for x0, eps, v. "none" leaves the
+plain MSE of the parameterisation; "min_snr" is lambda_t = min(SNR_t, gamma).
+
 Parameterisations (Salimans & Ho 2022, "Progressive Distillation", sec. 4 and app. D):
     eps, x0, or v = alpha_t eps - sigma_t x0,
     x0 = alpha_t x_t - sigma_t v,   eps = sigma_t x_t + alpha_t v.
@@ -91,11 +102,37 @@ class GaussianDiffusion:
     def alpha_sigma(self, t, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(alpha_t, sigma_t) shaped (B, 1, ..., 1) to broadcast against `like` (B, ...), in its dtype.
         t: a number, a 0-d or a (B,) tensor in [0, 1]."""
+        angle = self._angle(t, like)
+        return torch.cos(angle).to(like.dtype), torch.sin(angle).to(like.dtype)
+
+    def _angle(self, t, like: torch.Tensor) -> torch.Tensor:
+        """The schedule's angle (alpha = cos, sigma = sin) at t, float64, shaped (B, 1, ..., 1)."""
         t = torch.as_tensor(t, dtype=torch.float64, device=like.device)
         if t.dim() == 0:
             t = t.expand(like.shape[0])
-        angle = self.max_angle * t.view(-1, *([1] * (like.dim() - 1)))  # (B, 1, ..., 1)
-        return torch.cos(angle).to(like.dtype), torch.sin(angle).to(like.dtype)
+        angle = self.max_angle * t.reshape(-1, *([1] * (like.dim() - 1)))  # (B, 1, ..., 1)
+        if self.cfg.shift != 1.0:
+            angle = torch.atan(self.cfg.shift * torch.tan(angle))
+        return angle
+
+    def snr(self, t, like: torch.Tensor) -> torch.Tensor:
+        """alpha_t^2 / sigma_t^2 (inf at t = 0), float64, shaped (B, 1, ..., 1) like alpha_sigma."""
+        angle = self._angle(t, like)
+        return torch.cos(angle) ** 2 / torch.sin(angle) ** 2
+
+    def loss_weight(self, t, like: torch.Tensor) -> torch.Tensor | None:
+        """The weight of the parameterisation's MSE at t (module docstring), (B, 1, ..., 1); None = 1."""
+        if self.cfg.loss_weighting == "none":
+            return None
+        snr = self.snr(t, like)
+        x0_weight = snr.clamp(max=self.cfg.min_snr_gamma)
+        if self.cfg.prediction == "eps":
+            weight = torch.where(torch.isinf(snr), torch.zeros_like(snr), x0_weight / snr)
+        elif self.cfg.prediction == "v":
+            weight = torch.where(torch.isinf(snr), torch.zeros_like(snr), x0_weight / (snr + 1.0))
+        else:
+            weight = x0_weight
+        return weight.to(like.dtype)
 
     # --- forward process -------------------------------------------------------------------------
 
@@ -148,14 +185,18 @@ class GaussianDiffusion:
     def loss(self, pred: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, t) -> torch.Tensor:
         """Scalar latent loss for the network output `pred` on x_t = add_noise(x0, t, noise). x0 standardised.
 
-        mse: mean squared error to `target` (the configured prediction), over all elements.
+        mse: mean squared error to `target` (the configured prediction), over all elements, weighted
+            over t by `loss_weighting` (module docstring).
         cosine: mean over vectors of 1 - cos(x0_hat, x0) along the last dim (in [0, 2], no clamp).
         normalized_mse: MSE between L2-normalised x0_hat and x0, = 2 (1 - cos) / D per vector: ~1/D in
             scale and blind to magnitude. Kept only so the baseline preset reproduces the older recipe.
         """
         pred, x0, noise = pred.float(), x0.float(), noise.float()
         if self.cfg.loss == "mse":
-            return F.mse_loss(pred, self.target(x0, noise, t))
+            weight = self.loss_weight(t, x0)
+            if weight is None:
+                return F.mse_loss(pred, self.target(x0, noise, t))
+            return (weight * (pred - self.target(x0, noise, t)) ** 2).mean()
         x0_hat, _ = self.predict_x0_eps(pred, self.add_noise(x0, t, noise), t)
         if self.cfg.loss == "cosine":
             return (1.0 - F.cosine_similarity(x0_hat, x0, dim=-1)).mean()

@@ -43,7 +43,8 @@ def training_flops_per_sample(model: MultimodalMMDiT, seq_len: int, *, text_head
 
     - rows: the number of vectors the linear layer multiplies: L for the text stream (the text head
       included), K for the latent stream (the latent input projection and head included), 1 for the
-      conditioning layers (timestep MLPs, adaLN modulations), which act once on c per sample.
+      layers that act once per sample (timestep MLPs, adaLN modulations, the latent's conditioning
+      MLP and the length head, which training runs at every step).
       6 = 2 (a multiply-add) x 3 (the forward matmul and the two backward ones, grad input and
       grad weight), as in Kaplan et al. 2020 / PaLM's MFU.
     - attention: q k^T and (attention) v cost 2 * S_q * S * H each in the forward, x3 for training,
@@ -52,6 +53,9 @@ def training_flops_per_sample(model: MultimodalMMDiT, seq_len: int, *, text_head
     - a head that is skipped (and the last block's tail that only feeds it) counts 0.
     - text_head_rows: the positions the text head's output matmul runs at, if not all L (training
       computes logits only at masked positions; the mean per sample, since the count is linear).
+    - the vocabulary prior (model.vocab_prior), with the text head: the cosine of the latent to every
+      token latent, 2 * V * K * D in the forward and as much again for its input gradient (the token
+      latents are a buffer: no weight gradient).
     - not counted: the embedding lookup (a gather), norms, activations, softmax, RoPE, biases and
       adaLN modulate (all O(tokens * H), well under 1% at any preset size).
     """
@@ -63,12 +67,14 @@ def training_flops_per_sample(model: MultimodalMMDiT, seq_len: int, *, text_head
     if not latent_head:
         idle |= {id(p) for p in model.latent_head_parameters()}
 
+    once_per_sample = {id(m) for top in (model.latent_cond, model.length_head) if top is not None
+                       for m in top.modules()}
     matmul = 0
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or id(module.weight) in idle:
             continue
         part = parameter_part(name)
-        if part == "shared" or ".modulation." in f".{name}.":
+        if part == "shared" or ".modulation." in f".{name}." or id(module) in once_per_sample:
             rows = 1
         elif module is model.text_final.head and text_head_rows is not None:
             rows = text_head_rows
@@ -79,4 +85,5 @@ def training_flops_per_sample(model: MultimodalMMDiT, seq_len: int, *, text_head
     S = L + K
     last_queries = (L if text_head else 0) + (K if latent_head else 0)
     attention = 12 * cfg.hidden_size * S * (S * (cfg.num_blocks - 1) + last_queries)
-    return 6 * matmul + attention
+    prior = 4 * model.token_latents.numel() if text_head and model.token_latents is not None else 0
+    return 6 * matmul + attention + prior

@@ -16,6 +16,7 @@ wraps each entry of `model.blocks` as it sees fit.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -222,6 +223,14 @@ class FinalLayer(nn.Module):
 # The model.
 
 
+class ModelOutput(NamedTuple):
+    """What `MultimodalMMDiT.forward` returns; an output not asked for is None."""
+
+    text_logits: Tensor | None  # (B, L, V), or (N, V) at text_rows
+    latent: Tensor | None  # (B, K, D): the latent prediction (eps, x0 or v, per the diffusion config)
+    length_logits: Tensor | None  # (B, max_seq_len): log-odds of text lengths 1..max_seq_len
+
+
 class MultimodalMMDiT(nn.Module):
     """Text logits and a latent prediction from noised text, noised latents and their timesteps.
 
@@ -243,17 +252,37 @@ class MultimodalMMDiT(nn.Module):
         self.text_embed = nn.Embedding(vocab_size, H)
         self.text_pos = nn.Embedding(cfg.max_seq_len, H) if cfg.pos_embedding == "learned" else None
         self.latent_proj = nn.Linear(D, H)
+        # Self-conditioning (Chen et al. 2022, "Analog Bits", sec. 3.2): an earlier x0 estimate of the
+        # latent enters beside the noised latent; zero when there is none.
+        self.latent_self_cond_proj = nn.Linear(D, H, bias=False) if cfg.self_condition else None
         # One learned position per latent slot: the K latents stay K tokens (never pooled away),
         # and this embedding is what tells them apart.
         self.latent_pos = nn.Parameter(torch.empty(K, H))
         self.t_text_embed = TimestepEmbedder(cfg.timestep_embed_dim, H)
         self.t_latent_embed = TimestepEmbedder(cfg.timestep_embed_dim, H)
+        # The latent as a second conditioning path (SD3's pooled-embedding MLP, Esser et al. 2024 sec. 3.3):
+        # all K slots flattened, so nothing is pooled away.
+        self.latent_cond = (nn.Sequential(nn.Linear(K * D, H), nn.SiLU(), nn.Linear(H, H))
+                            if cfg.latent_adaln else None)
         # Classifier-free guidance: a learned stand-in for "no latent", in the (standardised) input space.
         self.null_latent = nn.Parameter(torch.empty(K, D)) if cfg.null_latent else None
 
         self.blocks = nn.ModuleList(MMDiTBlock(cfg) for _ in range(cfg.num_blocks))
         self.text_final = FinalLayer(H, vocab_size, cfg.norm_eps, bias=False)
         self.latent_final = FinalLayer(H, D, cfg.norm_eps, bias=True)
+        # Text length given the clean latent (all K slots): the model has no end-of-text token, so a
+        # sampler that decodes a latent without a source text takes the length from here.
+        self.length_head = (nn.Sequential(nn.Linear(K * D, H), nn.SiLU(), nn.Linear(H, cfg.max_seq_len))
+                            if cfg.length_head else None)
+        # Vocabulary prior: text logits + s(t_latent) * cos(latent, token_latents[v]) for every token v.
+        # The unit-length token latents (in the standardised space) are set by the training setup from
+        # the dataset (`set_token_latents`) and travel with the weights as a buffer; s is a learned
+        # function of the latent's noise level (how far the latent input can be trusted).
+        if cfg.vocab_prior:
+            self.register_buffer("token_latents", torch.zeros(vocab_size, K * D))
+            self.vocab_prior_scale = nn.Linear(H, 1)
+        else:
+            self.token_latents = self.vocab_prior_scale = None
         self.init_weights()
 
     @torch.no_grad()
@@ -280,11 +309,23 @@ class MultimodalMMDiT(nn.Module):
         for final in (self.text_final, self.latent_final):
             for p in final.parameters():
                 nn.init.zeros_(p)
+        if self.latent_self_cond_proj is not None:
+            # Zero: the model starts as the one without self-conditioning and learns how far to trust it.
+            nn.init.zeros_(self.latent_self_cond_proj.weight)
+        if self.length_head is not None:
+            nn.init.zeros_(self.length_head[-1].weight)  # a uniform length distribution to start from
+        if self.vocab_prior_scale is not None:
+            # s = softplus(10) ~ 10 at every t to start: a cosine gap of 0.5 between a sentence's own words
+            # and the rest is 5 logits, enough to matter from the first step; training adjusts it per t.
+            nn.init.zeros_(self.vocab_prior_scale.weight)
+            nn.init.constant_(self.vocab_prior_scale.bias, 10.0)
 
     def text_head_parameters(self) -> list[nn.Parameter]:
         """Parameters that get no gradient when the text head is skipped (t2l): the text final layer
-        and the last block's text-only tail (text queries, output projection, MLP)."""
-        return [*self.blocks[-1].text.output_parameters(), *self.text_final.parameters()]
+        and the last block's text-only tail (text queries, output projection, MLP), and the vocabulary
+        prior's scale (model.vocab_prior)."""
+        prior = list(self.vocab_prior_scale.parameters()) if self.vocab_prior_scale is not None else []
+        return [*self.blocks[-1].text.output_parameters(), *self.text_final.parameters(), *prior]
 
     def latent_head_parameters(self) -> list[nn.Parameter]:
         """Parameters that get no gradient when the latent head is skipped (l2t)."""
@@ -292,13 +333,17 @@ class MultimodalMMDiT(nn.Module):
 
     def forward(self, tokens: Tensor, latents: Tensor, t_text: Tensor, t_latent: Tensor,
                 text_pad_mask: Tensor | None = None, latent_null: Tensor | None = None, *,
-                text_head: bool = True, latent_head: bool = True,
-                text_rows: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
+                text_head: bool = True, latent_head: bool = True, text_rows: Tensor | None = None,
+                latent_self_cond: Tensor | None = None, length_from: Tensor | None = None) -> ModelOutput:
         """tokens (B, L) int64, latents (B, K, D) standardised and noised, t_text and t_latent (B,) in
         [0, 1]; text_pad_mask (B, L) bool, True = real token; latent_null (B,) bool, True = use the
-        null latent. Returns (text logits (B, L, V), latent prediction (B, K, D)); a head not asked
-        for is not computed and returns None. text_rows (B, L) bool: text logits only at those
-        positions, (N, V) in row-major order (equal to the full logits[text_rows])."""
+        null latent. Returns ModelOutput(text logits (B, L, V), latent prediction (B, K, D), length
+        logits); a head not asked for is not computed and returns None. text_rows (B, L) bool: text
+        logits only at those positions, (N, V) in row-major order (equal to the full logits[text_rows]).
+        latent_self_cond (B, K, D): an earlier x0 estimate of the standardised latent (model.self_condition;
+        None = no estimate yet, the same as zeros). length_from (B, K, D): clean standardised latents
+        whose text lengths the length head predicts (training passes them so that the head is part of
+        the one forward that DDP and FSDP2 see)."""
         B, L = tokens.shape
         K, D = self.cfg.num_latents, self.cfg.latent_dim
         if L > self.cfg.max_seq_len:
@@ -310,7 +355,8 @@ class MultimodalMMDiT(nn.Module):
             raise ValueError("forward needs at least one of text_head, latent_head")
 
         # Conditioning: both timesteps, separate MLPs, summed into one vector.
-        c = self.t_text_embed(t_text) + self.t_latent_embed(t_latent)  # (B, H)
+        t_latent_emb = self.t_latent_embed(t_latent)  # (B, H)
+        c = self.t_text_embed(t_text) + t_latent_emb  # (B, H)
 
         x_text = self.text_embed(tokens)  # (B, L, H)
         rope = None
@@ -328,6 +374,16 @@ class MultimodalMMDiT(nn.Module):
         elif latent_null is not None:
             raise ValueError("latent_null was given but model.null_latent is false: there is no null latent")
         x_latent = self.latent_proj(latents) + self.latent_pos  # (B, K, H)
+        if self.latent_cond is not None:
+            c = c + self.latent_cond(latents.reshape(B, K * D))  # (B, H)
+        if self.latent_self_cond_proj is not None:
+            # Zeros rather than a skipped branch when there is no estimate: the weight is in every graph,
+            # so DDP never waits for its gradient in vain (as with the null latent).
+            if latent_self_cond is None:
+                latent_self_cond = torch.zeros_like(latents)
+            x_latent = x_latent + self.latent_self_cond_proj(latent_self_cond.to(latents.dtype))
+        elif latent_self_cond is not None:
+            raise ValueError("latent_self_cond was given but model.self_condition is false")
 
         attn_mask = None
         if text_pad_mask is not None:
@@ -342,5 +398,35 @@ class MultimodalMMDiT(nn.Module):
                                      text_out=text_head or i < last, latent_out=latent_head or i < last)
 
         logits = self.text_final(x_text, c, text_rows) if text_head else None  # (B, L, V) or (N, V)
+        if text_head and self.token_latents is not None:
+            logits = logits + self.vocab_prior(latents, t_latent_emb, text_rows, L).to(logits.dtype)
         latent_out = self.latent_final(x_latent, c) if latent_head else None  # (B, K, D)
-        return logits, latent_out
+        lengths = self.length_logits(length_from) if length_from is not None else None  # (B, max_seq_len)
+        return ModelOutput(logits, latent_out, lengths)
+
+    def set_token_latents(self, token_latents: Tensor) -> None:
+        """The vocabulary prior's token latents (V, K, D), standardised like the model's latent input."""
+        V, KD = self.token_latents.shape
+        if token_latents.shape[0] != V or token_latents[0].numel() != KD:
+            raise ValueError(f"token latents of shape {tuple(token_latents.shape)}; expected ({V}, {KD}) or "
+                             f"({V}, K, D) with K * D = {KD}")
+        with torch.no_grad():
+            self.token_latents.copy_(F.normalize(token_latents.reshape(V, KD).float(), dim=-1))
+
+    def vocab_prior(self, latents: Tensor, t_latent_emb: Tensor, text_rows: Tensor | None, L: int) -> Tensor:
+        """s(t_latent) * cos(latent, token latent of v): (B, 1, V), or (N, V) at text_rows like the logits.
+        latents (B, K, D) the latent input (the null latent where dropped: zero to start, no prior)."""
+        B = latents.shape[0]
+        scale = F.softplus(self.vocab_prior_scale(t_latent_emb))  # (B, 1)
+        cosine = F.normalize(latents.reshape(B, -1).float(), dim=-1) @ self.token_latents.T  # (B, V)
+        prior = scale.float() * cosine  # (B, V)
+        if text_rows is None:
+            return prior[:, None, :]
+        batch = torch.div(text_rows.reshape(-1).nonzero().squeeze(1), L, rounding_mode="floor")  # (N,)
+        return prior.index_select(0, batch)
+
+    def length_logits(self, latents: Tensor) -> Tensor:
+        """(B, max_seq_len) log-odds of the text lengths 1..max_seq_len given clean standardised latents (B, K, D)."""
+        if self.length_head is None:
+            raise ValueError("this model has no length head (model.length_head=false); give the text length")
+        return self.length_head(latents.reshape(latents.shape[0], -1))

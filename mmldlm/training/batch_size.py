@@ -79,7 +79,8 @@ def probe_peak_bytes(model: nn.Module, objective, batch_size: int, seq_len: int,
     optimizer state; raises torch.OutOfMemoryError where CUDA runs out."""
     from mmldlm.objective import Objective
 
-    joint = Objective(dataclasses.replace(objective.cfg, mode="joint"), objective.text, objective.latent)
+    joint = Objective(dataclasses.replace(objective.cfg, mode="joint"), objective.text, objective.latent,
+                      objective.self_condition, objective.length_head)
     raw = getattr(model, "module", model)
     generator = torch.Generator().manual_seed(batch_size)
     batch = probe_batch(batch_size, seq_len, raw.vocab_size, raw.cfg.num_latents, raw.cfg.latent_dim,

@@ -3,9 +3,12 @@
 Layout of `RUN/checkpoints/`:
     step-0000500/
         model.safetensors   full (unsharded) model weights, fp32
+        ema.safetensors     the EMA of the weights (train.ema_decay > 0), same names; sample and eval
+                            use it by default
         optimizer.pt        full AdamW state keyed by parameter name
         trainer.pt          {"trainer": step, schedule, skip counters, ...,
-                             "ranks": [per-rank RNG states and data position, by rank]}
+                             "ranks": [per-rank RNG states and data position, by rank],
+                             "ema_num_averaged": updates in the EMA (with ema.safetensors)}
         config.yaml         the resolved run config
         meta.json           step, world size, metrics line count
     latest                  text file naming the newest complete step directory
@@ -113,14 +116,16 @@ class CheckpointManager:
     # ---------------------------------------------------------------- saving
 
     def save(self, step: int, model, optimizer, trainer_state: dict, rank_state: dict, config,
-             metrics_lines: int, *, blocking: bool = False) -> None:
+             metrics_lines: int, *, blocking: bool = False, ema=None) -> None:
         """Checkpoint after `step` optimizer steps. Call on every rank. Asynchronous when
-        checkpoint.async_save is on, unless `blocking` (the final and the signal-triggered save)."""
+        checkpoint.async_save is on, unless `blocking` (the final and the signal-triggered save).
+        `ema`: the run's WeightEMA, if any."""
         self.wait()
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         with collective_guard(f"checkpoint gather of step {step}", self.info):
             model_state = get_model_state_dict(model, options=options)
             optim_state = get_optimizer_state_dict(model, optimizer, options=options)
+            ema_state = get_model_state_dict(ema.module, options=options) if ema is not None else None
             rank_states = [None] * self.info.world_size if self.info.is_main else None
             if self.info.distributed:
                 dist.gather_object(rank_state, rank_states, dst=0)
@@ -128,8 +133,10 @@ class CheckpointManager:
                 rank_states = [rank_state]
         if not self.info.is_main:
             return
-        snapshot = _cpu_copy({"model": model_state, "optimizer": optim_state,
-                              "trainer": {"trainer": trainer_state, "ranks": rank_states}})
+        trainer = {"trainer": trainer_state, "ranks": rank_states}
+        if ema is not None:
+            trainer["ema_num_averaged"] = ema.num_averaged
+        snapshot = _cpu_copy({"model": model_state, "optimizer": optim_state, "ema": ema_state, "trainer": trainer})
         meta = {"step": step, "world_size": self.info.world_size, "metrics_lines": metrics_lines,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         if self.cfg.async_save and not blocking:
@@ -163,6 +170,8 @@ class CheckpointManager:
         tmp.mkdir(parents=True)
         # safetensors refuses tensors that share memory; the CPU copy gave each its own.
         save_file({k: v.contiguous() for k, v in snapshot["model"].items()}, str(tmp / "model.safetensors"))
+        if snapshot["ema"] is not None:
+            save_file({k: v.contiguous() for k, v in snapshot["ema"].items()}, str(tmp / "ema.safetensors"))
         torch.save(snapshot["optimizer"], tmp / "optimizer.pt")
         torch.save(snapshot["trainer"], tmp / "trainer.pt")
         save_config(config, tmp / "config.yaml")
@@ -193,9 +202,10 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- loading
 
-    def load(self, path: Path, model, optimizer) -> tuple[dict, dict, dict]:
-        """Load weights and optimizer state into (possibly wrapped) `model` / `optimizer` on every
-        rank; returns (meta, trainer_state, this rank's state)."""
+    def load(self, path: Path, model, optimizer, ema=None) -> tuple[dict, dict, dict]:
+        """Load weights and optimizer state into (possibly wrapped) `model` / `optimizer`, and the EMA
+        into `ema` if given, on every rank; returns (meta, trainer_state, this rank's state). A
+        checkpoint without an EMA restarts the average from the weights at the next update."""
         meta = json.loads((path / "meta.json").read_text())
         if meta["world_size"] != self.info.world_size:
             raise RuntimeError(
@@ -207,5 +217,13 @@ class CheckpointManager:
             set_model_state_dict(model, load_file(str(path / "model.safetensors")), options=options)
             set_optimizer_state_dict(model, optimizer, torch.load(path / "optimizer.pt", weights_only=True),
                                      options=options)
+            has_ema = (path / "ema.safetensors").is_file()
+            if ema is not None and has_ema:
+                set_model_state_dict(ema.module, load_file(str(path / "ema.safetensors")), options=options)
         state = torch.load(path / "trainer.pt", weights_only=True)
+        if ema is not None:
+            ema.averaged.n_averaged.fill_(state.get("ema_num_averaged", 0) if has_ema else 0)
+            if not has_ema and self.info.is_main:
+                log.warning("checkpoint %s holds no EMA of the weights; the average starts again from the "
+                            "weights at the next step", path)
         return meta, state["trainer"], state["ranks"][self.info.rank]

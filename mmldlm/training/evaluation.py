@@ -18,16 +18,18 @@ log = logging.getLogger(__name__)
 
 
 def _full_model(trainer):
-    """The unsharded model on rank 0 (None elsewhere); the raw model itself unless FSDP2 shards it."""
+    """The unsharded model that evaluation samples from, on rank 0 (None elsewhere): the EMA of the
+    weights when the run keeps one, else the raw model; a gathered copy where FSDP2 shards it."""
+    source = trainer.ema.module if trainer.ema is not None else trainer.raw_model
     if not (trainer.info.distributed and trainer.cfg.distributed.strategy == "fsdp2"):
-        return trainer.raw_model if trainer.info.is_main else None
+        return source if trainer.info.is_main else None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from mmldlm.model import MultimodalMMDiT
     from mmldlm.training.distributed import collective_guard
 
     with collective_guard(f"evaluation weight gather of step {trainer.step}", trainer.info):
-        state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(source, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not trainer.info.is_main:
         return None
     model = MultimodalMMDiT(copy.deepcopy(trainer.cfg.model), vocab_size=trainer.raw_model.vocab_size)
@@ -46,7 +48,7 @@ def evaluate_during_training(trainer) -> dict | None:
     if trainer.info.is_main:
         objective = trainer.objective
         run = TrainedRun(trainer.cfg, model, objective.text, objective.latent, trainer.loader.dataset.path,
-                         step=trainer.step)
+                         step=trainer.step, weights="ema" if trainer.ema is not None else "raw")
         report = evaluate(run, trainer.cfg.eval, seed=trainer.cfg.train.seed)
         record = {"step": trainer.step, **flat(report)}
         log.info("eval at step %d: l2t exact match %.1f%%, t2l retrieval@1 %.1f%%", trainer.step,

@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -100,14 +101,7 @@ def parallelize(model: nn.Module, perf: PerfConfig, cfg: DistributedConfig, info
     if not info.distributed:
         return model
     if cfg.strategy == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        # Per block first, then the root (embeddings, heads, timestep MLPs): each block's parameters
-        # are gathered just before it runs and freed after, overlapping with the neighbours' compute.
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        return model
+        return apply_fsdp(model)
     return DistributedDataParallel(
         model,
         device_ids=[info.device.index] if info.device.type == "cuda" else None,
@@ -119,6 +113,16 @@ def parallelize(model: nn.Module, perf: PerfConfig, cfg: DistributedConfig, info
         forward_sync_buffers=False,
         static_graph=cfg.static_graph if cfg.static_graph != "auto" else not cfg.find_unused_parameters,
     )
+
+
+def apply_fsdp(model: nn.Module) -> nn.Module:
+    """Shard `model` with FSDP2 in place (also the EMA copy, so that it is sharded like the model)."""
+    # Per block first, then the root (embeddings, heads, timestep MLPs): each block's parameters
+    # are gathered just before it runs and freed after, overlapping with the neighbours' compute.
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
 
 
 def uses_anchor(cfg: DistributedConfig, info: DistInfo) -> bool:

@@ -45,6 +45,15 @@ def set_deterministic(enabled: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
+def dataset_token_latents(dataset) -> torch.Tensor:
+    """(V, K, D) token latents of the dataset's vocabulary (model.vocab_prior): rank 0 adds them to a
+    dataset prepared before they existed, the other ranks wait for it."""
+    from mmldlm.data.prepare import Ranks, ensure_token_latents
+
+    Ranks().on_rank0(lambda: ensure_token_latents(dataset.path, log=log.info) is not None)
+    return torch.from_numpy(ensure_token_latents(dataset.path))
+
+
 def build_model_and_objective(cfg: RunConfig, dataset):
     """The network and the objective for a prepared dataset's vocabulary, special ids and latent stats."""
     from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
@@ -54,7 +63,11 @@ def build_model_and_objective(cfg: RunConfig, dataset):
     model = MultimodalMMDiT(cfg.model, vocab_size=cfg.model.vocab_size or dataset.vocab_size)
     text = MaskedDiffusion(cfg.text_diffusion, mask_token_id=dataset.mask_id, pad_token_id=dataset.pad_id)
     mean, std = dataset.latent_stats()
-    return model, Objective(cfg.objective, text, GaussianDiffusion(cfg.latent_diffusion, mean=mean, std=std))
+    latent = GaussianDiffusion(cfg.latent_diffusion, mean=mean, std=std)
+    if cfg.model.vocab_prior:
+        model.set_token_latents(latent.standardize(dataset_token_latents(dataset)))
+    return model, Objective(cfg.objective, text, latent, self_condition=cfg.model.self_condition,
+                            length_head=cfg.model.length_head)
 
 
 def open_train_data(cfg: RunConfig, info: DistInfo):

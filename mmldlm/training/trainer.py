@@ -32,9 +32,10 @@ from torch import nn
 from mmldlm.config import ConfigError, RunConfig
 from mmldlm.training.checkpoint import CheckpointManager
 from mmldlm.training.distributed import DistInfo, collective_guard
+from mmldlm.training.ema import WeightEMA
 from mmldlm.training.metrics import MetricsLogger, cpu_has_native_bf16, memory_stats, peak_flops
 from mmldlm.training.optim import build_optimizer
-from mmldlm.training.parallelize import anchor, no_grad_sync, parallelize, uses_anchor
+from mmldlm.training.parallelize import anchor, apply_fsdp, no_grad_sync, parallelize, uses_anchor
 from mmldlm.training.profiler import profiler_window
 from mmldlm.training.schedules import LRSchedule
 
@@ -140,7 +141,11 @@ class Trainer:
         self.device = info.device
         self.precision = resolve_precision(cfg.train.precision, self.device)
         self.raw_model = model.to(self.device)
+        # The EMA copy is taken from the plain model, before checkpointing, compile or wrapping.
+        self.ema = WeightEMA(self.raw_model, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
         self.model = parallelize(self.raw_model, cfg.perf, cfg.distributed, info)
+        if self.ema is not None and info.distributed and cfg.distributed.strategy == "fsdp2":
+            apply_fsdp(self.ema.module)
         self.objective = objective
         self.micro_batch_size = cfg.train.micro_batch_size
         if self.micro_batch_size == "auto":
@@ -205,7 +210,7 @@ class Trainer:
             raise RuntimeError(f"{self.checkpoints.dir} already holds checkpoints; pass --resume auto to "
                                f"continue that run, or choose another train.run_dir")
         if path is not None:
-            meta, state, rank_state = self.checkpoints.load(path, self.model, self.optimizer)
+            meta, state, rank_state = self.checkpoints.load(path, self.model, self.optimizer, self.ema)
             self.step = state["step"]
             self.num_skipped = state["num_skipped"]
             self.consecutive_skips = state["consecutive_skips"]
@@ -227,7 +232,7 @@ class Trainer:
                  "scaler": self.scaler.state_dict() if self.scaler is not None else None}
         rank_state = {"rng": rng_state(), "data": self.loader.state_dict()}
         self.checkpoints.save(self.step, self.model, self.optimizer, state, rank_state, self.cfg,
-                              self.metrics.num_lines if self.metrics else 0, blocking=blocking)
+                              self.metrics.num_lines if self.metrics else 0, blocking=blocking, ema=self.ema)
         self._last_saved = self.step
 
     # ---------------------------------------------------------------- one step
@@ -337,6 +342,8 @@ class Trainer:
                 self.scaler.update()
             else:
                 self.optimizer.step()
+            if self.ema is not None:
+                self.ema.update(self.raw_model)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
 
