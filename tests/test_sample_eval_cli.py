@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from data_support import prepared
+from data_support import trained_run
 from mmldlm.cli import main
 from mmldlm.config import load_config
 from mmldlm.sampling import load_run
@@ -21,19 +21,13 @@ RUN = ["model=tiny", "model.hidden_size=64", "model.num_blocks=2", "model.timest
        "train.steps=20", "train.micro_batch_size=8", "train.global_batch_size=8", "train.log_every=5",
        "logging.progress_bar=false", "schedule.warmup_steps=2", "data.num_workers=0", "checkpoint.every=1000",
        "eval.every=10", "eval.num_samples=4", "eval.num_steps=4", "eval.num_elbo_batches=1", "eval.batch_size=4",
-       "eval.retrieval_pool=12"]
+       "eval.retrieval_pool=12", "train.ema_decay=0.9"]
 FAST = ["--steps", "4", "--device", "cpu"]
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    data = prepared(tmp_path_factory)
-    out = tmp_path_factory.mktemp("run") / "run"
-    assert train(load_config(None, [*RUN, f"data.path={data}", f"train.run_dir={out}"])) == 0
-    yield out
-    torch.set_num_threads(threads)
+    return trained_run(tmp_path_factory, RUN)
 
 
 def read_jsonl(path):
@@ -69,6 +63,18 @@ def test_sample_l2t_from_text_validation_and_latent_file(run_dir, tmp_path):
     assert main(["sample", "--run", str(run_dir), "--mode", "l2t", "--latents", str(tmp_path / "z.npy"),
                  "--length", "5", "--out", str(out), *FAST]) == 0
     assert [r["length"] for r in read_jsonl(out)] == [5, 5]
+    # Without --length the model's length head gives each latent its length.
+    assert main(["sample", "--run", str(run_dir), "--mode", "l2t", "--latents", str(tmp_path / "z.npy"),
+                 "--out", str(out), *FAST]) == 0
+    predicted = run.predict_lengths(torch.from_numpy(np.load(tmp_path / "z.npy"))[:, None, :])
+    assert [r["length"] for r in read_jsonl(out)] == predicted and 1 <= predicted[0] <= run.data_cfg.max_length
+
+
+def test_sample_and_eval_use_the_ema_weights_unless_told_otherwise(run_dir):
+    ema, raw = load_run(run_dir, device="cpu"), load_run(run_dir, device="cpu", use_ema=False)
+    assert ema.weights == "ema" and raw.weights == "raw"
+    differs = [not torch.equal(a, b) for a, b in zip(ema.model.parameters(), raw.model.parameters())]
+    assert any(differs)
 
 
 def test_sample_t2l_and_joint_write_latents(run_dir, tmp_path, capsys):
@@ -98,9 +104,14 @@ def test_sample_errors_name_the_problem(run_dir, tmp_path, capsys):
 def test_eval_writes_report_and_summary(run_dir, tmp_path, capsys):
     out = tmp_path / "report.json"
     assert main(["eval", "--run", str(run_dir), "--num-samples", "4", "--batch-size", "4", "--retrieval-pool", "12",
-                 "--out", str(out), *FAST]) == 0
+                 "--guidance-scale", "0", "1.5", "--out", str(out), *FAST]) == 0
     report = json.loads(out.read_text())
-    assert report["step"] == 20 and report["sampling"]["num_steps"] == 4
+    assert report["step"] == 20 and report["sampling"]["num_steps"] == 4 and report["weights"] == "ema"
+    assert [g["guidance_scale"] for g in report["guidance"]] == [0.0, 1.5]
+    assert report["guidance"][0]["t2l"]["retrieval_at_1"] == report["t2l"]["retrieval_at_1"]
+    assert report["references"]["chance_retrieval_at_1"] == pytest.approx(1 / 12)
+    assert -1 <= report["references"]["mean_latent_cosine"] <= 1
+    assert report["length"]["num_samples"] == 4 and 0 <= report["length"]["accuracy"] <= 1
     l2t = report["elbo"]["l2t"]
     assert l2t["text_bits_per_token"] == pytest.approx(l2t["text_nats_per_token"] / math.log(2))
     assert l2t["text_ppl_bound"] == pytest.approx(math.exp(l2t["text_nats_per_token"]))
@@ -109,6 +120,7 @@ def test_eval_writes_report_and_summary(run_dir, tmp_path, capsys):
     assert report["t2l"]["pool_size"] == 12 and len(report["l2t"]["examples"]) == 4
     summary = capsys.readouterr().out
     assert "retrieval@1 among 12" in summary and report["l2t"]["examples"][0]["source"] in summary
+    assert "(chance 8.3%)" in summary and "| 1.5 |" in summary and "length head" in summary
     assert out.with_suffix(".md").read_text(encoding="utf-8") in summary
 
 
@@ -121,7 +133,7 @@ class Recording(torch.nn.Module):
 
     def forward(self, tokens, latents, t_text, t_latent, *args, **kwargs):
         out = self.inner(tokens, latents, t_text, t_latent, *args, **kwargs)
-        self.seen.update(tokens=tokens, t_text=t_text, logits=out[0], text_rows=kwargs.get("text_rows"))
+        self.seen.update(tokens=tokens, t_text=t_text, logits=out.text_logits, text_rows=kwargs.get("text_rows"))
         return out
 
 

@@ -120,7 +120,7 @@ def test_guidance_scale_zero_is_the_unguided_sampler_exactly(overfit):
         """MDLM ancestral sampling written out: one conditional model call per step, nothing else."""
         tokens, z = torch.where(pad_mask, MASK, PAD), latent.standardize(latents)
         for t, s in time_grid(8):
-            logits, _ = model(tokens, z, torch.full((6,), t), t_zero, pad_mask, latent_head=False)
+            logits, _, _ = model(tokens, z, torch.full((6,), t), t_zero, pad_mask, latent_head=False)
             logits = logits / 2.0
             logits[..., PAD] = float("-inf")
             tokens = text.step(logits, tokens, t, s, g)
@@ -129,12 +129,12 @@ def test_guidance_scale_zero_is_the_unguided_sampler_exactly(overfit):
     def reference_t2l(g):
         x = torch.randn(6, 1, D, generator=g)
         for t, s in time_grid(8):
-            _, pred = model(data["tokens"], x, t_zero, torch.full((6,), t), pad_mask, text_head=False)
+            _, pred, _ = model(data["tokens"], x, t_zero, torch.full((6,), t), pad_mask, text_head=False)
             x = latent.step(pred, x, t, s, "ddpm", g)
         return latent.destandardize(x)
 
     options = SamplingOptions(num_steps=8, temperature=2.0, guidance_scale=0.0, reuse_output=False,
-                              latent_sampler="ddpm")
+                              latent_sampler="ddpm", strategy="ancestral")
     sampler = Sampler(model, text, latent, options)
     with torch.no_grad():
         assert torch.equal(sampler.l2t(latents, pad_mask, torch.Generator().manual_seed(4)),
@@ -149,7 +149,7 @@ def test_guidance_scale_zero_is_the_unguided_sampler_exactly(overfit):
     z = latent.standardize(data["latents"])
     cond = plain._l2t_logits(tokens, z, 0.5, data["pad_mask"])
     null = torch.ones(6, dtype=torch.bool)
-    uncond, _ = model(tokens, z, torch.full((6,), 0.5), torch.zeros(6), data["pad_mask"], latent_null=null,
+    uncond, _, _ = model(tokens, z, torch.full((6,), 0.5), torch.zeros(6), data["pad_mask"], latent_null=null,
                       latent_head=False)
     expected = plain._text_scores(cond + 2.0 * (cond - uncond))
     assert torch.allclose(guided._l2t_logits(tokens, z, 0.5, data["pad_mask"]), expected, atol=1e-4)
@@ -187,3 +187,32 @@ def test_bad_options_fail_with_a_message():
     no_null = MultimodalMMDiT(dataclasses.replace(model.cfg, null_latent=False), vocab_size=VOCAB)
     with pytest.raises(ValueError, match="null latent"):
         Sampler(no_null, text, latent, SamplingOptions(guidance_scale=1.0))
+
+
+def test_self_conditioned_sampler_feeds_each_step_the_previous_x0_estimate():
+    torch.manual_seed(0)
+    cfg = ModelConfig(hidden_size=32, num_blocks=1, num_heads=2, max_seq_len=8, latent_dim=D, timestep_embed_dim=16,
+                      self_condition=True)
+    model = MultimodalMMDiT(cfg, vocab_size=VOCAB).eval()
+    with torch.no_grad():  # a non-zero self-conditioning input path, so the estimate changes the output
+        model.latent_self_cond_proj.weight.normal_(std=0.5)
+        model.latent_final.head.weight.normal_(std=0.5)
+    seen = []
+
+    class Spy(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.cfg = inner, inner.cfg
+
+        def forward(self, tokens, latents, t_text, t_latent, **kw):
+            out = self.inner(tokens, latents, t_text, t_latent, **kw)
+            seen.append((kw.get("latent_self_cond"), latents, t_latent[0].item(), out.latent))
+            return out
+
+    data = sentences()
+    text, latent = diffusions(data)
+    sampler = Sampler(Spy(model), text, latent, SamplingOptions(num_steps=3))
+    sampler.t2l(data["tokens"], data["pad_mask"], torch.Generator().manual_seed(0))
+    assert len(seen) == 3 and seen[0][0] is None
+    for (_, x, t, pred), (estimate, *_) in zip(seen, seen[1:]):
+        torch.testing.assert_close(estimate, latent.predict_x0_eps(pred.float(), x, t)[0])

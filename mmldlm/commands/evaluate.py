@@ -1,7 +1,8 @@
 """`mmldlm eval --run RUN_DIR [--num-samples N] [--out PATH]`: validation ELBO and latent loss per
 mode, l2t reconstruction and t2l retrieval of a trained run (mmldlm/sampling/evaluate.py). Writes
 a JSON report (default RUN/eval/step-NNNNNNN.json) and its markdown summary beside it (.md), and
-prints the summary."""
+prints the summary. `--data DIR` evaluates on another prepared dataset (made with `mmldlm prepare
+--like RUN_DIR`), by default all of it; its report goes to RUN/eval/step-NNNNNNN-<DIR name>.json."""
 
 from __future__ import annotations
 
@@ -11,12 +12,26 @@ import argparse
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, metavar="RUN_DIR", help="a training run directory")
     parser.add_argument("--checkpoint", metavar="PATH", help="a checkpoint directory (default: RUN/checkpoints/latest)")
+    parser.add_argument("--no-ema", action="store_true",
+                        help="the raw trained weights instead of their EMA (where the run kept one, train.ema_decay)")
+    parser.add_argument("--data", metavar="DIR",
+                        help="evaluate on this prepared dataset (made with `mmldlm prepare --like RUN_DIR`) instead "
+                             "of the run's validation split; the latent statistics stay the run's own")
+    parser.add_argument("--split", choices=["val", "train", "all"],
+                        help="the split evaluated (all: train then val); default all with --data, else val")
     parser.add_argument("--num-samples", type=int, default=256,
                         help="validation samples decoded (l2t) and encoded (t2l), and scored for the ELBO")
     parser.add_argument("--num-t-draws", type=int, default=2, help="draws of t and noise per ELBO batch")
-    parser.add_argument("--steps", type=int, help="sampling steps (default: the run's latent_diffusion.num_sampling_steps)")
-    parser.add_argument("--strategy", choices=["ancestral", "confidence"], default="ancestral")
-    parser.add_argument("--guidance-scale", type=float, default=0.0)
+    parser.add_argument("--steps", type=int,
+                        help="reverse steps of every sampler (default: the run's text_diffusion.num_sampling_steps "
+                             "for l2t, latent_diffusion.num_sampling_steps for t2l)")
+    parser.add_argument("--latent-steps", type=int, help="reverse steps of t2l (default: --steps, else the run's "
+                                                         "latent_diffusion.num_sampling_steps)")
+    parser.add_argument("--strategy", choices=["ancestral", "confidence"], default="confidence",
+                        help="text: the most confident positions first, or MDLM ancestral unmasking")
+    parser.add_argument("--guidance-scale", type=float, nargs="+", default=[0.0], metavar="W",
+                        help="classifier-free guidance scale(s) of the samplers; several: each is evaluated and "
+                             "reported side by side, the first also as the main figures")
     parser.add_argument("--retrieval-pool", type=int, default=1000, help="validation sentences for t2l retrieval@1")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--no-encoder", action="store_true", help="skip re-encoding the l2t text (no cosine)")
@@ -42,16 +57,25 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    run = load_run(args.run, args.checkpoint, args.device)
-    steps = args.steps or run.cfg.latent_diffusion.num_sampling_steps
-    cfg = EvalConfig(num_samples=args.num_samples, num_steps=steps, batch_size=args.batch_size,
+    run = load_run(args.run, args.checkpoint, args.device, use_ema=not args.no_ema)
+    split = args.split or ("all" if args.data else "val")
+    data = Path(args.data) if args.data else run.dataset_dir
+    if args.data or split != "val":
+        run.use_eval_data(data, split)
+    cfg = EvalConfig(num_samples=args.num_samples, num_steps=args.steps, batch_size=args.batch_size,
                      num_elbo_batches=math.ceil(args.num_samples / args.batch_size),
                      retrieval_pool=args.retrieval_pool, encoder=not args.no_encoder)
     cfg.check()
-    options = SamplingOptions(num_steps=steps, strategy=args.strategy, guidance_scale=args.guidance_scale,
-                              latent_sampler=run.cfg.latent_diffusion.sampler)
-    report = evaluate(run, cfg, options, num_t_draws=args.num_t_draws, seed=args.seed)
-    out = Path(args.out) if args.out else Path(args.run) / "eval" / f"{step_dir_name(run.step or 0)}.json"
+    options = SamplingOptions.defaults(run.cfg.text_diffusion, run.cfg.latent_diffusion, args.steps,
+                                       strategy=args.strategy, guidance_scale=args.guidance_scale[0])
+    if args.latent_steps:
+        options.latent_steps = args.latent_steps
+    report = evaluate(run, cfg, options, num_t_draws=args.num_t_draws, seed=args.seed,
+                      guidance_scales=args.guidance_scale)
+    report["data"] = {"path": str(data.resolve()), "split": split}
+    # Another dataset's (or split's) report must not overwrite the run's own evaluation.
+    suffix = f"-{data.resolve().name}" if args.data else ("" if split == "val" else f"-{split}")
+    out = Path(args.out) if args.out else Path(args.run) / "eval" / f"{step_dir_name(run.step or 0)}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     summary = markdown(report)

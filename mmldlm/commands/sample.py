@@ -9,7 +9,8 @@ both together, from a trained run (RUN/checkpoints/latest unless --checkpoint).
 
 Writes one JSON record per sample to --out (default: stdout). Text length (in tokens; the model has no
 end-of-text token, see mmldlm/sampling/sampler.py): the source text's length when there is a source
-text (l2t from --text or validation), else --length, else drawn from the validation split's lengths.
+text (l2t from --text or validation), else --length, else (l2t from --latents) the model's length
+head's most likely length for each latent, else drawn from the validation split's lengths.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import sys
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, metavar="RUN_DIR", help="a training run directory")
     parser.add_argument("--checkpoint", metavar="PATH", help="a checkpoint directory (default: RUN/checkpoints/latest)")
+    parser.add_argument("--no-ema", action="store_true",
+                        help="the raw trained weights instead of their EMA (where the run kept one, train.ema_decay)")
     parser.add_argument("--mode", required=True, choices=["l2t", "t2l", "joint"])
     src = parser.add_argument_group("source")
     src.add_argument("--text", action="append", metavar="TEXT",
@@ -29,12 +32,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--latents", metavar="FILE.npy", help="l2t: latents (N, K, D) or (N, D) in the encoder's space")
     src.add_argument("--num", type=int, default=8,
                      help="joint: pairs to generate; l2t without --text/--latents: validation samples (default 8)")
-    src.add_argument("--length", type=int, help="text length in tokens where no source text gives one")
+    src.add_argument("--length", type=int,
+                     help="text length in tokens where no source text gives one (default: l2t asks the model's "
+                          "length head, joint draws from the validation split)")
     opt = parser.add_argument_group("sampling")
-    opt.add_argument("--steps", type=int, help="reverse steps (default: the run's latent_diffusion.num_sampling_steps)")
+    opt.add_argument("--steps", type=int,
+                     help="reverse steps of every sampler (default: the run's text_diffusion.num_sampling_steps for "
+                          "l2t and joint, latent_diffusion.num_sampling_steps for t2l)")
+    opt.add_argument("--latent-steps", type=int, help="reverse steps of t2l (default: --steps, else the run's "
+                                                      "latent_diffusion.num_sampling_steps)")
     opt.add_argument("--temperature", type=float, default=1.0)
-    opt.add_argument("--strategy", choices=["ancestral", "confidence"], default="ancestral",
-                     help="text: MDLM ancestral unmasking, or the most confident positions first")
+    opt.add_argument("--strategy", choices=["ancestral", "confidence"], default="confidence",
+                     help="text: the most confident positions first, or MDLM ancestral unmasking")
     opt.add_argument("--guidance-scale", type=float, default=0.0,
                      help="classifier-free guidance w: cond + w (cond - uncond); 0 = off")
     opt.add_argument("--latent-sampler", choices=["ddim", "ddpm"], help="default: the run's latent_diffusion.sampler")
@@ -88,12 +97,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    run = load_run(args.run, args.checkpoint, args.device)
-    options = SamplingOptions(num_steps=args.steps or run.cfg.latent_diffusion.num_sampling_steps,
-                              temperature=args.temperature, strategy=args.strategy,
-                              guidance_scale=args.guidance_scale,
-                              latent_sampler=args.latent_sampler or run.cfg.latent_diffusion.sampler,
-                              reuse_output=not args.no_reuse)
+    run = load_run(args.run, args.checkpoint, args.device, use_ema=not args.no_ema)
+    options = SamplingOptions.defaults(run.cfg.text_diffusion, run.cfg.latent_diffusion, args.steps,
+                                       temperature=args.temperature, strategy=args.strategy,
+                                       guidance_scale=args.guidance_scale, reuse_output=not args.no_reuse,
+                                       **({"latent_sampler": args.latent_sampler} if args.latent_sampler else {}))
+    if args.latent_steps:
+        options.latent_steps = args.latent_steps
     sampler = run.sampler(options)
     texts, latents = _sources(args, run)
     lengths_rng = torch.Generator().manual_seed(args.seed)
@@ -114,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
         lengths = [max(len(x), 1) for x in ids]
     elif args.length is not None:
         lengths = [args.length] * num
+    elif latents is not None and getattr(run.model, "length_head", None) is not None:
+        lengths = run.predict_lengths(latents)
     else:
         lengths = run.sample_lengths(num, lengths_rng)
 

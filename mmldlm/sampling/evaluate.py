@@ -8,12 +8,24 @@
    (the latent noised at its own t). The latent term is the configured latent loss.
 2. l2t reconstruction: text sampled from the first N validation latents (each text's true length is
    given, see sampler.py), re-encoded with the dataset's sentence encoder; mean cosine to the source
-   latent, and the exact-match rate of the decoded text against the source text.
+   latent, and the exact-match rate of the decoded text against the source text. The cosine rewards
+   the right content words in any order (the encoder pools over words: a shuffled sentence keeps a
+   cosine of about 0.9 to the original), so two word-level figures stand beside it: word F1, the
+   overlap of the decoded text's words with the source's (lowercase letter runs, counted with
+   multiplicity), and the real-word rate, the share of decoded words that occur in the training texts.
 3. t2l: latents sampled from the first N validation texts; mean cosine to the true latent, and
    retrieval@1: the share whose nearest (cosine) latent among the first `retrieval_pool` validation
    latents is their own.
-4. Speed: samples per second of each sampler at the given step count (one measurement, noisy on a
+4. Length: the length head's prediction (argmax) from the first N validation latents against the
+   true text lengths: exact accuracy and mean absolute error in tokens.
+5. References beside the figures, on the same samples: chance retrieval (1 / pool); the cosine of
+   the training-set mean latent to each target, what a t2l model that ignores its input gets; the
+   cosine of each target to another sample's latent, what decoding a real but unrelated sentence
+   gets in l2t (a cyclic shift of the samples), and the word F1 of that other sentence.
+6. Speed: samples per second of each sampler at the given step count (one measurement, noisy on a
    shared machine).
+With several guidance scales, 2. and 3. are repeated per scale (`guidance`); the l2t and t2l entries
+hold the first scale's figures.
 The report is a JSON-able dict; `markdown` renders it, `flat` turns it into eval_* metric keys.
 """
 
@@ -21,7 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
+from collections import Counter
 
 import numpy as np
 import torch
@@ -61,7 +75,8 @@ def eval_objective(run: TrainedRun, mode: str) -> Objective:
     text = MaskedDiffusion(dataclasses.replace(run.text.cfg, loss="elbo"), run.text.mask_token_id,
                            run.text.pad_token_id)
     cfg = dataclasses.replace(run.cfg.objective, mode=mode, cond_drop_prob=0.0)
-    return Objective(cfg, text, run.latent)
+    return Objective(cfg, text, run.latent, self_condition=run.cfg.model.self_condition,
+                     length_head=run.cfg.model.length_head)
 
 
 @torch.no_grad()
@@ -107,6 +122,20 @@ def _first_val(run: TrainedRun, num: int) -> tuple[list[list[int]], torch.Tensor
     return ids, torch.stack([torch.from_numpy(s[2].astype("float32")) for s in samples])
 
 
+def words(text: str) -> list[str]:
+    """The lowercase letter runs of `text`, in order."""
+    return re.findall(r"[a-z]+", text.lower())
+
+
+def word_f1(generated: list[str], source: list[str]) -> float:
+    """F1 of the word multisets (0 when either is empty)."""
+    common = sum((Counter(generated) & Counter(source)).values())
+    if not common:
+        return 0.0
+    precision, recall = common / len(generated), common / len(source)
+    return 2 * precision * recall / (precision + recall)
+
+
 def l2t_reconstruction(run: TrainedRun, options: SamplingOptions, num_samples: int, batch_size: int,
                        seed: int = 0, use_encoder: bool = True, num_examples: int = 5) -> dict:
     """Text from the first N validation latents vs. the source texts (module docstring, 2)."""
@@ -120,7 +149,12 @@ def l2t_reconstruction(run: TrainedRun, options: SamplingOptions, num_samples: i
         sources += run.decode(tokens, pad_mask)
         generated += run.decode(out, pad_mask)
     seconds = time.perf_counter() - start
+    known = run.known_words
+    decoded_words = [words(g) for g in generated]
     result = {"num_samples": len(ids), "exact_match": sum(g == s for g, s in zip(generated, sources)) / len(ids),
+              "word_f1": float(np.mean([word_f1(w, words(s)) for w, s in zip(decoded_words, sources)])),
+              "real_word_rate": sum(w in known for ws in decoded_words for w in ws)
+              / max(1, sum(len(ws) for ws in decoded_words)),
               "samples_per_s": len(ids) / seconds,
               "model_calls_per_batch": sampler.num_forward / math.ceil(len(ids) / batch_size)}
     cosines = None
@@ -154,21 +188,75 @@ def t2l_retrieval(run: TrainedRun, options: SamplingOptions, num_samples: int, b
 
 
 # --------------------------------------------------------------------------------------------------
+# 4.-5. length and references
+
+
+@torch.no_grad()
+def length_prediction(run: TrainedRun, num_samples: int) -> dict | None:
+    """The length head's argmax from the first N validation latents vs their true (cut) lengths;
+    None for a model without a length head."""
+    if getattr(run.model, "length_head", None) is None:
+        return None
+    ids, latents = _first_val(run, num_samples)
+    logits = run.model.length_logits(run.latent.standardize(latents.to(run.device)))  # (N, max_seq_len)
+    predicted = logits.argmax(dim=1).cpu() + 1
+    true = torch.tensor([max(len(x), 1) for x in ids])
+    return {"num_samples": len(ids), "accuracy": (predicted == true).float().mean().item(),
+            "mean_abs_error": (predicted - true).abs().float().mean().item()}
+
+
+def references(run: TrainedRun, num_samples: int, pool_size: int) -> dict:
+    """What trivial predictors score on the same samples (module docstring, 5)."""
+    ids, targets = _first_val(run, num_samples)
+    targets = targets.flatten(1)  # (N, K*D), encoder space
+    mean = run.latent.mean
+    out = {"chance_retrieval_at_1": 1.0 / min(pool_size, len(run.val))}
+    if mean is not None:
+        constant = mean.float().repeat(run.model.cfg.num_latents)[None, :]  # (1, K*D)
+        out["mean_latent_cosine"] = F.cosine_similarity(constant, targets, dim=-1).mean().item()
+    if len(targets) > 1:
+        out["other_sentence_cosine"] = F.cosine_similarity(targets.roll(1, dims=0), targets, dim=-1).mean().item()
+        texts = [words(text) for text in run.decode(*run.batch_of(ids))]
+        out["other_sentence_word_f1"] = float(np.mean([word_f1(a, b) for a, b in zip(texts[1:] + texts[:1], texts)]))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
 # The whole report.
 
 
 def evaluate(run: TrainedRun, cfg: EvalConfig, options: SamplingOptions | None = None, num_t_draws: int = 1,
-             seed: int = 0) -> dict:
-    """ELBO per mode, l2t reconstruction and t2l retrieval of `run` with the budget of `cfg`."""
-    options = options or SamplingOptions(num_steps=cfg.num_steps)
+             seed: int = 0, guidance_scales: list[float] | None = None) -> dict:
+    """ELBO per mode, l2t reconstruction, t2l retrieval, length prediction and the references of `run`
+    with the budget of `cfg`; the samplers once per guidance scale (default: options.guidance_scale)."""
+    options = options or SamplingOptions.defaults(run.cfg.text_diffusion, run.cfg.latent_diffusion, cfg.num_steps)
+    scales = list(guidance_scales) if guidance_scales else [options.guidance_scale]
     was_training = run.model.training
     run.model.eval()
     try:
         report = {"checkpoint": str(run.checkpoint) if run.checkpoint else None, "step": run.step,
-                  "sampling": options.to_dict(), "num_t_draws": num_t_draws,
-                  "elbo": elbo(run, cfg.num_elbo_batches * cfg.batch_size, cfg.batch_size, num_t_draws, seed),
-                  "l2t": l2t_reconstruction(run, options, cfg.num_samples, cfg.batch_size, seed, cfg.encoder),
-                  "t2l": t2l_retrieval(run, options, cfg.num_samples, cfg.batch_size, cfg.retrieval_pool, seed)}
+                  "weights": run.weights,
+                  "sampling": dataclasses.replace(options, guidance_scale=scales[0]).to_dict(),
+                  "num_t_draws": num_t_draws,
+                  "elbo": elbo(run, cfg.num_elbo_batches * cfg.batch_size, cfg.batch_size, num_t_draws, seed)}
+        sweep = []
+        for scale in scales:
+            scaled = dataclasses.replace(options, guidance_scale=scale)
+            sweep.append({"guidance_scale": scale,
+                          "l2t": l2t_reconstruction(run, scaled, cfg.num_samples, cfg.batch_size, seed, cfg.encoder),
+                          "t2l": t2l_retrieval(run, scaled, cfg.num_samples, cfg.batch_size, cfg.retrieval_pool,
+                                               seed)})
+        report["l2t"], report["t2l"] = sweep[0]["l2t"], sweep[0]["t2l"]
+        if len(sweep) > 1:
+            report["guidance"] = [
+                {"guidance_scale": entry["guidance_scale"],
+                 "l2t": {k: v for k, v in entry["l2t"].items()
+                         if k in ("cosine_mean", "exact_match", "word_f1", "real_word_rate")},
+                 "t2l": {k: entry["t2l"][k] for k in ("cosine_mean", "retrieval_at_1")}} for entry in sweep]
+        length = length_prediction(run, cfg.num_samples)
+        if length is not None:
+            report["length"] = length
+        report["references"] = references(run, cfg.num_samples, cfg.retrieval_pool)
     finally:
         run.model.train(was_training)
     return report
@@ -185,27 +273,45 @@ def flat(report: dict) -> dict:
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
                 out[f"{prefix}_{key}"] = value
 
-    walk("eval", {k: report[k] for k in ("elbo", "l2t", "t2l")})
+    walk("eval", {k: report[k] for k in ("elbo", "l2t", "t2l", "length", "references") if k in report})
     return out
 
 
 def markdown(report: dict) -> str:
     """A short human summary of the report."""
-    lines = [f"# Evaluation of {report['checkpoint']} (step {report['step']})", "",
+    lines = [f"# Evaluation of {report['checkpoint']} (step {report['step']}, {report['weights']} weights)", "",
              f"Sampling: {report['sampling']}", "",
              "| mode | text nats/token | text bits/token | perplexity bound | latent loss |", "|---|---|---|---|---|"]
     for mode, r in report["elbo"].items():
         cell = lambda k, f: format(r[k], f) if k in r else "-"  # noqa: E731
         lines.append(f"| {mode} | {cell('text_nats_per_token', '.4f')} | {cell('text_bits_per_token', '.4f')} | "
                      f"{cell('text_ppl_bound', '.2f')} | {cell('latent_loss', '.4f')} |")
-    l2t, t2l = report["l2t"], report["t2l"]
+    l2t, t2l, ref = report["l2t"], report["t2l"], report.get("references", {})
     cosine = f"{l2t['cosine_mean']:.4f}" if "cosine_mean" in l2t else "not measured"
+    reference = lambda key, text: f" ({text} {ref[key]:.4f})" if key in ref else ""  # noqa: E731
+    chance = f" (chance {ref['chance_retrieval_at_1']:.1%})" if "chance_retrieval_at_1" in ref else ""
     lines += ["", f"l2t reconstruction ({l2t['num_samples']} validation latents): exact match "
-              f"{l2t['exact_match']:.1%}, mean cosine of the re-encoded text to the source latent {cosine}, "
-              f"{l2t['samples_per_s']:.1f} samples/s", "",
-              f"t2l ({t2l['num_samples']} validation texts): mean cosine to the true latent {t2l['cosine_mean']:.4f}, "
-              f"retrieval@1 among {t2l['pool_size']} {t2l['retrieval_at_1']:.1%}, {t2l['samples_per_s']:.1f} samples/s",
-              "", "| source | generated from its latent |", "|---|---|"]
+              f"{l2t['exact_match']:.1%}, mean cosine of the re-encoded text to the source latent {cosine}"
+              f"{reference('other_sentence_cosine', 'an unrelated real sentence:')}, word F1 {l2t['word_f1']:.3f}"
+              f"{reference('other_sentence_word_f1', 'an unrelated real sentence:')}, "
+              f"real words {l2t['real_word_rate']:.1%}, {l2t['samples_per_s']:.1f} samples/s", "",
+              f"t2l ({t2l['num_samples']} validation texts): mean cosine to the true latent {t2l['cosine_mean']:.4f}"
+              f"{reference('mean_latent_cosine', 'the training-set mean latent:')}, "
+              f"retrieval@1 among {t2l['pool_size']} {t2l['retrieval_at_1']:.1%}{chance}, "
+              f"{t2l['samples_per_s']:.1f} samples/s"]
+    if "length" in report:
+        length = report["length"]
+        lines += ["", f"length head ({length['num_samples']} validation latents): exact {length['accuracy']:.1%}, "
+                  f"mean absolute error {length['mean_abs_error']:.2f} tokens"]
+    if "guidance" in report:
+        lines += ["", "| guidance scale | l2t cosine | l2t word F1 | l2t real words | l2t exact match | t2l cosine "
+                  "| t2l retrieval@1 |", "|---|---|---|---|---|---|---|"]
+        for entry in report["guidance"]:
+            g2, g1 = entry["l2t"], entry["t2l"]
+            lines.append(f"| {entry['guidance_scale']:g} | {g2.get('cosine_mean', float('nan')):.4f} | "
+                         f"{g2['word_f1']:.3f} | {g2['real_word_rate']:.1%} | {g2['exact_match']:.1%} | "
+                         f"{g1['cosine_mean']:.4f} | {g1['retrieval_at_1']:.1%} |")
+    lines += ["", "| source | generated from its latent |", "|---|---|"]
     row_text = lambda text: " ".join(text.split()).replace("|", "\\|")  # one table row: no line breaks  # noqa: E731
     lines += [f"| {row_text(e['source'])} | {row_text(e['generated'])} |" for e in l2t["examples"]]
     return "\n".join(lines) + "\n"

@@ -6,12 +6,14 @@ dataset's latent statistics, the tokenizer, the validation split and the sentenc
     texts = run.decode(*sampler.l2t(run.encode_latents(["a small dog"]), pad_mask))
 
 The training loop builds the same object around the model it is training (`TrainedRun(...)`), so
-evaluation during training and `mmldlm eval` share every line.
+evaluation during training and `mmldlm eval` share every line. `run.use_eval_data(DIR, "all")` makes
+evaluation read another prepared dataset (made with `mmldlm prepare --like RUN`) in place of `run.val`.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +21,9 @@ import numpy as np
 import torch
 
 from mmldlm.config import RunConfig, load_config
+from mmldlm.data import format as fmt
+from mmldlm.data.dataset import PreparedDataset
+from mmldlm.data.errors import DataError
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.sampling.sampler import Sampler, SamplingOptions, pad_mask_from_lengths
 
@@ -34,6 +39,7 @@ class TrainedRun:
     dataset_dir: Path
     checkpoint: Path | None = None  # where the weights came from (None: a model in training)
     step: int | None = None
+    weights: str = "raw"  # "ema": the checkpoint's EMA of the weights, "raw": the trained weights
 
     @property
     def device(self) -> torch.device:
@@ -84,6 +90,31 @@ class TrainedRun:
         """Texts of a (B, L) batch: the real positions of each row, decoded."""
         return [self.tokenizer.decode(row[mask].tolist()) for row, mask in zip(tokens.cpu(), pad_mask.cpu())]
 
+    def use_eval_data(self, path: str | Path, split: str = "all") -> None:
+        """Evaluate on the prepared dataset at `path` in place of the run's validation split: its
+        "train" or "val" split, or "all" (train then val, in order). Only the samples change: latents
+        are still standardised with the run's own training statistics (`self.latent`, what the model
+        learnt with) and texts are still cut to the length training used. DataError when the dataset
+        was not made with the run's tokenizer and encoder (`mmldlm prepare --like RUN` makes one that is)."""
+        path = Path(path)
+        check_compatible(self.dataset_dir, path)
+        # The cut length and the tokenizer are the run's own: settle both cached properties from its
+        # dataset before `val` is replaced.
+        _ = self.data_cfg, self.tokenizer
+        self.val = AllSplits(path) if split == "all" else PreparedDataset(path, split)
+
+    @property
+    def known_words(self) -> frozenset[str]:
+        """The lowercase words of the run's training texts (the real-word rate of evaluation)."""
+        return training_words(str(self.dataset_dir))
+
+    @torch.no_grad()
+    def predict_lengths(self, latents: torch.Tensor) -> list[int]:
+        """The length head's most likely text length for each latent (N, K, D) in encoder space, at
+        most the length training cut texts to."""
+        logits = self.model.length_logits(self.latent.standardize(latents.to(self.device, torch.float32)))
+        return (logits.argmax(dim=1) + 1).clamp(max=self.data_cfg.max_length).tolist()
+
     def sample_lengths(self, num: int, generator: torch.Generator) -> list[int]:
         """Text lengths drawn from the validation split (as cut for training), for sources without text."""
         picks = torch.randint(len(self.val), (num,), generator=generator).tolist()
@@ -95,7 +126,6 @@ class TrainedRun:
     def encoder(self):
         """The encoder that made the dataset's latents, with the same normalisation."""
         from mmldlm.data.encoders import load_encoder
-        from mmldlm.data.errors import DataError
 
         normalize = self.meta.get("encoder_normalize")
         if normalize is None:
@@ -106,6 +136,57 @@ class TrainedRun:
     def encode_latents(self, texts: list[str]) -> torch.Tensor:
         """Latents (B, K, D) of texts in the encoder's space."""
         return torch.from_numpy(self.encoder.encode(texts))
+
+
+@functools.lru_cache(maxsize=4)
+def training_words(dataset_dir: str) -> frozenset[str]:
+    """The lowercase letter runs of every training text of a prepared dataset, decoded (once per process:
+    evaluation during training asks at every evaluation)."""
+    train = PreparedDataset(dataset_dir, "train")
+    tokenizer = train.tokenizer()
+    texts = tokenizer.decode_batch([train[i][1].tolist() for i in range(len(train))])
+    return frozenset(re.findall(r"[a-z]+", " ".join(texts).lower()))
+
+
+class AllSplits:
+    """Every sample of a prepared dataset, its train split then its val split, as one sequence: the
+    part of PreparedDataset that evaluation reads through `run.val` (len, [i] and meta). No
+    latent_stats: statistics come from the run's own train split, never from data evaluated on."""
+
+    split = "all"
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.meta = fmt.read_meta(self.path)
+        self.parts = [PreparedDataset(self.path, name) for name in fmt.SPLITS if self.meta["splits"].get(name)]
+        self.starts = np.cumsum([0] + [len(part) for part in self.parts])  # index of each split's first sample
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, index: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """(index, token ids (n,), latents (K, D)), as PreparedDataset's, index counted over both splits."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} outside the {len(self)} samples of {self.path}")
+        part = int(np.searchsorted(self.starts, index, side="right")) - 1
+        _, tokens, latents = self.parts[part][index - int(self.starts[part])]
+        return index, tokens, latents
+
+
+def check_compatible(run_data: Path, path: Path) -> None:
+    """DataError unless the dataset at `path` reads as the run's own dataset `run_data` does to the
+    model: the same tokenizer (the same ids for the same text), the same encoder and normalisation
+    (latents in the same space), the same latent shape (K, D)."""
+    ours, theirs = fmt.read_meta(run_data), fmt.read_meta(path)
+    ours_tok, theirs_tok = run_data / ours["tokenizer"], path / theirs["tokenizer"]
+    fix = "prepare the text with `mmldlm prepare --like RUN_DIR --input FILE --out DIR`"
+    if theirs_tok.read_text(encoding="utf-8") != ours_tok.read_text(encoding="utf-8"):
+        raise DataError(f"{theirs_tok}: not the run's tokenizer {ours_tok} (the files differ, so the same text "
+                        f"would get other ids); {fix}")
+    for key in ("encoder", "encoder_normalize", "latent_dim", "num_latents"):
+        if theirs.get(key) != ours.get(key):
+            raise DataError(f"{path / fmt.META}: {key} {theirs.get(key)!r}, but the run's dataset "
+                            f"{run_data / fmt.META} has {ours.get(key)!r}; {fix}")
 
 
 def find_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
@@ -122,9 +203,11 @@ def find_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
     return run_dir / "checkpoints" / pointer.read_text().strip()
 
 
-def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: str = "auto") -> TrainedRun:
+def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: str = "auto",
+             use_ema: bool = True) -> TrainedRun:
     """The model of `checkpoint` (default RUN/checkpoints/latest) with the config it was trained with,
-    on `device`: "auto" (the GPU when there is one), "cpu" or "cuda"."""
+    on `device`: "auto" (the GPU when there is one), "cpu" or "cuda". The checkpoint's EMA of the
+    weights where it has one (train.ema_decay > 0) unless `use_ema` is false, else the raw weights."""
     import json
 
     from safetensors.torch import load_file
@@ -140,13 +223,14 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: 
     data_dir = dataset_path(cfg.data, log=lambda _msg: None)
     val = open_dataset(data_dir, "val")
     model = MultimodalMMDiT(cfg.model, vocab_size=cfg.model.vocab_size or val.vocab_size)
-    model.load_state_dict(load_file(str(path / "model.safetensors")))
+    weights = "ema" if use_ema and (path / "ema.safetensors").is_file() else "raw"
+    model.load_state_dict(load_file(str(path / ("ema.safetensors" if weights == "ema" else "model.safetensors"))))
     model.to(pick_device(device)).eval()
     text = MaskedDiffusion(cfg.text_diffusion, mask_token_id=val.mask_id, pad_token_id=val.pad_id)
     mean, std = val.latent_stats()
     meta_file = path / "meta.json"
     step = json.loads(meta_file.read_text())["step"] if meta_file.is_file() else None
     run = TrainedRun(cfg, model, text, GaussianDiffusion(cfg.latent_diffusion, mean=mean, std=std), data_dir,
-                     checkpoint=path, step=step)
+                     checkpoint=path, step=step, weights=weights)
     run.val = val  # already open
     return run

@@ -1,7 +1,7 @@
 """Samplers: text from latents (l2t), latents from text (t2l), and both together (joint).
 
-Every sampler walks a uniform time grid 1 = t_0 > t_1 > ... > t_N = 0 (N = num_steps) and calls the
-diffusions' own `step` for each transition t_i -> t_{i+1}:
+Every sampler walks a uniform time grid 1 = t_0 > t_1 > ... > t_N = 0 and calls the diffusions' own
+`step` for each transition t_i -> t_{i+1} (N = num_steps for l2t and joint, latent_steps for t2l):
 - text: starts fully masked at t = 1 (padding stays padding: the text length is given, see below)
   and ends with every position unmasked at t = 0 (`MaskedDiffusion.step`, float64 Gumbel, ancestral
   or confidence-ordered);
@@ -23,6 +23,9 @@ drops the condition (objective.cond_drop_prob): the learned null latent for l2t,
 t_text = 1 for t2l. The joint sampler is unconditional and takes no guidance. (Some papers write the
 same rule as uncond + s * (cond - uncond); their s = 1 + w.)
 
+Self-conditioning (model.self_condition; Chen et al. 2022): in t2l and joint each step hands the
+model the x0 estimate of the step before (none at the first step), as training did.
+
 Reusing the model output (MDLM sec. 3.3.1, "caching"): in l2t the latent is fixed, so when a step
 unmasks nothing the model's input tokens are unchanged and the next step reuses the previous logits.
 MDLM's denoiser takes no time input, which makes this exact; ours sees t_text, but the optimal
@@ -39,14 +42,20 @@ from typing import Literal
 
 import torch
 
+from mmldlm.config import LatentDiffusionConfig, TextDiffusionConfig
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion, rng
 
 
 @dataclass
 class SamplingOptions:
-    num_steps: int = 32  # reverse steps of each stream from t = 1 to t = 0
+    num_steps: int = 32  # reverse steps from t = 1 to t = 0 of l2t and joint
+    # Reverse steps of t2l; None: num_steps. The text nearly fixes its latent, and a few steps (whose
+    # first x0 estimate is the conditional mean) can beat many (docs/quality.md).
+    latent_steps: int | None = None
     temperature: float = 1.0  # text logits are divided by it; 1 samples the model's distribution
-    strategy: Literal["ancestral", "confidence"] = "ancestral"  # how masked text positions are revealed
+    # How masked text positions are revealed: "confidence" (the most confident draws first) decodes
+    # far better words than MDLM's ancestral sampler from small models (docs/quality.md).
+    strategy: Literal["ancestral", "confidence"] = "confidence"
     guidance_scale: float = 0.0  # classifier-free guidance w (module docstring); 0 = off
     latent_sampler: Literal["ddim", "ddpm"] = "ddim"
     reuse_output: bool = True  # l2t: skip the model call when the last step unmasked nothing
@@ -54,6 +63,8 @@ class SamplingOptions:
     def check(self) -> None:
         if self.num_steps < 1:
             raise ValueError(f"sampling: num_steps {self.num_steps}; expected an integer >= 1")
+        if self.latent_steps is not None and self.latent_steps < 1:
+            raise ValueError(f"sampling: latent_steps {self.latent_steps}; expected None or an integer >= 1")
         if self.temperature <= 0:
             raise ValueError(f"sampling: temperature {self.temperature}; expected a number > 0")
         if self.strategy not in ("ancestral", "confidence"):
@@ -63,6 +74,14 @@ class SamplingOptions:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def defaults(cls, text: TextDiffusionConfig, latent: LatentDiffusionConfig, steps: int | None = None,
+                 **options) -> "SamplingOptions":
+        """A run's sampler defaults: each diffusion's num_sampling_steps (both `steps` when given) and
+        latent_diffusion.sampler; `options` set the rest."""
+        return cls(num_steps=steps or text.num_sampling_steps, latent_steps=steps or latent.num_sampling_steps,
+                   **{"latent_sampler": latent.sampler, **options})
 
 
 def time_grid(num_steps: int) -> list[tuple[float, float]]:
@@ -98,13 +117,21 @@ class Sampler:
     # --- model calls -----------------------------------------------------------------------------
 
     def _model(self, tokens, latents, t_text, t_latent, pad_mask, latent_null=None, *,
-               text_head: bool, latent_head: bool):
-        """The model on a batch; t_text and t_latent are numbers (the same for every row) or (B,) tensors."""
+               text_head: bool, latent_head: bool, self_cond: torch.Tensor | None = None):
+        """The model on a batch; t_text and t_latent are numbers (the same for every row) or (B,) tensors;
+        self_cond: the previous step's x0 estimate of the latent (None: none yet, or no self-conditioning)."""
         B = tokens.shape[0]
         self.num_forward += 1
         rows = lambda t: torch.as_tensor(t, dtype=torch.float32, device=tokens.device).expand(B)  # noqa: E731
+        extra = {"latent_self_cond": self_cond} if self_cond is not None else {}
         return self.model(tokens, latents, rows(t_text), rows(t_latent), text_pad_mask=pad_mask,
-                          latent_null=latent_null, text_head=text_head, latent_head=latent_head)
+                          latent_null=latent_null, text_head=text_head, latent_head=latent_head, **extra)
+
+    def _self_cond(self, pred: torch.Tensor, x: torch.Tensor, t: float) -> torch.Tensor | None:
+        """The x0 estimate a self-conditioned model reads at the next step (None for other models)."""
+        if not getattr(self.model.cfg, "self_condition", False):
+            return None
+        return self.latent.predict_x0_eps(pred, x, t)[0]
 
     def _guide(self, cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
         return cond + self.options.guidance_scale * (cond - uncond)
@@ -121,25 +148,26 @@ class Sampler:
     def _l2t_logits(self, tokens, latents, t: float, pad_mask) -> torch.Tensor:
         """Text logits given the clean latent at text time t, guided when the scale is not 0."""
         if self.options.guidance_scale == 0:
-            logits, _ = self._model(tokens, latents, t, 0.0, pad_mask, text_head=True, latent_head=False)
+            logits = self._model(tokens, latents, t, 0.0, pad_mask, text_head=True, latent_head=False).text_logits
             return self._text_scores(logits)
         B = tokens.shape[0]
         null = torch.arange(2 * B, device=tokens.device) >= B  # second half: the null latent
-        logits, _ = self._model(tokens.repeat(2, 1), latents.repeat(2, 1, 1), t, 0.0, pad_mask.repeat(2, 1),
-                                latent_null=null, text_head=True, latent_head=False)
+        logits = self._model(tokens.repeat(2, 1), latents.repeat(2, 1, 1), t, 0.0, pad_mask.repeat(2, 1),
+                             latent_null=null, text_head=True, latent_head=False).text_logits
         cond, uncond = logits.float().chunk(2)
         return self._text_scores(self._guide(cond, uncond))
 
-    def _t2l_prediction(self, tokens, x, t: float, pad_mask) -> torch.Tensor:
+    def _t2l_prediction(self, tokens, x, t: float, pad_mask, self_cond=None) -> torch.Tensor:
         """Latent prediction given the clean text at latent time t, guided when the scale is not 0."""
         if self.options.guidance_scale == 0:
-            _, pred = self._model(tokens, x, 0.0, t, pad_mask, text_head=False, latent_head=True)
+            pred = self._model(tokens, x, 0.0, t, pad_mask, text_head=False, latent_head=True, self_cond=self_cond).latent
             return pred.float()
         B = tokens.shape[0]
         hidden = tokens.masked_fill(pad_mask, self.text.mask_token_id)  # "no text": every real token masked
         t_text = (torch.arange(2 * B, device=tokens.device) >= B).float()  # the masked half is at t = 1
-        _, pred = self._model(torch.cat([tokens, hidden]), x.repeat(2, 1, 1), t_text, t, pad_mask.repeat(2, 1),
-                              text_head=False, latent_head=True)
+        pred = self._model(torch.cat([tokens, hidden]), x.repeat(2, 1, 1), t_text, t, pad_mask.repeat(2, 1),
+                           text_head=False, latent_head=True,
+                           self_cond=None if self_cond is None else self_cond.repeat(2, 1, 1)).latent
         cond, uncond = pred.float().chunk(2)
         return self._guide(cond, uncond)
 
@@ -174,8 +202,10 @@ class Sampler:
         """Latents (B, K, D) in encoder space for text tokens (B, L) (padding where pad_mask is False)."""
         tokens, pad_mask = tokens.to(self.device), pad_mask.to(self.device)
         x = self._start_latent(tokens.shape[0], generator)  # (B, K, D) at t = 1
-        for t, s in time_grid(self.options.num_steps):
-            pred = self._t2l_prediction(tokens, x, t, pad_mask)
+        x0 = None
+        for t, s in time_grid(self.options.latent_steps or self.options.num_steps):
+            pred = self._t2l_prediction(tokens, x, t, pad_mask, x0)
+            x0 = self._self_cond(pred, x, t)
             x = self.latent.step(pred, x, t, s, self.options.latent_sampler, generator)
         return self.latent.destandardize(x)
 
@@ -185,8 +215,10 @@ class Sampler:
         pad_mask = pad_mask.to(self.device)
         tokens = self._start_text(pad_mask)
         x = self._start_latent(tokens.shape[0], generator)
+        x0 = None
         for t, s in time_grid(self.options.num_steps):
-            logits, pred = self._model(tokens, x, t, t, pad_mask, text_head=True, latent_head=True)
+            logits, pred, _ = self._model(tokens, x, t, t, pad_mask, text_head=True, latent_head=True, self_cond=x0)
             tokens = self.text.step(self._text_scores(logits), tokens, t, s, generator, self.options.strategy)
+            x0 = self._self_cond(pred.float(), x, t)
             x = self.latent.step(pred.float(), x, t, s, self.options.latent_sampler, generator)
         return tokens, self.latent.destandardize(x)
