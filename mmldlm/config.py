@@ -109,12 +109,15 @@ class TextDiffusionConfig:
     # so it stays finite near t = 0 (at most 1/eps for loglinear)
     eps: float = 1e-3
     num_sampling_steps: int = 50  # default reverse steps of the text sampler (l2t, joint)
+    sampling_temperature: float = 1.0  # default temperature of the text sampler (logits / T)
 
     def check(self, prefix: str = "text_diffusion") -> None:
         if not 0.0 < self.eps < 0.5:
             _fail(f"{prefix}.eps", self.eps, "a number in (0, 0.5)")
         if self.num_sampling_steps < 1:
             _fail(f"{prefix}.num_sampling_steps", self.num_sampling_steps, "an integer >= 1")
+        if not self.sampling_temperature > 0:
+            _fail(f"{prefix}.sampling_temperature", self.sampling_temperature, "a number > 0")
 
 
 @dataclass

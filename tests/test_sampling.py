@@ -216,3 +216,15 @@ def test_self_conditioned_sampler_feeds_each_step_the_previous_x0_estimate():
     assert len(seen) == 3 and seen[0][0] is None
     for (_, x, t, pred), (estimate, *_) in zip(seen, seen[1:]):
         torch.testing.assert_close(estimate, latent.predict_x0_eps(pred.float(), x, t)[0])
+
+
+def test_sampler_defaults_come_from_the_run_config_and_given_options_override_them():
+    text = TextDiffusionConfig(num_sampling_steps=24, sampling_temperature=0.6)
+    latent = LatentDiffusionConfig(num_sampling_steps=2, sampler="ddpm")
+    options = SamplingOptions.defaults(text, latent)
+    assert (options.num_steps, options.latent_steps, options.temperature, options.latent_sampler) == (24, 2, 0.6, "ddpm")
+    # A command-line option left unset (None) keeps the run's value; a given one wins; --steps sets both.
+    options = SamplingOptions.defaults(text, latent, 8, temperature=None, latent_sampler="ddim", guidance_scale=1.5)
+    assert (options.num_steps, options.latent_steps, options.temperature, options.latent_sampler,
+            options.guidance_scale) == (8, 8, 0.6, "ddim", 1.5)
+    assert SamplingOptions.defaults(text, latent, temperature=1.0).temperature == 1.0

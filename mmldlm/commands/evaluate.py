@@ -29,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                          "latent_diffusion.num_sampling_steps)")
     parser.add_argument("--strategy", choices=["ancestral", "confidence"], default="confidence",
                         help="text: the most confident positions first, or MDLM ancestral unmasking")
+    parser.add_argument("--temperature", type=float,
+                        help="text sampling temperature (default: the run's text_diffusion.sampling_temperature)")
     parser.add_argument("--guidance-scale", type=float, nargs="+", default=[0.0], metavar="W",
                         help="classifier-free guidance scale(s) of the samplers; several: each is evaluated and "
                              "reported side by side, the first also as the main figures")
@@ -67,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
                      retrieval_pool=args.retrieval_pool, encoder=not args.no_encoder)
     cfg.check()
     options = SamplingOptions.defaults(run.cfg.text_diffusion, run.cfg.latent_diffusion, args.steps,
-                                       strategy=args.strategy, guidance_scale=args.guidance_scale[0])
+                                       strategy=args.strategy, guidance_scale=args.guidance_scale[0],
+                                       temperature=args.temperature)
     if args.latent_steps:
         options.latent_steps = args.latent_steps
     report = evaluate(run, cfg, options, num_t_draws=args.num_t_draws, seed=args.seed,

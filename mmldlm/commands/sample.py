@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "l2t and joint, latent_diffusion.num_sampling_steps for t2l)")
     opt.add_argument("--latent-steps", type=int, help="reverse steps of t2l (default: --steps, else the run's "
                                                       "latent_diffusion.num_sampling_steps)")
-    opt.add_argument("--temperature", type=float, default=1.0)
+    opt.add_argument("--temperature", type=float,
+                     help="text logits are divided by it (default: the run's text_diffusion.sampling_temperature)")
     opt.add_argument("--strategy", choices=["ancestral", "confidence"], default="confidence",
                      help="text: the most confident positions first, or MDLM ancestral unmasking")
     opt.add_argument("--guidance-scale", type=float, default=0.0,
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     options = SamplingOptions.defaults(run.cfg.text_diffusion, run.cfg.latent_diffusion, args.steps,
                                        temperature=args.temperature, strategy=args.strategy,
                                        guidance_scale=args.guidance_scale, reuse_output=not args.no_reuse,
-                                       **({"latent_sampler": args.latent_sampler} if args.latent_sampler else {}))
+                                       latent_sampler=args.latent_sampler)
     if args.latent_steps:
         options.latent_steps = args.latent_steps
     sampler = run.sampler(options)

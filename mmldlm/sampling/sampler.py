@@ -78,10 +78,12 @@ class SamplingOptions:
     @classmethod
     def defaults(cls, text: TextDiffusionConfig, latent: LatentDiffusionConfig, steps: int | None = None,
                  **options) -> "SamplingOptions":
-        """A run's sampler defaults: each diffusion's num_sampling_steps (both `steps` when given) and
-        latent_diffusion.sampler; `options` set the rest."""
+        """A run's sampler defaults: each diffusion's num_sampling_steps (both `steps` when given),
+        text_diffusion.sampling_temperature and latent_diffusion.sampler; `options` that are not None
+        set the rest."""
+        given = {key: value for key, value in options.items() if value is not None}
         return cls(num_steps=steps or text.num_sampling_steps, latent_steps=steps or latent.num_sampling_steps,
-                   **{"latent_sampler": latent.sampler, **options})
+                   **{"latent_sampler": latent.sampler, "temperature": text.sampling_temperature, **given})
 
 
 def time_grid(num_steps: int) -> list[tuple[float, float]]:
