@@ -676,7 +676,7 @@ def _expand_model_preset(raw: dict) -> dict:
     elif isinstance(model, dict) and "preset" in model:
         rest = {k: v for k, v in model.items() if k != "preset"}
         if not isinstance(model["preset"], str):
-            raise ConfigError(f"model.preset: got {model['preset']!r}; expected a preset name such as 'tiny'")
+            _fail("model.preset", model["preset"], "the name of a model preset such as 'tiny'")
         raw = {**raw, "model": {**_read_yaml(resolve_preset(model["preset"], "model")), **rest}}
     return raw
 

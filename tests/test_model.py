@@ -313,3 +313,20 @@ def test_vocab_prior_adds_a_latent_cosine_bonus_to_the_text_logits():
     assert "token_latents" in model.state_dict()  # it travels with the weights
     with pytest.raises(ValueError, match="token latents of shape"):
         model.set_token_latents(torch.zeros(VOCAB + 1, 1, cfg.latent_dim))
+
+
+def test_a_config_file_refines_a_model_preset(tmp_path):
+    from mmldlm.config import ConfigError, load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  preset: tiny\n  vocab_prior: true\n  num_blocks: 3\n")
+    cfg = load_config(path)
+    assert (cfg.model.vocab_prior, cfg.model.num_blocks, cfg.model.hidden_size) == (True, 3, tiny().hidden_size)
+    # `model=NAME` on the command line swaps in that preset's architecture; keys it does not set stay.
+    cfg = load_config(path, ["model=small"])
+    small = load_model_preset("small")
+    assert (cfg.model.vocab_prior, cfg.model.num_blocks, cfg.model.hidden_size) == (True, small.num_blocks,
+                                                                                     small.hidden_size)
+    path.write_text("model:\n  preset: [tiny]\n")
+    with pytest.raises(ConfigError, match=r"'model.preset': got \['tiny'\]; expected the name of a model preset"):
+        load_config(path)
