@@ -148,7 +148,7 @@ def training_words(dataset_dir: str) -> frozenset[str]:
     return frozenset(re.findall(r"[a-z]+", " ".join(texts).lower()))
 
 
-class AllSplits:
+class AllSplits(torch.utils.data.ConcatDataset):
     """Every sample of a prepared dataset, its train split then its val split, as one sequence: the
     part of PreparedDataset that evaluation reads through `run.val` (len, [i] and meta). No
     latent_stats: statistics come from the run's own train split, never from data evaluated on."""
@@ -158,18 +158,11 @@ class AllSplits:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.meta = fmt.read_meta(self.path)
-        self.parts = [PreparedDataset(self.path, name) for name in fmt.SPLITS if self.meta["splits"].get(name)]
-        self.starts = np.cumsum([0] + [len(part) for part in self.parts])  # index of each split's first sample
-
-    def __len__(self) -> int:
-        return int(self.starts[-1])
+        super().__init__([PreparedDataset(self.path, name) for name in fmt.SPLITS if self.meta["splits"].get(name)])
 
     def __getitem__(self, index: int) -> tuple[int, np.ndarray, np.ndarray]:
-        """(index, token ids (n,), latents (K, D)), as PreparedDataset's, index counted over both splits."""
-        if not 0 <= index < len(self):
-            raise IndexError(f"sample {index} outside the {len(self)} samples of {self.path}")
-        part = int(np.searchsorted(self.starts, index, side="right")) - 1
-        _, tokens, latents = self.parts[part][index - int(self.starts[part])]
+        """(index, token ids (n,), latents (K, D)), as PreparedDataset's, the index counted over both splits."""
+        _, tokens, latents = super().__getitem__(index)
         return index, tokens, latents
 
 
