@@ -60,9 +60,6 @@ class ModelConfig:
     null_latent: bool = True  # learned "no condition" latent for classifier-free guidance
     # Latent self-conditioning (Chen et al. 2022): the latent stream also reads an earlier x0 estimate.
     self_condition: bool = False
-    # The latent input (all K slots, projected) also joins the adaLN conditioning vector of every
-    # block, as SD3 adds its pooled text embedding: each text token reads it without attending.
-    latent_adaln: bool = False
     # A small head that predicts the text length from the clean latent (the model has no end-of-text
     # token): what a sampler uses where no source text gives the length.
     length_head: bool = True

@@ -67,8 +67,7 @@ def training_flops_per_sample(model: MultimodalMMDiT, seq_len: int, *, text_head
     if not latent_head:
         idle |= {id(p) for p in model.latent_head_parameters()}
 
-    once_per_sample = {id(m) for top in (model.latent_cond, model.length_head) if top is not None
-                       for m in top.modules()}
+    once_per_sample = {id(m) for m in model.length_head.modules()} if model.length_head is not None else set()
     matmul = 0
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or id(module.weight) in idle:

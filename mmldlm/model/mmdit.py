@@ -260,10 +260,6 @@ class MultimodalMMDiT(nn.Module):
         self.latent_pos = nn.Parameter(torch.empty(K, H))
         self.t_text_embed = TimestepEmbedder(cfg.timestep_embed_dim, H)
         self.t_latent_embed = TimestepEmbedder(cfg.timestep_embed_dim, H)
-        # The latent as a second conditioning path (SD3's pooled-embedding MLP, Esser et al. 2024 sec. 3.3):
-        # all K slots flattened, so nothing is pooled away.
-        self.latent_cond = (nn.Sequential(nn.Linear(K * D, H), nn.SiLU(), nn.Linear(H, H))
-                            if cfg.latent_adaln else None)
         # Classifier-free guidance: a learned stand-in for "no latent", in the (standardised) input space.
         self.null_latent = nn.Parameter(torch.empty(K, D)) if cfg.null_latent else None
 
@@ -374,8 +370,6 @@ class MultimodalMMDiT(nn.Module):
         elif latent_null is not None:
             raise ValueError("latent_null was given but model.null_latent is false: there is no null latent")
         x_latent = self.latent_proj(latents) + self.latent_pos  # (B, K, H)
-        if self.latent_cond is not None:
-            c = c + self.latent_cond(latents.reshape(B, K * D))  # (B, H)
         if self.latent_self_cond_proj is not None:
             # Zeros rather than a skipped branch when there is no estimate: the weight is in every graph,
             # so DDP never waits for its gradient in vain (as with the null latent).
