@@ -198,8 +198,7 @@ def length_prediction(run: TrainedRun, num_samples: int) -> dict | None:
     if getattr(run.model, "length_head", None) is None:
         return None
     ids, latents = _first_val(run, num_samples)
-    logits = run.model.length_logits(run.latent.standardize(latents.to(run.device)))  # (N, max_seq_len)
-    predicted = logits.argmax(dim=1).cpu() + 1
+    predicted = torch.tensor(run.predict_lengths(latents))
     true = torch.tensor([max(len(x), 1) for x in ids])
     return {"num_samples": len(ids), "accuracy": (predicted == true).float().mean().item(),
             "mean_abs_error": (predicted - true).abs().float().mean().item()}

@@ -13,7 +13,6 @@ evaluation read another prepared dataset (made with `mmldlm prepare --like RUN`)
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,10 +141,11 @@ class TrainedRun:
 def training_words(dataset_dir: str) -> frozenset[str]:
     """The lowercase letter runs of every training text of a prepared dataset, decoded (once per process:
     evaluation during training asks at every evaluation)."""
+    from mmldlm.sampling.evaluate import words
+
     train = PreparedDataset(dataset_dir, "train")
-    tokenizer = train.tokenizer()
-    texts = tokenizer.decode_batch([train[i][1].tolist() for i in range(len(train))])
-    return frozenset(re.findall(r"[a-z]+", " ".join(texts).lower()))
+    texts = train.tokenizer().decode_batch([train[i][1].tolist() for i in range(len(train))])
+    return frozenset(words(" ".join(texts)))
 
 
 class AllSplits(torch.utils.data.ConcatDataset):
