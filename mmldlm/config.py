@@ -476,8 +476,10 @@ class PerfConfig:
     """Speed and memory switches applied when the trainer sets the model up (see parallelize.py)."""
 
     # none; full: every block; every_k: blocks 0, k, 2k, ...; selective: every block, keeping the
-    # matmul and attention outputs and recomputing the cheap elementwise rest in backward.
-    activation_checkpointing: Literal["none", "full", "every_k", "selective"] = "none"
+    # matmul and attention outputs and recomputing the cheap elementwise rest in backward; auto: the
+    # least of none, selective, full under which the micro-batch fits (probed once at start-up;
+    # none with train.micro_batch_size=auto, which then sizes the micro-batch to fit without it).
+    activation_checkpointing: Literal["none", "full", "every_k", "selective", "auto"] = "none"
     checkpoint_every_k: int = 2
     compile: bool = False  # torch.compile each block (pair with data.pad_to_multiple=64: few shapes)
     # Toggle requires_grad over every parameter at every step, the older recipe's freezing

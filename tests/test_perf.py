@@ -273,3 +273,35 @@ def test_compiled_preset_adds_only_compile_and_its_padding():
     assert {key for key in compiled if compiled[key] != optimized[key]} == {
         "perf.compile", "data.pad_to_multiple", "train.run_dir"}
     assert compiled["perf.compile"] and compiled["data.pad_to_multiple"] == 64
+
+
+def test_auto_checkpointing_picks_the_least_that_fits(tmp_path, monkeypatch):
+    """auto probes none, then selective, then full, and keeps the first whose peak fits the cap."""
+    import mmldlm.training.batch_size as batch_size
+
+    real_probe = batch_size.probe_peak_bytes
+    seen = []
+
+    def probe(model, *args, **kwargs):
+        real_probe(model, *args, **kwargs)  # the real probe runs: checkpointing as applied
+        checkpointed = sum("forward" in block.__dict__ for block in model.blocks)
+        seen.append(checkpointed)
+        return {0: 3 * 2**30, len(model.blocks): 1 * 2**30}[checkpointed]  # none: 3 GiB, else 1 GiB
+
+    monkeypatch.setattr(batch_size, "probe_peak_bytes", probe)
+    for cap, expected in (("4", "none"), ("2", "selective"), ("0.5", "full")):
+        seen.clear()
+        _, trainer = run_losses(tmp_path / cap, ["perf.activation_checkpointing=auto", f"train.memory_cap_gib={cap}",
+                                                 "train.micro_batch_size=4"], steps=1)
+        assert trainer.activation_checkpointing == expected
+        assert len(seen) == {"none": 1, "selective": 2, "full": 3}[expected]
+        wrapped = sum("forward" in block.__dict__ for block in trainer.raw_model.blocks)
+        assert wrapped == (0 if expected == "none" else len(trainer.raw_model.blocks))
+
+
+def test_auto_checkpointing_trains_like_no_checkpointing(tmp_path):
+    """With room to spare auto checkpoints nothing, and the run's losses are those of `none`."""
+    auto, trainer = run_losses(tmp_path / "auto", ["perf.activation_checkpointing=auto", "train.memory_cap_gib=1000"])
+    plain, _ = run_losses(tmp_path / "none", ["perf.activation_checkpointing=none"])
+    assert trainer.activation_checkpointing == "none"
+    assert auto == plain

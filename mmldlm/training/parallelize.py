@@ -63,12 +63,17 @@ def checkpointed_blocks(num_blocks: int, cfg: PerfConfig) -> list[int]:
     """Indices of the blocks that activation checkpointing wraps."""
     if cfg.activation_checkpointing == "none":
         return []
+    if cfg.activation_checkpointing == "auto":
+        raise ValueError("perf.activation_checkpointing=auto is resolved by the trainer before the model is set up")
     step = cfg.checkpoint_every_k if cfg.activation_checkpointing == "every_k" else 1
     return list(range(0, num_blocks, step))
 
 
 def apply_activation_checkpointing(model: nn.Module, cfg: PerfConfig) -> None:
-    """Recompute the activations of the chosen blocks in backward instead of keeping them (in place)."""
+    """Recompute the activations of the chosen blocks in backward instead of keeping them (in place;
+    applying it again replaces what an earlier call set)."""
+    for block in model.blocks:
+        block.__dict__.pop("forward", None)  # back to the class's forward
     context_fn = None
     if cfg.activation_checkpointing == "selective":
         context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)

@@ -18,6 +18,7 @@ One optimizer step (`train_step`):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import random
@@ -143,7 +144,17 @@ class Trainer:
         self.raw_model = model.to(self.device)
         # The EMA copy is taken from the plain model, before checkpointing, compile or wrapping.
         self.ema = WeightEMA(self.raw_model, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
-        self.model = parallelize(self.raw_model, cfg.perf, cfg.distributed, info)
+        if self.device.type == "cuda":
+            # cuDNN's attention rebuilds its execution plan for every new padding mask: about 2.7 ms
+            # of host time per call (base preset on an H100), more than the kernel itself. The
+            # flash and memory-efficient kernels take masks without that (docs/benchmarks-gpu.md).
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        perf = cfg.perf
+        if perf.activation_checkpointing == "auto":
+            perf = dataclasses.replace(perf, activation_checkpointing=self._choose_checkpointing(
+                objective, max_seq_len or self.raw_model.cfg.max_seq_len))
+        self.activation_checkpointing = perf.activation_checkpointing  # what runs: auto resolved
+        self.model = parallelize(self.raw_model, perf, cfg.distributed, info)
         if self.ema is not None and info.distributed and cfg.distributed.strategy == "fsdp2":
             apply_fsdp(self.ema.module)
         self.objective = objective
@@ -170,10 +181,63 @@ class Trainer:
         accumulation_steps(cfg.train.global_batch_size, self.micro_batch_size, info.world_size,
                            "train.global_batch_size")
 
+    def _agree(self, fits: bool) -> bool:
+        """The same decision on every rank: a MIN all-reduce of the flag."""
+        if not self.info.distributed:
+            return fits
+        flag = torch.tensor([float(fits)], device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def _memory_cap(self) -> float | None:
+        from mmldlm.training.batch_size import default_memory_cap
+
+        cap = self.cfg.train.memory_cap_gib
+        return cap * 2**30 if cap is not None else default_memory_cap(self.device)
+
+    def _choose_checkpointing(self, objective, seq_len: int) -> str:
+        """perf.activation_checkpointing=auto: the least checkpointing (none, selective, full) under
+        which one joint-mode forward + backward of the micro-batch at full text length, plus AdamW's
+        state, fits the memory cap (train.memory_cap_gib; by default 90% of the GPU, or on CPU 80% of
+        the machine's memory). Recomputing costs time; checkpointing only what memory needs keeps a
+        run that fits as fast as it can be."""
+        from mmldlm.config import PerfConfig
+        from mmldlm.training.batch_size import probe_peak_bytes
+        from mmldlm.training.parallelize import apply_activation_checkpointing
+
+        micro = self.cfg.train.micro_batch_size
+        if micro == "auto":
+            log.info("activation checkpointing: auto -> none (train.micro_batch_size=auto sizes the "
+                     "micro-batch to fit without it)")
+            return "none"
+        cap = self._memory_cap()
+        if cap is None:  # CUDA: leave headroom for the allocator's fragmentation
+            cap = 0.9 * torch.cuda.get_device_properties(self.device).total_memory
+        peaks = {}
+        for mode in ("none", "selective", "full"):
+            apply_activation_checkpointing(self.raw_model, PerfConfig(activation_checkpointing=mode))
+            try:
+                peaks[mode] = probe_peak_bytes(self.raw_model, objective, micro, seq_len, self.device, self._autocast)
+                fits = peaks[mode] <= cap
+            except torch.OutOfMemoryError:
+                peaks[mode], fits = None, False
+                torch.cuda.empty_cache()
+            if self._agree(fits) or mode == "full":
+                break
+        apply_activation_checkpointing(self.raw_model, PerfConfig(activation_checkpointing="none"))
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the probes ran at full text length: give their blocks back
+        if self.info.is_main:
+            probed = ", ".join(f"{m} {p / 2**30:.2f} GiB" if p is not None else f"{m} out of memory"
+                               for m, p in peaks.items())
+            log.info("activation checkpointing: auto -> %s (micro-batch %d at text length %d, cap %.2f GiB; "
+                     "probed peak: %s)", mode, micro, seq_len, cap / 2**30, probed)
+        return mode
+
     def _find_micro_batch(self, seq_len: int) -> int:
         """train.micro_batch_size=auto: the largest micro-batch that fits (see batch_size.py), the
         same on every rank."""
-        from mmldlm.training.batch_size import default_memory_cap, find_micro_batch
+        from mmldlm.training.batch_size import find_micro_batch
 
         cfg, info = self.cfg.train, self.info
         batches = [cfg.global_batch_size] + [size for _, size in cfg.batch_schedule]
@@ -181,17 +245,9 @@ class Trainer:
             if size % info.world_size:
                 raise ConfigError(f"config key 'train.global_batch_size': got {size}; expected a multiple of "
                                   f"the world size {info.world_size}")
-        cap = cfg.memory_cap_gib * 2**30 if cfg.memory_cap_gib is not None else default_memory_cap(self.device)
-
-        def agree(fits: bool) -> bool:
-            if not info.distributed:
-                return fits
-            flag = torch.tensor([float(fits)], device=self.device)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-            return bool(flag.item())
-
+        cap = self._memory_cap()
         size, peaks = find_micro_batch(self.model, self.objective, [b // info.world_size for b in batches],
-                                       seq_len, self.device, cap, self._autocast, agree)
+                                       seq_len, self.device, cap, self._autocast, self._agree)
         if info.is_main:
             probed = ", ".join(f"{b}: {p / 2**30:.2f} GiB" if p is not None else f"{b}: out of memory"
                                for b, p in sorted(peaks.items()))
