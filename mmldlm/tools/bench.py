@@ -97,8 +97,10 @@ def bench_configs(opts: BenchOptions) -> list[dict]:
     last = flat_keys(to_dict(load_config(opts.optimized, base)))
     differ = [key for key in first if first[key] != last[key] and key not in IGNORED]
     if not opts.ladder:
-        return [{"name": "baseline", "config": opts.baseline, "changes": [], "overrides": base},
-                {"name": "optimized", "config": opts.optimized, "changes": differ, "overrides": base}]
+        # Each row is named by its config (two runs of one config: "NAME" and "NAME (2)").
+        second = opts.optimized if opts.optimized != opts.baseline else f"{opts.optimized} (2)"
+        return [{"name": opts.baseline, "config": opts.baseline, "changes": [], "overrides": base},
+                {"name": second, "config": opts.optimized, "changes": differ, "overrides": base}]
     rungs, covered, applied = [], set(), list(base)
     rungs.append({"name": "baseline", "config": opts.baseline, "changes": [], "overrides": list(applied)})
     groups = LADDER + [("other differences", [k for k in differ if not any(k in keys for _, keys in LADDER)])]
@@ -126,7 +128,7 @@ def _setup_worker_logging(name: str) -> None:
     root.propagate = False
 
 
-def _build_trainer(config: str, overrides: list[str], run_dir: str, extra: list[str] = ()):
+def build_trainer(config: str, overrides: list[str], run_dir: str, extra: list[str] = ()):
     from mmldlm.training.distributed import init_distributed
     from mmldlm.training.run import build_model_and_objective, open_train_data
     from mmldlm.training.trainer import Trainer, seed_everything
@@ -151,9 +153,10 @@ def _train_worker(conn, spec: dict, run_dir: str) -> None:
         import torch
 
         runtime = current_memory_bytes(torch.device("cpu"))  # before anything is built
-        cfg, info, trainer, _ = _build_trainer(spec["config"], spec["overrides"], run_dir)
+        cfg, info, trainer, _ = build_trainer(spec["config"], spec["overrides"], run_dir)
         if info.device.type == "cuda":
             runtime = 0  # CUDA's allocated counter starts at zero for this process
+            torch.cuda.empty_cache()  # what set-up probed is not held while the other configs run
         from mmldlm.model.info import parameter_counts
 
         conn.send({"ok": True, "device": str(info.device), "micro_batch_size": trainer.micro_batch_size,
@@ -173,6 +176,10 @@ def _train_worker(conn, spec: dict, run_dir: str) -> None:
                     # memory at once (the next step then faults its pages in again, a cost every rung
                     # pays per byte it uses). The peak already recorded stays.
                     release_free_memory()
+                if info.device.type == "cuda":
+                    # The configs share one GPU and take turns: a waiting config's cached blocks
+                    # would otherwise stay reserved and starve the running one.
+                    torch.cuda.empty_cache()
                 conn.send({"ok": True, "records": records})
             elif command[0] == "reset_memory":
                 reset_peak_memory(info.device)
@@ -192,16 +199,24 @@ def _fit_worker(conn, spec: dict, run_dir: str, cap_bytes: float, max_size: int)
     _setup_worker_logging(spec["name"] + " fit")
     os.setpgrp()
     try:
+        import torch
+
         from mmldlm.training.batch_size import probe_peak_bytes
 
-        _, info, trainer, data_cfg = _build_trainer(spec["config"], spec["overrides"], run_dir,
-                                                    ["perf.compile=false", "train.micro_batch_size=1",
-                                                     "train.global_batch_size=1", "data.num_workers=0"])
+        extra = ["perf.compile=false", "train.micro_batch_size=1", "train.global_batch_size=1", "data.num_workers=0"]
+        if load_config(spec["config"], spec["overrides"]).perf.activation_checkpointing == "auto":
+            # auto checkpoints as much as a micro-batch needs; the largest it can fit is under full.
+            extra.append("perf.activation_checkpointing=full")
+        _, info, trainer, data_cfg = build_trainer(spec["config"], spec["overrides"], run_dir, extra)
         peaks = {}
 
         def fits(size: int) -> bool:
-            peaks[size] = probe_peak_bytes(trainer.model, trainer.objective, size, data_cfg.max_length,
-                                           info.device, trainer._autocast)
+            try:
+                peaks[size] = probe_peak_bytes(trainer.model, trainer.objective, size, data_cfg.max_length,
+                                               info.device, trainer._autocast)
+            except torch.OutOfMemoryError:  # CUDA ran out before the cap: does not fit
+                peaks[size] = float("inf")
+                torch.cuda.empty_cache()
             return peaks[size] <= cap_bytes
 
         lo, hi = 0, None  # lo fits (0: nothing yet), hi does not
@@ -213,7 +228,8 @@ def _fit_worker(conn, spec: dict, run_dir: str, cap_bytes: float, max_size: int)
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         conn.send({"ok": True, "largest": lo, "capped_by_max": hi is None, "text_length": data_cfg.max_length,
-                   "peaks_gib": {str(k): round(v / 2**30, 3) for k, v in sorted(peaks.items())}})
+                   "peaks_gib": {str(k): round(v / 2**30, 3) if math.isfinite(v) else None  # None: out of memory
+                                 for k, v in sorted(peaks.items())}})
     except Exception as err:
         conn.send({"ok": False, "error": f"{type(err).__name__}: {err}"})
 
@@ -419,7 +435,8 @@ def markdown(report: dict) -> str:
     r = report["ratios"]
     lines += ["", f"State: 16 bytes per parameter (fp32 weights, gradients, AdamW moments), "
                   f"{first['state_gib']:.2f} GiB in every config.", "",
-              f"optimized / baseline: samples/s **{r['samples_per_s']:.2f}x** (from the fastest steps "
+              f"{report['options']['optimized']} / {report['options']['baseline']}: "
+                  f"samples/s **{r['samples_per_s']:.2f}x** (from the fastest steps "
                   f"{r['best_samples_per_s']:.2f}x), tokens/s "
                   f"{r['tokens_per_s']:.2f}x, peak memory at equal batch **{r['peak_memory_gib']:.2f}x** "
                   f"(above the {first['state_gib']:.2f} GiB of weights, gradients and AdamW state: "

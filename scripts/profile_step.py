@@ -1,0 +1,68 @@
+"""Profile training steps of one config and print where the time goes: the top operators by device
+(GPU kernel) time and by host time, and how busy the device was.
+
+    python scripts/profile_step.py optimized model=base data.path=DIR --warmup 5 --steps 4 --out DIR
+
+The config is built exactly as `mmldlm bench` builds it; the warm-up steps (compile, allocator,
+loader workers) are not recorded. OUT gets the tables (profile.txt) and a trace (trace.json, for
+https://ui.perfetto.dev).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", help="config name or file, e.g. optimized")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    parser.add_argument("--warmup", type=int, default=5, help="steps before recording (default 5)")
+    parser.add_argument("--steps", type=int, default=4, help="recorded steps (default 4)")
+    parser.add_argument("--rows", type=int, default=25, help="operators per table (default 25)")
+    parser.add_argument("--out", default="runs/profile", help="directory for profile.txt and trace.json")
+    args = parser.parse_args(argv)
+
+    from mmldlm.tools.bench import build_trainer
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as run_dir:
+        cfg, info, trainer, _ = build_trainer(args.config, args.overrides, run_dir)
+        cuda = info.device.type == "cuda"
+        for _ in range(args.warmup):
+            trainer.train_step()
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        with torch.profiler.profile(activities=activities) as prof:
+            started = time.perf_counter()
+            records = [trainer.train_step() for _ in range(args.steps)]
+            if cuda:
+                torch.cuda.synchronize(info.device)
+            wall = time.perf_counter() - started
+    averages = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in averages) if cuda else 0.0
+    lines = [f"# profile: {args.config} {' '.join(args.overrides)}",
+             f"device {info.device}, torch {torch.__version__}, {args.steps} steps after {args.warmup} warm-up, "
+             f"modes {[r['mode'] for r in records]}",
+             f"wall {wall / args.steps * 1e3:.1f} ms per step; step_time_s median "
+             f"{sorted(r['step_time_s'] for r in records)[len(records) // 2] * 1e3:.1f} ms (profiler on)"]
+    if cuda:
+        lines.append(f"device busy {device_us / 1e3 / args.steps:.1f} ms per step = "
+                     f"{device_us / 1e6 / wall:.0%} of wall (sum of kernel times)")
+        lines += ["", "## by device time", averages.table(sort_by="self_device_time_total", row_limit=args.rows)]
+    lines += ["", "## by host time", averages.table(sort_by="self_cpu_time_total", row_limit=args.rows)]
+    text = "\n".join(lines)
+    (out / "profile.txt").write_text(text + "\n")
+    prof.export_chrome_trace(str(out / "trace.json"))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
