@@ -264,8 +264,17 @@ class OptimConfig:
     # the older recipe's optimizer (baseline preset only).
     foreach: bool = True
     grad_clip: float = 1.0  # max global grad norm; 0 = measure the norm but do not clip
+    # Update each parameter as soon as its gradient is ready in backward and free that gradient, so
+    # the full set of gradients never exists at once (4 bytes per parameter less at the peak).
+    # Needs one process, no gradient accumulation, grad_clip 0 (the global norm is known only after
+    # every update) and not fp16 (its scaler unscales all gradients at once); see trainer.py.
+    step_in_backward: bool = False
 
     def check(self, prefix: str = "optim") -> None:
+        if self.step_in_backward and self.grad_clip > 0:
+            _fail(f"{prefix}.grad_clip", self.grad_clip,
+                  f"0 with {prefix}.step_in_backward=true (each parameter is updated before the global gradient "
+                  f"norm that clipping needs is known; or set {prefix}.step_in_backward=false)")
         if self.lr <= 0:
             _fail(f"{prefix}.lr", self.lr, "a number > 0")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
@@ -516,6 +525,9 @@ class RunConfig:
             section = getattr(self, f.name)
             if hasattr(section, "check"):
                 section.check(f.name)
+        if self.optim.step_in_backward and self.train.precision == "fp16":
+            _fail("optim.step_in_backward", True, "false with train.precision=fp16 (the loss scaler unscales and "
+                  "checks every gradient before any update); use bf16, fp32 or auto")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -305,3 +305,64 @@ def test_auto_checkpointing_trains_like_no_checkpointing(tmp_path):
     plain, _ = run_losses(tmp_path / "none", ["perf.activation_checkpointing=none"])
     assert trainer.activation_checkpointing == "none"
     assert auto == plain
+
+
+SIB = ["train.precision=fp32", "optim.grad_clip=0", "train.micro_batch_size=8"]
+
+
+def test_step_in_backward_gives_the_ordinary_steps_parameters(tmp_path):
+    """fp32, no clipping, no accumulation: updating each parameter inside backward is the same AdamW
+    update as the ordinary step after it (to 1e-6 relative), step after step."""
+    ordinary, plain = run_losses(tmp_path / "ordinary", SIB, steps=3)
+    fused, inside = run_losses(tmp_path / "inside", [*SIB, "optim.step_in_backward=true"], steps=3)
+    assert inside.step_in_backward and not plain.step_in_backward
+    torch.testing.assert_close(torch.tensor(fused), torch.tensor(ordinary), rtol=1e-6, atol=0)
+    for (name, a), (_, b) in zip(plain.raw_model.named_parameters(), inside.raw_model.named_parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
+    states = [plain.optimizer.state_dict()["state"], inside.optimizer.state_dict()["state"]]
+    assert states[0].keys() == states[1].keys() and len(states[0]) > 0
+
+
+def test_step_in_backward_never_holds_every_gradient(tmp_path):
+    """During backward each gradient is freed once its parameter is updated: a hook that runs after
+    the trainer's finds no parameter holding a gradient; in the ordinary step they pile up."""
+    most = {}
+    for name, extra in (("ordinary", []), ("inside", ["optim.step_in_backward=true"])):
+        _, trainer = run_losses(tmp_path / name, [*SIB, *extra], steps=1)
+        params = [p for p in trainer.raw_model.parameters() if p.requires_grad]
+        most[name] = 0
+
+        def count(_param, params=params, name=name):
+            most[name] = max(most[name], sum(p.grad is not None for p in params))
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(count)
+        trainer.train_step()
+    assert most["inside"] == 0
+    assert most["ordinary"] > len(params) // 2
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["optim.step_in_backward=true", "optim.grad_clip=1.0"], "optim.grad_clip"),
+    (["optim.step_in_backward=true", "optim.grad_clip=0", "train.precision=fp16"], "optim.step_in_backward"),
+])
+def test_step_in_backward_refuses_what_it_cannot_do_in_the_config(overrides, key):
+    from mmldlm.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        load_config(None, overrides)
+
+
+def test_step_in_backward_refuses_gradient_accumulation(tmp_path):
+    from mmldlm.config import ConfigError
+
+    with pytest.raises(ConfigError, match="optim.step_in_backward.*accumulation.*micro-batches of 4"):
+        run_losses(tmp_path, ["optim.step_in_backward=true", "optim.grad_clip=0", "train.micro_batch_size=4"], steps=1)
+
+
+def test_lean_preset_is_the_optimized_one_with_the_step_in_backward():
+    optimized = flat_keys(to_dict(load_config("optimized", [])))
+    lean = flat_keys(to_dict(load_config("lean", [])))
+    assert {key for key in lean if lean[key] != optimized[key]} == {
+        "optim.step_in_backward", "optim.grad_clip", "train.micro_batch_size", "train.run_dir"}
+    assert lean["train.micro_batch_size"] == lean["train.global_batch_size"]

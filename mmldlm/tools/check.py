@@ -141,8 +141,8 @@ def count_parameters(cfg: RunConfig, vocab_size: int) -> int:
 def estimate(cfg: RunConfig, env: Environment) -> Estimate:
     """Memory per process and checkpoint size from the parameter count P.
 
-    Static: fp32 weights 4P + gradients 4P + AdamW moments 8P (divided by the world size under
-    FSDP2, which shards all three), plus a 2P low-precision weight copy under bf16/fp16 autocast,
+    Static: fp32 weights 4P + gradients 4P (none all at once with optim.step_in_backward) + AdamW
+    moments 8P (divided by the world size under FSDP2, which shards all three), plus a 2P low-precision weight copy under bf16/fp16 autocast,
     plus runtime overhead (CUDA context and allocator slack 0.75 GiB; 0.3 GiB of process on CPU).
     Activations per sample: a GPT block stores about S * H * (34 + 5 * nh * S / H) bytes with 16-bit
     activations (Korthikanti et al. 2022, sec. 4.1), over S = L + K tokens here. An MMDiT block also
@@ -160,7 +160,8 @@ def estimate(cfg: RunConfig, env: Environment) -> Estimate:
     tokens = seq_len + m.num_latents
     low_precision = cfg.train.precision in ("bf16", "fp16") or (cfg.train.precision == "auto" and env.native_bf16)
     shards = env.world_size if cfg.distributed.strategy == "fsdp2" else 1
-    static = 16 * params / shards + (2 * params if low_precision else 0)
+    state = 12 if cfg.optim.step_in_backward else 16  # no full set of gradients with the step in backward
+    static = state * params / shards + (2 * params if low_precision else 0)
     static += (0.75 if env.device == "cuda" else 0.3) * GIB
     attention = 5 * m.num_heads * tokens / m.hidden_size if m.attention == "explicit" else 0
     per_block = tokens * m.hidden_size * (50 + attention) * (1 if low_precision else 2)

@@ -180,6 +180,70 @@ class Trainer:
             accumulation_steps(size, self.micro_batch_size, info.world_size, f"train.batch_schedule[{i}]")
         accumulation_steps(cfg.train.global_batch_size, self.micro_batch_size, info.world_size,
                            "train.global_batch_size")
+        self.step_in_backward = cfg.optim.step_in_backward
+        if self.step_in_backward:
+            self._setup_step_in_backward()
+
+    def _backward_with_updates(self, loss: torch.Tensor) -> None:
+        """optim.step_in_backward's backward: the hooks update each parameter as its gradient arrives.
+        A non-finite loss takes no backward at all (the step is then skipped, as in the ordinary step)."""
+        if not torch.isfinite(loss):
+            return
+        self._idle = {id(p) for p in self.idle_parameters(self.objective.mode_at(self.step))}
+        self._in_step = True
+        try:
+            loss.backward()
+        finally:
+            self._in_step = False
+
+    def _setup_step_in_backward(self) -> None:
+        """optim.step_in_backward: a post-accumulate-grad hook on every parameter runs AdamW on that
+        parameter alone and frees its gradient, as in PyTorch's tutorial on fusing the optimizer step
+        into backward. The optimizer, its state dict and the LR schedule stay those of the ordinary
+        step, so checkpoints are the same either way."""
+        cfg, info = self.cfg, self.info
+        if info.distributed:
+            raise ConfigError("config key 'optim.step_in_backward': got True; expected false with more than one "
+                              f"process (world size {info.world_size}): a parameter would be updated with its local "
+                              "gradient before the data-parallel reduction")
+        for size in [cfg.train.global_batch_size] + [size for _, size in cfg.train.batch_schedule]:
+            if size != self.micro_batch_size:
+                raise ConfigError(
+                    f"config key 'optim.step_in_backward': got True; expected false with gradient accumulation "
+                    f"(global batch {size} = {size // self.micro_batch_size} micro-batches of {self.micro_batch_size}): "
+                    f"each parameter is updated as soon as one micro-batch's gradient arrives. Set "
+                    f"train.micro_batch_size to the global batch size, or optim.step_in_backward=false")
+        self._in_step = False  # the hooks act only inside train_step's backward, never in a probe
+        self._idle: set[int] = set()
+        self._grad_sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._bad_grads = 0
+
+        def hook(param: nn.Parameter) -> None:
+            if not self._in_step:
+                return
+            if id(param) in self._idle:  # the idle head never moves (see train_step)
+                param.grad = None
+                return
+            # The norm in the gradient's own dtype: no copy of it; a non-finite element makes it non-finite.
+            norm = torch.linalg.vector_norm(param.grad.detach())
+            self._grad_sq += norm.double() ** 2
+            if torch.isfinite(norm):
+                # AdamW over this parameter alone: its group's current values (lr from the schedule)
+                # with one parameter, so the step does not walk every parameter for each one.
+                groups = self.optimizer.param_groups
+                self.optimizer.param_groups = [{**self._group_of[param], "params": [param]}]
+                try:
+                    self.optimizer.step()
+                finally:
+                    self.optimizer.param_groups = groups
+            else:  # this parameter keeps its value; the ones updated before it keep their update
+                self._bad_grads += 1
+            param.grad = None
+
+        self._group_of = {param: group for group in self.optimizer.param_groups for param in group["params"]}
+        for param in self.raw_model.parameters():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(hook)
 
     def _agree(self, fits: bool) -> bool:
         """The same decision on every rank: a MIN all-reduce of the flag."""
@@ -352,7 +416,10 @@ class Trainer:
                     if self.anchor_idle:
                         loss = anchor(loss, idle)
                 scaled = loss / num_accum
-                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+                if self.step_in_backward:
+                    self._backward_with_updates(loss)
+                else:
+                    (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             sums[_LOSS] += loss.detach().double().item() / num_accum
             sums[_TEXT] += float(metrics.get("text_loss", 0.0)) / num_accum
             sums[_LATENT] += float(metrics.get("latent_loss", 0.0)) / num_accum
@@ -366,13 +433,18 @@ class Trainer:
 
         for p in idle:  # AdamW must not move the idle head (its gradient is an anchored zero or None)
             p.grad = None
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm, foreach=True)
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm is a DTensor over the shards
-            grad_norm = grad_norm.full_tensor()
-        grad_norm = grad_norm.item()
+        if self.step_in_backward:  # the updates are done: the norm of the gradients they used
+            grad_norm = math.sqrt(self._grad_sq.item()) if self._bad_grads == 0 else math.nan
+            self._grad_sq.zero_()
+            self._bad_grads = 0
+        else:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+            max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm, foreach=True)
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm is a DTensor over the shards
+                grad_norm = grad_norm.full_tensor()
+            grad_norm = grad_norm.item()
         if info.distributed:
             with collective_guard(f"loss all-reduce of step {step + 1}", info):
                 reduced = sums.to(self.device)
@@ -393,7 +465,9 @@ class Trainer:
                 self.scaler.update()
         else:
             self.consecutive_skips = 0
-            if self.scaler is not None:
+            if self.step_in_backward:
+                pass  # each parameter was updated in backward
+            elif self.scaler is not None:
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
             else:
@@ -420,6 +494,12 @@ class Trainer:
         }
         if self.peak_flops is not None:
             record["mfu"] = flops / step_time / self.peak_flops  # this rank's share = the average
+        if self.cfg.perf.compile:
+            # Graphs compiled so far in this process: flat after the first padded lengths were seen;
+            # growing step after step is a recompilation storm (data.pad_to_multiple bounds the shapes).
+            from torch._dynamo.utils import counters
+
+            record["compiled_graphs"] = counters["stats"]["unique_graphs"]
         if not skipped:
             self.schedule.observe(record["loss"])
         return record
