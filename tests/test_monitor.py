@@ -98,6 +98,11 @@ def _memory_creep(records):
         r["mem_rss_gib"] += 0.01 * i
 
 
+def _recompiles(records):  # compiled once at the start, then one more graph per record from step 150
+    for i, r in enumerate(records):
+        r["compiled_graphs"] = 4 + max(0, i - 148)
+
+
 @pytest.mark.parametrize("edit,kind,first,last", [pytest.param(*case, id=case[1]) for case in [
     (_nonfinite, "nonfinite", 150, 150),
     (_unlogged_skips, "skipped_updates", 150, 150),
@@ -108,6 +113,7 @@ def _memory_creep(records):
     (_scale("samples_per_s", 0.5, 150), "throughput_drop", 152, 152),  # the 3rd slow record tips the median of 5
     (_scale("data_wait_share", 25.0, 150), "data_wait", 152, 152),
     (_memory_creep, "memory_creep", 151, 180),
+    (_recompiles, "recompiles", 158, 158),  # the 9th new graph
 ]])
 def test_each_alert_fires_at_its_step_and_nothing_else(tmp_path, edit, kind, first, last):
     records = make_records()

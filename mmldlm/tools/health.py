@@ -58,6 +58,7 @@ class HealthConfig:
     memory_creep_min_gib: float = 0.05  # ...and above this many GiB
     warmup_records: int = 2  # first records of the run left out of throughput and memory baselines
     resume_tolerance: float = 1e-3  # relative loss difference of a re-trained step after a resume
+    recompile_growth: int = 8  # graphs compiled after the first min_history records: a recompilation storm
 
     def check(self) -> None:
         for name, value in asdict(self).items():
@@ -89,6 +90,8 @@ REMEDIES = {
     "stall": "a rank or the loader is stuck: distributed.timeout_minutes bounds how long a collective waits "
              "(30 by default; `mmldlm check` flags absurd values), look at each rank's log "
              "(scripts/launch.sh writes logs/node-N.log), resume with --resume auto",
+    "recompiles": "each new padded text length compiles the blocks again: data.pad_to_multiple=64 bounds the "
+                  "shapes to a few, or perf.compile=false; the records' compiled_graphs counts the graphs",
     "resume_mismatch": "the resumed run does not repeat the interrupted one: resume with the same config, data "
                        "and number of processes; train.deterministic=true makes resumed losses repeat exactly",
 }
@@ -157,6 +160,7 @@ class HealthTracker:
         self._data_wait = deque(maxlen=self.cfg.throughput_window)
         self._memory = deque(maxlen=self.cfg.memory_window)
         self._num_skipped = 0
+        self._graphs_after_warmup = None
 
     def _mode(self, name: str) -> _ModeState:
         if name not in self._modes:
@@ -187,9 +191,25 @@ class HealthTracker:
             self._check_grad_norm(state, grad_norm, step, mode)
         self._check_throughput(state, record, step, mode)
         self._check_memory(record, step)
+        self._check_compiles(record, step)
         return self.alerts[before:]
 
     # ---------------------------------------------------------------- detectors
+
+    def _check_compiles(self, record: dict, step: int) -> None:
+        """perf.compile: graphs compiled after the first min_history records (the padded lengths seen
+        first) should stay few; growth beyond recompile_growth means the shapes keep changing."""
+        graphs = record.get("compiled_graphs")
+        if not finite(graphs):
+            return
+        if self.num_records <= self.cfg.min_history or self._graphs_after_warmup is None:
+            self._graphs_after_warmup = graphs
+            return
+        grown = graphs - self._graphs_after_warmup
+        if self._latches["recompiles"].fire(grown > self.cfg.recompile_growth):
+            self._raise("recompiles", "warning", step,
+                        f"{grown:.0f} graphs compiled after the first {self.cfg.min_history} records ({graphs:.0f} in "
+                        f"all; alert above {self.cfg.recompile_growth}): the input shapes keep changing")
 
     def _check_finite(self, record: dict, step: int, mode: str) -> None:
         bad = {k: record.get(k) for k in ("loss", "grad_norm", "text_loss", "latent_loss")
