@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.synchronize(info.device)
             wall = time.perf_counter() - started
     averages = prof.key_averages()
-    device_us = sum(e.self_device_time_total for e in averages) if cuda else 0.0
+    # Kernels are the events of device type CUDA; an operator's row repeats its kernels' time.
+    device_us = sum(e.self_device_time_total for e in averages
+                    if e.device_type == torch.autograd.DeviceType.CUDA) if cuda else 0.0
     lines = [f"# profile: {args.config} {' '.join(args.overrides)}",
              f"device {info.device}, torch {torch.__version__}, {args.steps} steps after {args.warmup} warm-up, "
              f"modes {[r['mode'] for r in records]}",

@@ -1,0 +1,144 @@
+"""What only a GPU can show: bf16 autocast over fp32 master weights, fp16 with its GradScaler, the
+flash / memory-efficient attention kernel really selected, compile of checkpointed blocks, FSDP2
+and DDP over NCCL in one process. Marked `cuda`: `pytest -m cuda` runs them where CUDA is present
+(scripts/gpu_suite.sh does); on a machine without CUDA they are skipped, never failed."""
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from test_perf import RandomLoader, model_inputs, objective_for, tiny_model
+
+from mmldlm.config import PerfConfig, load_config
+from mmldlm.training.distributed import DistInfo
+from mmldlm.training.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp
+from mmldlm.training.trainer import Trainer
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+CUDA = torch.device("cuda", 0)
+
+
+def cuda_trainer(tmp_path, overrides, steps=6):
+    cfg = load_config(None, ["train.log_every=1", "logging.progress_bar=false", "schedule.kind=constant",
+                             "schedule.warmup_steps=0", "optim.lr=3e-3", f"train.run_dir={tmp_path}",
+                             f"train.steps={steps}", "train.global_batch_size=8", "train.device=cuda", *overrides])
+    return Trainer(cfg, tiny_model(), objective_for(cfg), lambda micro: RandomLoader(micro), DistInfo(device=CUDA))
+
+
+def on_cuda(inputs):
+    return tuple(x.to(CUDA) for x in inputs)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_keeps_fp32_masters_and_learns(tmp_path, precision):
+    """Autocast computes in low precision while weights, gradients and AdamW state stay fp32; fp16
+    runs through a GradScaler whose scale stays finite; the loss falls."""
+    trainer = cuda_trainer(tmp_path, [f"train.precision={precision}"], steps=30)
+    assert (trainer.scaler is not None) == (precision == "fp16")
+    losses = [trainer.train_step()["loss"] for _ in range(30)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-5:]) < sum(losses[:5])
+    for p in trainer.raw_model.parameters():
+        assert p.dtype == torch.float32 and p.device.type == "cuda"
+        assert all(v.dtype == torch.float32 for v in trainer.optimizer.state[p].values() if v.dim() > 0)
+    if trainer.scaler is not None:
+        assert 0 < trainer.scaler.get_scale() < float("inf")
+    with trainer._autocast():
+        logits, _, _ = trainer.raw_model(*on_cuda(model_inputs()[:4]),
+                                         text_pad_mask=model_inputs()[4].to(CUDA))
+    assert logits.dtype == (torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
+def test_attention_runs_a_flash_or_memory_efficient_kernel(tmp_path):
+    """With a padding mask and bf16, the trainer's set-up leaves SDPA the flash or memory-efficient
+    kernel (cuDNN's rebuilds its plan for each new mask; the math fallback materialises the scores)."""
+    trainer = cuda_trainer(tmp_path, ["train.precision=bf16"])
+    model = trainer.raw_model
+    tokens, latents, t_text, t_latent, pad_mask = on_cuda(model_inputs(batch=8))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                            torch.profiler.ProfilerActivity.CPU]) as prof:
+        with trainer._autocast():
+            logits, out, _ = model(tokens, latents, t_text, t_latent, text_pad_mask=pad_mask)
+        (logits.float().logsumexp(-1).mean() + out.float().pow(2).mean()).backward()
+        torch.cuda.synchronize()
+    ops = {e.key for e in prof.key_averages()}
+    attention = {op for op in ops if op.startswith("aten::_scaled_dot_product") or op.startswith("aten::_efficient")
+                 or op.startswith("aten::_flash")}
+    assert attention & {"aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention"}, ops
+    assert not any("cudnn" in op or "math" in op for op in attention), attention
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "selective"])
+def test_compiled_checkpointed_block_keeps_loss_and_gradients_on_cuda(checkpointing):
+    """Inductor with Triton kernels: loss and gradients as eager (fp32, tolerance of TF32-free matmuls)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    plain = tiny_model(num_blocks=2).to(CUDA)
+    compiled = copy.deepcopy(plain)
+    apply_activation_checkpointing(compiled, PerfConfig(activation_checkpointing=checkpointing))
+    counter = CompileCounterWithBackend("inductor")
+    apply_compile(compiled, backend=counter)
+
+    def run(model):
+        tokens, latents, t_text, t_latent, pad_mask = on_cuda(model_inputs())
+        logits, out, _ = model(tokens, latents, t_text, t_latent, text_pad_mask=pad_mask)
+        loss = F.cross_entropy(logits.transpose(1, 2), tokens) + out.pow(2).mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    reference, other = run(plain), run(compiled)
+    torch.testing.assert_close(other[0], reference[0], rtol=1e-4, atol=1e-5)
+    for name in reference[1]:
+        torch.testing.assert_close(other[1][name], reference[1][name], rtol=1e-3, atol=1e-5, msg=name)
+    assert counter.frame_count >= 1 and counter.op_count > 0
+
+
+@pytest.fixture
+def nccl_group():
+    """A one-process NCCL group on this GPU, torn down after the test."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(CUDA)
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=CUDA)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_one_process_nccl_wrap_matches_the_plain_model(nccl_group, wrap):
+    """DDP's NCCL all-reduce and FSDP2's sharding over one GPU give the plain model's loss and
+    gradients: the collectives run, and change nothing with one rank."""
+    plain = tiny_model().to(CUDA)
+    wrapped = copy.deepcopy(plain)
+    if wrap == "ddp":
+        wrapped = torch.nn.parallel.DistributedDataParallel(wrapped, device_ids=[0], find_unused_parameters=True)
+    else:
+        apply_fsdp(wrapped)
+
+    def run(model):
+        tokens, latents, t_text, t_latent, pad_mask = on_cuda(model_inputs())
+        logits, out, _ = model(tokens, latents, t_text, t_latent, text_pad_mask=pad_mask)
+        loss = F.cross_entropy(logits.transpose(1, 2), tokens) + out.pow(2).mean()
+        loss.backward()
+        grads = {}
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                grads[n.removeprefix("module.")] = g.detach().clone()
+        return loss.detach(), grads
+
+    reference, other = run(plain), run(wrapped)
+    torch.testing.assert_close(other[0], reference[0], rtol=1e-5, atol=1e-6)
+    assert reference[1].keys() == other[1].keys()
+    for name in reference[1]:
+        torch.testing.assert_close(other[1][name], reference[1][name], rtol=1e-4, atol=1e-6, msg=name)
+
