@@ -160,6 +160,7 @@ def _train_worker(conn, spec: dict, run_dir: str) -> None:
         from mmldlm.model.info import parameter_counts
 
         conn.send({"ok": True, "device": str(info.device), "micro_batch_size": trainer.micro_batch_size,
+                   "step_in_backward": trainer.step_in_backward,
                    "global_batch_size": cfg.train.global_batch_size,
                    "parameters": parameter_counts(trainer.raw_model)["total"]})
         while True:
@@ -284,10 +285,14 @@ def _spread(values: list[float]) -> dict:
 def _summary(setup: dict, records: list[dict], memory: dict) -> dict:
     times = [r["step_time_s"] for r in records]
     peak_gib = (memory["peak_bytes"] - memory["runtime_bytes"]) / 2**30
-    # fp32 weights, gradients and AdamW's two moments: 16 bytes per parameter, the same in every
-    # config (one process, nothing sharded). The rest of the peak is what the switches can move:
-    # activations, low-precision weight copies, temporaries.
-    state_gib = 16 * setup["parameters"] / 2**30
+    # The training state in one process: fp32 weights (4 bytes per parameter), gradients (4; none
+    # held all at once with optim.step_in_backward) and AdamW's two fp32 moments (8). The rest of the
+    # peak is activations, low-precision weight copies and temporaries.
+    params = setup["parameters"]
+    split = {"weights_gib": 4 * params / 2**30,
+             "gradients_gib": 0.0 if setup.get("step_in_backward") else 4 * params / 2**30,
+             "optimizer_state_gib": 8 * params / 2**30}
+    state_gib = sum(split.values())
     step_time = _spread(times)
     mfu = [r["mfu"] for r in records if r.get("mfu") is not None]
     device_is_cuda = setup["device"].startswith("cuda")
@@ -302,6 +307,7 @@ def _summary(setup: dict, records: list[dict], memory: dict) -> dict:
         "data_wait_share": statistics.median(r["data_wait_share"] for r in records),
         "peak_memory_gib": peak_gib,
         "state_gib": state_gib,
+        **split,
         "peak_above_state_gib": peak_gib - state_gib,
         "peak_memory_kind": "cuda_max_allocated" if device_is_cuda else "cpu_peak_rss_above_runtime",
         "peak_rss_gib": None if device_is_cuda else memory["peak_bytes"] / 2**30,
@@ -410,7 +416,7 @@ def markdown(report: dict) -> str:
     memory_label = "peak CUDA alloc GiB" if memory_kind == "cuda_max_allocated" else "peak RSS above runtime GiB"
     fit = "largest_micro_batch" in configs[order[0]]
     header = ["config", "micro x accum", "samples/s", "tokens/s", "step s (median)", "step s (min, p10-p90)",
-              memory_label, "of which above state", "MFU"]
+              memory_label, "weights / grads / AdamW / rest GiB", "MFU"]
     if fit:
         header.append(f"largest micro-batch @ {report['options']['memory_cap_gib']:g} GiB")
     if len(order) > 2:
@@ -423,7 +429,9 @@ def markdown(report: dict) -> str:
         row = [name, f"{c['micro_batch_size']} x {c['accumulation_steps']}", f"{c['samples_per_s']:.2f}",
                f"{c['tokens_per_s']:.0f}", f"{c['step_time_s']['median']:.3f}",
                f"{c['step_time_s']['min']:.3f}, {c['step_time_s']['p10']:.3f}-{c['step_time_s']['p90']:.3f}",
-               f"{c['peak_memory_gib']:.2f}", f"{c['peak_above_state_gib']:.2f}",
+               f"{c['peak_memory_gib']:.2f}",
+               " / ".join(f"{c.get(k, 0.0):.2f}" for k in ("weights_gib", "gradients_gib", "optimizer_state_gib"))
+               + f" / {c['peak_above_state_gib']:.2f}",
                f"{c['mfu']:.1%}" if c["mfu"] is not None else "n/a"]
         if fit:
             row.append(str(c["largest_micro_batch"]) if "largest_micro_batch" in c else "")
@@ -433,14 +441,14 @@ def markdown(report: dict) -> str:
         lines.append("| " + " | ".join(row) + " |")
         previous = c
     r = report["ratios"]
-    lines += ["", f"State: 16 bytes per parameter (fp32 weights, gradients, AdamW moments), "
-                  f"{first['state_gib']:.2f} GiB in every config.", "",
+    lines += ["", "Training state: fp32 weights 4 bytes per parameter, gradients 4 (none held all at once "
+                  "with optim.step_in_backward), AdamW moments 8; rest = activations, low-precision copies, "
+                  "temporaries.", "",
               f"{report['options']['optimized']} / {report['options']['baseline']}: "
                   f"samples/s **{r['samples_per_s']:.2f}x** (from the fastest steps "
                   f"{r['best_samples_per_s']:.2f}x), tokens/s "
                   f"{r['tokens_per_s']:.2f}x, peak memory at equal batch **{r['peak_memory_gib']:.2f}x** "
-                  f"(above the {first['state_gib']:.2f} GiB of weights, gradients and AdamW state: "
-                  f"{r['peak_above_state_gib']:.2f}x)"
+                  f"(the rest, above the training state: {r['peak_above_state_gib']:.2f}x)"
               + (f", largest micro-batch **{r['largest_micro_batch']:.2f}x**" if r.get("largest_micro_batch") else "")
               + ".", ""]
     if len(order) > 2:
