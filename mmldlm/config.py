@@ -269,6 +269,11 @@ class OptimConfig:
     # Needs one process, no gradient accumulation, grad_clip 0 (the global norm is known only after
     # every update) and not fp16 (its scaler unscales all gradients at once); see trainer.py.
     step_in_backward: bool = False
+    # AdamW's two moments: fp32 (8 bytes per parameter), or block-quantized int8 (about 2) or int4
+    # (about 1) by torchao's low-bit AdamW (weights stay fp32; tensors under 4096 elements keep fp32
+    # moments). torchao compiles its update once per parameter shape: tens of seconds at start-up.
+    # optim.fused and optim.foreach apply to fp32 state only.
+    state_dtype: Literal["fp32", "int8", "int4"] = "fp32"
 
     def check(self, prefix: str = "optim") -> None:
         if self.step_in_backward and self.grad_clip > 0:

@@ -160,7 +160,7 @@ def _train_worker(conn, spec: dict, run_dir: str) -> None:
         from mmldlm.model.info import parameter_counts
 
         conn.send({"ok": True, "device": str(info.device), "micro_batch_size": trainer.micro_batch_size,
-                   "step_in_backward": trainer.step_in_backward,
+                   "step_in_backward": trainer.step_in_backward, "state_dtype": cfg.optim.state_dtype,
                    "global_batch_size": cfg.train.global_batch_size,
                    "parameters": parameter_counts(trainer.raw_model)["total"]})
         while True:
@@ -286,12 +286,15 @@ def _summary(setup: dict, records: list[dict], memory: dict) -> dict:
     times = [r["step_time_s"] for r in records]
     peak_gib = (memory["peak_bytes"] - memory["runtime_bytes"]) / 2**30
     # The training state in one process: fp32 weights (4 bytes per parameter), gradients (4; none
-    # held all at once with optim.step_in_backward) and AdamW's two fp32 moments (8). The rest of the
+    # held all at once with optim.step_in_backward) and AdamW's two moments (8 in fp32, about 2 in
+    # int8, 1 in int4: optim.state_dtype). The rest of the
     # peak is activations, low-precision weight copies and temporaries.
+    from mmldlm.training.optim import STATE_BYTES
+
     params = setup["parameters"]
     split = {"weights_gib": 4 * params / 2**30,
              "gradients_gib": 0.0 if setup.get("step_in_backward") else 4 * params / 2**30,
-             "optimizer_state_gib": 8 * params / 2**30}
+             "optimizer_state_gib": STATE_BYTES[setup.get("state_dtype", "fp32")] * params / 2**30}
     state_gib = sum(split.values())
     step_time = _spread(times)
     mfu = [r["mfu"] for r in records if r.get("mfu") is not None]
@@ -442,8 +445,8 @@ def markdown(report: dict) -> str:
         previous = c
     r = report["ratios"]
     lines += ["", "Training state: fp32 weights 4 bytes per parameter, gradients 4 (none held all at once "
-                  "with optim.step_in_backward), AdamW moments 8; rest = activations, low-precision copies, "
-                  "temporaries.", "",
+                  "with optim.step_in_backward), AdamW moments 8 (about 2 with optim.state_dtype=int8, 1 with "
+                  "int4); rest = activations, low-precision copies, temporaries.", "",
               f"{report['options']['optimized']} / {report['options']['baseline']}: "
                   f"samples/s **{r['samples_per_s']:.2f}x** (from the fastest steps "
                   f"{r['best_samples_per_s']:.2f}x), tokens/s "

@@ -142,7 +142,7 @@ def estimate(cfg: RunConfig, env: Environment) -> Estimate:
     """Memory per process and checkpoint size from the parameter count P.
 
     Static: fp32 weights 4P + gradients 4P (none all at once with optim.step_in_backward) + AdamW
-    moments 8P (divided by the world size under FSDP2, which shards all three), plus a 2P low-precision weight copy under bf16/fp16 autocast,
+    moments 8P (about 2P in int8, 1P in int4: optim.state_dtype) (divided by the world size under FSDP2, which shards all three), plus a 2P low-precision weight copy under bf16/fp16 autocast,
     plus runtime overhead (CUDA context and allocator slack 0.75 GiB; 0.3 GiB of process on CPU).
     Activations per sample: a GPT block stores about S * H * (34 + 5 * nh * S / H) bytes with 16-bit
     activations (Korthikanti et al. 2022, sec. 4.1), over S = L + K tokens here. An MMDiT block also
@@ -151,7 +151,8 @@ def estimate(cfg: RunConfig, env: Environment) -> Estimate:
     5 * nh * S / H term (the attention matrix) counts only for the explicit-softmax attention; SDPA's
     fused kernels do not store it. The text head adds L * V * 12 bytes (logits, log-probabilities
     and their gradient in fp32).
-    Checkpoint: model.safetensors 4P + optimizer.pt 8P (fp32 weights and the two AdamW moments).
+    Checkpoint: model.safetensors 4P + optimizer.pt 8P (fp32 weights and the two AdamW moments; about
+    2P or 1P for the moments in int8 or int4).
     """
     m = cfg.model
     vocab = vocab_size_of(cfg)
@@ -160,14 +161,18 @@ def estimate(cfg: RunConfig, env: Environment) -> Estimate:
     tokens = seq_len + m.num_latents
     low_precision = cfg.train.precision in ("bf16", "fp16") or (cfg.train.precision == "auto" and env.native_bf16)
     shards = env.world_size if cfg.distributed.strategy == "fsdp2" else 1
-    state = 12 if cfg.optim.step_in_backward else 16  # no full set of gradients with the step in backward
+    from mmldlm.training.optim import STATE_BYTES
+
+    # fp32 weights 4, gradients 4 (none all at once with the step in backward), AdamW moments by state_dtype
+    moments = STATE_BYTES[cfg.optim.state_dtype]
+    state = 4 + (0 if cfg.optim.step_in_backward else 4) + moments
     static = state * params / shards + (2 * params if low_precision else 0)
     static += (0.75 if env.device == "cuda" else 0.3) * GIB
     attention = 5 * m.num_heads * tokens / m.hidden_size if m.attention == "explicit" else 0
     per_block = tokens * m.hidden_size * (50 + attention) * (1 if low_precision else 2)
     per_sample = m.num_blocks * per_block + seq_len * vocab * 12
     return Estimate(num_params=params, vocab_size=vocab, seq_len=seq_len, static_gib=static / GIB,
-                    activations_gib_per_sample=per_sample / GIB, checkpoint_gib=12 * params / GIB)
+                    activations_gib_per_sample=per_sample / GIB, checkpoint_gib=(4 + moments) * params / GIB)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -36,6 +36,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     per-parameter loop of the older recipe. The choice and any fallback reason are logged."""
     groups = param_groups(model, cfg.weight_decay)
     kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    if cfg.state_dtype != "fp32":
+        return low_bit_adamw(groups, cfg.state_dtype, kwargs)
     unfused = "foreach" if cfg.foreach else "per-parameter loop"
     if cfg.fused is False:
         log.info("optimizer: AdamW (%s), optim.fused=false", unfused)
@@ -50,3 +52,25 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
         return torch.optim.AdamW(groups, foreach=cfg.foreach, fused=False, **kwargs)
     log.info("optimizer: AdamW (fused)")
     return optimizer
+
+
+# Bytes per parameter of AdamW's two moments, by optim.state_dtype (int8/int4: the codes plus one
+# fp32 scale per block of 256/128 values).
+STATE_BYTES = {"fp32": 8.0, "int8": 2 * (1 + 4 / 256), "int4": 2 * (0.5 + 4 / 128)}
+
+
+def low_bit_adamw(groups: list[dict], state_dtype: str, kwargs: dict) -> torch.optim.Optimizer:
+    """torchao's AdamW with block-quantized moments (fp32 weights, decoupled weight decay)."""
+    import logging as _logging
+
+    # torchao's import reports, at warning level, each CUDA extension that a CPU build cannot load.
+    ao_log = _logging.getLogger("torchao")
+    level = ao_log.level
+    ao_log.setLevel(_logging.ERROR)
+    try:
+        from torchao.optim import AdamW4bit, AdamW8bit
+    finally:
+        ao_log.setLevel(level)
+    optimizer_class = {"int8": AdamW8bit, "int4": AdamW4bit}[state_dtype]
+    log.info("optimizer: %s (torchao; moments %s, weights fp32)", optimizer_class.__name__, state_dtype)
+    return optimizer_class(groups, **kwargs)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from mmldlm.config import ScheduleConfig
 
 
@@ -88,7 +90,10 @@ class LRSchedule:
         """Set every param group's LR for `step`; returns it."""
         lr = self.lr(step)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            if isinstance(group["lr"], torch.Tensor):  # torchao's AdamW keeps it as a tensor, changed in place
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
         return lr
 
     def state_dict(self) -> dict:
