@@ -412,6 +412,24 @@ def check_batch_divisible(cfg: RunConfig, env: Environment, est: Estimate) -> li
                     ", ".join(f"{key}={value}" for key, value in changes.items()), changes)]
 
 
+def check_step_in_backward(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
+    if not cfg.optim.step_in_backward:
+        return []
+    micro = cfg.train.micro_batch_size
+    sizes = [cfg.train.global_batch_size] + [size for _, size in cfg.train.batch_schedule]
+    accumulates = micro == "auto" or any(size != micro * env.world_size for size in sizes)
+    if env.world_size == 1 and not accumulates:
+        return []
+    problem = (f"{env.world_size} processes" if env.world_size > 1 else
+               f"gradient accumulation (train.micro_batch_size={micro}, global batch {cfg.train.global_batch_size})")
+    return [Finding(
+        "step_in_backward", "error", f"optim.step_in_backward=true with {problem}",
+        "each parameter is updated as soon as its gradient of one micro-batch on one process is ready, before "
+        "accumulation or the data-parallel reduction: the trainer refuses to start",
+        "optim.step_in_backward=false (or one process with train.micro_batch_size = train.global_batch_size)",
+        {"optim.step_in_backward": False})]
+
+
 def check_lr_schedule(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
     s, steps, findings = cfg.schedule, cfg.train.steps, []
     warmup_fix = {"schedule.warmup_steps": steps // 10}
@@ -522,8 +540,8 @@ def check_slow_switches(cfg: RunConfig, env: Environment, est: Estimate) -> list
 
 
 RULES = (check_timeout, check_nccl_environment, check_loader, check_memory, check_unused_parameters,
-         check_fused_optimizer, check_checkpoint_retention, check_batch_divisible, check_lr_schedule,
-         check_slow_switches)
+         check_fused_optimizer, check_checkpoint_retention, check_batch_divisible, check_step_in_backward,
+         check_lr_schedule, check_slow_switches)
 
 
 def audit(cfg: RunConfig, env: Environment) -> tuple[list[Finding], Estimate]:
