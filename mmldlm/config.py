@@ -199,7 +199,7 @@ class ObjectiveConfig:
             _fail(f"{prefix}.seed", self.seed, "an integer >= 0")
 
 
-# --- data sections (data issue) ---
+# --- data sections ---
 
 
 @dataclass
@@ -248,7 +248,7 @@ class DataConfig:
             _fail(f"{prefix}.encoder", self.encoder, "a registered encoder name or a local sentence-transformers folder")
 
 
-# --- training sections (training-engine issue) ---
+# --- training sections ---
 
 
 @dataclass
@@ -261,7 +261,7 @@ class OptimConfig:
     weight_decay: float = 0.1  # never applied to norms, biases, embeddings or the null latent
     fused: bool | Literal["auto"] = "auto"  # auto: fused kernel where the device has one, else foreach
     # Used when the fused kernel is off or unavailable. false: one update loop per parameter tensor,
-    # the older recipe's optimizer (baseline preset only).
+    # the baseline preset's optimizer.
     foreach: bool = True
     grad_clip: float = 1.0  # max global grad norm; 0 = measure the norm but do not clip
     # Update each parameter as soon as its gradient is ready in backward and free that gradient, so
@@ -406,7 +406,7 @@ class DistributedConfig:
     # set of parameters that receive gradients is therefore the same on every step.
     static_graph: bool | Literal["auto"] = "auto"
     # true: DDP searches the autograd graph for unused parameters every step instead of the idle-head
-    # anchor (parallelize.py); the older recipe's setting, baseline preset only.
+    # anchor (parallelize.py); the baseline preset's setting.
     find_unused_parameters: bool = False
 
     def check(self, prefix: str = "distributed") -> None:
@@ -464,7 +464,7 @@ class LoggingConfig:
     wandb_project: str = "mmldlm"
 
 
-# --- performance sections (perf issue) ---
+# --- performance sections ---
 
 
 @dataclass
@@ -496,7 +496,7 @@ class PerfConfig:
     activation_checkpointing: Literal["none", "full", "every_k", "selective", "auto"] = "none"
     checkpoint_every_k: int = 2
     compile: bool = False  # torch.compile each block (pair with data.pad_to_multiple=64: few shapes)
-    # Toggle requires_grad over every parameter at every step, the older recipe's freezing
+    # Toggle requires_grad over every parameter at every step, the baseline preset's freezing
     # (baseline preset only: the idle head is handled once per mode, see parallelize.py).
     refreeze_every_step: bool = False
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)

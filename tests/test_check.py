@@ -33,7 +33,7 @@ def test_a_clean_config_has_no_error_or_warning(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,env_changes,expected", [
-    (["distributed.timeout_minutes=198720"], {}, [("timeout", "error")]),  # the seeds' 138 days
+    (["distributed.timeout_minutes=198720"], {}, [("timeout", "error")]),  # 138 days
     (["distributed.timeout_minutes=1"], {}, [("timeout", "warning")]),
     ([], {"environ": {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "11923200"}}, [("nccl_env", "error")]),
     ([], {"environ": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}}, [("nccl_env", "error")]),

@@ -1,4 +1,4 @@
-"""Import of the older codebase's per-sample layout, and that a failure leaves nothing behind."""
+"""Import of the per-sample .npz/.npy layout, and that a failure leaves nothing behind."""
 
 import re
 

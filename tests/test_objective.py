@@ -221,7 +221,7 @@ def test_gradients_reach_the_condition_and_never_the_idle_head(mode):
     idle_ids = {id(p) for p in idle}
     assert all(p.grad is None for p in idle)
     assert all(p.grad is not None for p in model.parameters() if id(p) not in idle_ids)
-    if mode == "l2t":  # the condition's input encoder learns (the older code froze it)
+    if mode == "l2t":  # the condition's input encoder learns (it is not frozen)
         assert model.latent_proj.weight.grad.abs().sum() > 0
     if mode == "t2l":
         assert model.text_embed.weight.grad.abs().sum() > 0

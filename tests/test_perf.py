@@ -245,7 +245,7 @@ PERFORMANCE_KEYS = {
     "model.attention", "optim.fused", "optim.foreach", "distributed.find_unused_parameters",
     "distributed.static_graph", "data.num_workers", "data.prefetch_factor", "data.persistent_workers",
     "data.pin_memory", "data.pad_to_multiple", "train.micro_batch_size", "train.run_dir", "train.precision",
-    # the older recipe's latent loss: part of what the baseline reproduces (SPEC section 2)
+    # the comparison recipe's latent loss: part of what the baseline reproduces
     "latent_diffusion.loss",
 }
 

@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="keep the encoder's raw pooled vectors (default: L2-normalised, unit length)")
     enc.add_argument("--encode-batch-size", type=int, default=128)
     enc.add_argument("--device", default="auto", help="auto: cuda:LOCAL_RANK when CUDA is available, else cpu")
-    leg = parser.add_argument_group("legacy import (the older codebase's per-sample files)")
+    leg = parser.add_argument_group("legacy import (a per-sample .npz/.npy layout)")
     leg.add_argument("--legacy-tokens", metavar="DIR", help="folder of <stem>_tokens.npz (input_ids, attention_mask)")
     leg.add_argument("--legacy-latents", metavar="DIR", help="folder of <stem>.npy latents, float32 [D] or [1, D]")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")

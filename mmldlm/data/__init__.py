@@ -5,7 +5,7 @@
     encoders.py   the sentence-encoder registry (default all-MiniLM-L6-v2) -> latents (N, K, D)
     format.py     the on-disk format: meta.json, token/offset/latent shards, their checks
     prepare.py    corpus -> prepared dataset directory, sharded across torchrun ranks
-    legacy.py     import of the older codebase's per-sample .npz/.npy layout
+    legacy.py     import of a per-sample .npz/.npy layout
     dataset.py    memory-mapped dataset, resumable distributed batch order, padding collate, loader
 
 The names below load their module on first use (PEP 562), so `from mmldlm.data import DataError`

@@ -1,4 +1,4 @@
-"""Import of the older codebase's preprocessed layout, so its users can migrate:
+"""Import of a per-sample preprocessed layout (one file per text), so data kept that way can be migrated:
 
     TOKENS_DIR/<stem>_tokens.npz   keys input_ids, attention_mask: (L,) or (1, L), padded
     LATENTS_DIR/<stem>.npy         float32 (D,) or (1, D) (or (K, D))

@@ -187,7 +187,7 @@ class MMDiTBlock(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         if self.attention == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
-        # The explicit path materialises the (Sq, S) score matrix: the older recipe, kept for the
+        # The explicit path materialises the (Sq, S) score matrix: the comparison recipe's, kept for the
         # baseline preset only.
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, nh, Sq, S)
         if attn_mask is not None:

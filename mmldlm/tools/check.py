@@ -1,5 +1,6 @@
-"""`mmldlm check`: audit a run config, and the machine it would run on, for the plan's critical
-issues (the seeds' apply_critical_fixes.sh and validation script) before any device hour is spent.
+"""`mmldlm check`: audit a run config, and the machine it would run on, for the problems that make a
+run fail or waste its hardware (timeouts, loader, memory, batch splits, LR schedule, slow switches)
+before any device hour is spent.
 
 Each rule is one small function `rule(cfg, env, est) -> list[Finding]`, listed in RULES. A finding
 says what is wrong (with the values), why it matters and the fix; when the fix is a config change it
@@ -242,8 +243,8 @@ def check_loader(cfg: RunConfig, env: Environment, est: Estimate) -> list[Findin
             "loader_workers", "warning",
             f"data.num_workers={d.num_workers} with {env.cpus} CPUs for {env.nproc_per_node} process(es) per node "
             f"({per_rank} per process)",
-            "more worker processes than CPUs fight each other and the training threads for cores; the seeds' 16 "
-            "workers per rank slowed data loading down",
+            "more worker processes than CPUs fight each other and the training threads for cores; 16 workers per "
+            "rank on a few cores slow data loading down",
             f"data.num_workers=null (min(8, cpus // local ranks) = {auto} here)", {"data.num_workers": None}))
         workers = auto
     if workers > 0 and d.prefetch_factor is None:
@@ -494,7 +495,7 @@ def _resume_with_other_length(cfg: RunConfig) -> list[Finding]:
 
 
 def check_slow_switches(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
-    """The older recipe's performance choices (configs/baseline.yaml), each slower with no gain."""
+    """The baseline preset's performance choices (configs/baseline.yaml), each slower with no gain."""
     findings = []
     if cfg.distributed.find_unused_parameters:
         findings.append(Finding(

@@ -106,14 +106,6 @@ def collective_guard(what: str, info: DistInfo):
                           f"The last checkpoint is untouched. Backend said: {message}") from err
 
 
-def all_reduce_max(values: torch.Tensor, info: DistInfo, what: str) -> torch.Tensor:
-    """Element-wise max over ranks (identity on one process)."""
-    if info.distributed:
-        with collective_guard(what, info):
-            dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return values
-
-
 def barrier(info: DistInfo, what: str) -> None:
     if info.distributed:
         with collective_guard(what, info):

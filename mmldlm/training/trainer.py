@@ -505,7 +505,7 @@ class Trainer:
         return record
 
     def _refreeze(self, idle: list[nn.Parameter]) -> None:
-        """The older recipe's freezing, kept for the baseline preset: a pass over every parameter at
+        """The baseline preset's freezing (the comparison recipe that `bench` measures): a pass over every parameter at
         every step setting requires_grad (the idle head frozen, the rest trainable)."""
         idle_ids = {id(p) for p in idle}
         for p in self.raw_model.parameters():
