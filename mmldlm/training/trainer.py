@@ -24,6 +24,7 @@ import math
 import random
 import signal
 import time
+import typing
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +45,29 @@ log = logging.getLogger(__name__)
 
 # Summed over ranks each step: [loss, non-finite flag, stop request, text_loss, latent_loss,
 # accuracy, real tokens]. Means are divided by the world size afterwards.
-_LOSS, _NONFINITE, _STOP, _TEXT, _LATENT, _ACC, _TOKENS = range(7)
+@dataclasses.dataclass
+class StepTotals:
+    """What one step adds up over its micro-batches; the first seven fields are then summed over the
+    ranks in one all-reduce (as a float64 tensor), the last two stay this rank's own."""
+
+    loss: float = 0.0  # the mean over this rank's micro-batches
+    text_loss: float = 0.0
+    latent_loss: float = 0.0
+    accuracy: float = 0.0
+    tokens: float = 0.0  # real (non-pad) tokens
+    nonfinite: float = 0.0  # 1.0 where the loss was not finite
+    stop: float = 0.0  # 1.0 where a stop signal arrived
+    data_wait_s: float = 0.0
+    flops: float = 0.0
+
+    REDUCED: typing.ClassVar[tuple[str, ...]] = ("loss", "text_loss", "latent_loss", "accuracy", "tokens",
+                                                 "nonfinite", "stop")
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.tensor([getattr(self, name) for name in self.REDUCED], dtype=torch.float64)
+
+    def with_reduced(self, reduced: torch.Tensor) -> "StepTotals":
+        return dataclasses.replace(self, **{name: reduced[i].item() for i, name in enumerate(self.REDUCED)})
 
 
 class TrainingStopped(RuntimeError):
@@ -390,24 +413,45 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=dtype, cache_enabled=False)
 
     def train_step(self, stop_requested: bool = False) -> dict:
-        """One optimizer step; returns the step's record (losses averaged over all ranks)."""
-        cfg, info, step = self.cfg, self.info, self.step
-        start = time.perf_counter()
-        micro = self.micro_batch_size
+        """One optimizer step; returns the step's record (losses averaged over all ranks). The story:
+        forward + backward over the micro-batches, the gradient norm (and clipping), the ranks' totals
+        in one all-reduce, the update (or a skip), the record."""
+        started = time.perf_counter()
+        step = self.step
         global_batch = self.global_batch_at(step)
-        num_accum = accumulation_steps(global_batch, micro, info.world_size, "train.global_batch_size")
+        num_accum = accumulation_steps(global_batch, self.micro_batch_size, self.info.world_size,
+                                       "train.global_batch_size")
         mode = self.objective.mode_at(step)
         idle = self.idle_parameters(mode)
-        if cfg.perf.refreeze_every_step:
+        if self.cfg.perf.refreeze_every_step:
             self._refreeze(idle)
         lr = self.schedule.apply(self.optimizer, step)
-        sums = torch.zeros(7, dtype=torch.float64)
-        data_wait = 0.0
-        flops = 0.0
+
+        totals = self._forward_backward(mode, idle, num_accum)
+        totals.stop = float(stop_requested)
+        for p in idle:  # AdamW must not move the idle head (its gradient is an anchored zero or None)
+            p.grad = None
+        grad_norm = self._gradient_norm()
+        totals = self._sum_over_ranks(totals)
+        skipped = self._update(nonfinite=totals.nonfinite > 0 or not math.isfinite(grad_norm),
+                               loss_finite=math.isfinite(totals.loss))
+        self.step += 1
+
+        record = self._record(mode, lr, grad_norm, totals, global_batch, num_accum, skipped,
+                              time.perf_counter() - started)
+        if not skipped:
+            self.schedule.observe(record["loss"])
+        return record
+
+    def _forward_backward(self, mode: str, idle: list[nn.Parameter], num_accum: int) -> StepTotals:
+        """Forward and backward of each micro-batch (gradients accumulate; the data-parallel
+        reduction runs with the last one); this rank's totals."""
+        cfg, info, step = self.cfg, self.info, self.step
+        totals = StepTotals()
         for a in range(num_accum):
             t0 = time.perf_counter()
             batch = self._next_batch()
-            data_wait += time.perf_counter() - t0
+            totals.data_wait_s += time.perf_counter() - t0
             self.generator.manual_seed(micro_seed(cfg.train.seed, step, a * info.world_size + info.rank))
             with no_grad_sync(self.model, sync=a == num_accum - 1), \
                     collective_guard(f"gradient all-reduce of step {step + 1}", info):
@@ -420,40 +464,47 @@ class Trainer:
                     self._backward_with_updates(loss)
                 else:
                     (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            sums[_LOSS] += loss.detach().double().item() / num_accum
-            sums[_TEXT] += float(metrics.get("text_loss", 0.0)) / num_accum
-            sums[_LATENT] += float(metrics.get("latent_loss", 0.0)) / num_accum
-            sums[_ACC] += float(metrics.get("accuracy", 0.0)) / num_accum
+            totals.loss += loss.detach().double().item() / num_accum
+            totals.text_loss += float(metrics.get("text_loss", 0.0)) / num_accum
+            totals.latent_loss += float(metrics.get("latent_loss", 0.0)) / num_accum
+            totals.accuracy += float(metrics.get("accuracy", 0.0)) / num_accum
             pad_mask = batch.get("pad_mask")
-            sums[_TOKENS] += float(pad_mask.sum()) if pad_mask is not None else batch["tokens"].numel()
+            totals.tokens += float(pad_mask.sum()) if pad_mask is not None else batch["tokens"].numel()
             if self.peak_flops is not None:
-                flops += self._flops(batch["tokens"], mode, metrics.get("num_masked"))
-        sums[_NONFINITE] = float(not math.isfinite(sums[_LOSS].item()))
-        sums[_STOP] = float(stop_requested)
+                totals.flops += self._flops(batch["tokens"], mode, metrics.get("num_masked"))
+        totals.nonfinite = float(not math.isfinite(totals.loss))
+        return totals
 
-        for p in idle:  # AdamW must not move the idle head (its gradient is an anchored zero or None)
-            p.grad = None
-        if self.step_in_backward:  # the updates are done: the norm of the gradients they used
+    def _gradient_norm(self) -> float:
+        """The global gradient norm, clipped to optim.grad_clip (after unscaling under fp16); with
+        optim.step_in_backward, the norm of the gradients the updates in backward used."""
+        if self.step_in_backward:
             grad_norm = math.sqrt(self._grad_sq.item()) if self._bad_grads == 0 else math.nan
             self._grad_sq.zero_()
             self._bad_grads = 0
-        else:
-            if self.scaler is not None:
-                self.scaler.unscale_(self.optimizer)
-            max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm, foreach=True)
-            if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm is a DTensor over the shards
-                grad_norm = grad_norm.full_tensor()
-            grad_norm = grad_norm.item()
-        if info.distributed:
-            with collective_guard(f"loss all-reduce of step {step + 1}", info):
-                reduced = sums.to(self.device)
-                torch.distributed.all_reduce(reduced)
-                sums = reduced.cpu()
-        nonfinite = sums[_NONFINITE].item() > 0 or not math.isfinite(grad_norm)
+            return grad_norm
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm, foreach=True)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm is a DTensor over the shards
+            grad_norm = grad_norm.full_tensor()
+        return grad_norm.item()
 
+    def _sum_over_ranks(self, totals: StepTotals) -> StepTotals:
+        """One all-reduce carries every rank's losses, token count, non-finite flag and stop request."""
+        if not self.info.distributed:
+            return totals
+        with collective_guard(f"loss all-reduce of step {self.step + 1}", self.info):
+            reduced = totals.to_tensor().to(self.device)
+            torch.distributed.all_reduce(reduced)
+        return totals.with_reduced(reduced.cpu())
+
+    def _update(self, nonfinite: bool, loss_finite: bool) -> bool:
+        """Apply the step's update, or skip it when a loss or the gradient norm was not finite on some
+        rank; returns whether it was skipped. Gradients are cleared either way."""
         skipped = False
-        if nonfinite and self.scaler is not None and math.isfinite(sums[_LOSS].item()):
+        if nonfinite and self.scaler is not None and loss_finite:
             # fp16 overflow: the scaler skips this update and lowers the scale; that is its job.
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -475,38 +526,39 @@ class Trainer:
             if self.ema is not None:
                 self.ema.update(self.raw_model)
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
+        return skipped
 
-        step_time = time.perf_counter() - start
-        world = info.world_size
+    def _record(self, mode: str, lr: float, grad_norm: float, totals: StepTotals, global_batch: int,
+                num_accum: int, skipped: bool, step_time: float) -> dict:
+        """The step's metrics record (what metrics.jsonl, TensorBoard and the monitor read)."""
+        world = self.info.world_size
         record = {
             "step": self.step, "mode": mode,
-            "loss": sums[_LOSS].item() / world,
-            "text_loss": sums[_TEXT].item() / world if mode != "t2l" else None,
-            "latent_loss": sums[_LATENT].item() / world if mode != "l2t" else None,
-            "accuracy": sums[_ACC].item() / world if mode != "t2l" else None,
+            "loss": totals.loss / world,
+            "text_loss": totals.text_loss / world if mode != "t2l" else None,
+            "latent_loss": totals.latent_loss / world if mode != "l2t" else None,
+            "accuracy": totals.accuracy / world if mode != "t2l" else None,
             "lr": lr, "grad_norm": grad_norm,
-            "micro_batch_size": micro, "global_batch_size": global_batch, "accumulation_steps": num_accum,
-            "samples_per_s": global_batch / step_time, "tokens_per_s": sums[_TOKENS].item() / step_time,
-            "step_time_s": step_time, "data_wait_share": data_wait / step_time,
+            "micro_batch_size": self.micro_batch_size, "global_batch_size": global_batch,
+            "accumulation_steps": num_accum,
+            "samples_per_s": global_batch / step_time, "tokens_per_s": totals.tokens / step_time,
+            "step_time_s": step_time, "data_wait_share": totals.data_wait_s / step_time,
             "skipped": skipped, "num_skipped": self.num_skipped,
-            "stop_requested": bool(sums[_STOP].item() > 0),
+            "stop_requested": totals.stop > 0,
         }
         if self.peak_flops is not None:
-            record["mfu"] = flops / step_time / self.peak_flops  # this rank's share = the average
+            record["mfu"] = totals.flops / step_time / self.peak_flops  # this rank's share = the average
         if self.cfg.perf.compile:
             # Graphs compiled so far in this process: flat after the first padded lengths were seen;
             # growing step after step is a recompilation storm (data.pad_to_multiple bounds the shapes).
             from torch._dynamo.utils import counters
 
             record["compiled_graphs"] = counters["stats"]["unique_graphs"]
-        if not skipped:
-            self.schedule.observe(record["loss"])
         return record
 
     def _refreeze(self, idle: list[nn.Parameter]) -> None:
-        """The baseline preset's freezing (the comparison recipe that `bench` measures): a pass over every parameter at
-        every step setting requires_grad (the idle head frozen, the rest trainable)."""
+        """The baseline preset's freezing (the comparison recipe that `bench` measures): a pass over
+        every parameter at every step setting requires_grad (the idle head frozen, the rest trainable)."""
         idle_ids = {id(p) for p in idle}
         for p in self.raw_model.parameters():
             p.requires_grad_(id(p) not in idle_ids)
