@@ -5,6 +5,7 @@ import json
 import os
 import signal
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -147,3 +148,15 @@ def test_bf16_autocast_on_cpu_keeps_fp32_masters_and_tracks_the_fp32_run(tmp_pat
     assert runs["bf16"][-1] < runs["bf16"][0]  # it trains
     for a, b in zip(runs["fp32"], runs["bf16"]):
         assert abs(a - b) <= 0.02 * abs(a), (runs["fp32"], runs["bf16"])
+
+
+def test_device_choice_is_one_rule_that_names_the_key_it_came_from():
+    from mmldlm.device import pick_device
+
+    assert pick_device("cpu") == torch.device("cpu")
+    assert pick_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="--device=tpu: expected auto, cpu, cuda or cuda:N"):
+        pick_device("tpu", key="--device")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="train.device=cuda:1 but no CUDA device is visible"):
+            pick_device("cuda:1")

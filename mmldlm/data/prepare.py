@@ -373,11 +373,9 @@ def _merge(opts: PrepareOptions, tokenizer_json: str, counts: dict, shards: list
 
 
 def _device(requested: str) -> str:
-    import torch
+    from mmldlm.device import pick_device
 
-    if requested != "auto":
-        return requested
-    return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+    return str(pick_device(requested, key="--device"))
 
 
 def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:

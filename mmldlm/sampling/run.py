@@ -207,7 +207,7 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: 
 
     from mmldlm.data import dataset_path, open_dataset
     from mmldlm.model import MultimodalMMDiT
-    from mmldlm.training.distributed import pick_device
+    from mmldlm.device import pick_device
 
     run_dir = Path(run_dir)
     path = find_checkpoint(run_dir, checkpoint)
@@ -218,7 +218,7 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: 
     model = MultimodalMMDiT(cfg.model, vocab_size=cfg.model.vocab_size or val.vocab_size)
     weights = "ema" if use_ema and (path / "ema.safetensors").is_file() else "raw"
     model.load_state_dict(load_file(str(path / ("ema.safetensors" if weights == "ema" else "model.safetensors"))))
-    model.to(pick_device(device)).eval()
+    model.to(pick_device(device, key="--device")).eval()
     text = MaskedDiffusion(cfg.text_diffusion, mask_token_id=val.mask_id, pad_token_id=val.pad_id)
     mean, std = val.latent_stats()
     meta_file = path / "meta.json"

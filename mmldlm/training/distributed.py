@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mmldlm.config import DistributedConfig
+from mmldlm.device import pick_device
 
 
 # How gloo/NCCL describe a peer that stopped answering (timeout) or went away (connection lost).
@@ -46,15 +47,6 @@ class DistInfo:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
-
-
-def pick_device(kind: str) -> torch.device:
-    """"auto" -> CUDA when present, else CPU; "cuda" without a GPU is an error naming the key."""
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
-    if kind == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def set_nccl_env_defaults(timeout_s: float) -> None:
