@@ -142,18 +142,18 @@ def build_trainer(config: str, overrides: list[str], run_dir: str, extra: list[s
     return cfg, info, trainer, data_cfg
 
 
-def _train_worker(conn, spec: dict, run_dir: str) -> None:
+def _train_worker(conn, job: dict, run_dir: str) -> None:
     """Serve ("steps", n) / ("reset_memory",) / ("memory",) / ("stop",) for one config."""
     from mmldlm.training.metrics import (current_memory_bytes, peak_memory_bytes, release_free_memory,
                                          reset_peak_memory)
 
-    _setup_worker_logging(spec["name"])
+    _setup_worker_logging(job["name"])
     os.setpgrp()  # its own process group: the parent can end it with its loader workers (_Worker.close)
     try:
         import torch
 
         runtime = current_memory_bytes(torch.device("cpu"))  # before anything is built
-        cfg, info, trainer, _ = build_trainer(spec["config"], spec["overrides"], run_dir)
+        cfg, info, trainer, _ = build_trainer(job["config"], job["overrides"], run_dir)
         if info.device.type == "cuda":
             runtime = 0  # CUDA's allocated counter starts at zero for this process
             torch.cuda.empty_cache()  # what set-up probed is not held while the other configs run
@@ -172,7 +172,7 @@ def _train_worker(conn, spec: dict, run_dir: str) -> None:
                     records.append({k: record.get(k) for k in ("step", "mode", "loss", "step_time_s", "samples_per_s",
                                                                "tokens_per_s", "global_batch_size", "micro_batch_size",
                                                                "accumulation_steps", "data_wait_share", "mfu")})
-                if spec["release_memory"] and info.device.type == "cpu":
+                if job["release_memory"] and info.device.type == "cpu":
                     # Ladder: waiting configs give back what the step freed, so N configs fit in
                     # memory at once (the next step then faults its pages in again, a cost every rung
                     # pays per byte it uses). The peak already recorded stays.
@@ -195,9 +195,9 @@ def _train_worker(conn, spec: dict, run_dir: str) -> None:
         conn.send({"ok": False, "error": f"{type(err).__name__}: {err}"})
 
 
-def _fit_worker(conn, spec: dict, run_dir: str, cap_bytes: float, max_size: int) -> None:
+def _fit_worker(conn, job: dict, run_dir: str, cap_bytes: float, max_size: int) -> None:
     """The largest micro-batch under `cap_bytes`: probes at 1, 2, 4, ... then bisection."""
-    _setup_worker_logging(spec["name"] + " fit")
+    _setup_worker_logging(job["name"] + " fit")
     os.setpgrp()
     try:
         import torch
@@ -205,10 +205,10 @@ def _fit_worker(conn, spec: dict, run_dir: str, cap_bytes: float, max_size: int)
         from mmldlm.training.batch_size import probe_peak_bytes
 
         extra = ["perf.compile=false", "train.micro_batch_size=1", "train.global_batch_size=1", "data.num_workers=0"]
-        if load_config(spec["config"], spec["overrides"]).perf.activation_checkpointing == "auto":
+        if load_config(job["config"], job["overrides"]).perf.activation_checkpointing == "auto":
             # auto checkpoints as much as a micro-batch needs; the largest it can fit is under full.
             extra.append("perf.activation_checkpointing=full")
-        _, info, trainer, data_cfg = build_trainer(spec["config"], spec["overrides"], run_dir, extra)
+        _, info, trainer, data_cfg = build_trainer(job["config"], job["overrides"], run_dir, extra)
         peaks = {}
 
         def fits(size: int) -> bool:
@@ -236,11 +236,11 @@ def _fit_worker(conn, spec: dict, run_dir: str, cap_bytes: float, max_size: int)
 
 
 class _Worker:
-    def __init__(self, ctx, target, spec: dict, *args):
-        self.spec = spec
+    def __init__(self, ctx, target, job: dict, *args):
+        self.job = job
         self.conn, child = ctx.Pipe()
         # Not a daemon: a daemon process may not start the DataLoader's worker processes.
-        self.process = ctx.Process(target=target, args=(child, spec, *args), daemon=False)
+        self.process = ctx.Process(target=target, args=(child, job, *args), daemon=False)
         self.process.start()
 
     def call(self, *command) -> dict:
@@ -248,8 +248,8 @@ class _Worker:
             self.conn.send(command)
         reply = self.conn.recv()
         if not reply["ok"]:
-            raise RuntimeError(f"bench: config '{self.spec['name']}' ({self.spec['config']} "
-                               f"{' '.join(self.spec['overrides'])}) failed: {reply['error']}")
+            raise RuntimeError(f"bench: config '{self.job['name']}' ({self.job['config']} "
+                               f"{' '.join(self.job['overrides'])}) failed: {reply['error']}")
         return reply
 
     def close(self) -> None:
@@ -287,8 +287,8 @@ def _summary(setup: dict, records: list[dict], memory: dict) -> dict:
     peak_gib = (memory["peak_bytes"] - memory["runtime_bytes"]) / 2**30
     # The training state in one process: fp32 weights (4 bytes per parameter), gradients (4; none
     # held all at once with optim.step_in_backward) and AdamW's two moments (8 in fp32, about 2 in
-    # int8, 1 in int4: optim.state_dtype). The rest of the
-    # peak is activations, low-precision weight copies and temporaries.
+    # int8, 1 in int4: optim.state_dtype). The rest of the peak is activations, low-precision weight
+    # copies and temporaries.
     from mmldlm.training.optim import STATE_BYTES
 
     params = setup["parameters"]
@@ -322,7 +322,7 @@ def _summary(setup: dict, records: list[dict], memory: dict) -> dict:
 
 def run_bench(opts: BenchOptions, command: str = "") -> dict:
     """Run the benchmark; write bench.json and bench.md into opts.out; return the report."""
-    specs = bench_configs(opts)
+    jobs = bench_configs(opts)
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
@@ -330,13 +330,13 @@ def run_bench(opts: BenchOptions, command: str = "") -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-", dir=out) as scratch:
         workers = []
         try:
-            for i, spec in enumerate(specs):  # one at a time: setups do not compete for the cores
-                spec["release_memory"] = len(specs) > 2
-                workers.append(_Worker(ctx, _train_worker, spec, os.path.join(scratch, f"run{i}")))
-                spec["setup"] = workers[-1].call()
-                log.info("bench: %s ready (%s, micro-batch %d)", spec["name"], spec["setup"]["device"],
-                         spec["setup"]["micro_batch_size"])
-            records = {spec["name"]: [] for spec in specs}
+            for i, job in enumerate(jobs):  # one at a time: setups do not compete for the cores
+                job["release_memory"] = len(jobs) > 2
+                workers.append(_Worker(ctx, _train_worker, job, os.path.join(scratch, f"run{i}")))
+                job["setup"] = workers[-1].call()
+                log.info("bench: %s ready (%s, micro-batch %d)", job["name"], job["setup"]["device"],
+                         job["setup"]["micro_batch_size"])
+            records = {job["name"]: [] for job in jobs}
             for _ in range(math.ceil(opts.warmup / opts.round_steps)):
                 for worker in workers:
                     worker.call("steps", opts.round_steps)
@@ -344,36 +344,36 @@ def run_bench(opts: BenchOptions, command: str = "") -> dict:
                 worker.call("reset_memory")
             for r in range(math.ceil(opts.steps / opts.round_steps)):
                 for worker in workers:
-                    records[worker.spec["name"]] += worker.call("steps", opts.round_steps)["records"]
+                    records[worker.job["name"]] += worker.call("steps", opts.round_steps)["records"]
                 log.info("bench: round %d/%d done", r + 1, math.ceil(opts.steps / opts.round_steps))
-            memory = {w.spec["name"]: w.call("memory") for w in workers}
+            memory = {w.job["name"]: w.call("memory") for w in workers}
         finally:
             for worker in workers:
                 worker.close()
-        results = {spec["name"]: {"config": spec["config"], "changes": spec["changes"], "overrides": spec["overrides"],
-                                  **_summary(spec["setup"], records[spec["name"]], memory[spec["name"]])}
-                   for spec in specs}
+        results = {job["name"]: {"config": job["config"], "changes": job["changes"], "overrides": job["overrides"],
+                                  **_summary(job["setup"], records[job["name"]], memory[job["name"]])}
+                   for job in jobs}
         fits = {}
         if opts.fit:
-            for spec in (specs[0], specs[-1]):
-                worker = _Worker(ctx, _fit_worker, spec, os.path.join(scratch, "fit"),
+            for job in (jobs[0], jobs[-1]):
+                worker = _Worker(ctx, _fit_worker, job, os.path.join(scratch, "fit"),
                                  opts.memory_cap_gib * 2**30, opts.max_micro_batch)
                 try:
-                    fits[spec["name"]] = worker.call()
+                    fits[job["name"]] = worker.call()
                 finally:
                     worker.close()
-                results[spec["name"]]["largest_micro_batch"] = fits[spec["name"]]["largest"]
-                results[spec["name"]]["largest_micro_batch_probe"] = {
-                    k: v for k, v in fits[spec["name"]].items() if k != "ok"}
+                results[job["name"]]["largest_micro_batch"] = fits[job["name"]]["largest"]
+                results[job["name"]]["largest_micro_batch_probe"] = {
+                    k: v for k, v in fits[job["name"]].items() if k != "ok"}
 
-    first, last = specs[0]["name"], specs[-1]["name"]
+    first, last = jobs[0]["name"], jobs[-1]["name"]
     ratios = {key: results[last][key] / results[first][key]
               for key in ("samples_per_s", "best_samples_per_s", "tokens_per_s", "peak_memory_gib",
                           "peak_above_state_gib")}
     if opts.fit:
         ratios["largest_micro_batch"] = (results[last]["largest_micro_batch"] / results[first]["largest_micro_batch"]
                                          if results[first]["largest_micro_batch"] else None)
-    setup = specs[0]["setup"]
+    setup = jobs[0]["setup"]
     report = {
         "command": command,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -384,7 +384,7 @@ def run_bench(opts: BenchOptions, command: str = "") -> dict:
         "baseline": first, "optimized": last,
         "configs": results,
         "ratios": ratios,
-        "order": [spec["name"] for spec in specs],
+        "order": [job["name"] for job in jobs],
     }
     (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "bench.md").write_text(markdown(report))
