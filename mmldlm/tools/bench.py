@@ -200,9 +200,7 @@ def _fit_worker(conn, job: dict, run_dir: str, cap_bytes: float, max_size: int) 
     _setup_worker_logging(job["name"] + " fit")
     os.setpgrp()
     try:
-        import torch
-
-        from mmldlm.training.batch_size import probe_peak_bytes
+        from mmldlm.training.batch_size import probe_or_none
 
         extra = ["perf.compile=false", "train.micro_batch_size=1", "train.global_batch_size=1", "data.num_workers=0"]
         if load_config(job["config"], job["overrides"]).perf.activation_checkpointing == "auto":
@@ -212,13 +210,9 @@ def _fit_worker(conn, job: dict, run_dir: str, cap_bytes: float, max_size: int) 
         peaks = {}
 
         def fits(size: int) -> bool:
-            try:
-                peaks[size] = probe_peak_bytes(trainer.model, trainer.objective, size, data_cfg.max_length,
-                                               info.device, trainer._autocast)
-            except torch.OutOfMemoryError:  # CUDA ran out before the cap: does not fit
-                peaks[size] = float("inf")
-                torch.cuda.empty_cache()
-            return peaks[size] <= cap_bytes
+            peaks[size] = probe_or_none(trainer.model, trainer.objective, size, data_cfg.max_length, info.device,
+                                        trainer._autocast)
+            return peaks[size] is not None and peaks[size] <= cap_bytes
 
         lo, hi = 0, None  # lo fits (0: nothing yet), hi does not
         size = 1
@@ -229,7 +223,7 @@ def _fit_worker(conn, job: dict, run_dir: str, cap_bytes: float, max_size: int) 
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         conn.send({"ok": True, "largest": lo, "capped_by_max": hi is None, "text_length": data_cfg.max_length,
-                   "peaks_gib": {str(k): round(v / 2**30, 3) if math.isfinite(v) else None  # None: out of memory
+                   "peaks_gib": {str(k): round(v / 2**30, 3) if v is not None else None  # None: out of memory
                                  for k, v in sorted(peaks.items())}})
     except Exception as err:
         conn.send({"ok": False, "error": f"{type(err).__name__}: {err}"})

@@ -99,6 +99,17 @@ def probe_peak_bytes(model: nn.Module, objective, batch_size: int, seq_len: int,
     return peak + optimizer_state_bytes(raw)
 
 
+def probe_or_none(model: nn.Module, objective, batch_size: int, seq_len: int, device: torch.device,
+                  autocast: Callable = None) -> int | None:
+    """`probe_peak_bytes`, or None where CUDA ran out of memory (its cache is emptied then): every
+    search over sizes or checkpointing modes reads an out-of-memory error as "does not fit"."""
+    try:
+        return probe_peak_bytes(model, objective, batch_size, seq_len, device, autocast)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
+
+
 def find_micro_batch(model: nn.Module, objective, per_process_batches: list[int], seq_len: int,
                      device: torch.device, cap_bytes: float | None, autocast: Callable = None,
                      agree: Callable[[bool], bool] = lambda fits: fits) -> tuple[int, dict]:
@@ -108,14 +119,8 @@ def find_micro_batch(model: nn.Module, objective, per_process_batches: list[int]
     peaks: dict[int, int | None] = {}
 
     def fits(size: int) -> bool:
-        try:
-            peaks[size] = probe_peak_bytes(model, objective, size, seq_len, device, autocast)
-            ok = cap_bytes is None or peaks[size] <= cap_bytes
-        except torch.OutOfMemoryError:
-            peaks[size] = None
-            ok = False
-            torch.cuda.empty_cache()
-        return agree(ok)
+        peaks[size] = probe_or_none(model, objective, size, seq_len, device, autocast)
+        return agree(peaks[size] is not None and (cap_bytes is None or peaks[size] <= cap_bytes))
 
     size = largest_fitting(candidate_sizes(per_process_batches), fits)
     if size is None:

@@ -289,7 +289,7 @@ class Trainer:
         the machine's memory). Recomputing costs time; checkpointing only what memory needs keeps a
         run that fits as fast as it can be."""
         from mmldlm.config import PerfConfig
-        from mmldlm.training.batch_size import probe_peak_bytes
+        from mmldlm.training.batch_size import probe_or_none
         from mmldlm.training.parallelize import apply_activation_checkpointing
 
         micro = self.cfg.train.micro_batch_size
@@ -303,13 +303,8 @@ class Trainer:
         peaks = {}
         for mode in ("none", "selective", "full"):
             apply_activation_checkpointing(self.raw_model, PerfConfig(activation_checkpointing=mode))
-            try:
-                peaks[mode] = probe_peak_bytes(self.raw_model, objective, micro, seq_len, self.device, self._autocast)
-                fits = peaks[mode] <= cap
-            except torch.OutOfMemoryError:
-                peaks[mode], fits = None, False
-                torch.cuda.empty_cache()
-            if self._agree(fits) or mode == "full":
+            peaks[mode] = probe_or_none(self.raw_model, objective, micro, seq_len, self.device, self._autocast)
+            if self._agree(peaks[mode] is not None and peaks[mode] <= cap) or mode == "full":
                 break
         apply_activation_checkpointing(self.raw_model, PerfConfig(activation_checkpointing="none"))
         if self.device.type == "cuda":
