@@ -1,5 +1,6 @@
 """`mmldlm check CONFIG [section.key=value ...] [--fix OUT]`: audit a run config and the machine it
-would run on for the problems that make a run fail or waste its hardware; each finding says why it matters and how to fix it.
+would run on for the problems that make a run fail or waste its hardware; each finding says why it
+matters and how to fix it.
 `--fix OUT` writes the corrected config (and OUT.diff); exit status 2 with errors, 1 with warnings
 under --strict, else 0."""
 

@@ -189,7 +189,8 @@ class GaussianDiffusion:
             over t by `loss_weighting` (module docstring).
         cosine: mean over vectors of 1 - cos(x0_hat, x0) along the last dim (in [0, 2], no clamp).
         normalized_mse: MSE between L2-normalised x0_hat and x0, = 2 (1 - cos) / D per vector: ~1/D in
-            scale and blind to magnitude. Kept only for the baseline preset (the comparison recipe that `bench` measures).
+            scale and blind to magnitude. Kept only for the baseline preset (the comparison recipe that
+            `bench` measures).
         """
         pred, x0, noise = pred.float(), x0.float(), noise.float()
         if self.cfg.loss == "mse":

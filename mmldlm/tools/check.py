@@ -143,7 +143,8 @@ def estimate(cfg: RunConfig, env: Environment) -> Estimate:
     """Memory per process and checkpoint size from the parameter count P.
 
     Static: fp32 weights 4P + gradients 4P (none all at once with optim.step_in_backward) + AdamW
-    moments 8P (about 2P in int8, 1P in int4: optim.state_dtype) (divided by the world size under FSDP2, which shards all three), plus a 2P low-precision weight copy under bf16/fp16 autocast,
+    moments 8P (about 2P in int8, 1P in int4: optim.state_dtype), divided by the world size under
+    FSDP2, which shards all three; plus a 2P low-precision weight copy under bf16/fp16 autocast,
     plus runtime overhead (CUDA context and allocator slack 0.75 GiB; 0.3 GiB of process on CPU).
     Activations per sample: a GPT block stores about S * H * (34 + 5 * nh * S / H) bytes with 16-bit
     activations (Korthikanti et al. 2022, sec. 4.1), over S = L + K tokens here. An MMDiT block also

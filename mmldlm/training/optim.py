@@ -61,12 +61,10 @@ STATE_BYTES = {"fp32": 8.0, "int8": 2 * (1 + 4 / 256), "int4": 2 * (0.5 + 4 / 12
 
 def low_bit_adamw(groups: list[dict], state_dtype: str, kwargs: dict) -> torch.optim.Optimizer:
     """torchao's AdamW with block-quantized moments (fp32 weights, decoupled weight decay)."""
-    import logging as _logging
-
     # torchao's import reports, at warning level, each CUDA extension that a CPU build cannot load.
-    ao_log = _logging.getLogger("torchao")
+    ao_log = logging.getLogger("torchao")
     level = ao_log.level
-    ao_log.setLevel(_logging.ERROR)
+    ao_log.setLevel(logging.ERROR)
     try:
         from torchao.optim import AdamW4bit, AdamW8bit
     finally:

@@ -12,7 +12,8 @@ One optimizer step (`train_step`):
 4. One all-reduce carries every rank's loss, a non-finite flag and a stop request: if any rank saw
    a non-finite loss or the gradient norm is non-finite, every rank skips the update; a signal on
    any rank makes every rank checkpoint at the same step and exit.
-5. Clip, step, log, checkpoint.
+5. Clip, step, log, checkpoint (with optim.step_in_backward each parameter is stepped inside
+   backward instead).
 """
 
 from __future__ import annotations
@@ -43,8 +44,6 @@ from mmldlm.training.schedules import LRSchedule
 
 log = logging.getLogger(__name__)
 
-# Summed over ranks each step: [loss, non-finite flag, stop request, text_loss, latent_loss,
-# accuracy, real tokens]. Means are divided by the world size afterwards.
 @dataclasses.dataclass
 class StepTotals:
     """What one step adds up over its micro-batches; the first seven fields are then summed over the
@@ -207,12 +206,13 @@ class Trainer:
         if self.step_in_backward:
             self._setup_step_in_backward()
 
-    def _backward_with_updates(self, loss: torch.Tensor) -> None:
-        """optim.step_in_backward's backward: the hooks update each parameter as its gradient arrives.
-        A non-finite loss takes no backward at all (the step is then skipped, as in the ordinary step)."""
+    def _backward_with_updates(self, loss: torch.Tensor, idle: list[nn.Parameter]) -> None:
+        """optim.step_in_backward's backward: the hooks update each parameter as its gradient arrives
+        (the idle head's excepted). A non-finite loss takes no backward at all (the step is then
+        skipped, as in the ordinary step)."""
         if not torch.isfinite(loss):
             return
-        self._idle = {id(p) for p in self.idle_parameters(self.objective.mode_at(self.step))}
+        self._idle = {id(p) for p in idle}
         self._in_step = True
         try:
             loss.backward()
@@ -233,9 +233,9 @@ class Trainer:
             if size != self.micro_batch_size:
                 raise ConfigError(
                     f"config key 'optim.step_in_backward': got True; expected false with gradient accumulation "
-                    f"(global batch {size} = {size // self.micro_batch_size} micro-batches of {self.micro_batch_size}): "
-                    f"each parameter is updated as soon as one micro-batch's gradient arrives. Set "
-                    f"train.micro_batch_size to the global batch size, or optim.step_in_backward=false")
+                    f"(global batch {size} = {size // self.micro_batch_size} micro-batches of "
+                    f"{self.micro_batch_size}): each parameter is updated as soon as one micro-batch's gradient "
+                    f"arrives. Set train.micro_batch_size to the global batch size, or optim.step_in_backward=false")
         self._in_step = False  # the hooks act only inside train_step's backward, never in a probe
         self._idle: set[int] = set()
         self._grad_sq = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -456,7 +456,7 @@ class Trainer:
                         loss = anchor(loss, idle)
                 scaled = loss / num_accum
                 if self.step_in_backward:
-                    self._backward_with_updates(loss)
+                    self._backward_with_updates(loss, idle)
                 else:
                     (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             totals.loss += loss.detach().double().item() / num_accum
