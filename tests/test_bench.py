@@ -54,3 +54,29 @@ def test_ladder_adds_one_group_at_a_time_and_ends_at_optimized():
     last = flat_keys(to_dict(load_config(rungs[-1]["config"], rungs[-1]["overrides"])))
     optimized = flat_keys(to_dict(load_config("optimized", ["model=tiny"])))
     assert {k for k in last if last[k] != optimized[k]} == {"train.run_dir"}
+
+
+def test_two_process_bench_reports_memory_per_process_and_fsdp2_shards_the_state(tmp_path_factory, tmp_path):
+    """Each config runs as two gloo ranks; the training-state split is per process: whole under DDP,
+    halved under FSDP2, and both ranks' peaks are reported."""
+    data = prepared(tmp_path_factory)
+    status = main(["bench", *TINY, f"data.path={data}", "--baseline", "optimized distributed.strategy=ddp",
+                   "--optimized", "optimized distributed.strategy=fsdp2", "--processes", "2",
+                   "--steps", "2", "--warmup", "1", "--round-steps", "1", "--out", str(tmp_path)])
+    assert status == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    ddp, fsdp = (report["configs"][name] for name in report["order"])
+    assert report["order"] == ["optimized distributed.strategy=ddp", "optimized distributed.strategy=fsdp2"]
+    assert ddp["strategy"] == "ddp" and fsdp["strategy"] == "fsdp2"
+    assert ddp["processes"] == fsdp["processes"] == 2
+    assert ddp["changes"] == [] and fsdp["changes"] == ["distributed.strategy"]
+    for c in (ddp, fsdp):
+        assert len(c["peak_memory_per_rank_gib"]) == 2 and c["peak_memory_gib"] == max(c["peak_memory_per_rank_gib"])
+        assert c["measured_steps"] == 2 and c["global_batch_size"] == 8
+        assert "largest_micro_batch" not in c  # the fit search runs in one process: skipped
+    assert ddp["state_gib"] == pytest.approx(16 * report["model_parameters"] / 2**30)
+    assert fsdp["state_gib"] == pytest.approx(ddp["state_gib"] / 2)
+    # Same seed, data and modes: the two strategies train the same model.
+    assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-4)
+    md = (tmp_path / "bench.md").read_text()
+    assert "per process" in md and "2 processes" in md

@@ -25,6 +25,12 @@ How it measures, and why:
    (compile off: it would recompile at every probed size); checkpointing and attention as configured.
 7. MFU from the model's FLOPs per sample and the device's peak (mmldlm.training.metrics), only where
    the peak is known: never on CPU.
+8. With `processes` > 1 every config runs as that many ranks of one process group on this machine
+   (gloo over loopback on CPU, NCCL with one GPU per rank), which is how DDP and FSDP2 differ in
+   memory: the peak is per process (the largest over the ranks), the training-state split is per
+   process (FSDP2 shards weights, gradients and AdamW state over the ranks; DDP holds them whole in
+   each), samples/s counts the global batch. The largest-micro-batch search runs in one process
+   and is skipped.
 """
 
 from __future__ import annotations
@@ -37,10 +43,13 @@ import math
 import multiprocessing as mp
 import os
 import platform
+import shlex
 import signal
+import socket
 import statistics
 import tempfile
 import time
+from multiprocessing.connection import wait as wait_for_replies
 from pathlib import Path
 
 import yaml
@@ -80,6 +89,7 @@ class BenchOptions:
     fit: bool = True
     memory_cap_gib: float = 8.0
     max_micro_batch: int = 512
+    processes: int = 1  # ranks per config (one machine): per-process memory of DDP vs FSDP2
     out: str = "runs/bench"
 
 
@@ -90,19 +100,30 @@ def _override(key: str, value) -> str:
     return f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
 
 
+def split_config(text: str) -> tuple[str, list[str]]:
+    """"NAME [section.key=value ...]" -> (NAME, its own overrides): a config of one row, e.g.
+    "optimized distributed.strategy=fsdp2"."""
+    name, *overrides = shlex.split(text)
+    return name, overrides
+
+
 def bench_configs(opts: BenchOptions) -> list[dict]:
-    """[{name, changes, overrides}] to run: baseline and optimized, or with opts.ladder every rung."""
+    """[{name, changes, overrides}] to run: baseline and optimized, or with opts.ladder every rung.
+    The shared overrides come first, then the row's own (see split_config)."""
+    first_name, first_own = split_config(opts.baseline)
+    last_name, last_own = split_config(opts.optimized)
     base = [*opts.overrides]
-    first = flat_keys(to_dict(load_config(opts.baseline, base)))
-    last = flat_keys(to_dict(load_config(opts.optimized, base)))
+    first = flat_keys(to_dict(load_config(first_name, [*base, *first_own])))
+    last = flat_keys(to_dict(load_config(last_name, [*base, *last_own])))
     differ = [key for key in first if first[key] != last[key] and key not in IGNORED]
     if not opts.ladder:
         # Each row is named by its config (two runs of one config: "NAME" and "NAME (2)").
         second = opts.optimized if opts.optimized != opts.baseline else f"{opts.optimized} (2)"
-        return [{"name": opts.baseline, "config": opts.baseline, "changes": [], "overrides": base},
-                {"name": second, "config": opts.optimized, "changes": differ, "overrides": base}]
+        return [{"name": opts.baseline, "config": first_name, "changes": [], "overrides": [*base, *first_own]},
+                {"name": second, "config": last_name, "changes": differ, "overrides": [*base, *last_own]}]
+    base = [*base, *first_own]
     rungs, covered, applied = [], set(), list(base)
-    rungs.append({"name": "baseline", "config": opts.baseline, "changes": [], "overrides": list(applied)})
+    rungs.append({"name": "baseline", "config": first_name, "changes": [], "overrides": list(applied)})
     groups = LADDER + [("other differences", [k for k in differ if not any(k in keys for _, keys in LADDER)])]
     for label, keys in groups:
         changes = [k for k in keys if k in differ and k not in covered]
@@ -110,7 +131,7 @@ def bench_configs(opts: BenchOptions) -> list[dict]:
             continue
         covered.update(changes)
         applied += [_override(k, last[k]) for k in changes]
-        rungs.append({"name": f"+ {label}", "config": opts.baseline, "changes": changes, "overrides": list(applied)})
+        rungs.append({"name": f"+ {label}", "config": first_name, "changes": changes, "overrides": list(applied)})
     if len(rungs) > 1:
         rungs[-1]["name"] += " (= optimized)"
     return rungs
@@ -142,15 +163,33 @@ def build_trainer(config: str, overrides: list[str], run_dir: str, extra: list[s
     return cfg, info, trainer, data_cfg
 
 
+def _join_ranks(job: dict) -> None:
+    """Make this worker rank `job["rank"]` of its config's `job["world_size"]` ranks on this machine:
+    init_distributed reads torchrun's variables. On CPU the cores are shared out among the ranks
+    (unless OMP_NUM_THREADS says otherwise): two ranks of two threads each on two cores would wait
+    for each other's threads."""
+    import torch
+
+    world = job["world_size"]
+    os.environ.update(RANK=str(job["rank"]), LOCAL_RANK=str(job["rank"]), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
+
+
 def _train_worker(conn, job: dict, run_dir: str) -> None:
-    """Serve ("steps", n) / ("reset_memory",) / ("memory",) / ("stop",) for one config."""
+    """Serve ("steps", n) / ("reset_memory",) / ("memory",) / ("stop",) for one config (one rank of
+    it when job["world_size"] > 1)."""
     from mmldlm.training.metrics import (current_memory_bytes, peak_memory_bytes, release_free_memory,
                                          reset_peak_memory)
 
-    _setup_worker_logging(job["name"])
+    _setup_worker_logging(job["name"] if job["world_size"] == 1 else f"{job['name']} rank {job['rank']}")
     os.setpgrp()  # its own process group: the parent can end it with its loader workers (_Worker.close)
     try:
         import torch
+
+        if job["world_size"] > 1:
+            _join_ranks(job)
 
         runtime = current_memory_bytes(torch.device("cpu"))  # before anything is built
         cfg, info, trainer, _ = build_trainer(job["config"], job["overrides"], run_dir)
@@ -161,7 +200,8 @@ def _train_worker(conn, job: dict, run_dir: str) -> None:
 
         conn.send({"ok": True, "device": str(info.device), "micro_batch_size": trainer.micro_batch_size,
                    "step_in_backward": trainer.step_in_backward, "state_dtype": cfg.optim.state_dtype,
-                   "global_batch_size": cfg.train.global_batch_size,
+                   "global_batch_size": cfg.train.global_batch_size, "world_size": info.world_size,
+                   "strategy": cfg.distributed.strategy,
                    "parameters": parameter_counts(trainer.raw_model)["total"]})
         while True:
             command = conn.recv()
@@ -240,9 +280,20 @@ class _Worker:
     def call(self, *command) -> dict:
         if command:
             self.conn.send(command)
-        reply = self.conn.recv()
+        return self.receive()
+
+    def receive(self) -> dict:
+        who = f"config '{self.job['name']}'"
+        if self.job.get("world_size", 1) > 1:
+            who += f" rank {self.job['rank']}"
+        try:
+            reply = self.conn.recv()
+        except EOFError:  # the process died without a word: killed (out of memory?) or crashed
+            self.process.join(timeout=5)
+            raise RuntimeError(f"bench: {who} ({self.job['config']} {' '.join(self.job['overrides'])}) "
+                               f"exited with status {self.process.exitcode} without a reply") from None
         if not reply["ok"]:
-            raise RuntimeError(f"bench: config '{self.job['name']}' ({self.job['config']} "
+            raise RuntimeError(f"bench: {who} ({self.job['config']} "
                                f"{' '.join(self.job['overrides'])}) failed: {reply['error']}")
         return reply
 
@@ -261,6 +312,41 @@ class _Worker:
             self.process.join()
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _Ranks:
+    """The worker processes of one config, one per rank: a command goes to every rank (their steps
+    hold collectives, so all must run together), and the first failing rank fails the call at once,
+    while its peers may still wait in a collective for it (close() then ends them)."""
+
+    def __init__(self, ctx, job: dict, run_dir: str, processes: int):
+        self.job = job
+        port = _free_port() if processes > 1 else 0
+        self.workers = [_Worker(ctx, _train_worker, {**job, "rank": r, "world_size": processes, "port": port},
+                                run_dir) for r in range(processes)]
+
+    def call(self, *command) -> list[dict]:
+        """The replies of all ranks, by rank."""
+        for worker in self.workers:
+            if command:
+                worker.conn.send(command)
+        pending = {worker.conn: rank for rank, worker in enumerate(self.workers)}
+        replies = {}
+        while pending:
+            for conn in wait_for_replies(list(pending)):
+                rank = pending.pop(conn)
+                replies[rank] = self.workers[rank].receive()
+        return [replies[rank] for rank in range(len(self.workers))]
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.close()
+
+
 # -------------------------------------------------------------------------------- the run
 
 
@@ -276,16 +362,20 @@ def _spread(values: list[float]) -> dict:
             "min": ordered[0], "max": ordered[-1]}
 
 
-def _summary(setup: dict, records: list[dict], memory: dict) -> dict:
+def _summary(setup: dict, records: list[dict], memory: list[dict]) -> dict:
+    """The figures of one config; `memory` holds every rank's peak, and the largest is the config's."""
     times = [r["step_time_s"] for r in records]
-    peak_gib = (memory["peak_bytes"] - memory["runtime_bytes"]) / 2**30
+    per_rank_gib = [(m["peak_bytes"] - m["runtime_bytes"]) / 2**30 for m in memory]
+    peak_gib = max(per_rank_gib)
     # The training state in one process: fp32 weights (4 bytes per parameter), gradients (4; none
     # held all at once with optim.step_in_backward) and AdamW's two moments (8 in fp32, about 2 in
-    # int8, 1 in int4: optim.state_dtype). The rest of the peak is activations, low-precision weight
-    # copies and temporaries.
+    # int8, 1 in int4: optim.state_dtype), each divided over the ranks by FSDP2 and whole in every
+    # DDP rank. The rest of the peak is activations, low-precision weight copies, DDP's gradient
+    # buckets, FSDP2's gathered weights, and temporaries.
     from mmldlm.training.optim import STATE_BYTES
 
-    params = setup["parameters"]
+    world = setup.get("world_size", 1)
+    params = setup["parameters"] / (world if setup.get("strategy") == "fsdp2" else 1)
     split = {"weights_gib": 4 * params / 2**30,
              "gradients_gib": 0.0 if setup.get("step_in_backward") else 4 * params / 2**30,
              "optimizer_state_gib": STATE_BYTES[setup.get("state_dtype", "fp32")] * params / 2**30}
@@ -302,12 +392,14 @@ def _summary(setup: dict, records: list[dict], memory: dict) -> dict:
         "best_samples_per_s": setup["global_batch_size"] / step_time["min"],
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
         "data_wait_share": statistics.median(r["data_wait_share"] for r in records),
-        "peak_memory_gib": peak_gib,
+        "peak_memory_gib": peak_gib,  # per process: the largest over the ranks
+        "peak_memory_per_rank_gib": per_rank_gib,
+        "processes": world, "strategy": setup.get("strategy", "ddp"),
         "state_gib": state_gib,
         **split,
         "peak_above_state_gib": peak_gib - state_gib,
         "peak_memory_kind": "cuda_max_allocated" if device_is_cuda else "cpu_peak_rss_above_runtime",
-        "peak_rss_gib": None if device_is_cuda else memory["peak_bytes"] / 2**30,
+        "peak_rss_gib": None if device_is_cuda else max(m["peak_bytes"] for m in memory) / 2**30,
         "mfu": statistics.median(mfu) if mfu else None,
         "losses": [r["loss"] for r in records],
         "step_times_s": times,  # in order: a shared machine's disturbances show as outliers
@@ -322,33 +414,34 @@ def run_bench(opts: BenchOptions, command: str = "") -> dict:
     ctx = mp.get_context("spawn")
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="bench-", dir=out) as scratch:
-        workers = []
+        groups = []
         try:
             for i, job in enumerate(jobs):  # one at a time: setups do not compete for the cores
                 job["release_memory"] = len(jobs) > 2
-                workers.append(_Worker(ctx, _train_worker, job, os.path.join(scratch, f"run{i}")))
-                job["setup"] = workers[-1].call()
-                log.info("bench: %s ready (%s, micro-batch %d)", job["name"], job["setup"]["device"],
+                groups.append(_Ranks(ctx, job, os.path.join(scratch, f"run{i}"), opts.processes))
+                job["setup"] = groups[-1].call()[0]
+                log.info("bench: %s ready (%s%s, micro-batch %d)", job["name"], job["setup"]["device"],
+                         f" x {opts.processes} processes" if opts.processes > 1 else "",
                          job["setup"]["micro_batch_size"])
             records = {job["name"]: [] for job in jobs}
             for _ in range(math.ceil(opts.warmup / opts.round_steps)):
-                for worker in workers:
-                    worker.call("steps", opts.round_steps)
-            for worker in workers:
-                worker.call("reset_memory")
+                for group in groups:
+                    group.call("steps", opts.round_steps)
+            for group in groups:
+                group.call("reset_memory")
             for r in range(math.ceil(opts.steps / opts.round_steps)):
-                for worker in workers:
-                    records[worker.job["name"]] += worker.call("steps", opts.round_steps)["records"]
+                for group in groups:  # every rank records the same global step figures; rank 0's are kept
+                    records[group.job["name"]] += group.call("steps", opts.round_steps)[0]["records"]
                 log.info("bench: round %d/%d done", r + 1, math.ceil(opts.steps / opts.round_steps))
-            memory = {w.job["name"]: w.call("memory") for w in workers}
+            memory = {group.job["name"]: group.call("memory") for group in groups}
         finally:
-            for worker in workers:
-                worker.close()
+            for group in groups:
+                group.close()
         results = {job["name"]: {"config": job["config"], "changes": job["changes"], "overrides": job["overrides"],
                                   **_summary(job["setup"], records[job["name"]], memory[job["name"]])}
                    for job in jobs}
         fits = {}
-        if opts.fit:
+        if opts.fit and opts.processes == 1:
             for job in (jobs[0], jobs[-1]):
                 worker = _Worker(ctx, _fit_worker, job, os.path.join(scratch, "fit"),
                                  opts.memory_cap_gib * 2**30, opts.max_micro_batch)
@@ -364,7 +457,7 @@ def run_bench(opts: BenchOptions, command: str = "") -> dict:
     ratios = {key: results[last][key] / results[first][key]
               for key in ("samples_per_s", "best_samples_per_s", "tokens_per_s", "peak_memory_gib",
                           "peak_above_state_gib")}
-    if opts.fit:
+    if opts.fit and opts.processes == 1:
         ratios["largest_micro_batch"] = (results[last]["largest_micro_batch"] / results[first]["largest_micro_batch"]
                                          if results[first]["largest_micro_batch"] else None)
     setup = jobs[0]["setup"]
@@ -404,13 +497,17 @@ def markdown(report: dict) -> str:
     configs, order = report["configs"], report["order"]
     m = report["machine"]
     device = m.get("gpu", f"CPU ({m['cpus']} cores, {m['torch_threads']} torch threads)")
+    processes = report["options"].get("processes", 1)
     lines = [f"# mmldlm bench ({report['date']})", "",
              f"`{report['command']}`" if report["command"] else "", "",
              f"{device}, torch {m['torch']}; model {report['model_parameters']:,} parameters; "
-             f"{report['options']['steps']} measured steps per config after {report['options']['warmup']} "
+             + (f"each config as {processes} processes (ranks of one process group); " if processes > 1 else "")
+             + f"{report['options']['steps']} measured steps per config after {report['options']['warmup']} "
              f"warm-up, {report['options']['round_steps']} per turn; wall time {report['wall_time_s']:.0f} s.", ""]
     memory_kind = configs[order[0]]["peak_memory_kind"]
     memory_label = "peak CUDA alloc GiB" if memory_kind == "cuda_max_allocated" else "peak RSS above runtime GiB"
+    if processes > 1:
+        memory_label += " per process"
     fit = "largest_micro_batch" in configs[order[0]]
     header = ["config", "micro x accum", "samples/s", "tokens/s", "step s (median)", "step s (min, p10-p90)",
               memory_label, "weights / grads / AdamW / rest GiB", "MFU"]
