@@ -55,7 +55,7 @@ class ModelConfig:
     num_latents: int = 1  # K latent vectors per sample (K = 1: one sentence embedding)
     pos_embedding: Literal["rope", "learned"] = "rope"
     qk_norm: bool = True  # RMSNorm on queries and keys, per head
-    attention: Literal["sdpa", "explicit"] = "sdpa"  # explicit softmax exists for the baseline only
+    attention: Literal["sdpa", "explicit"] = "sdpa"  # explicit: comparison recipe (mmldlm/comparison.py)
     timestep_embed_dim: int = 256  # sinusoidal features fed to the timestep MLPs
     null_latent: bool = True  # learned "no condition" latent for classifier-free guidance
     # Latent self-conditioning (Chen et al. 2022): the latent stream also reads an earlier x0 estimate.
@@ -123,7 +123,7 @@ class LatentDiffusionConfig:
 
     schedule: Literal["cosine"] = "cosine"
     prediction: Literal["eps", "x0", "v"] = "v"
-    loss: Literal["mse", "cosine", "normalized_mse"] = "mse"
+    loss: Literal["mse", "cosine", "normalized_mse"] = "mse"  # normalized_mse: comparison recipe
     min_alpha: float = 1e-4  # alpha(t=1) floor: keeps eps <-> x0 conversions finite at t = 1
     # Shifted schedule: the signal-to-noise ratio at every t divided by shift^2 (> 1: noisier, more of
     # training and sampling where the condition must supply what the noised latent no longer holds).
@@ -406,7 +406,7 @@ class DistributedConfig:
     # set of parameters that receive gradients is therefore the same on every step.
     static_graph: bool | Literal["auto"] = "auto"
     # true: DDP searches the autograd graph for unused parameters every step instead of the idle-head
-    # anchor (parallelize.py); the baseline preset's setting.
+    # anchor (parallelize.py); on: comparison recipe.
     find_unused_parameters: bool = False
 
     def check(self, prefix: str = "distributed") -> None:
@@ -496,8 +496,8 @@ class PerfConfig:
     activation_checkpointing: Literal["none", "full", "every_k", "selective", "auto"] = "none"
     checkpoint_every_k: int = 2
     compile: bool = False  # torch.compile each block (pair with data.pad_to_multiple=64: few shapes)
-    # Toggle requires_grad over every parameter at every step, the baseline preset's freezing
-    # (baseline preset only: the idle head is handled once per mode, see parallelize.py).
+    # Toggle requires_grad over every parameter at every step: comparison recipe (mmldlm/comparison.py;
+    # the idle head is otherwise handled once per mode, see parallelize.py).
     refreeze_every_step: bool = False
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
 

@@ -36,6 +36,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from mmldlm import comparison
 from mmldlm.config import LatentDiffusionConfig
 from mmldlm.diffusion import rng
 
@@ -188,9 +189,7 @@ class GaussianDiffusion:
         mse: mean squared error to `target` (the configured prediction), over all elements, weighted
             over t by `loss_weighting` (module docstring).
         cosine: mean over vectors of 1 - cos(x0_hat, x0) along the last dim (in [0, 2], no clamp).
-        normalized_mse: MSE between L2-normalised x0_hat and x0, = 2 (1 - cos) / D per vector: ~1/D in
-            scale and blind to magnitude. Kept only for the baseline preset (the comparison recipe that
-            `bench` measures).
+        normalized_mse: the comparison recipe's (mmldlm/comparison.py).
         """
         pred, x0, noise = pred.float(), x0.float(), noise.float()
         if self.cfg.loss == "mse":
@@ -201,7 +200,7 @@ class GaussianDiffusion:
         x0_hat, _ = self.predict_x0_eps(pred, self.add_noise(x0, t, noise), t)
         if self.cfg.loss == "cosine":
             return (1.0 - F.cosine_similarity(x0_hat, x0, dim=-1)).mean()
-        return F.mse_loss(F.normalize(x0_hat, dim=-1), F.normalize(x0, dim=-1))
+        return comparison.normalized_mse(x0_hat, x0)  # comparison recipe
 
     # --- reverse process -------------------------------------------------------------------------
 

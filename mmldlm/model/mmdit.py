@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from mmldlm import comparison
 from mmldlm.config import ConfigError, ModelConfig
 
 
@@ -187,13 +188,7 @@ class MMDiTBlock(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         if self.attention == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
-        # The explicit path materialises the (Sq, S) score matrix: the comparison recipe's, kept for the
-        # baseline preset only.
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, nh, Sq, S)
-        if attn_mask is not None:
-            scores = scores.masked_fill(~attn_mask, float("-inf"))
-        weights = F.dropout(F.softmax(scores, dim=-1), p=dropout_p)
-        return weights @ v
+        return comparison.explicit_attention(q, k, v, attn_mask, dropout_p)  # comparison recipe
 
 
 class FinalLayer(nn.Module):

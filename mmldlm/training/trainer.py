@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mmldlm import comparison
 from mmldlm.config import ConfigError, RunConfig
 from mmldlm.training.checkpoint import CheckpointManager
 from mmldlm.training.distributed import DistInfo, collective_guard
@@ -418,8 +419,8 @@ class Trainer:
                                        "train.global_batch_size")
         mode = self.objective.mode_at(step)
         idle = self.idle_parameters(mode)
-        if self.cfg.perf.refreeze_every_step:
-            self._refreeze(idle)
+        if self.cfg.perf.refreeze_every_step:  # comparison recipe
+            comparison.refreeze(self.raw_model.parameters(), idle)
         lr = self.schedule.apply(self.optimizer, step)
 
         totals = self._forward_backward(mode, idle, num_accum)
@@ -550,13 +551,6 @@ class Trainer:
 
             record["compiled_graphs"] = counters["stats"]["unique_graphs"]
         return record
-
-    def _refreeze(self, idle: list[nn.Parameter]) -> None:
-        """The baseline preset's freezing (the comparison recipe that `bench` measures): a pass over
-        every parameter at every step setting requires_grad (the idle head frozen, the rest trainable)."""
-        idle_ids = {id(p) for p in idle}
-        for p in self.raw_model.parameters():
-            p.requires_grad_(id(p) not in idle_ids)
 
     def _flops(self, tokens: torch.Tensor, mode: str, num_masked: torch.Tensor | None) -> float:
         """The micro-batch's training FLOPs; the text head counts only the masked positions it ran at."""
