@@ -406,7 +406,7 @@ class DistributedConfig:
     # set of parameters that receive gradients is therefore the same on every step.
     static_graph: bool | Literal["auto"] = "auto"
     # true: DDP searches the autograd graph for unused parameters every step instead of the idle-head
-    # anchor (parallelize.py); on: comparison recipe.
+    # anchor (parallelize.py) (the comparison recipe's setting).
     find_unused_parameters: bool = False
 
     def check(self, prefix: str = "distributed") -> None:

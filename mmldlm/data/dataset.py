@@ -27,7 +27,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from mmldlm.config import DataConfig, ModelConfig, _fail
 from mmldlm.data import format as fmt
+from mmldlm.data.corpus import DEFAULT_CORPUS
 from mmldlm.data.errors import DataError
+from mmldlm.data.tokenizer import load_tokenizer
 
 
 class PreparedDataset(Dataset):
@@ -100,8 +102,6 @@ class PreparedDataset(Dataset):
                 torch.tensor(self.meta["latent_std"], dtype=torch.float32))
 
     def tokenizer(self):
-        from mmldlm.data.tokenizer import load_tokenizer
-
         return load_tokenizer(self.path / self.meta["tokenizer"])
 
 
@@ -327,8 +327,7 @@ def resolve_for_model(data: DataConfig, model: ModelConfig, dataset: PreparedDat
 def default_prepare_options(cfg: DataConfig):
     """The PrepareOptions that prepare the bundled corpus into the cache. The cache entry is named by
     what decides its content, so a changed option never reuses a stale one."""
-    from mmldlm.data.corpus import DEFAULT_CORPUS
-    from mmldlm.data.prepare import PrepareOptions
+    from mmldlm.data.prepare import PrepareOptions  # here: prepare.py imports this module
 
     opts = PrepareOptions(inputs=["default"], vocab_size=cfg.vocab_size, val_fraction=cfg.val_fraction,
                           encoder=cfg.encoder, max_samples=cfg.max_samples)
@@ -343,6 +342,6 @@ def dataset_path(cfg: DataConfig, log=print) -> Path:
     prepared on first use into the cache (every rank must call this; the work is shared)."""
     if cfg.path is not None:
         return Path(cfg.path)
-    from mmldlm.data.prepare import prepare
+    from mmldlm.data.prepare import prepare  # here: prepare.py imports this module
 
     return Path(prepare(default_prepare_options(cfg), log)["path"])

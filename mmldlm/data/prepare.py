@@ -36,6 +36,8 @@ from mmldlm.data import corpus, format as fmt, tokenizer as tok
 from mmldlm.data.dataset import default_prepare_options
 from mmldlm.data.encoders import DEFAULT_ENCODER, REGISTRY, load_encoder
 from mmldlm.data.errors import DataError
+from mmldlm.data.legacy import LegacySource
+from mmldlm.device import pick_device
 
 LATENT_DTYPES = ("float16", "float32")
 STD_FLOOR = 1e-6  # standardising by the std never divides by zero, even for a constant dimension
@@ -373,8 +375,6 @@ def _merge(opts: PrepareOptions, tokenizer_json: str, counts: dict, shards: list
 
 
 def _device(requested: str) -> str:
-    from mmldlm.device import pick_device
-
     return str(pick_device(requested, key="--device"))
 
 
@@ -390,8 +390,6 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
         return {"status": "exists", "path": str(out), "meta": fmt.read_meta(out)}
 
     if opts.legacy_tokens is not None:
-        from mmldlm.data.legacy import LegacySource
-
         tokenizer_json = ranks.on_rank0(lambda: tok.load_tokenizer(opts.tokenizer).to_str())
         source = ranks.on_all(lambda: LegacySource(opts.legacy_tokens, opts.legacy_latents,
                                                    tok.vocab_size(tok.from_json(tokenizer_json)), opts.tokenizer))

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from mmldlm.config import EvalConfig
+from mmldlm.data.dataset import PadCollate
 from mmldlm.diffusion import MaskedDiffusion
 from mmldlm.objective import Objective
 from mmldlm.sampling.run import TrainedRun
@@ -58,8 +59,6 @@ def _generator(seed: int, *parts: int) -> torch.Generator:
 
 def val_batches(run: TrainedRun, num_samples: int, batch_size: int):
     """Batches (the loader's format) of the first `num_samples` validation samples, in order."""
-    from mmldlm.data.dataset import PadCollate
-
     collate = PadCollate(run.text.pad_token_id, run.data_cfg.pad_to_multiple, run.data_cfg.max_length)
     n = min(num_samples, len(run.val))
     for start in range(0, n, batch_size):

@@ -52,9 +52,17 @@ import time
 from multiprocessing.connection import wait as wait_for_replies
 from pathlib import Path
 
+import torch
 import yaml
 
 from mmldlm.config import flat_keys, load_config, to_dict
+from mmldlm.model.info import parameter_counts
+from mmldlm.training.batch_size import probe_or_none
+from mmldlm.training.distributed import init_distributed
+from mmldlm.training.metrics import current_memory_bytes, peak_memory_bytes, release_free_memory, reset_peak_memory
+from mmldlm.training.optim import STATE_BYTES
+from mmldlm.training.run import build_model_and_objective, open_train_data
+from mmldlm.training.trainer import Trainer, seed_everything
 
 log = logging.getLogger(__name__)
 
@@ -150,10 +158,6 @@ def _setup_worker_logging(name: str) -> None:
 
 
 def build_trainer(config: str, overrides: list[str], run_dir: str, extra: list[str] = ()):
-    from mmldlm.training.distributed import init_distributed
-    from mmldlm.training.run import build_model_and_objective, open_train_data
-    from mmldlm.training.trainer import Trainer, seed_everything
-
     cfg = load_config(config, [*overrides, f"train.run_dir={run_dir}", "logging.progress_bar=false", *extra])
     info = init_distributed(cfg.distributed, cfg.train.device)
     dataset, make_loader, data_cfg = open_train_data(cfg, info)
@@ -168,8 +172,6 @@ def _join_ranks(job: dict) -> None:
     init_distributed reads torchrun's variables. On CPU the cores are shared out among the ranks
     (unless OMP_NUM_THREADS says otherwise): two ranks of two threads each on two cores would wait
     for each other's threads."""
-    import torch
-
     world = job["world_size"]
     os.environ.update(RANK=str(job["rank"]), LOCAL_RANK=str(job["rank"]), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
@@ -180,14 +182,9 @@ def _join_ranks(job: dict) -> None:
 def _train_worker(conn, job: dict, run_dir: str) -> None:
     """Serve ("steps", n) / ("reset_memory",) / ("memory",) / ("stop",) for one config (one rank of
     it when job["world_size"] > 1)."""
-    from mmldlm.training.metrics import (current_memory_bytes, peak_memory_bytes, release_free_memory,
-                                         reset_peak_memory)
-
     _setup_worker_logging(job["name"] if job["world_size"] == 1 else f"{job['name']} rank {job['rank']}")
     os.setpgrp()  # its own process group: the parent can end it with its loader workers (_Worker.close)
     try:
-        import torch
-
         if job["world_size"] > 1:
             _join_ranks(job)
 
@@ -196,8 +193,6 @@ def _train_worker(conn, job: dict, run_dir: str) -> None:
         if info.device.type == "cuda":
             runtime = 0  # CUDA's allocated counter starts at zero for this process
             torch.cuda.empty_cache()  # what set-up probed is not held while the other configs run
-        from mmldlm.model.info import parameter_counts
-
         conn.send({"ok": True, "device": str(info.device), "micro_batch_size": trainer.micro_batch_size,
                    "step_in_backward": trainer.step_in_backward, "state_dtype": cfg.optim.state_dtype,
                    "global_batch_size": cfg.train.global_batch_size, "world_size": info.world_size,
@@ -240,8 +235,6 @@ def _fit_worker(conn, job: dict, run_dir: str, cap_bytes: float, max_size: int) 
     _setup_worker_logging(job["name"] + " fit")
     os.setpgrp()
     try:
-        from mmldlm.training.batch_size import probe_or_none
-
         extra = ["perf.compile=false", "train.micro_batch_size=1", "train.global_batch_size=1", "data.num_workers=0"]
         if load_config(job["config"], job["overrides"]).perf.activation_checkpointing == "auto":
             # auto checkpoints as much as a micro-batch needs; the largest it can fit is under full.
@@ -372,8 +365,6 @@ def _summary(setup: dict, records: list[dict], memory: list[dict]) -> dict:
     # int8, 1 in int4: optim.state_dtype), each divided over the ranks by FSDP2 and whole in every
     # DDP rank. The rest of the peak is activations, low-precision weight copies, DDP's gradient
     # buckets, FSDP2's gathered weights, and temporaries.
-    from mmldlm.training.optim import STATE_BYTES
-
     world = setup.get("world_size", 1)
     params = setup["parameters"] / (world if setup.get("strategy") == "fsdp2" else 1)
     split = {"weights_gib": 4 * params / 2**30,
@@ -479,8 +470,6 @@ def run_bench(opts: BenchOptions, command: str = "") -> dict:
 
 
 def _machine(device: str) -> dict:
-    import torch
-
     machine = {"device": device, "torch": torch.__version__, "python": platform.python_version(),
                "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
                "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()}

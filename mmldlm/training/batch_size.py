@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from mmldlm.objective import Objective
 from mmldlm.training.metrics import peak_memory_bytes, reset_peak_memory
 
 
@@ -77,8 +78,6 @@ def probe_peak_bytes(model: nn.Module, objective, batch_size: int, seq_len: int,
                      autocast: Callable = None) -> int:
     """Peak memory of one joint-mode forward + backward of `batch_size` full-length samples, plus the
     optimizer state; raises torch.OutOfMemoryError where CUDA runs out."""
-    from mmldlm.objective import Objective
-
     joint = Objective(dataclasses.replace(objective.cfg, mode="joint"), objective.text, objective.latent,
                       objective.self_condition, objective.length_head)
     raw = getattr(model, "module", model)

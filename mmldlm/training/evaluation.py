@@ -14,6 +14,13 @@ from __future__ import annotations
 import copy
 import logging
 
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from mmldlm.model import MultimodalMMDiT
+from mmldlm.sampling.evaluate import evaluate, flat
+from mmldlm.sampling.run import TrainedRun
+from mmldlm.training.distributed import barrier, collective_guard
+
 log = logging.getLogger(__name__)
 
 
@@ -23,11 +30,6 @@ def _full_model(trainer):
     source = trainer.ema.module if trainer.ema is not None else trainer.raw_model
     if not (trainer.info.distributed and trainer.cfg.distributed.strategy == "fsdp2"):
         return source if trainer.info.is_main else None
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from mmldlm.model import MultimodalMMDiT
-    from mmldlm.training.distributed import collective_guard
-
     with collective_guard(f"evaluation weight gather of step {trainer.step}", trainer.info):
         state = get_model_state_dict(source, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not trainer.info.is_main:
@@ -39,10 +41,6 @@ def _full_model(trainer):
 
 def evaluate_during_training(trainer) -> dict | None:
     """The eval record of the trainer's current step on rank 0, None on the other ranks."""
-    from mmldlm.sampling.evaluate import evaluate, flat
-    from mmldlm.sampling.run import TrainedRun
-    from mmldlm.training.distributed import barrier
-
     model = _full_model(trainer)
     record = None
     if trainer.info.is_main:
