@@ -79,8 +79,8 @@ def sampling_options(args: argparse.Namespace, run, guidance_scale: float, **opt
 
 
 def _read_texts(args) -> list[str]:
-    """The source texts of --text and --text-file (its non-blank lines); DataError for a blank
-    --text, an unreadable file or one without any text."""
+    """The source texts of --text and --text-file (its non-blank lines); OptionError for a blank
+    --text, DataError for a file that cannot be read or holds no text."""
     from mmldlm.data.errors import DataError
     from mmldlm.errors import OptionError
 
