@@ -1,15 +1,20 @@
 """The `mmldlm` command. Each subcommand lives in `mmldlm/commands/<name>.py`, which defines
 `add_arguments(parser)` and `run(args) -> int`, imports only argparse-level things at the top and
-the library inside `run`, so `mmldlm --help` stays fast."""
+the library inside `run`, so `mmldlm --help` stays fast.
+
+A UserError (a bad config key, option, file or dataset: mmldlm/errors.py) prints as one line
+`mmldlm CMD: message` with exit status 2; `mmldlm --debug CMD ...` or MMLDLM_DEBUG=1 shows its
+traceback too. Any other exception is a bug and keeps its traceback."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import traceback
 
-from mmldlm.config import ConfigError
-from mmldlm.data.errors import DataError
+from mmldlm.errors import UserError
 
 # subcommand -> (module under mmldlm.commands, one-line help)
 COMMANDS = {
@@ -26,6 +31,8 @@ COMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmldlm", description="MM-LDLM: multimodal latent diffusion language models")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an input error too (also MMLDLM_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(f"mmldlm.commands.{module_name}")
@@ -39,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)
-    except (ConfigError, DataError) as err:
+    except UserError as err:
+        if args.debug or os.environ.get("MMLDLM_DEBUG") == "1":
+            traceback.print_exc()
         print(f"mmldlm {args.command}: {err}", file=sys.stderr)
         return 2
 

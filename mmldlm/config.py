@@ -25,16 +25,23 @@ from typing import Any, Literal
 
 import yaml
 
+from mmldlm.errors import OptionError, UserError
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 MODES = ("l2t", "t2l", "joint")
 
 
-class ConfigError(ValueError):
-    """A configuration value that cannot be used; the message names the key, the value and what is allowed."""
+class ConfigError(UserError):
+    """A config file, override or value that cannot be used; the message names the file or key, the
+    value and what is allowed."""
+
+
+class ConfigValueError(OptionError, ConfigError):
+    """One config key with a value that cannot be used."""
 
 
 def _fail(key: str, value: Any, allowed: str) -> typing.NoReturn:
-    raise ConfigError(f"config key '{key}': got {value!r}; expected {allowed}")
+    raise ConfigValueError(f"config key '{key}'", value, allowed)
 
 
 # --------------------------------------------------------------------------------------------------

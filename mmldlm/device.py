@@ -6,17 +6,19 @@ import os
 
 import torch
 
+from mmldlm.errors import OptionError
 
-def pick_device(kind: str, key: str = "train.device") -> torch.device:
+
+def pick_device(kind: str, key: str = "config key 'train.device'") -> torch.device:
     """"auto": cuda:LOCAL_RANK when CUDA is present, else the CPU; "cuda": cuda:LOCAL_RANK; "cuda:N"
-    and "cpu" as given. Asking for CUDA where there is none is an error naming `key` (the config key
-    or command-line option the value came from)."""
+    and "cpu" as given. Asking for CUDA where there is none is an OptionError naming `key` (the config
+    key or command-line option the value came from)."""
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cpu":
         return torch.device("cpu")
     if not kind.startswith("cuda"):
-        raise ValueError(f"{key}={kind}: expected auto, cpu, cuda or cuda:N")
+        raise OptionError(key, kind, "auto, cpu, cuda or cuda:N")
     if not torch.cuda.is_available():
-        raise RuntimeError(f"{key}={kind} but no CUDA device is visible; use {key}=auto or cpu")
+        raise OptionError(key, kind, "auto or cpu: no CUDA device is visible")
     return torch.device(kind) if ":" in kind else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

@@ -10,6 +10,8 @@ import random
 import pytest
 
 from mmldlm import cli
+from mmldlm.errors import OptionError
+from mmldlm.tools.health import HealthConfig
 from mmldlm.tools.monitor import PANELS, Monitor, follow, plot
 
 MODE_SCALE = {"l2t": 5.0, "t2l": 1.0, "joint": 6.0}  # each mode its own loss scale, as in a real run
@@ -245,6 +247,46 @@ def test_a_partial_last_line_waits_and_bad_lines_are_counted(tmp_path):
     monitor.poll()
     assert [r["step"] for r in monitor.history.records] == [1, 2]
     assert monitor.reader.num_unreadable == 1
+
+
+def test_each_unreadable_line_is_warned_once_with_its_line_number(tmp_path):
+    records = make_records(6)
+    run = write_run(tmp_path, records[:2], total=6)
+    path = run / "metrics.jsonl"
+    with open(path, "a") as f:
+        f.write('{"step": "three"}\n' + json.dumps(records[2]) + "\n" + '{"step": 4, "lo')  # line 5: still written
+    monitor, warnings = Monitor(run), []
+    for _ in range(2):  # a second poll of the same file repeats nothing
+        follow(monitor, once=True, out=lambda _line: None, warn=warnings.append)
+    assert warnings == [f"{path}:3: skipped a line that is not a metrics record ('{{\"step\": \"three\"}}'); "
+                        f"expected a JSON object with an integer 'step'"]
+    with open(path, "a") as f:  # the partial line ends broken: now it is bad, and only it is new
+        f.write("\n" + json.dumps(records[4]) + "\n")
+    follow(monitor, once=True, out=lambda _line: None, warn=warnings.append)
+    assert [w.split(": skipped")[0] for w in warnings] == [f"{path}:3", f"{path}:5"]
+    assert [r["step"] for r in monitor.history.records] == [1, 2, 3, 5]
+    # A resume rewrites the file from its checkpoint: the bad line it keeps is not warned again.
+    path.write_text("".join(path.read_text().splitlines(keepends=True)[:4]))
+    follow(monitor, once=True, out=lambda _line: None, warn=warnings.append)
+    assert len(warnings) == 2 and monitor.reader.num_unreadable == 1
+
+
+def test_cli_warns_about_bad_lines_on_stderr_and_refuses_bad_seconds(tmp_path, capsys):
+    run = write_run(tmp_path, make_records(20))
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write("garbage\n")
+    assert cli.main(["monitor", str(run), "--once"]) == 0
+    err = capsys.readouterr().err
+    assert err == (f"warning: {run / 'metrics.jsonl'}:21: skipped a line that is not a metrics record ('garbage'); "
+                   f"expected a JSON object with an integer 'step'\n")
+    for option in ("--interval", "--stall-seconds"):
+        assert cli.main(["monitor", str(run), option, "0"]) == 2
+        assert capsys.readouterr().err == f"mmldlm monitor: {option}: got 0.0; expected a number of seconds > 0\n"
+
+
+def test_a_bad_threshold_is_named_with_its_value():
+    with pytest.raises(OptionError, match=r"^monitor threshold 'spike_z': got -1.0; expected a number > 0$"):
+        Monitor("unused", HealthConfig(spike_z=-1.0))
 
 
 def test_plot_is_a_png_with_every_curve(tmp_path):

@@ -98,7 +98,77 @@ def test_sample_errors_name_the_problem(run_dir, tmp_path, capsys):
     assert "needs --text" in capsys.readouterr().err
     np.save(tmp_path / "bad.npy", np.zeros((2, 7), dtype=np.float32))
     assert main(["sample", "--run", str(run_dir), "--mode", "l2t", "--latents", str(tmp_path / "bad.npy"), *FAST]) == 2
-    assert "expects (N, 1, 384)" in capsys.readouterr().err
+    assert "expected (N, 1, 384) or (N, 384) for this run" in capsys.readouterr().err
+
+
+def bad_inputs(root):
+    """Files that `sample` must refuse, in `root`."""
+    (root / "latents.txt").write_text("0.1 0.2 0.3\n")
+    nan = np.zeros((3, 384), dtype=np.float32)
+    nan[1, 5], nan[2, 0] = np.nan, np.inf
+    np.save(root / "nan.npy", nan)
+    np.save(root / "none.npy", np.zeros((0, 384), dtype=np.float32))
+    (root / "blank.txt").write_text("\n  \n")
+
+
+# (command line after --run RUN, what the one line on stderr must say); FILE/ is the folder of bad_inputs.
+REFUSED = {
+    "latents-not-npy": (["sample", "--mode", "l2t", "--latents", "FILE/latents.txt"],
+                        "--latents FILE/latents.txt: not a .npy file; expected a .npy array (N, 1, 384) or (N, 384)"),
+    "latents-missing": (["sample", "--mode", "l2t", "--latents", "FILE/absent.npy"],
+                        "--latents FILE/absent.npy: No such file or directory; expected a .npy array"),
+    "latents-nan": (["sample", "--mode", "l2t", "--latents", "FILE/nan.npy"],
+                    "--latents FILE/nan.npy: 2 of 3 latents hold NaN or inf (rows 1, 2); expected finite numbers"),
+    "latents-empty": (["sample", "--mode", "l2t", "--latents", "FILE/none.npy"],
+                      "--latents FILE/none.npy: holds no latent; expected (N, 1, 384) or (N, 384) with N >= 1"),
+    "latents-and-text": (["sample", "--mode", "l2t", "--latents", "FILE/nan.npy", "--text", "a dog"],
+                         "--latents and --text/--text-file are two sources of l2t; give one"),
+    "length-negative": (["sample", "--mode", "l2t", "--num", "1", "--length", "-3"],
+                        "--length: got -3; expected an integer >= 1"),
+    "length-too-long": (["sample", "--mode", "joint", "--num", "1", "--length", "100000"],
+                        "--length: got 100000; expected an integer in [1, 64] (model.max_seq_len of this run)"),
+    "steps-zero": (["sample", "--mode", "l2t", "--num", "1", "--steps", "0"],
+                   "--steps: got 0; expected an integer >= 1"),
+    "steps-negative": (["sample", "--mode", "joint", "--num", "1", "--steps", "-2"],
+                       "--steps: got -2; expected an integer >= 1"),
+    "latent-steps-zero": (["sample", "--mode", "t2l", "--text", "a dog", "--latent-steps", "0"],
+                          "--latent-steps: got 0; expected an integer >= 1"),
+    "temperature-zero": (["sample", "--mode", "l2t", "--num", "1", "--temperature", "0"],
+                         "--temperature: got 0.0; expected a number > 0"),
+    "text-empty": (["sample", "--mode", "l2t", "--text", ""],
+                   "--text: got ''; expected a text with at least one character that is not a space"),
+    "text-file-blank": (["sample", "--mode", "t2l", "--text-file", "FILE/blank.txt"],
+                        "--text-file FILE/blank.txt: no line with text; expected one source text per line"),
+    "num-zero": (["sample", "--mode", "joint", "--num", "0"], "--num: got 0; expected an integer >= 1"),
+    "batch-size-zero": (["sample", "--mode", "l2t", "--num", "1", "--batch-size", "0"],
+                        "--batch-size: got 0; expected an integer >= 1"),
+    "eval-steps-zero": (["eval", "--num-samples", "4", "--steps", "0"], "--steps: got 0; expected an integer >= 1"),
+    "eval-num-samples-zero": (["eval", "--num-samples", "0"], "--num-samples: got 0; expected an integer >= 1"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_bad_input_is_refused_with_one_line_naming_it(run_dir, tmp_path, capsys, case):
+    bad_inputs(tmp_path)
+    argv, message = REFUSED[case]
+    argv = [arg.replace("FILE", str(tmp_path)) for arg in argv]
+    out = tmp_path / "out.jsonl"
+    assert main([*argv[:1], "--run", str(run_dir), "--device", "cpu", "--out", str(out), *argv[1:]]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(f"mmldlm {argv[0]}: "), err
+    assert message.replace("FILE", str(tmp_path)) in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_debug_shows_the_traceback_of_a_refused_input(run_dir, capsys, monkeypatch):
+    argv = ["sample", "--run", str(run_dir), "--mode", "l2t", "--num", "1", "--steps", "0", "--device", "cpu"]
+    assert main(["--debug", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback") and "OptionError" in err
+    assert err.splitlines()[-1] == "mmldlm sample: --steps: got 0; expected an integer >= 1"
+    monkeypatch.setenv("MMLDLM_DEBUG", "1")
+    assert main(argv) == 2
+    assert "Traceback" in capsys.readouterr().err
 
 
 def test_eval_writes_report_and_summary(run_dir, tmp_path, capsys):

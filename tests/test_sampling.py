@@ -182,7 +182,7 @@ def test_bad_options_fail_with_a_message():
     data = sentences()
     text, latent = diffusions(data)
     model = small_model()
-    with pytest.raises(ValueError, match="num_steps 0"):
+    with pytest.raises(ValueError, match="sampling option .num_steps.: got 0; expected an integer >= 1"):
         Sampler(model, text, latent, SamplingOptions(num_steps=0))
     no_null = MultimodalMMDiT(dataclasses.replace(model.cfg, null_latent=False), vocab_size=VOCAB)
     with pytest.raises(ValueError, match="null latent"):

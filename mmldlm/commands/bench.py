@@ -35,15 +35,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mmldlm.config import ConfigError
+    from mmldlm.errors import OptionError, require_positive
     from mmldlm.tools.bench import BenchOptions, run_bench
 
-    for key in ("steps", "warmup", "round_steps", "max_micro_batch", "processes"):
-        if getattr(args, key) < (0 if key == "warmup" else 1):
-            raise ConfigError(f"--{key.replace('_', '-')} {getattr(args, key)}: expected an integer >= "
-                              f"{0 if key == 'warmup' else 1}")
+    require_positive({"--steps": args.steps, "--round-steps": args.round_steps,
+                      "--max-micro-batch": args.max_micro_batch, "--processes": args.processes})
+    if args.warmup < 0:
+        raise OptionError("--warmup", args.warmup, "an integer >= 0")
     if args.memory_cap_gib <= 0:
-        raise ConfigError(f"--memory-cap-gib {args.memory_cap_gib}: expected a number of GiB > 0")
+        raise OptionError("--memory-cap-gib", args.memory_cap_gib, "a number of GiB > 0")
     opts = BenchOptions(baseline=args.baseline, optimized=args.optimized, overrides=args.overrides,
                         steps=args.steps, warmup=args.warmup, round_steps=args.round_steps, ladder=args.ladder,
                         fit=args.fit and args.processes == 1, memory_cap_gib=args.memory_cap_gib,

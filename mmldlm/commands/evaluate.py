@@ -52,11 +52,15 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from mmldlm.commands.sample import sampling_options
     from mmldlm.config import EvalConfig
-    from mmldlm.sampling import SamplingOptions, load_run
+    from mmldlm.errors import require_positive
+    from mmldlm.sampling import load_run
     from mmldlm.sampling.evaluate import evaluate, markdown
     from mmldlm.training.checkpoint import step_dir_name
 
+    require_positive({"--num-samples": args.num_samples, "--num-t-draws": args.num_t_draws,
+                      "--retrieval-pool": args.retrieval_pool, "--batch-size": args.batch_size})
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     run = load_run(args.run, args.checkpoint, args.device, use_ema=not args.no_ema)
@@ -64,15 +68,11 @@ def run(args: argparse.Namespace) -> int:
     data = Path(args.data) if args.data else run.dataset_dir
     if args.data or split != "val":
         run.use_eval_data(data, split)
+    options = sampling_options(args, run, args.guidance_scale[0])
     cfg = EvalConfig(num_samples=args.num_samples, num_steps=args.steps, batch_size=args.batch_size,
                      num_elbo_batches=math.ceil(args.num_samples / args.batch_size),
                      retrieval_pool=args.retrieval_pool, encoder=not args.no_encoder)
     cfg.check()
-    options = SamplingOptions.defaults(run.cfg.text_diffusion, run.cfg.latent_diffusion, args.steps,
-                                       strategy=args.strategy, guidance_scale=args.guidance_scale[0],
-                                       temperature=args.temperature)
-    if args.latent_steps:
-        options.latent_steps = args.latent_steps
     report = evaluate(run, cfg, options, num_t_draws=args.num_t_draws, seed=args.seed,
                       guidance_scales=args.guidance_scale)
     report["data"] = {"path": str(data.resolve()), "split": split}

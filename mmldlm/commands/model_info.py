@@ -18,17 +18,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from mmldlm.config import ConfigError, load_model_preset
+    from mmldlm.config import load_model_preset
+    from mmldlm.errors import OptionError
     from mmldlm.model import MultimodalMMDiT, parameter_counts, training_flops_per_sample
 
     cfg = load_model_preset(args.preset)
     vocab_size = args.vocab_size or cfg.vocab_size or DEFAULT_VOCAB_SIZE
     vocab_note = "" if args.vocab_size or cfg.vocab_size else " (assumed: pass --vocab-size)"
-    seq_len = args.seq_len or cfg.max_seq_len
+    seq_len = cfg.max_seq_len if args.seq_len is None else args.seq_len
     if not 1 <= seq_len <= cfg.max_seq_len:
-        raise ConfigError(f"--seq-len {seq_len}: expected 1..{cfg.max_seq_len} (model.max_seq_len of '{args.preset}')")
+        raise OptionError("--seq-len", seq_len, f"an integer in [1, {cfg.max_seq_len}] (model.max_seq_len of "
+                                                f"'{args.preset}')")
     if vocab_size < 3:
-        raise ConfigError(f"--vocab-size {vocab_size}: expected an integer >= 3")
+        raise OptionError("--vocab-size", vocab_size, "an integer >= 3")
 
     with torch.device("meta"):  # shapes only: even the largest preset costs no memory
         model = MultimodalMMDiT(cfg, vocab_size)

@@ -23,12 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
+    from mmldlm.errors import OptionError
     from mmldlm.tools.monitor import Monitor, exit_code, follow, plot, write_report
 
-    if args.interval <= 0 or args.stall_seconds <= 0:
-        print(f"mmldlm monitor: --interval {args.interval:g} and --stall-seconds {args.stall_seconds:g}: "
-              f"expected numbers of seconds > 0", file=sys.stderr)
-        return 2
+    for key, value in (("--interval", args.interval), ("--stall-seconds", args.stall_seconds)):
+        if not value > 0:
+            raise OptionError(key, value, "a number of seconds > 0")
     monitor = Monitor(args.target, stall_seconds=args.stall_seconds)
     try:
         status = follow(monitor, interval=args.interval, once=args.once)

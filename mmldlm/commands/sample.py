@@ -60,27 +60,88 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU threads for torch (0: torch's default); 1 is fastest on a CPU other jobs share")
 
 
-def _sources(args, run) -> tuple[list[str] | None, "torch.Tensor | None"]:  # noqa: F821
-    """(source texts or None, latents or None) from the arguments."""
+# The command-line option behind each SamplingOptions field (of `sample` and `eval`), so that a bad
+# value is named as it was typed.
+SAMPLING_FLAGS = {"num_steps": "--steps", "latent_steps": "--latent-steps", "temperature": "--temperature",
+                  "guidance_scale": "--guidance-scale"}
+
+
+def sampling_options(args: argparse.Namespace, run, guidance_scale: float, **options):
+    """The run's sampler defaults with what the command line gives, checked: OptionError naming the
+    option of a value that cannot be used."""
+    from mmldlm.sampling import SamplingOptions
+
+    sampling = SamplingOptions.defaults(run.cfg.text_diffusion, run.cfg.latent_diffusion, args.steps,
+                                        latent_steps=args.latent_steps, temperature=args.temperature,
+                                        strategy=args.strategy, guidance_scale=guidance_scale, **options)
+    sampling.check(SAMPLING_FLAGS)
+    return sampling
+
+
+def _read_texts(args) -> list[str]:
+    """The source texts of --text and --text-file (its non-blank lines); OptionError for a blank
+    --text, DataError for a file that cannot be read or holds no text."""
+    from mmldlm.data.errors import DataError
+    from mmldlm.errors import OptionError
+
+    for text in args.text or []:
+        if not text.strip():
+            raise OptionError("--text", text, "a text with at least one character that is not a space")
+    texts = list(args.text or [])
+    if args.text_file:
+        try:
+            with open(args.text_file, encoding="utf-8") as f:
+                lines = [line.rstrip("\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as err:
+            raise DataError(f"--text-file {args.text_file}: cannot be read ({err}); expected a UTF-8 text file, "
+                            f"one source text per line") from None
+        if not lines:
+            raise DataError(f"--text-file {args.text_file}: no line with text; expected one source text per line")
+        texts += lines
+    return texts
+
+
+def _read_latents(path: str, num_latents: int, latent_dim: int) -> "torch.Tensor":  # noqa: F821
+    """Latents (N, K, D) from a .npy file of (N, K, D), or (N, D) when K = 1; DataError for a file
+    that is not such an array, holds no latent, or holds NaN or inf."""
     import numpy as np
     import torch
 
     from mmldlm.data.errors import DataError
 
-    texts = list(args.text or [])
-    if args.text_file:
-        with open(args.text_file, encoding="utf-8") as f:
-            texts += [line.rstrip("\n") for line in f if line.strip()]
+    K, D = num_latents, latent_dim
+    expected = f"(N, {K}, {D})" + (f" or (N, {D})" if K == 1 else "")
+    try:
+        array = np.load(path)  # never unpickles: allow_pickle is off by default
+    except (OSError, ValueError, EOFError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else "not a .npy file"
+        raise DataError(f"--latents {path}: {reason}; expected a .npy array {expected} (numpy.save)") from None
+    if not isinstance(array, np.ndarray) or not np.issubdtype(array.dtype, np.number):
+        raise DataError(f"--latents {path}: not an array of numbers; expected a .npy array {expected} (numpy.save)")
+    if array.ndim == 2 and K == 1:
+        array = array[:, None, :]
+    if array.ndim != 3 or array.shape[1:] != (K, D):
+        raise DataError(f"--latents {path}: latents of shape {array.shape}; expected {expected} for this run")
+    if len(array) == 0:
+        raise DataError(f"--latents {path}: holds no latent; expected {expected} with N >= 1")
+    bad = np.flatnonzero(~np.isfinite(array).all(axis=(1, 2)))
+    if len(bad):
+        raise DataError(f"--latents {path}: {len(bad)} of {len(array)} latents hold NaN or inf (rows "
+                        f"{', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''}); expected finite numbers")
+    return torch.from_numpy(array.astype(np.float32))
+
+
+def _sources(args, run) -> tuple[list[str] | None, "torch.Tensor | None"]:  # noqa: F821
+    """(source texts or None, latents or None) from the arguments."""
+    from mmldlm.data.errors import DataError
+
+    texts = _read_texts(args)
     if args.latents:
         if args.mode != "l2t":
             raise DataError("--latents is a source for --mode l2t only")
-        latents = torch.from_numpy(np.load(args.latents).astype(np.float32))
-        if latents.dim() == 2:
-            latents = latents[:, None, :]
-        K, D = run.cfg.model.num_latents, run.cfg.model.latent_dim
-        if latents.dim() != 3 or tuple(latents.shape[1:]) != (K, D):
-            raise DataError(f"{args.latents}: latents of shape {tuple(latents.shape)}; this run expects (N, {K}, {D})")
-        return None, latents
+        if texts:
+            raise DataError("--latents and --text/--text-file are two sources of l2t; give one")
+        return None, _read_latents(args.latents, run.cfg.model.num_latents, run.cfg.model.latent_dim)
     if texts:
         return texts, None
     if args.mode == "t2l":
@@ -94,18 +155,18 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from mmldlm.sampling import SamplingOptions, load_run, pad_mask_from_lengths
+    from mmldlm.errors import OptionError, require_positive
+    from mmldlm.sampling import load_run, pad_mask_from_lengths
 
+    require_positive({"--num": args.num, "--length": args.length, "--batch-size": args.batch_size})
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     run = load_run(args.run, args.checkpoint, args.device, use_ema=not args.no_ema)
-    options = SamplingOptions.defaults(run.cfg.text_diffusion, run.cfg.latent_diffusion, args.steps,
-                                       temperature=args.temperature, strategy=args.strategy,
-                                       guidance_scale=args.guidance_scale, reuse_output=not args.no_reuse,
-                                       latent_sampler=args.latent_sampler)
-    if args.latent_steps:
-        options.latent_steps = args.latent_steps
-    sampler = run.sampler(options)
+    if args.length is not None and args.length > run.cfg.model.max_seq_len:
+        raise OptionError("--length", args.length, f"an integer in [1, {run.cfg.model.max_seq_len}] "
+                                                   f"(model.max_seq_len of this run)")
+    sampler = run.sampler(sampling_options(args, run, args.guidance_scale, reuse_output=not args.no_reuse,
+                                           latent_sampler=args.latent_sampler))
     texts, latents = _sources(args, run)
     lengths_rng = torch.Generator().manual_seed(args.seed)
 

@@ -38,6 +38,7 @@ from mmldlm.data.encoders import DEFAULT_ENCODER, REGISTRY, load_encoder
 from mmldlm.data.errors import DataError
 from mmldlm.data.legacy import LegacySource
 from mmldlm.device import pick_device
+from mmldlm.errors import OptionError, UserError, require_positive
 
 LATENT_DTYPES = ("float16", "float32")
 STD_FLOOR = 1e-6  # standardising by the std never divides by zero, even for a constant dimension
@@ -79,16 +80,15 @@ class PrepareOptions:
 
     def check(self) -> None:
         if self.latent_dtype not in LATENT_DTYPES:
-            raise DataError(f"--latent-dtype {self.latent_dtype}: expected one of {', '.join(LATENT_DTYPES)}")
+            raise OptionError("--latent-dtype", self.latent_dtype, f"one of {', '.join(LATENT_DTYPES)}")
         if not 0.0 <= self.val_fraction < 1.0:
-            raise DataError(f"--val-fraction {self.val_fraction}: expected a number in [0, 1)")
+            raise OptionError("--val-fraction", self.val_fraction, "a number in [0, 1)")
         if self.max_samples is not None and self.max_samples < 2:
-            raise DataError(f"--max-samples {self.max_samples}: expected an integer >= 2 (train and val)")
-        for name in ("shard_size", "encode_batch_size", "min_chars"):
-            if getattr(self, name) < 1:
-                raise DataError(f"--{name.replace('_', '-')} {getattr(self, name)}: expected an integer >= 1")
+            raise OptionError("--max-samples", self.max_samples, "an integer >= 2 (train and val)")
+        require_positive({"--shard-size": self.shard_size, "--encode-batch-size": self.encode_batch_size,
+                          "--min-chars": self.min_chars})
         if self.max_chars < self.min_chars:
-            raise DataError(f"--max-chars {self.max_chars}: expected >= --min-chars {self.min_chars}")
+            raise OptionError("--max-chars", self.max_chars, f"an integer >= --min-chars ({self.min_chars})")
         if bool(self.inputs) == (self.legacy_tokens is not None or self.legacy_latents is not None):
             raise DataError("give either --input PATH|default or --legacy-tokens DIR --legacy-latents DIR")
         if (self.legacy_tokens is None) != (self.legacy_latents is None):
@@ -96,8 +96,8 @@ class PrepareOptions:
         if self.legacy_tokens is not None and self.tokenizer is None:
             raise DataError("--legacy-tokens needs --tokenizer: the tokenizer.json that produced the legacy ids")
         if self.tokenizer is None and self.vocab_size < tok.MIN_VOCAB_SIZE:
-            raise DataError(f"--vocab-size {self.vocab_size}: a byte-level BPE needs at least {tok.MIN_VOCAB_SIZE} "
-                            f"(256 byte symbols + {tok.PAD} + {tok.MASK})")
+            raise OptionError("--vocab-size", self.vocab_size, f"an integer >= {tok.MIN_VOCAB_SIZE} for a byte-level "
+                              f"BPE (256 byte symbols + {tok.PAD} + {tok.MASK})")
 
 
 def options_like_run(run_dir: str | Path) -> dict[str, Any]:
@@ -136,8 +136,8 @@ def options_like_run(run_dir: str | Path) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Ranks. Every collective goes through these two helpers, which turn a DataError on any rank into
-# the same DataError on all ranks.
+# Ranks. Every collective goes through these two helpers, which turn a DataError (or any other
+# UserError, such as a bad --device) on any rank into the same DataError on all ranks.
 
 
 class Ranks:
@@ -176,7 +176,7 @@ class Ranks:
 def _attempt(fn: Callable[[], Any]) -> tuple[str | None, Any]:
     try:
         return None, fn()
-    except DataError as err:
+    except UserError as err:
         return str(err), None
 
 

@@ -37,6 +37,7 @@ per token most steps change nothing and are skipped; `reuse_output=False` turns 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -44,6 +45,7 @@ import torch
 
 from mmldlm.config import LatentDiffusionConfig, TextDiffusionConfig
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion, rng
+from mmldlm.errors import OptionError
 
 
 @dataclass
@@ -60,17 +62,25 @@ class SamplingOptions:
     latent_sampler: Literal["ddim", "ddpm"] = "ddim"
     reuse_output: bool = True  # l2t: skip the model call when the last step unmasked nothing
 
-    def check(self) -> None:
+    def check(self, keys: dict[str, str] | None = None) -> None:
+        """OptionError for a value that cannot be used, named by `keys` (field -> the command-line
+        option it came from), else as "sampling option 'FIELD'"."""
+        def fail(name: str, expected: str):
+            key = (keys or {}).get(name, f"sampling option '{name}'")
+            raise OptionError(key, getattr(self, name), expected)
+
         if self.num_steps < 1:
-            raise ValueError(f"sampling: num_steps {self.num_steps}; expected an integer >= 1")
+            fail("num_steps", "an integer >= 1")
         if self.latent_steps is not None and self.latent_steps < 1:
-            raise ValueError(f"sampling: latent_steps {self.latent_steps}; expected None or an integer >= 1")
-        if self.temperature <= 0:
-            raise ValueError(f"sampling: temperature {self.temperature}; expected a number > 0")
+            fail("latent_steps", "an integer >= 1 (or None: num_steps)")
+        if not self.temperature > 0:
+            fail("temperature", "a number > 0")
         if self.strategy not in ("ancestral", "confidence"):
-            raise ValueError(f"sampling: strategy {self.strategy!r}; expected 'ancestral' or 'confidence'")
+            fail("strategy", "'ancestral' or 'confidence'")
         if self.latent_sampler not in ("ddim", "ddpm"):
-            raise ValueError(f"sampling: latent sampler {self.latent_sampler!r}; expected 'ddim' or 'ddpm'")
+            fail("latent_sampler", "'ddim' or 'ddpm'")
+        if not math.isfinite(self.guidance_scale):
+            fail("guidance_scale", "a finite number (0 = off)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -82,8 +92,9 @@ class SamplingOptions:
         text_diffusion.sampling_temperature and latent_diffusion.sampler; `options` that are not None
         set the rest."""
         given = {key: value for key, value in options.items() if value is not None}
-        return cls(num_steps=steps or text.num_sampling_steps, latent_steps=steps or latent.num_sampling_steps,
-                   **{"latent_sampler": latent.sampler, "temperature": text.sampling_temperature, **given})
+        return cls(**{"num_steps": text.num_sampling_steps if steps is None else steps,
+                      "latent_steps": latent.num_sampling_steps if steps is None else steps,
+                      "latent_sampler": latent.sampler, "temperature": text.sampling_temperature, **given})
 
 
 def time_grid(num_steps: int) -> list[tuple[float, float]]:
@@ -109,8 +120,9 @@ class Sampler:
         self.model, self.text, self.latent, self.options = model, text, latent, options
         self.num_forward = 0
         if options.guidance_scale != 0 and getattr(model, "null_latent", None) is None:
-            raise ValueError("sampling: guidance needs the learned null latent, but this model was built with "
-                             "model.null_latent=false; use guidance scale 0")
+            raise OptionError("sampling option 'guidance_scale'", options.guidance_scale,
+                              "0: guidance needs the learned null latent, and this model was built with "
+                              "model.null_latent=false")
 
     @property
     def device(self) -> torch.device:

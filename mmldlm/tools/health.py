@@ -22,6 +22,8 @@ import statistics
 from collections import defaultdict, deque
 from dataclasses import asdict, dataclass, field
 
+from mmldlm.errors import OptionError
+
 MEMORY_KEYS = ("mem_allocated_gib", "mem_rss_gib")  # CUDA peak allocated, else process RSS
 
 
@@ -63,7 +65,7 @@ class HealthConfig:
     def check(self) -> None:
         for name, value in asdict(self).items():
             if not value > 0:
-                raise ValueError(f"monitor threshold '{name}': got {value!r}; expected a number > 0")
+                raise OptionError(f"monitor threshold '{name}'", value, "a number > 0")
 
 
 REMEDIES = {

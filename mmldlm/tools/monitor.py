@@ -17,6 +17,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,15 +48,22 @@ def total_steps(run_dir: Path) -> int | None:
 
 class MetricsReader:
     """Hands out the complete new lines of metrics.jsonl as records; `poll()` says when the file was
-    rewritten, in which case the records returned are the whole file again."""
+    rewritten, in which case the records returned are the whole file again. A complete line that is
+    not a record is skipped and kept in `unreadable` as (line number, its start); a last line without
+    its newline is still being written and waits for the next poll."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.num_unreadable = 0
+        self.unreadable: list[tuple[int, str]] = []  # in the file as it is now
         self.mtime: float | None = None
         self._inode: int | None = None
         self._offset = 0
+        self._num_lines = 0  # complete lines read so far
         self._last_line = b""  # the last complete line read, to recognise the bytes before _offset
+
+    @property
+    def num_unreadable(self) -> int:
+        return len(self.unreadable)
 
     def poll(self) -> tuple[bool, list[dict]]:
         """(rewritten, new records)."""
@@ -69,7 +77,7 @@ class MetricsReader:
             rewritten = self._inode is not None and (st.st_ino != self._inode or st.st_size < self._offset
                                                      or not self._same_prefix(f))
             if rewritten:
-                self._offset, self._last_line = 0, b""
+                self._offset, self._num_lines, self._last_line, self.unreadable = 0, 0, b"", []
             self._inode = st.st_ino
             f.seek(self._offset)
             data = f.read()
@@ -79,7 +87,7 @@ class MetricsReader:
         if lines:
             self._last_line = lines[-1]
         records = []
-        for line in lines:
+        for number, line in enumerate(lines, start=self._num_lines + 1):
             try:
                 record = json.loads(line)
             except (json.JSONDecodeError, UnicodeDecodeError):
@@ -87,7 +95,8 @@ class MetricsReader:
             if isinstance(record, dict) and isinstance(record.get("step"), int):
                 records.append(record)
             elif line.strip():
-                self.num_unreadable += 1
+                self.unreadable.append((number, line[:60].decode("utf-8", "replace")))
+        self._num_lines += len(lines)
         return rewritten, records
 
     def _same_prefix(self, f) -> bool:
@@ -260,6 +269,7 @@ class Monitor:
         self._clock, self._wall_clock = clock, wall_clock
         self._last_change = clock()
         self._shown: set[tuple] = set()
+        self._warned: set[tuple[int, str]] = set()
 
     @property
     def alerts(self) -> list[Alert]:
@@ -313,6 +323,14 @@ class Monitor:
         self._shown.update((a.kind, a.step, a.message) for a in fresh)
         return fresh
 
+    def new_warnings(self) -> list[str]:
+        """A warning for each unreadable line not warned about before (a re-read after a resume does
+        not repeat them)."""
+        fresh = [line for line in self.reader.unreadable if line not in self._warned]
+        self._warned.update(fresh)
+        return [f"{self.path}:{number}: skipped a line that is not a metrics record ({start!r}); expected a JSON "
+                f"object with an integer 'step'" for number, start in fresh]
+
     def report(self) -> dict:
         records = self.history.records
         alerts = self.alerts
@@ -337,13 +355,21 @@ class Monitor:
         }
 
 
-def follow(monitor: Monitor, interval: float = 2.0, once: bool = False, out=print, sleep=time.sleep) -> str:
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def follow(monitor: Monitor, interval: float = 2.0, once: bool = False, out=print, warn=_warn,
+           sleep=time.sleep) -> str:
     """Poll until the run is complete, stopped by a signal, or stalled (or once); print the status
-    line and each new alert. Returns the final status."""
+    line and each new alert (`out`), and each unreadable line of the file (`warn`). Returns the
+    final status."""
     while True:
         changed = monitor.poll()
         if once and monitor.reader.mtime is None:
             raise FileNotFoundError(f"{monitor.path}: no metrics file (is this a run directory of `mmldlm train`?)")
+        for warning in monitor.new_warnings():
+            warn(warning)
         monitor.check_stall(live=not once)
         if changed or once:
             out(status_line(monitor.history, monitor.total))

@@ -1,0 +1,66 @@
+"""Every command speaks of a bad option in one shape, `mmldlm CMD: <key>: got <value>; expected <what is
+allowed>`, on one line of stderr with exit status 2 and no traceback (unless --debug), before any work
+starts. The refusals of `sample`, `eval` and `monitor` on real runs are in test_sample_eval_cli.py and
+test_monitor.py."""
+
+import pytest
+
+from mmldlm.cli import main
+from mmldlm.config import ConfigError, load_config
+from mmldlm.errors import OptionError
+
+REFUSED = {
+    "prepare-val-fraction": (["prepare", "--input", "default", "--out", "OUT", "--val-fraction", "1.5"],
+                             "--val-fraction: got 1.5; expected a number in [0, 1)"),
+    "prepare-vocab-size": (["prepare", "--input", "default", "--out", "OUT", "--vocab-size", "100"],
+                           "--vocab-size: got 100; expected an integer >= 258 for a byte-level BPE "
+                           "(256 byte symbols + [PAD] + [MASK])"),
+    "prepare-shard-size": (["prepare", "--input", "default", "--out", "OUT", "--shard-size", "0"],
+                           "--shard-size: got 0; expected an integer >= 1"),
+    "prepare-max-chars": (["prepare", "--input", "default", "--out", "OUT", "--min-chars", "5", "--max-chars", "2"],
+                          "--max-chars: got 2; expected an integer >= --min-chars (5)"),
+    "model-info-seq-len": (["model-info", "tiny", "--seq-len", "0"],
+                           "--seq-len: got 0; expected an integer in [1, 64] (model.max_seq_len of 'tiny')"),
+    "bench-steps": (["bench", "--steps", "0"], "--steps: got 0; expected an integer >= 1"),
+    "bench-memory-cap": (["bench", "--memory-cap-gib", "-1"],
+                         "--memory-cap-gib: got -1.0; expected a number of GiB > 0"),
+    "train-config-key": (["train", "train.steps=-5"], "config key 'train.steps': got -5; expected an integer >= 1"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_bad_option_is_one_line_in_the_shared_shape(tmp_path, capsys, case):
+    argv, message = REFUSED[case]
+    out = tmp_path / "out"
+    assert main([arg.replace("OUT", str(out)) for arg in argv]) == 2
+    assert capsys.readouterr().err == f"mmldlm {argv[0]}: {message}\n"
+    assert not out.exists()  # refused before any work
+
+
+def test_debug_flag_and_variable_add_the_traceback(tmp_path, capsys, monkeypatch):
+    argv = ["prepare", "--input", "default", "--out", str(tmp_path / "out"), "--val-fraction", "1.5"]
+    assert main(["--debug", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last)") and "mmldlm/data/prepare.py" in err
+    assert err.splitlines()[-1] == "mmldlm prepare: --val-fraction: got 1.5; expected a number in [0, 1)"
+    monkeypatch.setenv("MMLDLM_DEBUG", "1")
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith("Traceback")
+
+
+def test_a_config_value_error_is_both_a_config_error_and_an_option_error():
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, ["train.steps=0"])
+    assert isinstance(caught.value, OptionError)
+    assert (caught.value.key, caught.value.value) == ("config key 'train.steps'", 0)
+
+
+def test_an_unexpected_exception_keeps_its_traceback(monkeypatch):
+    import mmldlm.commands.model_info as model_info
+
+    def broken(_args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(model_info, "run", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["model-info", "tiny"])
