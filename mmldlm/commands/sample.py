@@ -151,6 +151,7 @@ def _sources(args, run) -> tuple[list[str] | None, "torch.Tensor | None"]:  # no
 
 def run(args: argparse.Namespace) -> int:
     import json
+    import os
 
     import numpy as np
     import torch
@@ -159,6 +160,12 @@ def run(args: argparse.Namespace) -> int:
     from mmldlm.sampling import load_run, pad_mask_from_lengths
 
     require_positive({"--num": args.num, "--length": args.length, "--batch-size": args.batch_size})
+    if args.threads < 0:
+        raise OptionError("--threads", args.threads, "0 (torch's default) or a positive integer")
+    for option, path in (("--out", args.out), ("--latents-out", args.latents_out)):
+        # Checked before sampling: a run of many samples must not be lost to a typo in the path.
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise OptionError(option, path, "a file in an existing directory")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     run = load_run(args.run, args.checkpoint, args.device, use_ema=not args.no_ema)
