@@ -6,7 +6,7 @@ import yaml
 
 from mmldlm import cli
 from mmldlm.config import load_config
-from mmldlm.tools.check import Environment, audit, fix_config
+from mmldlm.tools.check import RULES, Environment, audit, fix_config
 
 # A machine described by hand, so findings do not depend on where the tests run: 2 processes on a
 # node with 8 CPUs, 24 GiB per process, plenty of disk, fused AdamW available.
@@ -132,3 +132,10 @@ def test_cli_prints_why_and_fix_writes_a_config_that_passes(tmp_path, capsys, mo
     assert load_config(out).train.global_batch_size == 65536
     assert cli.main(["check", "default", "data.num_workers=64", "--strict"]) == 1
     assert cli.main(["check", "default", "data.num_workers=64"]) == 0
+
+
+def test_each_rule_with_a_config_fix_names_the_keys_that_fix_writes():
+    for name, rule in RULES.items():
+        assert rule.severity in ("error", "warning", "info"), name
+        for key in rule.changes:
+            assert f"{key}=" in rule.fix, (name, key)
