@@ -50,6 +50,8 @@ class Environment:
     device: str = "cpu"  # "cuda" | "cpu"
     device_memory_gib: float = 16.0  # per process: the GPU's memory, or RAM / processes per node on CPU
     cpus: int = 1  # CPUs this node's processes share
+    load: float = 0.0  # about how many of `cpus` other work keeps busy (a 1-minute load average)
+    torch_threads: int = 1  # intra-op threads per process with train.threads=null (torch's default there)
     nproc_per_node: int = 1
     nnodes: int = 1
     free_disk_gib: float = 100.0  # at train.run_dir (or its nearest existing parent)
@@ -76,9 +78,20 @@ def _fused_adamw_works(device: str) -> bool:
     return True
 
 
+def _load_on(cpus: int) -> float:
+    """The machine's 1-minute load average (os.getloadavg), scaled to the share of its CPUs that this
+    process may use (a container or taskset may allow fewer than the machine has)."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not a Unix, or no /proc/loadavg: nothing known
+        return 0.0
+    return load * cpus / max(cpus, os.cpu_count() or 1)
+
+
 def detect_environment(cfg: RunConfig, nproc_per_node: int | None = None, nnodes: int | None = None,
-                       device_memory_gib: float | None = None) -> Environment:
-    """This machine as the run would see it; process counts default to the torchrun/launcher variables."""
+                       device_memory_gib: float | None = None, load: float | None = None) -> Environment:
+    """This machine as the run would see it; process counts default to the torchrun/launcher variables,
+    the load to the machine's 1-minute load average on this process's CPUs."""
     import torch
 
     from mmldlm.training.metrics import cpu_has_native_bf16
@@ -92,11 +105,14 @@ def detect_environment(cfg: RunConfig, nproc_per_node: int | None = None, nnodes
         else:  # CPU: the node's RAM is shared by its processes
             device_memory_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GIB / nproc
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    # torchrun sets OMP_NUM_THREADS=1 for several processes per node unless it is set already.
+    threads = torch.get_num_threads() if nproc == 1 or "OMP_NUM_THREADS" in os.environ else 1
     where = Path(cfg.train.run_dir).absolute()
     while not where.exists():
         where = where.parent
     return Environment(device="cuda" if cuda else "cpu", device_memory_gib=device_memory_gib, cpus=cpus,
-                       nproc_per_node=nproc, nnodes=nodes, free_disk_gib=shutil.disk_usage(where).free / GIB,
+                       load=_load_on(cpus) if load is None else load, torch_threads=threads, nproc_per_node=nproc,
+                       nnodes=nodes, free_disk_gib=shutil.disk_usage(where).free / GIB,
                        fused_adamw=_fused_adamw_works("cuda" if cuda else "cpu"),
                        native_bf16=torch.cuda.is_bf16_supported() if cuda else cpu_has_native_bf16(),
                        environ={k: os.environ[k] for k in NCCL_VARIABLES if k in os.environ})
@@ -266,6 +282,13 @@ RULES = {
     "pageable_memory": Rule("loader_pin_memory", "warning", "data.pin_memory=false on CUDA",
                             "copies from pageable memory cannot overlap with compute",
                             "data.pin_memory=null (on with CUDA)", {"data.pin_memory": None}),
+    # Other work on the CPUs of a CPU run.
+    "busy_cpus": Rule("busy_cpus", "warning", "load average {load:.1f} on {cpus} CPUs leaves about {free} free for "
+                      "{threads} torch thread(s) ({nproc} process(es) x {per_process})",
+                      "a second busy process on the same cores makes torch's threads wait for each other at every "
+                      "operation: a training step took 25x as long (3.3 s instead of 0.13 s) with one other busy "
+                      "process on 2 cores and torch's default 2 threads",
+                      "set train.threads={fit} or stop the other job"),
     # Memory, parameters and the optimizer.
     "memory_smaller_micro": Rule("memory", "error", MEMORY_MESSAGE, MEMORY_WHY,
                                  "train.micro_batch_size={smaller} (more accumulation steps, the same global batch)"),
@@ -417,6 +440,22 @@ def check_loader(cfg: RunConfig, env: Environment, est: Estimate) -> list[Findin
     if env.device == "cuda" and workers == 0 and per_rank >= 2:
         findings.append(finding("no_workers", auto=auto))
     return findings
+
+
+def check_busy_cpus(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
+    """A CPU run whose processes have several torch threads each, more in all than the CPUs other work
+    leaves free. A CPU counts as taken from a load of 0.5 (the load average is over a minute)."""
+    if env.device != "cpu":
+        return []
+    free = max(0, env.cpus - math.floor(env.load + 0.5))
+    per_process = cfg.train.threads or env.torch_threads
+    threads = per_process * env.nproc_per_node
+    # One thread has no other to wait for; with no other work, more threads than CPUs is the config's choice.
+    if per_process == 1 or threads <= free or free == env.cpus:
+        return []
+    fit = max(1, free // env.nproc_per_node)
+    return [finding("busy_cpus", {"train.threads": fit}, fit=fit, load=env.load, cpus=env.cpus, free=free,
+                    threads=threads, nproc=env.nproc_per_node, per_process=per_process)]
 
 
 def _largest_micro_batch(cfg: RunConfig, env: Environment, est: Estimate, limit: float) -> int | None:
@@ -607,9 +646,9 @@ def check_slow_switches(cfg: RunConfig, env: Environment, est: Estimate) -> list
     return [finding(name, device=env.device, pad=cfg.data.pad_to_multiple) for name, fired in fires.items() if fired]
 
 
-CHECKS = (check_timeout, check_nccl_environment, check_loader, check_memory, check_unused_parameters,
-          check_fused_optimizer, check_checkpoint_retention, check_batch_divisible, check_step_in_backward,
-          check_lr_schedule, check_slow_switches)
+CHECKS = (check_timeout, check_nccl_environment, check_loader, check_busy_cpus, check_memory,
+          check_unused_parameters, check_fused_optimizer, check_checkpoint_retention, check_batch_divisible,
+          check_step_in_backward, check_lr_schedule, check_slow_switches)
 
 
 def audit(cfg: RunConfig, env: Environment) -> tuple[list[Finding], Estimate]:
@@ -664,8 +703,9 @@ def format_finding(f: Finding) -> str:
 
 def describe(env: Environment, est: Estimate, cfg: RunConfig) -> str:
     where = "GPU" if env.device == "cuda" else "RAM"
-    return (f"environment: {env.device}, {env.cpus} CPU(s), {env.nproc_per_node} process(es) x {env.nnodes} node(s), "
-            f"{env.device_memory_gib:.1f} GiB {where} per process, {env.free_disk_gib:.1f} GiB free disk\n"
+    return (f"environment: {env.device}, {env.cpus} CPU(s) (load {env.load:.1f}), {env.nproc_per_node} process(es) x "
+            f"{env.nnodes} node(s), {env.device_memory_gib:.1f} GiB {where} per process, {env.free_disk_gib:.1f} GiB "
+            f"free disk\n"
             f"model: {est.num_params / 1e6:.2f}M parameters (vocab {est.vocab_size}); estimated "
             f"{est.memory_gib(_micro_for_estimate(cfg)):.2f} GiB per process at micro-batch "
             f"{_micro_for_estimate(cfg)}; {est.checkpoint_gib:.3f} GiB per checkpoint")
