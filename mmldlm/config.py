@@ -364,6 +364,9 @@ class TrainConfig:
     # auto: bf16 autocast where bf16 matmuls are native (CUDA; CPUs with AVX512-BF16 or AMX), else fp32
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # torch's intra-op CPU threads per process; null: torch's default (one per core). With another
+    # busy process on the same cores the threads wait for each other: 1 is then far faster.
+    threads: int | None = None
     log_every: int = 10
     seed: int = 0
     deterministic: bool = False  # deterministic kernels: resumed runs repeat losses bit for bit
@@ -381,6 +384,8 @@ class TrainConfig:
             _fail(f"{prefix}.run_dir", self.run_dir, "a directory path")
         if not 0.0 <= self.ema_decay < 1.0:
             _fail(f"{prefix}.ema_decay", self.ema_decay, "a number in [0, 1) (0 = no EMA)")
+        if self.threads is not None and self.threads < 1:
+            _fail(f"{prefix}.threads", self.threads, "null (torch's default) or an integer >= 1")
         if self.memory_cap_gib is not None and self.memory_cap_gib <= 0:
             _fail(f"{prefix}.memory_cap_gib", self.memory_cap_gib, "null or a number of GiB > 0")
         if self.micro_batch_size == "auto":  # divisibility is checked once the size is found

@@ -1,12 +1,14 @@
 """`mmldlm check` on the tiny preset: each planted problem is flagged by its rule (and nothing else
 is an error or a warning), `--fix` output passes, and the command's exit codes."""
 
+import os
+
 import pytest
 import yaml
 
 from mmldlm import cli
 from mmldlm.config import load_config
-from mmldlm.tools.check import Environment, audit, fix_config
+from mmldlm.tools.check import RULES, Environment, audit, detect_environment, fix_config
 
 # A machine described by hand, so findings do not depend on where the tests run: 2 processes on a
 # node with 8 CPUs, 24 GiB per process, plenty of disk, fused AdamW available.
@@ -60,6 +62,8 @@ def test_a_clean_config_has_no_error_or_warning(tmp_path):
     (["perf.compile=true"], {}, [("compile_shapes", "warning")]),
     (["optim.step_in_backward=true", "optim.grad_clip=0"], {}, [("step_in_backward", "error")]),
     (["optim.step_in_backward=true", "optim.grad_clip=0"], {"nproc_per_node": 1}, [("step_in_backward", "error")]),
+    ([], {"device": "cpu", "cpus": 2, "nproc_per_node": 1, "load": 1.0, "torch_threads": 2},
+     [("busy_cpus", "warning")]),
 ])
 def test_planted_problem_is_flagged_and_fix_passes(tmp_path, overrides, env_changes, expected):
     env = Environment(**{**ENV.__dict__, **env_changes})
@@ -132,3 +136,48 @@ def test_cli_prints_why_and_fix_writes_a_config_that_passes(tmp_path, capsys, mo
     assert load_config(out).train.global_batch_size == 65536
     assert cli.main(["check", "default", "data.num_workers=64", "--strict"]) == 1
     assert cli.main(["check", "default", "data.num_workers=64"]) == 0
+
+
+def test_each_rule_with_a_config_fix_names_the_keys_that_fix_writes():
+    for name, rule in RULES.items():
+        assert rule.severity in ("error", "warning", "info"), name
+        for key in rule.changes:
+            assert f"{key}=" in rule.fix, (name, key)
+
+
+@pytest.mark.parametrize("overrides,machine,threads_fix", [
+    ([], {"load": 1.0}, 1),  # one other busy process on 2 CPUs, torch's default 2 threads
+    ([], {"load": 1.4}, 1),
+    (["train.threads=4"], {"load": 1.0}, 1),
+    ([], {"load": 2.0}, 1),  # no CPU free at all: one thread still waits for no other
+    ([], {"load": 8.0, "cpus": 16, "torch_threads": 16}, 8),
+    ([], {"load": 5.0, "cpus": 8, "torch_threads": 4, "nproc_per_node": 2}, 1),
+    ([], {"load": 0.4}, None),  # idle: a load under 0.5 takes no CPU
+    (["train.threads=1"], {"load": 1.0}, None),
+    ([], {"load": 1.0, "torch_threads": 1}, None),  # OMP_NUM_THREADS=1, or torchrun's default for several processes
+    ([], {"load": 1.0, "device": "cuda"}, None),  # the GPU does the work
+    (["train.threads=4"], {"load": 0.0}, None),  # more threads than CPUs on an idle machine is the config's choice
+])
+def test_busy_cpus_warn_when_torch_threads_outnumber_the_free_cpus(tmp_path, overrides, machine, threads_fix):
+    env = Environment(**{**ENV.__dict__, "device": "cpu", "cpus": 2, "nproc_per_node": 1, "torch_threads": 2,
+                         **machine})
+    cfg, findings = findings_of(tmp_path, overrides, env)
+    busy = [f for f in findings if f.rule == "busy_cpus"]
+    if threads_fix is None:
+        assert busy == []
+        return
+    (finding,) = busy
+    assert finding.severity == "warning" and f"load average {env.load:.1f} on {env.cpus} CPUs" in finding.message
+    assert "wait for each other" in finding.why
+    assert finding.fix == f"set train.threads={threads_fix} or stop the other job"
+    fixed, _ = fix_config(cfg, env)
+    assert fixed.train.threads == threads_fix and not any(f.rule == "busy_cpus" for f in audit(fixed, env)[0])
+
+
+def test_the_load_is_read_from_the_machine_unless_given(tmp_path, monkeypatch):
+    cfg = load_config(None, [*CLEAN, f"train.run_dir={tmp_path / 'run'}"])
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.5, 1.0, 0.5))
+    env = detect_environment(cfg)  # the machine's load, on the share of its CPUs that this process may use
+    assert env.load == pytest.approx(1.5 * env.cpus / os.cpu_count())
+    assert detect_environment(cfg, load=0.25).load == 0.25
+

@@ -128,6 +128,14 @@ def test_each_alert_fires_at_its_step_and_nothing_else(tmp_path, edit, kind, fir
     assert "." in monitor.alerts[0].remedy  # names a config switch such as optim.lr
 
 
+def test_throughput_drop_names_busy_shared_cores_as_a_likely_cause(tmp_path):
+    records = make_records()
+    _scale("samples_per_s", 0.5, 150)(records)
+    (alert,) = analyse(write_run(tmp_path, records)).alerts
+    assert "a second busy process on the same cores makes torch's threads wait for each other" in alert.message
+    assert "train.threads" in alert.message and "train.threads=1" in alert.remedy
+
+
 def test_spike_is_judged_within_its_mode(tmp_path):
     # In a random-mode run a t2l loss of 2.5 is far below the l2t and joint losses, yet 2.5x its own level.
     records = make_records(300, ("l2t", "t2l", "joint"))

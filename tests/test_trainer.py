@@ -1,5 +1,5 @@
 """The loop in one process with test doubles for the objective and the loader: accumulation,
-progressive batch size, the idle head, signals."""
+progressive batch size, the idle head, signals; and train.threads on a real tiny run."""
 
 import json
 import os
@@ -9,11 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from data_support import prepared
 from loader_support import SyntheticLoader
 
 from mmldlm.config import ModelConfig, RunConfig, load_config
 from mmldlm.model.mmdit import MultimodalMMDiT
 from mmldlm.training.distributed import DistInfo
+from mmldlm.training.run import train
 from mmldlm.training.trainer import Trainer
 
 VOCAB, LEN, DIM = 40, 8, 16
@@ -160,3 +162,17 @@ def test_device_choice_is_one_rule_that_names_the_key_it_came_from():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="config key 'train.device': got 'cuda:1'; expected auto or cpu: no CUDA"):
             pick_device("cuda:1")
+
+
+def test_train_threads_sets_torchs_cpu_threads_for_the_run(tmp_path_factory, tmp_path):
+    before = torch.get_num_threads()
+    threads = 3 if before != 3 else 2
+    cfg = load_config(None, ["model=tiny", "train.steps=1", "train.micro_batch_size=2", "train.global_batch_size=2",
+                             "data.num_workers=0", "logging.progress_bar=false", "train.device=cpu",
+                             f"train.threads={threads}", f"data.path={prepared(tmp_path_factory)}",
+                             f"train.run_dir={tmp_path / 'run'}"])
+    try:
+        assert train(cfg) == 0
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)

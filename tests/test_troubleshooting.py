@@ -13,6 +13,7 @@ import pytest
 
 from data_support import prepared
 from mmldlm import cli
+from mmldlm.config import load_config
 from mmldlm.tools.monitor import Monitor, follow
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,6 +78,18 @@ def test_slow_data_settings_are_flagged(capsys):
     assert status == 1
     for rule in ("loader_workers", "loader_prefetch", "loader_persistence"):
         assert f"WARNING [{rule}]" in out
+
+
+def test_threads_waiting_on_a_busy_machine_are_flagged(capsys, tmp_path):
+    cpus = len(os.sched_getaffinity(0))  # $(nproc): a load of one per CPU leaves none free
+    out = tmp_path / "threads.yaml"
+    status, printed = check(capsys, "train.device=cpu", "train.threads=2", "--load", str(cpus), "--strict",
+                            "--fix", str(out))
+    assert status == 1
+    assert f"WARNING [busy_cpus] load average {cpus:.1f} on {cpus} CPUs leaves about 0 free for 2 torch" in printed
+    assert "fix: set train.threads=1 or stop the other job" in printed
+    assert "-  threads: 2\n+  threads: 1" in (tmp_path / "threads.yaml.diff").read_text()
+    assert load_config(out).train.threads == 1
 
 
 def test_distributed_hang_settings_are_flagged(capsys, monkeypatch):

@@ -17,7 +17,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="processes per node the run will use (default: $LOCAL_WORLD_SIZE, $NPROC_PER_NODE or 1)")
     parser.add_argument("--nnodes", type=int, default=None, metavar="N", help="nodes (default: $NNODES or 1)")
     parser.add_argument("--device-memory-gib", type=float, default=None, metavar="GIB",
-                        help="memory per process of the target device (default: this machine's GPU, or RAM / processes)")
+                        help="memory per process of the target device "
+                             "(default: this machine's GPU, or RAM / processes)")
+    parser.add_argument("--load", type=float, default=None, metavar="L",
+                        help="CPUs other work keeps busy (default: this machine's 1-minute load average)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when there are warnings")
 
 
@@ -28,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from mmldlm.tools.check import audit, config_diff, describe, detect_environment, fix_config, format_finding
 
     cfg = load_config(args.config, args.overrides)
-    env = detect_environment(cfg, args.nproc_per_node, args.nnodes, args.device_memory_gib)
+    env = detect_environment(cfg, args.nproc_per_node, args.nnodes, args.device_memory_gib, args.load)
     findings, est = audit(cfg, env)
     print(describe(env, est, cfg))
     for finding in findings:

@@ -2,8 +2,9 @@
 run fail or waste its hardware (timeouts, loader, memory, batch splits, LR schedule, slow switches)
 before any device hour is spent.
 
-Each rule is one small function `rule(cfg, env, est) -> list[Finding]`, listed in RULES. A finding
-says what is wrong (with the values), why it matters and the fix; when the fix is a config change it
+What each finding says is data: RULES maps a case to its rule id, severity, message, why and fix
+(templates filled with the values that made it fire). When a rule fires is decided by small functions
+`check_*(cfg, env, est) -> list[Finding]`, listed in CHECKS. When the fix is a config change a finding
 also carries it as {"section.key": value}, which `fix_config` applies (`--fix OUT`). Fixes outside
 the config (environment variables, free disk) are described but cannot be applied to a file.
 
@@ -49,6 +50,8 @@ class Environment:
     device: str = "cpu"  # "cuda" | "cpu"
     device_memory_gib: float = 16.0  # per process: the GPU's memory, or RAM / processes per node on CPU
     cpus: int = 1  # CPUs this node's processes share
+    load: float = 0.0  # about how many of `cpus` other work keeps busy (a 1-minute load average)
+    torch_threads: int = 1  # intra-op threads per process with train.threads=null (torch's default there)
     nproc_per_node: int = 1
     nnodes: int = 1
     free_disk_gib: float = 100.0  # at train.run_dir (or its nearest existing parent)
@@ -75,9 +78,20 @@ def _fused_adamw_works(device: str) -> bool:
     return True
 
 
+def _load_on(cpus: int) -> float:
+    """The machine's 1-minute load average (os.getloadavg), scaled to the share of its CPUs that this
+    process may use (a container or taskset may allow fewer than the machine has)."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not a Unix, or no /proc/loadavg: nothing known
+        return 0.0
+    return load * cpus / max(cpus, os.cpu_count() or 1)
+
+
 def detect_environment(cfg: RunConfig, nproc_per_node: int | None = None, nnodes: int | None = None,
-                       device_memory_gib: float | None = None) -> Environment:
-    """This machine as the run would see it; process counts default to the torchrun/launcher variables."""
+                       device_memory_gib: float | None = None, load: float | None = None) -> Environment:
+    """This machine as the run would see it; process counts default to the torchrun/launcher variables,
+    the load to the machine's 1-minute load average on this process's CPUs."""
     import torch
 
     from mmldlm.training.metrics import cpu_has_native_bf16
@@ -91,11 +105,14 @@ def detect_environment(cfg: RunConfig, nproc_per_node: int | None = None, nnodes
         else:  # CPU: the node's RAM is shared by its processes
             device_memory_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GIB / nproc
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    # torchrun sets OMP_NUM_THREADS=1 for several processes per node unless it is set already.
+    threads = torch.get_num_threads() if nproc == 1 or "OMP_NUM_THREADS" in os.environ else 1
     where = Path(cfg.train.run_dir).absolute()
     while not where.exists():
         where = where.parent
     return Environment(device="cuda" if cuda else "cpu", device_memory_gib=device_memory_gib, cpus=cpus,
-                       nproc_per_node=nproc, nnodes=nodes, free_disk_gib=shutil.disk_usage(where).free / GIB,
+                       load=_load_on(cpus) if load is None else load, torch_threads=threads, nproc_per_node=nproc,
+                       nnodes=nodes, free_disk_gib=shutil.disk_usage(where).free / GIB,
                        fused_adamw=_fused_adamw_works("cuda" if cuda else "cpu"),
                        native_bf16=torch.cuda.is_bf16_supported() if cuda else cpu_has_native_bf16(),
                        environ={k: os.environ[k] for k in NCCL_VARIABLES if k in os.environ})
@@ -178,27 +195,210 @@ def estimate(cfg: RunConfig, env: Environment) -> Estimate:
 
 
 # --------------------------------------------------------------------------------------------------
-# The rules.
+# The rules, as data: what each finding says. `message`, `why` and `fix` are str.format templates
+# filled with the values the deciding function (the `check_*` functions below) passes; `changes` is
+# the fix as config changes when it does not depend on the values. One rule id (the name printed in
+# brackets) can have several entries, one per case, each with its own severity and fix.
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    severity: str
+    message: str
+    why: str
+    fix: str
+    changes: dict[str, Any] = field(default_factory=dict)
+
+
+TIMEOUT_WHY = ("a rank that dies or hangs leaves the others waiting in a collective for this long, holding every "
+               "device of the job, before the job fails and the launcher can restart it from the last checkpoint")
+TIMEOUT_FIX = "distributed.timeout_minutes=30", {"distributed.timeout_minutes": 30.0}
+HEARTBEAT_WHY = ("the NCCL heartbeat monitor kills a rank whose watchdog is stuck; days let a wedged rank hold the "
+                 "job, and less than the collective timeout kills ranks before the timeout can say which "
+                 "collective hung")
+HEARTBEAT_FIX = ("unset TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC: the trainer sets it to the collective timeout + 60 s "
+                 "({heartbeat:.0f})")
+MEMORY_MESSAGE = ("estimated {need:.1f} GiB per process ({static:.1f} GiB weights, gradients, optimizer state and "
+                  "overhead for {params_m:.1f}M parameters + {micro} x {activations_mib:.0f} MiB of activations at "
+                  "micro-batch {micro}) > {headroom:.0%} of {device_memory:.1f} GiB {device}")
+MEMORY_WHY = "the first steps run out of memory (CUDA OOM, or the kernel's OOM killer on CPU)"
+IDLE_HEAD_MESSAGE = "modes {modes}: the {heads} get no gradient on some steps"
+IDLE_HEAD_WHY = ("plain DDP would need find_unused_parameters=True (a graph walk every step) or fail with "
+                 "'Expected to have finished reduction'; ")
+DISK_MESSAGE = ("checkpoints need up to {need:.1f} GiB ({kept} kept + 1 being written, {each:.2f} GiB each: "
+                "checkpoint.keep_last={keep_last}, {milestones} milestone(s)) with {free:.1f} GiB free at {run_dir}")
+DISK_WHY = "a checkpoint write that runs out of disk fails the run (and the disk of everything else on it)"
+BATCH_MESSAGE = "{sizes} not a multiple of micro-batch x world size = {micro} x {world_size} = {per_step}"
+BATCH_WHY = ("the global batch is split into micro-batches of train.micro_batch_size on each of {world_size} "
+             "process(es); the trainer refuses to start otherwise")
+STEP_IN_BACKWARD_WHY = ("each parameter is updated as soon as its gradient of one micro-batch on one process is ready, "
+                        "before accumulation or the data-parallel reduction: the trainer refuses to start")
+STEP_IN_BACKWARD_FIX = ("optim.step_in_backward=false (or one process with train.micro_batch_size = "
+                        "train.global_batch_size)"), {"optim.step_in_backward": False}
+WARMUP_FIX = "schedule.warmup_steps={tenth}"
+RESUME_MESSAGE = ("{run_dir} holds a checkpoint at step {step} of a run planned for train.steps={before}; this "
+                  "config has train.steps={steps}")
+RESUME_WHY = "the schedule spans train.steps: resuming makes the LR jump from {old:.3g} to {new:.3g} at step {step}"
+RESUME_FIX = "keep train.steps={before}, or accept the jump (schedule.warmup_steps does not apply again)"
+
+RULES = {
+    # Timeouts and the NCCL watchdog: a hung rank must fail the job, soon but not too soon.
+    "timeout_days": Rule("timeout", "error", "distributed.timeout_minutes={minutes:g} ({days:.1f} days)",
+                         TIMEOUT_WHY, *TIMEOUT_FIX),
+    "timeout_hours": Rule("timeout", "warning", "distributed.timeout_minutes={minutes:g} is over 2 hours",
+                          TIMEOUT_WHY, *TIMEOUT_FIX),
+    "timeout_short": Rule("timeout", "warning", "distributed.timeout_minutes={minutes:g} is under 5 minutes",
+                          "a slow but healthy collective (the checkpoint gather of a large model, the first step "
+                          "compiling) would be taken for a hang and kill the job", *TIMEOUT_FIX),
+    "heartbeat_absurd": Rule("nccl_env", "error", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC={value} in the environment",
+                             HEARTBEAT_WHY, HEARTBEAT_FIX),
+    "heartbeat_short": Rule("nccl_env", "warning", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC={value} is below "
+                            "distributed.timeout_minutes ({timeout_s:g} s)", HEARTBEAT_WHY, HEARTBEAT_FIX),
+    "async_errors_off": Rule("nccl_env", "error", "{name}=0 in the environment",
+                             "a collective that times out then leaves the process hanging instead of tearing it "
+                             "down, so torchrun never sees a failure and never restarts",
+                             "unset {name} (the trainer and scripts/launch.sh set it to 1)"),
+    "monitoring_off": Rule("nccl_env", "warning", "TORCH_NCCL_ENABLE_MONITORING=0 in the environment",
+                           "without the heartbeat monitor a rank whose NCCL watchdog is stuck is never killed",
+                           "unset TORCH_NCCL_ENABLE_MONITORING"),
+    # The data loader.
+    "too_many_workers": Rule("loader_workers", "warning", "data.num_workers={workers} with {cpus} CPUs for {nproc} "
+                             "process(es) per node ({per_rank} per process)",
+                             "more worker processes than CPUs fight each other and the training threads for cores; "
+                             "16 workers per rank on a few cores slow data loading down",
+                             "data.num_workers=null (min(8, cpus // local ranks) = {auto} here)",
+                             {"data.num_workers": None}),
+    "no_workers": Rule("loader_workers", "warning", "data.num_workers=0 on CUDA",
+                       "the training process reads and pads every batch itself while the GPU waits",
+                       "data.num_workers=null ({auto} here)", {"data.num_workers": None}),
+    "short_prefetch": Rule("loader_prefetch", "warning", "data.prefetch_factor=null (torch's default: 2)",
+                           "each worker keeps only 2 batches ready, so a slow batch stalls the step",
+                           "data.prefetch_factor=4", {"data.prefetch_factor": 4}),
+    "workers_restart": Rule("loader_persistence", "warning", "data.persistent_workers=false",
+                            "the worker processes are started again every epoch (fork, dataset reopen), and the "
+                            "first batches of each epoch wait for them",
+                            "data.persistent_workers=true", {"data.persistent_workers": True}),
+    "pageable_memory": Rule("loader_pin_memory", "warning", "data.pin_memory=false on CUDA",
+                            "copies from pageable memory cannot overlap with compute",
+                            "data.pin_memory=null (on with CUDA)", {"data.pin_memory": None}),
+    # Other work on the CPUs of a CPU run.
+    "busy_cpus": Rule("busy_cpus", "warning", "load average {load:.1f} on {cpus} CPUs leaves about {free} free for "
+                      "{threads} torch thread(s) ({nproc} process(es) x {per_process})",
+                      "a second busy process on the same cores makes torch's threads wait for each other at every "
+                      "operation: a training step took 25x as long (3.3 s instead of 0.13 s) with one other busy "
+                      "process on 2 cores and torch's default 2 threads",
+                      "set train.threads={fit} or stop the other job"),
+    # Memory, parameters and the optimizer.
+    "memory_smaller_micro": Rule("memory", "error", MEMORY_MESSAGE, MEMORY_WHY,
+                                 "train.micro_batch_size={smaller} (more accumulation steps, the same global batch)"),
+    "memory_shard": Rule("memory", "error", MEMORY_MESSAGE, MEMORY_WHY,
+                         "distributed.strategy=fsdp2 (shards weights, gradients and optimizer state over "
+                         "{world_size} processes), train.micro_batch_size={fits}"),
+    "memory_no_fit": Rule("memory", "error", MEMORY_MESSAGE, MEMORY_WHY,
+                          "even micro-batch 1 does not fit: a smaller model preset, more devices with "
+                          "distributed.strategy=fsdp2, or a device with more memory"),
+    "idle_heads_ddp": Rule("unused_parameters", "info", IDLE_HEAD_MESSAGE, IDLE_HEAD_WHY +
+                           "the trainer anchors the idle head into the loss (an exact zero gradient, then .grad=None "
+                           "before AdamW), so DDP runs with find_unused_parameters=False and static_graph is valid",
+                           "nothing to do"),
+    "idle_heads_fsdp2": Rule("unused_parameters", "info", IDLE_HEAD_MESSAGE, IDLE_HEAD_WHY +
+                             "FSDP2 reduce-scatters only the gradients that exist; the idle head keeps a None "
+                             "gradient on every rank (all ranks train the same mode at a step)", "nothing to do"),
+    "fused_unavailable": Rule("fused_optimizer", "error", "optim.fused=true but fused AdamW is unavailable on {device}",
+                              "building the optimizer fails before the first step",
+                              "optim.fused=auto (fused where available, else the foreach kernel)",
+                              {"optim.fused": "auto"}),
+    "fused_off": Rule("fused_optimizer", "warning", "optim.fused=false although fused AdamW works on {device}",
+                      "the foreach kernel launches several kernels per parameter group step; the fused one, one",
+                      "optim.fused=auto", {"optim.fused": "auto"}),
+    # Checkpoints vs the disk (a warning when they fill half of it, an error when they do not fit).
+    "disk_keep_fewer": Rule("checkpoint_retention", "warning", DISK_MESSAGE, DISK_WHY, "checkpoint.keep_last={keep}"),
+    "disk_no_milestones": Rule("checkpoint_retention", "warning", DISK_MESSAGE, DISK_WHY,
+                               "checkpoint.milestone_every=0, checkpoint.keep_last={keep}"),
+    "disk_too_small": Rule("checkpoint_retention", "warning", DISK_MESSAGE, DISK_WHY,
+                           "free disk space or put train.run_dir on a larger filesystem"),
+    # Batch sizes.
+    "batch_smaller_micro": Rule("batch_divisible", "error", BATCH_MESSAGE, BATCH_WHY,
+                                "train.micro_batch_size={micro_fix} (the global batch stays)"),
+    "batch_round_up": Rule("batch_divisible", "error", BATCH_MESSAGE, BATCH_WHY, "{rounded}"),
+    "step_in_backward_ranks": Rule("step_in_backward", "error",
+                                   "optim.step_in_backward=true with {world_size} processes",
+                                   STEP_IN_BACKWARD_WHY, *STEP_IN_BACKWARD_FIX),
+    "step_in_backward_accumulation": Rule("step_in_backward", "error",
+                                          "optim.step_in_backward=true with gradient accumulation "
+                                          "(train.micro_batch_size={micro}, global batch {global_batch})",
+                                          STEP_IN_BACKWARD_WHY, *STEP_IN_BACKWARD_FIX),
+    # The LR schedule.
+    "warmup_whole_run": Rule("lr_schedule", "error", "schedule.warmup_steps={warmup} >= train.steps={steps}",
+                             "the run ends during warmup: the LR never reaches optim.lr and never decays", WARMUP_FIX),
+    "warmup_long": Rule("lr_schedule", "warning", "schedule.warmup_steps={warmup} is over half of train.steps={steps}",
+                        "most of the run trains below the peak LR; the decay is squeezed into the rest", WARMUP_FIX),
+    "restart_late": Rule("lr_schedule", "warning", "schedule.restart_period={period} ends the run early in a cosine "
+                         "cycle ({after} steps after warmup)",
+                         "the last steps train at a high LR just after a restart, so the final weights are not "
+                         "annealed", "schedule.restart_period={fitted}"),
+    "plateau_floor": Rule("lr_schedule", "warning", "schedule.plateau.min_lr={min_lr:g} >= optim.lr={lr:g}",
+                          "reduce-on-plateau can never lower the LR", "schedule.plateau.min_lr={floor:g}"),
+    "batch_growth_late": Rule("lr_schedule", "warning",
+                              "train.batch_schedule entries {late} start at or after train.steps={steps}",
+                              "they are never reached: the batch growth planned with the LR schedule never happens",
+                              "train.batch_schedule={kept}"),
+    "resume_other_length": Rule("lr_schedule", "warning", RESUME_MESSAGE, RESUME_WHY, RESUME_FIX),
+    "resume_after_end": Rule("lr_schedule", "warning", RESUME_MESSAGE,
+                             RESUME_WHY + " and the old schedule had already ended", RESUME_FIX),
+    # The baseline preset's performance choices (configs/baseline.yaml), each slower with no gain.
+    "find_unused_parameters": Rule("find_unused_parameters", "warning", "distributed.find_unused_parameters=true",
+                                   "DDP then walks the autograd graph after every forward; the idle head is already "
+                                   "handled once per mode (parallelize.py), so every parameter takes part in every "
+                                   "step", "distributed.find_unused_parameters=false",
+                                   {"distributed.find_unused_parameters": False}),
+    "optimizer_loop": Rule("optimizer_loop", "warning", "optim.foreach=false: AdamW steps one parameter at a time",
+                           "a Python loop over every parameter tensor each step; foreach and fused kernels batch them",
+                           "optim.foreach=true", {"optim.foreach": True}),
+    "refreeze": Rule("refreeze", "warning", "perf.refreeze_every_step=true",
+                     "a loop over every parameter toggling requires_grad each step; freezing belongs to mode changes",
+                     "perf.refreeze_every_step=false", {"perf.refreeze_every_step": False}),
+    "attention": Rule("attention", "warning", "model.attention=explicit materialises the (S, S) score matrix per head",
+                      "scaled_dot_product_attention uses flash / memory-efficient kernels on GPU: less memory, faster",
+                      "model.attention=sdpa", {"model.attention": "sdpa"}),
+    "precision_fp32": Rule("precision", "warning", "train.precision=fp32 on a {device} with native bf16 matmuls",
+                           "bf16 autocast (fp32 master weights and optimizer state) runs the model's matmuls at "
+                           "about twice the speed and stores activations in half the bytes",
+                           "train.precision=auto", {"train.precision": "auto"}),
+    "precision_emulated": Rule("precision", "warning", "train.precision=bf16 on a {device} without native bf16 matmuls",
+                               "bf16 is emulated there: slower than fp32, with less precision",
+                               "train.precision=auto (bf16 where native, else fp32)", {"train.precision": "auto"}),
+    "compile_shapes": Rule("compile_shapes", "warning", "perf.compile=true with data.pad_to_multiple={pad}",
+                           "a new padded length recompiles the blocks; after the first recompile torch falls back to "
+                           "a dynamic-length graph, whose kernels can be slower and which still recompiles now and "
+                           "then. Padding to 64 bounds the shapes, but on short texts it costs tokens: measure both "
+                           "(docs/benchmarks.md)", "data.pad_to_multiple=64", {"data.pad_to_multiple": 64}),
+}
+
+
+def finding(name: str, /, changes: dict[str, Any] | None = None, severity: str | None = None, **values) -> Finding:
+    """RULES[name] filled with `values`. `changes`: the fix computed from the config (else the rule's own);
+    `severity`: for a rule whose severity depends on how far off the values are (else the rule's)."""
+    rule = RULES[name]
+    return Finding(rule.id, severity or rule.severity, rule.message.format(**values), rule.why.format(**values),
+                   rule.fix.format(**values), dict(rule.changes if changes is None else changes))
+
+
+# --------------------------------------------------------------------------------------------------
+# When each rule fires.
 
 MEMORY_HEADROOM = 0.9  # share of the device the estimate may fill (fragmentation, temporaries)
 
 
 def check_timeout(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
     minutes = cfg.distributed.timeout_minutes
-    why = ("a rank that dies or hangs leaves the others waiting in a collective for this long, holding every "
-           "device of the job, before the job fails and the launcher can restart it from the last checkpoint")
-    fix = "distributed.timeout_minutes=30"
     if minutes > 24 * 60:
-        return [Finding("timeout", "error", f"distributed.timeout_minutes={minutes:g} ({minutes / 1440:.1f} days)",
-                        why, fix, {"distributed.timeout_minutes": 30.0})]
+        return [finding("timeout_days", minutes=minutes, days=minutes / 1440)]
     if minutes > 120:
-        return [Finding("timeout", "warning", f"distributed.timeout_minutes={minutes:g} is over 2 hours",
-                        why, fix, {"distributed.timeout_minutes": 30.0})]
+        return [finding("timeout_hours", minutes=minutes)]
     if minutes < 5:
-        return [Finding("timeout", "warning", f"distributed.timeout_minutes={minutes:g} is under 5 minutes",
-                        "a slow but healthy collective (the checkpoint gather of a large model, the first step "
-                        "compiling) would be taken for a hang and kill the job", fix,
-                        {"distributed.timeout_minutes": 30.0})]
+        return [finding("timeout_short", minutes=minutes)]
     return []
 
 
@@ -208,27 +408,15 @@ def check_nccl_environment(cfg: RunConfig, env: Environment, est: Estimate) -> l
     heartbeat = env.environ.get("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC")
     if heartbeat is not None:
         seconds = float(heartbeat) if heartbeat.replace(".", "", 1).isdigit() else None
-        why = ("the NCCL heartbeat monitor kills a rank whose watchdog is stuck; days let a wedged rank hold the "
-               "job, and less than the collective timeout kills ranks before the timeout can say which "
-               "collective hung")
-        fix = (f"unset TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC: the trainer sets it to the collective timeout + 60 s "
-               f"({timeout_s + 60:.0f})")
         if seconds is None or seconds > 86400:
-            findings.append(Finding("nccl_env", "error", f"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC={heartbeat} in the "
-                                    "environment", why, fix))
+            findings.append(finding("heartbeat_absurd", value=heartbeat, heartbeat=timeout_s + 60))
         elif seconds < timeout_s:
-            findings.append(Finding("nccl_env", "warning", f"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC={heartbeat} is "
-                                    f"below distributed.timeout_minutes ({timeout_s:g} s)", why, fix))
+            findings.append(finding("heartbeat_short", value=heartbeat, timeout_s=timeout_s, heartbeat=timeout_s + 60))
     for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):
         if env.environ.get(name) == "0":
-            findings.append(Finding("nccl_env", "error", f"{name}=0 in the environment",
-                                    "a collective that times out then leaves the process hanging instead of "
-                                    "tearing it down, so torchrun never sees a failure and never restarts",
-                                    f"unset {name} (the trainer and scripts/launch.sh set it to 1)"))
+            findings.append(finding("async_errors_off", name=name))
     if env.environ.get("TORCH_NCCL_ENABLE_MONITORING") == "0":
-        findings.append(Finding("nccl_env", "warning", "TORCH_NCCL_ENABLE_MONITORING=0 in the environment",
-                                "without the heartbeat monitor a rank whose NCCL watchdog is stuck is never killed",
-                                "unset TORCH_NCCL_ENABLE_MONITORING"))
+        findings.append(finding("monitoring_off"))
     return findings
 
 
@@ -240,32 +428,34 @@ def check_loader(cfg: RunConfig, env: Environment, est: Estimate) -> list[Findin
     auto = default_num_workers(env.cpus, env.nproc_per_node)
     workers = auto if d.num_workers is None else d.num_workers
     if d.num_workers is not None and d.num_workers > per_rank:
-        findings.append(Finding(
-            "loader_workers", "warning",
-            f"data.num_workers={d.num_workers} with {env.cpus} CPUs for {env.nproc_per_node} process(es) per node "
-            f"({per_rank} per process)",
-            "more worker processes than CPUs fight each other and the training threads for cores; 16 workers per "
-            "rank on a few cores slow data loading down",
-            f"data.num_workers=null (min(8, cpus // local ranks) = {auto} here)", {"data.num_workers": None}))
+        findings.append(finding("too_many_workers", workers=d.num_workers, cpus=env.cpus, nproc=env.nproc_per_node,
+                                per_rank=per_rank, auto=auto))
         workers = auto
     if workers > 0 and d.prefetch_factor is None:
-        findings.append(Finding("loader_prefetch", "warning", "data.prefetch_factor=null (torch's default: 2)",
-                                "each worker keeps only 2 batches ready, so a slow batch stalls the step",
-                                "data.prefetch_factor=4", {"data.prefetch_factor": 4}))
+        findings.append(finding("short_prefetch"))
     if workers > 0 and not d.persistent_workers:
-        findings.append(Finding("loader_persistence", "warning", "data.persistent_workers=false",
-                                "the worker processes are started again every epoch (fork, dataset reopen), and "
-                                "the first batches of each epoch wait for them",
-                                "data.persistent_workers=true", {"data.persistent_workers": True}))
+        findings.append(finding("workers_restart"))
     if env.device == "cuda" and d.pin_memory is False:
-        findings.append(Finding("loader_pin_memory", "warning", "data.pin_memory=false on CUDA",
-                                "copies from pageable memory cannot overlap with compute",
-                                "data.pin_memory=null (on with CUDA)", {"data.pin_memory": None}))
+        findings.append(finding("pageable_memory"))
     if env.device == "cuda" and workers == 0 and per_rank >= 2:
-        findings.append(Finding("loader_workers", "warning", "data.num_workers=0 on CUDA",
-                                "the training process reads and pads every batch itself while the GPU waits",
-                                f"data.num_workers=null ({auto} here)", {"data.num_workers": None}))
+        findings.append(finding("no_workers", auto=auto))
     return findings
+
+
+def check_busy_cpus(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
+    """A CPU run whose processes have several torch threads each, more in all than the CPUs other work
+    leaves free. A CPU counts as taken from a load of 0.5 (the load average is over a minute)."""
+    if env.device != "cpu":
+        return []
+    free = max(0, env.cpus - math.floor(env.load + 0.5))
+    per_process = cfg.train.threads or env.torch_threads
+    threads = per_process * env.nproc_per_node
+    # One thread has no other to wait for; with no other work, more threads than CPUs is the config's choice.
+    if per_process == 1 or threads <= free or free == env.cpus:
+        return []
+    fit = max(1, free // env.nproc_per_node)
+    return [finding("busy_cpus", {"train.threads": fit}, fit=fit, load=env.load, cpus=env.cpus, free=free,
+                    threads=threads, nproc=env.nproc_per_node, per_process=per_process)]
 
 
 def _largest_micro_batch(cfg: RunConfig, env: Environment, est: Estimate, limit: float) -> int | None:
@@ -288,29 +478,20 @@ def check_memory(cfg: RunConfig, env: Environment, est: Estimate) -> list[Findin
     need, limit = est.memory_gib(micro), MEMORY_HEADROOM * env.device_memory_gib
     if need <= limit:
         return []
-    device = "GPU" if env.device == "cuda" else "RAM per process"
-    message = (f"estimated {need:.1f} GiB per process ({est.static_gib:.1f} GiB weights, gradients, optimizer state "
-               f"and overhead for {est.num_params / 1e6:.1f}M parameters + {micro} x "
-               f"{est.activations_gib_per_sample * 1024:.0f} MiB of activations at micro-batch {micro}) > "
-               f"{MEMORY_HEADROOM:.0%} of {env.device_memory_gib:.1f} GiB {device}")
-    why = "the first steps run out of memory (CUDA OOM, or the kernel's OOM killer on CPU)"
+    values = dict(need=need, static=est.static_gib, params_m=est.num_params / 1e6, micro=micro,
+                  activations_mib=est.activations_gib_per_sample * 1024, headroom=MEMORY_HEADROOM,
+                  device_memory=env.device_memory_gib, device="GPU" if env.device == "cuda" else "RAM per process")
     smaller = _largest_micro_batch(cfg, env, est, limit)
     if smaller is not None:
-        return [Finding("memory", "error", message, why,
-                        f"train.micro_batch_size={smaller} (more accumulation steps, the same global batch)",
-                        {"train.micro_batch_size": smaller})]
+        return [finding("memory_smaller_micro", {"train.micro_batch_size": smaller}, smaller=smaller, **values)]
     if cfg.distributed.strategy == "ddp" and env.world_size > 1:
         sharded = dataclasses.replace(
             est, static_gib=est.static_gib - 16 * est.num_params / GIB * (1 - 1 / env.world_size))
         fits = _largest_micro_batch(cfg, env, sharded, limit) or (micro if sharded.memory_gib(micro) <= limit else None)
         if fits is not None:
-            return [Finding("memory", "error", message, why,
-                            f"distributed.strategy=fsdp2 (shards weights, gradients and optimizer state over "
-                            f"{env.world_size} processes), train.micro_batch_size={fits}",
-                            {"distributed.strategy": "fsdp2", "train.micro_batch_size": fits})]
-    return [Finding("memory", "error", message, why,
-                    "even micro-batch 1 does not fit: a smaller model preset, more devices with "
-                    "distributed.strategy=fsdp2, or a device with more memory")]
+            return [finding("memory_shard", {"distributed.strategy": "fsdp2", "train.micro_batch_size": fits},
+                            world_size=env.world_size, fits=fits, **values)]
+    return [finding("memory_no_fit", **values)]
 
 
 def _modes_in_mix(cfg: RunConfig) -> list[str]:
@@ -329,28 +510,15 @@ def check_unused_parameters(cfg: RunConfig, env: Environment, est: Estimate) -> 
     idle_heads = sorted({idle[m] for m in modes if m in idle})
     if not idle_heads or env.world_size == 1:
         return []
-    if cfg.distributed.strategy == "fsdp2":
-        how = ("FSDP2 reduce-scatters only the gradients that exist; the idle head keeps a None gradient on every "
-               "rank (all ranks train the same mode at a step)")
-    else:
-        how = ("the trainer anchors the idle head into the loss (an exact zero gradient, then .grad=None before "
-               "AdamW), so DDP runs with find_unused_parameters=False and static_graph is valid")
-    return [Finding("unused_parameters", "info",
-                    f"modes {', '.join(modes)}: the {' and the '.join(idle_heads)} get no gradient on some steps",
-                    f"plain DDP would need find_unused_parameters=True (a graph walk every step) or fail with "
-                    f"'Expected to have finished reduction'; {how}", "nothing to do")]
+    name = "idle_heads_fsdp2" if cfg.distributed.strategy == "fsdp2" else "idle_heads_ddp"
+    return [finding(name, modes=", ".join(modes), heads=" and the ".join(idle_heads))]
 
 
 def check_fused_optimizer(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
     if cfg.optim.fused is True and not env.fused_adamw:
-        return [Finding("fused_optimizer", "error", f"optim.fused=true but fused AdamW is unavailable on {env.device}",
-                        "building the optimizer fails before the first step",
-                        "optim.fused=auto (fused where available, else the foreach kernel)",
-                        {"optim.fused": "auto"})]
+        return [finding("fused_unavailable", device=env.device)]
     if cfg.optim.fused is False and env.fused_adamw:
-        return [Finding("fused_optimizer", "warning", f"optim.fused=false although fused AdamW works on {env.device}",
-                        "the foreach kernel launches several kernels per parameter group step; the fused one, one",
-                        "optim.fused=auto", {"optim.fused": "auto"})]
+        return [finding("fused_off", device=env.device)]
     return []
 
 
@@ -371,20 +539,16 @@ def check_checkpoint_retention(cfg: RunConfig, env: Environment, est: Estimate) 
     if need <= 0.5 * env.free_disk_gib:
         return []
     severity = "error" if need > env.free_disk_gib else "warning"
-    message = (f"checkpoints need up to {need:.1f} GiB ({kept} kept + 1 being written, {est.checkpoint_gib:.2f} GiB "
-               f"each: checkpoint.keep_last={cfg.checkpoint.keep_last}, {milestones} milestone(s)) with "
-               f"{env.free_disk_gib:.1f} GiB free at {cfg.train.run_dir}")
-    why = "a checkpoint write that runs out of disk fails the run (and the disk of everything else on it)"
+    values = dict(need=need, kept=kept, each=est.checkpoint_gib, keep_last=cfg.checkpoint.keep_last,
+                  milestones=milestones, free=env.free_disk_gib, run_dir=cfg.train.run_dir)
     budget = int(0.5 * env.free_disk_gib / est.checkpoint_gib) - 1
     if budget - milestones >= 1:
-        return [Finding("checkpoint_retention", severity, message, why,
-                        f"checkpoint.keep_last={budget - milestones}", {"checkpoint.keep_last": budget - milestones})]
+        keep = budget - milestones
+        return [finding("disk_keep_fewer", {"checkpoint.keep_last": keep}, severity, keep=keep, **values)]
     if budget >= 1:
-        return [Finding("checkpoint_retention", severity, message, why,
-                        f"checkpoint.milestone_every=0, checkpoint.keep_last={budget}",
-                        {"checkpoint.milestone_every": 0, "checkpoint.keep_last": budget})]
-    return [Finding("checkpoint_retention", severity, message, why,
-                    "free disk space or put train.run_dir on a larger filesystem")]
+        return [finding("disk_no_milestones", {"checkpoint.milestone_every": 0, "checkpoint.keep_last": budget},
+                        severity, keep=budget, **values)]
+    return [finding("disk_too_small", severity=severity, **values)]
 
 
 def check_batch_divisible(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
@@ -396,77 +560,54 @@ def check_batch_divisible(cfg: RunConfig, env: Environment, est: Estimate) -> li
     bad = {key: size for key, size in sizes.items() if size % per_step}
     if not bad:
         return []
-    message = (", ".join(f"{key}={size}" for key, size in bad.items()) + f" not a multiple of micro-batch x world "
-               f"size = {cfg.train.micro_batch_size} x {env.world_size} = {per_step}")
-    why = (f"the global batch is split into micro-batches of train.micro_batch_size on each of {env.world_size} "
-           f"process(es); the trainer refuses to start otherwise")
+    values = dict(sizes=", ".join(f"{key}={size}" for key, size in bad.items()), micro=cfg.train.micro_batch_size,
+                  world_size=env.world_size, per_step=per_step)
     # A smaller micro-batch keeps the global batch (the recipe the LR was tuned for); only when none
     # divides it is the global batch rounded up.
     micro = _largest_micro_batch(cfg, env, est, limit=math.inf)
     if micro is not None:
-        return [Finding("batch_divisible", "error", message, why,
-                        f"train.micro_batch_size={micro} (the global batch stays)", {"train.micro_batch_size": micro})]
+        return [finding("batch_smaller_micro", {"train.micro_batch_size": micro}, micro_fix=micro, **values)]
     changes = {"train.global_batch_size": math.ceil(cfg.train.global_batch_size / per_step) * per_step}
     if cfg.train.batch_schedule:
         changes["train.batch_schedule"] = [[step, math.ceil(size / per_step) * per_step]
                                            for step, size in cfg.train.batch_schedule]
-    return [Finding("batch_divisible", "error", message, why,
-                    ", ".join(f"{key}={value}" for key, value in changes.items()), changes)]
+    rounded = ", ".join(f"{key}={value}" for key, value in changes.items())
+    return [finding("batch_round_up", changes, rounded=rounded, **values)]
 
 
 def check_step_in_backward(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
     if not cfg.optim.step_in_backward:
         return []
+    if env.world_size > 1:
+        return [finding("step_in_backward_ranks", world_size=env.world_size)]
     micro = cfg.train.micro_batch_size
     sizes = [cfg.train.global_batch_size] + [size for _, size in cfg.train.batch_schedule]
-    accumulates = micro == "auto" or any(size != micro * env.world_size for size in sizes)
-    if env.world_size == 1 and not accumulates:
-        return []
-    problem = (f"{env.world_size} processes" if env.world_size > 1 else
-               f"gradient accumulation (train.micro_batch_size={micro}, global batch {cfg.train.global_batch_size})")
-    return [Finding(
-        "step_in_backward", "error", f"optim.step_in_backward=true with {problem}",
-        "each parameter is updated as soon as its gradient of one micro-batch on one process is ready, before "
-        "accumulation or the data-parallel reduction: the trainer refuses to start",
-        "optim.step_in_backward=false (or one process with train.micro_batch_size = train.global_batch_size)",
-        {"optim.step_in_backward": False})]
+    if micro == "auto" or any(size != micro for size in sizes):  # one process: accumulation
+        return [finding("step_in_backward_accumulation", micro=micro, global_batch=cfg.train.global_batch_size)]
+    return []
 
 
 def check_lr_schedule(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
     s, steps, findings = cfg.schedule, cfg.train.steps, []
     warmup_fix = {"schedule.warmup_steps": steps // 10}
     if s.warmup_steps >= steps:
-        findings.append(Finding("lr_schedule", "error",
-                                f"schedule.warmup_steps={s.warmup_steps} >= train.steps={steps}",
-                                "the run ends during warmup: the LR never reaches optim.lr and never decays",
-                                f"schedule.warmup_steps={steps // 10}", warmup_fix))
+        findings.append(finding("warmup_whole_run", warmup_fix, warmup=s.warmup_steps, steps=steps, tenth=steps // 10))
     elif s.warmup_steps > steps // 2:
-        findings.append(Finding("lr_schedule", "warning",
-                                f"schedule.warmup_steps={s.warmup_steps} is over half of train.steps={steps}",
-                                "most of the run trains below the peak LR; the decay is squeezed into the rest",
-                                f"schedule.warmup_steps={steps // 10}", warmup_fix))
+        findings.append(finding("warmup_long", warmup_fix, warmup=s.warmup_steps, steps=steps, tenth=steps // 10))
     after = steps - min(s.warmup_steps, steps)
     if s.kind == "cosine_restarts" and after and (after - 1) % s.restart_period < s.restart_period // 2:
         cycles = max(1, round(after / s.restart_period))
         period = math.ceil(after / cycles)  # the last cycle ends at (or just before) the last step
-        findings.append(Finding("lr_schedule", "warning",
-                                f"schedule.restart_period={s.restart_period} ends the run early in a cosine cycle "
-                                f"({after} steps after warmup)",
-                                "the last steps train at a high LR just after a restart, so the final weights are "
-                                "not annealed", f"schedule.restart_period={period}",
-                                {"schedule.restart_period": period}))
+        findings.append(finding("restart_late", {"schedule.restart_period": period}, period=s.restart_period,
+                                after=after, fitted=period))
     if s.plateau.enabled and s.plateau.min_lr >= cfg.optim.lr:
-        findings.append(Finding("lr_schedule", "warning",
-                                f"schedule.plateau.min_lr={s.plateau.min_lr:g} >= optim.lr={cfg.optim.lr:g}",
-                                "reduce-on-plateau can never lower the LR", f"schedule.plateau.min_lr={cfg.optim.lr / 100:g}",
-                                {"schedule.plateau.min_lr": cfg.optim.lr / 100}))
+        findings.append(finding("plateau_floor", {"schedule.plateau.min_lr": cfg.optim.lr / 100},
+                                min_lr=s.plateau.min_lr, lr=cfg.optim.lr, floor=cfg.optim.lr / 100))
     late = [entry for entry in cfg.train.batch_schedule if entry[0] >= steps]
     if late:
         kept = [entry for entry in cfg.train.batch_schedule if entry[0] < steps]
-        findings.append(Finding("lr_schedule", "warning",
-                                f"train.batch_schedule entries {late} start at or after train.steps={steps}",
-                                "they are never reached: the batch growth planned with the LR schedule never happens",
-                                f"train.batch_schedule={kept}", {"train.batch_schedule": kept}))
+        findings.append(finding("batch_growth_late", {"train.batch_schedule": kept}, late=late, steps=steps,
+                                kept=kept))
     findings += _resume_with_other_length(cfg)
     return findings
 
@@ -487,68 +628,32 @@ def _resume_with_other_length(cfg: RunConfig) -> list[Finding]:
         return []
     old = LRSchedule(cfg.schedule, cfg.optim.lr, before).lr(step)
     new = LRSchedule(cfg.schedule, cfg.optim.lr, cfg.train.steps).lr(step)
-    return [Finding("lr_schedule", "warning",
-                    f"{run_dir} holds a checkpoint at step {step} of a run planned for train.steps={before}; this "
-                    f"config has train.steps={cfg.train.steps}",
-                    f"the schedule spans train.steps: resuming makes the LR jump from {old:.3g} to {new:.3g} at "
-                    f"step {step}" + (" and the old schedule had already ended" if step >= before - 1 else ""),
-                    f"keep train.steps={before}, or accept the jump (schedule.warmup_steps does not apply again)")]
+    name = "resume_after_end" if step >= before - 1 else "resume_other_length"
+    return [finding(name, run_dir=run_dir, step=step, before=before, steps=cfg.train.steps, old=old, new=new)]
 
 
 def check_slow_switches(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
     """The baseline preset's performance choices (configs/baseline.yaml), each slower with no gain."""
-    findings = []
-    if cfg.distributed.find_unused_parameters:
-        findings.append(Finding(
-            "find_unused_parameters", "warning", "distributed.find_unused_parameters=true",
-            "DDP then walks the autograd graph after every forward; the idle head is already handled once per "
-            "mode (parallelize.py), so every parameter takes part in every step",
-            "distributed.find_unused_parameters=false", {"distributed.find_unused_parameters": False}))
-    if not cfg.optim.foreach and cfg.optim.fused is not True:
-        findings.append(Finding(
-            "optimizer_loop", "warning", "optim.foreach=false: AdamW steps one parameter at a time",
-            "a Python loop over every parameter tensor each step; foreach and fused kernels batch them",
-            "optim.foreach=true", {"optim.foreach": True}))
-    if cfg.perf.refreeze_every_step:
-        findings.append(Finding(
-            "refreeze", "warning", "perf.refreeze_every_step=true",
-            "a loop over every parameter toggling requires_grad each step; freezing belongs to mode changes",
-            "perf.refreeze_every_step=false", {"perf.refreeze_every_step": False}))
-    if cfg.model.attention == "explicit":
-        findings.append(Finding(
-            "attention", "warning", "model.attention=explicit materialises the (S, S) score matrix per head",
-            "scaled_dot_product_attention uses flash / memory-efficient kernels on GPU: less memory, faster",
-            "model.attention=sdpa", {"model.attention": "sdpa"}))
-    if cfg.train.precision == "fp32" and env.native_bf16:
-        findings.append(Finding(
-            "precision", "warning", f"train.precision=fp32 on a {env.device} with native bf16 matmuls",
-            "bf16 autocast (fp32 master weights and optimizer state) runs the model's matmuls at about twice "
-            "the speed and stores activations in half the bytes",
-            "train.precision=auto", {"train.precision": "auto"}))
-    if cfg.train.precision == "bf16" and not env.native_bf16:
-        findings.append(Finding(
-            "precision", "warning", f"train.precision=bf16 on a {env.device} without native bf16 matmuls",
-            "bf16 is emulated there: slower than fp32, with less precision",
-            "train.precision=auto (bf16 where native, else fp32)", {"train.precision": "auto"}))
-    if cfg.perf.compile and cfg.data.pad_to_multiple < 64:
-        findings.append(Finding(
-            "compile_shapes", "warning",
-            f"perf.compile=true with data.pad_to_multiple={cfg.data.pad_to_multiple}",
-            "a new padded length recompiles the blocks; after the first recompile torch falls back to a "
-            "dynamic-length graph, whose kernels can be slower and which still recompiles now and then. Padding "
-            "to 64 bounds the shapes, but on short texts it costs tokens: measure both (docs/benchmarks.md)",
-            "data.pad_to_multiple=64", {"data.pad_to_multiple": 64}))
-    return findings
+    fires = {
+        "find_unused_parameters": cfg.distributed.find_unused_parameters,
+        "optimizer_loop": not cfg.optim.foreach and cfg.optim.fused is not True,
+        "refreeze": cfg.perf.refreeze_every_step,
+        "attention": cfg.model.attention == "explicit",
+        "precision_fp32": cfg.train.precision == "fp32" and env.native_bf16,
+        "precision_emulated": cfg.train.precision == "bf16" and not env.native_bf16,
+        "compile_shapes": cfg.perf.compile and cfg.data.pad_to_multiple < 64,
+    }
+    return [finding(name, device=env.device, pad=cfg.data.pad_to_multiple) for name, fired in fires.items() if fired]
 
 
-RULES = (check_timeout, check_nccl_environment, check_loader, check_memory, check_unused_parameters,
-         check_fused_optimizer, check_checkpoint_retention, check_batch_divisible, check_step_in_backward,
-         check_lr_schedule, check_slow_switches)
+CHECKS = (check_timeout, check_nccl_environment, check_loader, check_busy_cpus, check_memory,
+          check_unused_parameters, check_fused_optimizer, check_checkpoint_retention, check_batch_divisible,
+          check_step_in_backward, check_lr_schedule, check_slow_switches)
 
 
 def audit(cfg: RunConfig, env: Environment) -> tuple[list[Finding], Estimate]:
     est = estimate(cfg, env)
-    findings = [finding for rule in RULES for finding in rule(cfg, env, est)]
+    findings = [f for check in CHECKS for f in check(cfg, env, est)]
     return sorted(findings, key=lambda f: SEVERITY_ORDER[f.severity]), est
 
 
@@ -598,8 +703,9 @@ def format_finding(f: Finding) -> str:
 
 def describe(env: Environment, est: Estimate, cfg: RunConfig) -> str:
     where = "GPU" if env.device == "cuda" else "RAM"
-    return (f"environment: {env.device}, {env.cpus} CPU(s), {env.nproc_per_node} process(es) x {env.nnodes} node(s), "
-            f"{env.device_memory_gib:.1f} GiB {where} per process, {env.free_disk_gib:.1f} GiB free disk\n"
+    return (f"environment: {env.device}, {env.cpus} CPU(s) (load {env.load:.1f}), {env.nproc_per_node} process(es) x "
+            f"{env.nnodes} node(s), {env.device_memory_gib:.1f} GiB {where} per process, {env.free_disk_gib:.1f} GiB "
+            f"free disk\n"
             f"model: {est.num_params / 1e6:.2f}M parameters (vocab {est.vocab_size}); estimated "
             f"{est.memory_gib(_micro_for_estimate(cfg)):.2f} GiB per process at micro-batch "
             f"{_micro_for_estimate(cfg)}; {est.checkpoint_gib:.3f} GiB per checkpoint")

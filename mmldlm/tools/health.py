@@ -82,8 +82,9 @@ REMEDIES = {
     "plateau": "schedule.plateau.enabled=true reduces the LR when the loss stops improving; if optim.lr is small "
                "raise it; check objective.mode_weights and that the data is not tiny (memorised)",
     "grad_explosion": "optim.grad_clip=1.0 (clipping bounds the update, the norm is still logged), lower optim.lr",
-    "throughput_drop": "another process on the device or node, thermal throttling, a slow filesystem, or the "
-                       "loader: data.num_workers, data.persistent_workers=true; `mmldlm check` audits the loader",
+    "throughput_drop": "another process on the device or node (on shared CPUs train.threads=1 or stop the other "
+                       "job), thermal throttling, a slow filesystem, or the loader: data.num_workers, "
+                       "data.persistent_workers=true; `mmldlm check` audits the loader and the load",
     "data_wait": "the loader cannot keep up: data.num_workers (null = min(8, cpus // local ranks)), "
                  "data.prefetch_factor=4, data.persistent_workers=true, data.pin_memory on GPU",
     "memory_creep": "tensors kept across steps (a metric not detached, a growing list) or allocator "
@@ -300,7 +301,9 @@ class HealthTracker:
         if state.latches["throughput"].fire(recent < (1 - cfg.throughput_drop) * overall):
             self._raise("throughput_drop", "warning", step,
                         f"{recent:.4g} samples/s in mode {mode} (median of the last {cfg.throughput_window} "
-                        f"records) is {1 - recent / overall:.0%} below the run's median {overall:.4g}")
+                        f"records) is {1 - recent / overall:.0%} below the run's median {overall:.4g}; a likely "
+                        f"cause: a second busy process on the same cores makes torch's threads wait for each other; "
+                        f"see train.threads")
 
     def _check_memory(self, record: dict, step: int) -> None:
         cfg = self.cfg

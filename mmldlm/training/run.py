@@ -87,6 +87,8 @@ def open_train_data(cfg: RunConfig, info: DistInfo):
 
 def train(cfg: RunConfig, resume: str | None = None) -> int:
     """Train `cfg` (resuming per `resume`: None, "auto" or a checkpoint path); returns the exit status."""
+    if cfg.train.threads is not None:  # before any work; inter-op threads: unused by training, left as they are
+        torch.set_num_threads(cfg.train.threads)
     info = init_distributed(cfg.distributed, cfg.train.device)
     setup_logging(info)
     set_deterministic(cfg.train.deterministic)
