@@ -25,9 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from mmldlm.config import MODES, RunConfig, from_dict, to_dict
+from mmldlm.data.dataset import default_num_workers
+from mmldlm.model.mmdit import MultimodalMMDiT
+from mmldlm.training.metrics import cpu_has_native_bf16
+from mmldlm.training.optim import STATE_BYTES
+from mmldlm.training.schedules import LRSchedule
 
 GIB = 2**30
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
@@ -69,8 +75,6 @@ NCCL_VARIABLES = ("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "TORCH_NCCL_ASYNC_ERROR_HA
 
 
 def _fused_adamw_works(device: str) -> bool:
-    import torch
-
     try:
         torch.optim.AdamW([torch.zeros(1, device=device, requires_grad=True)], fused=True)
     except (RuntimeError, ValueError):
@@ -92,10 +96,6 @@ def detect_environment(cfg: RunConfig, nproc_per_node: int | None = None, nnodes
                        device_memory_gib: float | None = None, load: float | None = None) -> Environment:
     """This machine as the run would see it; process counts default to the torchrun/launcher variables,
     the load to the machine's 1-minute load average on this process's CPUs."""
-    import torch
-
-    from mmldlm.training.metrics import cpu_has_native_bf16
-
     nproc = nproc_per_node or int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("NPROC_PER_NODE") or 1)
     nodes = nnodes or int(os.environ.get("NNODES") or 1)
     cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
@@ -147,10 +147,6 @@ def vocab_size_of(cfg: RunConfig) -> int:
 
 
 def count_parameters(cfg: RunConfig, vocab_size: int) -> int:
-    import torch
-
-    from mmldlm.model.mmdit import MultimodalMMDiT
-
     with torch.device("meta"):  # shapes only
         model = MultimodalMMDiT(cfg.model, vocab_size=vocab_size)
     return sum(p.numel() for p in model.parameters())
@@ -180,8 +176,6 @@ def estimate(cfg: RunConfig, env: Environment) -> Estimate:
     tokens = seq_len + m.num_latents
     low_precision = cfg.train.precision in ("bf16", "fp16") or (cfg.train.precision == "auto" and env.native_bf16)
     shards = env.world_size if cfg.distributed.strategy == "fsdp2" else 1
-    from mmldlm.training.optim import STATE_BYTES
-
     # fp32 weights 4, gradients 4 (none all at once with the step in backward), AdamW moments by state_dtype
     moments = STATE_BYTES[cfg.optim.state_dtype]
     state = 4 + (0 if cfg.optim.step_in_backward else 4) + moments
@@ -421,8 +415,6 @@ def check_nccl_environment(cfg: RunConfig, env: Environment, est: Estimate) -> l
 
 
 def check_loader(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
-    from mmldlm.data.dataset import default_num_workers
-
     d, findings = cfg.data, []
     per_rank = max(1, env.cpus // env.nproc_per_node)
     auto = default_num_workers(env.cpus, env.nproc_per_node)
@@ -615,8 +607,6 @@ def check_lr_schedule(cfg: RunConfig, env: Environment, est: Estimate) -> list[F
 def _resume_with_other_length(cfg: RunConfig) -> list[Finding]:
     """A run directory that already holds a checkpoint of a run planned with other train.steps: the
     schedule is a function of train.steps, so resuming with a new length makes the LR jump."""
-    from mmldlm.training.schedules import LRSchedule
-
     run_dir = Path(cfg.train.run_dir)
     pointer = run_dir / "checkpoints" / "latest"
     try:

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from mmldlm.tools.health import REMEDIES, Alert, HealthConfig, HealthTracker, finite, memory_of, status_of
 
 EXIT_HEALTHY, EXIT_WARNING, EXIT_CRITICAL = 0, 1, 2
@@ -37,8 +39,6 @@ def metrics_path(target: str | Path) -> Path:
 
 def total_steps(run_dir: Path) -> int | None:
     """train.steps of the run's resolved config (RUN/config.yaml), or None while there is none."""
-    import yaml
-
     try:
         steps = yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["steps"]
     except (OSError, yaml.YAMLError, KeyError, TypeError):
@@ -395,7 +395,7 @@ PANELS = (("loss", "loss"), ("text loss", "text_loss"), ("latent loss", "latent_
 def plot(records: list[dict], path: str | Path, alerts: list[Alert] = ()) -> list[str]:
     """Curves against step into a PNG, one panel per metric, losses per mode (each mode its own
     scale); alert steps as vertical lines on the loss panel. Returns the panel titles."""
-    import matplotlib
+    import matplotlib  # here: only --plot needs it (a second to import), and the backend precedes pyplot
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
