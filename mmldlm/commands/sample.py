@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         else:  # the first --num validation samples
             n = min(args.num, len(run.val))
             samples = [run.val[i] for i in range(n)]
-            ids = [s[1][:run.data_cfg.max_length].tolist() for s in samples]
+            ids = [s[1][:run.max_length].tolist() for s in samples]
             texts = run.decode(*run.batch_of(ids))
             latents = torch.stack([torch.from_numpy(s[2].astype(np.float32)) for s in samples])
     num = len(ids) if ids is not None else (len(latents) if latents is not None else args.num)
