@@ -86,7 +86,7 @@ class TrainedRun:
         """The error of asking an exported model (no dataset of its own) for validation data."""
         return DataError(f"{self.checkpoint}: an exported model carries no validation data; give --data PATH, a "
                          f"prepared dataset made with its tokenizer and encoder (the run's own, or `mmldlm prepare "
-                         f"--like RUN_DIR`)")
+                         f"--like {self.checkpoint} --input FILE --out PATH`)")
 
     @functools.cached_property
     def tokenizer(self):
