@@ -14,6 +14,7 @@ import torch
 from data_support import prepared, trained_run
 from mmldlm import MMLDLM, cli
 from mmldlm.data.errors import DataError
+from mmldlm.sampling.card import model_card
 from mmldlm.sampling.pretrained import CONFIG, TOKENIZER, WEIGHTS
 
 RUN = ["model=tiny", "model.hidden_size=64", "model.num_blocks=2", "model.timestep_embed_dim=32",
@@ -63,6 +64,16 @@ def test_export_writes_a_self_contained_folder_with_its_model_card(run_dir, expo
     card = (out / "README.md").read_text()
     assert "Not evaluated" not in card and "t2l retrieval@1 among 8" in card and "(step-0000006.json)" in card
     assert json.loads((out / CONFIG).read_text())["weights"] == "raw" and "the trained weights (no EMA)" in card
+
+
+def test_the_card_of_a_model_of_the_bundled_corpus_carries_the_wordnet_licence(run_dir, tmp_path):
+    model = MMLDLM.from_pretrained(run_dir, device="cpu")
+    meta = json.loads((model.run.dataset_dir / "meta.json").read_text())
+    (tmp_path / "meta.json").write_text(json.dumps({**meta, "prepare": {**meta["prepare"], "inputs": ["default"]}}))
+    model.run.dataset_dir = tmp_path
+    card = model_card(model.run, run_dir)
+    assert "license: other\nlicense_name: wordnet-3.0" in card and "WordNet 3.0 Copyright 2006" in card
+    assert "from the corpus bundled with mmldlm" in card
 
 
 def test_export_refuses_a_non_empty_folder_without_force(run_dir, tmp_path, capsys):

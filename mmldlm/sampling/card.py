@@ -32,15 +32,18 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
-def compute(run_dir: Path, step: int | None) -> dict:
+def _compute(run_dir: Path, step: int | None) -> dict:
     """Steps, samples seen, time in training steps and the device of the run up to `step`, from
     metrics.jsonl (each record's batch size and step time stand for the steps since the record before)."""
     records = {}
     path = run_dir / "metrics.jsonl"
     if path.is_file():
         for line in path.read_text(encoding="utf-8").splitlines():
-            record = json.loads(line) if line.strip() else {}
-            if "loss" in record and (step is None or record["step"] <= step):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by a kill during the write
+                continue
+            if isinstance(record, dict) and "loss" in record and (step is None or record["step"] <= step):
                 records[record["step"]] = record
     samples = seconds = 0.0
     previous = 0
@@ -62,15 +65,16 @@ def _data_section(run: TrainedRun) -> tuple[list[str], dict]:
     meta = _read_json(run.dataset_dir / fmt.META) if run.dataset_dir is not None else None
     if meta is None:
         return ["The training dataset was not found, so it is not described here."], {}
-    prepared = meta.get("prepare", {})
-    inputs = prepared.get("inputs") or ["not recorded"]
+    inputs = meta.get("prepare", {}).get("inputs") or ["not recorded"]
+    bundled = inputs == ["default"]
     splits = meta.get("splits", {})
     lines = [f"{splits.get('train', '?')} training and {splits.get('val', '?')} validation texts "
              f"(`mmldlm prepare`, {meta['vocab_size']}-token byte-level BPE, latents from `{meta['encoder']}`"
-             f"{', L2-normalised' if meta.get('encoder_normalize') else ''}) from: {', '.join(map(str, inputs))}."]
-    if inputs == ["default"]:
-        lines += ["", "That is the corpus bundled with mmldlm: the glosses and usage examples of **WordNet 3.0** "
-                  "(Princeton University), short English definitions and example sentences.", "",
+             f"{', L2-normalised' if meta.get('encoder_normalize') else ''}) from "
+             f"{'the corpus bundled with mmldlm' if bundled else ', '.join(map(str, inputs))}."]
+    if bundled:
+        lines += ["", "That corpus holds the glosses and usage examples of **WordNet 3.0** (Princeton University): "
+                  "short English definitions and example sentences.", "",
                   "Licence of the training data, the WordNet 3.0 licence:", "", "```",
                   WORDNET_LICENCE.read_text(encoding="utf-8").strip(), "```"]
         return lines, {"license": "other", "license_name": "wordnet-3.0", "language": ["en"]}
@@ -118,7 +122,7 @@ def model_card(run: TrainedRun, run_dir: Path) -> str:
     weights = (f"the EMA of the weights (train.ema_decay {cfg.train.ema_decay})" if run.weights == "ema"
                else "the trained weights (no EMA)")
     data_lines, licence = _data_section(run)
-    facts = compute(run_dir, run.step)
+    facts = _compute(run_dir, run.step)
     meta = _read_json(run.checkpoint / "meta.json") or {}
     processes = meta.get("world_size", "?")
     front = ModelCardData(library_name="mmldlm", tags=["mmldlm", "masked-diffusion", "latent-diffusion",

@@ -39,7 +39,7 @@ from mmldlm import __version__
 from mmldlm.config import (ConfigError, LatentDiffusionConfig, ModelConfig, ObjectiveConfig, RunConfig,
                            TextDiffusionConfig, from_dict, to_dict)
 from mmldlm.data.errors import DataError
-from mmldlm.data.tokenizer import load_tokenizer, special_ids
+from mmldlm.data.tokenizer import load_tokenizer, special_ids, vocab_size
 from mmldlm.device import pick_device
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.model import MultimodalMMDiT
@@ -137,6 +137,9 @@ def load_exported(directory: str | Path, device: str = "auto") -> TrainedRun:
     if config["weights"] not in ("ema", "raw"):
         raise DataError(f"{path}: weights {config['weights']!r}; expected 'ema' or 'raw'")
     tokenizer = load_tokenizer(directory / TOKENIZER)
+    if vocab_size(tokenizer) > cfg.model.vocab_size:
+        raise DataError(f"{directory / TOKENIZER}: {vocab_size(tokenizer)} tokens, more than model.vocab_size "
+                        f"{cfg.model.vocab_size} in {CONFIG}: not the model's tokenizer")
     ids = special_ids(tokenizer)
     if (ids["pad_id"], ids["mask_id"]) != (config["pad_id"], config["mask_id"]):
         raise DataError(f"{directory / TOKENIZER}: [PAD] and [MASK] have ids {ids['pad_id']} and {ids['mask_id']}, "
