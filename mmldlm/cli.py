@@ -26,6 +26,8 @@ COMMANDS = {
     "check": ("check", "audit a config and its environment for critical issues; --fix writes a corrected config"),
     "sample": ("sample", "text from latents (l2t), latents from text (t2l) or both (joint) from a trained run"),
     "eval": ("evaluate", "validation ELBO per mode, l2t reconstruction and t2l retrieval of a trained run"),
+    "export": ("export", "a trained model as a self-contained folder (config.json, model.safetensors, tokenizer, "
+                         "model card) for MMLDLM.from_pretrained"),
 }
 
 

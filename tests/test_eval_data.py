@@ -142,7 +142,7 @@ def test_eval_data_evaluates_the_new_text_and_names_it(run_dir, like_dir, capsys
 def test_use_eval_data_reads_all_samples_and_keeps_the_runs_latent_statistics(run_dir, like_dir):
     run = load_run(run_dir, device="cpu")
     mean, std = run.latent.mean.clone(), run.latent.std.clone()
-    max_length = run.data_cfg.max_length
+    max_length = run.max_length
     run.use_eval_data(like_dir, "all")
     train, val = open_dataset(like_dir, "train"), open_dataset(like_dir, "val")
     assert len(run.val) == len(train) + len(val) == len(TEXTS)
@@ -154,4 +154,4 @@ def test_use_eval_data_reads_all_samples_and_keeps_the_runs_latent_statistics(ru
     assert torch.equal(run.latent.mean, mean) and torch.equal(run.latent.std, std)
     assert torch.equal(mean, run_data(run_dir).latent_stats()[0])
     assert not np.allclose(train.meta["latent_mean"], mean.numpy())
-    assert run.data_cfg.max_length == max_length and run.meta["encoder"] == run_data(run_dir).meta["encoder"]
+    assert run.max_length == max_length and run.encoder_name == run_data(run_dir).meta["encoder"]

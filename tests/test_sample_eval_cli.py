@@ -57,7 +57,7 @@ def test_sample_l2t_from_text_validation_and_latent_file(run_dir, tmp_path):
     assert main(["sample", "--run", str(run_dir), "--mode", "l2t", "--num", "3", "--out", str(out), *FAST]) == 0
     run = load_run(run_dir, device="cpu")
     sources = [r["source"] for r in read_jsonl(out)]  # cut to the length training used, as the model saw them
-    assert sources == run.decode(*run.batch_of([run.val[i][1][:run.data_cfg.max_length].tolist() for i in range(3)]))
+    assert sources == run.decode(*run.batch_of([run.val[i][1][:run.max_length].tolist() for i in range(3)]))
 
     np.save(tmp_path / "z.npy", run.val[0][2][0].astype(np.float32)[None].repeat(2, 0))  # (2, D)
     assert main(["sample", "--run", str(run_dir), "--mode", "l2t", "--latents", str(tmp_path / "z.npy"),
@@ -67,7 +67,7 @@ def test_sample_l2t_from_text_validation_and_latent_file(run_dir, tmp_path):
     assert main(["sample", "--run", str(run_dir), "--mode", "l2t", "--latents", str(tmp_path / "z.npy"),
                  "--out", str(out), *FAST]) == 0
     predicted = run.predict_lengths(torch.from_numpy(np.load(tmp_path / "z.npy"))[:, None, :])
-    assert [r["length"] for r in read_jsonl(out)] == predicted and 1 <= predicted[0] <= run.data_cfg.max_length
+    assert [r["length"] for r in read_jsonl(out)] == predicted and 1 <= predicted[0] <= run.max_length
 
 
 def test_sample_and_eval_use_the_ema_weights_unless_told_otherwise(run_dir):

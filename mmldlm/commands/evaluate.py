@@ -2,7 +2,8 @@
 mode, l2t reconstruction and t2l retrieval of a trained run (mmldlm/sampling/evaluate.py). Writes
 a JSON report (default RUN/eval/step-NNNNNNN.json) and its markdown summary beside it (.md), and
 prints the summary. `--data DIR` evaluates on another prepared dataset (made with `mmldlm prepare
---like RUN_DIR`), by default all of it; its report goes to RUN/eval/step-NNNNNNN-<DIR name>.json."""
+--like RUN_DIR`), by default all of it; its report goes to RUN/eval/step-NNNNNNN-<DIR name>.json.
+An exported model folder (`mmldlm export`) carries no dataset, so with one `--data` is required."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--run", required=True, metavar="RUN_DIR", help="a training run directory")
+    parser.add_argument("--run", required=True, metavar="RUN_DIR",
+                        help="a training run directory or an exported model folder (mmldlm export; needs --data)")
     parser.add_argument("--checkpoint", metavar="PATH", help="a checkpoint directory (default: RUN/checkpoints/latest)")
     parser.add_argument("--no-ema", action="store_true",
                         help="the raw trained weights instead of their EMA (where the run kept one, train.ema_decay)")
@@ -55,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from mmldlm.commands.sample import sampling_options
     from mmldlm.config import EvalConfig
     from mmldlm.errors import require_positive
-    from mmldlm.sampling import load_run
+    from mmldlm.sampling import load_trained
     from mmldlm.sampling.evaluate import evaluate, markdown
     from mmldlm.training.checkpoint import step_dir_name
 
@@ -63,7 +65,9 @@ def run(args: argparse.Namespace) -> int:
                       "--retrieval-pool": args.retrieval_pool, "--batch-size": args.batch_size})
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    run = load_run(args.run, args.checkpoint, args.device, use_ema=not args.no_ema)
+    run = load_trained(args.run, args.checkpoint, args.device, use_ema=not args.no_ema)
+    if run.dataset_dir is None and not args.data:
+        raise run.no_dataset()
     split = args.split or ("all" if args.data else "val")
     data = Path(args.data) if args.data else run.dataset_dir
     if args.data or split != "val":

@@ -1,7 +1,8 @@
 """`mmldlm prepare`: a text corpus (or the bundled default, or a legacy .npz/.npy folder) -> a
 prepared dataset directory of token and latent shards. Under `torchrun --nproc_per_node N` the
 ranks share the work and write the same output as one process. `--like RUN_DIR` prepares text with
-a trained run's tokenizer and sentence encoder, so that `mmldlm eval --data` can evaluate the run on it."""
+a trained run's (or an exported model's) tokenizer and sentence encoder, so that `mmldlm eval --data` can
+evaluate it on the result."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tk = parser.add_argument_group("tokenizer")
     tk.add_argument("--like", metavar="RUN_DIR",
                     help="the tokenizer (reused as is: no new BPE) and the sentence encoder of this training run's "
-                         "dataset, to evaluate the run on this text (mmldlm eval --data)")
+                         "dataset, or of this exported model (mmldlm export), to evaluate it on this text "
+                         "(mmldlm eval --data)")
     # --vocab-size and --encoder default to None so that giving them beside --like can be refused.
     tk.add_argument("--vocab-size", type=int,
                     help="train a byte-level BPE of this size on the train split (default 8192)")
@@ -72,7 +74,11 @@ def tokenizer_and_encoder(args: argparse.Namespace) -> dict:
     if given:
         raise DataError(f"--like {args.like} takes the tokenizer and the encoder from the run's dataset; drop "
                         f"{', '.join(given)} (or drop --like)")
-    return options_like_run(args.like)
+    from pathlib import Path
+
+    from mmldlm.sampling.pretrained import is_exported, options_like_exported
+
+    return options_like_exported(args.like) if is_exported(Path(args.like)) else options_like_run(args.like)
 
 
 def options_from_args(args: argparse.Namespace):

@@ -1,9 +1,12 @@
 """`mmldlm sample --run RUN_DIR --mode l2t|t2l|joint ...`: text from latents, latents from text, or
-both together, from a trained run (RUN/checkpoints/latest unless --checkpoint).
+both together, from a trained run (RUN/checkpoints/latest unless --checkpoint) or an exported model
+folder (`mmldlm export`). The samplers are the Python API's (MMLDLM in mmldlm/sampling/pretrained.py):
+the same seed gives the same samples here and there.
 
     mmldlm sample --run runs/default --mode l2t --text "a small dog"        # encode, then decode back
     mmldlm sample --run runs/default --mode l2t --latents z.npy --length 12
     mmldlm sample --run runs/default --mode l2t --num 8                     # the first 8 validation latents
+    mmldlm sample --run exported --mode l2t --num 8 --data DIR              # an export has no dataset of its own
     mmldlm sample --run runs/default --mode t2l --text-file lines.txt --latents-out z.npy
     mmldlm sample --run runs/default --mode joint --num 4 --out pairs.jsonl --latents-out z.npy
 
@@ -20,7 +23,8 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--run", required=True, metavar="RUN_DIR", help="a training run directory")
+    parser.add_argument("--run", required=True, metavar="RUN_DIR",
+                        help="a training run directory or an exported model folder (mmldlm export)")
     parser.add_argument("--checkpoint", metavar="PATH", help="a checkpoint directory (default: RUN/checkpoints/latest)")
     parser.add_argument("--no-ema", action="store_true",
                         help="the raw trained weights instead of their EMA (where the run kept one, train.ema_decay)")
@@ -30,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="a source text (repeatable): l2t encodes it with the run's sentence encoder first")
     src.add_argument("--text-file", metavar="FILE", help="source texts, one per line")
     src.add_argument("--latents", metavar="FILE.npy", help="l2t: latents (N, K, D) or (N, D) in the encoder's space")
+    src.add_argument("--data", metavar="DIR",
+                     help="l2t without --text/--latents: the prepared dataset whose validation latents are decoded "
+                          "(default: the run's own; an exported model has none)")
     src.add_argument("--num", type=int, default=8,
                      help="joint: pairs to generate; l2t without --text/--latents: validation samples (default 8)")
     src.add_argument("--length", type=int,
@@ -157,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from mmldlm.errors import OptionError, require_positive
-    from mmldlm.sampling import load_run, pad_mask_from_lengths
+    from mmldlm.sampling import MMLDLM
 
     require_positive({"--num": args.num, "--length": args.length, "--batch-size": args.batch_size})
     if args.threads < 0:
@@ -168,14 +175,17 @@ def run(args: argparse.Namespace) -> int:
             raise OptionError(option, path, "a file in an existing directory")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    run = load_run(args.run, args.checkpoint, args.device, use_ema=not args.no_ema)
+    model = MMLDLM.from_pretrained(args.run, checkpoint=args.checkpoint, device=args.device, use_ema=not args.no_ema)
+    run = model.run
     if args.length is not None and args.length > run.cfg.model.max_seq_len:
         raise OptionError("--length", args.length, f"an integer in [1, {run.cfg.model.max_seq_len}] "
                                                    f"(model.max_seq_len of this run)")
-    sampler = run.sampler(sampling_options(args, run, args.guidance_scale, reuse_output=not args.no_reuse,
-                                           latent_sampler=args.latent_sampler))
+    # Checked here, before any sampling, so that a bad value is named by its option.
+    sampling_options(args, run, args.guidance_scale, reuse_output=not args.no_reuse, latent_sampler=args.latent_sampler)
+    options = dict(steps=args.steps, latent_steps=args.latent_steps, temperature=args.temperature,
+                   strategy=args.strategy, guidance_scale=args.guidance_scale, reuse_output=not args.no_reuse,
+                   latent_sampler=args.latent_sampler, batch_size=args.batch_size, seed=args.seed)
     texts, latents = _sources(args, run)
-    lengths_rng = torch.Generator().manual_seed(args.seed)
 
     # The inputs of every sample: token ids (when there is a source text) and latents (l2t).
     ids = run.tokenize(texts) if texts is not None else None
@@ -183,44 +193,32 @@ def run(args: argparse.Namespace) -> int:
         if texts is not None:
             latents = run.encode_latents(texts)
         else:  # the first --num validation samples
+            if args.data:
+                run.use_eval_data(args.data, "val")
             n = min(args.num, len(run.val))
             samples = [run.val[i] for i in range(n)]
-            ids = [s[1][:run.data_cfg.max_length].tolist() for s in samples]
+            ids = [s[1][:run.max_length].tolist() for s in samples]
             texts = run.decode(*run.batch_of(ids))
             latents = torch.stack([torch.from_numpy(s[2].astype(np.float32)) for s in samples])
     num = len(ids) if ids is not None else (len(latents) if latents is not None else args.num)
-    if ids is not None:
-        lengths = [max(len(x), 1) for x in ids]
-    elif args.length is not None:
-        lengths = [args.length] * num
-    elif latents is not None and getattr(run.model, "length_head", None) is not None:
-        lengths = run.predict_lengths(latents)
+    given = [max(len(x), 1) for x in ids] if ids is not None else args.length
+    lengths = model.text_lengths(num, given, latents if args.mode == "l2t" else None, args.seed)
+
+    z = None
+    if args.mode == "l2t":
+        out = model.decode(latents, lengths, **options)
+        records = [{"index": i, **({"source": texts[i]} if texts else {}), "text": t, "length": lengths[i]}
+                   for i, t in enumerate(out)]
+    elif args.mode == "t2l":
+        z = model.encode(texts, **options)
+        records = [{"index": i, "text": t, "latent_norm": round(z[i].norm().item(), 4)} for i, t in enumerate(texts)]
     else:
-        lengths = run.sample_lengths(num, lengths_rng)
+        out, z = model.generate(num, lengths, **options)
+        records = [{"index": i, "text": t, "length": lengths[i], "latent_norm": round(z[i].norm().item(), 4)}
+                   for i, t in enumerate(out)]
 
-    records, all_latents = [], []
-    for b in range(0, num, args.batch_size):
-        generator = torch.Generator().manual_seed(args.seed * 1_000_003 + b)
-        rows = range(b, min(b + args.batch_size, num))
-        pad_mask = pad_mask_from_lengths([lengths[i] for i in rows])
-        if args.mode == "l2t":
-            out = run.decode(sampler.l2t(latents[b:rows.stop], pad_mask, generator), pad_mask)
-            records += [{"index": i, **({"source": texts[i]} if texts else {}), "text": t, "length": lengths[i]}
-                        for i, t in zip(rows, out)]
-        elif args.mode == "t2l":
-            tokens, pad_mask = run.batch_of(ids[b:rows.stop])
-            z = sampler.t2l(tokens, pad_mask, generator).cpu()
-            all_latents.append(z)
-            records += [{"index": i, "text": texts[i], "latent_norm": round(z[j].norm().item(), 4)}
-                        for j, i in enumerate(rows)]
-        else:
-            tokens, z = sampler.joint(pad_mask, generator)
-            all_latents.append(z.cpu())
-            records += [{"index": i, "text": t, "length": lengths[i], "latent_norm": round(z[j].norm().item(), 4)}
-                        for j, (i, t) in enumerate(zip(rows, run.decode(tokens, pad_mask)))]
-
-    if args.latents_out and all_latents:
-        np.save(args.latents_out, torch.cat(all_latents).numpy())
+    if args.latents_out and z is not None:
+        np.save(args.latents_out, z.numpy())
     out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
     try:
         for record in records:

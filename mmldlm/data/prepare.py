@@ -272,8 +272,9 @@ def _fresh_partial(out: Path) -> str:
     return str(partial)
 
 
-def _publish(partial: Path, out: Path) -> None:
-    """Move the finished directory onto `out`; an existing output (--overwrite) is replaced."""
+def publish(partial: Path, out: Path) -> None:
+    """Move the finished directory `partial` onto `out` by renames, so `out` is never half written; an
+    existing `out` (--overwrite, or `mmldlm export --force`) is replaced."""
     if out.exists():
         old = out.with_name(f".{out.name}.old")
         if old.exists():
@@ -367,7 +368,7 @@ def _merge(opts: PrepareOptions, tokenizer_json: str, counts: dict, shards: list
         meta["token_latents"] = fmt.TOKEN_LATENTS
     (partial / fmt.TOKENIZER).write_text(tokenizer_json)
     (partial / fmt.META).write_text(json.dumps(meta, indent=1) + "\n")
-    _publish(partial, Path(opts.out))
+    publish(partial, Path(opts.out))
     return meta
 
 

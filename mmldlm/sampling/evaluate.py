@@ -59,7 +59,7 @@ def _generator(seed: int, *parts: int) -> torch.Generator:
 
 def val_batches(run: TrainedRun, num_samples: int, batch_size: int):
     """Batches (the loader's format) of the first `num_samples` validation samples, in order."""
-    collate = PadCollate(run.text.pad_token_id, run.data_cfg.pad_to_multiple, run.data_cfg.max_length)
+    collate = PadCollate(run.text.pad_token_id, run.cfg.data.pad_to_multiple, run.max_length)
     n = min(num_samples, len(run.val))
     for start in range(0, n, batch_size):
         yield collate([run.val[i] for i in range(start, min(start + batch_size, n))])
@@ -117,7 +117,7 @@ def _first_val(run: TrainedRun, num: int) -> tuple[list[list[int]], torch.Tensor
     """Token ids (cut as in training) and latents (N, K, D) of the first `num` validation samples."""
     n = min(num, len(run.val))
     samples = [run.val[i] for i in range(n)]
-    ids = [s[1][:run.data_cfg.max_length].tolist() for s in samples]
+    ids = [s[1][:run.max_length].tolist() for s in samples]
     return ids, torch.stack([torch.from_numpy(s[2].astype("float32")) for s in samples])
 
 
@@ -275,6 +275,11 @@ def flat(report: dict) -> dict:
     return out
 
 
+def table_cell(text: str) -> str:
+    """`text` as one markdown table cell: no line breaks, no bare column separator."""
+    return " ".join(text.split()).replace("|", "\\|")
+
+
 def markdown(report: dict) -> str:
     """A short human summary of the report."""
     lines = [f"# Evaluation of {report['checkpoint']} (step {report['step']}, {report['weights']} weights)", "",
@@ -310,6 +315,5 @@ def markdown(report: dict) -> str:
                          f"{g2['word_f1']:.3f} | {g2['real_word_rate']:.1%} | {g2['exact_match']:.1%} | "
                          f"{g1['cosine_mean']:.4f} | {g1['retrieval_at_1']:.1%} |")
     lines += ["", "| source | generated from its latent |", "|---|---|"]
-    row_text = lambda text: " ".join(text.split()).replace("|", "\\|")  # one table row: no line breaks  # noqa: E731
-    lines += [f"| {row_text(e['source'])} | {row_text(e['generated'])} |" for e in l2t["examples"]]
+    lines += [f"| {table_cell(e['source'])} | {table_cell(e['generated'])} |" for e in l2t["examples"]]
     return "\n".join(lines) + "\n"

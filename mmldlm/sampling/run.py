@@ -1,29 +1,37 @@
-"""A trained run, ready to sample from: config + checkpoint -> model, the two diffusions with the
-dataset's latent statistics, the tokenizer, the validation split and the sentence encoder.
+"""A trained model, ready to sample from: config + weights -> model, the two diffusions with the
+training data's latent statistics, the tokenizer, the sentence encoder and (for a run) its dataset.
 
     run = load_run("runs/default")                 # RUN/checkpoints/latest, GPU when present
     sampler = run.sampler(SamplingOptions(num_steps=64))
     texts = run.decode(*sampler.l2t(run.encode_latents(["a small dog"]), pad_mask))
 
-The training loop builds the same object around the model it is training (`TrainedRun(...)`), so
-evaluation during training and `mmldlm eval` share every line. `run.use_eval_data(DIR, "all")` makes
-evaluation read another prepared dataset (made with `mmldlm prepare --like RUN`) in place of `run.val`.
+The training loop builds the same object around the model it is training (`TrainedRun.on_dataset`), so
+evaluation during training and `mmldlm eval` share every line; an exported model folder
+(mmldlm/sampling/pretrained.py) builds it from its own files, with no dataset. `run.use_eval_data(DIR,
+"all")` makes evaluation read another prepared dataset (made with `mmldlm prepare --like RUN`) in place of
+`run.val`.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from mmldlm.config import RunConfig, load_config
 from mmldlm.data import format as fmt
-from mmldlm.data.dataset import PreparedDataset
+from mmldlm.data.dataset import PreparedDataset, dataset_path, resolve_for_model
 from mmldlm.data.errors import DataError
+from mmldlm.data.tokenizer import encode_texts, load_tokenizer
+from mmldlm.device import pick_device
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
+from mmldlm.model import MultimodalMMDiT
 from mmldlm.sampling.sampler import Sampler, SamplingOptions, pad_mask_from_lengths
 
 
@@ -35,10 +43,28 @@ class TrainedRun:
     model: torch.nn.Module
     text: MaskedDiffusion
     latent: GaussianDiffusion
-    dataset_dir: Path
+    tokenizer_file: Path  # the tokenizer the model was trained with
+    encoder_name: str  # the sentence encoder that made the latents (a registered name or a local folder)
+    encoder_normalize: bool | None  # its normalisation; None: the latents were imported, the encoder is unknown
+    max_length: int  # texts are cut to the length training used
+    dataset_dir: Path | None = None  # the training dataset (validation split, training words); None: an export
     checkpoint: Path | None = None  # where the weights came from (None: a model in training)
     step: int | None = None
     weights: str = "raw"  # "ema": the checkpoint's EMA of the weights, "raw": the trained weights
+
+    @classmethod
+    def on_dataset(cls, cfg: RunConfig, model: torch.nn.Module, text: MaskedDiffusion, latent: GaussianDiffusion,
+                   dataset_dir: str | Path, **fields) -> "TrainedRun":
+        """The model of a run trained on the prepared dataset at `dataset_dir`: tokenizer, encoder and
+        cut length are the dataset's (ConfigError when the model cannot read it)."""
+        dataset_dir = Path(dataset_dir)
+        val = PreparedDataset(dataset_dir, "val")
+        run = cls(cfg, model, text, latent, tokenizer_file=dataset_dir / val.meta["tokenizer"],
+                  encoder_name=val.meta["encoder"], encoder_normalize=val.meta.get("encoder_normalize"),
+                  max_length=resolve_for_model(cfg.data, cfg.model, val).max_length, dataset_dir=dataset_dir,
+                  **fields)
+        run.val = val  # already open
+        return run
 
     @property
     def device(self) -> torch.device:
@@ -51,31 +77,31 @@ class TrainedRun:
 
     @functools.cached_property
     def val(self):
-        """The validation split of the run's dataset."""
-        from mmldlm.data import open_dataset
+        """The validation split of the run's dataset (what `use_eval_data` set, for an exported model)."""
+        if self.dataset_dir is None:
+            raise self.no_dataset()
+        return PreparedDataset(self.dataset_dir, "val")
 
-        return open_dataset(self.dataset_dir, "val")
-
-    @property
-    def meta(self) -> dict:
-        return self.val.meta
-
-    @functools.cached_property
-    def data_cfg(self):
-        """The run's data config with max_length resolved for the model (what training cut texts to)."""
-        from mmldlm.data import resolve_for_model
-
-        return resolve_for_model(self.cfg.data, self.cfg.model, self.val)
+    def no_dataset(self) -> DataError:
+        """The error of asking an exported model (no dataset of its own) for validation data."""
+        return DataError(f"{self.checkpoint}: an exported model carries no validation data; give --data PATH, a "
+                         f"prepared dataset made with its tokenizer and encoder (the run's own, or `mmldlm prepare "
+                         f"--like {self.checkpoint} --input FILE --out PATH`)")
 
     @functools.cached_property
     def tokenizer(self):
-        return self.val.tokenizer()
+        return load_tokenizer(self.tokenizer_file)
+
+    @functools.cached_property
+    def length_counts(self) -> torch.Tensor:
+        """(max_length,) float: how many validation texts have each length 1..max_length (as cut for
+        training), the distribution text lengths are drawn from where nothing else gives them."""
+        lengths = np.clip(self.val.lengths(), 1, self.max_length)
+        return torch.from_numpy(np.bincount(lengths - 1, minlength=self.max_length)).float()
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, cut to the length training used."""
-        from mmldlm.data.tokenizer import encode_texts
-
-        return [ids[:self.data_cfg.max_length] for ids in encode_texts(self.tokenizer, texts)]
+        return [ids[:self.max_length] for ids in encode_texts(self.tokenizer, texts)]
 
     def batch_of(self, token_lists: list) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens (B, L) padded with the pad id, pad_mask (B, L)) of lists of token ids."""
@@ -89,6 +115,17 @@ class TrainedRun:
         """Texts of a (B, L) batch: the real positions of each row, decoded."""
         return [self.tokenizer.decode(row[mask].tolist()) for row, mask in zip(tokens.cpu(), pad_mask.cpu())]
 
+    def latents_of(self, array, where: str) -> torch.Tensor:
+        """float32 latents (N, K, D) of an array (N, K, D), or (N, D) for K = 1; DataError naming `where`
+        when the shape is not the model's."""
+        latents = torch.as_tensor(np.asarray(array, dtype=np.float32))
+        if latents.dim() == 2:
+            latents = latents[:, None, :]
+        K, D = self.cfg.model.num_latents, self.cfg.model.latent_dim
+        if latents.dim() != 3 or tuple(latents.shape[1:]) != (K, D):
+            raise DataError(f"{where}: latents of shape {tuple(latents.shape)}; this model expects (N, {K}, {D})")
+        return latents
+
     def use_eval_data(self, path: str | Path, split: str = "all") -> None:
         """Evaluate on the prepared dataset at `path` in place of the run's validation split: its
         "train" or "val" split, or "all" (train then val, in order). Only the samples change: latents
@@ -96,28 +133,29 @@ class TrainedRun:
         learnt with) and texts are still cut to the length training used. DataError when the dataset
         was not made with the run's tokenizer and encoder (`mmldlm prepare --like RUN` makes one that is)."""
         path = Path(path)
-        check_compatible(self.dataset_dir, path)
-        # The cut length and the tokenizer are the run's own: settle both cached properties from its
-        # dataset before `val` is replaced.
-        _ = self.data_cfg, self.tokenizer
+        check_compatible(self, path)
+        # The length distribution is the run's own: settle it from the run's dataset before `val` is replaced.
+        _ = self.length_counts if self.dataset_dir is not None else None
         self.val = AllSplits(path) if split == "all" else PreparedDataset(path, split)
 
     @property
     def known_words(self) -> frozenset[str]:
-        """The lowercase words of the run's training texts (the real-word rate of evaluation)."""
-        return training_words(str(self.dataset_dir))
+        """The lowercase words of the run's training texts (the real-word rate of evaluation); for an
+        exported model, which carries no texts, the words of the data it is evaluated on."""
+        if self.dataset_dir is not None:
+            return dataset_words(str(self.dataset_dir), "train")
+        return dataset_words(str(self.val.path), self.val.split)
 
     @torch.no_grad()
     def predict_lengths(self, latents: torch.Tensor) -> list[int]:
         """The length head's most likely text length for each latent (N, K, D) in encoder space, at
         most the length training cut texts to."""
         logits = self.model.length_logits(self.latent.standardize(latents.to(self.device, torch.float32)))
-        return (logits.argmax(dim=1) + 1).clamp(max=self.data_cfg.max_length).tolist()
+        return (logits.argmax(dim=1) + 1).clamp(max=self.max_length).tolist()
 
     def sample_lengths(self, num: int, generator: torch.Generator) -> list[int]:
-        """Text lengths drawn from the validation split (as cut for training), for sources without text."""
-        picks = torch.randint(len(self.val), (num,), generator=generator).tolist()
-        return [min(len(self.val[i][1]), self.data_cfg.max_length) for i in picks]
+        """Text lengths drawn from the validation split's (`length_counts`), for sources without text."""
+        return (torch.multinomial(self.length_counts, num, replacement=True, generator=generator) + 1).tolist()
 
     # --- the sentence encoder --------------------------------------------------------------------
 
@@ -126,11 +164,10 @@ class TrainedRun:
         """The encoder that made the dataset's latents, with the same normalisation."""
         from mmldlm.data.encoders import load_encoder
 
-        normalize = self.meta.get("encoder_normalize")
-        if normalize is None:
-            raise DataError(f"{self.dataset_dir}/meta.json: the latents were imported (encoder_normalize is null), "
+        if self.encoder_normalize is None:
+            raise DataError(f"{self.tokenizer_file.parent}: the latents were imported (encoder_normalize is null), "
                             f"so the encoder that made them is not known; give latents (.npy) instead of text")
-        return load_encoder(self.meta["encoder"], str(self.device), normalize=normalize)
+        return load_encoder(self.encoder_name, str(self.device), normalize=self.encoder_normalize)
 
     def encode_latents(self, texts: list[str]) -> torch.Tensor:
         """Latents (B, K, D) of texts in the encoder's space."""
@@ -138,13 +175,14 @@ class TrainedRun:
 
 
 @functools.lru_cache(maxsize=4)
-def training_words(dataset_dir: str) -> frozenset[str]:
-    """The lowercase letter runs of every training text of a prepared dataset, decoded (once per process:
-    evaluation during training asks at every evaluation)."""
-    from mmldlm.sampling.evaluate import words
+def dataset_words(dataset_dir: str, split: str) -> frozenset[str]:
+    """The lowercase letter runs of every text of a split ("all": both) of a prepared dataset, decoded
+    (once per process: evaluation during training asks at every evaluation)."""
+    from mmldlm.sampling.evaluate import words  # evaluate.py imports this module
 
-    train = PreparedDataset(dataset_dir, "train")
-    texts = train.tokenizer().decode_batch([train[i][1].tolist() for i in range(len(train))])
+    data = AllSplits(dataset_dir) if split == "all" else PreparedDataset(dataset_dir, split)
+    tokenizer = load_tokenizer(Path(dataset_dir) / data.meta["tokenizer"])
+    texts = tokenizer.decode_batch([data[i][1].tolist() for i in range(len(data))])
     return frozenset(words(" ".join(texts)))
 
 
@@ -166,34 +204,60 @@ class AllSplits(torch.utils.data.ConcatDataset):
         return index, tokens, latents
 
 
-def check_compatible(run_data: Path, path: Path) -> None:
-    """DataError unless the dataset at `path` reads as the run's own dataset `run_data` does to the
-    model: the same tokenizer (the same ids for the same text), the same encoder and normalisation
-    (latents in the same space), the same latent shape (K, D)."""
-    ours, theirs = fmt.read_meta(run_data), fmt.read_meta(path)
-    ours_tok, theirs_tok = run_data / ours["tokenizer"], path / theirs["tokenizer"]
+def check_compatible(run: TrainedRun, path: Path) -> None:
+    """DataError unless the dataset at `path` reads as the run's own data does to the model: the same
+    tokenizer (the same ids for the same text), the same encoder and normalisation (latents in the
+    same space), the same latent shape (K, D)."""
+    theirs = fmt.read_meta(path)
+    theirs_tok = path / theirs["tokenizer"]
     fix = "prepare the text with `mmldlm prepare --like RUN_DIR --input FILE --out DIR`"
-    if theirs_tok.read_text(encoding="utf-8") != ours_tok.read_text(encoding="utf-8"):
-        raise DataError(f"{theirs_tok}: not the run's tokenizer {ours_tok} (the files differ, so the same text "
-                        f"would get other ids); {fix}")
-    for key in ("encoder", "encoder_normalize", "latent_dim", "num_latents"):
-        if theirs.get(key) != ours.get(key):
-            raise DataError(f"{path / fmt.META}: {key} {theirs.get(key)!r}, but the run's dataset "
-                            f"{run_data / fmt.META} has {ours.get(key)!r}; {fix}")
+    if theirs_tok.read_text(encoding="utf-8") != run.tokenizer_file.read_text(encoding="utf-8"):
+        raise DataError(f"{theirs_tok}: not the run's tokenizer {run.tokenizer_file} (the files differ, so the same "
+                        f"text would get other ids); {fix}")
+    ours = {"encoder": run.encoder_name, "encoder_normalize": run.encoder_normalize,
+            "latent_dim": run.cfg.model.latent_dim, "num_latents": run.cfg.model.num_latents}
+    for key, value in ours.items():
+        if theirs.get(key) != value:
+            raise DataError(f"{path / fmt.META}: {key} {theirs.get(key)!r}, but the run's model has {value!r}; {fix}")
 
 
 def find_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
+    """The checkpoint directory to load: `checkpoint`, else the one RUN/checkpoints/latest names."""
     if checkpoint is not None:
         path = Path(checkpoint)
         if not (path / "model.safetensors").is_file():
-            raise FileNotFoundError(f"--checkpoint {path}: no model.safetensors there; checkpoints are "
-                                    f"RUN/checkpoints/step-NNNNNNN directories")
+            raise DataError(f"--checkpoint {path}: no model.safetensors there; checkpoints are "
+                            f"RUN/checkpoints/step-NNNNNNN directories")
         return path
+    if not run_dir.is_dir():
+        raise DataError(f"{run_dir}: no such directory; expected a training run directory (train.run_dir) or an "
+                        f"exported model folder (mmldlm export) on this machine (nothing is downloaded)")
     pointer = run_dir / "checkpoints" / "latest"
     if not pointer.is_file():
-        raise FileNotFoundError(f"{run_dir}: no checkpoints/latest; train the run first (mmldlm train) or pass "
-                                f"--checkpoint PATH")
+        raise DataError(f"{run_dir}: no checkpoints/latest, so no trained weights; train the run first (mmldlm "
+                        f"train) or pass --checkpoint PATH")
     return run_dir / "checkpoints" / pointer.read_text().strip()
+
+
+def load_weights(model: torch.nn.Module, path: Path) -> None:
+    """Load a safetensors file into `model`, or DataError naming the file and what does not match the
+    model's config (missing, unexpected or differently shaped tensors); the model is untouched then."""
+    if not path.is_file():
+        raise DataError(f"{path}: no such file; the model's weights are missing")
+    try:
+        state = load_file(str(path))
+    except SafetensorError as err:
+        raise DataError(f"{path}: not a readable safetensors file ({err})") from None
+    expected = model.state_dict()
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    shapes = [f"{k} {list(state[k].shape)} (the config makes {list(expected[k].shape)})"
+              for k in sorted(expected.keys() & state.keys()) if state[k].shape != expected[k].shape]
+    if missing or unexpected or shapes:
+        problems = [f"{what} {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
+                    for what, keys in (("missing", missing), ("unexpected", unexpected), ("shape of", shapes)) if keys]
+        raise DataError(f"{path}: the weights do not match the model config: {'; '.join(problems)}")
+    model.load_state_dict(state)
 
 
 def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: str = "auto",
@@ -201,29 +265,19 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: 
     """The model of `checkpoint` (default RUN/checkpoints/latest) with the config it was trained with,
     on `device`: "auto" (the GPU when there is one), "cpu" or "cuda". The checkpoint's EMA of the
     weights where it has one (train.ema_decay > 0) unless `use_ema` is false, else the raw weights."""
-    import json
-
-    from safetensors.torch import load_file
-
-    from mmldlm.data import dataset_path, open_dataset
-    from mmldlm.model import MultimodalMMDiT
-    from mmldlm.device import pick_device
-
     run_dir = Path(run_dir)
     path = find_checkpoint(run_dir, checkpoint)
     config_file = path / "config.yaml" if (path / "config.yaml").is_file() else run_dir / "config.yaml"
     cfg = load_config(config_file)
     data_dir = dataset_path(cfg.data, log=lambda _msg: None)
-    val = open_dataset(data_dir, "val")
+    val = PreparedDataset(data_dir, "val")
     model = MultimodalMMDiT(cfg.model, vocab_size=cfg.model.vocab_size or val.vocab_size)
     weights = "ema" if use_ema and (path / "ema.safetensors").is_file() else "raw"
-    model.load_state_dict(load_file(str(path / ("ema.safetensors" if weights == "ema" else "model.safetensors"))))
+    load_weights(model, path / ("ema.safetensors" if weights == "ema" else "model.safetensors"))
     model.to(pick_device(device, key="--device")).eval()
     text = MaskedDiffusion(cfg.text_diffusion, mask_token_id=val.mask_id, pad_token_id=val.pad_id)
     mean, std = val.latent_stats()
     meta_file = path / "meta.json"
     step = json.loads(meta_file.read_text())["step"] if meta_file.is_file() else None
-    run = TrainedRun(cfg, model, text, GaussianDiffusion(cfg.latent_diffusion, mean=mean, std=std), data_dir,
-                     checkpoint=path, step=step, weights=weights)
-    run.val = val  # already open
-    return run
+    return TrainedRun.on_dataset(cfg, model, text, GaussianDiffusion(cfg.latent_diffusion, mean=mean, std=std),
+                                 data_dir, checkpoint=path, step=step, weights=weights)

@@ -1,0 +1,45 @@
+"""`mmldlm export --run RUN_DIR [--checkpoint PATH] --out DIR`: a trained model as a self-contained
+folder that `MMLDLM.from_pretrained(DIR)`, `mmldlm sample --run DIR` and `mmldlm eval --run DIR --data
+PATH` load with no run directory or dataset (layout: mmldlm/sampling/pretrained.py; model card:
+mmldlm/sampling/card.py). The folder is written beside DIR under a temporary name and renamed into
+place when complete, so DIR never holds half an export; a non-empty DIR is replaced only with --force."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", required=True, metavar="RUN_DIR", help="a training run directory")
+    parser.add_argument("--checkpoint", metavar="PATH", help="a checkpoint directory (default: RUN/checkpoints/latest)")
+    parser.add_argument("--no-ema", action="store_true",
+                        help="the raw trained weights instead of their EMA (where the run kept one, train.ema_decay)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="the folder to write")
+    parser.add_argument("--force", action="store_true", help="replace DIR when it exists and is not empty")
+
+
+def run(args: argparse.Namespace) -> int:
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from mmldlm.data.errors import DataError
+    from mmldlm.data.prepare import publish
+    from mmldlm.sampling.pretrained import MMLDLM
+
+    out = Path(args.out)
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not args.force:
+        raise DataError(f"--out {out}: exists and is not an empty folder; choose another --out or pass --force to "
+                        f"replace it")
+    model = MMLDLM.from_pretrained(args.run, checkpoint=args.checkpoint, device="cpu", use_ema=not args.no_ema)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        model.save_pretrained(partial)
+    except BaseException:
+        shutil.rmtree(partial)
+        raise
+    publish(partial, out)
+    files = ", ".join(sorted(p.name for p in out.iterdir()))
+    print(f"mmldlm export: wrote {out} ({files}; {model.run.weights} weights of step {model.run.step})")
+    return 0

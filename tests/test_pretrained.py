@@ -1,0 +1,210 @@
+"""An exported model folder: `mmldlm export` writes it atomically with its model card, `MMLDLM.from_pretrained`
+loads it (or a run directory) with no dataset, and it samples exactly what the run samples; damaged
+folders and missing runs fail with one line naming the file."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_support import prepared, trained_run
+from mmldlm import MMLDLM, cli
+from mmldlm.data.errors import DataError
+from mmldlm.sampling.card import model_card
+from mmldlm.sampling.pretrained import CONFIG, TOKENIZER, WEIGHTS
+
+RUN = ["model=tiny", "model.hidden_size=64", "model.num_blocks=2", "model.timestep_embed_dim=32",
+       "train.steps=6", "train.micro_batch_size=8", "train.global_batch_size=8", "train.log_every=2",
+       "logging.progress_bar=false", "schedule.warmup_steps=1", "data.num_workers=0", "checkpoint.every=1000",
+       "eval.every=0", "train.ema_decay=0.9"]
+FAST = dict(steps=3, batch_size=2)
+
+
+def main(*args) -> int:
+    return cli.main([str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    return trained_run(tmp_path_factory, RUN)
+
+
+@pytest.fixture(scope="module")
+def exported(run_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "model"
+    assert main("export", "--run", run_dir, "--out", out) == 0
+    return out
+
+
+def test_export_writes_a_self_contained_folder_with_its_model_card(run_dir, exported, tmp_path, capsys):
+    assert {p.name for p in exported.iterdir()} == {CONFIG, WEIGHTS, TOKENIZER, "latent_stats.safetensors",
+                                                   "README.md"}
+    assert not list(exported.parent.glob(".model.partial-*"))  # the temporary folder was renamed into place
+    config = json.loads((exported / CONFIG).read_text())
+    assert config["format_version"] == 1 and config["weights"] == "ema" and config["step"] == 6
+    assert (config["encoder"], config["latent_dim"], config["num_latents"]) == ("all-MiniLM-L6-v2", 384, 1)
+    assert (config["pad_id"], config["mask_id"]) == (0, 1) and config["model"]["vocab_size"] == config["vocab_size"]
+    card = (exported / "README.md").read_text()
+    assert card.startswith("---\n") and "library_name: mmldlm" in card
+    assert "6 optimizer steps, 48 samples seen" in card and "on CPU, 1 process(es)" in card
+    assert "Not evaluated" in card and "licences of the inputs above apply" in card
+    assert "the EMA of the weights (train.ema_decay 0.9)" in card and "ema_decay: 0.9" in card
+
+    # With an evaluation of the checkpoint the card reports it; --force replaces the folder.
+    assert main("eval", "--run", run_dir, "--num-samples", "4", "--batch-size", "4", "--retrieval-pool", "8",
+                "--num-t-draws", "1", "--steps", "2", "--no-encoder", "--device", "cpu") == 0
+    capsys.readouterr()
+    out = tmp_path / "again"
+    assert main("export", "--run", run_dir, "--out", out) == 0
+    assert main("export", "--run", run_dir, "--out", out, "--force", "--no-ema") == 0
+    card = (out / "README.md").read_text()
+    assert "Not evaluated" not in card and "t2l retrieval@1 among 8" in card and "(step-0000006.json)" in card
+    assert json.loads((out / CONFIG).read_text())["weights"] == "raw" and "the trained weights (no EMA)" in card
+
+
+def test_the_card_of_a_model_of_the_bundled_corpus_carries_the_wordnet_licence(run_dir, tmp_path):
+    model = MMLDLM.from_pretrained(run_dir, device="cpu")
+    meta = json.loads((model.run.dataset_dir / "meta.json").read_text())
+    (tmp_path / "meta.json").write_text(json.dumps({**meta, "prepare": {**meta["prepare"], "inputs": ["default"]}}))
+    model.run.dataset_dir = tmp_path
+    card = model_card(model.run, run_dir)
+    assert "license: other\nlicense_name: wordnet-3.0" in card and "WordNet 3.0 Copyright 2006" in card
+    assert "from the corpus bundled with mmldlm" in card
+
+
+def test_export_refuses_a_non_empty_folder_without_force(run_dir, tmp_path, capsys):
+    (tmp_path / "keep.txt").write_text("mine")
+    assert main("export", "--run", run_dir, "--out", tmp_path) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out {tmp_path}: exists and is not an empty folder" in err and "--force" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+def test_exported_model_samples_what_the_run_samples(run_dir, exported, tmp_path, capsys):
+    ours, theirs = MMLDLM.from_pretrained(run_dir, device="cpu"), MMLDLM.from_pretrained(exported, device="cpu")
+    assert theirs.run.dataset_dir is None and theirs.run.weights == ours.run.weights == "ema"
+    texts = ["a small dog that barks", "to run fast", "blue"]
+    z = ours.encode(texts, seed=1, **FAST)
+    assert z.shape == (3, 1, 384) and torch.equal(z, theirs.encode(texts, seed=1, **FAST))
+    assert not torch.equal(z, ours.encode(texts, seed=2, **FAST))
+    decoded = ours.decode(z, seed=3, temperature=0.7, **FAST)
+    assert len(decoded) == 3 and decoded == theirs.decode(z, seed=3, temperature=0.7, **FAST)
+    with pytest.raises(DataError, match="lengths: 2 given for 3 samples"):
+        ours.decode(z, lengths=[4, 5], **FAST)
+    generated, latents = ours.generate(3, seed=4, **FAST)
+    again, same = theirs.generate(3, seed=4, **FAST)
+    assert generated == again and torch.equal(latents, same) and latents.shape == (3, 1, 384)
+    embedded = theirs.embed(texts)
+    assert embedded.shape == (3, 1, 384) and torch.allclose(embedded.norm(dim=-1), torch.ones(3, 1), atol=1e-4)
+
+    # `mmldlm sample` takes either folder and writes the same lines.
+    for source in (run_dir, exported):
+        assert main("sample", "--run", source, "--mode", "joint", "--num", "3", "--steps", "3", "--seed", "5",
+                    "--device", "cpu", "--out", tmp_path / f"{source.name}.jsonl") == 0
+    assert (tmp_path / "run.jsonl").read_text() == (tmp_path / "model.jsonl").read_text()
+    capsys.readouterr()
+
+
+def test_validation_data_of_an_exported_model_comes_from_data(run_dir, exported, tmp_path, tmp_path_factory, capsys):
+    assert main("eval", "--run", exported, "--device", "cpu") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "carries no validation data; give --data PATH" in err
+    assert main("sample", "--run", exported, "--mode", "l2t", "--device", "cpu") == 2
+    assert "give --data PATH" in capsys.readouterr().err
+
+    data = prepared(tmp_path_factory)  # the run's own dataset
+    for source, name in ((run_dir, "run"), (exported, "export")):
+        extra = ["--data", data] if source == exported else []
+        assert main("sample", "--run", source, "--mode", "l2t", "--num", "2", "--steps", "2", "--device", "cpu",
+                    "--out", tmp_path / f"{name}.jsonl", *extra) == 0
+    assert (tmp_path / "run.jsonl").read_text() == (tmp_path / "export.jsonl").read_text()
+    # Other text, prepared with the export's tokenizer and encoder.
+    (tmp_path / "new.txt").write_text("".join(f"text number {i} about a {w} dog\n" for i, w in
+                                              enumerate(["small", "big", "red", "old", "quick", "lazy"])))
+    like = tmp_path / "like"
+    assert main("prepare", "--like", exported, "--input", tmp_path / "new.txt", "--out", like, "--quiet") == 0
+    out = tmp_path / "report.json"
+    assert main("eval", "--run", exported, "--data", like, "--num-samples", "4", "--batch-size", "4",
+                "--retrieval-pool", "8", "--num-t-draws", "1", "--steps", "2", "--no-encoder", "--device", "cpu",
+                "--out", out) == 0
+    report = json.loads(out.read_text())
+    assert report["step"] == 6 and report["weights"] == "ema" and report["t2l"]["pool_size"] == 6
+    assert report["data"] == {"path": str(like.resolve()), "split": "all"}
+    capsys.readouterr()
+
+
+def damaged(exported, tmp_path, edit) -> str:
+    """The DataError message of loading a copy of the export changed by `edit(folder)`."""
+    folder = tmp_path / "damaged"
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(exported, folder)
+    edit(folder)
+    with pytest.raises(DataError) as err:
+        MMLDLM.from_pretrained(folder, device="cpu")
+    return str(err.value)
+
+
+def edit_config(**changes):
+    def edit(folder):
+        config = json.loads((folder / CONFIG).read_text())
+        for key, value in changes.items():
+            section, _, name = key.partition("__")
+            (config[section] if name else config)[name or section] = value
+        (folder / CONFIG).write_text(json.dumps(config))
+    return edit
+
+
+def drop_max_length(folder):
+    config = json.loads((folder / CONFIG).read_text())
+    del config["max_length"]
+    (folder / CONFIG).write_text(json.dumps(config))
+
+
+def test_a_damaged_export_fails_naming_the_file_and_the_fault(exported, tmp_path):
+    assert f"damaged: missing {TOKENIZER}" in damaged(exported, tmp_path, lambda f: (f / TOKENIZER).unlink())
+    message = damaged(exported, tmp_path, edit_config(format_version=2))
+    assert f"damaged/{CONFIG}: format_version 2, newer than this mmldlm" in message and "upgrade mmldlm" in message
+    message = damaged(exported, tmp_path, edit_config(model__hidden_size=32))
+    assert f"damaged/{WEIGHTS}: the weights do not match the model config: shape of" in message
+    message = damaged(exported, tmp_path, edit_config(model__num_blocks=3))
+    assert "missing blocks.2." in message
+    truncate = lambda f: (f / WEIGHTS).write_bytes((f / WEIGHTS).read_bytes()[:1000])  # noqa: E731
+    assert f"damaged/{WEIGHTS}: not a readable safetensors file" in damaged(exported, tmp_path, truncate)
+    assert "config key 'model.hidden_sise': unknown key" in damaged(exported, tmp_path, edit_config(
+        model__hidden_sise=32))
+    assert f"damaged/{CONFIG}: missing keys max_length" in damaged(exported, tmp_path, drop_max_length)
+
+
+def test_sample_and_eval_on_a_missing_run_or_one_without_checkpoints_say_so_in_one_line(tmp_path, capsys):
+    for command in ("sample", "eval"):
+        mode = ["--mode", "joint"] if command == "sample" else []
+        assert main(command, "--run", tmp_path / "nowhere", *mode, "--device", "cpu") == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"mmldlm {command}: {tmp_path / 'nowhere'}: no such directory" in err
+    (tmp_path / "untrained").mkdir()
+    (tmp_path / "untrained" / "config.yaml").write_text("model: tiny\n")
+    assert main("sample", "--run", tmp_path / "untrained", "--mode", "joint", "--device", "cpu") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "untrained: no checkpoints/latest" in err and "mmldlm train" in err
+
+
+def test_the_api_import_leaves_torch_unloaded_for_the_cli():
+    code = "import sys, mmldlm, mmldlm.cli; mmldlm.cli.build_parser(); print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+def test_the_readme_snippet_runs_on_an_exported_model(exported, tmp_path):
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    snippet = readme.split("```python\nfrom mmldlm import MMLDLM\n", 1)[1].split("```", 1)[0]
+    snippet = snippet.replace('"exported/default"', repr(str(exported)))
+    snippet = snippet.replace('"copy/"', repr(str(tmp_path / "copy")))
+    scope = {"MMLDLM": MMLDLM}
+    exec(snippet, scope)
+    assert scope["z"].shape == (4, 1, 384) and len(scope["texts"]) == 4 and scope["e"].shape == (1, 1, 384)
+    copy = json.loads((tmp_path / "copy" / CONFIG).read_text())
+    assert copy == json.loads((exported / CONFIG).read_text())
+    assert (tmp_path / "copy" / "README.md").read_text() == (exported / "README.md").read_text()
