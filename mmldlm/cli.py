@@ -10,6 +10,7 @@ import sys
 
 from mmldlm.config import ConfigError
 from mmldlm.data.errors import DataError
+from mmldlm.training.storage import CheckpointError, WriteError
 
 # subcommand -> (module under mmldlm.commands, one-line help)
 COMMANDS = {
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)
-    except (ConfigError, DataError) as err:
+    except (ConfigError, DataError, CheckpointError, WriteError) as err:
         print(f"mmldlm {args.command}: {err}", file=sys.stderr)
         return 2
 

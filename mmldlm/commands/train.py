@@ -4,6 +4,7 @@ command runs under torchrun on many processes and nodes (see scripts/launch.sh).
 from __future__ import annotations
 
 import argparse
+import shlex
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,4 +20,5 @@ def run(args: argparse.Namespace) -> int:
     from mmldlm.config import load_config
     from mmldlm.training.run import train
 
-    return train(load_config(args.config, args.overrides), resume=args.resume)
+    command = shlex.join(["mmldlm", "train", "--config", args.config, *args.overrides])
+    return train(load_config(args.config, args.overrides), resume=args.resume, command=command)

@@ -25,6 +25,7 @@ from mmldlm.data.dataset import PreparedDataset
 from mmldlm.data.errors import DataError
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.sampling.sampler import Sampler, SamplingOptions, pad_mask_from_lengths
+from mmldlm.training.checkpoint import find_latest
 
 
 @dataclass
@@ -189,11 +190,11 @@ def find_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
             raise FileNotFoundError(f"--checkpoint {path}: no model.safetensors there; checkpoints are "
                                     f"RUN/checkpoints/step-NNNNNNN directories")
         return path
-    pointer = run_dir / "checkpoints" / "latest"
-    if not pointer.is_file():
-        raise FileNotFoundError(f"{run_dir}: no checkpoints/latest; train the run first (mmldlm train) or pass "
+    path = find_latest(run_dir / "checkpoints")
+    if path is None:
+        raise FileNotFoundError(f"{run_dir}: no checkpoints; train the run first (mmldlm train) or pass "
                                 f"--checkpoint PATH")
-    return run_dir / "checkpoints" / pointer.read_text().strip()
+    return path
 
 
 def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: str = "auto",

@@ -19,7 +19,6 @@ import difflib
 import json
 import math
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 import yaml
 
 from mmldlm.config import MODES, RunConfig, from_dict, to_dict
+from mmldlm.training.storage import free_bytes
 
 GIB = 2**30
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
@@ -91,11 +91,8 @@ def detect_environment(cfg: RunConfig, nproc_per_node: int | None = None, nnodes
         else:  # CPU: the node's RAM is shared by its processes
             device_memory_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GIB / nproc
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    where = Path(cfg.train.run_dir).absolute()
-    while not where.exists():
-        where = where.parent
     return Environment(device="cuda" if cuda else "cpu", device_memory_gib=device_memory_gib, cpus=cpus,
-                       nproc_per_node=nproc, nnodes=nodes, free_disk_gib=shutil.disk_usage(where).free / GIB,
+                       nproc_per_node=nproc, nnodes=nodes, free_disk_gib=free_bytes(cfg.train.run_dir) / GIB,
                        fused_adamw=_fused_adamw_works("cuda" if cuda else "cpu"),
                        native_bf16=torch.cuda.is_bf16_supported() if cuda else cpu_has_native_bf16(),
                        environ={k: os.environ[k] for k in NCCL_VARIABLES if k in os.environ})

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from mmldlm.config import LoggingConfig
+from mmldlm.training.storage import WriteError, write_failure
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +137,11 @@ class MetricsLogger:
         self._tb = self._wandb = None
         if not enabled:
             return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         truncate_lines(self.path, keep_lines)
-        self._file = open(self.path, "a", encoding="utf-8")
+        # Unbuffered: each record is one write the logger can undo (see `log`).
+        self._file = open(self.path, "ab", buffering=0)
+        self._end = self.path.stat().st_size
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -154,8 +158,16 @@ class MetricsLogger:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()  # a kill -9 loses nothing already logged
+        line = (json.dumps(record) + "\n").encode()
+        try:
+            rest = memoryview(line)
+            while rest:  # unbuffered: a kill -9 loses nothing already logged
+                rest = rest[self._file.write(rest):]
+        except OSError as err:  # a full disk: the line goes whole or not at all
+            os.ftruncate(self._file.fileno(), self._end)
+            raise WriteError(f"{write_failure(err, self.path)} (the record of step {record.get('step')} "
+                             f"was not written; the file ends with the one before)") from err
+        self._end += len(line)
         self.num_lines += 1
         numeric = {k: v for k, v in record.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" and math.isfinite(v)}
