@@ -235,8 +235,12 @@ class CheckpointManager:
             return
         newer = [s for s in self.steps() if s > step]
         if newer:
-            abandoned = self.dir / f"abandoned-{time.strftime('%Y%m%dT%H%M%S')}"
-            abandoned.mkdir(exist_ok=True)
+            stamp = time.strftime("%Y%m%dT%H%M%S")
+            abandoned, n = self.dir / f"abandoned-{stamp}", 1
+            while abandoned.exists():  # two resumes within a second
+                n += 1
+                abandoned = self.dir / f"abandoned-{stamp}-{n}"
+            abandoned.mkdir()
             for s in newer:
                 os.replace(self.dir / step_dir_name(s), abandoned / step_dir_name(s))
             log.warning("resumed from step %d: moved the checkpoints of later steps (%s) to %s; they belong to "
