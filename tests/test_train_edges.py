@@ -10,6 +10,7 @@ import yaml
 
 from data_support import prepared
 from mmldlm import cli
+from mmldlm.tools.monitor import total_steps
 from mmldlm.training import run as run_module
 from mmldlm.training.trainer import Trainer
 
@@ -50,6 +51,7 @@ def test_a_failed_start_leaves_no_trace_and_each_resume_keeps_its_config(train, 
     assert train("--resume", "auto", steps=6)[0] == 0
     assert steps_in(run_dir / "config.yaml") == 4  # what the first checkpoints were trained with
     assert steps_in(run_dir / "config.resume-step-0000004.yaml") == 6
+    assert total_steps(run_dir) == 6  # the monitor knows when the resumed run is complete
 
 
 def test_sigterm_during_start_up_exits_143_saying_nothing_was_written(train, tmp_path, monkeypatch):

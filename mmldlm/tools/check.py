@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from mmldlm.config import MODES, RunConfig, from_dict, to_dict
-from mmldlm.training.storage import free_bytes
+from mmldlm.training.storage import current_run_config, free_bytes
 
 GIB = 2**30
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
@@ -476,7 +476,7 @@ def _resume_with_other_length(cfg: RunConfig) -> list[Finding]:
     run_dir = Path(cfg.train.run_dir)
     pointer = run_dir / "checkpoints" / "latest"
     try:
-        before = yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["steps"]
+        before = yaml.safe_load(current_run_config(run_dir).read_text())["train"]["steps"]
         step = int(pointer.read_text().strip().split("-")[1])
     except (OSError, yaml.YAMLError, KeyError, TypeError, IndexError, ValueError):
         return []

@@ -373,7 +373,7 @@ class CheckpointManager:
         if num_bytes > free:
             raise WriteError(f"not enough space for checkpoint {name} in {self.dir}: it needs about "
                              f"{num_bytes / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free; nothing was "
-                             f"written, {self.last_good()}. Free space and resume with --resume auto")
+                             f"written, {self.last_good()}; free space, then continue with --resume auto")
 
     def _point_latest(self, name: str) -> None:
         pointer_tmp = self.dir / "latest.tmp"

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from mmldlm.config import RunConfig, save_config
+from mmldlm.config import RunConfig
 from mmldlm.training.checkpoint import step_dir_name
 from mmldlm.training.distributed import DistInfo, RankTimeout, init_distributed, leave
+from mmldlm.training.storage import save_run_config
 from mmldlm.training.trainer import Trainer, TrainingStopped, seed_everything
 
 log = logging.getLogger(__name__)
@@ -110,18 +111,6 @@ def signals_interrupt_start_up():
             signal.signal(sig, handler)
 
 
-def save_run_config(cfg: RunConfig, run_dir: Path, resumed_step: int | None) -> Path:
-    """RUN/config.yaml is the config the run started with and stays so; a resume that finds it writes
-    its own beside it, config.resume-step-NNNNNNN.yaml (each checkpoint also holds the config it was
-    trained with)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "config.yaml"
-    if resumed_step is not None and path.exists():
-        path = run_dir / f"config.resume-{step_dir_name(resumed_step)}.yaml"
-    save_config(cfg, path)
-    return path
-
-
 def train(cfg: RunConfig, resume: str | None = None, command: str = "mmldlm train") -> int:
     """Train `cfg` (resuming per `resume`: None, "auto" or a checkpoint path); returns the exit status:
     0 when train.steps are done, 128 + the signal's number when a signal stopped the run first.
@@ -139,7 +128,7 @@ def train(cfg: RunConfig, resume: str | None = None, command: str = "mmldlm trai
             trainer = Trainer(cfg, model, objective, make_loader, info, max_seq_len=data_cfg.max_length)
             trainer.resume(resume)
         if info.is_main:  # the run has started: what it runs with is recorded
-            save_run_config(cfg, run_dir, trainer.step if trainer.resumed_from else None)
+            save_run_config(cfg, run_dir, trainer.resumed_from)
         status = trainer.fit()
     except StartUpInterrupted as err:
         if info.is_main:
