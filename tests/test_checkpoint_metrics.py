@@ -284,6 +284,10 @@ def test_metrics_resume_drops_only_records_past_the_checkpoint(tmp_path):
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4] and resumed.num_lines == 4
     truncate_lines(tmp_path / "missing.jsonl", 2)  # nothing to do, no error
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')  # cut by a kill, before the checkpoint's line count was reached
+    truncate_lines(tmp_path / "metrics.jsonl", 6)
+    assert (tmp_path / "metrics.jsonl").read_text().endswith('"loss": 4.5}\n')
 
 
 def test_metrics_line_is_written_whole_or_not_at_all_on_a_full_disk(tmp_path):

@@ -117,14 +117,18 @@ def current_memory_bytes(device: torch.device) -> int:
 
 
 def truncate_lines(path: Path, num_lines: int) -> None:
-    """Keep the first `num_lines` complete lines of `path` (atomically)."""
+    """Keep the first `num_lines` complete lines of `path`, dropping what follows (a line cut by a kill
+    included). One truncate in place: it needs no free space, so a resume on a full disk can do it."""
     if not path.exists():
         return
-    lines = path.read_bytes().split(b"\n")
-    kept = b"".join(line + b"\n" for line in lines[:num_lines] if line)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(kept)
-    tmp.replace(path)
+    data = path.read_bytes()
+    end = 0
+    for _ in range(num_lines):
+        newline = data.find(b"\n", end)
+        if newline < 0:
+            break
+        end = newline + 1
+    os.truncate(path, end)
 
 
 class MetricsLogger:
