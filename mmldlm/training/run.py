@@ -15,7 +15,7 @@ import torch
 from mmldlm.config import RunConfig
 from mmldlm.training.checkpoint import step_dir_name
 from mmldlm.training.distributed import DistInfo, RankTimeout, init_distributed, leave
-from mmldlm.training.storage import save_run_config
+from mmldlm.training.storage import CheckpointError, WriteError, save_run_config
 from mmldlm.training.trainer import Trainer, TrainingStopped, seed_everything
 
 log = logging.getLogger(__name__)
@@ -142,6 +142,14 @@ def train(cfg: RunConfig, resume: str | None = None, command: str = "mmldlm trai
     except TrainingStopped as err:
         print(f"mmldlm train: {err}", file=sys.stderr, flush=True)
         status = 1
+    except (CheckpointError, WriteError) as err:
+        # A checkpoint no rank can use (rank 0 chose and told the others: all raise it) or a write
+        # that failed on rank 0 (the others see it leave): one line, and no wait on the peers.
+        if info.is_main:
+            print(f"mmldlm train: {err}", file=sys.stderr, flush=True)
+        if info.distributed:
+            os._exit(2)
+        status = 2
     else:
         if trainer.stopped_by and info.is_main:
             print(f"mmldlm train: stopped by {trainer.stopped_by} at step {trainer.step} of {cfg.train.steps} "
