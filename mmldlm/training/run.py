@@ -134,6 +134,8 @@ def train(cfg: RunConfig, resume: str | None = None, command: str = "mmldlm trai
         if info.is_main:
             print(f"mmldlm train: {err} during start-up, before the first step; nothing was written to {run_dir}",
                   file=sys.stderr, flush=True)
+        if info.distributed:  # the peers may be inside a start-up collective: do not wait on them
+            os._exit(128 + err.signum)
         status = 128 + err.signum
     except RankTimeout as err:
         # Do not wait on a process group whose peer is gone: report and leave at once.
