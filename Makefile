@@ -20,6 +20,7 @@ test: install
 
 # The main job: prepare the bundled corpus (first time only, cached), train configs/default.yaml
 # with a progress bar; checkpoints and metrics go to runs/default/. Running it again continues.
+# A run stopped by a signal exits 128 + its number, so the evaluation below does not run on it.
 # Then evaluate the last checkpoint: l2t reconstructions next to their sources and the figures
 # (one thread: on a 2-core machine shared with other jobs, two torch threads ran 6-8x slower).
 train: install

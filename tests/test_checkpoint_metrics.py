@@ -1,7 +1,10 @@
 """Checkpoint manager (atomic writes, retention, async, kill during a write) and metrics.jsonl."""
 
+import errno
 import json
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,9 +15,14 @@ import pytest
 import torch
 from torch import nn
 
+from safetensors import SafetensorError
+
+import mmldlm.training.checkpoint as ckpt
 from mmldlm.config import CheckpointConfig, OptimConfig, RunConfig
-from mmldlm.training.checkpoint import CheckpointManager
+from mmldlm.sampling.run import find_checkpoint
+from mmldlm.training.checkpoint import CheckpointManager, find_latest
 from mmldlm.training.distributed import DistInfo
+from mmldlm.training.storage import CheckpointError, WriteError
 from mmldlm.training.metrics import MetricsLogger, truncate_lines
 from mmldlm.config import LoggingConfig
 from mmldlm.training.optim import build_optimizer
@@ -118,11 +126,149 @@ def test_kill_during_write_leaves_latest_on_a_complete_checkpoint(tmp_path):
     assert meta["step"] == 1
 
 
-def test_resume_path_errors_name_what_is_expected(tmp_path):
-    manager = CheckpointManager(CheckpointConfig(), tmp_path, DistInfo())
+def test_resume_path_that_is_not_a_checkpoint_is_one_line_naming_what_is_expected(tmp_path):
+    manager = CheckpointManager(CheckpointConfig(), tmp_path / "run", DistInfo())
     assert manager.resolve("auto") is None
-    with pytest.raises(FileNotFoundError, match="meta.json"):
-        manager.resolve(str(tmp_path / "nope"))
+    assert not (tmp_path / "run").exists()  # finding nothing makes nothing
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    cases = {str(tmp_path / "nope"): "no such directory",
+             str(garbage): f"{garbage}/meta.json is missing"}
+    for resume, what in cases.items():
+        with pytest.raises(CheckpointError) as err:
+            manager.resolve(resume)
+        message = str(err.value)
+        assert message.startswith(f"--resume {resume}: {what}") and "\n" not in message
+        assert "meta.json, model.safetensors, optimizer.pt, trainer.pt" in message
+    (garbage / "meta.json").write_bytes(b"\x00\xff not json")
+    with pytest.raises(CheckpointError, match="meta.json is not readable JSON"):
+        manager.resolve(str(garbage))
+
+
+def _run_to_30_then_resume_from_10(tmp_path):
+    """checkpoint.every=5, keep_last=2, milestone_every=10, trained to 30, then resumed from step 10."""
+    model, opt = _trained_pair()
+    manager = CheckpointManager(CheckpointConfig(keep_last=2, milestone_every=10), tmp_path, DistInfo())
+    for step in range(5, 31, 5):
+        _save(manager, step, model, opt)
+    assert manager.steps() == [10, 20, 25, 30]
+    resumed = CheckpointManager(manager.cfg, tmp_path, DistInfo())
+    path = resumed.resolve(str(tmp_path / "checkpoints/step-0000010"))
+    resumed.continue_from(path, 10)
+    return resumed, model, opt
+
+
+def test_resume_from_an_older_milestone_moves_the_later_checkpoints_aside(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="mmldlm"):
+        manager, model, opt = _run_to_30_then_resume_from_10(tmp_path)
+    abandoned = list((tmp_path / "checkpoints").glob("abandoned-*"))
+    assert len(abandoned) == 1
+    assert sorted(p.name for p in abandoned[0].iterdir()) == ["step-0000020", "step-0000025", "step-0000030"]
+    assert "moved the checkpoints of later steps (20, 25, 30)" in caplog.text
+    assert manager.steps() == [10] and (tmp_path / "checkpoints/latest").read_text().strip() == "step-0000010"
+    _save(manager, 15, model, opt)  # then a kill -9: --resume auto continues from step 15
+    assert manager.steps() == [10, 15]
+    assert CheckpointManager(manager.cfg, tmp_path, DistInfo()).resolve("auto").name == "step-0000015"
+
+
+def test_retention_never_removes_the_checkpoint_latest_names(tmp_path):
+    model, opt = _trained_pair()
+    manager = CheckpointManager(CheckpointConfig(keep_last=1), tmp_path, DistInfo())
+    for step in (1, 2, 3):
+        _save(manager, step, model, opt)
+    (tmp_path / "checkpoints/latest").write_text("step-0000003\n")
+    shutil.copytree(tmp_path / "checkpoints/step-0000003", tmp_path / "checkpoints/step-0000009")
+    manager._prune()  # step 9 is the newest, but latest names step 3
+    assert manager.steps() == [3, 9]
+
+
+@pytest.mark.parametrize("damage", ["no latest", "latest names nothing", "truncated optimizer.pt",
+                                    "flipped byte in model.safetensors"])
+def test_newest_usable_checkpoint_is_found_whatever_happened_to_latest(tmp_path, caplog, damage):
+    """A kill between the rename and `latest`, a deleted or dangling `latest`, a corrupt newest
+    checkpoint: --resume auto and sampling continue from the newest checkpoint that verifies, and say so."""
+    model, opt = _trained_pair()
+    manager = CheckpointManager(CheckpointConfig(), tmp_path, DistInfo())
+    for step in (1, 2):
+        _save(manager, step, model, opt)
+    ckpt_dir = tmp_path / "checkpoints"
+    newest = ckpt_dir / "step-0000002"
+    expected, reason = "step-0000002", "latest is missing"
+    if damage == "no latest":
+        (ckpt_dir / "latest").unlink()
+    elif damage == "latest names nothing":
+        (ckpt_dir / "latest").write_text("step-0000009\n")
+        reason = "latest names step-0000009"
+    elif damage == "truncated optimizer.pt":
+        data = (newest / "optimizer.pt").read_bytes()
+        (newest / "optimizer.pt").write_bytes(data[:len(data) // 2])
+        expected, reason = "step-0000001", f"skipped step-0000002: {newest}/optimizer.pt has {len(data) // 2} bytes"
+    else:  # same size, other content: only the checksum, read on resume, sees it
+        data = bytearray((newest / "model.safetensors").read_bytes())
+        data[-1] ^= 0xFF
+        (newest / "model.safetensors").write_bytes(bytes(data))
+        assert manager.latest() == newest  # sizes only
+        expected, reason = "step-0000001", f"{newest}/model.safetensors does not match the SHA-256"
+    with caplog.at_level(logging.WARNING, logger="mmldlm"):
+        assert manager.resolve("auto").name == expected
+    assert reason in caplog.text
+    if "latest" in damage:
+        assert find_checkpoint(tmp_path, None).name == expected
+    else:
+        with pytest.raises(CheckpointError, match=f"--resume {newest}: {newest}/"):
+            manager.resolve(str(newest))
+
+
+def test_no_checkpoint_that_verifies_is_an_error_listing_each(tmp_path):
+    model, opt = _trained_pair()
+    manager = CheckpointManager(CheckpointConfig(), tmp_path, DistInfo())
+    for step in (1, 2):
+        _save(manager, step, model, opt)
+        (tmp_path / f"checkpoints/step-000000{step}/trainer.pt").unlink()
+    with pytest.raises(CheckpointError, match="no checkpoint verifies .*skipped step-0000002: .*trainer.pt is "
+                                              "missing; skipped step-0000001"):
+        manager.resolve("auto")
+
+
+def _enospc(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("failing", ["optimizer.pt", "model.safetensors"])
+def test_full_disk_during_a_save_removes_the_partial_checkpoint_and_says_what_is_left(tmp_path, monkeypatch,
+                                                                                     failing):
+    model, opt = _trained_pair()
+    manager = CheckpointManager(CheckpointConfig(), tmp_path, DistInfo())
+    _save(manager, 1, model, opt)
+    if failing == "optimizer.pt":
+        monkeypatch.setattr(ckpt.torch, "save", _enospc)
+    else:  # safetensors reports the OS error inside its own exception's text
+        def save_file(*args, **kwargs):
+            raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                                  'message: "No space left on device" })')
+        monkeypatch.setattr(ckpt, "save_file", save_file)
+    with pytest.raises(WriteError) as err:
+        _save(manager, 2, model, opt)
+    message = str(err.value)
+    assert message.startswith("no space left on device /") and "\n" not in message
+    assert f"while writing {tmp_path}/checkpoints/.tmp-step-0000002/{failing}" in message
+    assert f"the last good checkpoint is {tmp_path}/checkpoints/step-0000001" in message
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*")) and manager.steps() == [1]
+    assert find_latest(tmp_path / "checkpoints").name == "step-0000001"
+
+
+def test_a_save_that_cannot_fit_is_refused_before_writing_and_retention_warns_at_start(tmp_path, monkeypatch,
+                                                                                       caplog):
+    model, opt = _trained_pair()
+    manager = CheckpointManager(CheckpointConfig(keep_last=3), tmp_path, DistInfo())
+    monkeypatch.setattr(ckpt, "free_bytes", lambda path: 100)
+    with caplog.at_level(logging.WARNING, logger="mmldlm"):
+        manager.warn_if_retention_cannot_fit(1000)
+    assert "checkpoint.keep_last=3 (+1 being written) needs" in caplog.text
+    with pytest.raises(WriteError, match="not enough space for checkpoint step-0000001 .* nothing was written, "
+                                         "no checkpoint was written yet"):
+        _save(manager, 1, model, opt)
+    assert manager.steps() == [] and not list((tmp_path / "checkpoints").iterdir())
 
 
 def test_metrics_resume_drops_only_records_past_the_checkpoint(tmp_path):
@@ -138,3 +284,31 @@ def test_metrics_resume_drops_only_records_past_the_checkpoint(tmp_path):
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4] and resumed.num_lines == 4
     truncate_lines(tmp_path / "missing.jsonl", 2)  # nothing to do, no error
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')  # cut by a kill, before the checkpoint's line count was reached
+    truncate_lines(tmp_path / "metrics.jsonl", 6)
+    assert (tmp_path / "metrics.jsonl").read_text().endswith('"loss": 4.5}\n')
+
+
+def test_metrics_line_is_written_whole_or_not_at_all_on_a_full_disk(tmp_path):
+    logger = MetricsLogger(tmp_path, LoggingConfig(), enabled=True)
+    logger.log({"step": 1, "loss": 1.0})
+    real = logger._file
+
+    class HalfThenFull:  # the disk fills in the middle of the line
+        def write(self, data):
+            real.write(bytes(data[:7]))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def fileno(self):
+            return real.fileno()
+
+    logger._file = HalfThenFull()
+    with pytest.raises(WriteError, match=f"no space left on device /.* while writing {tmp_path}/metrics.jsonl "
+                                         r"\(the record of step 2 was not written"):
+        logger.log({"step": 2, "loss": 2.0})
+    logger._file = real
+    logger.log({"step": 3, "loss": 3.0})  # space freed: the file goes on from the last whole line
+    logger.close()
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 3]
+    assert logger.num_lines == 2

@@ -189,7 +189,7 @@ def test_sample_and_eval_on_a_missing_run_or_one_without_checkpoints_say_so_in_o
     (tmp_path / "untrained" / "config.yaml").write_text("model: tiny\n")
     assert main("sample", "--run", tmp_path / "untrained", "--mode", "joint", "--device", "cpu") == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "untrained: no checkpoints/latest" in err and "mmldlm train" in err
+    assert err.count("\n") == 1 and "untrained: no checkpoints, so no trained weights" in err and "mmldlm train" in err
 
 
 def test_the_api_import_leaves_torch_unloaded_for_the_cli():

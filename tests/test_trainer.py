@@ -1,6 +1,7 @@
 """The loop in one process with test doubles for the objective and the loader: accumulation,
 progressive batch size, the idle head, signals; and train.threads on a real tiny run."""
 
+import errno
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ from mmldlm.config import ModelConfig, RunConfig, load_config
 from mmldlm.model.mmdit import MultimodalMMDiT
 from mmldlm.training.distributed import DistInfo
 from mmldlm.training.run import train
+from mmldlm.training.storage import WriteError
 from mmldlm.training.trainer import Trainer
 
 VOCAB, LEN, DIM = 40, 8, 16
@@ -99,21 +101,47 @@ def test_idle_head_is_not_moved_by_adamw(tmp_path):
     assert not torch.equal(text_before, trainer.raw_model.text_final.head.weight)
 
 
-def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
+def test_sigterm_checkpoints_at_the_end_of_the_step_and_exits_with_128_plus_its_number(tmp_path):
     trainer = make_trainer(tmp_path, ["train.steps=50", "train.micro_batch_size=2", "train.global_batch_size=2"])
     real_step = trainer.train_step
 
-    def step_then_signal(stop_requested=False):
+    def signal_during_step_4(stop=None):
         if trainer.step == 3:
             os.kill(os.getpid(), signal.SIGTERM)
-        return real_step(stop_requested)
+        return real_step(stop)
 
-    trainer.train_step = step_then_signal
-    assert trainer.fit() == 0
-    assert trainer.step == 5  # the signal arrived during step 4; step 5 saw the request and stopped
-    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-0000005"
-    assert records(tmp_path)[-1]["stop_requested"] is True
+    trainer.train_step = signal_during_step_4
+    assert trainer.fit() == 128 + signal.SIGTERM
+    assert trainer.step == 4 and trainer.stopped_by == "SIGTERM"  # the step it arrived in is the last
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-0000004"
+    assert records(tmp_path)[-1]["stop_requested"] is True and records(tmp_path)[-1]["step"] == 4
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_failed_background_save_is_reported_at_the_next_step(tmp_path, monkeypatch):
+    import mmldlm.training.checkpoint as ckpt
+
+    trainer = make_trainer(tmp_path, ["train.steps=20", "train.micro_batch_size=2", "train.global_batch_size=2",
+                                      "checkpoint.every=2", "checkpoint.async_save=true"])
+    real_save, real_step = ckpt.torch.save, trainer.train_step
+
+    def full_disk_from_step_4(obj, path):
+        if ".tmp-step-0000004" in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_save(obj, path)
+
+    def step_after_the_write(stop=None):
+        if trainer.checkpoints._thread is not None:  # the write has ended before the step does
+            trainer.checkpoints._thread.join()
+        return real_step(stop)
+
+    monkeypatch.setattr(ckpt.torch, "save", full_disk_from_step_4)
+    trainer.train_step = step_after_the_write
+    with pytest.raises(WriteError, match="no space left on device .*optimizer.pt; the partial checkpoint was "
+                                         "removed, the last good checkpoint is .*step-0000002"):
+        trainer.fit()
+    assert trainer.step == 5  # the step after the failed save, not the next save at step 6
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-0000002"]
 
 
 def test_auto_precision_is_bf16_only_where_bf16_matmuls_are_native(monkeypatch):

@@ -28,9 +28,9 @@ def check(capsys, *args) -> tuple[int, str]:
     return status, capsys.readouterr().out
 
 
-def train(run_dir, dataset, fault, resume=None) -> subprocess.CompletedProcess:
+def train(run_dir, dataset, fault, resume=None, extra=()) -> subprocess.CompletedProcess:
     """tests/train_worker.py is `mmldlm train` with a fault injected (MMLDLM_TEST_FAULT)."""
-    cmd = [sys.executable, str(WORKER), *TINY_RUN, f"data.path={dataset}", f"train.run_dir={run_dir}"]
+    cmd = [sys.executable, str(WORKER), *TINY_RUN, *extra, f"data.path={dataset}", f"train.run_dir={run_dir}"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MMLDLM_TEST_FAULT": fault}
     return subprocess.run(cmd + (["--resume", resume] if resume else []), env=env, capture_output=True, text=True,
                           timeout=180, cwd=REPO)
@@ -110,3 +110,27 @@ def test_idle_heads_of_the_mode_mix_are_explained(capsys):
 def test_flat_loss_from_a_schedule_that_never_leaves_warmup_is_flagged(capsys):
     status, out = check(capsys, "train.steps=2000", "schedule.warmup_steps=2000")
     assert status == 2 and "ERROR   [lr_schedule] schedule.warmup_steps=2000 >= train.steps=2000" in out
+
+
+def test_a_resume_from_an_older_checkpoint_survives_a_kill_and_a_corrupt_file(tmp_path_factory, tmp_path):
+    """The guide's commands: a run resumed from its step-10 milestone sets steps 15-16 aside, is killed
+    after writing a new step 15, whose weights are then truncated; --resume auto goes on from step 10."""
+    dataset = prepared(tmp_path_factory)
+    run, keep = tmp_path / "run", "checkpoint.milestone_every=5"
+    ckpt = run / "checkpoints"
+    assert train(run, dataset, fault="", extra=[keep]).returncode == 0
+    killed = train(run, dataset, fault="kill:15", resume=str(ckpt / "step-0000010"), extra=[keep])
+    assert killed.returncode == -signal.SIGKILL
+    assert "moved the checkpoints of later steps (15, 16)" in killed.stderr
+    (first_branch,) = ckpt.glob("abandoned-*")
+    assert sorted(p.name for p in first_branch.iterdir()) == ["step-0000015", "step-0000016"]
+    assert (ckpt / "latest").read_text().strip() == "step-0000015"
+    weights = ckpt / "step-0000015" / "model.safetensors"
+    size = weights.stat().st_size
+    os.truncate(weights, 100)
+    resumed = train(run, dataset, fault="", resume="auto", extra=[keep])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (f"latest names step-0000015; using the newest checkpoint that verifies, step-0000010; skipped "
+            f"step-0000015: {weights} has 100 bytes, {size} were written (truncated or replaced)") in resumed.stderr
+    assert "resumed from step 10: moved the checkpoints of later steps (15)" in resumed.stderr
+    assert len(list(ckpt.glob("abandoned-*"))) == 2 and (ckpt / "latest").read_text().strip() == "step-0000016"

@@ -4,6 +4,7 @@ command runs under torchrun on many processes and nodes (see scripts/launch.sh).
 from __future__ import annotations
 
 import argparse
+import shlex
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -12,11 +13,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="config overrides, e.g. train.steps=100 model=small")
     parser.add_argument("--resume", default=None, metavar="auto|PATH",
-                        help="auto: continue from RUN/checkpoints/latest if there is one; PATH: a checkpoint directory")
+                        help="auto: continue from the newest checkpoint in RUN/checkpoints that verifies (latest, "
+                             "unless it is missing or damaged), if there is one; PATH: a checkpoint directory")
 
 
 def run(args: argparse.Namespace) -> int:
     from mmldlm.config import load_config
     from mmldlm.training.run import train
 
-    return train(load_config(args.config, args.overrides), resume=args.resume)
+    command = shlex.join(["mmldlm", "train", "--config", args.config, *args.overrides])
+    return train(load_config(args.config, args.overrides), resume=args.resume, command=command)

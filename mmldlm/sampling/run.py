@@ -33,6 +33,7 @@ from mmldlm.device import pick_device
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.model import MultimodalMMDiT
 from mmldlm.sampling.sampler import Sampler, SamplingOptions, pad_mask_from_lengths
+from mmldlm.training.checkpoint import find_latest
 
 
 @dataclass
@@ -232,11 +233,11 @@ def find_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
     if not run_dir.is_dir():
         raise DataError(f"{run_dir}: no such directory; expected a training run directory (train.run_dir) or an "
                         f"exported model folder (mmldlm export) on this machine (nothing is downloaded)")
-    pointer = run_dir / "checkpoints" / "latest"
-    if not pointer.is_file():
-        raise DataError(f"{run_dir}: no checkpoints/latest, so no trained weights; train the run first (mmldlm "
-                        f"train) or pass --checkpoint PATH")
-    return run_dir / "checkpoints" / pointer.read_text().strip()
+    path = find_latest(run_dir / "checkpoints")
+    if path is None:
+        raise DataError(f"{run_dir}: no checkpoints, so no trained weights; train the run first (mmldlm train) "
+                        f"or pass --checkpoint PATH")
+    return path
 
 
 def load_weights(model: torch.nn.Module, path: Path) -> None:

@@ -20,7 +20,6 @@ import difflib
 import json
 import math
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from mmldlm.model.mmdit import MultimodalMMDiT
 from mmldlm.training.metrics import cpu_has_native_bf16
 from mmldlm.training.optim import STATE_BYTES
 from mmldlm.training.schedules import LRSchedule
+from mmldlm.training.storage import current_run_config, free_bytes
 
 GIB = 2**30
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
@@ -107,12 +107,9 @@ def detect_environment(cfg: RunConfig, nproc_per_node: int | None = None, nnodes
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     # torchrun sets OMP_NUM_THREADS=1 for several processes per node unless it is set already.
     threads = torch.get_num_threads() if nproc == 1 or "OMP_NUM_THREADS" in os.environ else 1
-    where = Path(cfg.train.run_dir).absolute()
-    while not where.exists():
-        where = where.parent
     return Environment(device="cuda" if cuda else "cpu", device_memory_gib=device_memory_gib, cpus=cpus,
                        load=_load_on(cpus) if load is None else load, torch_threads=threads, nproc_per_node=nproc,
-                       nnodes=nodes, free_disk_gib=shutil.disk_usage(where).free / GIB,
+                       nnodes=nodes, free_disk_gib=free_bytes(cfg.train.run_dir) / GIB,
                        fused_adamw=_fused_adamw_works("cuda" if cuda else "cpu"),
                        native_bf16=torch.cuda.is_bf16_supported() if cuda else cpu_has_native_bf16(),
                        environ={k: os.environ[k] for k in NCCL_VARIABLES if k in os.environ})
@@ -610,7 +607,7 @@ def _resume_with_other_length(cfg: RunConfig) -> list[Finding]:
     run_dir = Path(cfg.train.run_dir)
     pointer = run_dir / "checkpoints" / "latest"
     try:
-        before = yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["steps"]
+        before = yaml.safe_load(current_run_config(run_dir).read_text())["train"]["steps"]
         step = int(pointer.read_text().strip().split("-")[1])
     except (OSError, yaml.YAMLError, KeyError, TypeError, IndexError, ValueError):
         return []

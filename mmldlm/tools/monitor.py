@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from mmldlm.tools.health import REMEDIES, Alert, HealthConfig, HealthTracker, finite, memory_of, status_of
+from mmldlm.training.storage import current_run_config
 
 EXIT_HEALTHY, EXIT_WARNING, EXIT_CRITICAL = 0, 1, 2
 STAT_KEYS = ("text_loss", "latent_loss", "accuracy", "lr", "grad_norm", "samples_per_s", "tokens_per_s",
@@ -38,9 +39,10 @@ def metrics_path(target: str | Path) -> Path:
 
 
 def total_steps(run_dir: Path) -> int | None:
-    """train.steps of the run's resolved config (RUN/config.yaml), or None while there is none."""
+    """train.steps of the run's resolved config (RUN/config.yaml, or the one its latest resume
+    wrote), or None while there is none."""
     try:
-        steps = yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["steps"]
+        steps = yaml.safe_load(current_run_config(run_dir).read_text())["train"]["steps"]
     except (OSError, yaml.YAMLError, KeyError, TypeError):
         return None
     return steps if isinstance(steps, int) else None

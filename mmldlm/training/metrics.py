@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from mmldlm.config import LoggingConfig
+from mmldlm.training.storage import WriteError, write_failure
 
 log = logging.getLogger(__name__)
 
@@ -116,14 +117,18 @@ def current_memory_bytes(device: torch.device) -> int:
 
 
 def truncate_lines(path: Path, num_lines: int) -> None:
-    """Keep the first `num_lines` complete lines of `path` (atomically)."""
+    """Keep the first `num_lines` complete lines of `path`, dropping what follows (a line cut by a kill
+    included). One truncate in place: it needs no free space, so a resume on a full disk can do it."""
     if not path.exists():
         return
-    lines = path.read_bytes().split(b"\n")
-    kept = b"".join(line + b"\n" for line in lines[:num_lines] if line)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(kept)
-    tmp.replace(path)
+    data = path.read_bytes()
+    end = 0
+    for _ in range(num_lines):
+        newline = data.find(b"\n", end)
+        if newline < 0:
+            break
+        end = newline + 1
+    os.truncate(path, end)
 
 
 class MetricsLogger:
@@ -136,8 +141,11 @@ class MetricsLogger:
         self._tb = self._wandb = None
         if not enabled:
             return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         truncate_lines(self.path, keep_lines)
-        self._file = open(self.path, "a", encoding="utf-8")
+        # Unbuffered: each record is one write the logger can undo (see `log`).
+        self._file = open(self.path, "ab", buffering=0)
+        self._end = self.path.stat().st_size
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -154,8 +162,16 @@ class MetricsLogger:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()  # a kill -9 loses nothing already logged
+        line = (json.dumps(record) + "\n").encode()
+        try:
+            rest = memoryview(line)
+            while rest:  # unbuffered: a kill -9 loses nothing already logged
+                rest = rest[self._file.write(rest):]
+        except OSError as err:  # a full disk: the line goes whole or not at all
+            os.ftruncate(self._file.fileno(), self._end)
+            raise WriteError(f"{write_failure(err, self.path)} (the record of step {record.get('step')} "
+                             f"was not written; the file ends with the one before)") from err
+        self._end += len(line)
         self.num_lines += 1
         numeric = {k: v for k, v in record.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" and math.isfinite(v)}

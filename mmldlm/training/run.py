@@ -3,15 +3,19 @@ the loop. Used by the command (mmldlm/commands/train.py) under plain python or t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
 import torch
 
-from mmldlm.config import RunConfig, save_config
+from mmldlm.config import RunConfig
+from mmldlm.training.checkpoint import step_dir_name
 from mmldlm.training.distributed import DistInfo, RankTimeout, init_distributed, leave
+from mmldlm.training.storage import CheckpointError, WriteError, save_run_config
 from mmldlm.training.trainer import Trainer, TrainingStopped, seed_everything
 
 log = logging.getLogger(__name__)
@@ -85,25 +89,56 @@ def open_train_data(cfg: RunConfig, info: DistInfo):
     return dataset, make_loader, data_cfg
 
 
-def train(cfg: RunConfig, resume: str | None = None) -> int:
-    """Train `cfg` (resuming per `resume`: None, "auto" or a checkpoint path); returns the exit status."""
+class StartUpInterrupted(Exception):
+    """SIGTERM or SIGINT before the first step: nothing is written, the process leaves with 128 + signum."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def signals_interrupt_start_up():
+    """Until the loop takes signals over (it checkpoints on them), a signal ends the start-up at once."""
+    def interrupt(signum, frame):
+        raise StartUpInterrupted(signum)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def train(cfg: RunConfig, resume: str | None = None, command: str = "mmldlm train") -> int:
+    """Train `cfg` (resuming per `resume`: None, "auto" or a checkpoint path); returns the exit status:
+    0 when train.steps are done, 128 + the signal's number when a signal stopped the run first.
+    `command` is how the run was started, for the line that says how to continue it."""
     if cfg.train.threads is not None:  # before any work; inter-op threads: unused by training, left as they are
         torch.set_num_threads(cfg.train.threads)
     info = init_distributed(cfg.distributed, cfg.train.device)
     setup_logging(info)
     set_deterministic(cfg.train.deterministic)
     run_dir = Path(cfg.train.run_dir)
-    if info.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
     try:
-        dataset, make_loader, data_cfg = open_train_data(cfg, info)
-        seed_everything(cfg.train.seed)  # the same initial weights on every rank (FSDP2 relies on it)
-        model, objective = build_model_and_objective(cfg, dataset)
-        seed_everything(cfg.train.seed + info.rank)  # rank-local randomness (dropout) differs per rank
-        trainer = Trainer(cfg, model, objective, make_loader, info, max_seq_len=data_cfg.max_length)
-        trainer.resume(resume)
+        with signals_interrupt_start_up():
+            dataset, make_loader, data_cfg = open_train_data(cfg, info)
+            seed_everything(cfg.train.seed)  # the same initial weights on every rank (FSDP2 relies on it)
+            model, objective = build_model_and_objective(cfg, dataset)
+            seed_everything(cfg.train.seed + info.rank)  # rank-local randomness (dropout) differs per rank
+            trainer = Trainer(cfg, model, objective, make_loader, info, max_seq_len=data_cfg.max_length)
+            trainer.resume(resume)
+        if info.is_main:  # the run has started: what it runs with is recorded
+            save_run_config(cfg, run_dir, trainer.resumed_from)
         status = trainer.fit()
+    except StartUpInterrupted as err:
+        if info.is_main:
+            print(f"mmldlm train: {err} during start-up, before the first step; nothing was written to {run_dir}",
+                  file=sys.stderr, flush=True)
+        if info.distributed:  # the peers may be inside a start-up collective: do not wait on them
+            os._exit(128 + err.signum)
+        status = 128 + err.signum
     except RankTimeout as err:
         # Do not wait on a process group whose peer is gone: report and leave at once.
         print(f"mmldlm train: {err}", file=sys.stderr, flush=True)
@@ -111,4 +146,17 @@ def train(cfg: RunConfig, resume: str | None = None) -> int:
     except TrainingStopped as err:
         print(f"mmldlm train: {err}", file=sys.stderr, flush=True)
         status = 1
+    except (CheckpointError, WriteError) as err:
+        # A checkpoint no rank can use (rank 0 chose and told the others: all raise it) or a write
+        # that failed on rank 0 (the others see it leave): one line, and no wait on the peers.
+        if info.is_main:
+            print(f"mmldlm train: {err}", file=sys.stderr, flush=True)
+        if info.distributed:
+            os._exit(2)
+        status = 2
+    else:
+        if trainer.stopped_by and info.is_main:
+            print(f"mmldlm train: stopped by {trainer.stopped_by} at step {trainer.step} of {cfg.train.steps} "
+                  f"(exit status {status}); checkpoint {trainer.checkpoints.dir / step_dir_name(trainer.step)} "
+                  f"written. Continue with: {command} --resume auto", file=sys.stderr, flush=True)
     return leave(info, status)

@@ -11,7 +11,8 @@ One optimizer step (`train_step`):
    (`no_sync` before it); the idle output head is anchored into the loss (see parallelize.py).
 4. One all-reduce carries every rank's loss, a non-finite flag and a stop request: if any rank saw
    a non-finite loss or the gradient norm is non-finite, every rank skips the update; a signal on
-   any rank makes every rank checkpoint at the same step and exit.
+   any rank before that all-reduce makes every rank checkpoint at the end of this step and exit
+   with status 128 + the signal's number.
 5. Clip, step, log, checkpoint (with optim.step_in_backward each parameter is stepped inside
    backward instead).
 """
@@ -37,8 +38,9 @@ from mmldlm.config import ConfigError, RunConfig
 from mmldlm.training.checkpoint import CheckpointManager
 from mmldlm.training.distributed import DistInfo, collective_guard
 from mmldlm.training.ema import WeightEMA
+from mmldlm.training.storage import CheckpointError, WriteError
 from mmldlm.training.metrics import MetricsLogger, cpu_has_native_bf16, memory_stats, peak_flops
-from mmldlm.training.optim import build_optimizer
+from mmldlm.training.optim import STATE_BYTES, build_optimizer
 from mmldlm.training.parallelize import anchor, apply_fsdp, no_grad_sync, parallelize, uses_anchor
 from mmldlm.training.profiler import profiler_window
 from mmldlm.training.schedules import LRSchedule
@@ -133,6 +135,7 @@ class _StopRequest:
 
     def __init__(self):
         self.requested = False
+        self.signum: int | None = None
         self._previous = {}
 
     def __enter__(self):
@@ -144,6 +147,7 @@ class _StopRequest:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = True
+        self.signum = signum
         log.warning("received %s: checkpointing at the end of this step, then exiting", signal.Signals(signum).name)
 
     def __exit__(self, *exc):
@@ -198,6 +202,8 @@ class Trainer:
         self.consecutive_skips = 0
         self.metrics: MetricsLogger | None = None
         self._last_saved = -1
+        self.resumed_from: Path | None = None  # the checkpoint `resume` loaded
+        self.stopped_by: str | None = None  # the signal's name when a signal ended fit() early
         # Every accumulation split of every scheduled batch size must be valid before step 0.
         for i, (_, size) in enumerate(cfg.train.batch_schedule):
             accumulation_steps(size, self.micro_batch_size, info.world_size, f"train.batch_schedule[{i}]")
@@ -341,13 +347,14 @@ class Trainer:
 
     # ---------------------------------------------------------------- state
 
-    def resume(self, spec: str | None) -> None:
-        """Restore from a checkpoint ("auto": `latest` if any) and open metrics.jsonl accordingly."""
-        path = self.checkpoints.resolve(spec)
+    def resume(self, resume: str | None) -> None:
+        """Restore from a checkpoint ("auto": the newest that verifies, if any), set aside the
+        checkpoints of an abandoned continuation, and open metrics.jsonl accordingly."""
+        path = self.checkpoints.resolve(resume)
         keep_lines = 0
         if path is None and self.checkpoints.steps():
-            raise RuntimeError(f"{self.checkpoints.dir} already holds checkpoints; pass --resume auto to "
-                               f"continue that run, or choose another train.run_dir")
+            raise CheckpointError(f"{self.checkpoints.dir} already holds checkpoints; pass --resume auto to "
+                                  f"continue that run, or choose another train.run_dir")
         if path is not None:
             meta, state, rank_state = self.checkpoints.load(path, self.model, self.optimizer, self.ema)
             self.step = state["step"]
@@ -361,8 +368,14 @@ class Trainer:
             set_rng_state(rank_state["rng"])
             keep_lines = meta["metrics_lines"]
             self._last_saved = self.step
+            self.checkpoints.continue_from(path, self.step)
+            self.resumed_from = path
             if self.info.is_main:
                 log.info("resumed from %s at step %d", path, self.step)
+        # fp32 weights, AdamW's moments, the EMA's fp32 copy: what a checkpoint of this run takes
+        bytes_per_param = 4 + STATE_BYTES[self.cfg.optim.state_dtype] + (4 if self.ema is not None else 0)
+        self.checkpoints.warn_if_retention_cannot_fit(
+            int(bytes_per_param * sum(p.numel() for p in self.raw_model.parameters())))
         self.metrics = MetricsLogger(self.run_dir, self.cfg.logging, self.info.is_main, keep_lines)
 
     def save(self, blocking: bool = False) -> None:
@@ -408,10 +421,11 @@ class Trainer:
         # forward, so the cache saves no cast. Small preset, micro-batch 48: 2.21 vs 2.46 GiB peak RSS.
         return torch.autocast(self.device.type, dtype=dtype, cache_enabled=False)
 
-    def train_step(self, stop_requested: bool = False) -> dict:
+    def train_step(self, stop: _StopRequest | None = None) -> dict:
         """One optimizer step; returns the step's record (losses averaged over all ranks). The story:
         forward + backward over the micro-batches, the gradient norm (and clipping), the ranks' totals
-        in one all-reduce, the update (or a skip), the record."""
+        in one all-reduce, the update (or a skip), the record. A stop requested before the all-reduce
+        marks this step's record `stop_requested`."""
         started = time.perf_counter()
         step = self.step
         global_batch = self.global_batch_at(step)
@@ -424,7 +438,7 @@ class Trainer:
         lr = self.schedule.apply(self.optimizer, step)
 
         totals = self._forward_backward(mode, idle, num_accum)
-        totals.stop = float(stop_requested)
+        totals.stop = float(stop is not None and stop.requested)
         for p in idle:  # AdamW must not move the idle head (its gradient is an anchored zero or None)
             p.grad = None
         grad_norm = self._gradient_norm()
@@ -564,7 +578,8 @@ class Trainer:
     # ---------------------------------------------------------------- the loop
 
     def fit(self) -> int:
-        """Train to train.steps (or until a signal); returns the process exit status."""
+        """Train to train.steps; returns the process exit status: 0, or 128 + the signal's number
+        when a signal stopped the run early (its checkpoint written, `stopped_by` naming it)."""
         cfg, info = self.cfg, self.info
         if self.metrics is None:
             self.resume(None)
@@ -578,14 +593,15 @@ class Trainer:
             with _StopRequest() as stop, profiler_window(cfg.perf.profiler, self.run_dir, self.device,
                                                          info.rank) as profiler:
                 while self.step < total:
-                    record = self.train_step(stop.requested)
+                    record = self.train_step(stop)
+                    self.checkpoints.raise_background_error()
                     if profiler is not None:
                         profiler.step()
                     if record["skipped"] and info.is_main:
                         log.warning("step %d: non-finite loss or gradient norm on some rank; update skipped "
                                     "(%d in a row)", record["step"], self.consecutive_skips)
                     if self.consecutive_skips >= cfg.train.max_consecutive_skips:
-                        self.metrics.log(self._with_memory(record))
+                        self._log(self._with_memory(record))
                         raise TrainingStopped(
                             f"{self.consecutive_skips} consecutive updates were skipped because the loss or "
                             f"gradient norm was not finite (train.max_consecutive_skips="
@@ -593,17 +609,17 @@ class Trainer:
                             f"in {self.checkpoints.dir} are untouched: lower optim.lr, check the data, or "
                             f"resume from an earlier one with --resume PATH")
                     if self.step % cfg.train.log_every == 0 or self.step in (1, total) or record["stop_requested"]:
-                        self.metrics.log(self._with_memory(record))
+                        self._log(self._with_memory(record))
                     if bar is not None:
                         bar.update(1)
                         bar.set_postfix(loss=f"{record['loss']:.4f}", mode=record["mode"],
                                         samples_s=f"{record['samples_per_s']:.1f}", refresh=False)
-                    if record["stop_requested"]:
+                    if record["stop_requested"] and self.step < total:  # at the last step: the run is done
                         self.save(blocking=True)
-                        if info.is_main:
-                            log.warning("stopped by signal at step %d; checkpoint written, resume with --resume auto",
-                                        self.step)
-                        return 0
+                        # A rank that did not receive the signal itself stops as for the usual SIGTERM.
+                        signum = stop.signum or signal.SIGTERM
+                        self.stopped_by = signal.Signals(signum).name
+                        return 128 + signum
                     if cfg.eval.every and self.step % cfg.eval.every == 0:
                         self._evaluate()
                     if self.step % cfg.checkpoint.every == 0:
@@ -623,7 +639,13 @@ class Trainer:
 
         record = evaluate_during_training(self)
         if record is not None:
+            self._log(record)
+
+    def _log(self, record: dict) -> None:
+        try:
             self.metrics.log(record)
+        except WriteError as err:
+            raise WriteError(f"{err}; {self.checkpoints.last_good()}") from err
 
     def _with_memory(self, record: dict) -> dict:
         return {**record, **memory_stats(self.device)}

@@ -1,0 +1,66 @@
+"""A run's files on disk: its config files, the errors the user acts on (`mmldlm` prints each as one
+line, exit status 2), what a failed write says, and the free space where a path is or will be.
+Imports nothing heavy, so the command line and the monitor use it without loading torch."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+from mmldlm.config import RunConfig, save_config
+from mmldlm.errors import UserError
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint that cannot be used: not a checkpoint, incomplete, corrupt, from another world size."""
+
+
+class WriteError(UserError, RuntimeError):
+    """A run file (checkpoint, metrics.jsonl) could not be written whole; what was half-written is removed."""
+
+
+def save_run_config(cfg: RunConfig, run_dir: Path, resumed_from: Path | None) -> None:
+    """RUN/config.yaml is the config the run started with and stays so: a resume from checkpoint
+    step-N that finds it writes its own beside it, config.resume-step-N.yaml. What each checkpoint
+    was trained with is never lost (every checkpoint also holds its config.yaml)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.yaml"
+    if resumed_from is not None and path.exists():
+        path = run_dir / f"config.resume-{resumed_from.name}.yaml"
+    save_config(cfg, path)
+
+
+def current_run_config(run_dir: Path) -> Path:
+    """The config of the run's latest start: the config.resume-*.yaml written last, else config.yaml."""
+    resumes = sorted(run_dir.glob("config.resume-*.yaml"), key=lambda p: p.stat().st_mtime_ns)
+    return resumes[-1] if resumes else run_dir / "config.yaml"
+
+
+def free_bytes(path: str | Path) -> int:
+    """Free bytes on the filesystem that holds `path`, or will hold it (its nearest existing parent)."""
+    where = Path(path).absolute()
+    while not where.exists():
+        where = where.parent
+    return shutil.disk_usage(where).free
+
+
+def _mount_point(path: Path) -> Path:
+    path = Path(os.path.abspath(path))
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _is_disk_full(err: BaseException) -> bool:
+    """An OSError with ENOSPC, or safetensors' error, which carries the OS error only in its text
+    ('IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })')."""
+    return getattr(err, "errno", None) == errno.ENOSPC or os.strerror(errno.ENOSPC) in str(err)
+
+
+def write_failure(err: BaseException, path: Path) -> str:
+    """What went wrong writing `path`, in the user's words: a full disk is named as such, with its mount."""
+    if _is_disk_full(err):
+        return f"no space left on device {_mount_point(path)} while writing {path}"
+    return f"writing {path} failed: {err}"

@@ -1,0 +1,90 @@
+"""`mmldlm train` at the edges of starting, resuming and stopping, in this process on the tiny
+preset: a failed start leaves no trace, each resume keeps its config, a signal during start-up or
+training ends with one line and a status that says the run is not done."""
+
+import os
+import signal
+
+import pytest
+import yaml
+
+from data_support import prepared
+from mmldlm import cli
+from mmldlm.tools.monitor import total_steps
+from mmldlm.training import run as run_module
+from mmldlm.training.trainer import Trainer
+
+TINY = ["model=tiny", "train.micro_batch_size=2", "train.global_batch_size=2", "train.log_every=1",
+        "logging.progress_bar=false", "schedule.warmup_steps=1", "checkpoint.every=2", "data.num_workers=0"]
+
+
+@pytest.fixture
+def train(tmp_path_factory, tmp_path, capsys):
+    """mmldlm train on the small prepared corpus into tmp_path/run: (exit status, stderr lines)."""
+    data = prepared(tmp_path_factory)
+
+    def run(*args, steps=4):
+        overrides = [*TINY, f"train.steps={steps}", f"data.path={data}", f"train.run_dir={tmp_path / 'run'}"]
+        status = cli.main(["train", *overrides, *args])
+        return status, capsys.readouterr().err.strip().splitlines()
+
+    run.data = data
+    return run
+
+
+def steps_in(config_file):
+    return yaml.safe_load(config_file.read_text())["train"]["steps"]
+
+
+def test_a_failed_start_leaves_no_trace_and_each_resume_keeps_its_config(train, tmp_path):
+    run_dir = tmp_path / "run"
+    status, err = train("--resume", str(tmp_path / "nope"))
+    assert status == 2 and err[-1].startswith(f"mmldlm train: --resume {tmp_path / 'nope'}: no such directory")
+    assert not run_dir.exists()  # no config.yaml, no empty checkpoints/
+
+    assert train()[0] == 0
+    (tmp_path / "not-a-checkpoint").mkdir()
+    status, err = train("--resume", str(tmp_path / "not-a-checkpoint"), steps=6)
+    assert status == 2 and f"{tmp_path / 'not-a-checkpoint'}/meta.json is missing" in err[-1]
+    assert steps_in(run_dir / "config.yaml") == 4 and not list(run_dir.glob("config.resume-*"))
+
+    assert train("--resume", "auto", steps=6)[0] == 0
+    assert steps_in(run_dir / "config.yaml") == 4  # what the first checkpoints were trained with
+    assert steps_in(run_dir / "config.resume-step-0000004.yaml") == 6
+    assert total_steps(run_dir) == 6  # the monitor knows when the resumed run is complete
+
+
+def test_sigterm_during_start_up_exits_143_saying_nothing_was_written(train, tmp_path, monkeypatch):
+    real_open = run_module.open_train_data
+
+    def signal_while_opening_the_data(*args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_open(*args)
+
+    monkeypatch.setattr(run_module, "open_train_data", signal_while_opening_the_data)
+    status, err = train()
+    assert status == 128 + signal.SIGTERM
+    assert err[-1] == (f"mmldlm train: SIGTERM during start-up, before the first step; nothing was written to "
+                       f"{tmp_path / 'run'}")
+    assert not (tmp_path / "run").exists()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_run_stopped_by_a_signal_exits_143_and_ends_with_how_to_continue(train, tmp_path, monkeypatch):
+    real_step = Trainer.train_step
+
+    def signal_during_step_3(self, stop=None):
+        if self.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(self, stop)
+
+    monkeypatch.setattr(Trainer, "train_step", signal_during_step_3)
+    status, err = train(steps=10)
+    assert status == 143
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-0000003"
+    assert err[-1].startswith(f"mmldlm train: stopped by SIGTERM at step 3 of 10 (exit status 143); checkpoint "
+                              f"{checkpoint} written. Continue with: mmldlm train --config default model=tiny ")
+    assert err[-1].endswith(f" train.steps=10 data.path={train.data} train.run_dir={tmp_path / 'run'} --resume auto")
+    assert (checkpoint / "meta.json").is_file()
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    assert train("--resume", "auto", steps=10)[0] == 0
