@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test train clean
+.PHONY: install lint test train clean
 
 install: $(STAMP)
 
@@ -15,7 +15,12 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet -r requirements.txt -e .
 	touch $(STAMP)
 
-test: install
+# Formatting and lint rules: pyproject.toml [tool.ruff]. `ruff format .` fixes the first.
+lint: install
+	$(VENV)/bin/ruff format --check --quiet .
+	$(VENV)/bin/ruff check --quiet .
+
+test: lint
 	$(PY) -m pytest -q
 
 # The main job: prepare the bundled corpus (first time only, cached), train configs/default.yaml

@@ -26,15 +26,19 @@ COMMANDS = {
     "check": ("check", "audit a config and its environment for critical issues; --fix writes a corrected config"),
     "sample": ("sample", "text from latents (l2t), latents from text (t2l) or both (joint) from a trained run"),
     "eval": ("evaluate", "validation ELBO per mode, l2t reconstruction and t2l retrieval of a trained run"),
-    "export": ("export", "a trained model as a self-contained folder (config.json, model.safetensors, tokenizer, "
-                         "model card) for MMLDLM.from_pretrained"),
+    "export": (
+        "export",
+        "a trained model as a self-contained folder (config.json, model.safetensors, tokenizer, "
+        "model card) for MMLDLM.from_pretrained",
+    ),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmldlm", description="MM-LDLM: multimodal latent diffusion language models")
-    parser.add_argument("--debug", action="store_true",
-                        help="show the traceback of an input error too (also MMLDLM_DEBUG=1)")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of an input error too (also MMLDLM_DEBUG=1)"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(f"mmldlm.commands.{module_name}")

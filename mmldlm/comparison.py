@@ -3,14 +3,18 @@
 
 Its switches, and where the core consults each (every such line says "comparison recipe"):
 
-| switch | what it does | consulted in |
-|---|---|---|
-| model.attention=explicit | `explicit_attention`: materialises the (Sq, S) score matrix per head | model/mmdit.py `attend` |
-| perf.refreeze_every_step | `refreeze`: requires_grad set on every parameter at every step | training/trainer.py `train_step` |
-| latent_diffusion.loss=normalized_mse | `normalized_mse`: MSE of L2-normalised vectors, ~1/D in scale | diffusion/gaussian.py `loss` |
-| optim.fused=false, optim.foreach=false | torch AdamW's own per-parameter loop (no code here) | training/optim.py |
-| distributed.find_unused_parameters=true | DDP's autograd-graph walk every step (no code here) | training/parallelize.py |
-| train.precision=fp32, data loader settings | ordinary config values (no code here) | |
+    model.attention=explicit           `explicit_attention`: the (Sq, S) score matrix materialised per head;
+                                       model/mmdit.py `attend`
+    perf.refreeze_every_step           `refreeze`: requires_grad set on every parameter at every step;
+                                       training/trainer.py `train_step`
+    latent_diffusion.loss=normalized_mse
+                                       `normalized_mse`: MSE of L2-normalised vectors, ~1/D in scale;
+                                       diffusion/gaussian.py `loss`
+    optim.fused=false, optim.foreach=false
+                                       torch AdamW's own per-parameter loop (no code here); training/optim.py
+    distributed.find_unused_parameters=true
+                                       DDP's autograd-graph walk every step (no code here); training/parallelize.py
+    train.precision=fp32, the loader   ordinary config values (no code here)
 
 The optimized path of each lives where it is consulted; only the comparison's own code is here.
 """

@@ -79,17 +79,26 @@ class ModelConfig:
     norm_eps: float = 1e-6
 
     def check(self, prefix: str = "model") -> None:
-        for key in ("hidden_size", "num_blocks", "num_heads", "max_seq_len", "latent_dim",
-                    "num_latents", "timestep_embed_dim"):
+        for key in (
+            "hidden_size",
+            "num_blocks",
+            "num_heads",
+            "max_seq_len",
+            "latent_dim",
+            "num_latents",
+            "timestep_embed_dim",
+        ):
             if getattr(self, key) < 1:
                 _fail(f"{prefix}.{key}", getattr(self, key), "an integer >= 1")
         if self.hidden_size % self.num_heads:
-            _fail(f"{prefix}.hidden_size", self.hidden_size,
-                  f"a multiple of {prefix}.num_heads={self.num_heads}")
+            _fail(f"{prefix}.hidden_size", self.hidden_size, f"a multiple of {prefix}.num_heads={self.num_heads}")
         head_dim = self.hidden_size // self.num_heads
         if self.pos_embedding == "rope" and head_dim % 2:
-            _fail(f"{prefix}.num_heads", self.num_heads,
-                  f"a head count giving an even head dim for RoPE (hidden_size/num_heads = {head_dim})")
+            _fail(
+                f"{prefix}.num_heads",
+                self.num_heads,
+                f"a head count giving an even head dim for RoPE (hidden_size/num_heads = {head_dim})",
+            )
         if self.timestep_embed_dim % 2:
             _fail(f"{prefix}.timestep_embed_dim", self.timestep_embed_dim, "an even integer")
         if self.vocab_size is not None and self.vocab_size < 3:
@@ -150,8 +159,11 @@ class LatentDiffusionConfig:
         if self.min_snr_gamma <= 0:
             _fail(f"{prefix}.min_snr_gamma", self.min_snr_gamma, "a number > 0")
         if self.loss_weighting != "none" and self.loss != "mse":
-            _fail(f"{prefix}.loss_weighting", self.loss_weighting,
-                  f"'none' with {prefix}.loss={self.loss!r} (weighting over t applies to the mse loss)")
+            _fail(
+                f"{prefix}.loss_weighting",
+                self.loss_weighting,
+                f"'none' with {prefix}.loss={self.loss!r} (weighting over t applies to the mse loss)",
+            )
         if self.num_sampling_steps < 1:
             _fail(f"{prefix}.num_sampling_steps", self.num_sampling_steps, "an integer >= 1")
 
@@ -186,8 +198,13 @@ class ObjectiveConfig:
         if self.mode == "sequential":
             last = -1
             for i, entry in enumerate(self.mode_schedule):
-                ok = (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], int)
-                      and not isinstance(entry[0], bool) and entry[1] in MODES)
+                ok = (
+                    isinstance(entry, (list, tuple))
+                    and len(entry) == 2
+                    and isinstance(entry[0], int)
+                    and not isinstance(entry[0], bool)
+                    and entry[1] in MODES
+                )
                 if not ok:
                     _fail(f"{prefix}.mode_schedule[{i}]", entry, f"[step, mode] with mode in {MODES}")
                 if entry[0] <= last:
@@ -213,9 +230,13 @@ class ObjectiveConfig:
 class DataConfig:
     """The prepared dataset and its loader (see mmldlm/data/dataset.py and `mmldlm prepare`)."""
 
-    path: str | None = None  # a prepared dataset directory; null: the bundled default corpus, prepared once into cache_dir
+    path: str | None = (
+        None  # a prepared dataset directory; null: the bundled default corpus, prepared once into cache_dir
+    )
     cache_dir: str | None = None  # null: $MMLDLM_CACHE, else ~/.cache/mmldlm
-    max_length: int | None = None  # tokens per sample, longer ones cut; null: model.max_seq_len (rounded down to pad_to_multiple)
+    max_length: int | None = (
+        None  # tokens per sample, longer ones cut; null: model.max_seq_len (rounded down to pad_to_multiple)
+    )
     pad_to_multiple: int = 8  # batch length rounded up to this; 64 bounds the shapes torch.compile sees
     num_workers: int | None = None  # null: min(8, cpus // local ranks)
     prefetch_factor: int | None = 4  # batches each worker keeps ready; null: torch's default (2)
@@ -237,8 +258,11 @@ class DataConfig:
         if self.pad_to_multiple < 1:
             _fail(f"{prefix}.pad_to_multiple", self.pad_to_multiple, "an integer >= 1")
         if self.max_length is not None and (self.max_length < 1 or self.max_length % self.pad_to_multiple):
-            _fail(f"{prefix}.max_length", self.max_length,
-                  f"null or a positive multiple of {prefix}.pad_to_multiple={self.pad_to_multiple}")
+            _fail(
+                f"{prefix}.max_length",
+                self.max_length,
+                f"null or a positive multiple of {prefix}.pad_to_multiple={self.pad_to_multiple}",
+            )
         if self.num_workers is not None and self.num_workers < 0:
             _fail(f"{prefix}.num_workers", self.num_workers, "null (automatic) or an integer >= 0")
         if self.bucket_batches < 1:
@@ -252,7 +276,9 @@ class DataConfig:
         if self.max_samples is not None and self.max_samples < 2:
             _fail(f"{prefix}.max_samples", self.max_samples, "null (the whole corpus) or an integer >= 2")
         if not self.encoder:
-            _fail(f"{prefix}.encoder", self.encoder, "a registered encoder name or a local sentence-transformers folder")
+            _fail(
+                f"{prefix}.encoder", self.encoder, "a registered encoder name or a local sentence-transformers folder"
+            )
 
 
 # --- training sections ---
@@ -284,9 +310,12 @@ class OptimConfig:
 
     def check(self, prefix: str = "optim") -> None:
         if self.step_in_backward and self.grad_clip > 0:
-            _fail(f"{prefix}.grad_clip", self.grad_clip,
-                  f"0 with {prefix}.step_in_backward=true (each parameter is updated before the global gradient "
-                  f"norm that clipping needs is known; or set {prefix}.step_in_backward=false)")
+            _fail(
+                f"{prefix}.grad_clip",
+                self.grad_clip,
+                f"0 with {prefix}.step_in_backward=true (each parameter is updated before the global gradient "
+                f"norm that clipping needs is known; or set {prefix}.step_in_backward=false)",
+            )
         if self.lr <= 0:
             _fail(f"{prefix}.lr", self.lr, "a number > 0")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
@@ -393,14 +422,20 @@ class TrainConfig:
         if self.micro_batch_size < 1:
             _fail(f"{prefix}.micro_batch_size", self.micro_batch_size, "an integer >= 1 or auto")
         if self.global_batch_size % self.micro_batch_size:
-            _fail(f"{prefix}.global_batch_size", self.global_batch_size,
-                  f"a multiple of {prefix}.micro_batch_size={self.micro_batch_size}")
+            _fail(
+                f"{prefix}.global_batch_size",
+                self.global_batch_size,
+                f"a multiple of {prefix}.micro_batch_size={self.micro_batch_size}",
+            )
         last = -1
         for i, entry in enumerate(self.batch_schedule):
             if len(entry) != 2 or entry[0] <= last or entry[1] < 1 or entry[1] % self.micro_batch_size:
-                _fail(f"{prefix}.batch_schedule[{i}]", entry,
-                      f"[step, global_batch_size] with steps increasing and sizes multiples of "
-                      f"{prefix}.micro_batch_size={self.micro_batch_size}")
+                _fail(
+                    f"{prefix}.batch_schedule[{i}]",
+                    entry,
+                    f"[step, global_batch_size] with steps increasing and sizes multiples of "
+                    f"{prefix}.micro_batch_size={self.micro_batch_size}",
+                )
             last = entry[0]
         if self.batch_schedule and self.batch_schedule[0][0] != 0:
             _fail(f"{prefix}.batch_schedule", self.batch_schedule, "a list whose first entry starts at step 0")
@@ -543,8 +578,12 @@ class RunConfig:
             if hasattr(section, "check"):
                 section.check(f.name)
         if self.optim.step_in_backward and self.train.precision == "fp16":
-            _fail("optim.step_in_backward", True, "false with train.precision=fp16 (the loss scaler unscales and "
-                  "checks every gradient before any update); use bf16, fp32 or auto")
+            _fail(
+                "optim.step_in_backward",
+                True,
+                "false with train.precision=fp16 (the loss scaler unscales and "
+                "checks every gradient before any update); use bf16, fp32 or auto",
+            )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from mmldlm.errors import OptionError
 
 
 def pick_device(kind: str, key: str = "config key 'train.device'") -> torch.device:
-    """"auto": cuda:LOCAL_RANK when CUDA is present, else the CPU; "cuda": cuda:LOCAL_RANK; "cuda:N"
+    """ "auto": cuda:LOCAL_RANK when CUDA is present, else the CPU; "cuda": cuda:LOCAL_RANK; "cuda:N"
     and "cpu" as given. Asking for CUDA where there is none is an OptionError naming `key` (the config
     key or command-line option the value came from)."""
     if kind == "auto":

@@ -36,8 +36,14 @@ from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion, rng
 class Objective:
     """Loss of one micro-batch in the mode of its step; see the module docstring."""
 
-    def __init__(self, cfg: ObjectiveConfig, text: MaskedDiffusion, latent: GaussianDiffusion,
-                 self_condition: bool = False, length_head: bool = False):
+    def __init__(
+        self,
+        cfg: ObjectiveConfig,
+        text: MaskedDiffusion,
+        latent: GaussianDiffusion,
+        self_condition: bool = False,
+        length_head: bool = False,
+    ):
         self.cfg = cfg
         self.text = text
         self.latent = latent
@@ -119,10 +125,22 @@ class Objective:
             t_text = drop.float()  # all masked = time 1
 
         self_cond = None
-        if self.self_condition and latent_on and rng.uniform(1, device, generator).item() < self.cfg.self_condition_prob:
+        if (
+            self.self_condition
+            and latent_on
+            and rng.uniform(1, device, generator).item() < self.cfg.self_condition_prob
+        ):
             with torch.no_grad():
-                first = model(text_in, latent_in, t_text, t_latent, text_pad_mask=pad_mask,
-                              latent_null=latent_null, text_head=False, latent_head=True).latent
+                first = model(
+                    text_in,
+                    latent_in,
+                    t_text,
+                    t_latent,
+                    text_pad_mask=pad_mask,
+                    latent_null=latent_null,
+                    text_head=False,
+                    latent_head=True,
+                ).latent
                 self_cond, _ = self.latent.predict_x0_eps(first.float(), latent_in, t_latent)
 
         # The text head runs only where the loss reads it: the masked non-pad positions.
@@ -130,8 +148,18 @@ class Objective:
         extra = {"latent_self_cond": self_cond} if self.self_condition else {}
         if self.length_head:
             extra["length_from"] = latents  # every step, from the clean latents
-        out = model(text_in, latent_in, t_text, t_latent, text_pad_mask=pad_mask, latent_null=latent_null,
-                    text_head=text_on, latent_head=latent_on, text_rows=rows, **extra)
+        out = model(
+            text_in,
+            latent_in,
+            t_text,
+            t_latent,
+            text_pad_mask=pad_mask,
+            latent_null=latent_null,
+            text_head=text_on,
+            latent_head=latent_on,
+            text_rows=rows,
+            **extra,
+        )
 
         metrics: dict = {"mode": mode}
         loss = 0.0
@@ -159,8 +187,9 @@ def text_lengths(tokens: torch.Tensor, pad_mask: torch.Tensor | None) -> torch.T
     return pad_mask.sum(dim=1)
 
 
-def length_loss_and_accuracy(length_logits: torch.Tensor, tokens: torch.Tensor,
-                             pad_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def length_loss_and_accuracy(
+    length_logits: torch.Tensor, tokens: torch.Tensor, pad_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of the length head's (B, max_seq_len) logits over lengths 1..max_seq_len against the
     batch's text lengths, and the accuracy of its argmax (detached)."""
     target = text_lengths(tokens, pad_mask).clamp(1, length_logits.shape[1]) - 1  # (B,) class index

@@ -36,9 +36,20 @@ def bench_tokenize(args) -> None:
     ids = tok.encode_texts(tokenizer, texts)
     encode_s = time.perf_counter() - start
     num_tokens = sum(map(len, ids))
-    print(json.dumps({"measure": "tokenize", "samples": len(texts), "tokens": num_tokens, "vocab_size": args.vocab_size,
-                      "bpe_train_s": round(train_s, 2), "encode_s": round(encode_s, 2),
-                      "tokens_per_s": round(num_tokens / encode_s), "mean_tokens_per_sample": round(num_tokens / len(texts), 2)}))
+    print(
+        json.dumps(
+            {
+                "measure": "tokenize",
+                "samples": len(texts),
+                "tokens": num_tokens,
+                "vocab_size": args.vocab_size,
+                "bpe_train_s": round(train_s, 2),
+                "encode_s": round(encode_s, 2),
+                "tokens_per_s": round(num_tokens / encode_s),
+                "mean_tokens_per_sample": round(num_tokens / len(texts), 2),
+            }
+        )
+    )
 
 
 def bench_encode(args) -> None:
@@ -49,13 +60,24 @@ def bench_encode(args) -> None:
     texts = default_texts()
     texts = [texts[i] for i in np.random.default_rng(0).choice(len(texts), args.num_sentences, replace=False)]
     encoder = load_encoder(device=args.device)
-    encoder.encode(texts[:args.batch_size], args.batch_size)  # warm-up
+    encoder.encode(texts[: args.batch_size], args.batch_size)  # warm-up
     start = time.perf_counter()
     encoder.encode(texts, args.batch_size)
     seconds = time.perf_counter() - start
-    print(json.dumps({"measure": "encode", "encoder": encoder.name, "device": args.device, "threads": torch.get_num_threads(),
-                      "sentences": len(texts), "batch_size": args.batch_size, "seconds": round(seconds, 2),
-                      "sentences_per_s": round(len(texts) / seconds, 1)}))
+    print(
+        json.dumps(
+            {
+                "measure": "encode",
+                "encoder": encoder.name,
+                "device": args.device,
+                "threads": torch.get_num_threads(),
+                "sentences": len(texts),
+                "batch_size": args.batch_size,
+                "seconds": round(seconds, 2),
+                "sentences_per_s": round(len(texts) / seconds, 1),
+            }
+        )
+    )
 
 
 def bench_load(args) -> None:
@@ -64,8 +86,13 @@ def bench_load(args) -> None:
 
     dataset = open_dataset(args.data, "train")
     for workers in args.num_workers:
-        cfg = DataConfig(path=args.data, num_workers=workers, pad_to_multiple=args.pad_to_multiple, pin_memory=False,
-                         prefetch_factor=4 if workers else None)
+        cfg = DataConfig(
+            path=args.data,
+            num_workers=workers,
+            pad_to_multiple=args.pad_to_multiple,
+            pin_memory=False,
+            prefetch_factor=4 if workers else None,
+        )
         loader = build_loader(dataset, cfg, args.batch_size, seed=0)
         batches, tokens = 0, 0
         it = iter(loader)
@@ -80,11 +107,21 @@ def bench_load(args) -> None:
             else:
                 it = iter(loader)
         seconds = time.perf_counter() - start
-        print(json.dumps({"measure": "load", "data": args.data, "num_workers": workers, "batch_size": args.batch_size,
-                          "batches": batches, "seconds": round(seconds, 2),
-                          "samples_per_s": round(batches * args.batch_size / seconds),
-                          "padded_tokens_per_s": round(tokens / seconds),
-                          "ms_per_batch": round(1000 * seconds / batches, 3)}))
+        print(
+            json.dumps(
+                {
+                    "measure": "load",
+                    "data": args.data,
+                    "num_workers": workers,
+                    "batch_size": args.batch_size,
+                    "batches": batches,
+                    "seconds": round(seconds, 2),
+                    "samples_per_s": round(batches * args.batch_size / seconds),
+                    "padded_tokens_per_s": round(tokens / seconds),
+                    "ms_per_batch": round(1000 * seconds / batches, 3),
+                }
+            )
+        )
 
 
 def main() -> None:

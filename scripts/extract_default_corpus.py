@@ -28,7 +28,7 @@ def gloss_texts(gloss: str) -> list[str]:
     """The definition and the usage examples of one gloss, whitespace-normalised."""
     definition = gloss.split('; "', 1)[0].strip().strip(';"').strip()
     # Attributions after an example ("..."- Henry Miller) lie outside the quotes and are dropped.
-    texts = [definition] + EXAMPLE.findall(gloss[len(definition):])
+    texts = [definition] + EXAMPLE.findall(gloss[len(definition) :])
     return [" ".join(t.split()) for t in texts]
 
 
@@ -65,9 +65,12 @@ def main() -> None:
     payload = ("\n".join(texts) + "\n").encode("utf-8")
     with open(args.out, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=9, mtime=0) as f:
         f.write(payload)
-    print(f"{args.out}: {len(texts)} samples kept of {counts['read']} "
-          f"({counts['malformed']} malformed, {counts['too_short']} too short, {counts['too_long']} too long, {counts['duplicate']} duplicates); "
-          f"{len(payload)} bytes, {args.out.stat().st_size} gzipped")
+    print(
+        f"{args.out}: {len(texts)} samples kept of {counts['read']} "
+        f"({counts['malformed']} malformed, {counts['too_short']} too short, {counts['too_long']} too long, "
+        f"{counts['duplicate']} duplicates); "
+        f"{len(payload)} bytes, {args.out.stat().st_size} gzipped"
+    )
 
 
 if __name__ == "__main__":

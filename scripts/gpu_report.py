@@ -24,12 +24,18 @@ def device_line() -> str:
         return f"no CUDA device; torch {torch.__version__}"
     props = torch.cuda.get_device_properties(0)
     try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=30).stdout.strip()
+        driver = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         driver = "unknown"
-    return (f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs; "
-            f"driver {driver}; torch {torch.__version__} (CUDA {torch.version.cuda})")
+    return (
+        f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs; "
+        f"driver {driver}; torch {torch.__version__} (CUDA {torch.version.cuda})"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,10 +48,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from mmldlm.tools.bench import markdown
 
-    lines = [f"## Report of `scripts/gpu_suite.sh` ({datetime.date.today().isoformat()})", "",
-             "Written by `bash scripts/gpu_suite.sh`"
-             + (f" in {args.seconds // 60} min {args.seconds % 60} s" if args.seconds else "") + ".", "",
-             f"Device: {device_line()}.", ""]
+    lines = [
+        f"## Report of `scripts/gpu_suite.sh` ({datetime.date.today().isoformat()})",
+        "",
+        "Written by `bash scripts/gpu_suite.sh`"
+        + (f" in {args.seconds // 60} min {args.seconds % 60} s" if args.seconds else "")
+        + ".",
+        "",
+        f"Device: {device_line()}.",
+        "",
+    ]
     if args.tests:
         log = Path(args.tests).read_text().strip().splitlines()
         lines += ["### CUDA tests (`pytest -m cuda`)", "", "```", log[-1] if log else "(no output)", "```", ""]
@@ -60,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     text = out.read_text() if out.exists() else ""
     if START in text and END in text:
-        text = text[:text.index(START) + len(START)] + "\n" + body + text[text.index(END):]
+        text = text[: text.index(START) + len(START)] + "\n" + body + text[text.index(END) :]
     else:
         text = f"# GPU benchmarks\n\n{START}\n{body}{END}\n"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -33,18 +33,28 @@ def main(argv: list[str] | None = None) -> int:
 
     for name in configs:
         with tempfile.TemporaryDirectory() as run_dir:
-            _, info, trainer, _ = build_trainer(name, [*overrides, f"train.micro_batch_size={args.micro_batch}",
-                                                       f"train.global_batch_size={args.micro_batch}",
-                                                       "data.num_workers=0"], run_dir)
+            _, info, trainer, _ = build_trainer(
+                name,
+                [
+                    *overrides,
+                    f"train.micro_batch_size={args.micro_batch}",
+                    f"train.global_batch_size={args.micro_batch}",
+                    "data.num_workers=0",
+                ],
+                run_dir,
+            )
             for _ in range(args.warmup):
                 trainer.train_step()
             reset_peak_memory(info.device)
             at_rest = current_memory_bytes(info.device)
             times = [trainer.train_step()["step_time_s"] for _ in range(args.steps)]
             peak = peak_memory_bytes(info.device)
-            print(f"{name}: step {statistics.median(times):.3f} s (median of {args.steps}), peak {peak / 2**30:.2f} GiB, "
-                  f"between steps {at_rest / 2**30:.2f} GiB, checkpointing {trainer.activation_checkpointing}, "
-                  f"step in backward {trainer.step_in_backward}", flush=True)
+            print(
+                f"{name}: step {statistics.median(times):.3f} s (median of {args.steps}), peak {peak / 2**30:.2f} GiB, "
+                f"between steps {at_rest / 2**30:.2f} GiB, checkpointing {trainer.activation_checkpointing}, "
+                f"step in backward {trainer.step_in_backward}",
+                flush=True,
+            )
             del trainer
             gc.collect()
             if info.device.type == "cuda":

@@ -47,16 +47,23 @@ def main(argv: list[str] | None = None) -> int:
             wall = time.perf_counter() - started
     averages = prof.key_averages()
     # Kernels are the events of device type CUDA; an operator's row repeats its kernels' time.
-    device_us = sum(e.self_device_time_total for e in averages
-                    if e.device_type == torch.autograd.DeviceType.CUDA) if cuda else 0.0
-    lines = [f"# profile: {args.config} {' '.join(args.overrides)}",
-             f"device {info.device}, torch {torch.__version__}, {args.steps} steps after {args.warmup} warm-up, "
-             f"modes {[r['mode'] for r in records]}",
-             f"wall {wall / args.steps * 1e3:.1f} ms per step; step_time_s median "
-             f"{sorted(r['step_time_s'] for r in records)[len(records) // 2] * 1e3:.1f} ms (profiler on)"]
+    device_us = (
+        sum(e.self_device_time_total for e in averages if e.device_type == torch.autograd.DeviceType.CUDA)
+        if cuda
+        else 0.0
+    )
+    lines = [
+        f"# profile: {args.config} {' '.join(args.overrides)}",
+        f"device {info.device}, torch {torch.__version__}, {args.steps} steps after {args.warmup} warm-up, "
+        f"modes {[r['mode'] for r in records]}",
+        f"wall {wall / args.steps * 1e3:.1f} ms per step; step_time_s median "
+        f"{sorted(r['step_time_s'] for r in records)[len(records) // 2] * 1e3:.1f} ms (profiler on)",
+    ]
     if cuda:
-        lines.append(f"device busy {device_us / 1e3 / args.steps:.1f} ms per step = "
-                     f"{device_us / 1e6 / wall:.0%} of wall (sum of kernel times)")
+        lines.append(
+            f"device busy {device_us / 1e3 / args.steps:.1f} ms per step = "
+            f"{device_us / 1e6 / wall:.0%} of wall (sum of kernel times)"
+        )
         lines += ["", "## by device time", averages.table(sort_by="self_device_time_total", row_limit=args.rows)]
     lines += ["", "## by host time", averages.table(sort_by="self_cpu_time_total", row_limit=args.rows)]
     text = "\n".join(lines)

@@ -14,15 +14,22 @@ import json
 import math
 from pathlib import Path
 
-COLUMNS = (("t2l retrieval@1", "eval_t2l_retrieval_at_1", "{:.1%}"), ("t2l cosine", "eval_t2l_cosine_mean", "{:.3f}"),
-           ("l2t cosine", "eval_l2t_cosine_mean", "{:.3f}"), ("l2t word F1", "eval_l2t_word_f1", "{:.3f}"),
-           ("l2t real words", "eval_l2t_real_word_rate", "{:.1%}"), ("l2t exact match", "eval_l2t_exact_match", "{:.1%}"),
-           ("l2t nats/token", "eval_elbo_l2t_text_nats_per_token", "{:.3f}"), ("length exact", "eval_length_accuracy",
-                                                                              "{:.1%}"))
-REFERENCES = (("chance retrieval@1", "eval_references_chance_retrieval_at_1", 0),
-              ("mean-latent cosine", "eval_references_mean_latent_cosine", 1),
-              ("unrelated-sentence cosine", "eval_references_other_sentence_cosine", 2),
-              ("unrelated-sentence word F1", "eval_references_other_sentence_word_f1", 3))
+COLUMNS = (
+    ("t2l retrieval@1", "eval_t2l_retrieval_at_1", "{:.1%}"),
+    ("t2l cosine", "eval_t2l_cosine_mean", "{:.3f}"),
+    ("l2t cosine", "eval_l2t_cosine_mean", "{:.3f}"),
+    ("l2t word F1", "eval_l2t_word_f1", "{:.3f}"),
+    ("l2t real words", "eval_l2t_real_word_rate", "{:.1%}"),
+    ("l2t exact match", "eval_l2t_exact_match", "{:.1%}"),
+    ("l2t nats/token", "eval_elbo_l2t_text_nats_per_token", "{:.3f}"),
+    ("length exact", "eval_length_accuracy", "{:.1%}"),
+)
+REFERENCES = (
+    ("chance retrieval@1", "eval_references_chance_retrieval_at_1", 0),
+    ("mean-latent cosine", "eval_references_mean_latent_cosine", 1),
+    ("unrelated-sentence cosine", "eval_references_other_sentence_cosine", 2),
+    ("unrelated-sentence word F1", "eval_references_other_sentence_word_f1", 3),
+)
 
 
 def evaluations(run: Path) -> list[dict]:

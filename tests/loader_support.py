@@ -8,8 +8,7 @@ class SyntheticLoader:
     """64 fixed random samples, `micro` consecutive ones per batch (wrapping around). With pad_id,
     each sample has a random length in [3, length] and is padded after it (a `pad_mask` is given)."""
 
-    def __init__(self, micro: int, vocab: int, length: int, dim: int, pad_id: int | None = None,
-                 first_token: int = 0):
+    def __init__(self, micro: int, vocab: int, length: int, dim: int, pad_id: int | None = None, first_token: int = 0):
         g = torch.Generator().manual_seed(0)
         self.tokens = torch.randint(first_token, vocab, (64, length), generator=g)  # (64, L)
         self.lengths = torch.randint(3, length + 1, (64,), generator=g) if pad_id is not None else None

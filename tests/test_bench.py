@@ -4,7 +4,6 @@ the ladder goes from baseline to exactly the optimized config one group of keys 
 import json
 
 import pytest
-
 from data_support import prepared
 
 from mmldlm.cli import main
@@ -13,14 +12,39 @@ from mmldlm.tools.bench import BenchOptions, bench_configs
 
 # The tiny model made smaller still, no compile and no loader workers: this checks the report, not
 # the speed, and must stay fast.
-TINY = ["model=tiny", "model.hidden_size=64", "model.num_blocks=2", "model.timestep_embed_dim=32",
-        "perf.compile=false", "data.num_workers=0", "train.global_batch_size=8", "train.micro_batch_size=4"]
+TINY = [
+    "model=tiny",
+    "model.hidden_size=64",
+    "model.num_blocks=2",
+    "model.timestep_embed_dim=32",
+    "perf.compile=false",
+    "data.num_workers=0",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+]
 
 
 def test_bench_three_steps_writes_a_well_formed_report(tmp_path_factory, tmp_path, capsys):
     data = prepared(tmp_path_factory)
-    status = main(["bench", *TINY, f"data.path={data}", "--steps", "3", "--warmup", "1", "--round-steps", "1",
-                   "--memory-cap-gib", "4", "--max-micro-batch", "4", "--out", str(tmp_path)])
+    status = main(
+        [
+            "bench",
+            *TINY,
+            f"data.path={data}",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--round-steps",
+            "1",
+            "--memory-cap-gib",
+            "4",
+            "--max-micro-batch",
+            "4",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert status == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["order"] == ["baseline", "optimized"]
@@ -35,8 +59,14 @@ def test_bench_three_steps_writes_a_well_formed_report(tmp_path_factory, tmp_pat
         assert c["peak_above_state_gib"] == pytest.approx(c["peak_memory_gib"] - c["state_gib"])
         assert c["mfu"] is None  # no known peak FLOP/s on a CPU: no MFU claimed
         assert c["largest_micro_batch"] == 4  # the tiny model fits the largest tried under 4 GiB
-    assert set(report["ratios"]) == {"samples_per_s", "best_samples_per_s", "tokens_per_s",
-                                       "peak_memory_gib", "peak_above_state_gib", "largest_micro_batch"}
+    assert set(report["ratios"]) == {
+        "samples_per_s",
+        "best_samples_per_s",
+        "tokens_per_s",
+        "peak_memory_gib",
+        "peak_above_state_gib",
+        "largest_micro_batch",
+    }
     assert "model.attention" in report["configs"]["optimized"]["changes"]
     md = (tmp_path / "bench.md").read_text()
     header = next(line for line in md.splitlines() if line.startswith("| config"))
@@ -60,9 +90,27 @@ def test_two_process_bench_reports_memory_per_process_and_fsdp2_shards_the_state
     """Each config runs as two gloo ranks; the training-state split is per process: whole under DDP,
     halved under FSDP2, and both ranks' peaks are reported."""
     data = prepared(tmp_path_factory)
-    status = main(["bench", *TINY, f"data.path={data}", "--baseline", "optimized distributed.strategy=ddp",
-                   "--optimized", "optimized distributed.strategy=fsdp2", "--processes", "2",
-                   "--steps", "2", "--warmup", "1", "--round-steps", "1", "--out", str(tmp_path)])
+    status = main(
+        [
+            "bench",
+            *TINY,
+            f"data.path={data}",
+            "--baseline",
+            "optimized distributed.strategy=ddp",
+            "--optimized",
+            "optimized distributed.strategy=fsdp2",
+            "--processes",
+            "2",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--round-steps",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert status == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     ddp, fsdp = (report["configs"][name] for name in report["order"])

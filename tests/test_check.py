@@ -12,8 +12,16 @@ from mmldlm.tools.check import RULES, Environment, audit, detect_environment, fi
 
 # A machine described by hand, so findings do not depend on where the tests run: 2 processes on a
 # node with 8 CPUs, 24 GiB per process, plenty of disk, fused AdamW available.
-ENV = Environment(device="cuda", device_memory_gib=24.0, cpus=8, nproc_per_node=2, nnodes=1, free_disk_gib=500.0,
-                  fused_adamw=True, native_bf16=True)
+ENV = Environment(
+    device="cuda",
+    device_memory_gib=24.0,
+    cpus=8,
+    nproc_per_node=2,
+    nnodes=1,
+    free_disk_gib=500.0,
+    fused_adamw=True,
+    native_bf16=True,
+)
 CLEAN = ["model=tiny", "train.steps=600", "train.global_batch_size=32", "train.micro_batch_size=16"]
 
 
@@ -34,37 +42,53 @@ def test_a_clean_config_has_no_error_or_warning(tmp_path):
     assert "find_unused_parameters=False" in findings[0].why
 
 
-@pytest.mark.parametrize("overrides,env_changes,expected", [
-    (["distributed.timeout_minutes=198720"], {}, [("timeout", "error")]),  # 138 days
-    (["distributed.timeout_minutes=1"], {}, [("timeout", "warning")]),
-    ([], {"environ": {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "11923200"}}, [("nccl_env", "error")]),
-    ([], {"environ": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}}, [("nccl_env", "error")]),
-    (["data.num_workers=16"], {}, [("loader_workers", "warning")]),
-    (["data.prefetch_factor=null"], {}, [("loader_prefetch", "warning")]),
-    (["data.persistent_workers=false"], {}, [("loader_persistence", "warning")]),
-    (["data.pin_memory=false"], {}, [("loader_pin_memory", "warning")]),
-    (["train.micro_batch_size=4096", "train.global_batch_size=8192"], {}, [("memory", "error")]),
-    (["optim.fused=true"], {"fused_adamw": False}, [("fused_optimizer", "error")]),
-    (["optim.fused=false"], {}, [("fused_optimizer", "warning")]),
-    (["checkpoint.every=10", "checkpoint.keep_last=60"], {"free_disk_gib": 3.0}, [("checkpoint_retention", "error")]),
-    (["checkpoint.every=10", "checkpoint.milestone_every=20"], {"free_disk_gib": 3.0},
-     [("checkpoint_retention", "warning")]),
-    (["train.micro_batch_size=12", "train.global_batch_size=36"], {}, [("batch_divisible", "error")]),
-    (["train.batch_schedule=[[0, 16], [300, 48]]"], {}, [("batch_divisible", "error")]),
-    (["schedule.warmup_steps=600"], {}, [("lr_schedule", "error")]),
-    (["schedule.kind=cosine_restarts", "schedule.restart_period=400", "schedule.warmup_steps=0"], {},
-     [("lr_schedule", "warning")]),
-    (["train.batch_schedule=[[0, 32], [600, 64]]"], {}, [("lr_schedule", "warning")]),
-    (["distributed.find_unused_parameters=true"], {}, [("find_unused_parameters", "warning")]),
-    (["optim.foreach=false", "optim.fused=false"], {"fused_adamw": False}, [("optimizer_loop", "warning")]),
-    (["perf.refreeze_every_step=true"], {}, [("refreeze", "warning")]),
-    (["model.attention=explicit"], {}, [("attention", "warning")]),
-    (["perf.compile=true"], {}, [("compile_shapes", "warning")]),
-    (["optim.step_in_backward=true", "optim.grad_clip=0"], {}, [("step_in_backward", "error")]),
-    (["optim.step_in_backward=true", "optim.grad_clip=0"], {"nproc_per_node": 1}, [("step_in_backward", "error")]),
-    ([], {"device": "cpu", "cpus": 2, "nproc_per_node": 1, "load": 1.0, "torch_threads": 2},
-     [("busy_cpus", "warning")]),
-])
+@pytest.mark.parametrize(
+    "overrides,env_changes,expected",
+    [
+        (["distributed.timeout_minutes=198720"], {}, [("timeout", "error")]),  # 138 days
+        (["distributed.timeout_minutes=1"], {}, [("timeout", "warning")]),
+        ([], {"environ": {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "11923200"}}, [("nccl_env", "error")]),
+        ([], {"environ": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}}, [("nccl_env", "error")]),
+        (["data.num_workers=16"], {}, [("loader_workers", "warning")]),
+        (["data.prefetch_factor=null"], {}, [("loader_prefetch", "warning")]),
+        (["data.persistent_workers=false"], {}, [("loader_persistence", "warning")]),
+        (["data.pin_memory=false"], {}, [("loader_pin_memory", "warning")]),
+        (["train.micro_batch_size=4096", "train.global_batch_size=8192"], {}, [("memory", "error")]),
+        (["optim.fused=true"], {"fused_adamw": False}, [("fused_optimizer", "error")]),
+        (["optim.fused=false"], {}, [("fused_optimizer", "warning")]),
+        (
+            ["checkpoint.every=10", "checkpoint.keep_last=60"],
+            {"free_disk_gib": 3.0},
+            [("checkpoint_retention", "error")],
+        ),
+        (
+            ["checkpoint.every=10", "checkpoint.milestone_every=20"],
+            {"free_disk_gib": 3.0},
+            [("checkpoint_retention", "warning")],
+        ),
+        (["train.micro_batch_size=12", "train.global_batch_size=36"], {}, [("batch_divisible", "error")]),
+        (["train.batch_schedule=[[0, 16], [300, 48]]"], {}, [("batch_divisible", "error")]),
+        (["schedule.warmup_steps=600"], {}, [("lr_schedule", "error")]),
+        (
+            ["schedule.kind=cosine_restarts", "schedule.restart_period=400", "schedule.warmup_steps=0"],
+            {},
+            [("lr_schedule", "warning")],
+        ),
+        (["train.batch_schedule=[[0, 32], [600, 64]]"], {}, [("lr_schedule", "warning")]),
+        (["distributed.find_unused_parameters=true"], {}, [("find_unused_parameters", "warning")]),
+        (["optim.foreach=false", "optim.fused=false"], {"fused_adamw": False}, [("optimizer_loop", "warning")]),
+        (["perf.refreeze_every_step=true"], {}, [("refreeze", "warning")]),
+        (["model.attention=explicit"], {}, [("attention", "warning")]),
+        (["perf.compile=true"], {}, [("compile_shapes", "warning")]),
+        (["optim.step_in_backward=true", "optim.grad_clip=0"], {}, [("step_in_backward", "error")]),
+        (["optim.step_in_backward=true", "optim.grad_clip=0"], {"nproc_per_node": 1}, [("step_in_backward", "error")]),
+        (
+            [],
+            {"device": "cpu", "cpus": 2, "nproc_per_node": 1, "load": 1.0, "torch_threads": 2},
+            [("busy_cpus", "warning")],
+        ),
+    ],
+)
 def test_planted_problem_is_flagged_and_fix_passes(tmp_path, overrides, env_changes, expected):
     env = Environment(**{**ENV.__dict__, **env_changes})
     cfg, findings = findings_of(tmp_path, overrides, env)
@@ -100,7 +124,8 @@ def test_the_baseline_preset_is_flagged_for_its_slow_switches(tmp_path):
     rules = {f.rule for f in audit(cfg, ENV)[0] if f.severity == "warning"}
     assert {"find_unused_parameters", "optimizer_loop", "refreeze", "attention", "precision"} <= rules
     assert not {"find_unused_parameters", "optimizer_loop", "refreeze", "attention", "precision"} & {
-        f.rule for f in audit(load_config("optimized", [f"train.run_dir={tmp_path / 'run'}"]), ENV)[0]}
+        f.rule for f in audit(load_config("optimized", [f"train.run_dir={tmp_path / 'run'}"]), ENV)[0]
+    }
 
 
 def test_bf16_without_native_bf16_matmuls_is_flagged(tmp_path):
@@ -122,9 +147,17 @@ def test_resuming_with_another_length_warns_that_the_lr_jumps(tmp_path):
 
 def test_cli_prints_why_and_fix_writes_a_config_that_passes(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", raising=False)
-    base = ["default", f"train.run_dir={tmp_path / 'run'}", "distributed.timeout_minutes=198720",
-            "data.num_workers=64", "data.persistent_workers=false", "train.micro_batch_size=65536",
-            "train.global_batch_size=65536", "--device-memory-gib", "16"]
+    base = [
+        "default",
+        f"train.run_dir={tmp_path / 'run'}",
+        "distributed.timeout_minutes=198720",
+        "data.num_workers=64",
+        "data.persistent_workers=false",
+        "train.micro_batch_size=65536",
+        "train.global_batch_size=65536",
+        "--device-memory-gib",
+        "16",
+    ]
     out = tmp_path / "fixed.yaml"
     assert cli.main(["check", *base, "--fix", str(out)]) == 2
     printed = capsys.readouterr().out
@@ -145,22 +178,26 @@ def test_each_rule_with_a_config_fix_names_the_keys_that_fix_writes():
             assert f"{key}=" in rule.fix, (name, key)
 
 
-@pytest.mark.parametrize("overrides,machine,threads_fix", [
-    ([], {"load": 1.0}, 1),  # one other busy process on 2 CPUs, torch's default 2 threads
-    ([], {"load": 1.4}, 1),
-    (["train.threads=4"], {"load": 1.0}, 1),
-    ([], {"load": 2.0}, 1),  # no CPU free at all: one thread still waits for no other
-    ([], {"load": 8.0, "cpus": 16, "torch_threads": 16}, 8),
-    ([], {"load": 5.0, "cpus": 8, "torch_threads": 4, "nproc_per_node": 2}, 1),
-    ([], {"load": 0.4}, None),  # idle: a load under 0.5 takes no CPU
-    (["train.threads=1"], {"load": 1.0}, None),
-    ([], {"load": 1.0, "torch_threads": 1}, None),  # OMP_NUM_THREADS=1, or torchrun's default for several processes
-    ([], {"load": 1.0, "device": "cuda"}, None),  # the GPU does the work
-    (["train.threads=4"], {"load": 0.0}, None),  # more threads than CPUs on an idle machine is the config's choice
-])
+@pytest.mark.parametrize(
+    "overrides,machine,threads_fix",
+    [
+        ([], {"load": 1.0}, 1),  # one other busy process on 2 CPUs, torch's default 2 threads
+        ([], {"load": 1.4}, 1),
+        (["train.threads=4"], {"load": 1.0}, 1),
+        ([], {"load": 2.0}, 1),  # no CPU free at all: one thread still waits for no other
+        ([], {"load": 8.0, "cpus": 16, "torch_threads": 16}, 8),
+        ([], {"load": 5.0, "cpus": 8, "torch_threads": 4, "nproc_per_node": 2}, 1),
+        ([], {"load": 0.4}, None),  # idle: a load under 0.5 takes no CPU
+        (["train.threads=1"], {"load": 1.0}, None),
+        ([], {"load": 1.0, "torch_threads": 1}, None),  # OMP_NUM_THREADS=1, or torchrun's default for several processes
+        ([], {"load": 1.0, "device": "cuda"}, None),  # the GPU does the work
+        (["train.threads=4"], {"load": 0.0}, None),  # more threads than CPUs on an idle machine is the config's choice
+    ],
+)
 def test_busy_cpus_warn_when_torch_threads_outnumber_the_free_cpus(tmp_path, overrides, machine, threads_fix):
-    env = Environment(**{**ENV.__dict__, "device": "cpu", "cpus": 2, "nproc_per_node": 1, "torch_threads": 2,
-                         **machine})
+    env = Environment(
+        **{**ENV.__dict__, "device": "cpu", "cpus": 2, "nproc_per_node": 1, "torch_threads": 2, **machine}
+    )
     cfg, findings = findings_of(tmp_path, overrides, env)
     busy = [f for f in findings if f.rule == "busy_cpus"]
     if threads_fix is None:
@@ -180,4 +217,3 @@ def test_the_load_is_read_from_the_machine_unless_given(tmp_path, monkeypatch):
     env = detect_environment(cfg)  # the machine's load, on the share of its CPUs that this process may use
     assert env.load == pytest.approx(1.5 * env.cpus / os.cpu_count())
     assert detect_environment(cfg, load=0.25).load == 0.25
-

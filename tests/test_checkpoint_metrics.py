@@ -13,19 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
-from safetensors import SafetensorError
-
 import mmldlm.training.checkpoint as ckpt
-from mmldlm.config import CheckpointConfig, OptimConfig, RunConfig
+from mmldlm.config import CheckpointConfig, LoggingConfig, OptimConfig, RunConfig
 from mmldlm.sampling.run import find_checkpoint
 from mmldlm.training.checkpoint import CheckpointManager, find_latest
 from mmldlm.training.distributed import DistInfo
-from mmldlm.training.storage import CheckpointError, WriteError
 from mmldlm.training.metrics import MetricsLogger, truncate_lines
-from mmldlm.config import LoggingConfig
 from mmldlm.training.optim import build_optimizer
+from mmldlm.training.storage import CheckpointError, WriteError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,8 +40,15 @@ def _trained_pair(seed=0):
 
 
 def _save(manager, step, model, opt):
-    manager.save(step, model, opt, {"step": step}, {"rng": torch.get_rng_state(), "data": {"pos": step}},
-                 RunConfig(), metrics_lines=step)
+    manager.save(
+        step,
+        model,
+        opt,
+        {"step": step},
+        {"rng": torch.get_rng_state(), "data": {"pos": step}},
+        RunConfig(),
+        metrics_lines=step,
+    )
 
 
 def test_round_trip_restores_model_optimizer_and_states(tmp_path):
@@ -111,8 +116,9 @@ def test_kill_during_write_leaves_latest_on_a_complete_checkpoint(tmp_path):
         ckpt.torch.save = slow_save
         _save(manager, 2, model, opt)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
     assert proc.stdout.readline().strip() == "WRITING"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -132,8 +138,7 @@ def test_resume_path_that_is_not_a_checkpoint_is_one_line_naming_what_is_expecte
     assert not (tmp_path / "run").exists()  # finding nothing makes nothing
     garbage = tmp_path / "garbage"
     garbage.mkdir()
-    cases = {str(tmp_path / "nope"): "no such directory",
-             str(garbage): f"{garbage}/meta.json is missing"}
+    cases = {str(tmp_path / "nope"): "no such directory", str(garbage): f"{garbage}/meta.json is missing"}
     for resume, what in cases.items():
         with pytest.raises(CheckpointError) as err:
             manager.resolve(resume)
@@ -182,8 +187,9 @@ def test_retention_never_removes_the_checkpoint_latest_names(tmp_path):
     assert manager.steps() == [3, 9]
 
 
-@pytest.mark.parametrize("damage", ["no latest", "latest names nothing", "truncated optimizer.pt",
-                                    "flipped byte in model.safetensors"])
+@pytest.mark.parametrize(
+    "damage", ["no latest", "latest names nothing", "truncated optimizer.pt", "flipped byte in model.safetensors"]
+)
 def test_newest_usable_checkpoint_is_found_whatever_happened_to_latest(tmp_path, caplog, damage):
     """A kill between the rename and `latest`, a deleted or dangling `latest`, a corrupt newest
     checkpoint: --resume auto and sampling continue from the newest checkpoint that verifies, and say so."""
@@ -201,7 +207,7 @@ def test_newest_usable_checkpoint_is_found_whatever_happened_to_latest(tmp_path,
         reason = "latest names step-0000009"
     elif damage == "truncated optimizer.pt":
         data = (newest / "optimizer.pt").read_bytes()
-        (newest / "optimizer.pt").write_bytes(data[:len(data) // 2])
+        (newest / "optimizer.pt").write_bytes(data[: len(data) // 2])
         expected, reason = "step-0000001", f"skipped step-0000002: {newest}/optimizer.pt has {len(data) // 2} bytes"
     else:  # same size, other content: only the checksum, read on resume, sees it
         data = bytearray((newest / "model.safetensors").read_bytes())
@@ -225,8 +231,10 @@ def test_no_checkpoint_that_verifies_is_an_error_listing_each(tmp_path):
     for step in (1, 2):
         _save(manager, step, model, opt)
         (tmp_path / f"checkpoints/step-000000{step}/trainer.pt").unlink()
-    with pytest.raises(CheckpointError, match="no checkpoint verifies .*skipped step-0000002: .*trainer.pt is "
-                                              "missing; skipped step-0000001"):
+    with pytest.raises(
+        CheckpointError,
+        match="no checkpoint verifies .*skipped step-0000002: .*trainer.pt is missing; skipped step-0000001",
+    ):
         manager.resolve("auto")
 
 
@@ -235,17 +243,20 @@ def _enospc(*args, **kwargs):
 
 
 @pytest.mark.parametrize("failing", ["optimizer.pt", "model.safetensors"])
-def test_full_disk_during_a_save_removes_the_partial_checkpoint_and_says_what_is_left(tmp_path, monkeypatch,
-                                                                                     failing):
+def test_full_disk_during_a_save_removes_the_partial_checkpoint_and_says_what_is_left(tmp_path, monkeypatch, failing):
     model, opt = _trained_pair()
     manager = CheckpointManager(CheckpointConfig(), tmp_path, DistInfo())
     _save(manager, 1, model, opt)
     if failing == "optimizer.pt":
         monkeypatch.setattr(ckpt.torch, "save", _enospc)
     else:  # safetensors reports the OS error inside its own exception's text
+
         def save_file(*args, **kwargs):
-            raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
-                                  'message: "No space left on device" })')
+            raise SafetensorError(
+                "Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                'message: "No space left on device" })'
+            )
+
         monkeypatch.setattr(ckpt, "save_file", save_file)
     with pytest.raises(WriteError) as err:
         _save(manager, 2, model, opt)
@@ -257,16 +268,17 @@ def test_full_disk_during_a_save_removes_the_partial_checkpoint_and_says_what_is
     assert find_latest(tmp_path / "checkpoints").name == "step-0000001"
 
 
-def test_a_save_that_cannot_fit_is_refused_before_writing_and_retention_warns_at_start(tmp_path, monkeypatch,
-                                                                                       caplog):
+def test_a_save_that_cannot_fit_is_refused_before_writing_and_retention_warns_at_start(tmp_path, monkeypatch, caplog):
     model, opt = _trained_pair()
     manager = CheckpointManager(CheckpointConfig(keep_last=3), tmp_path, DistInfo())
     monkeypatch.setattr(ckpt, "free_bytes", lambda path: 100)
     with caplog.at_level(logging.WARNING, logger="mmldlm"):
         manager.warn_if_retention_cannot_fit(1000)
     assert "checkpoint.keep_last=3 (+1 being written) needs" in caplog.text
-    with pytest.raises(WriteError, match="not enough space for checkpoint step-0000001 .* nothing was written, "
-                                         "no checkpoint was written yet"):
+    with pytest.raises(
+        WriteError,
+        match="not enough space for checkpoint step-0000001 .* nothing was written, no checkpoint was written yet",
+    ):
         _save(manager, 1, model, opt)
     assert manager.steps() == [] and not list((tmp_path / "checkpoints").iterdir())
 
@@ -304,8 +316,11 @@ def test_metrics_line_is_written_whole_or_not_at_all_on_a_full_disk(tmp_path):
             return real.fileno()
 
     logger._file = HalfThenFull()
-    with pytest.raises(WriteError, match=f"no space left on device /.* while writing {tmp_path}/metrics.jsonl "
-                                         r"\(the record of step 2 was not written"):
+    with pytest.raises(
+        WriteError,
+        match=f"no space left on device /.* while writing {tmp_path}/metrics.jsonl "
+        r"\(the record of step 2 was not written",
+    ):
         logger.log({"step": 2, "loss": 2.0})
     logger._file = real
     logger.log({"step": 3, "loss": 3.0})  # space freed: the file goes on from the last whole line

@@ -10,20 +10,31 @@ from mmldlm.config import ConfigError, load_config
 from mmldlm.errors import OptionError
 
 REFUSED = {
-    "prepare-val-fraction": (["prepare", "--input", "default", "--out", "OUT", "--val-fraction", "1.5"],
-                             "--val-fraction: got 1.5; expected a number in [0, 1)"),
-    "prepare-vocab-size": (["prepare", "--input", "default", "--out", "OUT", "--vocab-size", "100"],
-                           "--vocab-size: got 100; expected an integer >= 258 for a byte-level BPE "
-                           "(256 byte symbols + [PAD] + [MASK])"),
-    "prepare-shard-size": (["prepare", "--input", "default", "--out", "OUT", "--shard-size", "0"],
-                           "--shard-size: got 0; expected an integer >= 1"),
-    "prepare-max-chars": (["prepare", "--input", "default", "--out", "OUT", "--min-chars", "5", "--max-chars", "2"],
-                          "--max-chars: got 2; expected an integer >= --min-chars (5)"),
-    "model-info-seq-len": (["model-info", "tiny", "--seq-len", "0"],
-                           "--seq-len: got 0; expected an integer in [1, 64] (model.max_seq_len of 'tiny')"),
+    "prepare-val-fraction": (
+        ["prepare", "--input", "default", "--out", "OUT", "--val-fraction", "1.5"],
+        "--val-fraction: got 1.5; expected a number in [0, 1)",
+    ),
+    "prepare-vocab-size": (
+        ["prepare", "--input", "default", "--out", "OUT", "--vocab-size", "100"],
+        "--vocab-size: got 100; expected an integer >= 258 for a byte-level BPE (256 byte symbols + [PAD] + [MASK])",
+    ),
+    "prepare-shard-size": (
+        ["prepare", "--input", "default", "--out", "OUT", "--shard-size", "0"],
+        "--shard-size: got 0; expected an integer >= 1",
+    ),
+    "prepare-max-chars": (
+        ["prepare", "--input", "default", "--out", "OUT", "--min-chars", "5", "--max-chars", "2"],
+        "--max-chars: got 2; expected an integer >= --min-chars (5)",
+    ),
+    "model-info-seq-len": (
+        ["model-info", "tiny", "--seq-len", "0"],
+        "--seq-len: got 0; expected an integer in [1, 64] (model.max_seq_len of 'tiny')",
+    ),
     "bench-steps": (["bench", "--steps", "0"], "--steps: got 0; expected an integer >= 1"),
-    "bench-memory-cap": (["bench", "--memory-cap-gib", "-1"],
-                         "--memory-cap-gib: got -1.0; expected a number of GiB > 0"),
+    "bench-memory-cap": (
+        ["bench", "--memory-cap-gib", "-1"],
+        "--memory-cap-gib: got -1.0; expected a number of GiB > 0",
+    ),
     "train-config-key": (["train", "train.steps=-5"], "config key 'train.steps': got -5; expected an integer >= 1"),
 }
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from test_perf import RandomLoader, model_inputs, objective_for, tiny_model
 
 from mmldlm.config import PerfConfig, load_config
@@ -19,15 +18,26 @@ from mmldlm.training.distributed import DistInfo
 from mmldlm.training.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp
 from mmldlm.training.trainer import Trainer
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 CUDA = torch.device("cuda", 0)
 
 
 def cuda_trainer(tmp_path, overrides, steps=6):
-    cfg = load_config(None, ["train.log_every=1", "logging.progress_bar=false", "schedule.kind=constant",
-                             "schedule.warmup_steps=0", "optim.lr=3e-3", f"train.run_dir={tmp_path}",
-                             f"train.steps={steps}", "train.global_batch_size=8", "train.device=cuda", *overrides])
+    cfg = load_config(
+        None,
+        [
+            "train.log_every=1",
+            "logging.progress_bar=false",
+            "schedule.kind=constant",
+            "schedule.warmup_steps=0",
+            "optim.lr=3e-3",
+            f"train.run_dir={tmp_path}",
+            f"train.steps={steps}",
+            "train.global_batch_size=8",
+            "train.device=cuda",
+            *overrides,
+        ],
+    )
     return Trainer(cfg, tiny_model(), objective_for(cfg), lambda micro: RandomLoader(micro), DistInfo(device=CUDA))
 
 
@@ -50,8 +60,7 @@ def test_mixed_precision_keeps_fp32_masters_and_learns(tmp_path, precision):
     if trainer.scaler is not None:
         assert 0 < trainer.scaler.get_scale() < float("inf")
     with trainer._autocast():
-        logits, _, _ = trainer.raw_model(*on_cuda(model_inputs()[:4]),
-                                         text_pad_mask=model_inputs()[4].to(CUDA))
+        logits, _, _ = trainer.raw_model(*on_cuda(model_inputs()[:4]), text_pad_mask=model_inputs()[4].to(CUDA))
     assert logits.dtype == (torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
@@ -61,16 +70,24 @@ def test_attention_runs_a_flash_or_memory_efficient_kernel(tmp_path):
     trainer = cuda_trainer(tmp_path, ["train.precision=bf16"])
     model = trainer.raw_model
     tokens, latents, t_text, t_latent, pad_mask = on_cuda(model_inputs(batch=8))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
-                                            torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
+    ) as prof:
         with trainer._autocast():
             logits, out, _ = model(tokens, latents, t_text, t_latent, text_pad_mask=pad_mask)
         (logits.float().logsumexp(-1).mean() + out.float().pow(2).mean()).backward()
         torch.cuda.synchronize()
     ops = {e.key for e in prof.key_averages()}
-    attention = {op for op in ops if op.startswith("aten::_scaled_dot_product") or op.startswith("aten::_efficient")
-                 or op.startswith("aten::_flash")}
-    assert attention & {"aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention"}, ops
+    attention = {
+        op
+        for op in ops
+        if op.startswith("aten::_scaled_dot_product")
+        or op.startswith("aten::_efficient")
+        or op.startswith("aten::_flash")
+    }
+    assert attention & {"aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention"}, (
+        ops
+    )
     assert not any("cudnn" in op or "math" in op for op in attention), attention
 
 
@@ -141,4 +158,3 @@ def test_one_process_nccl_wrap_matches_the_plain_model(nccl_group, wrap):
     assert reference[1].keys() == other[1].keys()
     for name in reference[1]:
         torch.testing.assert_close(other[1][name], reference[1][name], rtol=1e-4, atol=1e-6, msg=name)
-

@@ -29,5 +29,7 @@ def test_local_folder_plugs_in_by_path(tmp_path):
     encoder = load_encoder(str(folder))
     assert encoder.name == str(folder.resolve()) and encoder.latent_dim == 384
     np.testing.assert_allclose(encoder.encode(TEXTS), load_encoder().encode(TEXTS), atol=1e-6)
-    with pytest.raises(DataError, match=r"encoder 'no-such-model': neither a registered encoder \(all-MiniLM-L6-v2\) nor a local"):
+    with pytest.raises(
+        DataError, match=r"encoder 'no-such-model': neither a registered encoder \(all-MiniLM-L6-v2\) nor a local"
+    ):
         load_encoder("no-such-model")

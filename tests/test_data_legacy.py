@@ -4,14 +4,13 @@ import re
 
 import numpy as np
 import pytest
+from data_support import corpus_texts
 
-from mmldlm.data import DataError
 from mmldlm.config import DataConfig
+from mmldlm.data import DataError
 from mmldlm.data.dataset import build_loader, open_dataset
 from mmldlm.data.prepare import PrepareOptions, prepare
 from mmldlm.data.tokenizer import train_bpe
-
-from data_support import corpus_texts
 
 PAD_ID = 7  # whatever the old tokenizer padded with; attention_mask says what is real
 
@@ -30,7 +29,7 @@ def make_legacy(root, num, dim=16, flat_every=2, num_latents=1):
         stem = f"doc{i:04d}"
         ids = rng.integers(2, 300, size=rng.integers(3, 20))
         padded = np.full((1, 24), PAD_ID)
-        padded[0, :len(ids)] = ids
+        padded[0, : len(ids)] = ids
         mask = (np.arange(24) < len(ids))[None].astype(np.int64)
         np.savez(tokens_dir / f"{stem}_tokens.npz", input_ids=padded, attention_mask=mask)
         latent = rng.standard_normal(dim).astype(np.float32)
@@ -42,9 +41,20 @@ def make_legacy(root, num, dim=16, flat_every=2, num_latents=1):
 
 
 def legacy_options(root, out, **kw):
-    return PrepareOptions(**{"inputs": [], "out": str(out), "legacy_tokens": str(root / "tokens"),
-                             "legacy_latents": str(root / "latents"), "tokenizer": str(root / "tokenizer.json"),
-                             "val_fraction": 0.25, "shard_size": 8, "latent_dtype": "float32", "progress": False, **kw})
+    return PrepareOptions(
+        **{
+            "inputs": [],
+            "out": str(out),
+            "legacy_tokens": str(root / "tokens"),
+            "legacy_latents": str(root / "latents"),
+            "tokenizer": str(root / "tokenizer.json"),
+            "val_fraction": 0.25,
+            "shard_size": 8,
+            "latent_dtype": "float32",
+            "progress": False,
+            **kw,
+        }
+    )
 
 
 def test_legacy_import_round_trips(tmp_path):
@@ -75,7 +85,9 @@ def test_legacy_errors_name_the_file(tmp_path):
         prepare(legacy_options(tmp_path, tmp_path / "out"))
     np.save(latents_dir / "doc0002.npy", np.zeros(16, np.float32))
     np.savez(tokens_dir / "doc0001_tokens.npz", input_ids=np.array([5, 900]), attention_mask=np.ones(2))
-    with pytest.raises(DataError, match=r"doc0001_tokens.npz: token id 900 outside the vocabulary of .*tokenizer.json \(size 300\)"):
+    with pytest.raises(
+        DataError, match=r"doc0001_tokens.npz: token id 900 outside the vocabulary of .*tokenizer.json \(size 300\)"
+    ):
         prepare(legacy_options(tmp_path, tmp_path / "out"))
     np.savez(tokens_dir / "doc0001_tokens.npz", ids=np.array([5]))
     with pytest.raises(DataError, match=r"doc0001_tokens.npz: no key input_ids, attention_mask \(keys: ids\)"):
@@ -92,7 +104,9 @@ def test_a_failure_midway_leaves_no_output(tmp_path):
 
 
 def test_legacy_and_corpus_input_are_exclusive(tmp_path):
-    with pytest.raises(DataError, match=re.escape("give either --input PATH|default or --legacy-tokens DIR --legacy-latents DIR")):
+    with pytest.raises(
+        DataError, match=re.escape("give either --input PATH|default or --legacy-tokens DIR --legacy-latents DIR")
+    ):
         prepare(PrepareOptions(inputs=["default"], out=str(tmp_path / "o"), legacy_tokens="a", legacy_latents="b"))
     with pytest.raises(DataError, match="--legacy-tokens needs --tokenizer"):
         prepare(PrepareOptions(inputs=[], out=str(tmp_path / "o"), legacy_tokens="a", legacy_latents="b"))

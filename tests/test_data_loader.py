@@ -7,13 +7,12 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from data_support import prepared
 from torch.utils.data import DistributedSampler
 
 from mmldlm.config import ConfigError, DataConfig, ModelConfig, load_config
 from mmldlm.data import DataError
 from mmldlm.data.dataset import PreparedDataset, build_loader, default_num_workers, open_dataset, resolve_for_model
-
-from data_support import prepared
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +62,7 @@ def test_batches_are_padded_to_the_multiple(train):
             assert torch.equal(batch["pad_mask"].sum(1), lengths)
             assert (batch["tokens"][~batch["pad_mask"]] == train.pad_id).all()
             first = int(batch["index"][0])
-            assert batch["tokens"][0, :lengths[0]].tolist() == train[first][1].tolist()
+            assert batch["tokens"][0, : lengths[0]].tolist() == train[first][1].tolist()
             assert batch["latents"].shape == (B, 1, 384) and batch["latents"].dtype == torch.float32
             assert torch.equal(batch["latents"][0], torch.from_numpy(train[first][2].astype(np.float32)))
 
@@ -79,7 +78,7 @@ def test_order_is_distributed_samplers(train, world_size):
         loader = build_loader(train, cfg(), micro_batch_size=5, rank=rank, world_size=world_size, seed=3)
         ours = [i for b in loader for i in b["index"].tolist()]
         sampler = DistributedSampler(train, world_size, rank, shuffle=True, seed=3, drop_last=True)
-        assert ours == list(sampler)[:len(loader) * 5]
+        assert ours == list(sampler)[: len(loader) * 5]
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -87,7 +86,8 @@ def test_order_is_distributed_samplers(train, world_size):
 def test_resumed_loader_yields_the_same_next_batches(train, num_workers, world_size):
     config = cfg(num_workers=num_workers, prefetch_factor=2 if num_workers else None)
     for rank in range(world_size):
-        def make():
+
+        def make(rank=rank):
             return build_loader(train, config, micro_batch_size=4, rank=rank, world_size=world_size, seed=7)
 
         per_epoch = len(make())
@@ -166,8 +166,9 @@ def test_bucketed_loader_resumes_exactly_and_refuses_another_batch_size(train):
 
 def test_ranks_share_an_epoch_without_overlap(train):
     config = cfg(drop_last=False, shuffle=False)
-    parts = [[i for b in build_loader(train, config, 8, rank=r, world_size=2) for i in b["index"].tolist()]
-             for r in range(2)]
+    parts = [
+        [i for b in build_loader(train, config, 8, rank=r, world_size=2) for i in b["index"].tolist()] for r in range(2)
+    ]
     assert len(parts[0]) == len(parts[1])
     assert set(parts[0]) | set(parts[1]) == set(range(len(train)))
 
@@ -185,7 +186,9 @@ def test_dataloader_settings_come_from_config(train, monkeypatch):
 
 
 def test_data_config_checks():
-    with pytest.raises(ConfigError, match=r"'data.max_length': got 60; expected null or a positive multiple of data.pad_to_multiple=8"):
+    with pytest.raises(
+        ConfigError, match=r"'data.max_length': got 60; expected null or a positive multiple of data.pad_to_multiple=8"
+    ):
         load_config(None, ["data.max_length=60"])
     with pytest.raises(ConfigError, match=r"'data.num_workers': got -1"):
         load_config(None, ["data.num_workers=-1"])
@@ -193,7 +196,9 @@ def test_data_config_checks():
 
 
 def test_model_must_match_the_dataset(train, data_dir):
-    with pytest.raises(ConfigError, match=rf"'model.latent_dim': got 512; expected 384, the latent dim of the dataset {data_dir}"):
+    with pytest.raises(
+        ConfigError, match=rf"'model.latent_dim': got 512; expected 384, the latent dim of the dataset {data_dir}"
+    ):
         resolve_for_model(DataConfig(), ModelConfig(latent_dim=512), train)
     with pytest.raises(ConfigError, match=r"'model.num_latents': got 2; expected 1"):
         resolve_for_model(DataConfig(), ModelConfig(num_latents=2), train)

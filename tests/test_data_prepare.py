@@ -10,15 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from data_support import SMALL, corpus_texts, prepared
 
 from mmldlm import cli
-from mmldlm.data import format as fmt
 from mmldlm.config import DataConfig
+from mmldlm.data import format as fmt
 from mmldlm.data.dataset import dataset_path, default_prepare_options, open_dataset
 from mmldlm.data.encoders import sentence_transformer
 from mmldlm.data.prepare import STD_FLOOR, ensure_token_latents, split_indices
-
-from data_support import SMALL, corpus_texts, prepared
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -85,8 +84,19 @@ def test_latents_equal_the_encoders_output_and_stats_match(data_dir):
 
 
 def test_rerun_says_complete_changed_options_refused_overwrite_rebuilds(data_dir, tmp_path, monkeypatch, capsys):
-    args = ["--input", data_dir.parent / "corpus.txt", "--out", data_dir, "--vocab-size", 400, "--shard-size", 32,
-            "--val-fraction", 0.1, "--quiet"]
+    args = [
+        "--input",
+        data_dir.parent / "corpus.txt",
+        "--out",
+        data_dir,
+        "--vocab-size",
+        400,
+        "--shard-size",
+        32,
+        "--val-fraction",
+        0.1,
+        "--quiet",
+    ]
     before = (data_dir / "meta.json").stat().st_mtime_ns
     assert run_cli(monkeypatch, *args) == 0
     assert "already complete" in capsys.readouterr().out
@@ -106,8 +116,9 @@ def test_cli_reports_bad_input_cleanly(tmp_path, monkeypatch, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a"}\n{"txt": "b"}\n')
     assert run_cli(monkeypatch, "--input", bad, "--out", tmp_path / "out") == 2
-    assert capsys.readouterr().err.strip() == (f"mmldlm prepare: {bad}:2: no field 'text' (fields here: txt); "
-                                               f"name the text field with --text-field")
+    assert capsys.readouterr().err.strip() == (
+        f"mmldlm prepare: {bad}:2: no field 'text' (fields here: txt); name the text field with --text-field"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
     foreign = tmp_path / "foreign"
     foreign.mkdir()
@@ -124,14 +135,37 @@ def free_port() -> int:
 
 def test_torchrun_two_processes_write_the_same_dataset(data_dir, tmp_path):
     script = tmp_path / "prepare_cmd.py"
-    script.write_text("import argparse, sys\nfrom mmldlm.commands import prepare\n"
-                      "parser = argparse.ArgumentParser()\nprepare.add_arguments(parser)\n"
-                      "sys.exit(prepare.run(parser.parse_args()))\n")
+    script.write_text(
+        "import argparse, sys\nfrom mmldlm.commands import prepare\n"
+        "parser = argparse.ArgumentParser()\nprepare.add_arguments(parser)\n"
+        "sys.exit(prepare.run(parser.parse_args()))\n"
+    )
     out = tmp_path / "sharded"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script),
-           "--input", str(data_dir.parent / "corpus.txt"), "--out", str(out), "--vocab-size", str(SMALL["vocab_size"]),
-           "--shard-size", str(SMALL["shard_size"]), "--val-fraction", str(SMALL["val_fraction"]), "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(script),
+        "--input",
+        str(data_dir.parent / "corpus.txt"),
+        "--out",
+        str(out),
+        "--vocab-size",
+        str(SMALL["vocab_size"]),
+        "--shard-size",
+        str(SMALL["shard_size"]),
+        "--val-fraction",
+        str(SMALL["val_fraction"]),
+        "--quiet",
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -156,9 +190,9 @@ def test_null_data_path_prepares_the_default_corpus_once_into_the_cache(data_dir
 
 
 def test_max_samples_keeps_a_seeded_subset_in_corpus_order(tmp_path):
-    from mmldlm.data.prepare import PrepareOptions, _read_corpus
-
     from data_support import corpus_file
+
+    from mmldlm.data.prepare import PrepareOptions, _read_corpus
 
     source = str(corpus_file(tmp_path))
     full, _ = _read_corpus(PrepareOptions(inputs=[source]))
@@ -172,6 +206,7 @@ def test_max_samples_keeps_a_seeded_subset_in_corpus_order(tmp_path):
     assert DataConfig(max_samples=5).max_samples == 5
     with pytest.raises(ValueError, match="max_samples"):
         from mmldlm.config import load_config
+
         load_config(None, ["data.max_samples=1"])
 
 

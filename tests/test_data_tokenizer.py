@@ -1,12 +1,11 @@
 """The trained byte-level BPE is lossless; [PAD] and [MASK] are reserved and never produced by text."""
 
 import pytest
+from data_support import corpus_texts
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from mmldlm.data import tokenizer as tok
 from mmldlm.data.errors import DataError
-
-from data_support import corpus_texts
 
 
 @pytest.fixture(scope="module")

@@ -198,7 +198,7 @@ def test_schedule_endpoints_and_variance_preserving():
     alpha, sigma = diffusion.alpha_sigma(torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0]), like.double())
     assert alpha[0].item() == 1.0 and sigma[0].item() == 0.0
     assert alpha[-1].item() == pytest.approx(1e-3)
-    assert torch.allclose(alpha ** 2 + sigma ** 2, torch.ones_like(alpha))
+    assert torch.allclose(alpha**2 + sigma**2, torch.ones_like(alpha))
     assert (alpha[1:] < alpha[:-1]).all()
 
 
@@ -208,9 +208,9 @@ def test_shift_divides_the_snr_by_its_square_at_every_t(shift):
     like = torch.zeros(7, 1, 3, dtype=torch.float64)
     t = torch.tensor([0.0, 0.05, 0.25, 0.5, 0.75, 0.95, 1.0], dtype=torch.float64)
     ratio = plain.snr(t, like)[1:] / shifted.snr(t, like)[1:]  # t = 0: both infinite
-    assert torch.allclose(ratio, torch.full_like(ratio, shift ** 2), rtol=1e-9)
+    assert torch.allclose(ratio, torch.full_like(ratio, shift**2), rtol=1e-9)
     alpha, sigma = shifted.alpha_sigma(t, like)
-    assert alpha[0].item() == 1.0 and torch.allclose(alpha ** 2 + sigma ** 2, torch.ones_like(alpha))
+    assert alpha[0].item() == 1.0 and torch.allclose(alpha**2 + sigma**2, torch.ones_like(alpha))
     assert (alpha[1:] < alpha[:-1]).all()  # still a schedule from clean to noise
     assert torch.equal(gaussian(shift=1.0).alpha_sigma(t, like)[0], plain.alpha_sigma(t, like)[0])
 
@@ -322,16 +322,17 @@ def test_ddim_with_true_eps_lands_on_the_forward_path():
 def test_ddpm_step_samples_the_posterior():
     # q(x_s | x_t, x0) = N(mu, var) (Kingma et al. 2021, eq. 26-27), written out here from the
     # schedule: alpha_ts = alpha_t / alpha_s, sigma_ts^2 = sigma_t^2 - alpha_ts^2 sigma_s^2,
-    # mu = alpha_ts sigma_s^2 / sigma_t^2 x_t + alpha_s sigma_ts^2 / sigma_t^2 x0, var = sigma_ts^2 sigma_s^2 / sigma_t^2
+    # mu = alpha_ts sigma_s^2 / sigma_t^2 x_t + alpha_s sigma_ts^2 / sigma_t^2 x0,
+    # var = sigma_ts^2 sigma_s^2 / sigma_t^2
     diffusion = gaussian(prediction="x0")
     n, t, s, x0_value, x_t_value = 200_000, 0.7, 0.4, 1.5, -0.3
     angle = diffusion.max_angle
     alpha_t, sigma_t = math.cos(angle * t), math.sin(angle * t)
     alpha_s, sigma_s = math.cos(angle * s), math.sin(angle * s)
     alpha_ts = alpha_t / alpha_s
-    sigma_ts2 = sigma_t ** 2 - alpha_ts ** 2 * sigma_s ** 2
-    mean = alpha_ts * sigma_s ** 2 / sigma_t ** 2 * x_t_value + alpha_s * sigma_ts2 / sigma_t ** 2 * x0_value
-    std = math.sqrt(sigma_ts2 * sigma_s ** 2 / sigma_t ** 2)
+    sigma_ts2 = sigma_t**2 - alpha_ts**2 * sigma_s**2
+    mean = alpha_ts * sigma_s**2 / sigma_t**2 * x_t_value + alpha_s * sigma_ts2 / sigma_t**2 * x0_value
+    std = math.sqrt(sigma_ts2 * sigma_s**2 / sigma_t**2)
 
     x0 = torch.full((n, 1, 1), x0_value, dtype=torch.float64)
     x_t = torch.full((n, 1, 1), x_t_value, dtype=torch.float64)

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from loader_support import SyntheticLoader
 from torch import nn
 
-from loader_support import SyntheticLoader
 from mmldlm.config import ModelConfig, load_config
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.model.mmdit import MultimodalMMDiT
@@ -45,16 +45,36 @@ def test_ema_after_n_updates_equals_the_warmup_recursion_written_out():
 
 
 def make_trainer(tmp_path, steps, ema_decay=0.9, resume=None):
-    cfg = load_config(None, ["train.log_every=1", "logging.progress_bar=false", "schedule.warmup_steps=0",
-                             "schedule.kind=constant", "optim.lr=0.01", f"train.run_dir={tmp_path}",
-                             f"train.steps={steps}", "train.micro_batch_size=4", "train.global_batch_size=4",
-                             "train.precision=fp32", "train.deterministic=true", f"train.ema_decay={ema_decay}",
-                             "checkpoint.every=3", "objective.mode=random"])
+    cfg = load_config(
+        None,
+        [
+            "train.log_every=1",
+            "logging.progress_bar=false",
+            "schedule.warmup_steps=0",
+            "schedule.kind=constant",
+            "optim.lr=0.01",
+            f"train.run_dir={tmp_path}",
+            f"train.steps={steps}",
+            "train.micro_batch_size=4",
+            "train.global_batch_size=4",
+            "train.precision=fp32",
+            "train.deterministic=true",
+            f"train.ema_decay={ema_decay}",
+            "checkpoint.every=3",
+            "objective.mode=random",
+        ],
+    )
     torch.manual_seed(0)
-    model = MultimodalMMDiT(ModelConfig(hidden_size=32, num_blocks=2, num_heads=2, max_seq_len=LEN, latent_dim=DIM,
-                                        timestep_embed_dim=16), vocab_size=VOCAB)
-    objective = Objective(cfg.objective, MaskedDiffusion(cfg.text_diffusion, mask_token_id=1, pad_token_id=0),
-                          GaussianDiffusion(cfg.latent_diffusion), length_head=True)
+    model = MultimodalMMDiT(
+        ModelConfig(hidden_size=32, num_blocks=2, num_heads=2, max_seq_len=LEN, latent_dim=DIM, timestep_embed_dim=16),
+        vocab_size=VOCAB,
+    )
+    objective = Objective(
+        cfg.objective,
+        MaskedDiffusion(cfg.text_diffusion, mask_token_id=1, pad_token_id=0),
+        GaussianDiffusion(cfg.latent_diffusion),
+        length_head=True,
+    )
     trainer = Trainer(cfg, model, objective, SyntheticLoader(4, VOCAB, LEN, DIM, pad_id=0, first_token=2), DistInfo())
     trainer.resume(resume)
     return trainer

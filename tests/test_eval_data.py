@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 import yaml
-
 from data_support import trained_run
+
 from mmldlm import cli
 from mmldlm.config import load_config
 from mmldlm.data import format as fmt
@@ -18,17 +18,37 @@ from mmldlm.data.dataset import open_dataset
 from mmldlm.data.tokenizer import encode_texts, load_tokenizer
 from mmldlm.sampling import load_run
 
-RUN = ["model=tiny", "model.hidden_size=64", "model.num_blocks=2", "model.timestep_embed_dim=32",
-       "train.steps=4", "train.micro_batch_size=8", "train.global_batch_size=8", "train.log_every=2",
-       "logging.progress_bar=false", "schedule.warmup_steps=1", "data.num_workers=0", "checkpoint.every=1000",
-       "eval.every=0"]
+RUN = [
+    "model=tiny",
+    "model.hidden_size=64",
+    "model.num_blocks=2",
+    "model.timestep_embed_dim=32",
+    "train.steps=4",
+    "train.micro_batch_size=8",
+    "train.global_batch_size=8",
+    "train.log_every=2",
+    "logging.progress_bar=false",
+    "schedule.warmup_steps=1",
+    "data.num_workers=0",
+    "checkpoint.every=1000",
+    "eval.every=0",
+]
 FAST = ["--steps", "2", "--device", "cpu", "--batch-size", "4", "--retrieval-pool", "8", "--num-t-draws", "1"]
 # Text the run never saw: plain words, a number, punctuation and non-ASCII the byte-level BPE must split alike.
-TEXTS = ["a small brown dog ran across the wet field", "the act of reading aloud to a child",
-         "an instrument for measuring the weight of 12 apples", "a feeling of deep calm after the storm",
-         "someone who writes letters, poems and songs", "the café on the corner opens at dawn",
-         "to move quickly on foot", "a large body of salt water", "the colour of the evening sky",
-         "a person who repairs old clocks", "the sound a bell makes", "a word that means very happy"]
+TEXTS = [
+    "a small brown dog ran across the wet field",
+    "the act of reading aloud to a child",
+    "an instrument for measuring the weight of 12 apples",
+    "a feeling of deep calm after the storm",
+    "someone who writes letters, poems and songs",
+    "the café on the corner opens at dawn",
+    "to move quickly on foot",
+    "a large body of salt water",
+    "the colour of the evening sky",
+    "a person who repairs old clocks",
+    "the sound a bell makes",
+    "a word that means very happy",
+]
 
 
 def main(*args) -> int:
@@ -50,8 +70,9 @@ def text_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def like_dir(run_dir, text_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("like") / "new-text"
-    assert main("prepare", "--like", run_dir, "--input", text_file, "--out", out, "--val-fraction", "0.25",
-                "--quiet") == 0
+    assert (
+        main("prepare", "--like", run_dir, "--input", text_file, "--out", out, "--val-fraction", "0.25", "--quiet") == 0
+    )
     return out
 
 
@@ -80,8 +101,11 @@ def test_prepare_like_reuses_the_runs_tokenizer_and_encoder(run_dir, like_dir):
     assert (meta["vocab_size"], meta["pad_id"], meta["mask_id"]) == (ours.vocab_size, ours.pad_id, ours.mask_id)
     # The same ids for the same text: every stored sample is the run's tokenizer applied to one of the texts.
     expected = sorted(map(tuple, encode_texts(load_tokenizer(ours.path / fmt.TOKENIZER), TEXTS)))
-    stored = [tuple(split[i][1].tolist()) for split in (open_dataset(like_dir, "train"), open_dataset(like_dir, "val"))
-              for i in range(len(split))]
+    stored = [
+        tuple(split[i][1].tolist())
+        for split in (open_dataset(like_dir, "train"), open_dataset(like_dir, "val"))
+        for i in range(len(split))
+    ]
     assert sorted(stored) == expected
 
 
@@ -99,10 +123,25 @@ def test_prepare_like_refuses_a_run_whose_encoder_is_unknown_or_missing(run_dir,
 
 
 def test_prepare_like_refuses_options_it_decides_and_a_run_without_its_dataset(run_dir, text_file, tmp_path, capsys):
-    assert main("prepare", "--like", run_dir, "--input", text_file, "--out", tmp_path / "out",
-                "--vocab-size", "300", "--no-normalize") == 2
-    assert "takes the tokenizer and the encoder from the run's dataset; drop --vocab-size, --no-normalize" in \
-        capsys.readouterr().err
+    assert (
+        main(
+            "prepare",
+            "--like",
+            run_dir,
+            "--input",
+            text_file,
+            "--out",
+            tmp_path / "out",
+            "--vocab-size",
+            "300",
+            "--no-normalize",
+        )
+        == 2
+    )
+    assert (
+        "takes the tokenizer and the encoder from the run's dataset; drop --vocab-size, --no-normalize"
+        in capsys.readouterr().err
+    )
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     config["data"]["path"] = str(tmp_path / "elsewhere")
     (tmp_path / "run").mkdir()
@@ -113,8 +152,12 @@ def test_prepare_like_refuses_options_it_decides_and_a_run_without_its_dataset(r
 
 def test_eval_data_refuses_a_dataset_with_another_tokenizer(run_dir, text_file, tmp_path, capsys):
     other = tmp_path / "other"
-    assert main("prepare", "--input", text_file, "--out", other, "--vocab-size", "300", "--val-fraction", "0.25",
-                "--quiet") == 0
+    assert (
+        main(
+            "prepare", "--input", text_file, "--out", other, "--vocab-size", "300", "--val-fraction", "0.25", "--quiet"
+        )
+        == 0
+    )
     capsys.readouterr()
     reports = sorted(run_dir.glob("eval/*"))
     assert main("eval", "--run", run_dir, "--data", other, "--num-samples", "4", *FAST) == 2

@@ -146,8 +146,10 @@ def test_configured_head_count_is_honoured(num_heads):
     head_dim = cfg.hidden_size // num_heads
     block = model.blocks[0]
     seen = []
-    hooks = [block.text.attn_proj.register_forward_hook(lambda m, args, out: seen.append(args[0])),
-             block.latent.attn_proj.register_forward_hook(lambda m, args, out: seen.append(args[0]))]
+    hooks = [
+        block.text.attn_proj.register_forward_hook(lambda m, args, out: seen.append(args[0])),
+        block.latent.attn_proj.register_forward_hook(lambda m, args, out: seen.append(args[0])),
+    ]
     tokens, latents, t_text, t_latent = inputs(cfg)
     model(tokens, latents, t_text, t_latent)
     with torch.no_grad():
@@ -198,13 +200,22 @@ def test_skipped_head_returns_none_and_its_parameters_get_no_gradient(skipped, v
     cfg = tiny(vocab_prior=vocab_prior)
     model = randomised(cfg).train()
     if vocab_prior:
-        model.set_token_latents(torch.randn(VOCAB, cfg.num_latents, cfg.latent_dim,
-                                            generator=torch.Generator().manual_seed(1)))
+        model.set_token_latents(
+            torch.randn(VOCAB, cfg.num_latents, cfg.latent_dim, generator=torch.Generator().manual_seed(1))
+        )
     tokens, latents, t_text, t_latent = inputs(cfg)
     mask = pad_mask()
     full = model(tokens, latents, t_text, t_latent, mask)
-    logits, latent_out, length_logits = model(tokens, latents, t_text, t_latent, mask, length_from=latents,
-                                              text_head=skipped != "text", latent_head=skipped != "latent")
+    logits, latent_out, length_logits = model(
+        tokens,
+        latents,
+        t_text,
+        t_latent,
+        mask,
+        length_from=latents,
+        text_head=skipped != "text",
+        latent_head=skipped != "latent",
+    )
     kept = latent_out if skipped == "text" else logits
     assert (logits if skipped == "text" else latent_out) is None
     torch.testing.assert_close(kept, full[1] if skipped == "text" else full[0])  # the other head is unaffected
@@ -258,11 +269,20 @@ def test_training_flops_match_torch_flop_counter(heads):
         rows[0, :15], rows[1, 4:12] = True, True
     counter = FlopCounterMode(display=False)
     with counter:
-        outputs = model(tokens, latents, t_text, t_latent, text_head=heads[0], latent_head=heads[1], text_rows=rows,
-                        length_from=latents)  # training runs the length head at every step
+        outputs = model(
+            tokens,
+            latents,
+            t_text,
+            t_latent,
+            text_head=heads[0],
+            latent_head=heads[1],
+            text_rows=rows,
+            length_from=latents,
+        )  # training runs the length head at every step
         sum(out.sum() for out in outputs if out is not None).backward()
-    expected = training_flops_per_sample(model, L, text_head=heads[0], latent_head=heads[1],
-                                         text_head_rows=None if rows is None else int(rows.sum()) / B)
+    expected = training_flops_per_sample(
+        model, L, text_head=heads[0], latent_head=heads[1], text_head_rows=None if rows is None else int(rows.sum()) / B
+    )
     assert expected == pytest.approx(counter.get_total_flops() / B, rel=2e-3)
 
 
@@ -300,7 +320,9 @@ def test_vocab_prior_adds_a_latent_cosine_bonus_to_the_text_logits():
     plain.load_state_dict(model.state_dict(), strict=False)
     plain.eval()
     without = plain(tokens, latents, t_text, t_latent).text_logits
-    cosine = torch.nn.functional.cosine_similarity(latents.flatten(1)[:, None, :], token_latents.flatten(1)[None], dim=-1)
+    cosine = torch.nn.functional.cosine_similarity(
+        latents.flatten(1)[:, None, :], token_latents.flatten(1)[None], dim=-1
+    )
     expected = without + torch.nn.functional.softplus(torch.tensor(10.0)) * cosine[:, None, :]
     torch.testing.assert_close(with_prior, expected, rtol=1e-4, atol=1e-4)
     rows = torch.rand(tokens.shape, generator=torch.Generator().manual_seed(2)) < 0.5
@@ -325,8 +347,11 @@ def test_a_config_file_refines_a_model_preset(tmp_path):
     # `model=NAME` on the command line swaps in that preset's architecture; keys it does not set stay.
     cfg = load_config(path, ["model=small"])
     small = load_model_preset("small")
-    assert (cfg.model.vocab_prior, cfg.model.num_blocks, cfg.model.hidden_size) == (True, small.num_blocks,
-                                                                                     small.hidden_size)
+    assert (cfg.model.vocab_prior, cfg.model.num_blocks, cfg.model.hidden_size) == (
+        True,
+        small.num_blocks,
+        small.hidden_size,
+    )
     path.write_text("model:\n  preset: [tiny]\n")
     with pytest.raises(ConfigError, match=r"'model.preset': got \['tiny'\]; expected the name of a model preset"):
         load_config(path)

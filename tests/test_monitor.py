@@ -29,13 +29,29 @@ def make_records(n=240, modes=("l2t",), seed=0) -> list[dict]:
         text = loss if mode == "l2t" else 0.8 * loss if mode == "joint" else None
         latent = loss if mode == "t2l" else 0.2 * loss if mode == "joint" else None
         speed = MODE_SPEED[mode] * (1 + 0.03 * rng.gauss(0, 1))
-        records.append({
-            "step": step, "mode": mode, "loss": loss, "text_loss": text, "latent_loss": latent, "accuracy": 0.5,
-            "lr": 1e-3, "grad_norm": 0.2 * MODE_SCALE[mode] * (1 + 0.05 * rng.gauss(0, 1)),
-            "micro_batch_size": 16, "global_batch_size": 32, "accumulation_steps": 2, "samples_per_s": speed,
-            "tokens_per_s": 30 * speed, "step_time_s": 32 / speed, "data_wait_share": 0.02 * (1 + 0.1 * rng.gauss(0, 1)),
-            "skipped": False, "num_skipped": 0, "stop_requested": False,
-            "mem_rss_gib": (1.0 if step < 100 else 1.2) + 0.001 * rng.gauss(0, 1)})
+        records.append(
+            {
+                "step": step,
+                "mode": mode,
+                "loss": loss,
+                "text_loss": text,
+                "latent_loss": latent,
+                "accuracy": 0.5,
+                "lr": 1e-3,
+                "grad_norm": 0.2 * MODE_SCALE[mode] * (1 + 0.05 * rng.gauss(0, 1)),
+                "micro_batch_size": 16,
+                "global_batch_size": 32,
+                "accumulation_steps": 2,
+                "samples_per_s": speed,
+                "tokens_per_s": 30 * speed,
+                "step_time_s": 32 / speed,
+                "data_wait_share": 0.02 * (1 + 0.1 * rng.gauss(0, 1)),
+                "skipped": False,
+                "num_skipped": 0,
+                "stop_requested": False,
+                "mem_rss_gib": (1.0 if step < 100 else 1.2) + 0.001 * rng.gauss(0, 1),
+            }
+        )
     return records
 
 
@@ -67,8 +83,9 @@ def test_healthy_run_raises_no_alert(tmp_path, modes):
 
 def _scale(key, factor, start, end=None):
     def edit(records):
-        for r in records[start - 1:end]:
+        for r in records[start - 1 : end]:
             r[key] *= factor
+
     return edit
 
 
@@ -105,18 +122,29 @@ def _recompiles(records):  # compiled once at the start, then one more graph per
         r["compiled_graphs"] = 4 + max(0, i - 148)
 
 
-@pytest.mark.parametrize("edit,kind,first,last", [pytest.param(*case, id=case[1]) for case in [
-    (_nonfinite, "nonfinite", 150, 150),
-    (_unlogged_skips, "skipped_updates", 150, 150),
-    (_scale("loss", 3.0, 150, 150), "loss_spike", 150, 150),
-    (_divergence, "divergence", 151, 240),
-    (_plateau, "plateau", 150, 165),
-    (_scale("grad_norm", 50.0, 150, 150), "grad_explosion", 150, 150),
-    (_scale("samples_per_s", 0.5, 150), "throughput_drop", 152, 152),  # the 3rd slow record tips the median of 5
-    (_scale("data_wait_share", 25.0, 150), "data_wait", 152, 152),
-    (_memory_creep, "memory_creep", 151, 180),
-    (_recompiles, "recompiles", 158, 158),  # the 9th new graph
-]])
+@pytest.mark.parametrize(
+    "edit,kind,first,last",
+    [
+        pytest.param(*case, id=case[1])
+        for case in [
+            (_nonfinite, "nonfinite", 150, 150),
+            (_unlogged_skips, "skipped_updates", 150, 150),
+            (_scale("loss", 3.0, 150, 150), "loss_spike", 150, 150),
+            (_divergence, "divergence", 151, 240),
+            (_plateau, "plateau", 150, 165),
+            (_scale("grad_norm", 50.0, 150, 150), "grad_explosion", 150, 150),
+            (
+                _scale("samples_per_s", 0.5, 150),
+                "throughput_drop",
+                152,
+                152,
+            ),  # the 3rd slow record tips the median of 5
+            (_scale("data_wait_share", 25.0, 150), "data_wait", 152, 152),
+            (_memory_creep, "memory_creep", 151, 180),
+            (_recompiles, "recompiles", 158, 158),  # the 9th new graph
+        ]
+    ],
+)
 def test_each_alert_fires_at_its_step_and_nothing_else(tmp_path, edit, kind, first, last):
     records = make_records()
     edit(records)
@@ -266,8 +294,10 @@ def test_each_unreadable_line_is_warned_once_with_its_line_number(tmp_path):
     monitor, warnings = Monitor(run), []
     for _ in range(2):  # a second poll of the same file repeats nothing
         follow(monitor, once=True, out=lambda _line: None, warn=warnings.append)
-    assert warnings == [f"{path}:3: skipped a line that is not a metrics record ('{{\"step\": \"three\"}}'); "
-                        f"expected a JSON object with an integer 'step'"]
+    assert warnings == [
+        f'{path}:3: skipped a line that is not a metrics record (\'{{"step": "three"}}\'); '
+        f"expected a JSON object with an integer 'step'"
+    ]
     with open(path, "a") as f:  # the partial line ends broken: now it is bad, and only it is new
         f.write("\n" + json.dumps(records[4]) + "\n")
     follow(monitor, once=True, out=lambda _line: None, warn=warnings.append)
@@ -285,8 +315,10 @@ def test_cli_warns_about_bad_lines_on_stderr_and_refuses_bad_seconds(tmp_path, c
         f.write("garbage\n")
     assert cli.main(["monitor", str(run), "--once"]) == 0
     err = capsys.readouterr().err
-    assert err == (f"warning: {run / 'metrics.jsonl'}:21: skipped a line that is not a metrics record ('garbage'); "
-                   f"expected a JSON object with an integer 'step'\n")
+    assert err == (
+        f"warning: {run / 'metrics.jsonl'}:21: skipped a line that is not a metrics record ('garbage'); "
+        f"expected a JSON object with an integer 'step'\n"
+    )
     for option in ("--interval", "--stall-seconds"):
         assert cli.main(["monitor", str(run), option, "0"]) == 2
         assert capsys.readouterr().err == f"mmldlm monitor: {option}: got 0.0; expected a number of seconds > 0\n"
@@ -302,8 +334,15 @@ def test_plot_is_a_png_with_every_curve(tmp_path):
     titles = plot(records, tmp_path / "curves.png")
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert titles == [title for title, _ in PANELS]
-    assert titles == ["loss", "text loss", "latent loss", "learning rate", "grad norm", "throughput (samples/s)",
-                      "memory (GiB)"]
+    assert titles == [
+        "loss",
+        "text loss",
+        "latent loss",
+        "learning rate",
+        "grad norm",
+        "throughput (samples/s)",
+        "memory (GiB)",
+    ]
 
 
 def test_cli_report_plot_and_exit_codes(tmp_path, capsys):

@@ -9,8 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from mmldlm.config import (ConfigError, LatentDiffusionConfig, ObjectiveConfig, TextDiffusionConfig,
-                           load_config, load_model_preset)
+from mmldlm.config import (
+    ConfigError,
+    LatentDiffusionConfig,
+    ObjectiveConfig,
+    TextDiffusionConfig,
+    load_config,
+    load_model_preset,
+)
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.model import ModelOutput, MultimodalMMDiT
 from mmldlm.objective import Objective
@@ -40,8 +46,14 @@ def make_batch(seed: int = 0) -> dict:
     return {"tokens": tokens, "pad_mask": pad_mask, "latents": latents, "index": torch.arange(B)}
 
 
-def make_objective(batch: dict | None = None, *, self_condition: bool = False, length_head: bool = False,
-                   latent_cfg: LatentDiffusionConfig | None = None, **objective_kw) -> Objective:
+def make_objective(
+    batch: dict | None = None,
+    *,
+    self_condition: bool = False,
+    length_head: bool = False,
+    latent_cfg: LatentDiffusionConfig | None = None,
+    **objective_kw,
+) -> Objective:
     """The objective for `batch`'s latent statistics; self_condition and length_head say what the
     model has (tiny_model: a length head, no self-conditioning)."""
     text = MaskedDiffusion(TextDiffusionConfig(), mask_token_id=MASK, pad_token_id=PAD)
@@ -50,8 +62,9 @@ def make_objective(batch: dict | None = None, *, self_condition: bool = False, l
         flat = batch["latents"].reshape(-1, D)
         stats = {"mean": flat.mean(0), "std": flat.std(0)}
     latent = GaussianDiffusion(latent_cfg or LatentDiffusionConfig(), **stats)
-    return Objective(ObjectiveConfig(**objective_kw), text, latent, self_condition=self_condition,
-                     length_head=length_head)
+    return Objective(
+        ObjectiveConfig(**objective_kw), text, latent, self_condition=self_condition, length_head=length_head
+    )
 
 
 def tiny_model(seed: int = 0) -> MultimodalMMDiT:
@@ -68,11 +81,32 @@ class RecordingModel:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, tokens, latents, t_text, t_latent, text_pad_mask=None, latent_null=None, *,
-                 text_head=True, latent_head=True, text_rows=None):
-        self.calls.append(dict(tokens=tokens, latents=latents, t_text=t_text, t_latent=t_latent,
-                               text_pad_mask=text_pad_mask, latent_null=latent_null,
-                               text_head=text_head, latent_head=latent_head, text_rows=text_rows))
+    def __call__(
+        self,
+        tokens,
+        latents,
+        t_text,
+        t_latent,
+        text_pad_mask=None,
+        latent_null=None,
+        *,
+        text_head=True,
+        latent_head=True,
+        text_rows=None,
+    ):
+        self.calls.append(
+            dict(
+                tokens=tokens,
+                latents=latents,
+                t_text=t_text,
+                t_latent=t_latent,
+                text_pad_mask=text_pad_mask,
+                latent_null=latent_null,
+                text_head=text_head,
+                latent_head=latent_head,
+                text_rows=text_rows,
+            )
+        )
         logits = torch.zeros(*tokens.shape, VOCAB, requires_grad=True) if text_head else None
         if text_rows is not None:
             logits = logits[text_rows]
@@ -262,27 +296,49 @@ def test_sequential_and_fixed_modes():
 # Config errors name the key, the value and what is allowed.
 
 
-@pytest.mark.parametrize("overrides,expected", [
-    (["model.hidden_size=130", "model.num_heads=4"],
-     "config key 'model.hidden_size': got 130; expected a multiple of model.num_heads=4"),
-    (["objective.mode_weights.joint=-1"],
-     "config key 'objective.mode_weights.joint': got -1.0; expected a number >= 0"),
-    (["objective.mode_weights.both=1"],
-     "config key 'objective.mode_weights.both': got 1.0; expected weights for the modes l2t, t2l, joint"),
-    (["objective.mode_weight=1"],
-     "config key 'objective.mode_weight': unknown key; allowed keys here are: mode, mode_weights,"),
-    (["objective.text_loss_weight=heavy"],
-     "config key 'objective.text_loss_weight': got 'heavy'; expected a number"),
-    (["objective.mode=both"],
-     "config key 'objective.mode': got 'both'; expected one of 'l2t', 't2l', 'joint', 'random', 'sequential'"),
-    (["objective.mode=sequential", "objective.mode_schedule=[[5, l2t]]"],
-     "config key 'objective.mode_schedule': got [[5, 'l2t']]; expected a list whose first entry starts at step 0"),
-    (["objective.seed=-1"], "config key 'objective.seed': got -1; expected an integer >= 0"),
-    (["text_diffusion.schedule=cosine"],
-     "config key 'text_diffusion.schedule': got 'cosine'; expected one of 'loglinear', 'linear'"),
-    (["latent_diffusion.prediction=score"],
-     "config key 'latent_diffusion.prediction': got 'score'; expected one of 'eps', 'x0', 'v'"),
-])
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (
+            ["model.hidden_size=130", "model.num_heads=4"],
+            "config key 'model.hidden_size': got 130; expected a multiple of model.num_heads=4",
+        ),
+        (
+            ["objective.mode_weights.joint=-1"],
+            "config key 'objective.mode_weights.joint': got -1.0; expected a number >= 0",
+        ),
+        (
+            ["objective.mode_weights.both=1"],
+            "config key 'objective.mode_weights.both': got 1.0; expected weights for the modes l2t, t2l, joint",
+        ),
+        (
+            ["objective.mode_weight=1"],
+            "config key 'objective.mode_weight': unknown key; allowed keys here are: mode, mode_weights,",
+        ),
+        (
+            ["objective.text_loss_weight=heavy"],
+            "config key 'objective.text_loss_weight': got 'heavy'; expected a number",
+        ),
+        (
+            ["objective.mode=both"],
+            "config key 'objective.mode': got 'both'; expected one of 'l2t', 't2l', 'joint', 'random', 'sequential'",
+        ),
+        (
+            ["objective.mode=sequential", "objective.mode_schedule=[[5, l2t]]"],
+            "config key 'objective.mode_schedule': got [[5, 'l2t']]; "
+            "expected a list whose first entry starts at step 0",
+        ),
+        (["objective.seed=-1"], "config key 'objective.seed': got -1; expected an integer >= 0"),
+        (
+            ["text_diffusion.schedule=cosine"],
+            "config key 'text_diffusion.schedule': got 'cosine'; expected one of 'loglinear', 'linear'",
+        ),
+        (
+            ["latent_diffusion.prediction=score"],
+            "config key 'latent_diffusion.prediction': got 'score'; expected one of 'eps', 'x0', 'v'",
+        ),
+    ],
+)
 def test_bad_config_names_key_value_and_allowed(overrides, expected):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
@@ -298,10 +354,32 @@ class SelfConditionedRecorder(RecordingModel):
     its latent prediction is a fixed function of the noised latent (not zero), so the x0 estimate
     fed back is something to check."""
 
-    def __call__(self, tokens, latents, t_text, t_latent, text_pad_mask=None, latent_null=None, *,
-                 text_head=True, latent_head=True, text_rows=None, latent_self_cond=None, length_from=None):
-        out = super().__call__(tokens, latents, t_text, t_latent, text_pad_mask, latent_null, text_head=text_head,
-                               latent_head=latent_head, text_rows=text_rows)
+    def __call__(
+        self,
+        tokens,
+        latents,
+        t_text,
+        t_latent,
+        text_pad_mask=None,
+        latent_null=None,
+        *,
+        text_head=True,
+        latent_head=True,
+        text_rows=None,
+        latent_self_cond=None,
+        length_from=None,
+    ):
+        out = super().__call__(
+            tokens,
+            latents,
+            t_text,
+            t_latent,
+            text_pad_mask,
+            latent_null,
+            text_head=text_head,
+            latent_head=latent_head,
+            text_rows=text_rows,
+        )
         self.calls[-1].update(latent_self_cond=latent_self_cond, grad_enabled=torch.is_grad_enabled())
         latent = 0.5 * latents if latent_head else None
         if latent is not None and torch.is_grad_enabled():
@@ -324,15 +402,17 @@ def test_without_self_conditioning_the_model_is_called_once_and_gets_no_estimate
     batch = make_batch()
     a = make_objective(batch, mode="t2l")(plain, batch, 0, generator=torch.Generator().manual_seed(1))[0]
     b = make_objective(batch, mode="t2l", self_condition=True, self_condition_prob=1.0)(
-        conditioned, batch, 0, generator=torch.Generator().manual_seed(1))[0]
+        conditioned, batch, 0, generator=torch.Generator().manual_seed(1)
+    )[0]
     assert a.item() == pytest.approx(b.item(), rel=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["t2l", "joint"])
 def test_self_conditioning_feeds_a_gradient_free_x0_estimate(mode):
     batch = make_batch()
-    objective = make_objective(batch, mode=mode, self_condition=True, self_condition_prob=1.0,
-                               latent_cfg=LatentDiffusionConfig(prediction="v"))
+    objective = make_objective(
+        batch, mode=mode, self_condition=True, self_condition_prob=1.0, latent_cfg=LatentDiffusionConfig(prediction="v")
+    )
     model = SelfConditionedRecorder()
     objective(model, batch, step=0, generator=torch.Generator().manual_seed(1))
     first, second = model.calls
@@ -345,12 +425,14 @@ def test_self_conditioning_feeds_a_gradient_free_x0_estimate(mode):
     # l2t keeps its latent clean: nothing to estimate, one call.
     model = SelfConditionedRecorder()
     make_objective(batch, mode="l2t", self_condition=True, self_condition_prob=1.0)(
-        model, batch, step=0, generator=torch.Generator().manual_seed(1))
+        model, batch, step=0, generator=torch.Generator().manual_seed(1)
+    )
     assert len(model.calls) == 1 and model.calls[0]["latent_self_cond"] is None
     # With probability 0 the trained pass sees no estimate (zeros inside the model).
     model = SelfConditionedRecorder()
     make_objective(batch, mode=mode, self_condition=True, self_condition_prob=0.0)(
-        model, batch, step=0, generator=torch.Generator().manual_seed(1))
+        model, batch, step=0, generator=torch.Generator().manual_seed(1)
+    )
     assert len(model.calls) == 1 and model.calls[0]["latent_self_cond"] is None
 
 

@@ -53,7 +53,7 @@ def test_schedule_warmup_then_never_rises_after_last_step(kind):
     lrs = [sched.lr(s) for s in range(total + 50)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(a < b for a, b in zip(lrs[:10], lrs[1:10]))  # warmup rises
-    tail = lrs[total - 1:]
+    tail = lrs[total - 1 :]
     assert all(x == tail[0] for x in tail)  # frozen past the last step
     assert min(lrs[10:]) >= 0.1 - 1e-12
 
@@ -68,14 +68,19 @@ def test_cosine_reaches_floor_at_last_step_and_wsd_shape():
 
 
 def test_cosine_restarts_restart_at_peak():
-    sched = LRSchedule(ScheduleConfig(kind="cosine_restarts", warmup_steps=0, min_lr_ratio=0.0, restart_period=10), 1.0, 100)
+    sched = LRSchedule(
+        ScheduleConfig(kind="cosine_restarts", warmup_steps=0, min_lr_ratio=0.0, restart_period=10), 1.0, 100
+    )
     assert sched.lr(0) == 1.0 and sched.lr(10) == 1.0 and sched.lr(9) < 0.05
     assert sched.lr(5) == pytest.approx(0.5)
 
 
 def test_plateau_reduces_after_patience_and_state_round_trips():
-    cfg = ScheduleConfig(kind="constant", warmup_steps=0,
-                         plateau=PlateauConfig(enabled=True, every=2, patience=1, factor=0.5, min_lr=0.3))
+    cfg = ScheduleConfig(
+        kind="constant",
+        warmup_steps=0,
+        plateau=PlateauConfig(enabled=True, every=2, patience=1, factor=0.5, min_lr=0.3),
+    )
     sched = LRSchedule(cfg, 1.0, 1000)
     reductions = [sched.observe(1.0) for _ in range(2)]  # first window sets the best
     reductions += [sched.observe(1.0) for _ in range(4)]  # two windows without improvement

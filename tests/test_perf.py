@@ -8,9 +8,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from loader_support import SyntheticLoader
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmldlm.config import ModelConfig, PerfConfig, flat_keys, load_config, to_dict
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
@@ -27,8 +26,15 @@ MASK_ID, PAD_ID = 1, 0
 
 def tiny_model(num_blocks=3, attention="sdpa", seed=0):
     torch.manual_seed(seed)
-    cfg = ModelConfig(hidden_size=32, num_blocks=num_blocks, num_heads=2, max_seq_len=LEN, latent_dim=DIM,
-                      timestep_embed_dim=16, attention=attention)
+    cfg = ModelConfig(
+        hidden_size=32,
+        num_blocks=num_blocks,
+        num_heads=2,
+        max_seq_len=LEN,
+        latent_dim=DIM,
+        timestep_embed_dim=16,
+        attention=attention,
+    )
     model = MultimodalMMDiT(cfg, vocab_size=VOCAB)
     with torch.no_grad():  # adaLN-Zero starts every block as the identity: give the blocks work to do
         for p in model.parameters():
@@ -41,8 +47,13 @@ def model_inputs(batch=3):
     tokens = torch.randint(2, VOCAB, (batch, LEN), generator=g)
     pad_mask = torch.ones(batch, LEN, dtype=torch.bool)
     pad_mask[0, 5:] = False
-    return (tokens, torch.randn(batch, 1, DIM, generator=g), torch.rand(batch, generator=g),
-            torch.rand(batch, generator=g), pad_mask)
+    return (
+        tokens,
+        torch.randn(batch, 1, DIM, generator=g),
+        torch.rand(batch, generator=g),
+        torch.rand(batch, generator=g),
+        pad_mask,
+    )
 
 
 def loss_and_grads(model):
@@ -134,16 +145,29 @@ def RandomLoader(micro):
 
 def objective_for(cfg):
     text = MaskedDiffusion(cfg.text_diffusion, mask_token_id=MASK_ID, pad_token_id=PAD_ID)
-    return Objective(cfg.objective, text, GaussianDiffusion(cfg.latent_diffusion, mean=torch.zeros(DIM),
-                                                            std=torch.ones(DIM)))
+    return Objective(
+        cfg.objective, text, GaussianDiffusion(cfg.latent_diffusion, mean=torch.zeros(DIM), std=torch.ones(DIM))
+    )
 
 
 def run_losses(tmp_path, overrides, steps=4, attention="sdpa"):
-    cfg = load_config(None, ["train.log_every=1", "logging.progress_bar=false", "schedule.kind=constant",
-                             "schedule.warmup_steps=0", "optim.lr=3e-3", f"train.run_dir={tmp_path}",
-                             f"train.steps={steps}", "train.global_batch_size=8", *overrides])
-    trainer = Trainer(cfg, tiny_model(attention=attention), objective_for(cfg),
-                      lambda micro: RandomLoader(micro), DistInfo())
+    cfg = load_config(
+        None,
+        [
+            "train.log_every=1",
+            "logging.progress_bar=false",
+            "schedule.kind=constant",
+            "schedule.warmup_steps=0",
+            "optim.lr=3e-3",
+            f"train.run_dir={tmp_path}",
+            f"train.steps={steps}",
+            "train.global_batch_size=8",
+            *overrides,
+        ],
+    )
+    trainer = Trainer(
+        cfg, tiny_model(attention=attention), objective_for(cfg), lambda micro: RandomLoader(micro), DistInfo()
+    )
     return [trainer.train_step()["loss"] for _ in range(steps)], trainer
 
 
@@ -151,12 +175,20 @@ def test_baseline_switches_train_to_the_optimized_switches_losses(tmp_path):
     """Explicit-softmax attention + per-parameter-loop AdamW + per-step re-freezing (the baseline's)
     against SDPA + fused AdamW + selective checkpointing, over steps of every mode (in fp32: under
     bf16 the two attention paths round differently, by more than the tolerance on some weights)."""
-    optimized, _ = run_losses(tmp_path / "o", ["train.micro_batch_size=4", "perf.activation_checkpointing=selective",
-                                               "train.precision=fp32"])
-    baseline, trainer = run_losses(tmp_path / "b", ["train.micro_batch_size=4", "optim.fused=false",
-                                                    "optim.foreach=false", "perf.refreeze_every_step=true",
-                                                    "train.precision=fp32"],
-                                   attention="explicit")
+    optimized, _ = run_losses(
+        tmp_path / "o", ["train.micro_batch_size=4", "perf.activation_checkpointing=selective", "train.precision=fp32"]
+    )
+    baseline, trainer = run_losses(
+        tmp_path / "b",
+        [
+            "train.micro_batch_size=4",
+            "optim.fused=false",
+            "optim.foreach=false",
+            "perf.refreeze_every_step=true",
+            "train.precision=fp32",
+        ],
+        attention="explicit",
+    )
     assert trainer.optimizer.defaults["foreach"] is False and trainer.optimizer.defaults["fused"] is False
     assert {trainer.objective.mode_at(s) for s in range(4)} >= {"l2t", "t2l"}
     torch.testing.assert_close(torch.tensor(baseline), torch.tensor(optimized), rtol=1e-4, atol=1e-5)
@@ -176,7 +208,7 @@ class PerSampleObjective:
     def __call__(self, model, batch, step, generator=None):
         losses = []
         for i, index in enumerate(batch["index"].tolist()):
-            row = {key: value[i:i + 1] for key, value in batch.items()}
+            row = {key: value[i : i + 1] for key, value in batch.items()}
             loss, metrics = self.objective(model, row, step, generator=torch.Generator().manual_seed(index))
             losses.append(loss)
         loss = torch.stack(losses).mean()
@@ -191,10 +223,20 @@ def test_auto_micro_batch_keeps_the_effective_batch(tmp_path, monkeypatch):
     monkeypatch.setattr(batch_size, "probe_peak_bytes", lambda model, objective, size, *args: size * 2**30)
     losses = {}
     for name, micro in (("auto", "auto"), ("whole", 8)):
-        cfg = load_config(None, ["logging.progress_bar=false", "schedule.kind=constant", "schedule.warmup_steps=0",
-                                 "optim.lr=3e-3", f"train.run_dir={tmp_path / name}", "train.global_batch_size=8",
-                                 f"train.micro_batch_size={micro}", "train.memory_cap_gib=2.5",
-                                 "train.precision=fp32"])  # equal losses across batch splits need fp32
+        cfg = load_config(
+            None,
+            [
+                "logging.progress_bar=false",
+                "schedule.kind=constant",
+                "schedule.warmup_steps=0",
+                "optim.lr=3e-3",
+                f"train.run_dir={tmp_path / name}",
+                "train.global_batch_size=8",
+                f"train.micro_batch_size={micro}",
+                "train.memory_cap_gib=2.5",
+                "train.precision=fp32",
+            ],
+        )  # equal losses across batch splits need fp32
         trainer = Trainer(cfg, tiny_model(), PerSampleObjective(objective_for(cfg)), RandomLoader, DistInfo())
         records = [trainer.train_step() for _ in range(3)]
         losses[name] = [r["loss"] for r in records]
@@ -229,10 +271,21 @@ def test_memory_probe_grows_with_the_micro_batch():
 
 
 def test_profiler_window_writes_a_trace(tmp_path):
-    cfg = load_config(None, ["logging.progress_bar=false", f"train.run_dir={tmp_path}", "train.steps=3",
-                             "train.micro_batch_size=8", "train.global_batch_size=8", "checkpoint.every=1000",
-                             "perf.profiler.enabled=true", "perf.profiler.skip=1", "perf.profiler.warmup=1",
-                             "perf.profiler.active=1"])
+    cfg = load_config(
+        None,
+        [
+            "logging.progress_bar=false",
+            f"train.run_dir={tmp_path}",
+            "train.steps=3",
+            "train.micro_batch_size=8",
+            "train.global_batch_size=8",
+            "checkpoint.every=1000",
+            "perf.profiler.enabled=true",
+            "perf.profiler.skip=1",
+            "perf.profiler.warmup=1",
+            "perf.profiler.active=1",
+        ],
+    )
     trainer = Trainer(cfg, tiny_model(), objective_for(cfg), RandomLoader(8), DistInfo())
     assert trainer.fit() == 0
     traces = list((tmp_path / "profiler").glob("rank0*.pt.trace.json*"))
@@ -242,9 +295,19 @@ def test_profiler_window_writes_a_trace(tmp_path):
 # ------------------------------------------------------------------------------------------- presets
 
 PERFORMANCE_KEYS = {
-    "model.attention", "optim.fused", "optim.foreach", "distributed.find_unused_parameters",
-    "distributed.static_graph", "data.num_workers", "data.prefetch_factor", "data.persistent_workers",
-    "data.pin_memory", "data.pad_to_multiple", "train.micro_batch_size", "train.run_dir", "train.precision",
+    "model.attention",
+    "optim.fused",
+    "optim.foreach",
+    "distributed.find_unused_parameters",
+    "distributed.static_graph",
+    "data.num_workers",
+    "data.prefetch_factor",
+    "data.persistent_workers",
+    "data.pin_memory",
+    "data.pad_to_multiple",
+    "train.micro_batch_size",
+    "train.run_dir",
+    "train.precision",
     # the comparison recipe's latent loss: part of what the baseline reproduces
     "latent_diffusion.loss",
 }
@@ -271,7 +334,10 @@ def test_compiled_preset_adds_only_compile_and_its_padding():
     optimized = flat_keys(to_dict(load_config("optimized", [])))
     compiled = flat_keys(to_dict(load_config("compiled", [])))
     assert {key for key in compiled if compiled[key] != optimized[key]} == {
-        "perf.compile", "data.pad_to_multiple", "train.run_dir"}
+        "perf.compile",
+        "data.pad_to_multiple",
+        "train.run_dir",
+    }
     assert compiled["perf.compile"] and compiled["data.pad_to_multiple"] == 64
 
 
@@ -291,8 +357,11 @@ def test_auto_checkpointing_picks_the_least_that_fits(tmp_path, monkeypatch):
     monkeypatch.setattr(batch_size, "probe_peak_bytes", probe)
     for cap, expected in (("4", "none"), ("2", "selective"), ("0.5", "full")):
         seen.clear()
-        _, trainer = run_losses(tmp_path / cap, ["perf.activation_checkpointing=auto", f"train.memory_cap_gib={cap}",
-                                                 "train.micro_batch_size=4"], steps=1)
+        _, trainer = run_losses(
+            tmp_path / cap,
+            ["perf.activation_checkpointing=auto", f"train.memory_cap_gib={cap}", "train.micro_batch_size=4"],
+            steps=1,
+        )
         assert trainer.activation_checkpointing == expected
         assert len(seen) == {"none": 1, "selective": 2, "full": 3}[expected]
         wrapped = sum("forward" in block.__dict__ for block in trainer.raw_model.blocks)
@@ -342,10 +411,13 @@ def test_step_in_backward_never_holds_every_gradient(tmp_path):
     assert most["ordinary"] > len(params) // 2
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["optim.step_in_backward=true", "optim.grad_clip=1.0"], "optim.grad_clip"),
-    (["optim.step_in_backward=true", "optim.grad_clip=0", "train.precision=fp16"], "optim.step_in_backward"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["optim.step_in_backward=true", "optim.grad_clip=1.0"], "optim.grad_clip"),
+        (["optim.step_in_backward=true", "optim.grad_clip=0", "train.precision=fp16"], "optim.step_in_backward"),
+    ],
+)
 def test_step_in_backward_refuses_what_it_cannot_do_in_the_config(overrides, key):
     from mmldlm.config import ConfigError
 
@@ -364,7 +436,12 @@ def test_lean_preset_is_the_optimized_one_with_the_step_in_backward():
     optimized = flat_keys(to_dict(load_config("optimized", [])))
     lean = flat_keys(to_dict(load_config("lean", [])))
     assert {key for key in lean if lean[key] != optimized[key]} == {
-        "optim.step_in_backward", "optim.grad_clip", "optim.state_dtype", "train.micro_batch_size", "train.run_dir"}
+        "optim.step_in_backward",
+        "optim.grad_clip",
+        "optim.state_dtype",
+        "train.micro_batch_size",
+        "train.run_dir",
+    }
     assert lean["train.micro_batch_size"] == lean["train.global_batch_size"]
 
 
@@ -375,9 +452,18 @@ def test_int8_optimizer_state_resumes_exactly_through_a_checkpoint(tmp_path):
     from torchao.optim.subclass_8bit import OptimState8bit
 
     def trainer_at(run_dir, seed=0):
-        cfg = load_config(None, ["train.log_every=1", "logging.progress_bar=false", f"train.run_dir={run_dir}",
-                                 "train.steps=4", "train.global_batch_size=8", "optim.state_dtype=int8",
-                                 "train.precision=fp32"])
+        cfg = load_config(
+            None,
+            [
+                "train.log_every=1",
+                "logging.progress_bar=false",
+                f"train.run_dir={run_dir}",
+                "train.steps=4",
+                "train.global_batch_size=8",
+                "optim.state_dtype=int8",
+                "train.precision=fp32",
+            ],
+        )
         model = tiny_model(seed=seed)
         model.length_head.requires_grad_(False)  # this objective trains no length head: no state to save
         return Trainer(cfg, model, objective_for(cfg), lambda micro: RandomLoader(micro), DistInfo())

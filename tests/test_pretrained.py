@@ -10,17 +10,29 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from data_support import prepared, trained_run
+
 from mmldlm import MMLDLM, cli
 from mmldlm.data.errors import DataError
 from mmldlm.sampling.card import model_card
 from mmldlm.sampling.pretrained import CONFIG, TOKENIZER, WEIGHTS
 
-RUN = ["model=tiny", "model.hidden_size=64", "model.num_blocks=2", "model.timestep_embed_dim=32",
-       "train.steps=6", "train.micro_batch_size=8", "train.global_batch_size=8", "train.log_every=2",
-       "logging.progress_bar=false", "schedule.warmup_steps=1", "data.num_workers=0", "checkpoint.every=1000",
-       "eval.every=0", "train.ema_decay=0.9"]
+RUN = [
+    "model=tiny",
+    "model.hidden_size=64",
+    "model.num_blocks=2",
+    "model.timestep_embed_dim=32",
+    "train.steps=6",
+    "train.micro_batch_size=8",
+    "train.global_batch_size=8",
+    "train.log_every=2",
+    "logging.progress_bar=false",
+    "schedule.warmup_steps=1",
+    "data.num_workers=0",
+    "checkpoint.every=1000",
+    "eval.every=0",
+    "train.ema_decay=0.9",
+]
 FAST = dict(steps=3, batch_size=2)
 
 
@@ -41,8 +53,7 @@ def exported(run_dir, tmp_path_factory):
 
 
 def test_export_writes_a_self_contained_folder_with_its_model_card(run_dir, exported, tmp_path, capsys):
-    assert {p.name for p in exported.iterdir()} == {CONFIG, WEIGHTS, TOKENIZER, "latent_stats.safetensors",
-                                                   "README.md"}
+    assert {p.name for p in exported.iterdir()} == {CONFIG, WEIGHTS, TOKENIZER, "latent_stats.safetensors", "README.md"}
     assert not list(exported.parent.glob(".model.partial-*"))  # the temporary folder was renamed into place
     config = json.loads((exported / CONFIG).read_text())
     assert config["format_version"] == 1 and config["weights"] == "ema" and config["step"] == 6
@@ -55,8 +66,27 @@ def test_export_writes_a_self_contained_folder_with_its_model_card(run_dir, expo
     assert "the EMA of the weights (train.ema_decay 0.9)" in card and "ema_decay: 0.9" in card
 
     # With an evaluation of the checkpoint the card reports it; --force replaces the folder.
-    assert main("eval", "--run", run_dir, "--num-samples", "4", "--batch-size", "4", "--retrieval-pool", "8",
-                "--num-t-draws", "1", "--steps", "2", "--no-encoder", "--device", "cpu") == 0
+    assert (
+        main(
+            "eval",
+            "--run",
+            run_dir,
+            "--num-samples",
+            "4",
+            "--batch-size",
+            "4",
+            "--retrieval-pool",
+            "8",
+            "--num-t-draws",
+            "1",
+            "--steps",
+            "2",
+            "--no-encoder",
+            "--device",
+            "cpu",
+        )
+        == 0
+    )
     capsys.readouterr()
     out = tmp_path / "again"
     assert main("export", "--run", run_dir, "--out", out) == 0
@@ -103,8 +133,26 @@ def test_exported_model_samples_what_the_run_samples(run_dir, exported, tmp_path
 
     # `mmldlm sample` takes either folder and writes the same lines.
     for source in (run_dir, exported):
-        assert main("sample", "--run", source, "--mode", "joint", "--num", "3", "--steps", "3", "--seed", "5",
-                    "--device", "cpu", "--out", tmp_path / f"{source.name}.jsonl") == 0
+        assert (
+            main(
+                "sample",
+                "--run",
+                source,
+                "--mode",
+                "joint",
+                "--num",
+                "3",
+                "--steps",
+                "3",
+                "--seed",
+                "5",
+                "--device",
+                "cpu",
+                "--out",
+                tmp_path / f"{source.name}.jsonl",
+            )
+            == 0
+        )
     assert (tmp_path / "run.jsonl").read_text() == (tmp_path / "model.jsonl").read_text()
     capsys.readouterr()
 
@@ -119,18 +167,60 @@ def test_validation_data_of_an_exported_model_comes_from_data(run_dir, exported,
     data = prepared(tmp_path_factory)  # the run's own dataset
     for source, name in ((run_dir, "run"), (exported, "export")):
         extra = ["--data", data] if source == exported else []
-        assert main("sample", "--run", source, "--mode", "l2t", "--num", "2", "--steps", "2", "--device", "cpu",
-                    "--out", tmp_path / f"{name}.jsonl", *extra) == 0
+        assert (
+            main(
+                "sample",
+                "--run",
+                source,
+                "--mode",
+                "l2t",
+                "--num",
+                "2",
+                "--steps",
+                "2",
+                "--device",
+                "cpu",
+                "--out",
+                tmp_path / f"{name}.jsonl",
+                *extra,
+            )
+            == 0
+        )
     assert (tmp_path / "run.jsonl").read_text() == (tmp_path / "export.jsonl").read_text()
     # Other text, prepared with the export's tokenizer and encoder.
-    (tmp_path / "new.txt").write_text("".join(f"text number {i} about a {w} dog\n" for i, w in
-                                              enumerate(["small", "big", "red", "old", "quick", "lazy"])))
+    (tmp_path / "new.txt").write_text(
+        "".join(
+            f"text number {i} about a {w} dog\n" for i, w in enumerate(["small", "big", "red", "old", "quick", "lazy"])
+        )
+    )
     like = tmp_path / "like"
     assert main("prepare", "--like", exported, "--input", tmp_path / "new.txt", "--out", like, "--quiet") == 0
     out = tmp_path / "report.json"
-    assert main("eval", "--run", exported, "--data", like, "--num-samples", "4", "--batch-size", "4",
-                "--retrieval-pool", "8", "--num-t-draws", "1", "--steps", "2", "--no-encoder", "--device", "cpu",
-                "--out", out) == 0
+    assert (
+        main(
+            "eval",
+            "--run",
+            exported,
+            "--data",
+            like,
+            "--num-samples",
+            "4",
+            "--batch-size",
+            "4",
+            "--retrieval-pool",
+            "8",
+            "--num-t-draws",
+            "1",
+            "--steps",
+            "2",
+            "--no-encoder",
+            "--device",
+            "cpu",
+            "--out",
+            out,
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["step"] == 6 and report["weights"] == "ema" and report["t2l"]["pool_size"] == 6
     assert report["data"] == {"path": str(like.resolve()), "split": "all"}
@@ -155,6 +245,7 @@ def edit_config(**changes):
             section, _, name = key.partition("__")
             (config[section] if name else config)[name or section] = value
         (folder / CONFIG).write_text(json.dumps(config))
+
     return edit
 
 
@@ -174,8 +265,9 @@ def test_a_damaged_export_fails_naming_the_file_and_the_fault(exported, tmp_path
     assert "missing blocks.2." in message
     truncate = lambda f: (f / WEIGHTS).write_bytes((f / WEIGHTS).read_bytes()[:1000])  # noqa: E731
     assert f"damaged/{WEIGHTS}: not a readable safetensors file" in damaged(exported, tmp_path, truncate)
-    assert "config key 'model.hidden_sise': unknown key" in damaged(exported, tmp_path, edit_config(
-        model__hidden_sise=32))
+    assert "config key 'model.hidden_sise': unknown key" in damaged(
+        exported, tmp_path, edit_config(model__hidden_sise=32)
+    )
     assert f"damaged/{CONFIG}: missing keys max_length" in damaged(exported, tmp_path, drop_max_length)
 
 

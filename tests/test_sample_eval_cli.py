@@ -9,19 +9,35 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from data_support import trained_run
+
 from mmldlm.cli import main
 from mmldlm.config import load_config
 from mmldlm.sampling import load_run
 from mmldlm.sampling.evaluate import elbo, val_batches
 from mmldlm.training.run import train
 
-RUN = ["model=tiny", "model.hidden_size=64", "model.num_blocks=2", "model.timestep_embed_dim=32",
-       "train.steps=20", "train.micro_batch_size=8", "train.global_batch_size=8", "train.log_every=5",
-       "logging.progress_bar=false", "schedule.warmup_steps=2", "data.num_workers=0", "checkpoint.every=1000",
-       "eval.every=10", "eval.num_samples=4", "eval.num_steps=4", "eval.num_elbo_batches=1", "eval.batch_size=4",
-       "eval.retrieval_pool=12", "train.ema_decay=0.9"]
+RUN = [
+    "model=tiny",
+    "model.hidden_size=64",
+    "model.num_blocks=2",
+    "model.timestep_embed_dim=32",
+    "train.steps=20",
+    "train.micro_batch_size=8",
+    "train.global_batch_size=8",
+    "train.log_every=5",
+    "logging.progress_bar=false",
+    "schedule.warmup_steps=2",
+    "data.num_workers=0",
+    "checkpoint.every=1000",
+    "eval.every=10",
+    "eval.num_samples=4",
+    "eval.num_steps=4",
+    "eval.num_elbo_batches=1",
+    "eval.batch_size=4",
+    "eval.retrieval_pool=12",
+    "train.ema_decay=0.9",
+]
 FAST = ["--steps", "4", "--device", "cpu"]
 
 
@@ -39,8 +55,14 @@ def test_training_writes_eval_records_every_eval_every_steps(run_dir):
     evals = [r for r in records if "eval_l2t_exact_match" in r]
     assert [r["step"] for r in evals] == [10, 20]
     for r in evals:
-        for key in ("eval_elbo_l2t_text_nats_per_token", "eval_elbo_t2l_latent_loss", "eval_elbo_joint_latent_loss",
-                    "eval_l2t_cosine_mean", "eval_t2l_cosine_mean", "eval_t2l_retrieval_at_1"):
+        for key in (
+            "eval_elbo_l2t_text_nats_per_token",
+            "eval_elbo_t2l_latent_loss",
+            "eval_elbo_joint_latent_loss",
+            "eval_l2t_cosine_mean",
+            "eval_t2l_cosine_mean",
+            "eval_t2l_retrieval_at_1",
+        ):
             assert math.isfinite(r[key]), key
         assert 0 <= r["eval_t2l_retrieval_at_1"] <= 1 and r["eval_t2l_pool_size"] == 12
     assert [r["step"] for r in records if "loss" in r] == [1, 5, 10, 15, 20]  # training records intact
@@ -48,8 +70,25 @@ def test_training_writes_eval_records_every_eval_every_steps(run_dir):
 
 def test_sample_l2t_from_text_validation_and_latent_file(run_dir, tmp_path):
     out = tmp_path / "l2t.jsonl"
-    assert main(["sample", "--run", str(run_dir), "--mode", "l2t", "--text", "a small dog", "--text", "to run fast",
-                 "--out", str(out), *FAST]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                "--run",
+                str(run_dir),
+                "--mode",
+                "l2t",
+                "--text",
+                "a small dog",
+                "--text",
+                "to run fast",
+                "--out",
+                str(out),
+                *FAST,
+            ]
+        )
+        == 0
+    )
     records = read_jsonl(out)
     assert [r["source"] for r in records] == ["a small dog", "to run fast"]
     assert all(r["text"] for r in records)
@@ -57,15 +96,47 @@ def test_sample_l2t_from_text_validation_and_latent_file(run_dir, tmp_path):
     assert main(["sample", "--run", str(run_dir), "--mode", "l2t", "--num", "3", "--out", str(out), *FAST]) == 0
     run = load_run(run_dir, device="cpu")
     sources = [r["source"] for r in read_jsonl(out)]  # cut to the length training used, as the model saw them
-    assert sources == run.decode(*run.batch_of([run.val[i][1][:run.max_length].tolist() for i in range(3)]))
+    assert sources == run.decode(*run.batch_of([run.val[i][1][: run.max_length].tolist() for i in range(3)]))
 
     np.save(tmp_path / "z.npy", run.val[0][2][0].astype(np.float32)[None].repeat(2, 0))  # (2, D)
-    assert main(["sample", "--run", str(run_dir), "--mode", "l2t", "--latents", str(tmp_path / "z.npy"),
-                 "--length", "5", "--out", str(out), *FAST]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                "--run",
+                str(run_dir),
+                "--mode",
+                "l2t",
+                "--latents",
+                str(tmp_path / "z.npy"),
+                "--length",
+                "5",
+                "--out",
+                str(out),
+                *FAST,
+            ]
+        )
+        == 0
+    )
     assert [r["length"] for r in read_jsonl(out)] == [5, 5]
     # Without --length the model's length head gives each latent its length.
-    assert main(["sample", "--run", str(run_dir), "--mode", "l2t", "--latents", str(tmp_path / "z.npy"),
-                 "--out", str(out), *FAST]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                "--run",
+                str(run_dir),
+                "--mode",
+                "l2t",
+                "--latents",
+                str(tmp_path / "z.npy"),
+                "--out",
+                str(out),
+                *FAST,
+            ]
+        )
+        == 0
+    )
     predicted = run.predict_lengths(torch.from_numpy(np.load(tmp_path / "z.npy"))[:, None, :])
     assert [r["length"] for r in read_jsonl(out)] == predicted and 1 <= predicted[0] <= run.max_length
 
@@ -80,15 +151,51 @@ def test_sample_and_eval_use_the_ema_weights_unless_told_otherwise(run_dir):
 def test_sample_t2l_and_joint_write_latents(run_dir, tmp_path, capsys):
     (tmp_path / "lines.txt").write_text("a small dog\n\nthe act of running\nblue\n")
     z_file = tmp_path / "z.npy"
-    assert main(["sample", "--run", str(run_dir), "--mode", "t2l", "--text-file", str(tmp_path / "lines.txt"),
-                 "--latents-out", str(z_file), "--guidance-scale", "1.5", *FAST]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                "--run",
+                str(run_dir),
+                "--mode",
+                "t2l",
+                "--text-file",
+                str(tmp_path / "lines.txt"),
+                "--latents-out",
+                str(z_file),
+                "--guidance-scale",
+                "1.5",
+                *FAST,
+            ]
+        )
+        == 0
+    )
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["text"] for r in records] == ["a small dog", "the act of running", "blue"]
     z = np.load(z_file)
     assert z.shape == (3, 1, 384) and np.isfinite(z).all()
 
-    assert main(["sample", "--run", str(run_dir), "--mode", "joint", "--num", "2", "--latent-sampler", "ddpm",
-                 "--latents-out", str(z_file), "--out", str(tmp_path / "joint.jsonl"), *FAST]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                "--run",
+                str(run_dir),
+                "--mode",
+                "joint",
+                "--num",
+                "2",
+                "--latent-sampler",
+                "ddpm",
+                "--latents-out",
+                str(z_file),
+                "--out",
+                str(tmp_path / "joint.jsonl"),
+                *FAST,
+            ]
+        )
+        == 0
+    )
     joint = read_jsonl(tmp_path / "joint.jsonl")
     assert len(joint) == 2 and all(1 <= r["length"] <= 64 for r in joint) and np.load(z_file).shape == (2, 1, 384)
 
@@ -113,39 +220,71 @@ def bad_inputs(root):
 
 # (command line after --run RUN, what the one line on stderr must say); FILE/ is the folder of bad_inputs.
 REFUSED = {
-    "latents-not-npy": (["sample", "--mode", "l2t", "--latents", "FILE/latents.txt"],
-                        "--latents FILE/latents.txt: not a .npy file; expected a .npy array (N, 1, 384) or (N, 384)"),
-    "latents-missing": (["sample", "--mode", "l2t", "--latents", "FILE/absent.npy"],
-                        "--latents FILE/absent.npy: No such file or directory; expected a .npy array"),
-    "latents-nan": (["sample", "--mode", "l2t", "--latents", "FILE/nan.npy"],
-                    "--latents FILE/nan.npy: 2 of 3 latents hold NaN or inf (rows 1, 2); expected finite numbers"),
-    "latents-empty": (["sample", "--mode", "l2t", "--latents", "FILE/none.npy"],
-                      "--latents FILE/none.npy: holds no latent; expected (N, 1, 384) or (N, 384) with N >= 1"),
-    "latents-and-text": (["sample", "--mode", "l2t", "--latents", "FILE/nan.npy", "--text", "a dog"],
-                         "--latents and --text/--text-file are two sources of l2t; give one"),
-    "length-negative": (["sample", "--mode", "l2t", "--num", "1", "--length", "-3"],
-                        "--length: got -3; expected an integer >= 1"),
-    "length-too-long": (["sample", "--mode", "joint", "--num", "1", "--length", "100000"],
-                        "--length: got 100000; expected an integer in [1, 64] (model.max_seq_len of this run)"),
-    "steps-zero": (["sample", "--mode", "l2t", "--num", "1", "--steps", "0"],
-                   "--steps: got 0; expected an integer >= 1"),
-    "steps-negative": (["sample", "--mode", "joint", "--num", "1", "--steps", "-2"],
-                       "--steps: got -2; expected an integer >= 1"),
-    "latent-steps-zero": (["sample", "--mode", "t2l", "--text", "a dog", "--latent-steps", "0"],
-                          "--latent-steps: got 0; expected an integer >= 1"),
-    "temperature-zero": (["sample", "--mode", "l2t", "--num", "1", "--temperature", "0"],
-                         "--temperature: got 0.0; expected a number > 0"),
-    "text-empty": (["sample", "--mode", "l2t", "--text", ""],
-                   "--text: got ''; expected a text with at least one character that is not a space"),
-    "text-file-blank": (["sample", "--mode", "t2l", "--text-file", "FILE/blank.txt"],
-                        "--text-file FILE/blank.txt: no line with text; expected one source text per line"),
+    "latents-not-npy": (
+        ["sample", "--mode", "l2t", "--latents", "FILE/latents.txt"],
+        "--latents FILE/latents.txt: not a .npy file; expected a .npy array (N, 1, 384) or (N, 384)",
+    ),
+    "latents-missing": (
+        ["sample", "--mode", "l2t", "--latents", "FILE/absent.npy"],
+        "--latents FILE/absent.npy: No such file or directory; expected a .npy array",
+    ),
+    "latents-nan": (
+        ["sample", "--mode", "l2t", "--latents", "FILE/nan.npy"],
+        "--latents FILE/nan.npy: 2 of 3 latents hold NaN or inf (rows 1, 2); expected finite numbers",
+    ),
+    "latents-empty": (
+        ["sample", "--mode", "l2t", "--latents", "FILE/none.npy"],
+        "--latents FILE/none.npy: holds no latent; expected (N, 1, 384) or (N, 384) with N >= 1",
+    ),
+    "latents-and-text": (
+        ["sample", "--mode", "l2t", "--latents", "FILE/nan.npy", "--text", "a dog"],
+        "--latents and --text/--text-file are two sources of l2t; give one",
+    ),
+    "length-negative": (
+        ["sample", "--mode", "l2t", "--num", "1", "--length", "-3"],
+        "--length: got -3; expected an integer >= 1",
+    ),
+    "length-too-long": (
+        ["sample", "--mode", "joint", "--num", "1", "--length", "100000"],
+        "--length: got 100000; expected an integer in [1, 64] (model.max_seq_len of this run)",
+    ),
+    "steps-zero": (
+        ["sample", "--mode", "l2t", "--num", "1", "--steps", "0"],
+        "--steps: got 0; expected an integer >= 1",
+    ),
+    "steps-negative": (
+        ["sample", "--mode", "joint", "--num", "1", "--steps", "-2"],
+        "--steps: got -2; expected an integer >= 1",
+    ),
+    "latent-steps-zero": (
+        ["sample", "--mode", "t2l", "--text", "a dog", "--latent-steps", "0"],
+        "--latent-steps: got 0; expected an integer >= 1",
+    ),
+    "temperature-zero": (
+        ["sample", "--mode", "l2t", "--num", "1", "--temperature", "0"],
+        "--temperature: got 0.0; expected a number > 0",
+    ),
+    "text-empty": (
+        ["sample", "--mode", "l2t", "--text", ""],
+        "--text: got ''; expected a text with at least one character that is not a space",
+    ),
+    "text-file-blank": (
+        ["sample", "--mode", "t2l", "--text-file", "FILE/blank.txt"],
+        "--text-file FILE/blank.txt: no line with text; expected one source text per line",
+    ),
     "num-zero": (["sample", "--mode", "joint", "--num", "0"], "--num: got 0; expected an integer >= 1"),
-    "out-in-missing-dir": (["sample", "--mode", "joint", "--num", "1", "--out", "FILE/absent/pairs.jsonl"],
-                           "/absent/pairs.jsonl'; expected a file in an existing directory"),
-    "threads-negative": (["sample", "--mode", "joint", "--num", "1", "--threads", "-1"],
-                         "--threads: got -1; expected 0 (torch's default) or a positive integer"),
-    "batch-size-zero": (["sample", "--mode", "l2t", "--num", "1", "--batch-size", "0"],
-                        "--batch-size: got 0; expected an integer >= 1"),
+    "out-in-missing-dir": (
+        ["sample", "--mode", "joint", "--num", "1", "--out", "FILE/absent/pairs.jsonl"],
+        "/absent/pairs.jsonl'; expected a file in an existing directory",
+    ),
+    "threads-negative": (
+        ["sample", "--mode", "joint", "--num", "1", "--threads", "-1"],
+        "--threads: got -1; expected 0 (torch's default) or a positive integer",
+    ),
+    "batch-size-zero": (
+        ["sample", "--mode", "l2t", "--num", "1", "--batch-size", "0"],
+        "--batch-size: got 0; expected an integer >= 1",
+    ),
     "eval-steps-zero": (["eval", "--num-samples", "4", "--steps", "0"], "--steps: got 0; expected an integer >= 1"),
     "eval-num-samples-zero": (["eval", "--num-samples", "0"], "--num-samples: got 0; expected an integer >= 1"),
 }
@@ -177,8 +316,28 @@ def test_debug_shows_the_traceback_of_a_refused_input(run_dir, capsys, monkeypat
 
 def test_eval_writes_report_and_summary(run_dir, tmp_path, capsys):
     out = tmp_path / "report.json"
-    assert main(["eval", "--run", str(run_dir), "--num-samples", "4", "--batch-size", "4", "--retrieval-pool", "12",
-                 "--guidance-scale", "0", "1.5", "--out", str(out), *FAST]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--run",
+                str(run_dir),
+                "--num-samples",
+                "4",
+                "--batch-size",
+                "4",
+                "--retrieval-pool",
+                "12",
+                "--guidance-scale",
+                "0",
+                "1.5",
+                "--out",
+                str(out),
+                *FAST,
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["step"] == 20 and report["sampling"]["num_steps"] == 4 and report["weights"] == "ema"
     assert [g["guidance_scale"] for g in report["guidance"]] == [0.0, 1.5]
@@ -246,9 +405,23 @@ def test_fsdp2_ranks_gather_for_rank0_evaluation_and_wait(run_dir, tmp_path):
     from test_training_distributed import TORCHRUN, WORKER, free_port
 
     data = load_config(run_dir / "config.yaml").data.path
-    cmd = [*TORCHRUN, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(WORKER), *RUN, "train.steps=4", "train.micro_batch_size=4", "eval.every=2", "distributed.strategy=fsdp2",
-           f"data.path={data}", f"train.run_dir={tmp_path}"]
+    cmd = [
+        *TORCHRUN,
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(WORKER),
+        *RUN,
+        "train.steps=4",
+        "train.micro_batch_size=4",
+        "eval.every=2",
+        "distributed.strategy=fsdp2",
+        f"data.path={data}",
+        f"train.run_dir={tmp_path}",
+    ]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -38,8 +38,10 @@ def sentences() -> dict:
 
 def diffusions(data: dict, prediction: str = "v") -> tuple[MaskedDiffusion, GaussianDiffusion]:
     flat = data["latents"].reshape(-1, D)
-    return (MaskedDiffusion(TextDiffusionConfig(), mask_token_id=MASK, pad_token_id=PAD),
-            GaussianDiffusion(LatentDiffusionConfig(prediction=prediction), mean=flat.mean(0), std=flat.std(0)))
+    return (
+        MaskedDiffusion(TextDiffusionConfig(), mask_token_id=MASK, pad_token_id=PAD),
+        GaussianDiffusion(LatentDiffusionConfig(prediction=prediction), mean=flat.mean(0), std=flat.std(0)),
+    )
 
 
 def small_model(seed: int = 0) -> MultimodalMMDiT:
@@ -55,8 +57,9 @@ def overfit():
     trained null latent (the guidance test checks the rule, not its effect)."""
     data = sentences()
     text, latent = diffusions(data)
-    objective = Objective(ObjectiveConfig(mode="random", mode_weights={"l2t": 1.0, "t2l": 1.0}, cond_drop_prob=0.0),
-                          text, latent)
+    objective = Objective(
+        ObjectiveConfig(mode="random", mode_weights={"l2t": 1.0, "t2l": 1.0}, cond_drop_prob=0.0), text, latent
+    )
     model = small_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     batch = {k: v.repeat(4, *[1] * (v.dim() - 1)) for k, v in data.items()}  # 24 rows: 4 draws of t each
@@ -83,8 +86,10 @@ def test_t2l_retrieves_every_latent_from_its_sentence(overfit):
     for sampler_name in ("ddim", "ddpm"):
         sampler = Sampler(model, text, latent, SamplingOptions(num_steps=16, latent_sampler=sampler_name))
         z = sampler.t2l(data["tokens"], data["pad_mask"], torch.Generator().manual_seed(1))  # encoder space
-        similarity = torch.nn.functional.normalize(z.flatten(1), dim=-1) @ \
-            torch.nn.functional.normalize(data["latents"].flatten(1), dim=-1).T  # (6, 6)
+        similarity = (
+            torch.nn.functional.normalize(z.flatten(1), dim=-1)
+            @ torch.nn.functional.normalize(data["latents"].flatten(1), dim=-1).T
+        )  # (6, 6)
         assert torch.equal(similarity.argmax(dim=1), torch.arange(6)), sampler_name
         assert torch.nn.functional.cosine_similarity(z.flatten(1), data["latents"].flatten(1)).min() > 0.9
 
@@ -133,14 +138,24 @@ def test_guidance_scale_zero_is_the_unguided_sampler_exactly(overfit):
             x = latent.step(pred, x, t, s, "ddpm", g)
         return latent.destandardize(x)
 
-    options = SamplingOptions(num_steps=8, temperature=2.0, guidance_scale=0.0, reuse_output=False,
-                              latent_sampler="ddpm", strategy="ancestral")
+    options = SamplingOptions(
+        num_steps=8,
+        temperature=2.0,
+        guidance_scale=0.0,
+        reuse_output=False,
+        latent_sampler="ddpm",
+        strategy="ancestral",
+    )
     sampler = Sampler(model, text, latent, options)
     with torch.no_grad():
-        assert torch.equal(sampler.l2t(latents, pad_mask, torch.Generator().manual_seed(4)),
-                           reference_l2t(torch.Generator().manual_seed(4)))
-        assert torch.equal(sampler.t2l(data["tokens"], pad_mask, torch.Generator().manual_seed(4)),
-                           reference_t2l(torch.Generator().manual_seed(4)))
+        assert torch.equal(
+            sampler.l2t(latents, pad_mask, torch.Generator().manual_seed(4)),
+            reference_l2t(torch.Generator().manual_seed(4)),
+        )
+        assert torch.equal(
+            sampler.t2l(data["tokens"], pad_mask, torch.Generator().manual_seed(4)),
+            reference_t2l(torch.Generator().manual_seed(4)),
+        )
     assert sampler.num_forward == 16  # no unconditional pass at scale 0
     # The guided rule itself: scale w moves the logits by w (cond - uncond).
     guided = Sampler(model, text, latent, SamplingOptions(guidance_scale=2.0))
@@ -149,8 +164,9 @@ def test_guidance_scale_zero_is_the_unguided_sampler_exactly(overfit):
     z = latent.standardize(data["latents"])
     cond = plain._l2t_logits(tokens, z, 0.5, data["pad_mask"])
     null = torch.ones(6, dtype=torch.bool)
-    uncond, _, _ = model(tokens, z, torch.full((6,), 0.5), torch.zeros(6), data["pad_mask"], latent_null=null,
-                      latent_head=False)
+    uncond, _, _ = model(
+        tokens, z, torch.full((6,), 0.5), torch.zeros(6), data["pad_mask"], latent_null=null, latent_head=False
+    )
     expected = plain._text_scores(cond + 2.0 * (cond - uncond))
     assert torch.allclose(guided._l2t_logits(tokens, z, 0.5, data["pad_mask"]), expected, atol=1e-4)
 
@@ -166,8 +182,12 @@ def test_no_nan_at_t1_or_t0_for_every_parameterisation(prediction):
     assert time_grid(1) == [(1.0, 0.0)]  # one step goes from t = 1 straight to t = 0
     for num_steps in (1, 3):
         for sampler_name in ("ddim", "ddpm"):
-            sampler = Sampler(model.eval(), text, latent, SamplingOptions(num_steps=num_steps, guidance_scale=1.5,
-                                                                          latent_sampler=sampler_name))
+            sampler = Sampler(
+                model.eval(),
+                text,
+                latent,
+                SamplingOptions(num_steps=num_steps, guidance_scale=1.5, latent_sampler=sampler_name),
+            )
             g = torch.Generator().manual_seed(0)
             z = sampler.t2l(data["tokens"], data["pad_mask"], g)
             tokens, z_joint = sampler.joint(data["pad_mask"], g)
@@ -191,8 +211,15 @@ def test_bad_options_fail_with_a_message():
 
 def test_self_conditioned_sampler_feeds_each_step_the_previous_x0_estimate():
     torch.manual_seed(0)
-    cfg = ModelConfig(hidden_size=32, num_blocks=1, num_heads=2, max_seq_len=8, latent_dim=D, timestep_embed_dim=16,
-                      self_condition=True)
+    cfg = ModelConfig(
+        hidden_size=32,
+        num_blocks=1,
+        num_heads=2,
+        max_seq_len=8,
+        latent_dim=D,
+        timestep_embed_dim=16,
+        self_condition=True,
+    )
     model = MultimodalMMDiT(cfg, vocab_size=VOCAB).eval()
     with torch.no_grad():  # a non-zero self-conditioning input path, so the estimate changes the output
         model.latent_self_cond_proj.weight.normal_(std=0.5)
@@ -222,9 +249,19 @@ def test_sampler_defaults_come_from_the_run_config_and_given_options_override_th
     text = TextDiffusionConfig(num_sampling_steps=24, sampling_temperature=0.6)
     latent = LatentDiffusionConfig(num_sampling_steps=2, sampler="ddpm")
     options = SamplingOptions.defaults(text, latent)
-    assert (options.num_steps, options.latent_steps, options.temperature, options.latent_sampler) == (24, 2, 0.6, "ddpm")
+    assert (options.num_steps, options.latent_steps, options.temperature, options.latent_sampler) == (
+        24,
+        2,
+        0.6,
+        "ddpm",
+    )
     # A command-line option left unset (None) keeps the run's value; a given one wins; --steps sets both.
     options = SamplingOptions.defaults(text, latent, 8, temperature=None, latent_sampler="ddim", guidance_scale=1.5)
-    assert (options.num_steps, options.latent_steps, options.temperature, options.latent_sampler,
-            options.guidance_scale) == (8, 8, 0.6, "ddim", 1.5)
+    assert (
+        options.num_steps,
+        options.latent_steps,
+        options.temperature,
+        options.latent_sampler,
+        options.guidance_scale,
+    ) == (8, 8, 0.6, "ddim", 1.5)
     assert SamplingOptions.defaults(text, latent, temperature=1.0).temperature == 1.0

@@ -7,15 +7,23 @@ import signal
 
 import pytest
 import yaml
-
 from data_support import prepared
+
 from mmldlm import cli
 from mmldlm.tools.monitor import total_steps
 from mmldlm.training import run as run_module
 from mmldlm.training.trainer import Trainer
 
-TINY = ["model=tiny", "train.micro_batch_size=2", "train.global_batch_size=2", "train.log_every=1",
-        "logging.progress_bar=false", "schedule.warmup_steps=1", "checkpoint.every=2", "data.num_workers=0"]
+TINY = [
+    "model=tiny",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+    "train.log_every=1",
+    "logging.progress_bar=false",
+    "schedule.warmup_steps=1",
+    "checkpoint.every=2",
+    "data.num_workers=0",
+]
 
 
 @pytest.fixture
@@ -64,8 +72,9 @@ def test_sigterm_during_start_up_exits_143_saying_nothing_was_written(train, tmp
     monkeypatch.setattr(run_module, "open_train_data", signal_while_opening_the_data)
     status, err = train()
     assert status == 128 + signal.SIGTERM
-    assert err[-1] == (f"mmldlm train: SIGTERM during start-up, before the first step; nothing was written to "
-                       f"{tmp_path / 'run'}")
+    assert err[-1] == (
+        f"mmldlm train: SIGTERM during start-up, before the first step; nothing was written to {tmp_path / 'run'}"
+    )
     assert not (tmp_path / "run").exists()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
@@ -82,8 +91,10 @@ def test_a_run_stopped_by_a_signal_exits_143_and_ends_with_how_to_continue(train
     status, err = train(steps=10)
     assert status == 143
     checkpoint = tmp_path / "run" / "checkpoints" / "step-0000003"
-    assert err[-1].startswith(f"mmldlm train: stopped by SIGTERM at step 3 of 10 (exit status 143); checkpoint "
-                              f"{checkpoint} written. Continue with: mmldlm train --config default model=tiny ")
+    assert err[-1].startswith(
+        f"mmldlm train: stopped by SIGTERM at step 3 of 10 (exit status 143); checkpoint "
+        f"{checkpoint} written. Continue with: mmldlm train --config default model=tiny "
+    )
     assert err[-1].endswith(f" train.steps=10 data.path={train.data} train.run_dir={tmp_path / 'run'} --resume auto")
     assert (checkpoint / "meta.json").is_file()
     monkeypatch.setattr(Trainer, "train_step", real_step)

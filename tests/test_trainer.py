@@ -9,11 +9,10 @@ import signal
 import pytest
 import torch
 import torch.nn.functional as F
-
 from data_support import prepared
 from loader_support import SyntheticLoader
 
-from mmldlm.config import ModelConfig, RunConfig, load_config
+from mmldlm.config import ModelConfig, load_config
 from mmldlm.model.mmdit import MultimodalMMDiT
 from mmldlm.training.distributed import DistInfo
 from mmldlm.training.run import train
@@ -51,11 +50,22 @@ def SequentialLoader(micro):
 
 
 def make_trainer(tmp_path, overrides, mode="joint"):
-    cfg = load_config(None, ["train.log_every=1", "logging.progress_bar=false", "schedule.warmup_steps=0",
-                             "schedule.kind=constant", "optim.lr=0.01", f"train.run_dir={tmp_path}", *overrides])
+    cfg = load_config(
+        None,
+        [
+            "train.log_every=1",
+            "logging.progress_bar=false",
+            "schedule.warmup_steps=0",
+            "schedule.kind=constant",
+            "optim.lr=0.01",
+            f"train.run_dir={tmp_path}",
+            *overrides,
+        ],
+    )
     torch.manual_seed(0)
-    model_cfg = ModelConfig(hidden_size=32, num_blocks=2, num_heads=2, max_seq_len=LEN, latent_dim=DIM,
-                            timestep_embed_dim=16)
+    model_cfg = ModelConfig(
+        hidden_size=32, num_blocks=2, num_heads=2, max_seq_len=LEN, latent_dim=DIM, timestep_embed_dim=16
+    )
     model = MultimodalMMDiT(model_cfg, vocab_size=VOCAB)
     return Trainer(cfg, model, FixedNoiseObjective(mode), SequentialLoader(cfg.train.micro_batch_size), DistInfo())
 
@@ -78,8 +88,9 @@ def test_micro_batch_2_times_4_accumulation_equals_batch_8(tmp_path):
 
 
 def test_progressive_batch_size_changes_accumulation_at_the_given_steps(tmp_path):
-    trainer = make_trainer(tmp_path, ["train.steps=5", "train.micro_batch_size=2",
-                                      "train.batch_schedule=[[0, 2], [2, 6], [4, 4]]"])
+    trainer = make_trainer(
+        tmp_path, ["train.steps=5", "train.micro_batch_size=2", "train.batch_schedule=[[0, 2], [2, 6], [4, 4]]"]
+    )
     assert trainer.fit() == 0
     recs = records(tmp_path)
     assert [r["global_batch_size"] for r in recs] == [2, 2, 6, 6, 4]
@@ -88,8 +99,11 @@ def test_progressive_batch_size_changes_accumulation_at_the_given_steps(tmp_path
 
 
 def test_idle_head_is_not_moved_by_adamw(tmp_path):
-    trainer = make_trainer(tmp_path, ["train.steps=3", "train.micro_batch_size=2", "train.global_batch_size=2",
-                                      "optim.weight_decay=0.5"], mode="l2t")
+    trainer = make_trainer(
+        tmp_path,
+        ["train.steps=3", "train.micro_batch_size=2", "train.global_batch_size=2", "optim.weight_decay=0.5"],
+        mode="l2t",
+    )
     with torch.no_grad():  # non-zero head weights, so weight decay would visibly shrink them
         for p in trainer.raw_model.latent_head_parameters():
             p.normal_()
@@ -121,8 +135,16 @@ def test_sigterm_checkpoints_at_the_end_of_the_step_and_exits_with_128_plus_its_
 def test_failed_background_save_is_reported_at_the_next_step(tmp_path, monkeypatch):
     import mmldlm.training.checkpoint as ckpt
 
-    trainer = make_trainer(tmp_path, ["train.steps=20", "train.micro_batch_size=2", "train.global_batch_size=2",
-                                      "checkpoint.every=2", "checkpoint.async_save=true"])
+    trainer = make_trainer(
+        tmp_path,
+        [
+            "train.steps=20",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=2",
+            "checkpoint.every=2",
+            "checkpoint.async_save=true",
+        ],
+    )
     real_save, real_step = ckpt.torch.save, trainer.train_step
 
     def full_disk_from_step_4(obj, path):
@@ -137,8 +159,11 @@ def test_failed_background_save_is_reported_at_the_next_step(tmp_path, monkeypat
 
     monkeypatch.setattr(ckpt.torch, "save", full_disk_from_step_4)
     trainer.train_step = step_after_the_write
-    with pytest.raises(WriteError, match="no space left on device .*optimizer.pt; the partial checkpoint was "
-                                         "removed, the last good checkpoint is .*step-0000002"):
+    with pytest.raises(
+        WriteError,
+        match="no space left on device .*optimizer.pt; the partial checkpoint was "
+        "removed, the last good checkpoint is .*step-0000002",
+    ):
         trainer.fit()
     assert trainer.step == 5  # the step after the failed save, not the next save at step 6
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-0000002"]
@@ -164,16 +189,24 @@ def test_auto_precision_is_bf16_only_where_bf16_matmuls_are_native(monkeypatch):
 def test_bf16_autocast_on_cpu_keeps_fp32_masters_and_tracks_the_fp32_run(tmp_path):
     runs = {}
     for precision in ("fp32", "bf16"):
-        trainer = make_trainer(tmp_path / precision, ["train.steps=6", "train.micro_batch_size=4",
-                                                      "train.global_batch_size=4", f"train.precision={precision}"])
+        trainer = make_trainer(
+            tmp_path / precision,
+            ["train.steps=6", "train.micro_batch_size=4", "train.global_batch_size=4", f"train.precision={precision}"],
+        )
         seen = []
-        hook = trainer.raw_model.blocks[0].text.qkv.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+        hook = trainer.raw_model.blocks[0].text.qkv.register_forward_hook(
+            lambda m, i, o, seen=seen: seen.append(o.dtype)
+        )
         assert trainer.fit() == 0
         hook.remove()
         assert set(seen) == {torch.bfloat16 if precision == "bf16" else torch.float32}
         assert all(p.dtype == torch.float32 for p in trainer.raw_model.parameters())
-        assert all(v.dtype == torch.float32 for s in trainer.optimizer.state.values() for v in s.values()
-                   if torch.is_tensor(v) and v.is_floating_point())
+        assert all(
+            v.dtype == torch.float32
+            for s in trainer.optimizer.state.values()
+            for v in s.values()
+            if torch.is_tensor(v) and v.is_floating_point()
+        )
         runs[precision] = [r["loss"] for r in records(tmp_path / precision)]
     assert runs["bf16"][-1] < runs["bf16"][0]  # it trains
     for a, b in zip(runs["fp32"], runs["bf16"]):
@@ -195,10 +228,21 @@ def test_device_choice_is_one_rule_that_names_the_key_it_came_from():
 def test_train_threads_sets_torchs_cpu_threads_for_the_run(tmp_path_factory, tmp_path):
     before = torch.get_num_threads()
     threads = 3 if before != 3 else 2
-    cfg = load_config(None, ["model=tiny", "train.steps=1", "train.micro_batch_size=2", "train.global_batch_size=2",
-                             "data.num_workers=0", "logging.progress_bar=false", "train.device=cpu",
-                             f"train.threads={threads}", f"data.path={prepared(tmp_path_factory)}",
-                             f"train.run_dir={tmp_path / 'run'}"])
+    cfg = load_config(
+        None,
+        [
+            "model=tiny",
+            "train.steps=1",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=2",
+            "data.num_workers=0",
+            "logging.progress_bar=false",
+            "train.device=cpu",
+            f"train.threads={threads}",
+            f"data.path={prepared(tmp_path_factory)}",
+            f"train.run_dir={tmp_path / 'run'}",
+        ],
+    )
     try:
         assert train(cfg) == 0
         assert torch.get_num_threads() == threads

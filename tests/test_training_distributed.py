@@ -20,11 +20,22 @@ PYTHON = sys.executable
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
 
 # A smaller tiny model, small batches, every step logged, deterministic kernels, no loader workers.
-BASE = ["model=tiny", "model.hidden_size=64", "model.num_blocks=2", "model.timestep_embed_dim=32",
-        "train.micro_batch_size=2", "train.log_every=1", "train.deterministic=true", "logging.progress_bar=false",
-        "schedule.warmup_steps=2", "optim.lr=1e-3", "checkpoint.every=1000", "data.num_workers=0",
-        "train.precision=fp32",  # auto is bf16 on CPUs with native bf16: equalities across batch splits need fp32
-        "data.bucket_batches=1"]  # bucketed batches are cut per rank: 1 x 2 accumulation steps != 2 ranks
+BASE = [
+    "model=tiny",
+    "model.hidden_size=64",
+    "model.num_blocks=2",
+    "model.timestep_embed_dim=32",
+    "train.micro_batch_size=2",
+    "train.log_every=1",
+    "train.deterministic=true",
+    "logging.progress_bar=false",
+    "schedule.warmup_steps=2",
+    "optim.lr=1e-3",
+    "checkpoint.every=1000",
+    "data.num_workers=0",
+    "train.precision=fp32",  # auto is bf16 on CPUs with native bf16: equalities across batch splits need fp32
+    "data.bucket_batches=1",
+]  # bucketed batches are cut per rank: 1 x 2 accumulation steps != 2 ranks
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -39,8 +50,17 @@ def dataset(tmp_path_factory):
     with gzip.open(DEFAULT_CORPUS, "rt", encoding="utf-8") as f:
         texts = f.read().splitlines()[::500][:240]
     (root / "corpus.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
-    prepare(PrepareOptions(inputs=[str(root / "corpus.txt")], out=str(root / "prepared"), vocab_size=300,
-                           shard_size=64, val_fraction=0.05, progress=False), log=lambda _msg: None)
+    prepare(
+        PrepareOptions(
+            inputs=[str(root / "corpus.txt")],
+            out=str(root / "prepared"),
+            vocab_size=300,
+            shard_size=64,
+            val_fraction=0.05,
+            progress=False,
+        ),
+        log=lambda _msg: None,
+    )
     BASE.append(f"data.path={root / 'prepared'}")
     yield root / "prepared"
     BASE.remove(f"data.path={root / 'prepared'}")
@@ -60,14 +80,29 @@ def _env(fault: str | None = None) -> dict:
     return env
 
 
-def train(run_dir: Path, args: list[str], nproc: int = 1, fault: str | None = None, resume: str | None = None,
-          timeout: float = 180) -> subprocess.CompletedProcess:
+def train(
+    run_dir: Path,
+    args: list[str],
+    nproc: int = 1,
+    fault: str | None = None,
+    resume: str | None = None,
+    timeout: float = 180,
+) -> subprocess.CompletedProcess:
     cmd = [*BASE, f"train.run_dir={run_dir}", *args] + (["--resume", resume] if resume else [])
     if nproc == 1:
         full = [PYTHON, str(WORKER), *cmd]
     else:
-        full = [*TORCHRUN, "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-                "--master-port", str(free_port()), str(WORKER), *cmd]
+        full = [
+            *TORCHRUN,
+            "--nproc-per-node",
+            str(nproc),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            str(WORKER),
+            *cmd,
+        ]
     return subprocess.run(full, env=_env(fault), capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
@@ -90,13 +125,20 @@ def assert_params_close(a: dict, b: dict, tol: float = 1e-5):
     assert worst < tol, worst
 
 
-@pytest.mark.parametrize("mode,strategy", [("l2t", "ddp"), ("t2l", "ddp"), ("joint", "ddp"), ("random", "ddp"),
-                                           ("joint", "fsdp2")])
+@pytest.mark.parametrize(
+    "mode,strategy", [("l2t", "ddp"), ("t2l", "ddp"), ("joint", "ddp"), ("random", "ddp"), ("joint", "fsdp2")]
+)
 def test_two_processes_match_one_process(tmp_path, mode, strategy):
     # The loader strides samples over ranks (rank r takes r, r + W, ...): with one sample per
     # micro-batch, 1 process x 2 accumulation steps sees exactly the two ranks' micro-batches.
-    args = ["train.steps=10", "train.micro_batch_size=1", "train.global_batch_size=2", f"objective.mode={mode}",
-            f"distributed.strategy={strategy}", "train.ema_decay=0.9"]
+    args = [
+        "train.steps=10",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=2",
+        f"objective.mode={mode}",
+        f"distributed.strategy={strategy}",
+        "train.ema_decay=0.9",
+    ]
     assert_ok(train(tmp_path / "one", args))
     assert_ok(train(tmp_path / "two", args, nproc=2))
     one, two = records(tmp_path / "one"), records(tmp_path / "two")
@@ -110,8 +152,13 @@ def test_two_processes_match_one_process(tmp_path, mode, strategy):
 
 
 def test_kill_and_resume_repeats_the_straight_run_exactly(tmp_path):
-    args = ["train.steps=40", "train.global_batch_size=2", "checkpoint.every=10", "objective.mode=random",
-            "train.ema_decay=0.95"]
+    args = [
+        "train.steps=40",
+        "train.global_batch_size=2",
+        "checkpoint.every=10",
+        "objective.mode=random",
+        "train.ema_decay=0.95",
+    ]
     assert_ok(train(tmp_path / "straight", args))
     killed = train(tmp_path / "resumed", args, fault="kill:23")  # SIGKILL before step 24's forward
     assert killed.returncode == -signal.SIGKILL
@@ -126,8 +173,13 @@ def test_kill_and_resume_repeats_the_straight_run_exactly(tmp_path):
 
 
 def test_nonfinite_loss_on_one_rank_is_skipped_on_every_rank(tmp_path):
-    args = ["train.steps=6", "train.global_batch_size=4", "checkpoint.every=1", "objective.mode=joint",
-            "checkpoint.keep_last=10"]
+    args = [
+        "train.steps=6",
+        "train.global_batch_size=4",
+        "checkpoint.every=1",
+        "objective.mode=joint",
+        "checkpoint.keep_last=10",
+    ]
     assert_ok(train(tmp_path, args, nproc=2, fault="nan:1:3"))  # rank 1 only, step index 3
     recs = records(tmp_path)
     assert [r["skipped"] for r in recs] == [False, False, False, True, False, False]
@@ -135,8 +187,9 @@ def test_nonfinite_loss_on_one_rank_is_skipped_on_every_rank(tmp_path):
     ckpt = tmp_path / "checkpoints"
     before, after = (load_file(str(ckpt / f"step-000000{s}/model.safetensors")) for s in (3, 4))
     assert all(torch.equal(before[k], after[k]) for k in before)  # rank 0 skipped too (its loss was finite)
-    assert not torch.equal(after["text_embed.weight"],
-                           load_file(str(ckpt / "step-0000005/model.safetensors"))["text_embed.weight"])
+    assert not torch.equal(
+        after["text_embed.weight"], load_file(str(ckpt / "step-0000005/model.safetensors"))["text_embed.weight"]
+    )
 
 
 def test_consecutive_nonfinite_updates_stop_the_run_with_checkpoints_untouched(tmp_path):
@@ -185,22 +238,46 @@ def _cmdline(pid: int) -> str:
 
 def test_launcher_two_nodes_trains_and_restarts_a_killed_worker(tmp_path):
     run_dir = tmp_path / "run"
-    env = {**_env(), "NNODES": "2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "MAX_RESTARTS": "1", "LOG_DIR": str(tmp_path / "logs"),
-           "RUN_ID": "launcher-test", "PYTHON": PYTHON}
-    args = [*BASE, f"train.run_dir={run_dir}", "train.steps=30", "train.global_batch_size=4", "checkpoint.every=5",
-            "distributed.timeout_minutes=2"]
-    nodes = [subprocess.Popen(["bash", str(REPO / "scripts" / "launch.sh"), *args], cwd=REPO,
-                              env={**env, "NODE_RANK": str(rank)}, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL) for rank in (0, 1)]
+    env = {
+        **_env(),
+        "NNODES": "2",
+        "NPROC_PER_NODE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "MAX_RESTARTS": "1",
+        "LOG_DIR": str(tmp_path / "logs"),
+        "RUN_ID": "launcher-test",
+        "PYTHON": PYTHON,
+    }
+    args = [
+        *BASE,
+        f"train.run_dir={run_dir}",
+        "train.steps=30",
+        "train.global_batch_size=4",
+        "checkpoint.every=5",
+        "distributed.timeout_minutes=2",
+    ]
+    nodes = [
+        subprocess.Popen(
+            ["bash", str(REPO / "scripts" / "launch.sh"), *args],
+            cwd=REPO,
+            env={**env, "NODE_RANK": str(rank)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for rank in (0, 1)
+    ]
     try:
         latest = run_dir / "checkpoints" / "latest"
         deadline = time.monotonic() + 150
         while not latest.exists() and time.monotonic() < deadline and all(n.poll() is None for n in nodes):
             time.sleep(0.2)
         assert latest.exists(), "no checkpoint was written"
-        workers = [p for p in _descendants(nodes[1].pid) if "mmldlm.cli" in _cmdline(p)
-                   and "torch.distributed.run" not in _cmdline(p)]
+        workers = [
+            p
+            for p in _descendants(nodes[1].pid)
+            if "mmldlm.cli" in _cmdline(p) and "torch.distributed.run" not in _cmdline(p)
+        ]
         assert len(workers) == 1
         os.kill(workers[0], signal.SIGKILL)
         assert [n.wait(timeout=240) for n in nodes] == [0, 0]

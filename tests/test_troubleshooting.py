@@ -9,18 +9,26 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
 from data_support import prepared
+
 from mmldlm import cli
 from mmldlm.config import load_config
 from mmldlm.tools.monitor import Monitor, follow
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "train_worker.py"
-TINY_RUN = ["model=tiny", "train.micro_batch_size=2", "train.global_batch_size=2", "train.steps=16",
-            "train.log_every=1", "train.deterministic=true", "logging.progress_bar=false",
-            "schedule.warmup_steps=2", "checkpoint.every=5", "data.num_workers=0"]
+TINY_RUN = [
+    "model=tiny",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+    "train.steps=16",
+    "train.log_every=1",
+    "train.deterministic=true",
+    "logging.progress_bar=false",
+    "schedule.warmup_steps=2",
+    "checkpoint.every=5",
+    "data.num_workers=0",
+]
 
 
 def check(capsys, *args) -> tuple[int, str]:
@@ -32,8 +40,9 @@ def train(run_dir, dataset, fault, resume=None, extra=()) -> subprocess.Complete
     """tests/train_worker.py is `mmldlm train` with a fault injected (MMLDLM_TEST_FAULT)."""
     cmd = [sys.executable, str(WORKER), *TINY_RUN, *extra, f"data.path={dataset}", f"train.run_dir={run_dir}"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MMLDLM_TEST_FAULT": fault}
-    return subprocess.run(cmd + (["--resume", resume] if resume else []), env=env, capture_output=True, text=True,
-                          timeout=180, cwd=REPO)
+    return subprocess.run(
+        cmd + (["--resume", resume] if resume else []), env=env, capture_output=True, text=True, timeout=180, cwd=REPO
+    )
 
 
 def test_nan_and_a_resume_in_a_live_tiny_run_are_followed_to_completion(tmp_path_factory, tmp_path):
@@ -43,8 +52,9 @@ def test_nan_and_a_resume_in_a_live_tiny_run_are_followed_to_completion(tmp_path
     run = tmp_path / "run"
     monitor = Monitor(run, stall_seconds=120)
     lines, statuses = [], []
-    follower = threading.Thread(target=lambda: statuses.append(follow(monitor, interval=0.05, out=lines.append)),
-                                daemon=True)
+    follower = threading.Thread(
+        target=lambda: statuses.append(follow(monitor, interval=0.05, out=lines.append)), daemon=True
+    )
     follower.start()
     killed = train(run, dataset, fault="kill:8")  # SIGKILL before the forward of step 9
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
@@ -73,8 +83,16 @@ def test_out_of_memory_is_flagged_and_fixed_before_the_run(capsys, tmp_path):
 
 
 def test_slow_data_settings_are_flagged(capsys):
-    status, out = check(capsys, "data.num_workers=16", "data.persistent_workers=false", "data.prefetch_factor=null",
-                        "train.micro_batch_size=32", "--nproc-per-node", "2", "--strict")
+    status, out = check(
+        capsys,
+        "data.num_workers=16",
+        "data.persistent_workers=false",
+        "data.prefetch_factor=null",
+        "train.micro_batch_size=32",
+        "--nproc-per-node",
+        "2",
+        "--strict",
+    )
     assert status == 1
     for rule in ("loader_workers", "loader_prefetch", "loader_persistence"):
         assert f"WARNING [{rule}]" in out
@@ -83,8 +101,9 @@ def test_slow_data_settings_are_flagged(capsys):
 def test_threads_waiting_on_a_busy_machine_are_flagged(capsys, tmp_path):
     cpus = len(os.sched_getaffinity(0))  # $(nproc): a load of one per CPU leaves none free
     out = tmp_path / "threads.yaml"
-    status, printed = check(capsys, "train.device=cpu", "train.threads=2", "--load", str(cpus), "--strict",
-                            "--fix", str(out))
+    status, printed = check(
+        capsys, "train.device=cpu", "train.threads=2", "--load", str(cpus), "--strict", "--fix", str(out)
+    )
     assert status == 1
     assert f"WARNING [busy_cpus] load average {cpus:.1f} on {cpus} CPUs leaves about 0 free for 2 torch" in printed
     assert "fix: set train.threads=1 or stop the other job" in printed
@@ -101,8 +120,14 @@ def test_distributed_hang_settings_are_flagged(capsys, monkeypatch):
 
 
 def test_idle_heads_of_the_mode_mix_are_explained(capsys):
-    status, out = check(capsys, "objective.mode=sequential", "objective.mode_schedule=[[0, l2t], [300, t2l]]",
-                        "train.micro_batch_size=32", "--nproc-per-node", "2")
+    status, out = check(
+        capsys,
+        "objective.mode=sequential",
+        "objective.mode_schedule=[[0, l2t], [300, t2l]]",
+        "train.micro_batch_size=32",
+        "--nproc-per-node",
+        "2",
+    )
     assert status == 0
     assert "INFO    [unused_parameters] modes l2t, t2l: the latent head and the text head" in out
 
@@ -130,7 +155,9 @@ def test_a_resume_from_an_older_checkpoint_survives_a_kill_and_a_corrupt_file(tm
     os.truncate(weights, 100)
     resumed = train(run, dataset, fault="", resume="auto", extra=[keep])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert (f"latest names step-0000015; using the newest checkpoint that verifies, step-0000010; skipped "
-            f"step-0000015: {weights} has 100 bytes, {size} were written (truncated or replaced)") in resumed.stderr
+    assert (
+        f"latest names step-0000015; using the newest checkpoint that verifies, step-0000010; skipped "
+        f"step-0000015: {weights} has 100 bytes, {size} were written (truncated or replaced)"
+    ) in resumed.stderr
     assert "resumed from step 10: moved the checkpoints of later steps (15)" in resumed.stderr
     assert len(list(ckpt.glob("abandoned-*"))) == 2 and (ckpt / "latest").read_text().strip() == "step-0000016"

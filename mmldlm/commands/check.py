@@ -13,14 +13,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="run config: a YAML path or a preset name in configs/")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, as for train")
     parser.add_argument("--fix", metavar="OUT", help="write the corrected config to OUT and the change to OUT.diff")
-    parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
-                        help="processes per node the run will use (default: $LOCAL_WORLD_SIZE, $NPROC_PER_NODE or 1)")
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="processes per node the run will use (default: $LOCAL_WORLD_SIZE, $NPROC_PER_NODE or 1)",
+    )
     parser.add_argument("--nnodes", type=int, default=None, metavar="N", help="nodes (default: $NNODES or 1)")
-    parser.add_argument("--device-memory-gib", type=float, default=None, metavar="GIB",
-                        help="memory per process of the target device "
-                             "(default: this machine's GPU, or RAM / processes)")
-    parser.add_argument("--load", type=float, default=None, metavar="L",
-                        help="CPUs other work keeps busy (default: this machine's 1-minute load average)")
+    parser.add_argument(
+        "--device-memory-gib",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="memory per process of the target device (default: this machine's GPU, or RAM / processes)",
+    )
+    parser.add_argument(
+        "--load",
+        type=float,
+        default=None,
+        metavar="L",
+        help="CPUs other work keeps busy (default: this machine's 1-minute load average)",
+    )
     parser.add_argument("--strict", action="store_true", help="exit 1 when there are warnings")
 
 

@@ -11,40 +11,84 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--run", required=True, metavar="RUN_DIR",
-                        help="a training run directory or an exported model folder (mmldlm export; needs --data)")
+    parser.add_argument(
+        "--run",
+        required=True,
+        metavar="RUN_DIR",
+        help="a training run directory or an exported model folder (mmldlm export; needs --data)",
+    )
     parser.add_argument("--checkpoint", metavar="PATH", help="a checkpoint directory (default: RUN/checkpoints/latest)")
-    parser.add_argument("--no-ema", action="store_true",
-                        help="the raw trained weights instead of their EMA (where the run kept one, train.ema_decay)")
-    parser.add_argument("--data", metavar="DIR",
-                        help="evaluate on this prepared dataset (made with `mmldlm prepare --like RUN_DIR`) instead "
-                             "of the run's validation split; the latent statistics stay the run's own")
-    parser.add_argument("--split", choices=["val", "train", "all"],
-                        help="the split evaluated (all: train then val); default all with --data, else val")
-    parser.add_argument("--num-samples", type=int, default=256,
-                        help="validation samples decoded (l2t) and encoded (t2l), and scored for the ELBO")
+    parser.add_argument(
+        "--no-ema",
+        action="store_true",
+        help="the raw trained weights instead of their EMA (where the run kept one, train.ema_decay)",
+    )
+    parser.add_argument(
+        "--data",
+        metavar="DIR",
+        help="evaluate on this prepared dataset (made with `mmldlm prepare --like RUN_DIR`) instead "
+        "of the run's validation split; the latent statistics stay the run's own",
+    )
+    parser.add_argument(
+        "--split",
+        choices=["val", "train", "all"],
+        help="the split evaluated (all: train then val); default all with --data, else val",
+    )
+    parser.add_argument(
+        "--num-samples",
+        type=int,
+        default=256,
+        help="validation samples decoded (l2t) and encoded (t2l), and scored for the ELBO",
+    )
     parser.add_argument("--num-t-draws", type=int, default=2, help="draws of t and noise per ELBO batch")
-    parser.add_argument("--steps", type=int,
-                        help="reverse steps of every sampler (default: the run's text_diffusion.num_sampling_steps "
-                             "for l2t, latent_diffusion.num_sampling_steps for t2l)")
-    parser.add_argument("--latent-steps", type=int, help="reverse steps of t2l (default: --steps, else the run's "
-                                                         "latent_diffusion.num_sampling_steps)")
-    parser.add_argument("--strategy", choices=["ancestral", "confidence"], default="confidence",
-                        help="text: the most confident positions first, or MDLM ancestral unmasking")
-    parser.add_argument("--temperature", type=float,
-                        help="text sampling temperature (default: the run's text_diffusion.sampling_temperature)")
-    parser.add_argument("--guidance-scale", type=float, nargs="+", default=[0.0], metavar="W",
-                        help="classifier-free guidance scale(s) of the samplers; several: each is evaluated and "
-                             "reported side by side, the first also as the main figures")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help="reverse steps of every sampler (default: the run's text_diffusion.num_sampling_steps "
+        "for l2t, latent_diffusion.num_sampling_steps for t2l)",
+    )
+    parser.add_argument(
+        "--latent-steps",
+        type=int,
+        help="reverse steps of t2l (default: --steps, else the run's latent_diffusion.num_sampling_steps)",
+    )
+    parser.add_argument(
+        "--strategy",
+        choices=["ancestral", "confidence"],
+        default="confidence",
+        help="text: the most confident positions first, or MDLM ancestral unmasking",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        help="text sampling temperature (default: the run's text_diffusion.sampling_temperature)",
+    )
+    parser.add_argument(
+        "--guidance-scale",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        metavar="W",
+        help="classifier-free guidance scale(s) of the samplers; several: each is evaluated and "
+        "reported side by side, the first also as the main figures",
+    )
     parser.add_argument("--retrieval-pool", type=int, default=1000, help="validation sentences for t2l retrieval@1")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--no-encoder", action="store_true", help="skip re-encoding the l2t text (no cosine)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", metavar="PATH.json", help="the JSON report (default RUN/eval/step-NNNNNNN.json)")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                        help="auto: the GPU when there is one, else the CPU")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="CPU threads for torch (0: torch's default); 1 is fastest on a CPU other jobs share")
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="auto: the GPU when there is one, else the CPU",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="CPU threads for torch (0: torch's default); 1 is fastest on a CPU other jobs share",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,8 +105,14 @@ def run(args: argparse.Namespace) -> int:
     from mmldlm.sampling.evaluate import evaluate, markdown
     from mmldlm.training.checkpoint import step_dir_name
 
-    require_positive({"--num-samples": args.num_samples, "--num-t-draws": args.num_t_draws,
-                      "--retrieval-pool": args.retrieval_pool, "--batch-size": args.batch_size})
+    require_positive(
+        {
+            "--num-samples": args.num_samples,
+            "--num-t-draws": args.num_t_draws,
+            "--retrieval-pool": args.retrieval_pool,
+            "--batch-size": args.batch_size,
+        }
+    )
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     run = load_trained(args.run, args.checkpoint, args.device, use_ema=not args.no_ema)
@@ -73,12 +123,18 @@ def run(args: argparse.Namespace) -> int:
     if args.data or split != "val":
         run.use_eval_data(data, split)
     options = sampling_options(args, run, args.guidance_scale[0])
-    cfg = EvalConfig(num_samples=args.num_samples, num_steps=args.steps, batch_size=args.batch_size,
-                     num_elbo_batches=math.ceil(args.num_samples / args.batch_size),
-                     retrieval_pool=args.retrieval_pool, encoder=not args.no_encoder)
+    cfg = EvalConfig(
+        num_samples=args.num_samples,
+        num_steps=args.steps,
+        batch_size=args.batch_size,
+        num_elbo_batches=math.ceil(args.num_samples / args.batch_size),
+        retrieval_pool=args.retrieval_pool,
+        encoder=not args.no_encoder,
+    )
     cfg.check()
-    report = evaluate(run, cfg, options, num_t_draws=args.num_t_draws, seed=args.seed,
-                      guidance_scales=args.guidance_scale)
+    report = evaluate(
+        run, cfg, options, num_t_draws=args.num_t_draws, seed=args.seed, guidance_scales=args.guidance_scale
+    )
     report["data"] = {"path": str(data.resolve()), "split": split}
     # Another dataset's (or split's) report must not overwrite the run's own evaluation.
     suffix = f"-{data.resolve().name}" if args.data else ("" if split == "val" else f"-{split}")

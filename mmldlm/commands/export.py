@@ -12,8 +12,11 @@ import argparse
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, metavar="RUN_DIR", help="a training run directory")
     parser.add_argument("--checkpoint", metavar="PATH", help="a checkpoint directory (default: RUN/checkpoints/latest)")
-    parser.add_argument("--no-ema", action="store_true",
-                        help="the raw trained weights instead of their EMA (where the run kept one, train.ema_decay)")
+    parser.add_argument(
+        "--no-ema",
+        action="store_true",
+        help="the raw trained weights instead of their EMA (where the run kept one, train.ema_decay)",
+    )
     parser.add_argument("--out", required=True, metavar="DIR", help="the folder to write")
     parser.add_argument("--force", action="store_true", help="replace DIR when it exists and is not empty")
 
@@ -29,8 +32,9 @@ def run(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not args.force:
-        raise DataError(f"--out {out}: exists and is not an empty folder; choose another --out or pass --force to "
-                        f"replace it")
+        raise DataError(
+            f"--out {out}: exists and is not an empty folder; choose another --out or pass --force to replace it"
+        )
     model = MMLDLM.from_pretrained(args.run, checkpoint=args.checkpoint, device="cpu", use_ema=not args.no_ema)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))

@@ -9,10 +9,15 @@ DEFAULT_VOCAB_SIZE = 8192  # when neither the preset nor --vocab-size gives one
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("preset", help="a model preset name (configs/model/NAME.yaml) or a path to one")
-    parser.add_argument("--vocab-size", type=int, default=None,
-                        help=f"vocabulary size (default: the preset's, else {DEFAULT_VOCAB_SIZE})")
-    parser.add_argument("--seq-len", type=int, default=None,
-                        help="text length for the FLOPs (default: the preset's max_seq_len)")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help=f"vocabulary size (default: the preset's, else {DEFAULT_VOCAB_SIZE})",
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=None, help="text length for the FLOPs (default: the preset's max_seq_len)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -27,8 +32,9 @@ def run(args: argparse.Namespace) -> int:
     vocab_note = "" if args.vocab_size or cfg.vocab_size else " (assumed: pass --vocab-size)"
     seq_len = cfg.max_seq_len if args.seq_len is None else args.seq_len
     if not 1 <= seq_len <= cfg.max_seq_len:
-        raise OptionError("--seq-len", seq_len, f"an integer in [1, {cfg.max_seq_len}] (model.max_seq_len of "
-                                                f"'{args.preset}')")
+        raise OptionError(
+            "--seq-len", seq_len, f"an integer in [1, {cfg.max_seq_len}] (model.max_seq_len of '{args.preset}')"
+        )
     if vocab_size < 3:
         raise OptionError("--vocab-size", vocab_size, "an integer >= 3")
 
@@ -37,12 +43,18 @@ def run(args: argparse.Namespace) -> int:
     counts = parameter_counts(model)
 
     head_dim = cfg.hidden_size // cfg.num_heads
-    print(f"model preset '{args.preset}': hidden_size {cfg.hidden_size}, num_blocks {cfg.num_blocks}, "
-          f"num_heads {cfg.num_heads} (head dim {head_dim}), mlp_ratio {cfg.mlp_ratio}, "
-          f"latents {cfg.num_latents} x {cfg.latent_dim}, vocab_size {vocab_size}{vocab_note}")
+    print(
+        f"model preset '{args.preset}': hidden_size {cfg.hidden_size}, num_blocks {cfg.num_blocks}, "
+        f"num_heads {cfg.num_heads} (head dim {head_dim}), mlp_ratio {cfg.mlp_ratio}, "
+        f"latents {cfg.num_latents} x {cfg.latent_dim}, vocab_size {vocab_size}{vocab_note}"
+    )
     print()
-    rows = [("text stream", counts["text"]), ("latent stream", counts["latent"]),
-            ("shared (timestep MLPs, null latent)", counts["shared"]), ("total", counts["total"])]
+    rows = [
+        ("text stream", counts["text"]),
+        ("latent stream", counts["latent"]),
+        ("shared (timestep MLPs, null latent)", counts["shared"]),
+        ("total", counts["total"]),
+    ]
     width = max(len(label) for label, _ in rows)
     print(f"{'part':<{width}}  {'parameters':>14}  {'share':>6}")
     for label, n in rows:

@@ -10,14 +10,22 @@ import argparse
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", metavar="RUN_DIR|metrics.jsonl", help="a run directory or its metrics.jsonl")
     parser.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between polls (default 2)")
-    parser.add_argument("--once", action="store_true",
-                        help="read the file as it is now and exit (default: follow until the run completes, "
-                             "is stopped by a signal, or stalls)")
+    parser.add_argument(
+        "--once",
+        action="store_true",
+        help="read the file as it is now and exit (default: follow until the run completes, "
+        "is stopped by a signal, or stalls)",
+    )
     parser.add_argument("--report", metavar="PATH", help="write the health report (JSON) here")
     parser.add_argument("--plot", metavar="PATH", help="plot the curves against step into this PNG")
     parser.add_argument("--strict", action="store_true", help="exit 1 when there are warnings")
-    parser.add_argument("--stall-seconds", type=float, default=600.0, metavar="S",
-                        help="no new record for this long: the run has stalled (critical; default 600)")
+    parser.add_argument(
+        "--stall-seconds",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="no new record for this long: the run has stalled (critical; default 600)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

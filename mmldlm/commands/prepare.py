@@ -11,21 +11,44 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_argument_group("input")
-    src.add_argument("--input", nargs="+", metavar="PATH", dest="inputs",
-                     help="corpus file(s): .txt, .jsonl, .parquet, or .gz of each; 'default' is the bundled corpus "
-                          "(154k WordNet glosses and examples)")
-    src.add_argument("--format", choices=["auto", "txt", "jsonl", "parquet"], default="auto",
-                     help="input format (auto: from the file name)")
+    src.add_argument(
+        "--input",
+        nargs="+",
+        metavar="PATH",
+        dest="inputs",
+        help="corpus file(s): .txt, .jsonl, .parquet, or .gz of each; 'default' is the bundled corpus "
+        "(154k WordNet glosses and examples)",
+    )
+    src.add_argument(
+        "--format",
+        choices=["auto", "txt", "jsonl", "parquet"],
+        default="auto",
+        help="input format (auto: from the file name)",
+    )
     src.add_argument("--text-field", default="text", help="the jsonl field or parquet column holding the text")
-    src.add_argument("--paragraphs", action="store_true",
-                     help="txt: samples are blank-line separated passages (lines joined by a space), not lines")
+    src.add_argument(
+        "--paragraphs",
+        action="store_true",
+        help="txt: samples are blank-line separated passages (lines joined by a space), not lines",
+    )
     src.add_argument("--min-chars", type=int, default=1, help="drop samples shorter than this")
-    src.add_argument("--max-chars", type=int, default=1000,
-                     help="drop samples longer than this (the loader would cut their tokens while the latent saw all)")
-    src.add_argument("--max-samples", type=int, metavar="N",
-                     help="keep a seeded random subset of N samples (after filtering), in corpus order")
-    src.add_argument("--keep-duplicates", action="store_true",
-                     help="keep exact repeats (by default only the first stays: a repeat could land in train and val)")
+    src.add_argument(
+        "--max-chars",
+        type=int,
+        default=1000,
+        help="drop samples longer than this (the loader would cut their tokens while the latent saw all)",
+    )
+    src.add_argument(
+        "--max-samples",
+        type=int,
+        metavar="N",
+        help="keep a seeded random subset of N samples (after filtering), in corpus order",
+    )
+    src.add_argument(
+        "--keep-duplicates",
+        action="store_true",
+        help="keep exact repeats (by default only the first stays: a repeat could land in train and val)",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--out", required=True, metavar="DIR", help="the dataset directory to create")
     out.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
@@ -34,22 +57,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--shard-size", type=int, default=16384, help="samples per shard file")
     out.add_argument("--latent-dtype", choices=["float16", "float32"], default="float16")
     tk = parser.add_argument_group("tokenizer")
-    tk.add_argument("--like", metavar="RUN_DIR",
-                    help="the tokenizer (reused as is: no new BPE) and the sentence encoder of this training run's "
-                         "dataset, or of this exported model (mmldlm export), to evaluate it on this text "
-                         "(mmldlm eval --data)")
+    tk.add_argument(
+        "--like",
+        metavar="RUN_DIR",
+        help="the tokenizer (reused as is: no new BPE) and the sentence encoder of this training run's "
+        "dataset, or of this exported model (mmldlm export), to evaluate it on this text "
+        "(mmldlm eval --data)",
+    )
     # --vocab-size and --encoder default to None so that giving them beside --like can be refused.
-    tk.add_argument("--vocab-size", type=int,
-                    help="train a byte-level BPE of this size on the train split (default 8192)")
-    tk.add_argument("--tokenizer", metavar="PATH",
-                    help="use this tokenizer.json (or a Hugging Face tokenizer folder) instead of training one")
+    tk.add_argument(
+        "--vocab-size", type=int, help="train a byte-level BPE of this size on the train split (default 8192)"
+    )
+    tk.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="use this tokenizer.json (or a Hugging Face tokenizer folder) instead of training one",
+    )
     enc = parser.add_argument_group("latents")
-    enc.add_argument("--encoder",
-                     help="a registered sentence encoder or a local sentence-transformers folder "
-                          "(with --legacy-*: the encoder that made the legacy latents, recorded only; "
-                          "default all-MiniLM-L6-v2)")
-    enc.add_argument("--no-normalize", action="store_true",
-                     help="keep the encoder's raw pooled vectors (default: L2-normalised, unit length)")
+    enc.add_argument(
+        "--encoder",
+        help="a registered sentence encoder or a local sentence-transformers folder "
+        "(with --legacy-*: the encoder that made the legacy latents, recorded only; "
+        "default all-MiniLM-L6-v2)",
+    )
+    enc.add_argument(
+        "--no-normalize",
+        action="store_true",
+        help="keep the encoder's raw pooled vectors (default: L2-normalised, unit length)",
+    )
     enc.add_argument("--encode-batch-size", type=int, default=128)
     enc.add_argument("--device", default="auto", help="auto: cuda:LOCAL_RANK when CUDA is available, else cpu")
     leg = parser.add_argument_group("legacy import (a per-sample .npz/.npy layout)")
@@ -64,16 +99,26 @@ def tokenizer_and_encoder(args: argparse.Namespace) -> dict:
     from mmldlm.data.prepare import PrepareOptions, options_like_run
 
     if args.like is None:
-        return {"tokenizer": args.tokenizer, "normalize": not args.no_normalize,
-                "vocab_size": PrepareOptions.vocab_size if args.vocab_size is None else args.vocab_size,
-                "encoder": PrepareOptions.encoder if args.encoder is None else args.encoder}
-    decided = {"--tokenizer": args.tokenizer, "--vocab-size": args.vocab_size, "--encoder": args.encoder,
-               "--no-normalize": args.no_normalize or None, "--legacy-tokens": args.legacy_tokens,
-               "--legacy-latents": args.legacy_latents}  # what --like takes from the run, or would contradict
+        return {
+            "tokenizer": args.tokenizer,
+            "normalize": not args.no_normalize,
+            "vocab_size": PrepareOptions.vocab_size if args.vocab_size is None else args.vocab_size,
+            "encoder": PrepareOptions.encoder if args.encoder is None else args.encoder,
+        }
+    decided = {
+        "--tokenizer": args.tokenizer,
+        "--vocab-size": args.vocab_size,
+        "--encoder": args.encoder,
+        "--no-normalize": args.no_normalize or None,
+        "--legacy-tokens": args.legacy_tokens,
+        "--legacy-latents": args.legacy_latents,
+    }  # what --like takes from the run, or would contradict
     given = [flag for flag, value in decided.items() if value is not None]
     if given:
-        raise DataError(f"--like {args.like} takes the tokenizer and the encoder from the run's dataset; drop "
-                        f"{', '.join(given)} (or drop --like)")
+        raise DataError(
+            f"--like {args.like} takes the tokenizer and the encoder from the run's dataset; drop "
+            f"{', '.join(given)} (or drop --like)"
+        )
     from pathlib import Path
 
     from mmldlm.sampling.pretrained import is_exported, options_like_exported
@@ -85,13 +130,27 @@ def options_from_args(args: argparse.Namespace):
     from mmldlm.data.prepare import PrepareOptions
 
     return PrepareOptions(
-        inputs=args.inputs or [], out=args.out, format=args.format, text_field=args.text_field,
-        paragraphs=args.paragraphs, min_chars=args.min_chars, max_chars=args.max_chars,
-        dedup=not args.keep_duplicates, max_samples=args.max_samples, **tokenizer_and_encoder(args),
-        latent_dtype=args.latent_dtype, val_fraction=args.val_fraction,
-        seed=args.seed, shard_size=args.shard_size, legacy_tokens=args.legacy_tokens,
-        legacy_latents=args.legacy_latents, encode_batch_size=args.encode_batch_size, device=args.device,
-        overwrite=args.overwrite, progress=not args.quiet)
+        inputs=args.inputs or [],
+        out=args.out,
+        format=args.format,
+        text_field=args.text_field,
+        paragraphs=args.paragraphs,
+        min_chars=args.min_chars,
+        max_chars=args.max_chars,
+        dedup=not args.keep_duplicates,
+        max_samples=args.max_samples,
+        **tokenizer_and_encoder(args),
+        latent_dtype=args.latent_dtype,
+        val_fraction=args.val_fraction,
+        seed=args.seed,
+        shard_size=args.shard_size,
+        legacy_tokens=args.legacy_tokens,
+        legacy_latents=args.legacy_latents,
+        encode_batch_size=args.encode_batch_size,
+        device=args.device,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+    )
 
 
 def run(args: argparse.Namespace) -> int:

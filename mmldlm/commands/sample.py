@@ -23,37 +23,75 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--run", required=True, metavar="RUN_DIR",
-                        help="a training run directory or an exported model folder (mmldlm export)")
+    parser.add_argument(
+        "--run",
+        required=True,
+        metavar="RUN_DIR",
+        help="a training run directory or an exported model folder (mmldlm export)",
+    )
     parser.add_argument("--checkpoint", metavar="PATH", help="a checkpoint directory (default: RUN/checkpoints/latest)")
-    parser.add_argument("--no-ema", action="store_true",
-                        help="the raw trained weights instead of their EMA (where the run kept one, train.ema_decay)")
+    parser.add_argument(
+        "--no-ema",
+        action="store_true",
+        help="the raw trained weights instead of their EMA (where the run kept one, train.ema_decay)",
+    )
     parser.add_argument("--mode", required=True, choices=["l2t", "t2l", "joint"])
     src = parser.add_argument_group("source")
-    src.add_argument("--text", action="append", metavar="TEXT",
-                     help="a source text (repeatable): l2t encodes it with the run's sentence encoder first")
+    src.add_argument(
+        "--text",
+        action="append",
+        metavar="TEXT",
+        help="a source text (repeatable): l2t encodes it with the run's sentence encoder first",
+    )
     src.add_argument("--text-file", metavar="FILE", help="source texts, one per line")
     src.add_argument("--latents", metavar="FILE.npy", help="l2t: latents (N, K, D) or (N, D) in the encoder's space")
-    src.add_argument("--data", metavar="DIR",
-                     help="l2t without --text/--latents: the prepared dataset whose validation latents are decoded "
-                          "(default: the run's own; an exported model has none)")
-    src.add_argument("--num", type=int, default=8,
-                     help="joint: pairs to generate; l2t without --text/--latents: validation samples (default 8)")
-    src.add_argument("--length", type=int,
-                     help="text length in tokens where no source text gives one (default: l2t asks the model's "
-                          "length head, joint draws from the validation split)")
+    src.add_argument(
+        "--data",
+        metavar="DIR",
+        help="l2t without --text/--latents: the prepared dataset whose validation latents are decoded "
+        "(default: the run's own; an exported model has none)",
+    )
+    src.add_argument(
+        "--num",
+        type=int,
+        default=8,
+        help="joint: pairs to generate; l2t without --text/--latents: validation samples (default 8)",
+    )
+    src.add_argument(
+        "--length",
+        type=int,
+        help="text length in tokens where no source text gives one (default: l2t asks the model's "
+        "length head, joint draws from the validation split)",
+    )
     opt = parser.add_argument_group("sampling")
-    opt.add_argument("--steps", type=int,
-                     help="reverse steps of every sampler (default: the run's text_diffusion.num_sampling_steps for "
-                          "l2t and joint, latent_diffusion.num_sampling_steps for t2l)")
-    opt.add_argument("--latent-steps", type=int, help="reverse steps of t2l (default: --steps, else the run's "
-                                                      "latent_diffusion.num_sampling_steps)")
-    opt.add_argument("--temperature", type=float,
-                     help="text logits are divided by it (default: the run's text_diffusion.sampling_temperature)")
-    opt.add_argument("--strategy", choices=["ancestral", "confidence"], default="confidence",
-                     help="text: the most confident positions first, or MDLM ancestral unmasking")
-    opt.add_argument("--guidance-scale", type=float, default=0.0,
-                     help="classifier-free guidance w: cond + w (cond - uncond); 0 = off")
+    opt.add_argument(
+        "--steps",
+        type=int,
+        help="reverse steps of every sampler (default: the run's text_diffusion.num_sampling_steps for "
+        "l2t and joint, latent_diffusion.num_sampling_steps for t2l)",
+    )
+    opt.add_argument(
+        "--latent-steps",
+        type=int,
+        help="reverse steps of t2l (default: --steps, else the run's latent_diffusion.num_sampling_steps)",
+    )
+    opt.add_argument(
+        "--temperature",
+        type=float,
+        help="text logits are divided by it (default: the run's text_diffusion.sampling_temperature)",
+    )
+    opt.add_argument(
+        "--strategy",
+        choices=["ancestral", "confidence"],
+        default="confidence",
+        help="text: the most confident positions first, or MDLM ancestral unmasking",
+    )
+    opt.add_argument(
+        "--guidance-scale",
+        type=float,
+        default=0.0,
+        help="classifier-free guidance w: cond + w (cond - uncond); 0 = off",
+    )
     opt.add_argument("--latent-sampler", choices=["ddim", "ddpm"], help="default: the run's latent_diffusion.sampler")
     opt.add_argument("--no-reuse", action="store_true", help="l2t: call the model even when a step changed nothing")
     opt.add_argument("--seed", type=int, default=0)
@@ -61,16 +99,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--out", metavar="FILE.jsonl", help="JSON lines, one per sample (default: stdout)")
     out.add_argument("--latents-out", metavar="FILE.npy", help="t2l/joint: the latents (N, K, D), encoder space")
-    out.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                        help="auto: the GPU when there is one, else the CPU")
-    out.add_argument("--threads", type=int, default=0,
-                        help="CPU threads for torch (0: torch's default); 1 is fastest on a CPU other jobs share")
+    out.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="auto: the GPU when there is one, else the CPU",
+    )
+    out.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="CPU threads for torch (0: torch's default); 1 is fastest on a CPU other jobs share",
+    )
 
 
 # The command-line option behind each SamplingOptions field (of `sample` and `eval`), so that a bad
 # value is named as it was typed.
-SAMPLING_FLAGS = {"num_steps": "--steps", "latent_steps": "--latent-steps", "temperature": "--temperature",
-                  "guidance_scale": "--guidance-scale"}
+SAMPLING_FLAGS = {
+    "num_steps": "--steps",
+    "latent_steps": "--latent-steps",
+    "temperature": "--temperature",
+    "guidance_scale": "--guidance-scale",
+}
 
 
 def sampling_options(args: argparse.Namespace, run, guidance_scale: float, **options):
@@ -78,9 +128,16 @@ def sampling_options(args: argparse.Namespace, run, guidance_scale: float, **opt
     option of a value that cannot be used."""
     from mmldlm.sampling import SamplingOptions
 
-    sampling = SamplingOptions.defaults(run.cfg.text_diffusion, run.cfg.latent_diffusion, args.steps,
-                                        latent_steps=args.latent_steps, temperature=args.temperature,
-                                        strategy=args.strategy, guidance_scale=guidance_scale, **options)
+    sampling = SamplingOptions.defaults(
+        run.cfg.text_diffusion,
+        run.cfg.latent_diffusion,
+        args.steps,
+        latent_steps=args.latent_steps,
+        temperature=args.temperature,
+        strategy=args.strategy,
+        guidance_scale=guidance_scale,
+        **options,
+    )
     sampling.check(SAMPLING_FLAGS)
     return sampling
 
@@ -100,15 +157,17 @@ def _read_texts(args) -> list[str]:
             with open(args.text_file, encoding="utf-8") as f:
                 lines = [line.rstrip("\n") for line in f if line.strip()]
         except (OSError, UnicodeDecodeError) as err:
-            raise DataError(f"--text-file {args.text_file}: cannot be read ({err}); expected a UTF-8 text file, "
-                            f"one source text per line") from None
+            raise DataError(
+                f"--text-file {args.text_file}: cannot be read ({err}); expected a UTF-8 text file, "
+                f"one source text per line"
+            ) from None
         if not lines:
             raise DataError(f"--text-file {args.text_file}: no line with text; expected one source text per line")
         texts += lines
     return texts
 
 
-def _read_latents(path: str, num_latents: int, latent_dim: int) -> "torch.Tensor":  # noqa: F821
+def _read_latents(path: str, num_latents: int, latent_dim: int) -> torch.Tensor:  # noqa: F821
     """Latents (N, K, D) from a .npy file of (N, K, D), or (N, D) when K = 1; DataError for a file
     that is not such an array, holds no latent, or holds NaN or inf."""
     import numpy as np
@@ -133,12 +192,14 @@ def _read_latents(path: str, num_latents: int, latent_dim: int) -> "torch.Tensor
         raise DataError(f"--latents {path}: holds no latent; expected {expected} with N >= 1")
     bad = np.flatnonzero(~np.isfinite(array).all(axis=(1, 2)))
     if len(bad):
-        raise DataError(f"--latents {path}: {len(bad)} of {len(array)} latents hold NaN or inf (rows "
-                        f"{', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''}); expected finite numbers")
+        raise DataError(
+            f"--latents {path}: {len(bad)} of {len(array)} latents hold NaN or inf (rows "
+            f"{', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''}); expected finite numbers"
+        )
     return torch.from_numpy(array.astype(np.float32))
 
 
-def _sources(args, run) -> tuple[list[str] | None, "torch.Tensor | None"]:  # noqa: F821
+def _sources(args, run) -> tuple[list[str] | None, torch.Tensor | None]:  # noqa: F821
     """(source texts or None, latents or None) from the arguments."""
     from mmldlm.data.errors import DataError
 
@@ -178,13 +239,22 @@ def run(args: argparse.Namespace) -> int:
     model = MMLDLM.from_pretrained(args.run, checkpoint=args.checkpoint, device=args.device, use_ema=not args.no_ema)
     run = model.run
     if args.length is not None and args.length > run.cfg.model.max_seq_len:
-        raise OptionError("--length", args.length, f"an integer in [1, {run.cfg.model.max_seq_len}] "
-                                                   f"(model.max_seq_len of this run)")
+        raise OptionError(
+            "--length", args.length, f"an integer in [1, {run.cfg.model.max_seq_len}] (model.max_seq_len of this run)"
+        )
     # Checked here, before any sampling, so that a bad value is named by its option.
     sampling_options(args, run, args.guidance_scale, reuse_output=not args.no_reuse, latent_sampler=args.latent_sampler)
-    options = dict(steps=args.steps, latent_steps=args.latent_steps, temperature=args.temperature,
-                   strategy=args.strategy, guidance_scale=args.guidance_scale, reuse_output=not args.no_reuse,
-                   latent_sampler=args.latent_sampler, batch_size=args.batch_size, seed=args.seed)
+    options = dict(
+        steps=args.steps,
+        latent_steps=args.latent_steps,
+        temperature=args.temperature,
+        strategy=args.strategy,
+        guidance_scale=args.guidance_scale,
+        reuse_output=not args.no_reuse,
+        latent_sampler=args.latent_sampler,
+        batch_size=args.batch_size,
+        seed=args.seed,
+    )
     texts, latents = _sources(args, run)
 
     # The inputs of every sample: token ids (when there is a source text) and latents (l2t).
@@ -197,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
                 run.use_eval_data(args.data, "val")
             n = min(args.num, len(run.val))
             samples = [run.val[i] for i in range(n)]
-            ids = [s[1][:run.max_length].tolist() for s in samples]
+            ids = [s[1][: run.max_length].tolist() for s in samples]
             texts = run.decode(*run.batch_of(ids))
             latents = torch.stack([torch.from_numpy(s[2].astype(np.float32)) for s in samples])
     num = len(ids) if ids is not None else (len(latents) if latents is not None else args.num)
@@ -207,15 +277,19 @@ def run(args: argparse.Namespace) -> int:
     z = None
     if args.mode == "l2t":
         out = model.decode(latents, lengths, **options)
-        records = [{"index": i, **({"source": texts[i]} if texts else {}), "text": t, "length": lengths[i]}
-                   for i, t in enumerate(out)]
+        records = [
+            {"index": i, **({"source": texts[i]} if texts else {}), "text": t, "length": lengths[i]}
+            for i, t in enumerate(out)
+        ]
     elif args.mode == "t2l":
         z = model.encode(texts, **options)
         records = [{"index": i, "text": t, "latent_norm": round(z[i].norm().item(), 4)} for i, t in enumerate(texts)]
     else:
         out, z = model.generate(num, lengths, **options)
-        records = [{"index": i, "text": t, "length": lengths[i], "latent_norm": round(z[i].norm().item(), 4)}
-                   for i, t in enumerate(out)]
+        records = [
+            {"index": i, "text": t, "length": lengths[i], "latent_norm": round(z[i].norm().item(), 4)}
+            for i, t in enumerate(out)
+        ]
 
     if args.latents_out and z is not None:
         np.save(args.latents_out, z.numpy())

@@ -8,13 +8,19 @@ import shlex
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default="default",
-                        help="run config: a YAML path or a preset name in configs/ (default: default)")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
-                        help="config overrides, e.g. train.steps=100 model=small")
-    parser.add_argument("--resume", default=None, metavar="auto|PATH",
-                        help="auto: continue from the newest checkpoint in RUN/checkpoints that verifies (latest, "
-                             "unless it is missing or damaged), if there is one; PATH: a checkpoint directory")
+    parser.add_argument(
+        "--config", default="default", help="run config: a YAML path or a preset name in configs/ (default: default)"
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. train.steps=100 model=small"
+    )
+    parser.add_argument(
+        "--resume",
+        default=None,
+        metavar="auto|PATH",
+        help="auto: continue from the newest checkpoint in RUN/checkpoints that verifies (latest, "
+        "unless it is missing or damaged), if there is one; PATH: a checkpoint directory",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

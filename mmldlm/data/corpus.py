@@ -10,8 +10,8 @@ from __future__ import annotations
 import gzip
 import io
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from mmldlm.data.errors import DataError
 
@@ -35,8 +35,10 @@ def detect_format(path: Path) -> str:
     suffixes = path.suffixes[-2:] if path.suffix == ".gz" else path.suffixes[-1:]
     fmt = FORMATS.get(suffixes[0].lower()) if suffixes else None
     if fmt is None:
-        raise DataError(f"{path}: cannot tell the format from the file name; expected one of "
-                        f"{', '.join(FORMATS)} (optionally + .gz), or pass --format")
+        raise DataError(
+            f"{path}: cannot tell the format from the file name; expected one of "
+            f"{', '.join(FORMATS)} (optionally + .gz), or pass --format"
+        )
     return fmt
 
 
@@ -52,8 +54,10 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
                 try:
                     yield lineno, raw.decode("utf-8")
                 except UnicodeDecodeError as err:
-                    raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at "
-                                    f"byte {err.start + 1} of the line); re-encode the file as UTF-8") from None
+                    raise DataError(
+                        f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at "
+                        f"byte {err.start + 1} of the line); re-encode the file as UTF-8"
+                    ) from None
     except (gzip.BadGzipFile, EOFError, OSError) as err:
         if isinstance(err, FileNotFoundError):
             raise DataError(f"{path}: no such file") from None
@@ -87,10 +91,14 @@ def read_jsonl(path: Path, field: str) -> list[str]:
         except json.JSONDecodeError as err:
             raise DataError(f"{path}:{lineno}: not valid JSON ({err.msg} at column {err.colno})") from None
         if not isinstance(record, dict):
-            raise DataError(f"{path}:{lineno}: expected a JSON object with a '{field}' field, got {type(record).__name__}")
+            raise DataError(
+                f"{path}:{lineno}: expected a JSON object with a '{field}' field, got {type(record).__name__}"
+            )
         if field not in record:
-            raise DataError(f"{path}:{lineno}: no field '{field}' (fields here: {', '.join(record) or 'none'}); "
-                            f"name the text field with --text-field")
+            raise DataError(
+                f"{path}:{lineno}: no field '{field}' (fields here: {', '.join(record) or 'none'}); "
+                f"name the text field with --text-field"
+            )
         value = record[field]
         if not isinstance(value, str):
             raise DataError(f"{path}:{lineno}: field '{field}' is {type(value).__name__}, expected a string")
@@ -107,12 +115,16 @@ def read_parquet(path: Path, column: str) -> list[str]:
             source = io.BytesIO(f.read()) if path.suffix == ".gz" else path
             schema = pq.read_schema(source)
             if column not in schema.names:
-                raise DataError(f"{path}: no column '{column}' (columns: {', '.join(schema.names)}); "
-                                f"name the text column with --text-field")
+                raise DataError(
+                    f"{path}: no column '{column}' (columns: {', '.join(schema.names)}); "
+                    f"name the text column with --text-field"
+                )
             table = pq.read_table(source, columns=[column])
     except (pa.ArrowException, gzip.BadGzipFile, EOFError) as err:
         raise DataError(f"{path}: cannot read as parquet: {err}") from None
-    if not (pa.types.is_string(table.schema.field(column).type) or pa.types.is_large_string(table.schema.field(column).type)):
+    if not (
+        pa.types.is_string(table.schema.field(column).type) or pa.types.is_large_string(table.schema.field(column).type)
+    ):
         raise DataError(f"{path}: column '{column}' holds {table.schema.field(column).type}, expected strings")
     return [t.strip() for t in table.column(column).to_pylist() if t is not None and t.strip()]
 
@@ -131,7 +143,9 @@ def read_texts(path: Path, fmt: str = "auto", text_field: str = "text", paragrap
     return texts
 
 
-def filter_texts(texts: list[str], min_chars: int, max_chars: int, dedup: bool = True) -> tuple[list[str], dict[str, int]]:
+def filter_texts(
+    texts: list[str], min_chars: int, max_chars: int, dedup: bool = True
+) -> tuple[list[str], dict[str, int]]:
     """Keep samples with min_chars <= len <= max_chars, dropping exact repeats of an earlier sample
     (a repeat could land in train and val at once). Returns the kept samples and the counts."""
     counts = {"read": len(texts), "too_short": 0, "too_long": 0, "duplicates": 0}

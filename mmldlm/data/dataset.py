@@ -42,15 +42,19 @@ class PreparedDataset(Dataset):
         if split not in self.meta["shards"]:
             raise DataError(f"{self.path}: no split '{split}' (splits: {', '.join(self.meta['shards'])})")
         self.shards = self.meta["shards"][split]
-        self.starts = np.cumsum([0] + [s["num_samples"] for s in self.shards])  # global index of each shard's first sample
+        self.starts = np.cumsum(
+            [0] + [s["num_samples"] for s in self.shards]
+        )  # global index of each shard's first sample
         if self.starts[-1] == 0:
             raise DataError(f"{self.path}: split '{split}' is empty (prepared with --val-fraction 0?)")
         self._open()
 
     def _open(self) -> None:
         # Plain ndarray views of the maps: slicing them is cheaper than slicing np.memmap objects.
-        self.arrays = [tuple(np.asarray(a).view(np.ndarray) for a in fmt.open_shard(self.path, shard, self.meta))
-                       for shard in self.shards]
+        self.arrays = [
+            tuple(np.asarray(a).view(np.ndarray) for a in fmt.open_shard(self.path, shard, self.meta))
+            for shard in self.shards
+        ]
 
     # Worker processes started with "spawn" get the dataset pickled: send the path, not the pages.
     def __getstate__(self) -> dict:
@@ -70,7 +74,7 @@ class PreparedDataset(Dataset):
         shard = int(np.searchsorted(self.starts, index, side="right")) - 1
         tokens, offsets, latents = self.arrays[shard]
         local = index - int(self.starts[shard])
-        return index, tokens[offsets[local]:offsets[local + 1]], latents[local]
+        return index, tokens[offsets[local] : offsets[local + 1]], latents[local]
 
     def lengths(self) -> np.ndarray:
         """(N,) int64: every sample's token count, from the offsets alone (no token is read)."""
@@ -98,8 +102,10 @@ class PreparedDataset(Dataset):
 
     def latent_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-dimension (mean, std) of the train split's latents, float32 (D,), for GaussianDiffusion."""
-        return (torch.tensor(self.meta["latent_mean"], dtype=torch.float32),
-                torch.tensor(self.meta["latent_std"], dtype=torch.float32))
+        return (
+            torch.tensor(self.meta["latent_mean"], dtype=torch.float32),
+            torch.tensor(self.meta["latent_std"], dtype=torch.float32),
+        )
 
     def tokenizer(self):
         return load_tokenizer(self.path / self.meta["tokenizer"])
@@ -127,9 +133,18 @@ class BatchOrder:
     are padding; bucketed, about 25%. The samples of an epoch are the same; only their grouping
     changes, so resuming needs the same batch size and world size (the loader's state says so)."""
 
-    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, seed: int,
-                 shuffle: bool = True, drop_last: bool = True, lengths: np.ndarray | None = None,
-                 bucket_batches: int = 1):
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        shuffle: bool = True,
+        drop_last: bool = True,
+        lengths: np.ndarray | None = None,
+        bucket_batches: int = 1,
+    ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.num_samples, self.batch_size, self.rank, self.world_size = num_samples, batch_size, rank, world_size
@@ -139,8 +154,10 @@ class BatchOrder:
         self.per_rank = num_samples // world_size if drop_last else math.ceil(num_samples / world_size)
         self.num_batches = self.per_rank // batch_size if drop_last else math.ceil(self.per_rank / batch_size)
         if self.num_batches == 0:
-            raise DataError(f"{num_samples} samples do not fill one batch of {batch_size} on each of "
-                            f"{world_size} rank(s); lower the batch size or set data.drop_last=false")
+            raise DataError(
+                f"{num_samples} samples do not fill one batch of {batch_size} on each of "
+                f"{world_size} rank(s); lower the batch size or set data.drop_last=false"
+            )
 
     def rank_indices(self, epoch: int) -> np.ndarray:
         if self.shuffle:
@@ -150,7 +167,7 @@ class BatchOrder:
             order = np.arange(self.num_samples)
         total = self.per_rank * self.world_size
         order = order[:total] if self.drop_last else np.resize(order, total)  # resize wraps around
-        return order[self.rank::self.world_size]
+        return order[self.rank :: self.world_size]
 
     def batches(self, epoch: int, start: int):
         """Batches start, start + 1, ... of `epoch`; the ones before `start` are never formed."""
@@ -158,7 +175,7 @@ class BatchOrder:
         if self.bucket_batches > 1:
             indices = self._bucketed(indices, epoch)
         for b in range(start, self.num_batches):
-            yield indices[b * self.batch_size:(b + 1) * self.batch_size].tolist()
+            yield indices[b * self.batch_size : (b + 1) * self.batch_size].tolist()
 
     def _bucketed(self, indices: np.ndarray, epoch: int) -> np.ndarray:
         """`indices` regrouped window by window (class docstring); the same for a given (seed, epoch, rank)."""
@@ -166,10 +183,10 @@ class BatchOrder:
         out = indices.copy()
         g = np.random.default_rng([self.seed, epoch, self.rank])
         for first in range(0, self.num_batches * B, n * B):
-            window = indices[first:min(first + n * B, self.num_batches * B)]  # whole batches only
+            window = indices[first : min(first + n * B, self.num_batches * B)]  # whole batches only
             by_length = window[np.argsort(self.lengths[window], kind="stable")]
             batches = by_length.reshape(-1, B)
-            out[first:first + window.size] = batches[g.permutation(len(batches))].reshape(-1)
+            out[first : first + window.size] = batches[g.permutation(len(batches))].reshape(-1)
         return out
 
 
@@ -230,15 +247,29 @@ class Loader:
     batch starts (counted when a batch is handed out, not when a worker prefetches it). A pass left
     early (a `break`) resumes at the next batch on the next `iter()`; use one pass at a time."""
 
-    def __init__(self, dataset: PreparedDataset, order: BatchOrder, collate: PadCollate, num_workers: int,
-                 prefetch_factor: int | None, persistent_workers: bool, pin_memory: bool):
+    def __init__(
+        self,
+        dataset: PreparedDataset,
+        order: BatchOrder,
+        collate: PadCollate,
+        num_workers: int,
+        prefetch_factor: int | None,
+        persistent_workers: bool,
+        pin_memory: bool,
+    ):
         self.dataset, self.order = dataset, order
         self.epoch, self.batch = 0, 0
         self._batches = _EpochBatches(order)
         workers = num_workers > 0
-        self.dataloader = DataLoader(dataset, batch_sampler=self._batches, collate_fn=collate,
-                                     num_workers=num_workers, prefetch_factor=prefetch_factor if workers else None,
-                                     persistent_workers=persistent_workers and workers, pin_memory=pin_memory)
+        self.dataloader = DataLoader(
+            dataset,
+            batch_sampler=self._batches,
+            collate_fn=collate,
+            num_workers=num_workers,
+            prefetch_factor=prefetch_factor if workers else None,
+            persistent_workers=persistent_workers and workers,
+            pin_memory=pin_memory,
+        )
 
     def __len__(self) -> int:
         """Batches per epoch on this rank."""
@@ -253,11 +284,19 @@ class Loader:
 
     def state_dict(self) -> dict:
         global_batch = self.order.batch_size * self.order.world_size
-        state = {"epoch": self.epoch, "samples": self.batch * global_batch, "num_samples": self.order.num_samples,
-                 "seed": self.order.seed, "shuffle": self.order.shuffle}
+        state = {
+            "epoch": self.epoch,
+            "samples": self.batch * global_batch,
+            "num_samples": self.order.num_samples,
+            "seed": self.order.seed,
+            "shuffle": self.order.shuffle,
+        }
         if self.order.bucket_batches > 1:  # bucketed batches are formed per (batch size, rank)
-            state.update(bucket_batches=self.order.bucket_batches, batch_size=self.order.batch_size,
-                         world_size=self.order.world_size)
+            state.update(
+                bucket_batches=self.order.bucket_batches,
+                batch_size=self.order.batch_size,
+                world_size=self.order.world_size,
+            )
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -268,29 +307,47 @@ class Loader:
             keys += ["batch_size", "world_size"]
         for key in keys:
             if state[key] != getattr(self.order, key):
-                raise DataError(f"loader state: saved with {key}={state[key]!r}, this loader has "
-                                f"{getattr(self.order, key)!r} ({self.dataset.path}, split {self.dataset.split}); "
-                                f"resume with the same dataset, seed and data.bucket_batches (and, bucketed, the "
-                                f"same batch size and world size)")
+                raise DataError(
+                    f"loader state: saved with {key}={state[key]!r}, this loader has "
+                    f"{getattr(self.order, key)!r} ({self.dataset.path}, split {self.dataset.split}); "
+                    f"resume with the same dataset, seed and data.bucket_batches (and, bucketed, the "
+                    f"same batch size and world size)"
+                )
         global_batch = self.order.batch_size * self.order.world_size
         if state["samples"] % global_batch:
-            raise DataError(f"loader state: {state['samples']} samples into epoch {state['epoch']} is not a whole "
-                            f"number of global batches of {global_batch}; resume with a batch size x world size "
-                            f"that divides it")
+            raise DataError(
+                f"loader state: {state['samples']} samples into epoch {state['epoch']} is not a whole "
+                f"number of global batches of {global_batch}; resume with a batch size x world size "
+                f"that divides it"
+            )
         self.epoch, self.batch = state["epoch"], state["samples"] // global_batch
 
 
-def build_loader(dataset: PreparedDataset, cfg: DataConfig, micro_batch_size: int, rank: int = 0,
-                 world_size: int = 1, seed: int | None = None) -> Loader:
+def build_loader(
+    dataset: PreparedDataset,
+    cfg: DataConfig,
+    micro_batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    seed: int | None = None,
+) -> Loader:
     """The loader of this rank's share of `dataset`; `seed` (default cfg.seed) fixes the shuffle order."""
     lengths = None
     if cfg.bucket_batches > 1:
         lengths = dataset.lengths()
         if cfg.max_length is not None:
             lengths = np.minimum(lengths, cfg.max_length)  # what the collate keeps
-    order = BatchOrder(len(dataset), micro_batch_size, rank, world_size, cfg.seed if seed is None else seed,
-                       shuffle=cfg.shuffle, drop_last=cfg.drop_last, lengths=lengths,
-                       bucket_batches=cfg.bucket_batches)
+    order = BatchOrder(
+        len(dataset),
+        micro_batch_size,
+        rank,
+        world_size,
+        cfg.seed if seed is None else seed,
+        shuffle=cfg.shuffle,
+        drop_last=cfg.drop_last,
+        lengths=lengths,
+        bucket_batches=cfg.bucket_batches,
+    )
     collate = PadCollate(dataset.pad_id, cfg.pad_to_multiple, cfg.max_length)
     num_workers = default_num_workers() if cfg.num_workers is None else cfg.num_workers
     pin_memory = torch.cuda.is_available() if cfg.pin_memory is None else cfg.pin_memory
@@ -307,13 +364,19 @@ def resolve_for_model(data: DataConfig, model: ModelConfig, dataset: PreparedDat
     multiple of pad_to_multiple that fits model.max_seq_len."""
     where = f"the dataset {dataset.path}"
     if model.latent_dim != dataset.latent_dim:
-        _fail("model.latent_dim", model.latent_dim,
-              f"{dataset.latent_dim}, the latent dim of {where} (encoder {dataset.meta['encoder']})")
+        _fail(
+            "model.latent_dim",
+            model.latent_dim,
+            f"{dataset.latent_dim}, the latent dim of {where} (encoder {dataset.meta['encoder']})",
+        )
     if model.num_latents != dataset.num_latents:
         _fail("model.num_latents", model.num_latents, f"{dataset.num_latents}, the latents per sample of {where}")
     if model.vocab_size is not None and model.vocab_size < dataset.vocab_size:
-        _fail("model.vocab_size", model.vocab_size,
-              f"null or >= {dataset.vocab_size}, the vocab size of {where}/{dataset.meta['tokenizer']}")
+        _fail(
+            "model.vocab_size",
+            model.vocab_size,
+            f"null or >= {dataset.vocab_size}, the vocab size of {where}/{dataset.meta['tokenizer']}",
+        )
     if data.max_length is None:
         max_length = model.max_seq_len // data.pad_to_multiple * data.pad_to_multiple
         if max_length == 0:
@@ -329,8 +392,13 @@ def default_prepare_options(cfg: DataConfig):
     what decides its content, so a changed option never reuses a stale one."""
     from mmldlm.data.prepare import PrepareOptions  # here: prepare.py imports this module
 
-    opts = PrepareOptions(inputs=["default"], vocab_size=cfg.vocab_size, val_fraction=cfg.val_fraction,
-                          encoder=cfg.encoder, max_samples=cfg.max_samples)
+    opts = PrepareOptions(
+        inputs=["default"],
+        vocab_size=cfg.vocab_size,
+        val_fraction=cfg.val_fraction,
+        encoder=cfg.encoder,
+        max_samples=cfg.max_samples,
+    )
     key = json.dumps([fmt.FORMAT_VERSION, opts.recorded(), DEFAULT_CORPUS.stat().st_size], sort_keys=True)
     cache = Path(cfg.cache_dir or os.environ.get("MMLDLM_CACHE") or Path.home() / ".cache" / "mmldlm")
     opts.out = str(cache / f"default-{hashlib.sha256(key.encode()).hexdigest()[:12]}")

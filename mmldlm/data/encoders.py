@@ -14,8 +14,8 @@ A sentence encoder gives one vector per text: K = 1.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -46,8 +46,10 @@ def sentence_transformer(name: str, device: str):
         return REGISTRY[name](device)
     if Path(name).is_dir():
         return _load_local(Path(name), device)
-    raise DataError(f"encoder '{name}': neither a registered encoder ({', '.join(REGISTRY)}) nor a local "
-                    f"sentence-transformers folder")
+    raise DataError(
+        f"encoder '{name}': neither a registered encoder ({', '.join(REGISTRY)}) nor a local "
+        f"sentence-transformers folder"
+    )
 
 
 class SentenceEncoder:
@@ -61,20 +63,28 @@ class SentenceEncoder:
         self.name, self.normalize = name, normalize
         if not normalize:
             # The same modules (shared weights) without the model's own Normalize step, if it has one.
-            model = SentenceTransformer(modules=[m for m in model if type(m).__name__ != "Normalize"],
-                                        device=str(model.device))
+            model = SentenceTransformer(
+                modules=[m for m in model if type(m).__name__ != "Normalize"], device=str(model.device)
+            )
         self.model = model
         self.latent_dim = int(model.get_embedding_dimension())
 
-    def encode(self, texts: list[str], batch_size: int = 128, progress: Callable[[int], None] | None = None) -> np.ndarray:
+    def encode(
+        self, texts: list[str], batch_size: int = 128, progress: Callable[[int], None] | None = None
+    ) -> np.ndarray:
         """Latents of `texts` in order, (N, 1, D) float32. Texts go through the model in batches of
         similar length (less padding), so a text's latent depends only on the texts given here."""
         out = np.empty((len(texts), self.latent_dim), dtype=np.float32)
         order = np.argsort([len(t) for t in texts], kind="stable")
         for start in range(0, len(texts), batch_size):
-            idx = order[start:start + batch_size]
-            out[idx] = self.model.encode([texts[i] for i in idx], batch_size=batch_size, convert_to_numpy=True,
-                                         normalize_embeddings=self.normalize, show_progress_bar=False)
+            idx = order[start : start + batch_size]
+            out[idx] = self.model.encode(
+                [texts[i] for i in idx],
+                batch_size=batch_size,
+                convert_to_numpy=True,
+                normalize_embeddings=self.normalize,
+                show_progress_bar=False,
+            )
             if progress is not None:
                 progress(len(idx))
         return out[:, None, :]  # (N, K=1, D)

@@ -29,17 +29,40 @@ META = "meta.json"
 TOKENIZER = "tokenizer.json"
 TOKEN_LATENTS = "token_latents.npy"
 SPLITS = ("train", "val")
-REQUIRED_KEYS = ("format_version", "tokenizer", "vocab_size", "pad_id", "mask_id", "token_dtype", "encoder",
-                 "latent_dim", "num_latents", "latent_dtype", "splits", "shards", "latent_mean", "latent_std")
+REQUIRED_KEYS = (
+    "format_version",
+    "tokenizer",
+    "vocab_size",
+    "pad_id",
+    "mask_id",
+    "token_dtype",
+    "encoder",
+    "latent_dim",
+    "num_latents",
+    "latent_dtype",
+    "splits",
+    "shards",
+    "latent_mean",
+    "latent_std",
+)
 
 
 def shard_files(split: str, index: int) -> dict[str, str]:
-    return {kind: f"{split}/{kind}-{index:05d}.{ext}"
-            for kind, ext in (("tokens", "bin"), ("offsets", "npy"), ("latents", "npy"))}
+    return {
+        kind: f"{split}/{kind}-{index:05d}.{ext}"
+        for kind, ext in (("tokens", "bin"), ("offsets", "npy"), ("latents", "npy"))
+    }
 
 
-def write_shard(root: Path, split: str, index: int, token_lists: list, latents: np.ndarray,
-                token_dtype: np.dtype, latent_dtype: np.dtype) -> dict:
+def write_shard(
+    root: Path,
+    split: str,
+    index: int,
+    token_lists: list,
+    latents: np.ndarray,
+    token_dtype: np.dtype,
+    latent_dtype: np.dtype,
+) -> dict:
     """Write one shard; returns its meta.json entry."""
     files = shard_files(split, index)
     (root / split).mkdir(parents=True, exist_ok=True)
@@ -64,8 +87,10 @@ def read_meta(root: str | Path) -> dict:
         raise DataError(f"{path}: not valid JSON ({err}); re-run mmldlm prepare with --overwrite") from None
     version = meta.get("format_version") if isinstance(meta, dict) else None
     if version != FORMAT_VERSION:
-        raise DataError(f"{path}: format_version {version!r}, but this mmldlm reads format version {FORMAT_VERSION}; "
-                        f"re-run mmldlm prepare with --overwrite to rebuild it")
+        raise DataError(
+            f"{path}: format_version {version!r}, but this mmldlm reads format version {FORMAT_VERSION}; "
+            f"re-run mmldlm prepare with --overwrite to rebuild it"
+        )
     missing = [k for k in REQUIRED_KEYS if k not in meta]
     if missing:
         raise DataError(f"{path}: missing keys {', '.join(missing)}; re-run mmldlm prepare with --overwrite")
@@ -77,8 +102,9 @@ def _npy_header(path: Path) -> tuple[tuple, np.dtype, int]:
     with open(path, "rb") as f:
         try:
             version = np.lib.format.read_magic(f)
-            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                           else np.lib.format.read_array_header_2_0)
+            read_header = (
+                np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            )
             shape, _, dtype = read_header(f)
         except ValueError as err:
             raise DataError(f"{path}: not a valid .npy file ({err}); re-run mmldlm prepare with --overwrite") from None
@@ -90,9 +116,11 @@ def _expect_size(path: Path, expected: int) -> None:
         raise DataError(f"{path}: missing shard file; re-run mmldlm prepare with --overwrite")
     size = os.path.getsize(path)
     if size != expected:
-        raise DataError(f"{path}: {size} bytes, expected {expected} from meta.json "
-                        f"({'truncated' if size < expected else 'longer than recorded'}); "
-                        f"re-run mmldlm prepare with --overwrite")
+        raise DataError(
+            f"{path}: {size} bytes, expected {expected} from meta.json "
+            f"({'truncated' if size < expected else 'longer than recorded'}); "
+            f"re-run mmldlm prepare with --overwrite"
+        )
 
 
 def open_shard(root: Path, shard: dict, meta: dict) -> tuple[np.memmap, np.ndarray, np.ndarray]:
@@ -100,8 +128,10 @@ def open_shard(root: Path, shard: dict, meta: dict) -> tuple[np.memmap, np.ndarr
     Returns (tokens (T,), offsets (n + 1,), latents (n, K, D)); nothing is read into memory."""
     n, num_tokens = shard["num_samples"], shard["num_tokens"]
     token_dtype = np.dtype(meta["token_dtype"])
-    checks = {"offsets": ((n + 1,), np.dtype(np.int64)),
-              "latents": ((n, meta["num_latents"], meta["latent_dim"]), np.dtype(meta["latent_dtype"]))}
+    checks = {
+        "offsets": ((n + 1,), np.dtype(np.int64)),
+        "latents": ((n, meta["num_latents"], meta["latent_dim"]), np.dtype(meta["latent_dtype"])),
+    }
     arrays = {}
     for kind, (shape, dtype) in checks.items():
         path = root / shard[kind]
@@ -109,14 +139,19 @@ def open_shard(root: Path, shard: dict, meta: dict) -> tuple[np.memmap, np.ndarr
             raise DataError(f"{path}: missing shard file; re-run mmldlm prepare with --overwrite")
         found_shape, found_dtype, header = _npy_header(path)
         if found_shape != shape or found_dtype != dtype:
-            raise DataError(f"{path}: holds {found_dtype} {list(found_shape)}, meta.json says {dtype} {list(shape)}; "
-                            f"re-run mmldlm prepare with --overwrite")
+            raise DataError(
+                f"{path}: holds {found_dtype} {list(found_shape)}, meta.json says {dtype} {list(shape)}; "
+                f"re-run mmldlm prepare with --overwrite"
+            )
         _expect_size(path, header + int(np.prod(shape)) * dtype.itemsize)
         arrays[kind] = np.load(path, mmap_mode="r")
     _expect_size(root / shard["tokens"], num_tokens * token_dtype.itemsize)
     if n and int(arrays["offsets"][-1]) != num_tokens:
-        raise DataError(f"{root / shard['offsets']}: ends at {int(arrays['offsets'][-1])}, meta.json records "
-                        f"{num_tokens} tokens; re-run mmldlm prepare with --overwrite")
-    tokens = (np.memmap(root / shard["tokens"], dtype=token_dtype, mode="r") if num_tokens
-              else np.zeros(0, dtype=token_dtype))  # mmap cannot map an empty file
+        raise DataError(
+            f"{root / shard['offsets']}: ends at {int(arrays['offsets'][-1])}, meta.json records "
+            f"{num_tokens} tokens; re-run mmldlm prepare with --overwrite"
+        )
+    tokens = (
+        np.memmap(root / shard["tokens"], dtype=token_dtype, mode="r") if num_tokens else np.zeros(0, dtype=token_dtype)
+    )  # mmap cannot map an empty file
     return tokens, arrays["offsets"], arrays["latents"]

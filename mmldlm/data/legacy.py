@@ -10,8 +10,8 @@ store each sample unpadded and the loader pads per batch.
 from __future__ import annotations
 
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -44,13 +44,15 @@ class LegacySource:
         for folder in (self.tokens_dir, self.latents_dir):
             if not folder.is_dir():
                 raise DataError(f"{folder}: no such folder")
-        self.stems = sorted(p.name[:-len(SUFFIX)] for p in self.tokens_dir.glob(f"*{SUFFIX}"))
+        self.stems = sorted(p.name[: -len(SUFFIX)] for p in self.tokens_dir.glob(f"*{SUFFIX}"))
         if not self.stems:
             raise DataError(f"{self.tokens_dir}: no <stem>{SUFFIX} files")
         missing = [s for s in self.stems if not (self.latents_dir / f"{s}.npy").is_file()]
         if missing:
-            raise DataError(f"{self.tokens_dir / (missing[0] + SUFFIX)}: no matching latent "
-                            f"{self.latents_dir / (missing[0] + '.npy')} ({len(missing)} token file(s) lack one)")
+            raise DataError(
+                f"{self.tokens_dir / (missing[0] + SUFFIX)}: no matching latent "
+                f"{self.latents_dir / (missing[0] + '.npy')} ({len(missing)} token file(s) lack one)"
+            )
         first = self.latents_dir / f"{self.stems[0]}.npy"
         self.latent_shape = _as_kd(first, _load(first, ".npy")).shape  # (K, D) every sample must have
 
@@ -72,17 +74,21 @@ class LegacySource:
         ids = ids[mask.astype(bool)]
         if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
             bad = int(ids.max() if ids.max() >= self.vocab_size else ids.min())
-            raise DataError(f"{path}: token id {bad} outside the vocabulary of {self.tokenizer_path} (size "
-                            f"{self.vocab_size}); give the tokenizer that produced these ids")
+            raise DataError(
+                f"{path}: token id {bad} outside the vocabulary of {self.tokenizer_path} (size "
+                f"{self.vocab_size}); give the tokenizer that produced these ids"
+            )
         return ids.tolist()
 
     def _latent(self, stem: str) -> np.ndarray:
         path = self.latents_dir / f"{stem}.npy"
         latent = _as_kd(path, _load(path, ".npy"))
         if latent.shape != self.latent_shape:
-            raise DataError(f"{path}: latent of shape {list(latent.shape)}, but "
-                            f"{self.latents_dir / (self.stems[0] + '.npy')} has {list(self.latent_shape)}; "
-                            f"all samples need the same latent dim")
+            raise DataError(
+                f"{path}: latent of shape {list(latent.shape)}, but "
+                f"{self.latents_dir / (self.stems[0] + '.npy')} has {list(self.latent_shape)}; "
+                f"all samples need the same latent dim"
+            )
         return latent.astype(np.float32)
 
     def shard(self, indices: np.ndarray, progress: Callable[[int], None]) -> tuple[list, np.ndarray]:

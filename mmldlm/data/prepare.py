@@ -23,16 +23,19 @@ import dataclasses
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
 from mmldlm import __version__
 from mmldlm.config import load_config
-from mmldlm.data import corpus, format as fmt, tokenizer as tok
+from mmldlm.data import corpus
+from mmldlm.data import format as fmt
+from mmldlm.data import tokenizer as tok
 from mmldlm.data.dataset import default_prepare_options
 from mmldlm.data.encoders import DEFAULT_ENCODER, REGISTRY, load_encoder
 from mmldlm.data.errors import DataError
@@ -85,8 +88,13 @@ class PrepareOptions:
             raise OptionError("--val-fraction", self.val_fraction, "a number in [0, 1)")
         if self.max_samples is not None and self.max_samples < 2:
             raise OptionError("--max-samples", self.max_samples, "an integer >= 2 (train and val)")
-        require_positive({"--shard-size": self.shard_size, "--encode-batch-size": self.encode_batch_size,
-                          "--min-chars": self.min_chars})
+        require_positive(
+            {
+                "--shard-size": self.shard_size,
+                "--encode-batch-size": self.encode_batch_size,
+                "--min-chars": self.min_chars,
+            }
+        )
         if self.max_chars < self.min_chars:
             raise OptionError("--max-chars", self.max_chars, f"an integer >= --min-chars ({self.min_chars})")
         if bool(self.inputs) == (self.legacy_tokens is not None or self.legacy_latents is not None):
@@ -96,8 +104,11 @@ class PrepareOptions:
         if self.legacy_tokens is not None and self.tokenizer is None:
             raise DataError("--legacy-tokens needs --tokenizer: the tokenizer.json that produced the legacy ids")
         if self.tokenizer is None and self.vocab_size < tok.MIN_VOCAB_SIZE:
-            raise OptionError("--vocab-size", self.vocab_size, f"an integer >= {tok.MIN_VOCAB_SIZE} for a byte-level "
-                              f"BPE (256 byte symbols + {tok.PAD} + {tok.MASK})")
+            raise OptionError(
+                "--vocab-size",
+                self.vocab_size,
+                f"an integer >= {tok.MIN_VOCAB_SIZE} for a byte-level BPE (256 byte symbols + {tok.PAD} + {tok.MASK})",
+            )
 
 
 def options_like_run(run_dir: str | Path) -> dict[str, Any]:
@@ -115,23 +126,31 @@ def options_like_run(run_dir: str | Path) -> dict[str, Any]:
         data_dir, origin = Path(default_prepare_options(data).out), "data.path null (the bundled corpus in the cache)"
     meta_file = data_dir / fmt.META
     if not meta_file.is_file():
-        raise DataError(f"{config_file}: {origin}: no prepared dataset at {data_dir}; --like needs the run's "
-                        f"dataset on this machine (copy it there, or set data.path in {config_file} to where it is)")
+        raise DataError(
+            f"{config_file}: {origin}: no prepared dataset at {data_dir}; --like needs the run's "
+            f"dataset on this machine (copy it there, or set data.path in {config_file} to where it is)"
+        )
     meta = fmt.read_meta(data_dir)
     tokenizer = data_dir / meta["tokenizer"]
     if not tokenizer.is_file():
-        raise DataError(f"{meta_file}: tokenizer {meta['tokenizer']!r}: no such file {tokenizer}; restore it from "
-                        f"where the run was trained (a rebuilt dataset may have another tokenizer)")
+        raise DataError(
+            f"{meta_file}: tokenizer {meta['tokenizer']!r}: no such file {tokenizer}; restore it from "
+            f"where the run was trained (a rebuilt dataset may have another tokenizer)"
+        )
     normalize = meta.get("encoder_normalize")
     if normalize is None:
-        raise DataError(f"{meta_file}: encoder_normalize is null: the run's latents were imported, so the encoder that "
-                        f"made them is not known and new text cannot be encoded like them; prepare it without --like, "
-                        f"with --tokenizer {tokenizer} and the --encoder that made those latents")
+        raise DataError(
+            f"{meta_file}: encoder_normalize is null: the run's latents were imported, so the encoder that "
+            f"made them is not known and new text cannot be encoded like them; prepare it without --like, "
+            f"with --tokenizer {tokenizer} and the --encoder that made those latents"
+        )
     encoder = meta["encoder"]
     if encoder not in REGISTRY and not Path(encoder).is_dir():
-        raise DataError(f"{meta_file}: encoder {encoder!r} is not available here: neither a registered encoder "
-                        f"({', '.join(REGISTRY)}) nor a local sentence-transformers folder; to prepare text like this run, "
-                        f"put that encoder's folder at this path (or register the name in mmldlm/data/encoders.py)")
+        raise DataError(
+            f"{meta_file}: encoder {encoder!r} is not available here: neither a registered encoder "
+            f"({', '.join(REGISTRY)}) nor a local sentence-transformers folder; to prepare text like this run, "
+            f"put that encoder's folder at this path (or register the name in mmldlm/data/encoders.py)"
+        )
     return {"tokenizer": str(tokenizer), "encoder": encoder, "normalize": normalize}
 
 
@@ -209,21 +228,31 @@ def split_indices(num_samples: int, val_fraction: float, seed: int) -> dict[str,
     """Disjoint train/val sample indices, each in corpus order; the same for a given seed."""
     num_val = 0 if val_fraction == 0 else max(1, round(num_samples * val_fraction))
     if num_val >= num_samples:
-        raise DataError(f"{num_samples} sample(s) cannot be split into train and val (val_fraction "
-                        f"{val_fraction}); give more data or --val-fraction 0")
+        raise DataError(
+            f"{num_samples} sample(s) cannot be split into train and val (val_fraction "
+            f"{val_fraction}); give more data or --val-fraction 0"
+        )
     perm = np.random.default_rng(seed).permutation(num_samples)
     return {"train": np.sort(perm[num_val:]), "val": np.sort(perm[:num_val])}
 
 
 def plan_shards(splits: dict[str, np.ndarray], shard_size: int) -> list[tuple[str, int, np.ndarray]]:
     """(split, shard index, sample indices) for every shard, in the order meta.json lists them."""
-    return [(name, i, idx[start:start + shard_size])
-            for name, idx in splits.items()
-            for i, start in enumerate(range(0, len(idx), shard_size))]
+    return [
+        (name, i, idx[start : start + shard_size])
+        for name, idx in splits.items()
+        for i, start in enumerate(range(0, len(idx), shard_size))
+    ]
 
 
-def _write_shards(source, work: list[tuple[str, int, np.ndarray]], root: Path, token_dtype: np.dtype,
-                  latent_dtype: np.dtype, bar: tqdm) -> list[dict]:
+def _write_shards(
+    source,
+    work: list[tuple[str, int, np.ndarray]],
+    root: Path,
+    token_dtype: np.dtype,
+    latent_dtype: np.dtype,
+    bar: tqdm,
+) -> list[dict]:
     """Write this rank's shards; returns each one's meta entry plus its latent sums for the stats."""
     done = []
     for split, index, indices in work:
@@ -231,9 +260,18 @@ def _write_shards(source, work: list[tuple[str, int, np.ndarray]], root: Path, t
         stored = latents.astype(latent_dtype)
         info = fmt.write_shard(root, split, index, token_lists, stored, token_dtype, latent_dtype)
         values = stored.astype(np.float64).reshape(-1, stored.shape[-1])  # statistics of what the loader will read
-        done.append({"split": split, "index": index, "info": info, "shape": list(stored.shape[1:]),
-                     "max_tokens": max((len(ids) for ids in token_lists), default=0),
-                     "sum": values.sum(0), "sumsq": np.square(values).sum(0), "count": len(values)})
+        done.append(
+            {
+                "split": split,
+                "index": index,
+                "info": info,
+                "shape": list(stored.shape[1:]),
+                "max_tokens": max((len(ids) for ids in token_lists), default=0),
+                "sum": values.sum(0),
+                "sumsq": np.square(values).sum(0),
+                "count": len(values),
+            }
+        )
     return done
 
 
@@ -254,13 +292,17 @@ def output_state(opts: PrepareOptions) -> str:
     if out.is_dir() and not any(out.iterdir()):
         return "absent"
     if not (out / fmt.META).is_file():
-        raise DataError(f"{out}: exists and is not a prepared dataset; pass --overwrite to replace it or choose another --out")
+        raise DataError(
+            f"{out}: exists and is not a prepared dataset; pass --overwrite to replace it or choose another --out"
+        )
     meta = fmt.read_meta(out)
     previous = meta.get("prepare", {})
     changed = [f"{k}: {previous.get(k)!r} -> {v!r}" for k, v in opts.recorded().items() if previous.get(k) != v]
     if changed:
-        raise DataError(f"{out}: already prepared with other options ({'; '.join(changed)}); pass --overwrite to "
-                        f"rebuild it or choose another --out")
+        raise DataError(
+            f"{out}: already prepared with other options ({'; '.join(changed)}); pass --overwrite to "
+            f"rebuild it or choose another --out"
+        )
     return "complete"
 
 
@@ -307,12 +349,17 @@ def ensure_token_latents(path: str | Path, log: Callable[[str], None] = print) -
         return np.load(path / meta["token_latents"])
     normalize = meta.get("encoder_normalize")
     if normalize is None:
-        raise DataError(f"{path / fmt.META}: encoder_normalize is null (the latents were imported), so the latents "
-                        f"of the vocabulary tokens cannot be made with the same encoder; set model.vocab_prior=false")
-    log(f"{path}: adding the latents of the {meta['vocab_size']} vocabulary tokens (model.vocab_prior) "
-        f"with {meta['encoder']}")
-    latents = token_latents(tok.load_tokenizer(path / meta["tokenizer"]),
-                            load_encoder(meta["encoder"], _device("auto"), normalize))
+        raise DataError(
+            f"{path / fmt.META}: encoder_normalize is null (the latents were imported), so the latents "
+            f"of the vocabulary tokens cannot be made with the same encoder; set model.vocab_prior=false"
+        )
+    log(
+        f"{path}: adding the latents of the {meta['vocab_size']} vocabulary tokens (model.vocab_prior) "
+        f"with {meta['encoder']}"
+    )
+    latents = token_latents(
+        tok.load_tokenizer(path / meta["tokenizer"]), load_encoder(meta["encoder"], _device("auto"), normalize)
+    )
     tmp = path / f".{fmt.TOKEN_LATENTS}.tmp"
     with open(tmp, "wb") as f:
         np.save(f, latents)
@@ -324,8 +371,15 @@ def ensure_token_latents(path: str | Path, log: Callable[[str], None] = print) -
     return latents
 
 
-def _merge(opts: PrepareOptions, tokenizer_json: str, counts: dict, shards: list[dict], partial: Path,
-           extra: dict, encoder=None) -> dict:
+def _merge(
+    opts: PrepareOptions,
+    tokenizer_json: str,
+    counts: dict,
+    shards: list[dict],
+    partial: Path,
+    extra: dict,
+    encoder=None,
+) -> dict:
     shards = sorted(shards, key=lambda s: (fmt.SPLITS.index(s["split"]), s["index"]))
     shapes = {tuple(s["shape"]) for s in shards}
     if len(shapes) > 1:
@@ -355,8 +409,9 @@ def _merge(opts: PrepareOptions, tokenizer_json: str, counts: dict, shards: list
         "latent_dtype": opts.latent_dtype,
         "splits": {name: sum(s["info"]["num_samples"] for s in shards if s["split"] == name) for name in fmt.SPLITS},
         "num_tokens": {name: sum(s["info"]["num_tokens"] for s in shards if s["split"] == name) for name in fmt.SPLITS},
-        "max_sample_tokens": {name: max((s["max_tokens"] for s in shards if s["split"] == name), default=0)
-                              for name in fmt.SPLITS},
+        "max_sample_tokens": {
+            name: max((s["max_tokens"] for s in shards if s["split"] == name), default=0) for name in fmt.SPLITS
+        },
         "latent_mean": mean.tolist(),
         "latent_std": std.tolist(),
         "counts": counts,
@@ -392,22 +447,30 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
 
     if opts.legacy_tokens is not None:
         tokenizer_json = ranks.on_rank0(lambda: tok.load_tokenizer(opts.tokenizer).to_str())
-        source = ranks.on_all(lambda: LegacySource(opts.legacy_tokens, opts.legacy_latents,
-                                                   tok.vocab_size(tok.from_json(tokenizer_json)), opts.tokenizer))
+        source = ranks.on_all(
+            lambda: LegacySource(
+                opts.legacy_tokens, opts.legacy_latents, tok.vocab_size(tok.from_json(tokenizer_json)), opts.tokenizer
+            )
+        )
         counts = {"read": len(source), "kept": len(source)}
         splits = split_indices(len(source), opts.val_fraction, opts.seed)
         extra = {"encoder_normalize": None}  # not known: the legacy latents were made elsewhere
     else:
         texts, counts = ranks.on_all(lambda: _read_corpus(opts))
-        say(f"read {counts['read']} samples: kept {counts['kept']}, dropped {counts['too_short']} shorter than "
-            f"{opts.min_chars} chars, {counts['too_long']} longer than {opts.max_chars}, {counts['duplicates']} duplicates, "
-            f"{counts.get('over_max_samples', 0)} over --max-samples")
+        say(
+            f"read {counts['read']} samples: kept {counts['kept']}, dropped {counts['too_short']} shorter than "
+            f"{opts.min_chars} chars, {counts['too_long']} longer than {opts.max_chars}, "
+            f"{counts['duplicates']} duplicates, "
+            f"{counts.get('over_max_samples', 0)} over --max-samples"
+        )
         splits = split_indices(len(texts), opts.val_fraction, opts.seed)
 
         def make_tokenizer() -> str:
             if opts.tokenizer is not None:
                 return tok.load_tokenizer(opts.tokenizer).to_str()
-            say(f"training a byte-level BPE tokenizer (vocab {opts.vocab_size}) on {len(splits['train'])} train samples")
+            say(
+                f"training a byte-level BPE tokenizer (vocab {opts.vocab_size}) on {len(splits['train'])} train samples"
+            )
             return tok.train_bpe([texts[i] for i in splits["train"]], opts.vocab_size).to_str()
 
         tokenizer_json = ranks.on_rank0(make_tokenizer)
@@ -418,22 +481,31 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
     partial = Path(ranks.on_rank0(lambda: _fresh_partial(out)))
     completed = False
     try:
-        mine = plan_shards(splits, opts.shard_size)[ranks.rank::ranks.world_size]
+        mine = plan_shards(splits, opts.shard_size)[ranks.rank :: ranks.world_size]
         token_dtype = tok.token_dtype(tok.vocab_size(tok.from_json(tokenizer_json)))
         desc = "prepare" if ranks.world_size == 1 else f"prepare (rank 0 of {ranks.world_size})"
-        with tqdm(total=sum(len(idx) for _, _, idx in mine), desc=desc, unit="sample",
-                  disable=not (opts.progress and ranks.rank == 0)) as bar:
-            results = ranks.on_all(lambda: _write_shards(source, mine, partial, token_dtype,
-                                                         np.dtype(opts.latent_dtype), bar), gather=True)
+        with tqdm(
+            total=sum(len(idx) for _, _, idx in mine),
+            desc=desc,
+            unit="sample",
+            disable=not (opts.progress and ranks.rank == 0),
+        ) as bar:
+            results = ranks.on_all(
+                lambda: _write_shards(source, mine, partial, token_dtype, np.dtype(opts.latent_dtype), bar), gather=True
+            )
         shards = [s for rank_shards in results for s in rank_shards]
-        meta = ranks.on_rank0(lambda: _merge(opts, tokenizer_json, counts, shards, partial, extra,
-                                             getattr(source, "encoder", None)))
+        meta = ranks.on_rank0(
+            lambda: _merge(opts, tokenizer_json, counts, shards, partial, extra, getattr(source, "encoder", None))
+        )
         completed = True
     finally:
         if ranks.rank == 0 and not completed and partial.exists():
             shutil.rmtree(partial)
-    say(f"{out}: {meta['splits']['train']} train + {meta['splits']['val']} val samples, "
-        f"{meta['num_tokens']['train'] + meta['num_tokens']['val']} tokens, latents {meta['num_latents']}x{meta['latent_dim']}")
+    say(
+        f"{out}: {meta['splits']['train']} train + {meta['splits']['val']} val samples, "
+        f"{meta['num_tokens']['train'] + meta['num_tokens']['val']} tokens, "
+        f"latents {meta['num_latents']}x{meta['latent_dim']}"
+    )
     return {"status": "created", "path": str(out), "meta": meta}
 
 
@@ -443,11 +515,14 @@ def _read_corpus(opts: PrepareOptions) -> tuple[list[str], dict]:
         texts.extend(corpus.read_texts(corpus.resolve_input(name), opts.format, opts.text_field, opts.paragraphs))
     kept, counts = corpus.filter_texts(texts, opts.min_chars, opts.max_chars, opts.dedup)
     if not kept:
-        raise DataError(f"{', '.join(opts.inputs)}: no sample left after the length filter "
-                        f"({counts['too_short']} shorter than {opts.min_chars} chars, {counts['too_long']} longer than {opts.max_chars})")
+        raise DataError(
+            f"{', '.join(opts.inputs)}: no sample left after the length filter "
+            f"({counts['too_short']} shorter than {opts.min_chars} chars, "
+            f"{counts['too_long']} longer than {opts.max_chars})"
+        )
     if opts.max_samples is not None and len(kept) > opts.max_samples:
         # A seeded subset in corpus order: the same N samples for a given seed on every rank.
-        chosen = np.sort(np.random.default_rng(opts.seed).permutation(len(kept))[:opts.max_samples])
+        chosen = np.sort(np.random.default_rng(opts.seed).permutation(len(kept))[: opts.max_samples])
         counts["over_max_samples"] = len(kept) - opts.max_samples
         kept = [kept[i] for i in chosen]
         counts["kept"] = len(kept)

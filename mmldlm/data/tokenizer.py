@@ -25,13 +25,19 @@ MIN_VOCAB_SIZE = 256 + 2  # every byte, plus [PAD] and [MASK]
 
 def train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
     if vocab_size < MIN_VOCAB_SIZE:
-        raise DataError(f"vocab size {vocab_size}: a byte-level BPE needs at least {MIN_VOCAB_SIZE} "
-                        f"(256 byte symbols + {PAD} + {MASK})")
+        raise DataError(
+            f"vocab size {vocab_size}: a byte-level BPE needs at least {MIN_VOCAB_SIZE} "
+            f"(256 byte symbols + {PAD} + {MASK})"
+        )
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, MASK], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, MASK],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer, length=len(texts))
     return _plain_text_specials(tokenizer)
 

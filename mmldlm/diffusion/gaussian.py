@@ -23,7 +23,8 @@ Parameterisations (Salimans & Ho 2022, "Progressive Distillation", sec. 4 and ap
 Schedule coefficients are computed in float64 and cast to the data's dtype.
 
 Sampling (`step`) from t to s < t uses the network's (x0, eps) estimate:
-    x_s = alpha_s x0 + sqrt(sigma_s^2 - c^2) eps + c z,   c^2 = eta^2 sigma_s^2 (1 - (alpha_t sigma_s / (alpha_s sigma_t))^2)
+    x_s = alpha_s x0 + sqrt(sigma_s^2 - c^2) eps + c z,
+    c^2 = eta^2 sigma_s^2 (1 - (alpha_t sigma_s / (alpha_s sigma_t))^2)
 (DDIM, Song et al. 2021 eq. 12 and 16): eta = 0 is DDIM, eta = 1 the DDPM ancestral step, whose mean
 and variance are those of the posterior q(x_s | x_t, x0) (Kingma et al. 2021, VDM eq. 26).
 """
@@ -48,7 +49,9 @@ def _stat(value, name: str) -> torch.Tensor | None:
         return None
     tensor = torch.as_tensor(value, dtype=torch.float64).detach().cpu()
     if tensor.dim() != 1:
-        raise ValueError(f"GaussianDiffusion: latent {name} must be a vector of D values; got shape {tuple(tensor.shape)}")
+        raise ValueError(
+            f"GaussianDiffusion: latent {name} must be a vector of D values; got shape {tuple(tensor.shape)}"
+        )
     if not torch.isfinite(tensor).all():
         raise ValueError(f"GaussianDiffusion: latent {name} has non-finite values; recompute the dataset statistics")
     return tensor
@@ -64,11 +67,14 @@ class GaussianDiffusion:
         self.std = _stat(std, "std")
         if self.std is not None and (self.std <= 0).any():
             bad = int((self.std <= 0).nonzero()[0, 0])
-            raise ValueError(f"GaussianDiffusion: latent std must be > 0 in every dimension; dimension {bad} "
-                             f"has {self.std[bad].item()} (a constant dimension); recompute the dataset statistics")
+            raise ValueError(
+                f"GaussianDiffusion: latent std must be > 0 in every dimension; dimension {bad} "
+                f"has {self.std[bad].item()} (a constant dimension); recompute the dataset statistics"
+            )
         if self.mean is not None and self.std is not None and self.mean.shape != self.std.shape:
-            raise ValueError(f"GaussianDiffusion: latent mean has {self.mean.numel()} values but std has "
-                             f"{self.std.numel()}")
+            raise ValueError(
+                f"GaussianDiffusion: latent mean has {self.mean.numel()} values but std has {self.std.numel()}"
+            )
         self._stats_cache: dict = {}
 
     # --- standardisation -------------------------------------------------------------------------
@@ -78,8 +84,10 @@ class GaussianDiffusion:
         if key not in self._stats_cache:
             for stat in (self.mean, self.std):
                 if stat is not None and stat.numel() != x.shape[-1]:
-                    raise ValueError(f"GaussianDiffusion: latents have dim {x.shape[-1]} but the statistics have "
-                                     f"{stat.numel()}; the dataset's encoder and model.latent_dim must agree")
+                    raise ValueError(
+                        f"GaussianDiffusion: latents have dim {x.shape[-1]} but the statistics have "
+                        f"{stat.numel()}; the dataset's encoder and model.latent_dim must agree"
+                    )
             move = lambda s: None if s is None else s.to(device=x.device, dtype=x.dtype)  # noqa: E731
             self._stats_cache[key] = (move(self.mean), move(self.std))
         return self._stats_cache[key]
@@ -147,8 +155,9 @@ class GaussianDiffusion:
 
     # --- parameterisations -----------------------------------------------------------------------
 
-    def predict_x0_eps(self, pred: torch.Tensor, x_t: torch.Tensor, t,
-                       prediction: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def predict_x0_eps(
+        self, pred: torch.Tensor, x_t: torch.Tensor, t, prediction: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The (x0, eps) implied by a network output `pred` of type `prediction` (default: the configured one).
 
         With x0-prediction at t = 0 (sigma = 0) eps is not identifiable and is returned as 0; no other
@@ -204,8 +213,15 @@ class GaussianDiffusion:
 
     # --- reverse process -------------------------------------------------------------------------
 
-    def step(self, pred: torch.Tensor, x_t: torch.Tensor, t, s,
-             sampler: Literal["ddim", "ddpm"] | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    def step(
+        self,
+        pred: torch.Tensor,
+        x_t: torch.Tensor,
+        t,
+        s,
+        sampler: Literal["ddim", "ddpm"] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         """One reverse step from time t to s < t (module docstring); returns x_s shaped like x_t.
 
         pred: the network output on x_t at time t; t, s numbers or (B,) tensors, 0 <= s < t <= 1;
@@ -222,6 +238,6 @@ class GaussianDiffusion:
         alpha_t, sigma_t = self.alpha_sigma(t, x_t)
         # c^2 = posterior variance of q(x_s | x_t, x0); sigma_s / sigma_t <= 1 and is 0 when t = s = 0.
         ratio = torch.where(sigma_t > 0, sigma_s / sigma_t, torch.zeros_like(sigma_t))
-        c2 = (sigma_s ** 2 * (1.0 - (alpha_t / alpha_s * ratio) ** 2)).clamp_min(0.0)  # rounding below 0
+        c2 = (sigma_s**2 * (1.0 - (alpha_t / alpha_s * ratio) ** 2)).clamp_min(0.0)  # rounding below 0
         z = rng.normal(x_t.shape, x_t.device, generator, dtype=x_t.dtype)
-        return alpha_s * x0 + (sigma_s ** 2 - c2).clamp_min(0.0).sqrt() * eps + c2.sqrt() * z
+        return alpha_s * x0 + (sigma_s**2 - c2).clamp_min(0.0).sqrt() * eps + c2.sqrt() * z

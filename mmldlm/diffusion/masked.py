@@ -53,8 +53,10 @@ class MaskedDiffusion:
 
     def __init__(self, cfg: TextDiffusionConfig, mask_token_id: int, pad_token_id: int):
         if mask_token_id == pad_token_id:
-            raise ValueError(f"MaskedDiffusion: mask_token_id and pad_token_id are both {mask_token_id}; "
-                             "the tokenizer must give them different ids")
+            raise ValueError(
+                f"MaskedDiffusion: mask_token_id and pad_token_id are both {mask_token_id}; "
+                "the tokenizer must give them different ids"
+            )
         self.cfg = cfg
         self.mask_token_id = mask_token_id
         self.pad_token_id = pad_token_id
@@ -81,8 +83,9 @@ class MaskedDiffusion:
 
     # --- forward process -------------------------------------------------------------------------
 
-    def add_noise(self, tokens: torch.Tensor, t, pad_mask: torch.Tensor | None = None,
-                  generator: torch.Generator | None = None) -> torch.Tensor:
+    def add_noise(
+        self, tokens: torch.Tensor, t, pad_mask: torch.Tensor | None = None, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
         """z_t ~ q(z_t | x) (eq. 2): each non-pad token becomes the mask with prob 1 - alpha_t.
 
         tokens (B, L) int64; t (B,) in [0, 1]; pad_mask (B, L) bool, True = real token.
@@ -102,8 +105,9 @@ class MaskedDiffusion:
         masked = noised == self.mask_token_id
         return masked & pad_mask if pad_mask is not None else masked
 
-    def loss(self, logits: torch.Tensor, tokens: torch.Tensor, noised: torch.Tensor, t,
-             pad_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    def loss(
+        self, logits: torch.Tensor, tokens: torch.Tensor, noised: torch.Tensor, t, pad_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict]:
         """The training loss over masked non-pad tokens and its metrics.
 
         logits (B, L, V) from the model on `noised`, or (N, V) only at `loss_positions(noised,
@@ -122,8 +126,10 @@ class MaskedDiffusion:
         # input and contribute zero, so only masked rows are gathered (saves a (B, L, V) copy).
         targets = tokens[masked]  # (N,)
         if logits.dim() == 2 and logits.shape[0] != targets.shape[0]:
-            raise ValueError(f"text logits of shape {tuple(logits.shape)}: expected (B, L, V) or one row per "
-                             f"masked non-pad position ({targets.shape[0]}, V)")
+            raise ValueError(
+                f"text logits of shape {tuple(logits.shape)}: expected (B, L, V) or one row per "
+                f"masked non-pad position ({targets.shape[0]}, V)"
+            )
         masked_logits = (logits[masked] if logits.dim() == 3 else logits).float()  # (N, V)
         mask_index = torch.tensor([self.mask_token_id], device=logits.device)
         masked_logits = masked_logits.index_fill(-1, mask_index, float("-inf"))
@@ -149,8 +155,15 @@ class MaskedDiffusion:
         log_x0[:, self.mask_token_id] = float("-inf")
         return torch.log_softmax(log_x0, dim=-1)
 
-    def step(self, logits: torch.Tensor, x_t: torch.Tensor, t, s, generator: torch.Generator | None = None,
-             strategy: Literal["ancestral", "confidence"] = "ancestral") -> torch.Tensor:
+    def step(
+        self,
+        logits: torch.Tensor,
+        x_t: torch.Tensor,
+        t,
+        s,
+        generator: torch.Generator | None = None,
+        strategy: Literal["ancestral", "confidence"] = "ancestral",
+    ) -> torch.Tensor:
         """One reverse step from time t to time s < t: returns z_s (B, L).
 
         logits (B, L, V) from the model on x_t at time t; t, s numbers or (B,) tensors, 0 <= s < t <= 1.

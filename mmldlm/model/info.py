@@ -35,8 +35,14 @@ def parameter_counts(model: MultimodalMMDiT) -> dict[str, int]:
     return counts
 
 
-def training_flops_per_sample(model: MultimodalMMDiT, seq_len: int, *, text_head: bool = True,
-                              latent_head: bool = True, text_head_rows: float | None = None) -> float:
+def training_flops_per_sample(
+    model: MultimodalMMDiT,
+    seq_len: int,
+    *,
+    text_head: bool = True,
+    latent_head: bool = True,
+    text_head_rows: float | None = None,
+) -> float:
     """Forward + backward FLOPs of one sample with `seq_len` text tokens and K latent slots:
 
         FLOPs = 6 * sum_linear(W.numel() * rows) + 12 * H * sum_blocks(S_q * S)

@@ -26,7 +26,6 @@ from torch import Tensor
 from mmldlm import comparison
 from mmldlm.config import ConfigError, ModelConfig
 
-
 # --------------------------------------------------------------------------------------------------
 # Positions and timesteps.
 
@@ -146,9 +145,16 @@ class MMDiTBlock(nn.Module):
         self.attention = cfg.attention
         self.dropout = cfg.dropout
 
-    def forward(self, x_text: Tensor, x_latent: Tensor, c: Tensor, attn_mask: Tensor | None = None,
-                rope: tuple[Tensor, Tensor] | None = None, text_out: bool = True,
-                latent_out: bool = True) -> tuple[Tensor | None, Tensor | None]:
+    def forward(
+        self,
+        x_text: Tensor,
+        x_latent: Tensor,
+        c: Tensor,
+        attn_mask: Tensor | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
+        text_out: bool = True,
+        latent_out: bool = True,
+    ) -> tuple[Tensor | None, Tensor | None]:
         """x_text (B, L, H), x_latent (B, K, H), c (B, H); attn_mask (B, 1, 1, L + K) bool, True = key
         takes part; rope = (cos, sin) (L, hd/2) for the text positions.
 
@@ -237,8 +243,10 @@ class MultimodalMMDiT(nn.Module):
         super().__init__()
         vocab_size = vocab_size if vocab_size is not None else cfg.vocab_size
         if vocab_size is None:
-            raise ConfigError("config key 'model.vocab_size': got None and no vocab_size was given; "
-                              "expected the vocabulary size of the prepared dataset's tokenizer")
+            raise ConfigError(
+                "config key 'model.vocab_size': got None and no vocab_size was given; "
+                "expected the vocabulary size of the prepared dataset's tokenizer"
+            )
         cfg.check()
         self.cfg = cfg
         self.vocab_size = vocab_size
@@ -263,8 +271,9 @@ class MultimodalMMDiT(nn.Module):
         self.latent_final = FinalLayer(H, D, cfg.norm_eps, bias=True)
         # Text length given the clean latent (all K slots): the model has no end-of-text token, so a
         # sampler that decodes a latent without a source text takes the length from here.
-        self.length_head = (nn.Sequential(nn.Linear(K * D, H), nn.SiLU(), nn.Linear(H, cfg.max_seq_len))
-                            if cfg.length_head else None)
+        self.length_head = (
+            nn.Sequential(nn.Linear(K * D, H), nn.SiLU(), nn.Linear(H, cfg.max_seq_len)) if cfg.length_head else None
+        )
         # Vocabulary prior: text logits + s(t_latent) * cos(latent, token_latents[v]) for every token v.
         # The unit-length token latents (in the standardised space) are set by the training setup from
         # the dataset (`set_token_latents`) and travel with the weights as a buffer; s is a learned
@@ -322,10 +331,21 @@ class MultimodalMMDiT(nn.Module):
         """Parameters that get no gradient when the latent head is skipped (l2t)."""
         return [*self.blocks[-1].latent.output_parameters(), *self.latent_final.parameters()]
 
-    def forward(self, tokens: Tensor, latents: Tensor, t_text: Tensor, t_latent: Tensor,
-                text_pad_mask: Tensor | None = None, latent_null: Tensor | None = None, *,
-                text_head: bool = True, latent_head: bool = True, text_rows: Tensor | None = None,
-                latent_self_cond: Tensor | None = None, length_from: Tensor | None = None) -> ModelOutput:
+    def forward(
+        self,
+        tokens: Tensor,
+        latents: Tensor,
+        t_text: Tensor,
+        t_latent: Tensor,
+        text_pad_mask: Tensor | None = None,
+        latent_null: Tensor | None = None,
+        *,
+        text_head: bool = True,
+        latent_head: bool = True,
+        text_rows: Tensor | None = None,
+        latent_self_cond: Tensor | None = None,
+        length_from: Tensor | None = None,
+    ) -> ModelOutput:
         """tokens (B, L) int64, latents (B, K, D) standardised and noised, t_text and t_latent (B,) in
         [0, 1]; text_pad_mask (B, L) bool, True = real token; latent_null (B,) bool, True = use the
         null latent. Returns ModelOutput(text logits (B, L, V), latent prediction (B, K, D), length
@@ -340,8 +360,10 @@ class MultimodalMMDiT(nn.Module):
         if L > self.cfg.max_seq_len:
             raise ValueError(f"text length {L} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         if tuple(latents.shape) != (B, K, D):
-            raise ValueError(f"latents have shape {tuple(latents.shape)}; expected (B, K, D) = ({B}, {K}, {D}) "
-                             "from model.num_latents and model.latent_dim")
+            raise ValueError(
+                f"latents have shape {tuple(latents.shape)}; expected (B, K, D) = ({B}, {K}, {D}) "
+                "from model.num_latents and model.latent_dim"
+            )
         if not (text_head or latent_head):
             raise ValueError("forward needs at least one of text_head, latent_head")
 
@@ -383,8 +405,9 @@ class MultimodalMMDiT(nn.Module):
 
         last = len(self.blocks) - 1
         for i, block in enumerate(self.blocks):
-            x_text, x_latent = block(x_text, x_latent, c, attn_mask, rope,
-                                     text_out=text_head or i < last, latent_out=latent_head or i < last)
+            x_text, x_latent = block(
+                x_text, x_latent, c, attn_mask, rope, text_out=text_head or i < last, latent_out=latent_head or i < last
+            )
 
         logits = self.text_final(x_text, c, text_rows) if text_head else None  # (B, L, V) or (N, V)
         if text_head and self.token_latents is not None:
@@ -399,8 +422,10 @@ class MultimodalMMDiT(nn.Module):
         """The vocabulary prior's token latents (V, K, D), standardised like the model's latent input."""
         V, KD = self.token_latents.shape
         if token_latents.shape[0] != V or token_latents[0].numel() != KD:
-            raise ValueError(f"token latents of shape {tuple(token_latents.shape)}; expected ({V}, {KD}) or "
-                             f"({V}, K, D) with K * D = {KD}")
+            raise ValueError(
+                f"token latents of shape {tuple(token_latents.shape)}; expected ({V}, {KD}) or "
+                f"({V}, K, D) with K * D = {KD}"
+            )
         with torch.no_grad():
             self.token_latents.copy_(F.normalize(token_latents.reshape(V, KD).float(), dim=-1))
 

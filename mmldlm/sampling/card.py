@@ -51,8 +51,13 @@ def _compute(run_dir: Path, step: int | None) -> dict:
         samples += records[s]["global_batch_size"] * (s - previous)
         seconds += records[s]["step_time_s"] * (s - previous)
         previous = s
-    device = ("a CUDA GPU" if any("mem_allocated_gib" in r for r in records.values())
-              else "CPU" if records else "not recorded")
+    device = (
+        "a CUDA GPU"
+        if any("mem_allocated_gib" in r for r in records.values())
+        else "CPU"
+        if records
+        else "not recorded"
+    )
     return {"steps": step, "samples": int(samples), "seconds": seconds, "device": device, "logged": bool(records)}
 
 
@@ -68,15 +73,24 @@ def _data_section(run: TrainedRun) -> tuple[list[str], dict]:
     inputs = meta.get("prepare", {}).get("inputs") or ["not recorded"]
     bundled = inputs == ["default"]
     splits = meta.get("splits", {})
-    lines = [f"{splits.get('train', '?')} training and {splits.get('val', '?')} validation texts "
-             f"(`mmldlm prepare`, {meta['vocab_size']}-token byte-level BPE, latents from `{meta['encoder']}`"
-             f"{', L2-normalised' if meta.get('encoder_normalize') else ''}) from "
-             f"{'the corpus bundled with mmldlm' if bundled else ', '.join(map(str, inputs))}."]
+    lines = [
+        f"{splits.get('train', '?')} training and {splits.get('val', '?')} validation texts "
+        f"(`mmldlm prepare`, {meta['vocab_size']}-token byte-level BPE, latents from `{meta['encoder']}`"
+        f"{', L2-normalised' if meta.get('encoder_normalize') else ''}) from "
+        f"{'the corpus bundled with mmldlm' if bundled else ', '.join(map(str, inputs))}."
+    ]
     if bundled:
-        lines += ["", "That corpus holds the glosses and usage examples of **WordNet 3.0** (Princeton University): "
-                  "short English definitions and example sentences.", "",
-                  "Licence of the training data, the WordNet 3.0 licence:", "", "```",
-                  WORDNET_LICENCE.read_text(encoding="utf-8").strip(), "```"]
+        lines += [
+            "",
+            "That corpus holds the glosses and usage examples of **WordNet 3.0** (Princeton University): "
+            "short English definitions and example sentences.",
+            "",
+            "Licence of the training data, the WordNet 3.0 licence:",
+            "",
+            "```",
+            WORDNET_LICENCE.read_text(encoding="utf-8").strip(),
+            "```",
+        ]
         return lines, {"license": "other", "license_name": "wordnet-3.0", "language": ["en"]}
     lines += ["", "Licence of the training data: not recorded by mmldlm; the licences of the inputs above apply."]
     return lines, {}
@@ -88,25 +102,52 @@ def _eval_section(run_dir: Path, run: TrainedRun) -> list[str]:
     if report is None:
         return [f"Not evaluated: the run has no `eval/{path.name}` (`mmldlm eval --run RUN` writes it)."]
     l2t, t2l, ref, elbo = report["l2t"], report["t2l"], report.get("references", {}), report.get("elbo", {})
-    rows = [("t2l retrieval@1 among " + str(t2l["pool_size"]), f"{t2l['retrieval_at_1']:.1%}",
-             f"chance {ref['chance_retrieval_at_1']:.1%}" if "chance_retrieval_at_1" in ref else ""),
-            ("t2l cosine to the true latent", f"{t2l['cosine_mean']:.3f}",
-             f"training-mean latent {ref['mean_latent_cosine']:.3f}" if "mean_latent_cosine" in ref else "")]
+    rows = [
+        (
+            "t2l retrieval@1 among " + str(t2l["pool_size"]),
+            f"{t2l['retrieval_at_1']:.1%}",
+            f"chance {ref['chance_retrieval_at_1']:.1%}" if "chance_retrieval_at_1" in ref else "",
+        ),
+        (
+            "t2l cosine to the true latent",
+            f"{t2l['cosine_mean']:.3f}",
+            f"training-mean latent {ref['mean_latent_cosine']:.3f}" if "mean_latent_cosine" in ref else "",
+        ),
+    ]
     if "cosine_mean" in l2t:
-        rows.append(("l2t re-encoded cosine", f"{l2t['cosine_mean']:.3f}",
-                     f"another sentence {ref['other_sentence_cosine']:.3f}" if "other_sentence_cosine" in ref else ""))
-    rows += [("l2t word F1 against the source", f"{l2t['word_f1']:.3f}",
-              f"another sentence {ref['other_sentence_word_f1']:.3f}" if "other_sentence_word_f1" in ref else ""),
-             ("l2t real-word rate / exact match", f"{l2t['real_word_rate']:.1%} / {l2t['exact_match']:.1%}", "")]
+        rows.append(
+            (
+                "l2t re-encoded cosine",
+                f"{l2t['cosine_mean']:.3f}",
+                f"another sentence {ref['other_sentence_cosine']:.3f}" if "other_sentence_cosine" in ref else "",
+            )
+        )
+    rows += [
+        (
+            "l2t word F1 against the source",
+            f"{l2t['word_f1']:.3f}",
+            f"another sentence {ref['other_sentence_word_f1']:.3f}" if "other_sentence_word_f1" in ref else "",
+        ),
+        ("l2t real-word rate / exact match", f"{l2t['real_word_rate']:.1%} / {l2t['exact_match']:.1%}", ""),
+    ]
     if "text_nats_per_token" in elbo.get("l2t", {}):
         rows.append(("l2t text NELBO (nats/token)", f"{elbo['l2t']['text_nats_per_token']:.3f}", "upper bound"))
     if "length" in report:
-        rows.append(("length head exact / mean abs. error",
-                     f"{report['length']['accuracy']:.1%} / {report['length']['mean_abs_error']:.1f} tokens", ""))
+        rows.append(
+            (
+                "length head exact / mean abs. error",
+                f"{report['length']['accuracy']:.1%} / {report['length']['mean_abs_error']:.1f} tokens",
+                "",
+            )
+        )
     sampling = report.get("sampling", {})
-    lines = [f"`mmldlm eval` of this checkpoint ({report.get('weights')} weights) on {l2t['num_samples']} "
-             f"validation samples, {sampling.get('num_steps')} sampling steps ({path.name}):", "",
-             "| figure | value | reference |", "|---|---|---|"]
+    lines = [
+        f"`mmldlm eval` of this checkpoint ({report.get('weights')} weights) on {l2t['num_samples']} "
+        f"validation samples, {sampling.get('num_steps')} sampling steps ({path.name}):",
+        "",
+        "| figure | value | reference |",
+        "|---|---|---|",
+    ]
     lines += [f"| {name} | {value} | {reference} |" for name, value, reference in rows]
     if l2t.get("examples"):
         lines += ["", "| source | decoded from its latent |", "|---|---|"]
@@ -119,24 +160,40 @@ def model_card(run: TrainedRun, run_dir: Path) -> str:
     cfg = run.cfg
     m = cfg.model
     num_params = sum(p.numel() for p in run.model.parameters())
-    weights = (f"the EMA of the weights (train.ema_decay {cfg.train.ema_decay})" if run.weights == "ema"
-               else "the trained weights (no EMA)")
+    weights = (
+        f"the EMA of the weights (train.ema_decay {cfg.train.ema_decay})"
+        if run.weights == "ema"
+        else "the trained weights (no EMA)"
+    )
     data_lines, licence = _data_section(run)
     facts = _compute(run_dir, run.step)
     meta = _read_json(run.checkpoint / "meta.json") or {}
     processes = meta.get("world_size", "?")
-    front = ModelCardData(library_name="mmldlm", tags=["mmldlm", "masked-diffusion", "latent-diffusion",
-                                                       "sentence-embeddings"], **licence)
+    front = ModelCardData(
+        library_name="mmldlm", tags=["mmldlm", "masked-diffusion", "latent-diffusion", "sentence-embeddings"], **licence
+    )
     mode = cfg.objective.mode
-    modes = (f"{mode} with weights {cfg.objective.mode_weights}" if mode == "random"
-             else f"{mode}, schedule {cfg.objective.mode_schedule}" if mode == "sequential" else mode)
-    compute_line = (f"{facts['steps']} optimizer steps, {facts['samples']:,} samples seen, "
-                    f"{_duration(facts['seconds'])} in training steps (evaluation and checkpoints not counted), "
-                    f"on {facts['device']}, {processes} process(es)" if facts["logged"]
-                    else f"{facts['steps']} optimizer steps; metrics.jsonl not found, so no further figures")
+    modes = (
+        f"{mode} with weights {cfg.objective.mode_weights}"
+        if mode == "random"
+        else f"{mode}, schedule {cfg.objective.mode_schedule}"
+        if mode == "sequential"
+        else mode
+    )
+    compute_line = (
+        f"{facts['steps']} optimizer steps, {facts['samples']:,} samples seen, "
+        f"{_duration(facts['seconds'])} in training steps (evaluation and checkpoints not counted), "
+        f"on {facts['device']}, {processes} process(es)"
+        if facts["logged"]
+        else f"{facts['steps']} optimizer steps; metrics.jsonl not found, so no further figures"
+    )
     lines = [
-        "---", front.to_yaml(), "---", "",
-        f"# MM-LDLM: {run_dir.resolve().name}, step {run.step}", "",
+        "---",
+        front.to_yaml(),
+        "---",
+        "",
+        f"# MM-LDLM: {run_dir.resolve().name}, step {run.step}",
+        "",
         "A multimodal latent diffusion language model (mmldlm): one dual-stream MMDiT transformer "
         f"({num_params / 1e6:.1f}M parameters: hidden size {m.hidden_size}, {m.num_blocks} blocks, {m.num_heads} "
         f"heads, vocabulary {run.model.vocab_size}) that learns masked diffusion over text tokens (MDLM) jointly "
@@ -144,27 +201,47 @@ def model_card(run: TrainedRun, run_dir: Path) -> str:
         f"{m.latent_dim} latents). It turns text into latents (t2l), latents into text (l2t), and generates both "
         f"together (joint). Texts are at most {run.max_length} tokens; there is no end-of-text token, so a text's "
         f"length is given, predicted by the length head{'' if m.length_head else ' (absent in this model)'}, or "
-        f"drawn from the training lengths. These weights are {weights}.", "",
-        "## Use", "",
+        f"drawn from the training lengths. These weights are {weights}.",
+        "",
+        "## Use",
+        "",
         "```python",
         "from mmldlm import MMLDLM",
-        "m = MMLDLM.from_pretrained(\"path/to/this/folder\")   # local folders only",
-        "z = m.encode([\"a small dog that barks\"])             # t2l: latents (N, K, D), encoder space",
+        'm = MMLDLM.from_pretrained("path/to/this/folder")   # local folders only',
+        'z = m.encode(["a small dog that barks"])             # t2l: latents (N, K, D), encoder space',
         "texts = m.decode(z)                                   # l2t",
         "texts, z = m.generate(4)                              # joint",
-        "m.embed([\"a small dog that barks\"])                  # the sentence encoder itself",
-        "```", "",
-        "or `mmldlm sample --run path/to/this/folder --mode l2t --text \"a small dog\"`.", "",
-        "## Training data", "", *data_lines, "",
-        "## Training", "",
+        'm.embed(["a small dog that barks"])                  # the sentence encoder itself',
+        "```",
+        "",
+        'or `mmldlm sample --run path/to/this/folder --mode l2t --text "a small dog"`.',
+        "",
+        "## Training data",
+        "",
+        *data_lines,
+        "",
+        "## Training",
+        "",
         f"Objective: mode {modes}; text loss {cfg.text_diffusion.loss}, latent prediction "
         f"{cfg.latent_diffusion.prediction} with loss {cfg.latent_diffusion.loss}. Optimizer AdamW, lr {cfg.optim.lr}, "
-        f"global batch {cfg.train.global_batch_size}, precision {cfg.train.precision}.", "",
-        f"Compute: {compute_line}.", "",
-        "<details><summary>The resolved training config (config.yaml)</summary>", "", "```yaml",
-        yaml.safe_dump(to_dict(cfg), sort_keys=False).strip(), "```", "", "</details>", "",
-        "## Evaluation", "", *_eval_section(run_dir, run), "",
-        "## Intended use and limits", "",
+        f"global batch {cfg.train.global_batch_size}, precision {cfg.train.precision}.",
+        "",
+        f"Compute: {compute_line}.",
+        "",
+        "<details><summary>The resolved training config (config.yaml)</summary>",
+        "",
+        "```yaml",
+        yaml.safe_dump(to_dict(cfg), sort_keys=False).strip(),
+        "```",
+        "",
+        "</details>",
+        "",
+        "## Evaluation",
+        "",
+        *_eval_section(run_dir, run),
+        "",
+        "## Intended use and limits",
+        "",
         "For research on latent diffusion language models: encoding short texts into the sentence encoder's "
         "latent space, decoding latents (from this or another model) back into text, generating text-latent "
         "pairs. Limits: texts longer than the cut length are truncated; the decoded text of a small model is on "

@@ -36,8 +36,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from mmldlm import __version__
-from mmldlm.config import (ConfigError, LatentDiffusionConfig, ModelConfig, ObjectiveConfig, RunConfig,
-                           TextDiffusionConfig, from_dict, to_dict)
+from mmldlm.config import (
+    ConfigError,
+    LatentDiffusionConfig,
+    ModelConfig,
+    ObjectiveConfig,
+    RunConfig,
+    TextDiffusionConfig,
+    from_dict,
+    to_dict,
+)
 from mmldlm.data.errors import DataError
 from mmldlm.data.tokenizer import load_tokenizer, special_ids, vocab_size
 from mmldlm.device import pick_device
@@ -49,11 +57,31 @@ from mmldlm.sampling.sampler import SamplingOptions, pad_mask_from_lengths
 
 FORMAT_VERSION = 1
 CONFIG, WEIGHTS, TOKENIZER, LATENT_STATS, CARD = (
-    "config.json", "model.safetensors", "tokenizer.json", "latent_stats.safetensors", "README.md")
-SECTIONS = {"model": ModelConfig, "text_diffusion": TextDiffusionConfig, "latent_diffusion": LatentDiffusionConfig,
-            "objective": ObjectiveConfig}
-REQUIRED_KEYS = ("format_version", *SECTIONS, "pad_id", "mask_id", "encoder", "encoder_normalize", "latent_dim",
-                 "num_latents", "max_length", "length_counts", "weights")
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "latent_stats.safetensors",
+    "README.md",
+)
+SECTIONS = {
+    "model": ModelConfig,
+    "text_diffusion": TextDiffusionConfig,
+    "latent_diffusion": LatentDiffusionConfig,
+    "objective": ObjectiveConfig,
+}
+REQUIRED_KEYS = (
+    "format_version",
+    *SECTIONS,
+    "pad_id",
+    "mask_id",
+    "encoder",
+    "encoder_normalize",
+    "latent_dim",
+    "num_latents",
+    "max_length",
+    "length_counts",
+    "weights",
+)
 
 
 def is_exported(path: Path) -> bool:
@@ -69,23 +97,39 @@ def folder_config(run: TrainedRun) -> dict:
     """config.json of `run`: everything needed to rebuild it without its dataset."""
     model = dataclasses.replace(run.cfg.model, vocab_size=run.model.vocab_size)
     sections = {name: to_dict(getattr(run.cfg, name)) for name in SECTIONS}
-    return {"format_version": FORMAT_VERSION, "library_name": "mmldlm", "mmldlm_version": __version__,
-            **sections, "model": to_dict(model),
-            "vocab_size": run.model.vocab_size, "pad_id": run.text.pad_token_id, "mask_id": run.text.mask_token_id,
-            "encoder": run.encoder_name, "encoder_normalize": run.encoder_normalize,
-            "latent_dim": model.latent_dim, "num_latents": model.num_latents, "max_length": run.max_length,
-            "length_counts": [int(c) for c in run.length_counts.tolist()],
-            "weights": run.weights, "step": run.step}
+    return {
+        "format_version": FORMAT_VERSION,
+        "library_name": "mmldlm",
+        "mmldlm_version": __version__,
+        **sections,
+        "model": to_dict(model),
+        "vocab_size": run.model.vocab_size,
+        "pad_id": run.text.pad_token_id,
+        "mask_id": run.text.mask_token_id,
+        "encoder": run.encoder_name,
+        "encoder_normalize": run.encoder_normalize,
+        "latent_dim": model.latent_dim,
+        "num_latents": model.num_latents,
+        "max_length": run.max_length,
+        "length_counts": [int(c) for c in run.length_counts.tolist()],
+        "weights": run.weights,
+        "step": run.step,
+    }
 
 
 def write_folder(run: TrainedRun, directory: Path) -> None:
     """config.json, the weights, the tokenizer and the latent statistics of `run` into `directory`."""
     (directory / CONFIG).write_text(json.dumps(folder_config(run), indent=1) + "\n", encoding="utf-8")
-    save_file({k: v.detach().cpu().contiguous() for k, v in run.model.state_dict().items()}, str(directory / WEIGHTS),
-              metadata={"format": "pt", "weights": run.weights})
+    save_file(
+        {k: v.detach().cpu().contiguous() for k, v in run.model.state_dict().items()},
+        str(directory / WEIGHTS),
+        metadata={"format": "pt", "weights": run.weights},
+    )
     shutil.copyfile(run.tokenizer_file, directory / TOKENIZER)
-    save_file({"mean": run.latent.mean.float().cpu().contiguous(), "std": run.latent.std.float().cpu().contiguous()},
-              str(directory / LATENT_STATS))
+    save_file(
+        {"mean": run.latent.mean.float().cpu().contiguous(), "std": run.latent.std.float().cpu().contiguous()},
+        str(directory / LATENT_STATS),
+    )
 
 
 def read_config(directory: Path) -> dict:
@@ -93,8 +137,10 @@ def read_config(directory: Path) -> dict:
     reads, every key present; DataError naming the file and what is wrong otherwise."""
     missing = [name for name in (CONFIG, WEIGHTS, TOKENIZER, LATENT_STATS) if not (directory / name).is_file()]
     if missing:
-        raise DataError(f"{directory}: missing {', '.join(missing)}; an exported model folder holds {CONFIG}, "
-                        f"{WEIGHTS}, {TOKENIZER} and {LATENT_STATS} (export it again with `mmldlm export`)")
+        raise DataError(
+            f"{directory}: missing {', '.join(missing)}; an exported model folder holds {CONFIG}, "
+            f"{WEIGHTS}, {TOKENIZER} and {LATENT_STATS} (export it again with `mmldlm export`)"
+        )
     path = directory / CONFIG
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
@@ -104,8 +150,10 @@ def read_config(directory: Path) -> dict:
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise DataError(f"{path}: format_version {version!r}; expected an integer >= 1 (is this an mmldlm export?)")
     if version > FORMAT_VERSION:
-        raise DataError(f"{path}: format_version {version}, newer than this mmldlm {__version__} reads "
-                        f"({FORMAT_VERSION}); upgrade mmldlm to load it")
+        raise DataError(
+            f"{path}: format_version {version}, newer than this mmldlm {__version__} reads "
+            f"({FORMAT_VERSION}); upgrade mmldlm to load it"
+        )
     absent = [key for key in REQUIRED_KEYS if key not in config]
     if absent:
         raise DataError(f"{path}: missing keys {', '.join(absent)}")
@@ -128,31 +176,48 @@ def load_exported(directory: str | Path, device: str = "auto") -> TrainedRun:
     cfg = RunConfig(**sections)
     for key in ("latent_dim", "num_latents"):
         if config[key] != getattr(cfg.model, key):
-            raise DataError(f"{path}: {key} {config[key]!r} but model.{key} {getattr(cfg.model, key)!r}; the file was "
-                            f"edited or damaged, export it again")
+            raise DataError(
+                f"{path}: {key} {config[key]!r} but model.{key} {getattr(cfg.model, key)!r}; the file was "
+                f"edited or damaged, export it again"
+            )
     counts = config["length_counts"]
     if not (isinstance(counts, list) and len(counts) == config["max_length"] and sum(counts) > 0):
-        raise DataError(f"{path}: length_counts must list how many texts have each length 1..max_length "
-                        f"({config['max_length']}), some of them non-zero; export it again")
+        raise DataError(
+            f"{path}: length_counts must list how many texts have each length 1..max_length "
+            f"({config['max_length']}), some of them non-zero; export it again"
+        )
     if config["weights"] not in ("ema", "raw"):
         raise DataError(f"{path}: weights {config['weights']!r}; expected 'ema' or 'raw'")
     tokenizer = load_tokenizer(directory / TOKENIZER)
     if vocab_size(tokenizer) > cfg.model.vocab_size:
-        raise DataError(f"{directory / TOKENIZER}: {vocab_size(tokenizer)} tokens, more than model.vocab_size "
-                        f"{cfg.model.vocab_size} in {CONFIG}: not the model's tokenizer")
+        raise DataError(
+            f"{directory / TOKENIZER}: {vocab_size(tokenizer)} tokens, more than model.vocab_size "
+            f"{cfg.model.vocab_size} in {CONFIG}: not the model's tokenizer"
+        )
     ids = special_ids(tokenizer)
     if (ids["pad_id"], ids["mask_id"]) != (config["pad_id"], config["mask_id"]):
-        raise DataError(f"{directory / TOKENIZER}: [PAD] and [MASK] have ids {ids['pad_id']} and {ids['mask_id']}, "
-                        f"{CONFIG} says {config['pad_id']} and {config['mask_id']}: not the model's tokenizer")
+        raise DataError(
+            f"{directory / TOKENIZER}: [PAD] and [MASK] have ids {ids['pad_id']} and {ids['mask_id']}, "
+            f"{CONFIG} says {config['pad_id']} and {config['mask_id']}: not the model's tokenizer"
+        )
     stats = _latent_stats(directory / LATENT_STATS, cfg.model.latent_dim)
     model = MultimodalMMDiT(cfg.model, vocab_size=cfg.model.vocab_size)
     load_weights(model, directory / WEIGHTS)
     model.to(pick_device(device, key="--device")).eval()
     text = MaskedDiffusion(cfg.text_diffusion, mask_token_id=config["mask_id"], pad_token_id=config["pad_id"])
-    run = TrainedRun(cfg, model, text, GaussianDiffusion(cfg.latent_diffusion, mean=stats["mean"], std=stats["std"]),
-                     tokenizer_file=directory / TOKENIZER, encoder_name=config["encoder"],
-                     encoder_normalize=config["encoder_normalize"], max_length=config["max_length"],
-                     checkpoint=directory, step=config.get("step"), weights=config["weights"])
+    run = TrainedRun(
+        cfg,
+        model,
+        text,
+        GaussianDiffusion(cfg.latent_diffusion, mean=stats["mean"], std=stats["std"]),
+        tokenizer_file=directory / TOKENIZER,
+        encoder_name=config["encoder"],
+        encoder_normalize=config["encoder_normalize"],
+        max_length=config["max_length"],
+        checkpoint=directory,
+        step=config.get("step"),
+        weights=config["weights"],
+    )
     run.tokenizer = tokenizer  # already loaded
     run.length_counts = torch.tensor(counts, dtype=torch.float32)
     return run
@@ -176,22 +241,30 @@ def options_like_exported(directory: str | Path) -> dict:
     directory = Path(directory)
     config = read_config(directory)
     if config["encoder_normalize"] is None:
-        raise DataError(f"{directory / CONFIG}: encoder_normalize is null: the model's latents were imported, so the "
-                        f"encoder that made them is not known and new text cannot be encoded like them")
-    return {"tokenizer": str(directory / TOKENIZER), "encoder": config["encoder"],
-            "normalize": config["encoder_normalize"]}
+        raise DataError(
+            f"{directory / CONFIG}: encoder_normalize is null: the model's latents were imported, so the "
+            f"encoder that made them is not known and new text cannot be encoded like them"
+        )
+    return {
+        "tokenizer": str(directory / TOKENIZER),
+        "encoder": config["encoder"],
+        "normalize": config["encoder_normalize"],
+    }
 
 
-def load_trained(path: str | Path, checkpoint: str | Path | None = None, device: str = "auto",
-                 use_ema: bool = True) -> TrainedRun:
+def load_trained(
+    path: str | Path, checkpoint: str | Path | None = None, device: str = "auto", use_ema: bool = True
+) -> TrainedRun:
     """A run directory (its `checkpoint`, default the latest; the EMA unless `use_ema` is false) or an
     exported folder, whichever `path` is."""
     path = Path(path)
     if not is_exported(path):
         return load_run(path, checkpoint, device, use_ema)
     if checkpoint is not None or (not use_ema and read_config(path)["weights"] == "ema"):
-        raise DataError(f"{path}: an exported model holds one set of weights ({CONFIG} \"weights\"); --checkpoint and "
-                        f"--no-ema choose among a run's checkpoints: give the run directory")
+        raise DataError(
+            f'{path}: an exported model holds one set of weights ({CONFIG} "weights"); --checkpoint and '
+            f"--no-ema choose among a run's checkpoints: give the run directory"
+        )
     return load_exported(path, device)
 
 
@@ -212,8 +285,9 @@ class MMLDLM:
         self.run, self.run_dir, self.card = run, run_dir, card
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, checkpoint: str | Path | None = None, device: str = "auto",
-                        use_ema: bool = True) -> "MMLDLM":
+    def from_pretrained(
+        cls, path: str | Path, *, checkpoint: str | Path | None = None, device: str = "auto", use_ema: bool = True
+    ) -> MMLDLM:
         """An exported folder or a run directory (then `checkpoint`, default the latest, and the EMA of the
         weights unless `use_ema` is false). Local folders only: nothing is downloaded."""
         path = Path(path)
@@ -238,15 +312,17 @@ class MMLDLM:
     def options(self, steps: int | None = None, **options) -> SamplingOptions:
         """The run's sampler defaults with `steps` (both samplers) and the SamplingOptions fields given."""
         latent_steps = options.pop("latent_steps", None)
-        sampling = SamplingOptions.defaults(self.run.cfg.text_diffusion, self.run.cfg.latent_diffusion, steps,
-                                            **options)
+        sampling = SamplingOptions.defaults(
+            self.run.cfg.text_diffusion, self.run.cfg.latent_diffusion, steps, **options
+        )
         if latent_steps is not None:
             sampling.latent_steps = latent_steps
         sampling.check()
         return sampling
 
-    def text_lengths(self, num: int, lengths: int | list[int] | None = None, latents: torch.Tensor | None = None,
-                     seed: int = 0) -> list[int]:
+    def text_lengths(
+        self, num: int, lengths: int | list[int] | None = None, latents: torch.Tensor | None = None, seed: int = 0
+    ) -> list[int]:
         """Text lengths in tokens (the model has no end-of-text token): `lengths` as given (one number for
         all), else the length head's prediction from `latents`, else drawn from the training data's
         validation lengths with the generator of `seed`."""
@@ -267,8 +343,11 @@ class MMLDLM:
 
     def _stack(self, batches: list[torch.Tensor]) -> torch.Tensor:
         """The latents of every batch as one (N, K, D) tensor (N = 0 without batches)."""
-        return torch.cat(batches) if batches else torch.empty(0, self.run.cfg.model.num_latents,
-                                                              self.run.cfg.model.latent_dim)
+        return (
+            torch.cat(batches)
+            if batches
+            else torch.empty(0, self.run.cfg.model.num_latents, self.run.cfg.model.latent_dim)
+        )
 
     def embed(self, texts: str | list[str]) -> torch.Tensor:
         """The sentence encoder's latents (N, K, D) of `texts` (one string: N = 1): what the model learnt
@@ -281,12 +360,13 @@ class MMLDLM:
         ids = self.run.tokenize([texts] if isinstance(texts, str) else list(texts))
         out = []
         for rows, generator in self._batches(len(ids), batch_size, seed):
-            tokens, pad_mask = self.run.batch_of(ids[rows.start:rows.stop])
+            tokens, pad_mask = self.run.batch_of(ids[rows.start : rows.stop])
             out.append(sampler.t2l(tokens, pad_mask, generator).cpu())
         return self._stack(out)
 
-    def decode(self, latents, lengths: int | list[int] | None = None, *, batch_size: int = 64, seed: int = 0,
-               **options) -> list[str]:
+    def decode(
+        self, latents, lengths: int | list[int] | None = None, *, batch_size: int = 64, seed: int = 0, **options
+    ) -> list[str]:
         """l2t: a text for each latent (N, K, D), or (N, D) for K = 1, in the encoder's space; `lengths`
         in tokens (`text_lengths`)."""
         sampler = self.run.sampler(self.options(**options))
@@ -295,11 +375,12 @@ class MMLDLM:
         texts = []
         for rows, generator in self._batches(len(latents), batch_size, seed):
             pad_mask = pad_mask_from_lengths([lengths[i] for i in rows])
-            texts += self.run.decode(sampler.l2t(latents[rows.start:rows.stop], pad_mask, generator), pad_mask)
+            texts += self.run.decode(sampler.l2t(latents[rows.start : rows.stop], pad_mask, generator), pad_mask)
         return texts
 
-    def generate(self, num: int, lengths: int | list[int] | None = None, *, batch_size: int = 64, seed: int = 0,
-                 **options) -> tuple[list[str], torch.Tensor]:
+    def generate(
+        self, num: int, lengths: int | list[int] | None = None, *, batch_size: int = 64, seed: int = 0, **options
+    ) -> tuple[list[str], torch.Tensor]:
         """joint: `num` (text, latent (K, D)) pairs sampled together; `lengths` in tokens (`text_lengths`)."""
         sampler = self.run.sampler(self.options(**options))
         lengths = self.text_lengths(num, lengths, seed=seed)

@@ -54,16 +54,31 @@ class TrainedRun:
     weights: str = "raw"  # "ema": the checkpoint's EMA of the weights, "raw": the trained weights
 
     @classmethod
-    def on_dataset(cls, cfg: RunConfig, model: torch.nn.Module, text: MaskedDiffusion, latent: GaussianDiffusion,
-                   dataset_dir: str | Path, **fields) -> "TrainedRun":
+    def on_dataset(
+        cls,
+        cfg: RunConfig,
+        model: torch.nn.Module,
+        text: MaskedDiffusion,
+        latent: GaussianDiffusion,
+        dataset_dir: str | Path,
+        **fields,
+    ) -> TrainedRun:
         """The model of a run trained on the prepared dataset at `dataset_dir`: tokenizer, encoder and
         cut length are the dataset's (ConfigError when the model cannot read it)."""
         dataset_dir = Path(dataset_dir)
         val = PreparedDataset(dataset_dir, "val")
-        run = cls(cfg, model, text, latent, tokenizer_file=dataset_dir / val.meta["tokenizer"],
-                  encoder_name=val.meta["encoder"], encoder_normalize=val.meta.get("encoder_normalize"),
-                  max_length=resolve_for_model(cfg.data, cfg.model, val).max_length, dataset_dir=dataset_dir,
-                  **fields)
+        run = cls(
+            cfg,
+            model,
+            text,
+            latent,
+            tokenizer_file=dataset_dir / val.meta["tokenizer"],
+            encoder_name=val.meta["encoder"],
+            encoder_normalize=val.meta.get("encoder_normalize"),
+            max_length=resolve_for_model(cfg.data, cfg.model, val).max_length,
+            dataset_dir=dataset_dir,
+            **fields,
+        )
         run.val = val  # already open
         return run
 
@@ -85,9 +100,11 @@ class TrainedRun:
 
     def no_dataset(self) -> DataError:
         """The error of asking an exported model (no dataset of its own) for validation data."""
-        return DataError(f"{self.checkpoint}: an exported model carries no validation data; give --data PATH, a "
-                         f"prepared dataset made with its tokenizer and encoder (the run's own, or `mmldlm prepare "
-                         f"--like {self.checkpoint} --input FILE --out PATH`)")
+        return DataError(
+            f"{self.checkpoint}: an exported model carries no validation data; give --data PATH, a "
+            f"prepared dataset made with its tokenizer and encoder (the run's own, or `mmldlm prepare "
+            f"--like {self.checkpoint} --input FILE --out PATH`)"
+        )
 
     @functools.cached_property
     def tokenizer(self):
@@ -102,14 +119,14 @@ class TrainedRun:
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, cut to the length training used."""
-        return [ids[:self.max_length] for ids in encode_texts(self.tokenizer, texts)]
+        return [ids[: self.max_length] for ids in encode_texts(self.tokenizer, texts)]
 
     def batch_of(self, token_lists: list) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens (B, L) padded with the pad id, pad_mask (B, L)) of lists of token ids."""
         pad_mask = pad_mask_from_lengths([max(len(ids), 1) for ids in token_lists])
         tokens = torch.full(pad_mask.shape, self.text.pad_token_id, dtype=torch.long)
         for row, ids in enumerate(token_lists):
-            tokens[row, :len(ids)] = torch.as_tensor(np.asarray(ids, dtype=np.int64))
+            tokens[row, : len(ids)] = torch.as_tensor(np.asarray(ids, dtype=np.int64))
         return tokens, pad_mask
 
     def decode(self, tokens: torch.Tensor, pad_mask: torch.Tensor) -> list[str]:
@@ -166,8 +183,10 @@ class TrainedRun:
         from mmldlm.data.encoders import load_encoder
 
         if self.encoder_normalize is None:
-            raise DataError(f"{self.tokenizer_file.parent}: the latents were imported (encoder_normalize is null), "
-                            f"so the encoder that made them is not known; give latents (.npy) instead of text")
+            raise DataError(
+                f"{self.tokenizer_file.parent}: the latents were imported (encoder_normalize is null), "
+                f"so the encoder that made them is not known; give latents (.npy) instead of text"
+            )
         return load_encoder(self.encoder_name, str(self.device), normalize=self.encoder_normalize)
 
     def encode_latents(self, texts: list[str]) -> torch.Tensor:
@@ -213,10 +232,16 @@ def check_compatible(run: TrainedRun, path: Path) -> None:
     theirs_tok = path / theirs["tokenizer"]
     fix = "prepare the text with `mmldlm prepare --like RUN_DIR --input FILE --out DIR`"
     if theirs_tok.read_text(encoding="utf-8") != run.tokenizer_file.read_text(encoding="utf-8"):
-        raise DataError(f"{theirs_tok}: not the run's tokenizer {run.tokenizer_file} (the files differ, so the same "
-                        f"text would get other ids); {fix}")
-    ours = {"encoder": run.encoder_name, "encoder_normalize": run.encoder_normalize,
-            "latent_dim": run.cfg.model.latent_dim, "num_latents": run.cfg.model.num_latents}
+        raise DataError(
+            f"{theirs_tok}: not the run's tokenizer {run.tokenizer_file} (the files differ, so the same "
+            f"text would get other ids); {fix}"
+        )
+    ours = {
+        "encoder": run.encoder_name,
+        "encoder_normalize": run.encoder_normalize,
+        "latent_dim": run.cfg.model.latent_dim,
+        "num_latents": run.cfg.model.num_latents,
+    }
     for key, value in ours.items():
         if theirs.get(key) != value:
             raise DataError(f"{path / fmt.META}: {key} {theirs.get(key)!r}, but the run's model has {value!r}; {fix}")
@@ -227,16 +252,22 @@ def find_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
     if checkpoint is not None:
         path = Path(checkpoint)
         if not (path / "model.safetensors").is_file():
-            raise DataError(f"--checkpoint {path}: no model.safetensors there; checkpoints are "
-                            f"RUN/checkpoints/step-NNNNNNN directories")
+            raise DataError(
+                f"--checkpoint {path}: no model.safetensors there; checkpoints are "
+                f"RUN/checkpoints/step-NNNNNNN directories"
+            )
         return path
     if not run_dir.is_dir():
-        raise DataError(f"{run_dir}: no such directory; expected a training run directory (train.run_dir) or an "
-                        f"exported model folder (mmldlm export) on this machine (nothing is downloaded)")
+        raise DataError(
+            f"{run_dir}: no such directory; expected a training run directory (train.run_dir) or an "
+            f"exported model folder (mmldlm export) on this machine (nothing is downloaded)"
+        )
     path = find_latest(run_dir / "checkpoints")
     if path is None:
-        raise DataError(f"{run_dir}: no checkpoints, so no trained weights; train the run first (mmldlm train) "
-                        f"or pass --checkpoint PATH")
+        raise DataError(
+            f"{run_dir}: no checkpoints, so no trained weights; train the run first (mmldlm train) "
+            f"or pass --checkpoint PATH"
+        )
     return path
 
 
@@ -252,17 +283,24 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
     expected = model.state_dict()
     missing = sorted(expected.keys() - state.keys())
     unexpected = sorted(state.keys() - expected.keys())
-    shapes = [f"{k} {list(state[k].shape)} (the config makes {list(expected[k].shape)})"
-              for k in sorted(expected.keys() & state.keys()) if state[k].shape != expected[k].shape]
+    shapes = [
+        f"{k} {list(state[k].shape)} (the config makes {list(expected[k].shape)})"
+        for k in sorted(expected.keys() & state.keys())
+        if state[k].shape != expected[k].shape
+    ]
     if missing or unexpected or shapes:
-        problems = [f"{what} {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
-                    for what, keys in (("missing", missing), ("unexpected", unexpected), ("shape of", shapes)) if keys]
+        problems = [
+            f"{what} {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
+            for what, keys in (("missing", missing), ("unexpected", unexpected), ("shape of", shapes))
+            if keys
+        ]
         raise DataError(f"{path}: the weights do not match the model config: {'; '.join(problems)}")
     model.load_state_dict(state)
 
 
-def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: str = "auto",
-             use_ema: bool = True) -> TrainedRun:
+def load_run(
+    run_dir: str | Path, checkpoint: str | Path | None = None, device: str = "auto", use_ema: bool = True
+) -> TrainedRun:
     """The model of `checkpoint` (default RUN/checkpoints/latest) with the config it was trained with,
     on `device`: "auto" (the GPU when there is one), "cpu" or "cuda". The checkpoint's EMA of the
     weights where it has one (train.ema_decay > 0) unless `use_ema` is false, else the raw weights."""
@@ -280,5 +318,13 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: 
     mean, std = val.latent_stats()
     meta_file = path / "meta.json"
     step = json.loads(meta_file.read_text())["step"] if meta_file.is_file() else None
-    return TrainedRun.on_dataset(cfg, model, text, GaussianDiffusion(cfg.latent_diffusion, mean=mean, std=std),
-                                 data_dir, checkpoint=path, step=step, weights=weights)
+    return TrainedRun.on_dataset(
+        cfg,
+        model,
+        text,
+        GaussianDiffusion(cfg.latent_diffusion, mean=mean, std=std),
+        data_dir,
+        checkpoint=path,
+        step=step,
+        weights=weights,
+    )

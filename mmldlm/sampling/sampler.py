@@ -65,6 +65,7 @@ class SamplingOptions:
     def check(self, keys: dict[str, str] | None = None) -> None:
         """OptionError for a value that cannot be used, named by `keys` (field -> the command-line
         option it came from), else as "sampling option 'FIELD'"."""
+
         def fail(name: str, expected: str):
             key = (keys or {}).get(name, f"sampling option '{name}'")
             raise OptionError(key, getattr(self, name), expected)
@@ -86,15 +87,22 @@ class SamplingOptions:
         return dataclasses.asdict(self)
 
     @classmethod
-    def defaults(cls, text: TextDiffusionConfig, latent: LatentDiffusionConfig, steps: int | None = None,
-                 **options) -> "SamplingOptions":
+    def defaults(
+        cls, text: TextDiffusionConfig, latent: LatentDiffusionConfig, steps: int | None = None, **options
+    ) -> SamplingOptions:
         """A run's sampler defaults: each diffusion's num_sampling_steps (both `steps` when given),
         text_diffusion.sampling_temperature and latent_diffusion.sampler; `options` that are not None
         set the rest."""
         given = {key: value for key, value in options.items() if value is not None}
-        return cls(**{"num_steps": text.num_sampling_steps if steps is None else steps,
-                      "latent_steps": latent.num_sampling_steps if steps is None else steps,
-                      "latent_sampler": latent.sampler, "temperature": text.sampling_temperature, **given})
+        return cls(
+            **{
+                "num_steps": text.num_sampling_steps if steps is None else steps,
+                "latent_steps": latent.num_sampling_steps if steps is None else steps,
+                "latent_sampler": latent.sampler,
+                "temperature": text.sampling_temperature,
+                **given,
+            }
+        )
 
 
 def time_grid(num_steps: int) -> list[tuple[float, float]]:
@@ -120,9 +128,11 @@ class Sampler:
         self.model, self.text, self.latent, self.options = model, text, latent, options
         self.num_forward = 0
         if options.guidance_scale != 0 and getattr(model, "null_latent", None) is None:
-            raise OptionError("sampling option 'guidance_scale'", options.guidance_scale,
-                              "0: guidance needs the learned null latent, and this model was built with "
-                              "model.null_latent=false")
+            raise OptionError(
+                "sampling option 'guidance_scale'",
+                options.guidance_scale,
+                "0: guidance needs the learned null latent, and this model was built with model.null_latent=false",
+            )
 
     @property
     def device(self) -> torch.device:
@@ -130,16 +140,36 @@ class Sampler:
 
     # --- model calls -----------------------------------------------------------------------------
 
-    def _model(self, tokens, latents, t_text, t_latent, pad_mask, latent_null=None, *,
-               text_head: bool, latent_head: bool, self_cond: torch.Tensor | None = None):
+    def _model(
+        self,
+        tokens,
+        latents,
+        t_text,
+        t_latent,
+        pad_mask,
+        latent_null=None,
+        *,
+        text_head: bool,
+        latent_head: bool,
+        self_cond: torch.Tensor | None = None,
+    ):
         """The model on a batch; t_text and t_latent are numbers (the same for every row) or (B,) tensors;
         self_cond: the previous step's x0 estimate of the latent (None: none yet, or no self-conditioning)."""
         B = tokens.shape[0]
         self.num_forward += 1
         rows = lambda t: torch.as_tensor(t, dtype=torch.float32, device=tokens.device).expand(B)  # noqa: E731
         extra = {"latent_self_cond": self_cond} if self_cond is not None else {}
-        return self.model(tokens, latents, rows(t_text), rows(t_latent), text_pad_mask=pad_mask,
-                          latent_null=latent_null, text_head=text_head, latent_head=latent_head, **extra)
+        return self.model(
+            tokens,
+            latents,
+            rows(t_text),
+            rows(t_latent),
+            text_pad_mask=pad_mask,
+            latent_null=latent_null,
+            text_head=text_head,
+            latent_head=latent_head,
+            **extra,
+        )
 
     def _self_cond(self, pred: torch.Tensor, x: torch.Tensor, t: float) -> torch.Tensor | None:
         """The x0 estimate a self-conditioned model reads at the next step (None for other models)."""
@@ -166,22 +196,39 @@ class Sampler:
             return self._text_scores(logits)
         B = tokens.shape[0]
         null = torch.arange(2 * B, device=tokens.device) >= B  # second half: the null latent
-        logits = self._model(tokens.repeat(2, 1), latents.repeat(2, 1, 1), t, 0.0, pad_mask.repeat(2, 1),
-                             latent_null=null, text_head=True, latent_head=False).text_logits
+        logits = self._model(
+            tokens.repeat(2, 1),
+            latents.repeat(2, 1, 1),
+            t,
+            0.0,
+            pad_mask.repeat(2, 1),
+            latent_null=null,
+            text_head=True,
+            latent_head=False,
+        ).text_logits
         cond, uncond = logits.float().chunk(2)
         return self._text_scores(self._guide(cond, uncond))
 
     def _t2l_prediction(self, tokens, x, t: float, pad_mask, self_cond=None) -> torch.Tensor:
         """Latent prediction given the clean text at latent time t, guided when the scale is not 0."""
         if self.options.guidance_scale == 0:
-            pred = self._model(tokens, x, 0.0, t, pad_mask, text_head=False, latent_head=True, self_cond=self_cond).latent
+            pred = self._model(
+                tokens, x, 0.0, t, pad_mask, text_head=False, latent_head=True, self_cond=self_cond
+            ).latent
             return pred.float()
         B = tokens.shape[0]
         hidden = tokens.masked_fill(pad_mask, self.text.mask_token_id)  # "no text": every real token masked
         t_text = (torch.arange(2 * B, device=tokens.device) >= B).float()  # the masked half is at t = 1
-        pred = self._model(torch.cat([tokens, hidden]), x.repeat(2, 1, 1), t_text, t, pad_mask.repeat(2, 1),
-                           text_head=False, latent_head=True,
-                           self_cond=None if self_cond is None else self_cond.repeat(2, 1, 1)).latent
+        pred = self._model(
+            torch.cat([tokens, hidden]),
+            x.repeat(2, 1, 1),
+            t_text,
+            t,
+            pad_mask.repeat(2, 1),
+            text_head=False,
+            latent_head=True,
+            self_cond=None if self_cond is None else self_cond.repeat(2, 1, 1),
+        ).latent
         cond, uncond = pred.float().chunk(2)
         return self._guide(cond, uncond)
 
@@ -196,7 +243,9 @@ class Sampler:
         return rng.normal((batch_size, K, D), self.device, generator)
 
     @torch.no_grad()
-    def l2t(self, latents: torch.Tensor, pad_mask: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def l2t(
+        self, latents: torch.Tensor, pad_mask: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
         """Text tokens (B, L) for latents (B, K, D) in encoder space; pad_mask (B, L) fixes the lengths."""
         pad_mask = pad_mask.to(self.device)
         latents = self.latent.standardize(latents.to(self.device, torch.float32))
@@ -212,7 +261,9 @@ class Sampler:
         return tokens
 
     @torch.no_grad()
-    def t2l(self, tokens: torch.Tensor, pad_mask: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def t2l(
+        self, tokens: torch.Tensor, pad_mask: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
         """Latents (B, K, D) in encoder space for text tokens (B, L) (padding where pad_mask is False)."""
         tokens, pad_mask = tokens.to(self.device), pad_mask.to(self.device)
         x = self._start_latent(tokens.shape[0], generator)  # (B, K, D) at t = 1
@@ -224,7 +275,9 @@ class Sampler:
         return self.latent.destandardize(x)
 
     @torch.no_grad()
-    def joint(self, pad_mask: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def joint(
+        self, pad_mask: torch.Tensor, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Unconditional (text tokens (B, L), latents (B, K, D) in encoder space) with the given lengths."""
         pad_mask = pad_mask.to(self.device)
         tokens = self._start_text(pad_mask)

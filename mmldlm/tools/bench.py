@@ -71,13 +71,17 @@ log = logging.getLogger(__name__)
 # no rung form a last rung, so the ladder always ends exactly at the optimized config. The loader
 # comes first: the baseline's 16 worker processes per config then exist in one config only.
 LADDER = [
-    ("loader: workers, prefetch, persistence",
-     ["data.num_workers", "data.prefetch_factor", "data.persistent_workers", "data.pin_memory"]),
+    (
+        "loader: workers, prefetch, persistence",
+        ["data.num_workers", "data.prefetch_factor", "data.persistent_workers", "data.pin_memory"],
+    ),
     ("SDPA attention", ["model.attention"]),
     ("fused AdamW", ["optim.fused", "optim.foreach"]),
     ("bf16 autocast where native", ["train.precision"]),
-    ("freeze once per mode, no unused-parameter search",
-     ["perf.refreeze_every_step", "distributed.find_unused_parameters", "distributed.static_graph"]),
+    (
+        "freeze once per mode, no unused-parameter search",
+        ["perf.refreeze_every_step", "distributed.find_unused_parameters", "distributed.static_graph"],
+    ),
     ("MSE latent loss", ["latent_diffusion.loss"]),
     ("activation checkpointing", ["perf.activation_checkpointing", "perf.checkpoint_every_k"]),
     ("compile, padding to 64", ["perf.compile", "data.pad_to_multiple"]),
@@ -109,7 +113,7 @@ def _override(key: str, value) -> str:
 
 
 def split_config(text: str) -> tuple[str, list[str]]:
-    """"NAME [section.key=value ...]" -> (NAME, its own overrides): a config of one row, e.g.
+    """ "NAME [section.key=value ...]" -> (NAME, its own overrides): a config of one row, e.g.
     "optimized distributed.strategy=fsdp2"."""
     name, *overrides = shlex.split(text)
     return name, overrides
@@ -127,8 +131,10 @@ def bench_configs(opts: BenchOptions) -> list[dict]:
     if not opts.ladder:
         # Each row is named by its config (two runs of one config: "NAME" and "NAME (2)").
         second = opts.optimized if opts.optimized != opts.baseline else f"{opts.optimized} (2)"
-        return [{"name": opts.baseline, "config": first_name, "changes": [], "overrides": [*base, *first_own]},
-                {"name": second, "config": last_name, "changes": differ, "overrides": [*base, *last_own]}]
+        return [
+            {"name": opts.baseline, "config": first_name, "changes": [], "overrides": [*base, *first_own]},
+            {"name": second, "config": last_name, "changes": differ, "overrides": [*base, *last_own]},
+        ]
     base = [*base, *first_own]
     rungs, covered, applied = [], set(), list(base)
     rungs.append({"name": "baseline", "config": first_name, "changes": [], "overrides": list(applied)})
@@ -173,8 +179,13 @@ def _join_ranks(job: dict) -> None:
     (unless OMP_NUM_THREADS says otherwise): two ranks of two threads each on two cores would wait
     for each other's threads."""
     world = job["world_size"]
-    os.environ.update(RANK=str(job["rank"]), LOCAL_RANK=str(job["rank"]), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
+    os.environ.update(
+        RANK=str(job["rank"]),
+        LOCAL_RANK=str(job["rank"]),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(job["port"]),
+    )
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
 
@@ -193,20 +204,43 @@ def _train_worker(conn, job: dict, run_dir: str) -> None:
         if info.device.type == "cuda":
             runtime = 0  # CUDA's allocated counter starts at zero for this process
             torch.cuda.empty_cache()  # what set-up probed is not held while the other configs run
-        conn.send({"ok": True, "device": str(info.device), "micro_batch_size": trainer.micro_batch_size,
-                   "step_in_backward": trainer.step_in_backward, "state_dtype": cfg.optim.state_dtype,
-                   "global_batch_size": cfg.train.global_batch_size, "world_size": info.world_size,
-                   "strategy": cfg.distributed.strategy,
-                   "parameters": parameter_counts(trainer.raw_model)["total"]})
+        conn.send(
+            {
+                "ok": True,
+                "device": str(info.device),
+                "micro_batch_size": trainer.micro_batch_size,
+                "step_in_backward": trainer.step_in_backward,
+                "state_dtype": cfg.optim.state_dtype,
+                "global_batch_size": cfg.train.global_batch_size,
+                "world_size": info.world_size,
+                "strategy": cfg.distributed.strategy,
+                "parameters": parameter_counts(trainer.raw_model)["total"],
+            }
+        )
         while True:
             command = conn.recv()
             if command[0] == "steps":
                 records = []
                 for _ in range(command[1]):
                     record = trainer.train_step()
-                    records.append({k: record.get(k) for k in ("step", "mode", "loss", "step_time_s", "samples_per_s",
-                                                               "tokens_per_s", "global_batch_size", "micro_batch_size",
-                                                               "accumulation_steps", "data_wait_share", "mfu")})
+                    records.append(
+                        {
+                            k: record.get(k)
+                            for k in (
+                                "step",
+                                "mode",
+                                "loss",
+                                "step_time_s",
+                                "samples_per_s",
+                                "tokens_per_s",
+                                "global_batch_size",
+                                "micro_batch_size",
+                                "accumulation_steps",
+                                "data_wait_share",
+                                "mfu",
+                            )
+                        }
+                    )
                 if job["release_memory"] and info.device.type == "cpu":
                     # Ladder: waiting configs give back what the step freed, so N configs fit in
                     # memory at once (the next step then faults its pages in again, a cost every rung
@@ -243,8 +277,9 @@ def _fit_worker(conn, job: dict, run_dir: str, cap_bytes: float, max_size: int) 
         peaks = {}
 
         def fits(size: int) -> bool:
-            peaks[size] = probe_or_none(trainer.model, trainer.objective, size, data_cfg.max_length, info.device,
-                                        trainer._autocast)
+            peaks[size] = probe_or_none(
+                trainer.model, trainer.objective, size, data_cfg.max_length, info.device, trainer._autocast
+            )
             return peaks[size] is not None and peaks[size] <= cap_bytes
 
         lo, hi = 0, None  # lo fits (0: nothing yet), hi does not
@@ -255,9 +290,18 @@ def _fit_worker(conn, job: dict, run_dir: str, cap_bytes: float, max_size: int) 
         while hi is not None and hi - lo > max(1, lo // 8):  # bisect to within 1/8
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        conn.send({"ok": True, "largest": lo, "capped_by_max": hi is None, "text_length": data_cfg.max_length,
-                   "peaks_gib": {str(k): round(v / 2**30, 3) if v is not None else None  # None: out of memory
-                                 for k, v in sorted(peaks.items())}})
+        conn.send(
+            {
+                "ok": True,
+                "largest": lo,
+                "capped_by_max": hi is None,
+                "text_length": data_cfg.max_length,
+                "peaks_gib": {
+                    str(k): round(v / 2**30, 3) if v is not None else None  # None: out of memory
+                    for k, v in sorted(peaks.items())
+                },
+            }
+        )
     except Exception as err:
         conn.send({"ok": False, "error": f"{type(err).__name__}: {err}"})
 
@@ -283,11 +327,14 @@ class _Worker:
             reply = self.conn.recv()
         except EOFError:  # the process died without a word: killed (out of memory?) or crashed
             self.process.join(timeout=5)
-            raise RuntimeError(f"bench: {who} ({self.job['config']} {' '.join(self.job['overrides'])}) "
-                               f"exited with status {self.process.exitcode} without a reply") from None
+            raise RuntimeError(
+                f"bench: {who} ({self.job['config']} {' '.join(self.job['overrides'])}) "
+                f"exited with status {self.process.exitcode} without a reply"
+            ) from None
         if not reply["ok"]:
-            raise RuntimeError(f"bench: {who} ({self.job['config']} "
-                               f"{' '.join(self.job['overrides'])}) failed: {reply['error']}")
+            raise RuntimeError(
+                f"bench: {who} ({self.job['config']} {' '.join(self.job['overrides'])}) failed: {reply['error']}"
+            )
         return reply
 
     def close(self) -> None:
@@ -319,8 +366,10 @@ class _Ranks:
     def __init__(self, ctx, job: dict, run_dir: str, processes: int):
         self.job = job
         port = _free_port() if processes > 1 else 0
-        self.workers = [_Worker(ctx, _train_worker, {**job, "rank": r, "world_size": processes, "port": port},
-                                run_dir) for r in range(processes)]
+        self.workers = [
+            _Worker(ctx, _train_worker, {**job, "rank": r, "world_size": processes, "port": port}, run_dir)
+            for r in range(processes)
+        ]
 
     def call(self, *command) -> list[dict]:
         """The replies of all ranks, by rank."""
@@ -351,8 +400,13 @@ def _spread(values: list[float]) -> dict:
         low = math.floor(pos)
         return ordered[low] + (ordered[min(low + 1, len(ordered) - 1)] - ordered[low]) * (pos - low)
 
-    return {"median": statistics.median(ordered), "p10": quantile(0.1), "p90": quantile(0.9),
-            "min": ordered[0], "max": ordered[-1]}
+    return {
+        "median": statistics.median(ordered),
+        "p10": quantile(0.1),
+        "p90": quantile(0.9),
+        "min": ordered[0],
+        "max": ordered[-1],
+    }
 
 
 def _summary(setup: dict, records: list[dict], memory: list[dict]) -> dict:
@@ -367,16 +421,20 @@ def _summary(setup: dict, records: list[dict], memory: list[dict]) -> dict:
     # buckets, FSDP2's gathered weights, and temporaries.
     world = setup.get("world_size", 1)
     params = setup["parameters"] / (world if setup.get("strategy") == "fsdp2" else 1)
-    split = {"weights_gib": 4 * params / 2**30,
-             "gradients_gib": 0.0 if setup.get("step_in_backward") else 4 * params / 2**30,
-             "optimizer_state_gib": STATE_BYTES[setup.get("state_dtype", "fp32")] * params / 2**30}
+    split = {
+        "weights_gib": 4 * params / 2**30,
+        "gradients_gib": 0.0 if setup.get("step_in_backward") else 4 * params / 2**30,
+        "optimizer_state_gib": STATE_BYTES[setup.get("state_dtype", "fp32")] * params / 2**30,
+    }
     state_gib = sum(split.values())
     step_time = _spread(times)
     mfu = [r["mfu"] for r in records if r.get("mfu") is not None]
     device_is_cuda = setup["device"].startswith("cuda")
     return {
-        "micro_batch_size": setup["micro_batch_size"], "global_batch_size": setup["global_batch_size"],
-        "accumulation_steps": records[0]["accumulation_steps"], "measured_steps": len(records),
+        "micro_batch_size": setup["micro_batch_size"],
+        "global_batch_size": setup["global_batch_size"],
+        "accumulation_steps": records[0]["accumulation_steps"],
+        "measured_steps": len(records),
         "step_time_s": step_time,
         "samples_per_s": setup["global_batch_size"] / step_time["median"],
         # From the fastest step: on a shared machine the least disturbed estimate of what the config can do.
@@ -385,7 +443,8 @@ def _summary(setup: dict, records: list[dict], memory: list[dict]) -> dict:
         "data_wait_share": statistics.median(r["data_wait_share"] for r in records),
         "peak_memory_gib": peak_gib,  # per process: the largest over the ranks
         "peak_memory_per_rank_gib": per_rank_gib,
-        "processes": world, "strategy": setup.get("strategy", "ddp"),
+        "processes": world,
+        "strategy": setup.get("strategy", "ddp"),
         "state_gib": state_gib,
         **split,
         "peak_above_state_gib": peak_gib - state_gib,
@@ -411,9 +470,13 @@ def run_bench(opts: BenchOptions, command: str = "") -> dict:
                 job["release_memory"] = len(jobs) > 2
                 groups.append(_Ranks(ctx, job, os.path.join(scratch, f"run{i}"), opts.processes))
                 job["setup"] = groups[-1].call()[0]
-                log.info("bench: %s ready (%s%s, micro-batch %d)", job["name"], job["setup"]["device"],
-                         f" x {opts.processes} processes" if opts.processes > 1 else "",
-                         job["setup"]["micro_batch_size"])
+                log.info(
+                    "bench: %s ready (%s%s, micro-batch %d)",
+                    job["name"],
+                    job["setup"]["device"],
+                    f" x {opts.processes} processes" if opts.processes > 1 else "",
+                    job["setup"]["micro_batch_size"],
+                )
             records = {job["name"]: [] for job in jobs}
             for _ in range(math.ceil(opts.warmup / opts.round_steps)):
                 for group in groups:
@@ -428,29 +491,46 @@ def run_bench(opts: BenchOptions, command: str = "") -> dict:
         finally:
             for group in groups:
                 group.close()
-        results = {job["name"]: {"config": job["config"], "changes": job["changes"], "overrides": job["overrides"],
-                                  **_summary(job["setup"], records[job["name"]], memory[job["name"]])}
-                   for job in jobs}
+        results = {
+            job["name"]: {
+                "config": job["config"],
+                "changes": job["changes"],
+                "overrides": job["overrides"],
+                **_summary(job["setup"], records[job["name"]], memory[job["name"]]),
+            }
+            for job in jobs
+        }
         fits = {}
         if opts.fit and opts.processes == 1:
             for job in (jobs[0], jobs[-1]):
-                worker = _Worker(ctx, _fit_worker, job, os.path.join(scratch, "fit"),
-                                 opts.memory_cap_gib * 2**30, opts.max_micro_batch)
+                worker = _Worker(
+                    ctx,
+                    _fit_worker,
+                    job,
+                    os.path.join(scratch, "fit"),
+                    opts.memory_cap_gib * 2**30,
+                    opts.max_micro_batch,
+                )
                 try:
                     fits[job["name"]] = worker.call()
                 finally:
                     worker.close()
                 results[job["name"]]["largest_micro_batch"] = fits[job["name"]]["largest"]
                 results[job["name"]]["largest_micro_batch_probe"] = {
-                    k: v for k, v in fits[job["name"]].items() if k != "ok"}
+                    k: v for k, v in fits[job["name"]].items() if k != "ok"
+                }
 
     first, last = jobs[0]["name"], jobs[-1]["name"]
-    ratios = {key: results[last][key] / results[first][key]
-              for key in ("samples_per_s", "best_samples_per_s", "tokens_per_s", "peak_memory_gib",
-                          "peak_above_state_gib")}
+    ratios = {
+        key: results[last][key] / results[first][key]
+        for key in ("samples_per_s", "best_samples_per_s", "tokens_per_s", "peak_memory_gib", "peak_above_state_gib")
+    }
     if opts.fit and opts.processes == 1:
-        ratios["largest_micro_batch"] = (results[last]["largest_micro_batch"] / results[first]["largest_micro_batch"]
-                                         if results[first]["largest_micro_batch"] else None)
+        ratios["largest_micro_batch"] = (
+            results[last]["largest_micro_batch"] / results[first]["largest_micro_batch"]
+            if results[first]["largest_micro_batch"]
+            else None
+        )
     setup = jobs[0]["setup"]
     report = {
         "command": command,
@@ -459,7 +539,8 @@ def run_bench(opts: BenchOptions, command: str = "") -> dict:
         "model_parameters": setup["parameters"],
         "options": dataclasses.asdict(opts),
         "wall_time_s": round(time.time() - started, 1),
-        "baseline": first, "optimized": last,
+        "baseline": first,
+        "optimized": last,
         "configs": results,
         "ratios": ratios,
         "order": [job["name"] for job in jobs],
@@ -470,9 +551,14 @@ def run_bench(opts: BenchOptions, command: str = "") -> dict:
 
 
 def _machine(device: str) -> dict:
-    machine = {"device": device, "torch": torch.__version__, "python": platform.python_version(),
-               "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-               "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()}
+    machine = {
+        "device": device,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+    }
     if device.startswith("cuda"):
         machine["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return machine
@@ -487,19 +573,33 @@ def markdown(report: dict) -> str:
     m = report["machine"]
     device = m.get("gpu", f"CPU ({m['cpus']} cores, {m['torch_threads']} torch threads)")
     processes = report["options"].get("processes", 1)
-    lines = [f"# mmldlm bench ({report['date']})", "",
-             f"`{report['command']}`" if report["command"] else "", "",
-             f"{device}, torch {m['torch']}; model {report['model_parameters']:,} parameters; "
-             + (f"each config as {processes} processes (ranks of one process group); " if processes > 1 else "")
-             + f"{report['options']['steps']} measured steps per config after {report['options']['warmup']} "
-             f"warm-up, {report['options']['round_steps']} per turn; wall time {report['wall_time_s']:.0f} s.", ""]
+    lines = [
+        f"# mmldlm bench ({report['date']})",
+        "",
+        f"`{report['command']}`" if report["command"] else "",
+        "",
+        f"{device}, torch {m['torch']}; model {report['model_parameters']:,} parameters; "
+        + (f"each config as {processes} processes (ranks of one process group); " if processes > 1 else "")
+        + f"{report['options']['steps']} measured steps per config after {report['options']['warmup']} "
+        f"warm-up, {report['options']['round_steps']} per turn; wall time {report['wall_time_s']:.0f} s.",
+        "",
+    ]
     memory_kind = configs[order[0]]["peak_memory_kind"]
     memory_label = "peak CUDA alloc GiB" if memory_kind == "cuda_max_allocated" else "peak RSS above runtime GiB"
     if processes > 1:
         memory_label += " per process"
     fit = "largest_micro_batch" in configs[order[0]]
-    header = ["config", "micro x accum", "samples/s", "tokens/s", "step s (median)", "step s (min, p10-p90)",
-              memory_label, "weights / grads / AdamW / rest GiB", "MFU"]
+    header = [
+        "config",
+        "micro x accum",
+        "samples/s",
+        "tokens/s",
+        "step s (median)",
+        "step s (min, p10-p90)",
+        memory_label,
+        "weights / grads / AdamW / rest GiB",
+        "MFU",
+    ]
     if fit:
         header.append(f"largest micro-batch @ {report['options']['memory_cap_gib']:g} GiB")
     if len(order) > 2:
@@ -509,31 +609,43 @@ def markdown(report: dict) -> str:
     previous = None
     for name in order:
         c = configs[name]
-        row = [name, f"{c['micro_batch_size']} x {c['accumulation_steps']}", f"{c['samples_per_s']:.2f}",
-               f"{c['tokens_per_s']:.0f}", f"{c['step_time_s']['median']:.3f}",
-               f"{c['step_time_s']['min']:.3f}, {c['step_time_s']['p10']:.3f}-{c['step_time_s']['p90']:.3f}",
-               f"{c['peak_memory_gib']:.2f}",
-               " / ".join(f"{c.get(k, 0.0):.2f}" for k in ("weights_gib", "gradients_gib", "optimizer_state_gib"))
-               + f" / {c['peak_above_state_gib']:.2f}",
-               f"{c['mfu']:.1%}" if c["mfu"] is not None else "n/a"]
+        row = [
+            name,
+            f"{c['micro_batch_size']} x {c['accumulation_steps']}",
+            f"{c['samples_per_s']:.2f}",
+            f"{c['tokens_per_s']:.0f}",
+            f"{c['step_time_s']['median']:.3f}",
+            f"{c['step_time_s']['min']:.3f}, {c['step_time_s']['p10']:.3f}-{c['step_time_s']['p90']:.3f}",
+            f"{c['peak_memory_gib']:.2f}",
+            " / ".join(f"{c.get(k, 0.0):.2f}" for k in ("weights_gib", "gradients_gib", "optimizer_state_gib"))
+            + f" / {c['peak_above_state_gib']:.2f}",
+            f"{c['mfu']:.1%}" if c["mfu"] is not None else "n/a",
+        ]
         if fit:
             row.append(str(c["largest_micro_batch"]) if "largest_micro_batch" in c else "")
         if len(order) > 2:
-            row += [f"{c['samples_per_s'] / previous['samples_per_s']:.2f}x" if previous else "",
-                    f"{c['samples_per_s'] / first['samples_per_s']:.2f}x"]
+            row += [
+                f"{c['samples_per_s'] / previous['samples_per_s']:.2f}x" if previous else "",
+                f"{c['samples_per_s'] / first['samples_per_s']:.2f}x",
+            ]
         lines.append("| " + " | ".join(row) + " |")
         previous = c
     r = report["ratios"]
-    lines += ["", "Training state: fp32 weights 4 bytes per parameter, gradients 4 (none held all at once "
-                  "with optim.step_in_backward), AdamW moments 8 (about 2 with optim.state_dtype=int8, 1 with "
-                  "int4); rest = activations, low-precision copies, temporaries.", "",
-              f"{report['options']['optimized']} / {report['options']['baseline']}: "
-                  f"samples/s **{r['samples_per_s']:.2f}x** (from the fastest steps "
-                  f"{r['best_samples_per_s']:.2f}x), tokens/s "
-                  f"{r['tokens_per_s']:.2f}x, peak memory at equal batch **{r['peak_memory_gib']:.2f}x** "
-                  f"(the rest, above the training state: {r['peak_above_state_gib']:.2f}x)"
-              + (f", largest micro-batch **{r['largest_micro_batch']:.2f}x**" if r.get("largest_micro_batch") else "")
-              + ".", ""]
+    lines += [
+        "",
+        "Training state: fp32 weights 4 bytes per parameter, gradients 4 (none held all at once "
+        "with optim.step_in_backward), AdamW moments 8 (about 2 with optim.state_dtype=int8, 1 with "
+        "int4); rest = activations, low-precision copies, temporaries.",
+        "",
+        f"{report['options']['optimized']} / {report['options']['baseline']}: "
+        f"samples/s **{r['samples_per_s']:.2f}x** (from the fastest steps "
+        f"{r['best_samples_per_s']:.2f}x), tokens/s "
+        f"{r['tokens_per_s']:.2f}x, peak memory at equal batch **{r['peak_memory_gib']:.2f}x** "
+        f"(the rest, above the training state: {r['peak_above_state_gib']:.2f}x)"
+        + (f", largest micro-batch **{r['largest_micro_batch']:.2f}x**" if r.get("largest_micro_batch") else "")
+        + ".",
+        "",
+    ]
     if len(order) > 2:
         lines += ["Ladder rungs (keys each one sets to the optimized value):", ""]
         lines += [f"- {name}: {', '.join(configs[name]['changes'])}" for name in order[1:]]

@@ -70,8 +70,12 @@ class Environment:
         return self.nproc_per_node * self.nnodes
 
 
-NCCL_VARIABLES = ("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING",
-                  "TORCH_NCCL_ENABLE_MONITORING")
+NCCL_VARIABLES = (
+    "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "NCCL_ASYNC_ERROR_HANDLING",
+    "TORCH_NCCL_ENABLE_MONITORING",
+)
 
 
 def _fused_adamw_works(device: str) -> bool:
@@ -92,8 +96,13 @@ def _load_on(cpus: int) -> float:
     return load * cpus / max(cpus, os.cpu_count() or 1)
 
 
-def detect_environment(cfg: RunConfig, nproc_per_node: int | None = None, nnodes: int | None = None,
-                       device_memory_gib: float | None = None, load: float | None = None) -> Environment:
+def detect_environment(
+    cfg: RunConfig,
+    nproc_per_node: int | None = None,
+    nnodes: int | None = None,
+    device_memory_gib: float | None = None,
+    load: float | None = None,
+) -> Environment:
     """This machine as the run would see it; process counts default to the torchrun/launcher variables,
     the load to the machine's 1-minute load average on this process's CPUs."""
     nproc = nproc_per_node or int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("NPROC_PER_NODE") or 1)
@@ -107,12 +116,19 @@ def detect_environment(cfg: RunConfig, nproc_per_node: int | None = None, nnodes
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     # torchrun sets OMP_NUM_THREADS=1 for several processes per node unless it is set already.
     threads = torch.get_num_threads() if nproc == 1 or "OMP_NUM_THREADS" in os.environ else 1
-    return Environment(device="cuda" if cuda else "cpu", device_memory_gib=device_memory_gib, cpus=cpus,
-                       load=_load_on(cpus) if load is None else load, torch_threads=threads, nproc_per_node=nproc,
-                       nnodes=nodes, free_disk_gib=free_bytes(cfg.train.run_dir) / GIB,
-                       fused_adamw=_fused_adamw_works("cuda" if cuda else "cpu"),
-                       native_bf16=torch.cuda.is_bf16_supported() if cuda else cpu_has_native_bf16(),
-                       environ={k: os.environ[k] for k in NCCL_VARIABLES if k in os.environ})
+    return Environment(
+        device="cuda" if cuda else "cpu",
+        device_memory_gib=device_memory_gib,
+        cpus=cpus,
+        load=_load_on(cpus) if load is None else load,
+        torch_threads=threads,
+        nproc_per_node=nproc,
+        nnodes=nodes,
+        free_disk_gib=free_bytes(cfg.train.run_dir) / GIB,
+        fused_adamw=_fused_adamw_works("cuda" if cuda else "cpu"),
+        native_bf16=torch.cuda.is_bf16_supported() if cuda else cpu_has_native_bf16(),
+        environ={k: os.environ[k] for k in NCCL_VARIABLES if k in os.environ},
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -181,8 +197,14 @@ def estimate(cfg: RunConfig, env: Environment) -> Estimate:
     attention = 5 * m.num_heads * tokens / m.hidden_size if m.attention == "explicit" else 0
     per_block = tokens * m.hidden_size * (50 + attention) * (1 if low_precision else 2)
     per_sample = m.num_blocks * per_block + seq_len * vocab * 12
-    return Estimate(num_params=params, vocab_size=vocab, seq_len=seq_len, static_gib=static / GIB,
-                    activations_gib_per_sample=per_sample / GIB, checkpoint_gib=(4 + moments) * params / GIB)
+    return Estimate(
+        num_params=params,
+        vocab_size=vocab,
+        seq_len=seq_len,
+        static_gib=static / GIB,
+        activations_gib_per_sample=per_sample / GIB,
+        checkpoint_gib=(4 + moments) * params / GIB,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -202,169 +224,350 @@ class Rule:
     changes: dict[str, Any] = field(default_factory=dict)
 
 
-TIMEOUT_WHY = ("a rank that dies or hangs leaves the others waiting in a collective for this long, holding every "
-               "device of the job, before the job fails and the launcher can restart it from the last checkpoint")
+TIMEOUT_WHY = (
+    "a rank that dies or hangs leaves the others waiting in a collective for this long, holding every "
+    "device of the job, before the job fails and the launcher can restart it from the last checkpoint"
+)
 TIMEOUT_FIX = "distributed.timeout_minutes=30", {"distributed.timeout_minutes": 30.0}
-HEARTBEAT_WHY = ("the NCCL heartbeat monitor kills a rank whose watchdog is stuck; days let a wedged rank hold the "
-                 "job, and less than the collective timeout kills ranks before the timeout can say which "
-                 "collective hung")
-HEARTBEAT_FIX = ("unset TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC: the trainer sets it to the collective timeout + 60 s "
-                 "({heartbeat:.0f})")
-MEMORY_MESSAGE = ("estimated {need:.1f} GiB per process ({static:.1f} GiB weights, gradients, optimizer state and "
-                  "overhead for {params_m:.1f}M parameters + {micro} x {activations_mib:.0f} MiB of activations at "
-                  "micro-batch {micro}) > {headroom:.0%} of {device_memory:.1f} GiB {device}")
+HEARTBEAT_WHY = (
+    "the NCCL heartbeat monitor kills a rank whose watchdog is stuck; days let a wedged rank hold the "
+    "job, and less than the collective timeout kills ranks before the timeout can say which "
+    "collective hung"
+)
+HEARTBEAT_FIX = (
+    "unset TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC: the trainer sets it to the collective timeout + 60 s ({heartbeat:.0f})"
+)
+MEMORY_MESSAGE = (
+    "estimated {need:.1f} GiB per process ({static:.1f} GiB weights, gradients, optimizer state and "
+    "overhead for {params_m:.1f}M parameters + {micro} x {activations_mib:.0f} MiB of activations at "
+    "micro-batch {micro}) > {headroom:.0%} of {device_memory:.1f} GiB {device}"
+)
 MEMORY_WHY = "the first steps run out of memory (CUDA OOM, or the kernel's OOM killer on CPU)"
 IDLE_HEAD_MESSAGE = "modes {modes}: the {heads} get no gradient on some steps"
-IDLE_HEAD_WHY = ("plain DDP would need find_unused_parameters=True (a graph walk every step) or fail with "
-                 "'Expected to have finished reduction'; ")
-DISK_MESSAGE = ("checkpoints need up to {need:.1f} GiB ({kept} kept + 1 being written, {each:.2f} GiB each: "
-                "checkpoint.keep_last={keep_last}, {milestones} milestone(s)) with {free:.1f} GiB free at {run_dir}")
+IDLE_HEAD_WHY = (
+    "plain DDP would need find_unused_parameters=True (a graph walk every step) or fail with "
+    "'Expected to have finished reduction'; "
+)
+DISK_MESSAGE = (
+    "checkpoints need up to {need:.1f} GiB ({kept} kept + 1 being written, {each:.2f} GiB each: "
+    "checkpoint.keep_last={keep_last}, {milestones} milestone(s)) with {free:.1f} GiB free at {run_dir}"
+)
 DISK_WHY = "a checkpoint write that runs out of disk fails the run (and the disk of everything else on it)"
 BATCH_MESSAGE = "{sizes} not a multiple of micro-batch x world size = {micro} x {world_size} = {per_step}"
-BATCH_WHY = ("the global batch is split into micro-batches of train.micro_batch_size on each of {world_size} "
-             "process(es); the trainer refuses to start otherwise")
-STEP_IN_BACKWARD_WHY = ("each parameter is updated as soon as its gradient of one micro-batch on one process is ready, "
-                        "before accumulation or the data-parallel reduction: the trainer refuses to start")
-STEP_IN_BACKWARD_FIX = ("optim.step_in_backward=false (or one process with train.micro_batch_size = "
-                        "train.global_batch_size)"), {"optim.step_in_backward": False}
+BATCH_WHY = (
+    "the global batch is split into micro-batches of train.micro_batch_size on each of {world_size} "
+    "process(es); the trainer refuses to start otherwise"
+)
+STEP_IN_BACKWARD_WHY = (
+    "each parameter is updated as soon as its gradient of one micro-batch on one process is ready, "
+    "before accumulation or the data-parallel reduction: the trainer refuses to start"
+)
+STEP_IN_BACKWARD_FIX = (
+    ("optim.step_in_backward=false (or one process with train.micro_batch_size = train.global_batch_size)"),
+    {"optim.step_in_backward": False},
+)
 WARMUP_FIX = "schedule.warmup_steps={tenth}"
-RESUME_MESSAGE = ("{run_dir} holds a checkpoint at step {step} of a run planned for train.steps={before}; this "
-                  "config has train.steps={steps}")
+RESUME_MESSAGE = (
+    "{run_dir} holds a checkpoint at step {step} of a run planned for train.steps={before}; this "
+    "config has train.steps={steps}"
+)
 RESUME_WHY = "the schedule spans train.steps: resuming makes the LR jump from {old:.3g} to {new:.3g} at step {step}"
 RESUME_FIX = "keep train.steps={before}, or accept the jump (schedule.warmup_steps does not apply again)"
 
 RULES = {
     # Timeouts and the NCCL watchdog: a hung rank must fail the job, soon but not too soon.
-    "timeout_days": Rule("timeout", "error", "distributed.timeout_minutes={minutes:g} ({days:.1f} days)",
-                         TIMEOUT_WHY, *TIMEOUT_FIX),
-    "timeout_hours": Rule("timeout", "warning", "distributed.timeout_minutes={minutes:g} is over 2 hours",
-                          TIMEOUT_WHY, *TIMEOUT_FIX),
-    "timeout_short": Rule("timeout", "warning", "distributed.timeout_minutes={minutes:g} is under 5 minutes",
-                          "a slow but healthy collective (the checkpoint gather of a large model, the first step "
-                          "compiling) would be taken for a hang and kill the job", *TIMEOUT_FIX),
-    "heartbeat_absurd": Rule("nccl_env", "error", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC={value} in the environment",
-                             HEARTBEAT_WHY, HEARTBEAT_FIX),
-    "heartbeat_short": Rule("nccl_env", "warning", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC={value} is below "
-                            "distributed.timeout_minutes ({timeout_s:g} s)", HEARTBEAT_WHY, HEARTBEAT_FIX),
-    "async_errors_off": Rule("nccl_env", "error", "{name}=0 in the environment",
-                             "a collective that times out then leaves the process hanging instead of tearing it "
-                             "down, so torchrun never sees a failure and never restarts",
-                             "unset {name} (the trainer and scripts/launch.sh set it to 1)"),
-    "monitoring_off": Rule("nccl_env", "warning", "TORCH_NCCL_ENABLE_MONITORING=0 in the environment",
-                           "without the heartbeat monitor a rank whose NCCL watchdog is stuck is never killed",
-                           "unset TORCH_NCCL_ENABLE_MONITORING"),
+    "timeout_days": Rule(
+        "timeout", "error", "distributed.timeout_minutes={minutes:g} ({days:.1f} days)", TIMEOUT_WHY, *TIMEOUT_FIX
+    ),
+    "timeout_hours": Rule(
+        "timeout", "warning", "distributed.timeout_minutes={minutes:g} is over 2 hours", TIMEOUT_WHY, *TIMEOUT_FIX
+    ),
+    "timeout_short": Rule(
+        "timeout",
+        "warning",
+        "distributed.timeout_minutes={minutes:g} is under 5 minutes",
+        "a slow but healthy collective (the checkpoint gather of a large model, the first step "
+        "compiling) would be taken for a hang and kill the job",
+        *TIMEOUT_FIX,
+    ),
+    "heartbeat_absurd": Rule(
+        "nccl_env", "error", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC={value} in the environment", HEARTBEAT_WHY, HEARTBEAT_FIX
+    ),
+    "heartbeat_short": Rule(
+        "nccl_env",
+        "warning",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC={value} is below distributed.timeout_minutes ({timeout_s:g} s)",
+        HEARTBEAT_WHY,
+        HEARTBEAT_FIX,
+    ),
+    "async_errors_off": Rule(
+        "nccl_env",
+        "error",
+        "{name}=0 in the environment",
+        "a collective that times out then leaves the process hanging instead of tearing it "
+        "down, so torchrun never sees a failure and never restarts",
+        "unset {name} (the trainer and scripts/launch.sh set it to 1)",
+    ),
+    "monitoring_off": Rule(
+        "nccl_env",
+        "warning",
+        "TORCH_NCCL_ENABLE_MONITORING=0 in the environment",
+        "without the heartbeat monitor a rank whose NCCL watchdog is stuck is never killed",
+        "unset TORCH_NCCL_ENABLE_MONITORING",
+    ),
     # The data loader.
-    "too_many_workers": Rule("loader_workers", "warning", "data.num_workers={workers} with {cpus} CPUs for {nproc} "
-                             "process(es) per node ({per_rank} per process)",
-                             "more worker processes than CPUs fight each other and the training threads for cores; "
-                             "16 workers per rank on a few cores slow data loading down",
-                             "data.num_workers=null (min(8, cpus // local ranks) = {auto} here)",
-                             {"data.num_workers": None}),
-    "no_workers": Rule("loader_workers", "warning", "data.num_workers=0 on CUDA",
-                       "the training process reads and pads every batch itself while the GPU waits",
-                       "data.num_workers=null ({auto} here)", {"data.num_workers": None}),
-    "short_prefetch": Rule("loader_prefetch", "warning", "data.prefetch_factor=null (torch's default: 2)",
-                           "each worker keeps only 2 batches ready, so a slow batch stalls the step",
-                           "data.prefetch_factor=4", {"data.prefetch_factor": 4}),
-    "workers_restart": Rule("loader_persistence", "warning", "data.persistent_workers=false",
-                            "the worker processes are started again every epoch (fork, dataset reopen), and the "
-                            "first batches of each epoch wait for them",
-                            "data.persistent_workers=true", {"data.persistent_workers": True}),
-    "pageable_memory": Rule("loader_pin_memory", "warning", "data.pin_memory=false on CUDA",
-                            "copies from pageable memory cannot overlap with compute",
-                            "data.pin_memory=null (on with CUDA)", {"data.pin_memory": None}),
+    "too_many_workers": Rule(
+        "loader_workers",
+        "warning",
+        "data.num_workers={workers} with {cpus} CPUs for {nproc} process(es) per node ({per_rank} per process)",
+        "more worker processes than CPUs fight each other and the training threads for cores; "
+        "16 workers per rank on a few cores slow data loading down",
+        "data.num_workers=null (min(8, cpus // local ranks) = {auto} here)",
+        {"data.num_workers": None},
+    ),
+    "no_workers": Rule(
+        "loader_workers",
+        "warning",
+        "data.num_workers=0 on CUDA",
+        "the training process reads and pads every batch itself while the GPU waits",
+        "data.num_workers=null ({auto} here)",
+        {"data.num_workers": None},
+    ),
+    "short_prefetch": Rule(
+        "loader_prefetch",
+        "warning",
+        "data.prefetch_factor=null (torch's default: 2)",
+        "each worker keeps only 2 batches ready, so a slow batch stalls the step",
+        "data.prefetch_factor=4",
+        {"data.prefetch_factor": 4},
+    ),
+    "workers_restart": Rule(
+        "loader_persistence",
+        "warning",
+        "data.persistent_workers=false",
+        "the worker processes are started again every epoch (fork, dataset reopen), and the "
+        "first batches of each epoch wait for them",
+        "data.persistent_workers=true",
+        {"data.persistent_workers": True},
+    ),
+    "pageable_memory": Rule(
+        "loader_pin_memory",
+        "warning",
+        "data.pin_memory=false on CUDA",
+        "copies from pageable memory cannot overlap with compute",
+        "data.pin_memory=null (on with CUDA)",
+        {"data.pin_memory": None},
+    ),
     # Other work on the CPUs of a CPU run.
-    "busy_cpus": Rule("busy_cpus", "warning", "load average {load:.1f} on {cpus} CPUs leaves about {free} free for "
-                      "{threads} torch thread(s) ({nproc} process(es) x {per_process})",
-                      "a second busy process on the same cores makes torch's threads wait for each other at every "
-                      "operation: a training step took 25x as long (3.3 s instead of 0.13 s) with one other busy "
-                      "process on 2 cores and torch's default 2 threads",
-                      "set train.threads={fit} or stop the other job"),
+    "busy_cpus": Rule(
+        "busy_cpus",
+        "warning",
+        "load average {load:.1f} on {cpus} CPUs leaves about {free} free for "
+        "{threads} torch thread(s) ({nproc} process(es) x {per_process})",
+        "a second busy process on the same cores makes torch's threads wait for each other at every "
+        "operation: a training step took 25x as long (3.3 s instead of 0.13 s) with one other busy "
+        "process on 2 cores and torch's default 2 threads",
+        "set train.threads={fit} or stop the other job",
+    ),
     # Memory, parameters and the optimizer.
-    "memory_smaller_micro": Rule("memory", "error", MEMORY_MESSAGE, MEMORY_WHY,
-                                 "train.micro_batch_size={smaller} (more accumulation steps, the same global batch)"),
-    "memory_shard": Rule("memory", "error", MEMORY_MESSAGE, MEMORY_WHY,
-                         "distributed.strategy=fsdp2 (shards weights, gradients and optimizer state over "
-                         "{world_size} processes), train.micro_batch_size={fits}"),
-    "memory_no_fit": Rule("memory", "error", MEMORY_MESSAGE, MEMORY_WHY,
-                          "even micro-batch 1 does not fit: a smaller model preset, more devices with "
-                          "distributed.strategy=fsdp2, or a device with more memory"),
-    "idle_heads_ddp": Rule("unused_parameters", "info", IDLE_HEAD_MESSAGE, IDLE_HEAD_WHY +
-                           "the trainer anchors the idle head into the loss (an exact zero gradient, then .grad=None "
-                           "before AdamW), so DDP runs with find_unused_parameters=False and static_graph is valid",
-                           "nothing to do"),
-    "idle_heads_fsdp2": Rule("unused_parameters", "info", IDLE_HEAD_MESSAGE, IDLE_HEAD_WHY +
-                             "FSDP2 reduce-scatters only the gradients that exist; the idle head keeps a None "
-                             "gradient on every rank (all ranks train the same mode at a step)", "nothing to do"),
-    "fused_unavailable": Rule("fused_optimizer", "error", "optim.fused=true but fused AdamW is unavailable on {device}",
-                              "building the optimizer fails before the first step",
-                              "optim.fused=auto (fused where available, else the foreach kernel)",
-                              {"optim.fused": "auto"}),
-    "fused_off": Rule("fused_optimizer", "warning", "optim.fused=false although fused AdamW works on {device}",
-                      "the foreach kernel launches several kernels per parameter group step; the fused one, one",
-                      "optim.fused=auto", {"optim.fused": "auto"}),
+    "memory_smaller_micro": Rule(
+        "memory",
+        "error",
+        MEMORY_MESSAGE,
+        MEMORY_WHY,
+        "train.micro_batch_size={smaller} (more accumulation steps, the same global batch)",
+    ),
+    "memory_shard": Rule(
+        "memory",
+        "error",
+        MEMORY_MESSAGE,
+        MEMORY_WHY,
+        "distributed.strategy=fsdp2 (shards weights, gradients and optimizer state over "
+        "{world_size} processes), train.micro_batch_size={fits}",
+    ),
+    "memory_no_fit": Rule(
+        "memory",
+        "error",
+        MEMORY_MESSAGE,
+        MEMORY_WHY,
+        "even micro-batch 1 does not fit: a smaller model preset, more devices with "
+        "distributed.strategy=fsdp2, or a device with more memory",
+    ),
+    "idle_heads_ddp": Rule(
+        "unused_parameters",
+        "info",
+        IDLE_HEAD_MESSAGE,
+        IDLE_HEAD_WHY + "the trainer anchors the idle head into the loss (an exact zero gradient, then .grad=None "
+        "before AdamW), so DDP runs with find_unused_parameters=False and static_graph is valid",
+        "nothing to do",
+    ),
+    "idle_heads_fsdp2": Rule(
+        "unused_parameters",
+        "info",
+        IDLE_HEAD_MESSAGE,
+        IDLE_HEAD_WHY + "FSDP2 reduce-scatters only the gradients that exist; the idle head keeps a None "
+        "gradient on every rank (all ranks train the same mode at a step)",
+        "nothing to do",
+    ),
+    "fused_unavailable": Rule(
+        "fused_optimizer",
+        "error",
+        "optim.fused=true but fused AdamW is unavailable on {device}",
+        "building the optimizer fails before the first step",
+        "optim.fused=auto (fused where available, else the foreach kernel)",
+        {"optim.fused": "auto"},
+    ),
+    "fused_off": Rule(
+        "fused_optimizer",
+        "warning",
+        "optim.fused=false although fused AdamW works on {device}",
+        "the foreach kernel launches several kernels per parameter group step; the fused one, one",
+        "optim.fused=auto",
+        {"optim.fused": "auto"},
+    ),
     # Checkpoints vs the disk (a warning when they fill half of it, an error when they do not fit).
     "disk_keep_fewer": Rule("checkpoint_retention", "warning", DISK_MESSAGE, DISK_WHY, "checkpoint.keep_last={keep}"),
-    "disk_no_milestones": Rule("checkpoint_retention", "warning", DISK_MESSAGE, DISK_WHY,
-                               "checkpoint.milestone_every=0, checkpoint.keep_last={keep}"),
-    "disk_too_small": Rule("checkpoint_retention", "warning", DISK_MESSAGE, DISK_WHY,
-                           "free disk space or put train.run_dir on a larger filesystem"),
+    "disk_no_milestones": Rule(
+        "checkpoint_retention",
+        "warning",
+        DISK_MESSAGE,
+        DISK_WHY,
+        "checkpoint.milestone_every=0, checkpoint.keep_last={keep}",
+    ),
+    "disk_too_small": Rule(
+        "checkpoint_retention",
+        "warning",
+        DISK_MESSAGE,
+        DISK_WHY,
+        "free disk space or put train.run_dir on a larger filesystem",
+    ),
     # Batch sizes.
-    "batch_smaller_micro": Rule("batch_divisible", "error", BATCH_MESSAGE, BATCH_WHY,
-                                "train.micro_batch_size={micro_fix} (the global batch stays)"),
+    "batch_smaller_micro": Rule(
+        "batch_divisible",
+        "error",
+        BATCH_MESSAGE,
+        BATCH_WHY,
+        "train.micro_batch_size={micro_fix} (the global batch stays)",
+    ),
     "batch_round_up": Rule("batch_divisible", "error", BATCH_MESSAGE, BATCH_WHY, "{rounded}"),
-    "step_in_backward_ranks": Rule("step_in_backward", "error",
-                                   "optim.step_in_backward=true with {world_size} processes",
-                                   STEP_IN_BACKWARD_WHY, *STEP_IN_BACKWARD_FIX),
-    "step_in_backward_accumulation": Rule("step_in_backward", "error",
-                                          "optim.step_in_backward=true with gradient accumulation "
-                                          "(train.micro_batch_size={micro}, global batch {global_batch})",
-                                          STEP_IN_BACKWARD_WHY, *STEP_IN_BACKWARD_FIX),
+    "step_in_backward_ranks": Rule(
+        "step_in_backward",
+        "error",
+        "optim.step_in_backward=true with {world_size} processes",
+        STEP_IN_BACKWARD_WHY,
+        *STEP_IN_BACKWARD_FIX,
+    ),
+    "step_in_backward_accumulation": Rule(
+        "step_in_backward",
+        "error",
+        "optim.step_in_backward=true with gradient accumulation "
+        "(train.micro_batch_size={micro}, global batch {global_batch})",
+        STEP_IN_BACKWARD_WHY,
+        *STEP_IN_BACKWARD_FIX,
+    ),
     # The LR schedule.
-    "warmup_whole_run": Rule("lr_schedule", "error", "schedule.warmup_steps={warmup} >= train.steps={steps}",
-                             "the run ends during warmup: the LR never reaches optim.lr and never decays", WARMUP_FIX),
-    "warmup_long": Rule("lr_schedule", "warning", "schedule.warmup_steps={warmup} is over half of train.steps={steps}",
-                        "most of the run trains below the peak LR; the decay is squeezed into the rest", WARMUP_FIX),
-    "restart_late": Rule("lr_schedule", "warning", "schedule.restart_period={period} ends the run early in a cosine "
-                         "cycle ({after} steps after warmup)",
-                         "the last steps train at a high LR just after a restart, so the final weights are not "
-                         "annealed", "schedule.restart_period={fitted}"),
-    "plateau_floor": Rule("lr_schedule", "warning", "schedule.plateau.min_lr={min_lr:g} >= optim.lr={lr:g}",
-                          "reduce-on-plateau can never lower the LR", "schedule.plateau.min_lr={floor:g}"),
-    "batch_growth_late": Rule("lr_schedule", "warning",
-                              "train.batch_schedule entries {late} start at or after train.steps={steps}",
-                              "they are never reached: the batch growth planned with the LR schedule never happens",
-                              "train.batch_schedule={kept}"),
+    "warmup_whole_run": Rule(
+        "lr_schedule",
+        "error",
+        "schedule.warmup_steps={warmup} >= train.steps={steps}",
+        "the run ends during warmup: the LR never reaches optim.lr and never decays",
+        WARMUP_FIX,
+    ),
+    "warmup_long": Rule(
+        "lr_schedule",
+        "warning",
+        "schedule.warmup_steps={warmup} is over half of train.steps={steps}",
+        "most of the run trains below the peak LR; the decay is squeezed into the rest",
+        WARMUP_FIX,
+    ),
+    "restart_late": Rule(
+        "lr_schedule",
+        "warning",
+        "schedule.restart_period={period} ends the run early in a cosine cycle ({after} steps after warmup)",
+        "the last steps train at a high LR just after a restart, so the final weights are not annealed",
+        "schedule.restart_period={fitted}",
+    ),
+    "plateau_floor": Rule(
+        "lr_schedule",
+        "warning",
+        "schedule.plateau.min_lr={min_lr:g} >= optim.lr={lr:g}",
+        "reduce-on-plateau can never lower the LR",
+        "schedule.plateau.min_lr={floor:g}",
+    ),
+    "batch_growth_late": Rule(
+        "lr_schedule",
+        "warning",
+        "train.batch_schedule entries {late} start at or after train.steps={steps}",
+        "they are never reached: the batch growth planned with the LR schedule never happens",
+        "train.batch_schedule={kept}",
+    ),
     "resume_other_length": Rule("lr_schedule", "warning", RESUME_MESSAGE, RESUME_WHY, RESUME_FIX),
-    "resume_after_end": Rule("lr_schedule", "warning", RESUME_MESSAGE,
-                             RESUME_WHY + " and the old schedule had already ended", RESUME_FIX),
+    "resume_after_end": Rule(
+        "lr_schedule", "warning", RESUME_MESSAGE, RESUME_WHY + " and the old schedule had already ended", RESUME_FIX
+    ),
     # The baseline preset's performance choices (configs/baseline.yaml), each slower with no gain.
-    "find_unused_parameters": Rule("find_unused_parameters", "warning", "distributed.find_unused_parameters=true",
-                                   "DDP then walks the autograd graph after every forward; the idle head is already "
-                                   "handled once per mode (parallelize.py), so every parameter takes part in every "
-                                   "step", "distributed.find_unused_parameters=false",
-                                   {"distributed.find_unused_parameters": False}),
-    "optimizer_loop": Rule("optimizer_loop", "warning", "optim.foreach=false: AdamW steps one parameter at a time",
-                           "a Python loop over every parameter tensor each step; foreach and fused kernels batch them",
-                           "optim.foreach=true", {"optim.foreach": True}),
-    "refreeze": Rule("refreeze", "warning", "perf.refreeze_every_step=true",
-                     "a loop over every parameter toggling requires_grad each step; freezing belongs to mode changes",
-                     "perf.refreeze_every_step=false", {"perf.refreeze_every_step": False}),
-    "attention": Rule("attention", "warning", "model.attention=explicit materialises the (S, S) score matrix per head",
-                      "scaled_dot_product_attention uses flash / memory-efficient kernels on GPU: less memory, faster",
-                      "model.attention=sdpa", {"model.attention": "sdpa"}),
-    "precision_fp32": Rule("precision", "warning", "train.precision=fp32 on a {device} with native bf16 matmuls",
-                           "bf16 autocast (fp32 master weights and optimizer state) runs the model's matmuls at "
-                           "about twice the speed and stores activations in half the bytes",
-                           "train.precision=auto", {"train.precision": "auto"}),
-    "precision_emulated": Rule("precision", "warning", "train.precision=bf16 on a {device} without native bf16 matmuls",
-                               "bf16 is emulated there: slower than fp32, with less precision",
-                               "train.precision=auto (bf16 where native, else fp32)", {"train.precision": "auto"}),
-    "compile_shapes": Rule("compile_shapes", "warning", "perf.compile=true with data.pad_to_multiple={pad}",
-                           "a new padded length recompiles the blocks; after the first recompile torch falls back to "
-                           "a dynamic-length graph, whose kernels can be slower and which still recompiles now and "
-                           "then. Padding to 64 bounds the shapes, but on short texts it costs tokens: measure both "
-                           "(docs/benchmarks.md)", "data.pad_to_multiple=64", {"data.pad_to_multiple": 64}),
+    "find_unused_parameters": Rule(
+        "find_unused_parameters",
+        "warning",
+        "distributed.find_unused_parameters=true",
+        "DDP then walks the autograd graph after every forward; the idle head is already "
+        "handled once per mode (parallelize.py), so every parameter takes part in every "
+        "step",
+        "distributed.find_unused_parameters=false",
+        {"distributed.find_unused_parameters": False},
+    ),
+    "optimizer_loop": Rule(
+        "optimizer_loop",
+        "warning",
+        "optim.foreach=false: AdamW steps one parameter at a time",
+        "a Python loop over every parameter tensor each step; foreach and fused kernels batch them",
+        "optim.foreach=true",
+        {"optim.foreach": True},
+    ),
+    "refreeze": Rule(
+        "refreeze",
+        "warning",
+        "perf.refreeze_every_step=true",
+        "a loop over every parameter toggling requires_grad each step; freezing belongs to mode changes",
+        "perf.refreeze_every_step=false",
+        {"perf.refreeze_every_step": False},
+    ),
+    "attention": Rule(
+        "attention",
+        "warning",
+        "model.attention=explicit materialises the (S, S) score matrix per head",
+        "scaled_dot_product_attention uses flash / memory-efficient kernels on GPU: less memory, faster",
+        "model.attention=sdpa",
+        {"model.attention": "sdpa"},
+    ),
+    "precision_fp32": Rule(
+        "precision",
+        "warning",
+        "train.precision=fp32 on a {device} with native bf16 matmuls",
+        "bf16 autocast (fp32 master weights and optimizer state) runs the model's matmuls at "
+        "about twice the speed and stores activations in half the bytes",
+        "train.precision=auto",
+        {"train.precision": "auto"},
+    ),
+    "precision_emulated": Rule(
+        "precision",
+        "warning",
+        "train.precision=bf16 on a {device} without native bf16 matmuls",
+        "bf16 is emulated there: slower than fp32, with less precision",
+        "train.precision=auto (bf16 where native, else fp32)",
+        {"train.precision": "auto"},
+    ),
+    "compile_shapes": Rule(
+        "compile_shapes",
+        "warning",
+        "perf.compile=true with data.pad_to_multiple={pad}",
+        "a new padded length recompiles the blocks; after the first recompile torch falls back to "
+        "a dynamic-length graph, whose kernels can be slower and which still recompiles now and "
+        "then. Padding to 64 bounds the shapes, but on short texts it costs tokens: measure both "
+        "(docs/benchmarks.md)",
+        "data.pad_to_multiple=64",
+        {"data.pad_to_multiple": 64},
+    ),
 }
 
 
@@ -372,8 +575,14 @@ def finding(name: str, /, changes: dict[str, Any] | None = None, severity: str |
     """RULES[name] filled with `values`. `changes`: the fix computed from the config (else the rule's own);
     `severity`: for a rule whose severity depends on how far off the values are (else the rule's)."""
     rule = RULES[name]
-    return Finding(rule.id, severity or rule.severity, rule.message.format(**values), rule.why.format(**values),
-                   rule.fix.format(**values), dict(rule.changes if changes is None else changes))
+    return Finding(
+        rule.id,
+        severity or rule.severity,
+        rule.message.format(**values),
+        rule.why.format(**values),
+        rule.fix.format(**values),
+        dict(rule.changes if changes is None else changes),
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -417,8 +626,16 @@ def check_loader(cfg: RunConfig, env: Environment, est: Estimate) -> list[Findin
     auto = default_num_workers(env.cpus, env.nproc_per_node)
     workers = auto if d.num_workers is None else d.num_workers
     if d.num_workers is not None and d.num_workers > per_rank:
-        findings.append(finding("too_many_workers", workers=d.num_workers, cpus=env.cpus, nproc=env.nproc_per_node,
-                                per_rank=per_rank, auto=auto))
+        findings.append(
+            finding(
+                "too_many_workers",
+                workers=d.num_workers,
+                cpus=env.cpus,
+                nproc=env.nproc_per_node,
+                per_rank=per_rank,
+                auto=auto,
+            )
+        )
         workers = auto
     if workers > 0 and d.prefetch_factor is None:
         findings.append(finding("short_prefetch"))
@@ -443,8 +660,19 @@ def check_busy_cpus(cfg: RunConfig, env: Environment, est: Estimate) -> list[Fin
     if per_process == 1 or threads <= free or free == env.cpus:
         return []
     fit = max(1, free // env.nproc_per_node)
-    return [finding("busy_cpus", {"train.threads": fit}, fit=fit, load=env.load, cpus=env.cpus, free=free,
-                    threads=threads, nproc=env.nproc_per_node, per_process=per_process)]
+    return [
+        finding(
+            "busy_cpus",
+            {"train.threads": fit},
+            fit=fit,
+            load=env.load,
+            cpus=env.cpus,
+            free=free,
+            threads=threads,
+            nproc=env.nproc_per_node,
+            per_process=per_process,
+        )
+    ]
 
 
 def _largest_micro_batch(cfg: RunConfig, env: Environment, est: Estimate, limit: float) -> int | None:
@@ -467,19 +695,34 @@ def check_memory(cfg: RunConfig, env: Environment, est: Estimate) -> list[Findin
     need, limit = est.memory_gib(micro), MEMORY_HEADROOM * env.device_memory_gib
     if need <= limit:
         return []
-    values = dict(need=need, static=est.static_gib, params_m=est.num_params / 1e6, micro=micro,
-                  activations_mib=est.activations_gib_per_sample * 1024, headroom=MEMORY_HEADROOM,
-                  device_memory=env.device_memory_gib, device="GPU" if env.device == "cuda" else "RAM per process")
+    values = dict(
+        need=need,
+        static=est.static_gib,
+        params_m=est.num_params / 1e6,
+        micro=micro,
+        activations_mib=est.activations_gib_per_sample * 1024,
+        headroom=MEMORY_HEADROOM,
+        device_memory=env.device_memory_gib,
+        device="GPU" if env.device == "cuda" else "RAM per process",
+    )
     smaller = _largest_micro_batch(cfg, env, est, limit)
     if smaller is not None:
         return [finding("memory_smaller_micro", {"train.micro_batch_size": smaller}, smaller=smaller, **values)]
     if cfg.distributed.strategy == "ddp" and env.world_size > 1:
         sharded = dataclasses.replace(
-            est, static_gib=est.static_gib - 16 * est.num_params / GIB * (1 - 1 / env.world_size))
+            est, static_gib=est.static_gib - 16 * est.num_params / GIB * (1 - 1 / env.world_size)
+        )
         fits = _largest_micro_batch(cfg, env, sharded, limit) or (micro if sharded.memory_gib(micro) <= limit else None)
         if fits is not None:
-            return [finding("memory_shard", {"distributed.strategy": "fsdp2", "train.micro_batch_size": fits},
-                            world_size=env.world_size, fits=fits, **values)]
+            return [
+                finding(
+                    "memory_shard",
+                    {"distributed.strategy": "fsdp2", "train.micro_batch_size": fits},
+                    world_size=env.world_size,
+                    fits=fits,
+                    **values,
+                )
+            ]
     return [finding("memory_no_fit", **values)]
 
 
@@ -528,15 +771,29 @@ def check_checkpoint_retention(cfg: RunConfig, env: Environment, est: Estimate) 
     if need <= 0.5 * env.free_disk_gib:
         return []
     severity = "error" if need > env.free_disk_gib else "warning"
-    values = dict(need=need, kept=kept, each=est.checkpoint_gib, keep_last=cfg.checkpoint.keep_last,
-                  milestones=milestones, free=env.free_disk_gib, run_dir=cfg.train.run_dir)
+    values = dict(
+        need=need,
+        kept=kept,
+        each=est.checkpoint_gib,
+        keep_last=cfg.checkpoint.keep_last,
+        milestones=milestones,
+        free=env.free_disk_gib,
+        run_dir=cfg.train.run_dir,
+    )
     budget = int(0.5 * env.free_disk_gib / est.checkpoint_gib) - 1
     if budget - milestones >= 1:
         keep = budget - milestones
         return [finding("disk_keep_fewer", {"checkpoint.keep_last": keep}, severity, keep=keep, **values)]
     if budget >= 1:
-        return [finding("disk_no_milestones", {"checkpoint.milestone_every": 0, "checkpoint.keep_last": budget},
-                        severity, keep=budget, **values)]
+        return [
+            finding(
+                "disk_no_milestones",
+                {"checkpoint.milestone_every": 0, "checkpoint.keep_last": budget},
+                severity,
+                keep=budget,
+                **values,
+            )
+        ]
     return [finding("disk_too_small", severity=severity, **values)]
 
 
@@ -549,8 +806,12 @@ def check_batch_divisible(cfg: RunConfig, env: Environment, est: Estimate) -> li
     bad = {key: size for key, size in sizes.items() if size % per_step}
     if not bad:
         return []
-    values = dict(sizes=", ".join(f"{key}={size}" for key, size in bad.items()), micro=cfg.train.micro_batch_size,
-                  world_size=env.world_size, per_step=per_step)
+    values = dict(
+        sizes=", ".join(f"{key}={size}" for key, size in bad.items()),
+        micro=cfg.train.micro_batch_size,
+        world_size=env.world_size,
+        per_step=per_step,
+    )
     # A smaller micro-batch keeps the global batch (the recipe the LR was tuned for); only when none
     # divides it is the global batch rounded up.
     micro = _largest_micro_batch(cfg, env, est, limit=math.inf)
@@ -558,8 +819,9 @@ def check_batch_divisible(cfg: RunConfig, env: Environment, est: Estimate) -> li
         return [finding("batch_smaller_micro", {"train.micro_batch_size": micro}, micro_fix=micro, **values)]
     changes = {"train.global_batch_size": math.ceil(cfg.train.global_batch_size / per_step) * per_step}
     if cfg.train.batch_schedule:
-        changes["train.batch_schedule"] = [[step, math.ceil(size / per_step) * per_step]
-                                           for step, size in cfg.train.batch_schedule]
+        changes["train.batch_schedule"] = [
+            [step, math.ceil(size / per_step) * per_step] for step, size in cfg.train.batch_schedule
+        ]
     rounded = ", ".join(f"{key}={value}" for key, value in changes.items())
     return [finding("batch_round_up", changes, rounded=rounded, **values)]
 
@@ -587,16 +849,25 @@ def check_lr_schedule(cfg: RunConfig, env: Environment, est: Estimate) -> list[F
     if s.kind == "cosine_restarts" and after and (after - 1) % s.restart_period < s.restart_period // 2:
         cycles = max(1, round(after / s.restart_period))
         period = math.ceil(after / cycles)  # the last cycle ends at (or just before) the last step
-        findings.append(finding("restart_late", {"schedule.restart_period": period}, period=s.restart_period,
-                                after=after, fitted=period))
+        findings.append(
+            finding(
+                "restart_late", {"schedule.restart_period": period}, period=s.restart_period, after=after, fitted=period
+            )
+        )
     if s.plateau.enabled and s.plateau.min_lr >= cfg.optim.lr:
-        findings.append(finding("plateau_floor", {"schedule.plateau.min_lr": cfg.optim.lr / 100},
-                                min_lr=s.plateau.min_lr, lr=cfg.optim.lr, floor=cfg.optim.lr / 100))
+        findings.append(
+            finding(
+                "plateau_floor",
+                {"schedule.plateau.min_lr": cfg.optim.lr / 100},
+                min_lr=s.plateau.min_lr,
+                lr=cfg.optim.lr,
+                floor=cfg.optim.lr / 100,
+            )
+        )
     late = [entry for entry in cfg.train.batch_schedule if entry[0] >= steps]
     if late:
         kept = [entry for entry in cfg.train.batch_schedule if entry[0] < steps]
-        findings.append(finding("batch_growth_late", {"train.batch_schedule": kept}, late=late, steps=steps,
-                                kept=kept))
+        findings.append(finding("batch_growth_late", {"train.batch_schedule": kept}, late=late, steps=steps, kept=kept))
     findings += _resume_with_other_length(cfg)
     return findings
 
@@ -633,9 +904,20 @@ def check_slow_switches(cfg: RunConfig, env: Environment, est: Estimate) -> list
     return [finding(name, device=env.device, pad=cfg.data.pad_to_multiple) for name, fired in fires.items() if fired]
 
 
-CHECKS = (check_timeout, check_nccl_environment, check_loader, check_busy_cpus, check_memory,
-          check_unused_parameters, check_fused_optimizer, check_checkpoint_retention, check_batch_divisible,
-          check_step_in_backward, check_lr_schedule, check_slow_switches)
+CHECKS = (
+    check_timeout,
+    check_nccl_environment,
+    check_loader,
+    check_busy_cpus,
+    check_memory,
+    check_unused_parameters,
+    check_fused_optimizer,
+    check_checkpoint_retention,
+    check_batch_divisible,
+    check_step_in_backward,
+    check_lr_schedule,
+    check_slow_switches,
+)
 
 
 def audit(cfg: RunConfig, env: Environment) -> tuple[list[Finding], Estimate]:
@@ -680,8 +962,14 @@ def config_yaml(cfg: RunConfig) -> str:
 
 
 def config_diff(before: RunConfig, after: RunConfig, name_before: str, name_after: str) -> str:
-    return "".join(difflib.unified_diff(config_yaml(before).splitlines(keepends=True),
-                                        config_yaml(after).splitlines(keepends=True), name_before, name_after))
+    return "".join(
+        difflib.unified_diff(
+            config_yaml(before).splitlines(keepends=True),
+            config_yaml(after).splitlines(keepends=True),
+            name_before,
+            name_after,
+        )
+    )
 
 
 def format_finding(f: Finding) -> str:
@@ -690,12 +978,14 @@ def format_finding(f: Finding) -> str:
 
 def describe(env: Environment, est: Estimate, cfg: RunConfig) -> str:
     where = "GPU" if env.device == "cuda" else "RAM"
-    return (f"environment: {env.device}, {env.cpus} CPU(s) (load {env.load:.1f}), {env.nproc_per_node} process(es) x "
-            f"{env.nnodes} node(s), {env.device_memory_gib:.1f} GiB {where} per process, {env.free_disk_gib:.1f} GiB "
-            f"free disk\n"
-            f"model: {est.num_params / 1e6:.2f}M parameters (vocab {est.vocab_size}); estimated "
-            f"{est.memory_gib(_micro_for_estimate(cfg)):.2f} GiB per process at micro-batch "
-            f"{_micro_for_estimate(cfg)}; {est.checkpoint_gib:.3f} GiB per checkpoint")
+    return (
+        f"environment: {env.device}, {env.cpus} CPU(s) (load {env.load:.1f}), {env.nproc_per_node} process(es) x "
+        f"{env.nnodes} node(s), {env.device_memory_gib:.1f} GiB {where} per process, {env.free_disk_gib:.1f} GiB "
+        f"free disk\n"
+        f"model: {est.num_params / 1e6:.2f}M parameters (vocab {est.vocab_size}); estimated "
+        f"{est.memory_gib(_micro_for_estimate(cfg)):.2f} GiB per process at micro-batch "
+        f"{_micro_for_estimate(cfg)}; {est.checkpoint_gib:.3f} GiB per checkpoint"
+    )
 
 
 def _micro_for_estimate(cfg: RunConfig) -> int:

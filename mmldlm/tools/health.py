@@ -70,33 +70,33 @@ class HealthConfig:
 
 REMEDIES = {
     "nonfinite": "lower optim.lr, keep optim.grad_clip > 0 (1.0), prefer train.precision=bf16 over fp16; "
-                 "the trainer skips such updates and stops after train.max_consecutive_skips in a row; "
-                 "continue with --resume auto (or --resume PATH of an earlier checkpoint)",
+    "the trainer skips such updates and stops after train.max_consecutive_skips in a row; "
+    "continue with --resume auto (or --resume PATH of an earlier checkpoint)",
     "skipped_updates": "updates with a non-finite loss or gradient norm were skipped between logged records: "
-                       "lower optim.lr, keep optim.grad_clip > 0, check the data; "
-                       "train.log_every=1 shows each one",
+    "lower optim.lr, keep optim.grad_clip > 0, check the data; "
+    "train.log_every=1 shows each one",
     "loss_spike": "optim.grad_clip=1.0, lower optim.lr or a longer schedule.warmup_steps; a spike that does "
-                  "not recover becomes a divergence",
+    "not recover becomes a divergence",
     "divergence": "lower optim.lr (halve it) and resume from a checkpoint before the rise (--resume PATH); "
-                  "schedule.warmup_steps longer, optim.grad_clip=1.0",
+    "schedule.warmup_steps longer, optim.grad_clip=1.0",
     "plateau": "schedule.plateau.enabled=true reduces the LR when the loss stops improving; if optim.lr is small "
-               "raise it; check objective.mode_weights and that the data is not tiny (memorised)",
+    "raise it; check objective.mode_weights and that the data is not tiny (memorised)",
     "grad_explosion": "optim.grad_clip=1.0 (clipping bounds the update, the norm is still logged), lower optim.lr",
     "throughput_drop": "another process on the device or node (on shared CPUs train.threads=1 or stop the other "
-                       "job), thermal throttling, a slow filesystem, or the loader: data.num_workers, "
-                       "data.persistent_workers=true; `mmldlm check` audits the loader and the load",
+    "job), thermal throttling, a slow filesystem, or the loader: data.num_workers, "
+    "data.persistent_workers=true; `mmldlm check` audits the loader and the load",
     "data_wait": "the loader cannot keep up: data.num_workers (null = min(8, cpus // local ranks)), "
-                 "data.prefetch_factor=4, data.persistent_workers=true, data.pin_memory on GPU",
+    "data.prefetch_factor=4, data.persistent_workers=true, data.pin_memory on GPU",
     "memory_creep": "tensors kept across steps (a metric not detached, a growing list) or allocator "
-                    "fragmentation from many shapes: data.pad_to_multiple=64 bounds the shapes, "
-                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, a lower train.micro_batch_size",
+    "fragmentation from many shapes: data.pad_to_multiple=64 bounds the shapes, "
+    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, a lower train.micro_batch_size",
     "stall": "a rank or the loader is stuck: distributed.timeout_minutes bounds how long a collective waits "
-             "(30 by default; `mmldlm check` flags absurd values), look at each rank's log "
-             "(scripts/launch.sh writes logs/node-N.log), resume with --resume auto",
+    "(30 by default; `mmldlm check` flags absurd values), look at each rank's log "
+    "(scripts/launch.sh writes logs/node-N.log), resume with --resume auto",
     "recompiles": "each new padded text length compiles the blocks again: data.pad_to_multiple=64 bounds the "
-                  "shapes to a few, or perf.compile=false; the records' compiled_graphs counts the graphs",
+    "shapes to a few, or perf.compile=false; the records' compiled_graphs counts the graphs",
     "resume_mismatch": "the resumed run does not repeat the interrupted one: resume with the same config, data "
-                       "and number of processes; train.deterministic=true makes resumed losses repeat exactly",
+    "and number of processes; train.deterministic=true makes resumed losses repeat exactly",
 }
 
 
@@ -168,8 +168,13 @@ class HealthTracker:
     def _mode(self, name: str) -> _ModeState:
         if name not in self._modes:
             w = self.cfg.window
-            self._modes[name] = _ModeState(deque(maxlen=w), deque(maxlen=w), deque(maxlen=self.cfg.throughput_window),
-                                           deque(maxlen=self.cfg.trend_window), deque(maxlen=self.cfg.trend_window))
+            self._modes[name] = _ModeState(
+                deque(maxlen=w),
+                deque(maxlen=w),
+                deque(maxlen=self.cfg.throughput_window),
+                deque(maxlen=self.cfg.trend_window),
+                deque(maxlen=self.cfg.trend_window),
+            )
         return self._modes[name]
 
     def _raise(self, kind: str, severity: str, step: int, message: str) -> Alert:
@@ -210,13 +215,20 @@ class HealthTracker:
             return
         grown = graphs - self._graphs_after_warmup
         if self._latches["recompiles"].fire(grown > self.cfg.recompile_growth):
-            self._raise("recompiles", "warning", step,
-                        f"{grown:.0f} graphs compiled after the first {self.cfg.min_history} records ({graphs:.0f} in "
-                        f"all; alert above {self.cfg.recompile_growth}): the input shapes keep changing")
+            self._raise(
+                "recompiles",
+                "warning",
+                step,
+                f"{grown:.0f} graphs compiled after the first {self.cfg.min_history} records ({graphs:.0f} in "
+                f"all; alert above {self.cfg.recompile_growth}): the input shapes keep changing",
+            )
 
     def _check_finite(self, record: dict, step: int, mode: str) -> None:
-        bad = {k: record.get(k) for k in ("loss", "grad_norm", "text_loss", "latent_loss")
-               if record.get(k) is not None and not finite(record.get(k))}
+        bad = {
+            k: record.get(k)
+            for k in ("loss", "grad_norm", "text_loss", "latent_loss")
+            if record.get(k) is not None and not finite(record.get(k))
+        }
         if self._latches["nonfinite"].fire(bool(bad)):
             values = ", ".join(f"{k}={v}" for k, v in bad.items())
             skipped = " (the update was skipped)" if record.get("skipped") else ""
@@ -225,9 +237,13 @@ class HealthTracker:
         if isinstance(num_skipped, int):
             unlogged = num_skipped - self._num_skipped - (1 if record.get("skipped") else 0)
             if unlogged > 0:
-                self._raise("skipped_updates", "critical", step,
-                            f"{unlogged} update(s) skipped for a non-finite loss or gradient norm before step "
-                            f"{step} ({num_skipped} in the run so far)")
+                self._raise(
+                    "skipped_updates",
+                    "critical",
+                    step,
+                    f"{unlogged} update(s) skipped for a non-finite loss or gradient norm before step "
+                    f"{step} ({num_skipped} in the run so far)",
+                )
             self._num_skipped = num_skipped
 
     def _check_loss(self, state: _ModeState, loss: float, step: int, mode: str, lr) -> None:
@@ -241,9 +257,13 @@ class HealthTracker:
             if len(state.residuals) >= cfg.min_history:
                 z = robust_z(residual, state.residuals, floor=1e-3 * abs(level))
                 if state.latches["spike"].fire(z > cfg.spike_z):
-                    self._raise("loss_spike", "warning", step,
-                                f"loss {loss:.4g} in mode {mode} jumped {z:.1f} robust standard deviations above "
-                                f"its local level {level:.4g} (rolling median of {cfg.trend_window} records)")
+                    self._raise(
+                        "loss_spike",
+                        "warning",
+                        step,
+                        f"loss {loss:.4g} in mode {mode} jumped {z:.1f} robust standard deviations above "
+                        f"its local level {level:.4g} (rolling median of {cfg.trend_window} records)",
+                    )
             state.residuals.append(residual)
         state.smoothed.append(loss)
         if len(state.smoothed) < cfg.trend_window:
@@ -251,31 +271,44 @@ class HealthTracker:
         rolling = statistics.median(state.smoothed)
         state.previous_medians.append(rolling)
         if state.latches["divergence"].fire(rolling > state.best * (1 + cfg.divergence_ratio)):
-            self._raise("divergence", "warning", step,
-                        f"loss in mode {mode} has risen to a rolling median of {rolling:.4g}, "
-                        f"{rolling / state.best - 1:.0%} above its best {state.best:.4g}")
+            self._raise(
+                "divergence",
+                "warning",
+                step,
+                f"loss in mode {mode} has risen to a rolling median of {rolling:.4g}, "
+                f"{rolling / state.best - 1:.0%} above its best {state.best:.4g}",
+            )
         if rolling < state.anchor * (1 - cfg.plateau_min_improvement):
             state.anchor, state.anchor_at = rolling, state.count
         state.best = min(state.best, rolling)
         # Flat: no new best for plateau_window records, and not far above the best either (a rising
         # loss is a divergence, not a plateau).
         judged = finite(lr) and lr >= cfg.plateau_lr_fraction * self.peak_lr
-        flat = (state.count - state.anchor_at >= cfg.plateau_window
-                and rolling <= state.best * (1 + cfg.divergence_ratio / 2))
+        flat = state.count - state.anchor_at >= cfg.plateau_window and rolling <= state.best * (
+            1 + cfg.divergence_ratio / 2
+        )
         if state.latches["plateau"].fire(judged and flat):
-            self._raise("plateau", "warning", step,
-                        f"loss in mode {mode} has not improved by {cfg.plateau_min_improvement:.0%} over "
-                        f"{cfg.plateau_window} records (rolling median {rolling:.4g}, best {state.best:.4g}) "
-                        f"while lr={lr:.3g} is still at least {cfg.plateau_lr_fraction:.0%} of its peak")
+            self._raise(
+                "plateau",
+                "warning",
+                step,
+                f"loss in mode {mode} has not improved by {cfg.plateau_min_improvement:.0%} over "
+                f"{cfg.plateau_window} records (rolling median {rolling:.4g}, best {state.best:.4g}) "
+                f"while lr={lr:.3g} is still at least {cfg.plateau_lr_fraction:.0%} of its peak",
+            )
 
     def _check_grad_norm(self, state: _ModeState, grad_norm: float, step: int, mode: str) -> None:
         cfg = self.cfg
         if len(state.grad_norms) >= cfg.min_history:
             median = statistics.median(state.grad_norms)
             if state.latches["grad"].fire(grad_norm > cfg.grad_explosion_factor * median):
-                self._raise("grad_explosion", "warning", step,
-                            f"grad norm {grad_norm:.4g} in mode {mode} is {grad_norm / median:.0f}x its running "
-                            f"median {median:.4g}")
+                self._raise(
+                    "grad_explosion",
+                    "warning",
+                    step,
+                    f"grad norm {grad_norm:.4g} in mode {mode} is {grad_norm / median:.0f}x its running "
+                    f"median {median:.4g}",
+                )
         state.grad_norms.append(grad_norm)
 
     def _check_throughput(self, state: _ModeState, record: dict, step: int, mode: str) -> None:
@@ -287,9 +320,13 @@ class HealthTracker:
             share = statistics.median(self._data_wait)
             full = len(self._data_wait) == cfg.throughput_window
             if self._latches["data_wait"].fire(full and share > cfg.data_wait_share):
-                self._raise("data_wait", "warning", step,
-                            f"the loader held up {share:.0%} of the step time (median of the last "
-                            f"{cfg.throughput_window} records; alert above {cfg.data_wait_share:.0%})")
+                self._raise(
+                    "data_wait",
+                    "warning",
+                    step,
+                    f"the loader held up {share:.0%} of the step time (median of the last "
+                    f"{cfg.throughput_window} records; alert above {cfg.data_wait_share:.0%})",
+                )
         speed = record.get("samples_per_s")
         if not finite(speed):
             return
@@ -299,11 +336,15 @@ class HealthTracker:
             return
         recent, overall = statistics.median(state.throughput), statistics.median(state.all_throughput)
         if state.latches["throughput"].fire(recent < (1 - cfg.throughput_drop) * overall):
-            self._raise("throughput_drop", "warning", step,
-                        f"{recent:.4g} samples/s in mode {mode} (median of the last {cfg.throughput_window} "
-                        f"records) is {1 - recent / overall:.0%} below the run's median {overall:.4g}; a likely "
-                        f"cause: a second busy process on the same cores makes torch's threads wait for each other; "
-                        f"see train.threads")
+            self._raise(
+                "throughput_drop",
+                "warning",
+                step,
+                f"{recent:.4g} samples/s in mode {mode} (median of the last {cfg.throughput_window} "
+                f"records) is {1 - recent / overall:.0%} below the run's median {overall:.4g}; a likely "
+                f"cause: a second busy process on the same cores makes torch's threads wait for each other; "
+                f"see train.threads",
+            )
 
     def _check_memory(self, record: dict, step: int) -> None:
         cfg = self.cfg
@@ -317,15 +358,19 @@ class HealthTracker:
         # the window's three thirds rise in order, and no single record adds half of the rise.
         values = list(self._memory)
         third = len(values) // 3
-        m1, m2, m3 = (statistics.median(values[i * third:(i + 1) * third]) for i in range(3))
+        m1, m2, m3 = (statistics.median(values[i * third : (i + 1) * third]) for i in range(3))
         rise = m3 - m1
         largest_jump = max(b - a for a, b in zip(values, values[1:]))
         steady = m1 < m2 < m3 and largest_jump < 0.5 * rise
         large = rise > max(cfg.memory_creep_fraction * m1, cfg.memory_creep_min_gib)
         if self._latches["memory"].fire(steady and large):
-            self._raise("memory_creep", "warning", step,
-                        f"memory rose steadily from {m1:.3g} to {m3:.3g} GiB over the last {cfg.memory_window} "
-                        f"records (+{rise / m1:.0%})")
+            self._raise(
+                "memory_creep",
+                "warning",
+                step,
+                f"memory rose steadily from {m1:.3g} to {m3:.3g} GiB over the last {cfg.memory_window} "
+                f"records (+{rise / m1:.0%})",
+            )
 
     # ---------------------------------------------------------------- summaries
 

@@ -28,8 +28,18 @@ from mmldlm.tools.health import REMEDIES, Alert, HealthConfig, HealthTracker, fi
 from mmldlm.training.storage import current_run_config
 
 EXIT_HEALTHY, EXIT_WARNING, EXIT_CRITICAL = 0, 1, 2
-STAT_KEYS = ("text_loss", "latent_loss", "accuracy", "lr", "grad_norm", "samples_per_s", "tokens_per_s",
-             "step_time_s", "data_wait_share", "mfu")
+STAT_KEYS = (
+    "text_loss",
+    "latent_loss",
+    "accuracy",
+    "lr",
+    "grad_norm",
+    "samples_per_s",
+    "tokens_per_s",
+    "step_time_s",
+    "data_wait_share",
+    "mfu",
+)
 
 
 def metrics_path(target: str | Path) -> Path:
@@ -76,8 +86,9 @@ class MetricsReader:
         with f:
             st = os.fstat(f.fileno())
             self.mtime = st.st_mtime
-            rewritten = self._inode is not None and (st.st_ino != self._inode or st.st_size < self._offset
-                                                     or not self._same_prefix(f))
+            rewritten = self._inode is not None and (
+                st.st_ino != self._inode or st.st_size < self._offset or not self._same_prefix(f)
+            )
             if rewritten:
                 self._offset, self._num_lines, self._last_line, self.unreadable = 0, 0, b"", []
             self._inode = st.st_ino
@@ -154,7 +165,7 @@ class RunHistory:
                 continue
             if self.records and record["step"] <= self.records[-1]["step"]:
                 kept = [r for r in self.records if r["step"] < record["step"]]
-                self._restart(kept, self.records[len(kept):])
+                self._restart(kept, self.records[len(kept) :])
             self._compare_with_replaced(record)
             self.records.append(record)
             self.tracker.observe(record)
@@ -176,10 +187,16 @@ class RunHistory:
         self._replaced = {}  # only the first re-trained step: later ones may drift on non-deterministic kernels
         a, b = before.get("loss"), record.get("loss")
         if finite(a) and finite(b) and abs(a - b) > self.health.resume_tolerance * max(abs(a), 1e-12):
-            self.resume_alerts.append(Alert(
-                "resume_mismatch", "warning", record["step"],
-                f"step {record['step']} trained again after a resume gave loss {b:.6g}, the interrupted run "
-                f"had {a:.6g} (relative difference {abs(a - b) / abs(a):.2g})", REMEDIES["resume_mismatch"]))
+            self.resume_alerts.append(
+                Alert(
+                    "resume_mismatch",
+                    "warning",
+                    record["step"],
+                    f"step {record['step']} trained again after a resume gave loss {b:.6g}, the interrupted run "
+                    f"had {a:.6g} (relative difference {abs(a - b) / abs(a):.2g})",
+                    REMEDIES["resume_mismatch"],
+                )
+            )
 
     def trailing(self, key: str, count: int = 20) -> float | None:
         values = [r[key] for r in self.records[-count:] if finite(r.get(key))]
@@ -214,8 +231,13 @@ def status_line(history: RunHistory, total: int | None) -> str:
     trend = history.tracker.trend(mode)
     loss = f"loss {r['loss']:.4g}" if finite(r.get("loss")) else f"loss {r.get('loss')}"
     parts.append(f"{loss} [{mode}" + (f", {trend:+.1%}" if trend is not None else "") + "]")
-    for key, fmt in (("lr", "lr {:.3g}"), ("grad_norm", "gnorm {:.3g}"), ("samples_per_s", "{:.4g} samples/s"),
-                     ("tokens_per_s", "{:.4g} tok/s"), ("data_wait_share", "data wait {:.0%}")):
+    for key, fmt in (
+        ("lr", "lr {:.3g}"),
+        ("grad_norm", "gnorm {:.3g}"),
+        ("samples_per_s", "{:.4g} samples/s"),
+        ("tokens_per_s", "{:.4g} tok/s"),
+        ("data_wait_share", "data wait {:.0%}"),
+    ):
         if finite(r.get(key)):
             parts.append(fmt.format(r[key]))
     memory = memory_of(r)
@@ -259,8 +281,14 @@ def statistics_of(records: list[dict]) -> dict:
 
 
 class Monitor:
-    def __init__(self, target: str | Path, health: HealthConfig | None = None, stall_seconds: float = 600.0,
-                 clock=time.monotonic, wall_clock=time.time):
+    def __init__(
+        self,
+        target: str | Path,
+        health: HealthConfig | None = None,
+        stall_seconds: float = 600.0,
+        clock=time.monotonic,
+        wall_clock=time.time,
+    ):
         self.path = metrics_path(target)
         self.run_dir = self.path.parent
         self.reader = MetricsReader(self.path)
@@ -314,9 +342,13 @@ class Monitor:
         if idle >= self.stall_seconds:
             last = self.history.records[-1]["step"] if self.history.records else 0
             where = f"after step {last}" + (f" of {self.total}" if self.total else "")
-            self.stall = Alert("stall", "critical", last,
-                               f"no new record in {self.path} for {idle:.0f} s {where} "
-                               f"(--stall-seconds {self.stall_seconds:g})", REMEDIES["stall"])
+            self.stall = Alert(
+                "stall",
+                "critical",
+                last,
+                f"no new record in {self.path} for {idle:.0f} s {where} (--stall-seconds {self.stall_seconds:g})",
+                REMEDIES["stall"],
+            )
         return self.stall
 
     def new_alerts(self) -> list[Alert]:
@@ -330,8 +362,11 @@ class Monitor:
         not repeat them)."""
         fresh = [line for line in self.reader.unreadable if line not in self._warned]
         self._warned.update(fresh)
-        return [f"{self.path}:{number}: skipped a line that is not a metrics record ({start!r}); expected a JSON "
-                f"object with an integer 'step'" for number, start in fresh]
+        return [
+            f"{self.path}:{number}: skipped a line that is not a metrics record ({start!r}); expected a JSON "
+            f"object with an integer 'step'"
+            for number, start in fresh
+        ]
 
     def report(self) -> dict:
         records = self.history.records
@@ -361,8 +396,7 @@ def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
 
 
-def follow(monitor: Monitor, interval: float = 2.0, once: bool = False, out=print, warn=_warn,
-           sleep=time.sleep) -> str:
+def follow(monitor: Monitor, interval: float = 2.0, once: bool = False, out=print, warn=_warn, sleep=time.sleep) -> str:
     """Poll until the run is complete, stopped by a signal, or stalled (or once); print the status
     line and each new alert (`out`), and each unreadable line of the file (`warn`). Returns the
     final status."""
@@ -381,8 +415,15 @@ def follow(monitor: Monitor, interval: float = 2.0, once: bool = False, out=prin
             break
         sleep(interval)
     status = status_of(monitor.alerts)
-    ending = ("complete" if monitor.complete else "stopped by a signal (continue with --resume auto)"
-              if monitor.stopped_by_signal else "stalled" if monitor.stall else "in progress")
+    ending = (
+        "complete"
+        if monitor.complete
+        else "stopped by a signal (continue with --resume auto)"
+        if monitor.stopped_by_signal
+        else "stalled"
+        if monitor.stall
+        else "in progress"
+    )
     out(f"run {ending}; status: {status} ({len(monitor.alerts)} alert(s), {monitor.history.num_resumes} resume(s))")
     return status
 
@@ -390,8 +431,15 @@ def follow(monitor: Monitor, interval: float = 2.0, once: bool = False, out=prin
 # --------------------------------------------------------------------------------------------------
 # The plot.
 
-PANELS = (("loss", "loss"), ("text loss", "text_loss"), ("latent loss", "latent_loss"), ("learning rate", "lr"),
-          ("grad norm", "grad_norm"), ("throughput (samples/s)", "samples_per_s"), ("memory (GiB)", None))
+PANELS = (
+    ("loss", "loss"),
+    ("text loss", "text_loss"),
+    ("latent loss", "latent_loss"),
+    ("learning rate", "lr"),
+    ("grad norm", "grad_norm"),
+    ("throughput (samples/s)", "samples_per_s"),
+    ("memory (GiB)", None),
+)
 
 
 def plot(records: list[dict], path: str | Path, alerts: list[Alert] = ()) -> list[str]:
@@ -408,8 +456,11 @@ def plot(records: list[dict], path: str | Path, alerts: list[Alert] = ()) -> lis
     for ax, (title, key) in zip(axes.flat, PANELS):
         per_mode = key in ("loss", "text_loss", "latent_loss", "grad_norm")
         for mode in modes if per_mode else [None]:
-            points = [(r["step"], memory_of(r) if key is None else r.get(key)) for r in records
-                      if mode is None or r.get("mode", "all") == mode]
+            points = [
+                (r["step"], memory_of(r) if key is None else r.get(key))
+                for r in records
+                if mode is None or r.get("mode", "all") == mode
+            ]
             points = [(s, v if finite(v) else math.nan) for s, v in points if v is not None]
             if points:
                 steps, values = zip(*points)

@@ -64,8 +64,15 @@ def optimizer_state_bytes(model: nn.Module) -> int:
     return sum(2 * p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
-def probe_batch(batch_size: int, seq_len: int, vocab_size: int, num_latents: int, latent_dim: int,
-                device: torch.device, generator: torch.Generator) -> dict:
+def probe_batch(
+    batch_size: int,
+    seq_len: int,
+    vocab_size: int,
+    num_latents: int,
+    latent_dim: int,
+    device: torch.device,
+    generator: torch.Generator,
+) -> dict:
     """A batch of the largest shape the loader can produce: every row a full-length text."""
     return {
         "tokens": torch.randint(2, vocab_size, (batch_size, seq_len), generator=generator).to(device),  # (B, L)
@@ -74,16 +81,21 @@ def probe_batch(batch_size: int, seq_len: int, vocab_size: int, num_latents: int
     }
 
 
-def probe_peak_bytes(model: nn.Module, objective, batch_size: int, seq_len: int, device: torch.device,
-                     autocast: Callable = None) -> int:
+def probe_peak_bytes(
+    model: nn.Module, objective, batch_size: int, seq_len: int, device: torch.device, autocast: Callable = None
+) -> int:
     """Peak memory of one joint-mode forward + backward of `batch_size` full-length samples, plus the
     optimizer state; raises torch.OutOfMemoryError where CUDA runs out."""
-    joint = Objective(dataclasses.replace(objective.cfg, mode="joint"), objective.text, objective.latent,
-                      objective.self_condition, objective.length_head)
+    joint = Objective(
+        dataclasses.replace(objective.cfg, mode="joint"),
+        objective.text,
+        objective.latent,
+        objective.self_condition,
+        objective.length_head,
+    )
     raw = getattr(model, "module", model)
     generator = torch.Generator().manual_seed(batch_size)
-    batch = probe_batch(batch_size, seq_len, raw.vocab_size, raw.cfg.num_latents, raw.cfg.latent_dim,
-                        device, generator)
+    batch = probe_batch(batch_size, seq_len, raw.vocab_size, raw.cfg.num_latents, raw.cfg.latent_dim, device, generator)
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # dropout must not shift the run's RNG stream
         reset_peak_memory(device)
@@ -98,8 +110,9 @@ def probe_peak_bytes(model: nn.Module, objective, batch_size: int, seq_len: int,
     return peak + optimizer_state_bytes(raw)
 
 
-def probe_or_none(model: nn.Module, objective, batch_size: int, seq_len: int, device: torch.device,
-                  autocast: Callable = None) -> int | None:
+def probe_or_none(
+    model: nn.Module, objective, batch_size: int, seq_len: int, device: torch.device, autocast: Callable = None
+) -> int | None:
     """`probe_peak_bytes`, or None where CUDA ran out of memory (its cache is emptied then): every
     search over sizes or checkpointing modes reads an out-of-memory error as "does not fit"."""
     try:
@@ -109,9 +122,16 @@ def probe_or_none(model: nn.Module, objective, batch_size: int, seq_len: int, de
         return None
 
 
-def find_micro_batch(model: nn.Module, objective, per_process_batches: list[int], seq_len: int,
-                     device: torch.device, cap_bytes: float | None, autocast: Callable = None,
-                     agree: Callable[[bool], bool] = lambda fits: fits) -> tuple[int, dict]:
+def find_micro_batch(
+    model: nn.Module,
+    objective,
+    per_process_batches: list[int],
+    seq_len: int,
+    device: torch.device,
+    cap_bytes: float | None,
+    autocast: Callable = None,
+    agree: Callable[[bool], bool] = lambda fits: fits,
+) -> tuple[int, dict]:
     """The largest candidate micro-batch whose probe fits under `cap_bytes` (see the module doc), and
     {size: peak bytes or None for out-of-memory} of the probes. `agree` makes every rank take the
     same decision (a MIN all-reduce of the flag) so all ranks probe in lockstep and end equal."""
@@ -125,7 +145,9 @@ def find_micro_batch(model: nn.Module, objective, per_process_batches: list[int]
     if size is None:
         cap = f"{cap_bytes / 2**30:.2f} GiB" if cap_bytes is not None else "the device's memory"
         peak = f"peak {peaks[1] / 2**30:.2f} GiB" if peaks.get(1) is not None else "out of memory"
-        raise RuntimeError(f"train.micro_batch_size=auto: not even a micro-batch of 1 fits in {cap} "
-                           f"({peak} at text length {seq_len}); raise train.memory_cap_gib, or use a "
-                           f"smaller model or activation checkpointing")
+        raise RuntimeError(
+            f"train.micro_batch_size=auto: not even a micro-batch of 1 fits in {cap} "
+            f"({peak} at text length {seq_len}); raise train.memory_cap_gib, or use a "
+            f"smaller model or activation checkpointing"
+        )
     return size, peaks

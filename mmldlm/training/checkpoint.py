@@ -49,9 +49,13 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from mmldlm.config import CheckpointConfig, save_config
 from mmldlm.training.distributed import DistInfo, collective_guard
@@ -165,13 +169,20 @@ def find_latest(checkpoint_dir: Path, checksums: bool = False) -> Path | None:
             continue
         if path.name != named:
             pointer = f"latest names {named}" if named else "latest is missing"
-            log.warning("%s: %s; using the newest checkpoint that verifies, %s%s", checkpoint_dir, pointer,
-                        path.name, "".join(f"; {s}" for s in skipped))
+            log.warning(
+                "%s: %s; using the newest checkpoint that verifies, %s%s",
+                checkpoint_dir,
+                pointer,
+                path.name,
+                "".join(f"; {s}" for s in skipped),
+            )
         return path
     if skipped:
-        raise CheckpointError(f"{checkpoint_dir}: no checkpoint verifies ({'; '.join(skipped)}); start "
-                              f"elsewhere (another train.run_dir) or resume from a checkpoint you trust with "
-                              f"--resume PATH")
+        raise CheckpointError(
+            f"{checkpoint_dir}: no checkpoint verifies ({'; '.join(skipped)}); start "
+            f"elsewhere (another train.run_dir) or resume from a checkpoint you trust with "
+            f"--resume PATH"
+        )
     return None
 
 
@@ -218,8 +229,10 @@ class CheckpointManager:
 
     def _check_path(self, resume: str) -> Path:
         path = Path(resume)
-        expected = (f"expected a checkpoint directory holding {', '.join(REQUIRED_FILES)}, such as "
-                    f"{self.dir}/step-NNNNNNN (or --resume auto)")
+        expected = (
+            f"expected a checkpoint directory holding {', '.join(REQUIRED_FILES)}, such as "
+            f"{self.dir}/step-NNNNNNN (or --resume auto)"
+        )
         if not path.is_dir():
             raise CheckpointError(f"--resume {resume}: no such directory; {expected}")
         reason = verify(path, checksums=True)
@@ -243,8 +256,13 @@ class CheckpointManager:
             abandoned.mkdir()
             for s in newer:
                 os.replace(self.dir / step_dir_name(s), abandoned / step_dir_name(s))
-            log.warning("resumed from step %d: moved the checkpoints of later steps (%s) to %s; they belong to "
-                        "the continuation this run replaces", step, ", ".join(map(str, newer)), abandoned)
+            log.warning(
+                "resumed from step %d: moved the checkpoints of later steps (%s) to %s; they belong to "
+                "the continuation this run replaces",
+                step,
+                ", ".join(map(str, newer)),
+                abandoned,
+            )
         if path.resolve().parent == self.dir.resolve() and _read_pointer(self.dir) != path.name:
             self._point_latest(path.name)
 
@@ -260,19 +278,36 @@ class CheckpointManager:
         `checkpoint_bytes` each, plus the one being written, needs more than the disk has free."""
         if not self.info.is_main:
             return
-        on_disk = len(self.steps()[-self.cfg.keep_last:])
+        on_disk = len(self.steps()[-self.cfg.keep_last :])
         need = (self.cfg.keep_last + 1 - on_disk) * checkpoint_bytes
         free = free_bytes(self.dir)
         if need > free:
-            log.warning("checkpoints of about %.2f GiB each: checkpoint.keep_last=%d (+1 being written) needs "
-                        "%.2f GiB more, %.2f GiB are free at %s; a save will fail with a full disk (lower "
-                        "checkpoint.keep_last or free space)", checkpoint_bytes / 2**30, self.cfg.keep_last,
-                        need / 2**30, free / 2**30, self.dir)
+            log.warning(
+                "checkpoints of about %.2f GiB each: checkpoint.keep_last=%d (+1 being written) needs "
+                "%.2f GiB more, %.2f GiB are free at %s; a save will fail with a full disk (lower "
+                "checkpoint.keep_last or free space)",
+                checkpoint_bytes / 2**30,
+                self.cfg.keep_last,
+                need / 2**30,
+                free / 2**30,
+                self.dir,
+            )
 
     # ---------------------------------------------------------------- saving
 
-    def save(self, step: int, model, optimizer, trainer_state: dict, rank_state: dict, config,
-             metrics_lines: int, *, blocking: bool = False, ema=None) -> None:
+    def save(
+        self,
+        step: int,
+        model,
+        optimizer,
+        trainer_state: dict,
+        rank_state: dict,
+        config,
+        metrics_lines: int,
+        *,
+        blocking: bool = False,
+        ema=None,
+    ) -> None:
         """Checkpoint after `step` optimizer steps. Call on every rank. Asynchronous when
         checkpoint.async_save is on, unless `blocking` (the final and the signal-triggered save).
         `ema`: the run's WeightEMA, if any."""
@@ -293,11 +328,16 @@ class CheckpointManager:
         if ema is not None:
             trainer["ema_num_averaged"] = ema.num_averaged
         snapshot = _cpu_copy({"model": model_state, "optimizer": optim_state, "ema": ema_state, "trainer": trainer})
-        meta = {"step": step, "world_size": self.info.world_size, "metrics_lines": metrics_lines,
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        meta = {
+            "step": step,
+            "world_size": self.info.world_size,
+            "metrics_lines": metrics_lines,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
         if self.cfg.async_save and not blocking:
-            self._thread = threading.Thread(target=self._write_guarded, args=(step, snapshot, meta, config),
-                                            name="checkpoint-writer", daemon=False)
+            self._thread = threading.Thread(
+                target=self._write_guarded, args=(step, snapshot, meta, config), name="checkpoint-writer", daemon=False
+            )
             self._thread.start()
         else:
             self._write(step, snapshot, meta, config)
@@ -355,25 +395,30 @@ class CheckpointManager:
             _fsync_dir(tmp)
         except (OSError, SafetensorError) as err:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise WriteError(f"{write_failure(err, file)}; the partial checkpoint was removed, "
-                             f"{self.last_good()}; free space, then continue with --resume auto") from err
+            raise WriteError(
+                f"{write_failure(err, file)}; the partial checkpoint was removed, "
+                f"{self.last_good()}; free space, then continue with --resume auto"
+            ) from err
         if final.exists():  # the same step saved again (e.g. a signal right after a periodic save)
             shutil.rmtree(final)
         os.replace(tmp, final)
         try:
             self._point_latest(name)
         except OSError as err:  # the checkpoint is whole; --resume auto finds it without the pointer
-            raise WriteError(f"{write_failure(err, self.dir / 'latest')}; {final} is complete and "
-                             f"--resume auto continues from it") from err
+            raise WriteError(
+                f"{write_failure(err, self.dir / 'latest')}; {final} is complete and --resume auto continues from it"
+            ) from err
         self._prune()
         log.info("checkpoint: wrote %s", final)
 
     def _check_free_space(self, name: str, num_bytes: int) -> None:
         free = free_bytes(self.dir)
         if num_bytes > free:
-            raise WriteError(f"not enough space for checkpoint {name} in {self.dir}: it needs about "
-                             f"{num_bytes / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free; nothing was "
-                             f"written, {self.last_good()}; free space, then continue with --resume auto")
+            raise WriteError(
+                f"not enough space for checkpoint {name} in {self.dir}: it needs about "
+                f"{num_bytes / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free; nothing was "
+                f"written, {self.last_good()}; free space, then continue with --resume auto"
+            )
 
     def _point_latest(self, name: str) -> None:
         pointer_tmp = self.dir / "latest.tmp"
@@ -385,7 +430,7 @@ class CheckpointManager:
         """Keep the newest `keep_last` checkpoints, every milestone (step % milestone_every == 0) and,
         whatever else holds, the one `latest` names."""
         steps = self.steps()
-        keep = {step_dir_name(s) for s in steps[-self.cfg.keep_last:]}
+        keep = {step_dir_name(s) for s in steps[-self.cfg.keep_last :]}
         if self.cfg.milestone_every:
             keep |= {step_dir_name(s) for s in steps if s % self.cfg.milestone_every == 0}
         keep.add(_read_pointer(self.dir))
@@ -404,12 +449,14 @@ class CheckpointManager:
             raise CheckpointError(
                 f"checkpoint {path} was written by {meta['world_size']} processes, this run has "
                 f"{self.info.world_size}: the per-rank RNG states and data positions do not map; resume "
-                f"with the same number of processes")
+                f"with the same number of processes"
+            )
         options = StateDictOptions(full_state_dict=True)
         with collective_guard(f"checkpoint load of {path.name}", self.info):
             set_model_state_dict(model, load_file(str(path / "model.safetensors")), options=options)
-            set_optimizer_state_dict(model, optimizer, torch.load(path / "optimizer.pt", weights_only=True),
-                                     options=options)
+            set_optimizer_state_dict(
+                model, optimizer, torch.load(path / "optimizer.pt", weights_only=True), options=options
+            )
             has_ema = (path / "ema.safetensors").is_file()
             if ema is not None and has_ema:
                 set_model_state_dict(ema.module, load_file(str(path / "ema.safetensors")), options=options)
@@ -417,6 +464,9 @@ class CheckpointManager:
         if ema is not None:
             ema.averaged.n_averaged.fill_(state.get("ema_num_averaged", 0) if has_ema else 0)
             if not has_ema and self.info.is_main:
-                log.warning("checkpoint %s holds no EMA of the weights; the average starts again from the "
-                            "weights at the next step", path)
+                log.warning(
+                    "checkpoint %s holds no EMA of the weights; the average starts again from the "
+                    "weights at the next step",
+                    path,
+                )
         return meta, state["trainer"], state["ranks"][self.info.rank]

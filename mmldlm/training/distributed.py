@@ -23,7 +23,6 @@ import torch.distributed as dist
 from mmldlm.config import DistributedConfig
 from mmldlm.device import pick_device
 
-
 # How gloo/NCCL describe a peer that stopped answering (timeout) or went away (connection lost).
 _PEER_FAILURE = re.compile(r"timed out|timeout|connection (closed|reset)|broken pipe", re.IGNORECASE)
 
@@ -73,8 +72,9 @@ def init_distributed(cfg: DistributedConfig, device_kind: str = "auto") -> DistI
         set_nccl_env_defaults(timeout_s)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if backend == "nccl" else None)
+        dist.init_process_group(
+            backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=device if backend == "nccl" else None
+        )
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, timeout_s=timeout_s)
 
 
@@ -90,12 +90,16 @@ def collective_guard(what: str, info: DistInfo):
             raise
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
         if re.search(r"timed out|timeout", message, re.IGNORECASE):
-            happened = (f"did not complete within distributed.timeout_minutes={info.timeout_s / 60:g} "
-                        f"({info.timeout_s:g} s): another rank stalled")
+            happened = (
+                f"did not complete within distributed.timeout_minutes={info.timeout_s / 60:g} "
+                f"({info.timeout_s:g} s): another rank stalled"
+            )
         else:
             happened = "failed: another rank closed its connection (it died or was killed)"
-        raise RankTimeout(f"rank {info.rank}/{info.world_size}: {what} {happened}; look at that rank's log. "
-                          f"The last checkpoint is untouched. Backend said: {message}") from err
+        raise RankTimeout(
+            f"rank {info.rank}/{info.world_size}: {what} {happened}; look at that rank's log. "
+            f"The last checkpoint is untouched. Backend said: {message}"
+        ) from err
 
 
 def barrier(info: DistInfo, what: str) -> None:

@@ -45,12 +45,22 @@ def evaluate_during_training(trainer) -> dict | None:
     record = None
     if trainer.info.is_main:
         objective = trainer.objective
-        run = TrainedRun.on_dataset(trainer.cfg, model, objective.text, objective.latent,
-                                    trainer.loader.dataset.path, step=trainer.step,
-                                    weights="ema" if trainer.ema is not None else "raw")
+        run = TrainedRun.on_dataset(
+            trainer.cfg,
+            model,
+            objective.text,
+            objective.latent,
+            trainer.loader.dataset.path,
+            step=trainer.step,
+            weights="ema" if trainer.ema is not None else "raw",
+        )
         report = evaluate(run, trainer.cfg.eval, seed=trainer.cfg.train.seed)
         record = {"step": trainer.step, **flat(report)}
-        log.info("eval at step %d: l2t exact match %.1f%%, t2l retrieval@1 %.1f%%", trainer.step,
-                 100 * report["l2t"]["exact_match"], 100 * report["t2l"]["retrieval_at_1"])
+        log.info(
+            "eval at step %d: l2t exact match %.1f%%, t2l retrieval@1 %.1f%%",
+            trainer.step,
+            100 * report["l2t"]["exact_match"],
+            100 * report["t2l"]["retrieval_at_1"],
+        )
     barrier(trainer.info, f"evaluation of step {trainer.step}")
     return record

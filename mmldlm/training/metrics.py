@@ -59,8 +59,10 @@ def cpu_has_native_bf16() -> bool:
 def memory_stats(device: torch.device) -> dict:
     """GiB of CUDA memory allocated / reserved (peak since the last call), or process RSS on CPU."""
     if device.type == "cuda":
-        stats = {"mem_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
-                 "mem_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+        stats = {
+            "mem_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+            "mem_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+        }
         torch.cuda.reset_peak_memory_stats(device)
         return stats
     with open("/proc/self/statm") as f:  # Linux; fields are in pages
@@ -156,8 +158,13 @@ class MetricsLogger:
             except ImportError:
                 log.warning("logging.wandb=true but wandb is not installed (pip install wandb); skipping W&B")
             else:
-                self._wandb = wandb.init(project=cfg.wandb_project, dir=str(run_dir), mode="offline",
-                                         resume="allow", id=Path(run_dir).resolve().name)
+                self._wandb = wandb.init(
+                    project=cfg.wandb_project,
+                    dir=str(run_dir),
+                    mode="offline",
+                    resume="allow",
+                    id=Path(run_dir).resolve().name,
+                )
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -166,15 +173,20 @@ class MetricsLogger:
         try:
             rest = memoryview(line)
             while rest:  # unbuffered: a kill -9 loses nothing already logged
-                rest = rest[self._file.write(rest):]
+                rest = rest[self._file.write(rest) :]
         except OSError as err:  # a full disk: the line goes whole or not at all
             os.ftruncate(self._file.fileno(), self._end)
-            raise WriteError(f"{write_failure(err, self.path)} (the record of step {record.get('step')} "
-                             f"was not written; the file ends with the one before)") from err
+            raise WriteError(
+                f"{write_failure(err, self.path)} (the record of step {record.get('step')} "
+                f"was not written; the file ends with the one before)"
+            ) from err
         self._end += len(line)
         self.num_lines += 1
-        numeric = {k: v for k, v in record.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" and math.isfinite(v)}
+        numeric = {
+            k: v
+            for k, v in record.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" and math.isfinite(v)
+        }
         if self._tb is not None:
             for key, value in numeric.items():
                 self._tb.add_scalar(key, value, record["step"])

@@ -26,8 +26,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     for param in model.parameters():  # parameters() dedups shared (tied) tensors
         if param.requires_grad:
             (decay if id(param) in decay_ids else no_decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
@@ -47,8 +46,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
         optimizer = torch.optim.AdamW(groups, fused=True, **kwargs)
     except (RuntimeError, ValueError) as err:
         if cfg.fused is True:
-            raise RuntimeError(f"optim.fused=true but fused AdamW is unavailable here: {err}; "
-                               "set optim.fused=auto to fall back to the foreach kernel") from err
+            raise RuntimeError(
+                f"optim.fused=true but fused AdamW is unavailable here: {err}; "
+                "set optim.fused=auto to fall back to the foreach kernel"
+            ) from err
         log.info("optimizer: AdamW (%s); the fused kernel is unavailable: %s", unfused, err)
         return torch.optim.AdamW(groups, foreach=cfg.foreach, fused=False, **kwargs)
     log.info("optimizer: AdamW (fused)")

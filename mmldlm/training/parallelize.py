@@ -47,7 +47,9 @@ aten = torch.ops.aten
 # adaLN modulate, GELU, RoPE, residual adds, softmax of the explicit path) is elementwise: cheap to
 # recompute, and together it is most of a block's saved activations.
 _SAVED_OPS = {
-    aten.mm.default, aten.addmm.default, aten.bmm.default,
+    aten.mm.default,
+    aten.addmm.default,
+    aten.bmm.default,
     aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_cudnn_attention.default,

@@ -22,10 +22,12 @@ def profiler_window(cfg: ProfilerConfig, run_dir: Path, device: torch.device, ra
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    log.info("profiler: skipping %d steps, warming up %d, recording %d into %s",
-             cfg.skip, cfg.warmup, cfg.active, out)
+    log.info("profiler: skipping %d steps, warming up %d, recording %d into %s", cfg.skip, cfg.warmup, cfg.active, out)
     return torch.profiler.profile(
         activities=activities,
         schedule=torch.profiler.schedule(skip_first=cfg.skip, wait=0, warmup=cfg.warmup, active=cfg.active, repeat=1),
         on_trace_ready=torch.profiler.tensorboard_trace_handler(str(out), worker_name=f"rank{rank}"),
-        record_shapes=True, profile_memory=True, with_stack=False)
+        record_shapes=True,
+        profile_memory=True,
+        with_stack=False,
+    )

@@ -70,8 +70,9 @@ def build_model_and_objective(cfg: RunConfig, dataset):
     latent = GaussianDiffusion(cfg.latent_diffusion, mean=mean, std=std)
     if cfg.model.vocab_prior:
         model.set_token_latents(latent.standardize(dataset_token_latents(dataset)))
-    return model, Objective(cfg.objective, text, latent, self_condition=cfg.model.self_condition,
-                            length_head=cfg.model.length_head)
+    return model, Objective(
+        cfg.objective, text, latent, self_condition=cfg.model.self_condition, length_head=cfg.model.length_head
+    )
 
 
 def open_train_data(cfg: RunConfig, info: DistInfo):
@@ -100,6 +101,7 @@ class StartUpInterrupted(Exception):
 @contextlib.contextmanager
 def signals_interrupt_start_up():
     """Until the loop takes signals over (it checkpoints on them), a signal ends the start-up at once."""
+
     def interrupt(signum, frame):
         raise StartUpInterrupted(signum)
 
@@ -134,8 +136,11 @@ def train(cfg: RunConfig, resume: str | None = None, command: str = "mmldlm trai
         status = trainer.fit()
     except StartUpInterrupted as err:
         if info.is_main:
-            print(f"mmldlm train: {err} during start-up, before the first step; nothing was written to {run_dir}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"mmldlm train: {err} during start-up, before the first step; nothing was written to {run_dir}",
+                file=sys.stderr,
+                flush=True,
+            )
         if info.distributed:  # the peers may be inside a start-up collective: do not wait on them
             os._exit(128 + err.signum)
         status = 128 + err.signum
@@ -156,7 +161,11 @@ def train(cfg: RunConfig, resume: str | None = None, command: str = "mmldlm trai
         status = 2
     else:
         if trainer.stopped_by and info.is_main:
-            print(f"mmldlm train: stopped by {trainer.stopped_by} at step {trainer.step} of {cfg.train.steps} "
-                  f"(exit status {status}); checkpoint {trainer.checkpoints.dir / step_dir_name(trainer.step)} "
-                  f"written. Continue with: {command} --resume auto", file=sys.stderr, flush=True)
+            print(
+                f"mmldlm train: stopped by {trainer.stopped_by} at step {trainer.step} of {cfg.train.steps} "
+                f"(exit status {status}); checkpoint {trainer.checkpoints.dir / step_dir_name(trainer.step)} "
+                f"written. Continue with: {command} --resume auto",
+                file=sys.stderr,
+                flush=True,
+            )
     return leave(info, status)

@@ -97,9 +97,13 @@ class LRSchedule:
         return lr
 
     def state_dict(self) -> dict:
-        return {"plateau_scale": self.plateau_scale, "best_loss": self.best_loss,
-                "num_bad_windows": self.num_bad_windows, "window_sum": self.window_sum,
-                "window_count": self.window_count}
+        return {
+            "plateau_scale": self.plateau_scale,
+            "best_loss": self.best_loss,
+            "num_bad_windows": self.num_bad_windows,
+            "window_sum": self.window_sum,
+            "window_count": self.window_count,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.plateau_scale = state["plateau_scale"]

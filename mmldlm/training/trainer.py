@@ -38,14 +38,15 @@ from mmldlm.config import ConfigError, RunConfig
 from mmldlm.training.checkpoint import CheckpointManager
 from mmldlm.training.distributed import DistInfo, collective_guard
 from mmldlm.training.ema import WeightEMA
-from mmldlm.training.storage import CheckpointError, WriteError
 from mmldlm.training.metrics import MetricsLogger, cpu_has_native_bf16, memory_stats, peak_flops
 from mmldlm.training.optim import STATE_BYTES, build_optimizer
 from mmldlm.training.parallelize import anchor, apply_fsdp, no_grad_sync, parallelize, uses_anchor
 from mmldlm.training.profiler import profiler_window
 from mmldlm.training.schedules import LRSchedule
+from mmldlm.training.storage import CheckpointError, WriteError
 
 log = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass
 class StepTotals:
@@ -62,13 +63,20 @@ class StepTotals:
     data_wait_s: float = 0.0
     flops: float = 0.0
 
-    REDUCED: typing.ClassVar[tuple[str, ...]] = ("loss", "text_loss", "latent_loss", "accuracy", "tokens",
-                                                 "nonfinite", "stop")
+    REDUCED: typing.ClassVar[tuple[str, ...]] = (
+        "loss",
+        "text_loss",
+        "latent_loss",
+        "accuracy",
+        "tokens",
+        "nonfinite",
+        "stop",
+    )
 
     def to_tensor(self) -> torch.Tensor:
         return torch.tensor([getattr(self, name) for name in self.REDUCED], dtype=torch.float64)
 
-    def with_reduced(self, reduced: torch.Tensor) -> "StepTotals":
+    def with_reduced(self, reduced: torch.Tensor) -> StepTotals:
         return dataclasses.replace(self, **{name: reduced[i].item() for i, name in enumerate(self.REDUCED)})
 
 
@@ -77,13 +85,14 @@ class TrainingStopped(RuntimeError):
 
 
 def resolve_precision(name: str, device: torch.device) -> str:
-    """"auto": bf16 autocast (fp32 master weights and optimizer) where the hardware multiplies bf16
+    """ "auto": bf16 autocast (fp32 master weights and optimizer) where the hardware multiplies bf16
     natively, a CUDA GPU with bf16 (fp16 with loss scaling on older GPUs) or a CPU with AVX512-BF16/AMX;
     fp32 elsewhere. Tests and debugging that compare numbers across machines pin `fp32`."""
     if name != "auto":
         if name == "fp16" and device.type != "cuda":
-            raise ConfigError("config key 'train.precision': got 'fp16'; fp16 with loss scaling needs CUDA; "
-                              "use bf16 or fp32 on CPU")
+            raise ConfigError(
+                "config key 'train.precision': got 'fp16'; fp16 with loss scaling needs CUDA; use bf16 or fp32 on CPU"
+            )
         return name
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
@@ -93,8 +102,10 @@ def resolve_precision(name: str, device: torch.device) -> str:
 def accumulation_steps(global_batch: int, micro_batch: int, world_size: int, key: str) -> int:
     per_step = micro_batch * world_size
     if global_batch % per_step:
-        raise ConfigError(f"config key '{key}': got {global_batch}; expected a multiple of "
-                          f"train.micro_batch_size x world size = {micro_batch} x {world_size} = {per_step}")
+        raise ConfigError(
+            f"config key '{key}': got {global_batch}; expected a multiple of "
+            f"train.micro_batch_size x world size = {micro_batch} x {world_size} = {per_step}"
+        )
     return global_batch // per_step
 
 
@@ -110,8 +121,7 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": list(np.random.get_state()),
-             "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "numpy": list(np.random.get_state()), "torch": torch.get_rng_state()}
     state["numpy"][1] = state["numpy"][1].tolist()  # plain lists: loadable with weights_only
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -161,8 +171,9 @@ class Trainer:
     `loader` is a loader (an iterable, not callable), or a callable of the micro-batch size that builds one: with
     train.micro_batch_size=auto the size is known only once the set-up model has been probed."""
 
-    def __init__(self, cfg: RunConfig, model: nn.Module, objective, loader, info: DistInfo,
-                 max_seq_len: int | None = None):
+    def __init__(
+        self, cfg: RunConfig, model: nn.Module, objective, loader, info: DistInfo, max_seq_len: int | None = None
+    ):
         self.cfg = cfg
         self.info = info
         self.run_dir = Path(cfg.train.run_dir)
@@ -178,8 +189,12 @@ class Trainer:
             torch.backends.cuda.enable_cudnn_sdp(False)
         perf = cfg.perf
         if perf.activation_checkpointing == "auto":
-            perf = dataclasses.replace(perf, activation_checkpointing=self._choose_checkpointing(
-                objective, max_seq_len or self.raw_model.cfg.max_seq_len))
+            perf = dataclasses.replace(
+                perf,
+                activation_checkpointing=self._choose_checkpointing(
+                    objective, max_seq_len or self.raw_model.cfg.max_seq_len
+                ),
+            )
         self.activation_checkpointing = perf.activation_checkpointing  # what runs: auto resolved
         self.model = parallelize(self.raw_model, perf, cfg.distributed, info)
         if self.ema is not None and info.distributed and cfg.distributed.strategy == "fsdp2":
@@ -207,8 +222,9 @@ class Trainer:
         # Every accumulation split of every scheduled batch size must be valid before step 0.
         for i, (_, size) in enumerate(cfg.train.batch_schedule):
             accumulation_steps(size, self.micro_batch_size, info.world_size, f"train.batch_schedule[{i}]")
-        accumulation_steps(cfg.train.global_batch_size, self.micro_batch_size, info.world_size,
-                           "train.global_batch_size")
+        accumulation_steps(
+            cfg.train.global_batch_size, self.micro_batch_size, info.world_size, "train.global_batch_size"
+        )
         self.step_in_backward = cfg.optim.step_in_backward
         if self.step_in_backward:
             self._setup_step_in_backward()
@@ -233,16 +249,19 @@ class Trainer:
         step, so checkpoints are the same either way."""
         cfg, info = self.cfg, self.info
         if info.distributed:
-            raise ConfigError("config key 'optim.step_in_backward': got True; expected false with more than one "
-                              f"process (world size {info.world_size}): a parameter would be updated with its local "
-                              "gradient before the data-parallel reduction")
+            raise ConfigError(
+                "config key 'optim.step_in_backward': got True; expected false with more than one "
+                f"process (world size {info.world_size}): a parameter would be updated with its local "
+                "gradient before the data-parallel reduction"
+            )
         for size in [cfg.train.global_batch_size] + [size for _, size in cfg.train.batch_schedule]:
             if size != self.micro_batch_size:
                 raise ConfigError(
                     f"config key 'optim.step_in_backward': got True; expected false with gradient accumulation "
                     f"(global batch {size} = {size // self.micro_batch_size} micro-batches of "
                     f"{self.micro_batch_size}): each parameter is updated as soon as one micro-batch's gradient "
-                    f"arrives. Set train.micro_batch_size to the global batch size, or optim.step_in_backward=false")
+                    f"arrives. Set train.micro_batch_size to the global batch size, or optim.step_in_backward=false"
+                )
         self._in_step = False  # the hooks act only inside train_step's backward, never in a probe
         self._idle: set[int] = set()
         self._grad_sq = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -301,8 +320,10 @@ class Trainer:
 
         micro = self.cfg.train.micro_batch_size
         if micro == "auto":
-            log.info("activation checkpointing: auto -> none (train.micro_batch_size=auto sizes the "
-                     "micro-batch to fit without it)")
+            log.info(
+                "activation checkpointing: auto -> none (train.micro_batch_size=auto sizes the "
+                "micro-batch to fit without it)"
+            )
             return "none"
         cap = self._memory_cap()
         if cap is None:  # CUDA: leave headroom for the allocator's fragmentation
@@ -317,10 +338,18 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the probes ran at full text length: give their blocks back
         if self.info.is_main:
-            probed = ", ".join(f"{m} {p / 2**30:.2f} GiB" if p is not None else f"{m} out of memory"
-                               for m, p in peaks.items())
-            log.info("activation checkpointing: auto -> %s (micro-batch %d at text length %d, cap %.2f GiB; "
-                     "probed peak: %s)", mode, micro, seq_len, cap / 2**30, probed)
+            probed = ", ".join(
+                f"{m} {p / 2**30:.2f} GiB" if p is not None else f"{m} out of memory" for m, p in peaks.items()
+            )
+            log.info(
+                "activation checkpointing: auto -> %s (micro-batch %d at text length %d, cap %.2f GiB; "
+                "probed peak: %s)",
+                mode,
+                micro,
+                seq_len,
+                cap / 2**30,
+                probed,
+            )
         return mode
 
     def _find_micro_batch(self, seq_len: int) -> int:
@@ -332,17 +361,36 @@ class Trainer:
         batches = [cfg.global_batch_size] + [size for _, size in cfg.batch_schedule]
         for size in batches:
             if size % info.world_size:
-                raise ConfigError(f"config key 'train.global_batch_size': got {size}; expected a multiple of "
-                                  f"the world size {info.world_size}")
+                raise ConfigError(
+                    f"config key 'train.global_batch_size': got {size}; expected a multiple of "
+                    f"the world size {info.world_size}"
+                )
         cap = self._memory_cap()
-        size, peaks = find_micro_batch(self.model, self.objective, [b // info.world_size for b in batches],
-                                       seq_len, self.device, cap, self._autocast, self._agree)
+        size, peaks = find_micro_batch(
+            self.model,
+            self.objective,
+            [b // info.world_size for b in batches],
+            seq_len,
+            self.device,
+            cap,
+            self._autocast,
+            self._agree,
+        )
         if info.is_main:
-            probed = ", ".join(f"{b}: {p / 2**30:.2f} GiB" if p is not None else f"{b}: out of memory"
-                               for b, p in sorted(peaks.items()))
-            log.info("micro-batch: auto -> %d (cap %s; probed peak at text length %d: %s); accumulation "
-                     "%d for the global batch of %d", size, f"{cap / 2**30:.2f} GiB" if cap else "none",
-                     seq_len, probed, cfg.global_batch_size // (size * info.world_size), cfg.global_batch_size)
+            probed = ", ".join(
+                f"{b}: {p / 2**30:.2f} GiB" if p is not None else f"{b}: out of memory"
+                for b, p in sorted(peaks.items())
+            )
+            log.info(
+                "micro-batch: auto -> %d (cap %s; probed peak at text length %d: %s); accumulation "
+                "%d for the global batch of %d",
+                size,
+                f"{cap / 2**30:.2f} GiB" if cap else "none",
+                seq_len,
+                probed,
+                cfg.global_batch_size // (size * info.world_size),
+                cfg.global_batch_size,
+            )
         return size
 
     # ---------------------------------------------------------------- state
@@ -353,8 +401,10 @@ class Trainer:
         path = self.checkpoints.resolve(resume)
         keep_lines = 0
         if path is None and self.checkpoints.steps():
-            raise CheckpointError(f"{self.checkpoints.dir} already holds checkpoints; pass --resume auto to "
-                                  f"continue that run, or choose another train.run_dir")
+            raise CheckpointError(
+                f"{self.checkpoints.dir} already holds checkpoints; pass --resume auto to "
+                f"continue that run, or choose another train.run_dir"
+            )
         if path is not None:
             meta, state, rank_state = self.checkpoints.load(path, self.model, self.optimizer, self.ema)
             self.step = state["step"]
@@ -375,16 +425,30 @@ class Trainer:
         # fp32 weights, AdamW's moments, the EMA's fp32 copy: what a checkpoint of this run takes
         bytes_per_param = 4 + STATE_BYTES[self.cfg.optim.state_dtype] + (4 if self.ema is not None else 0)
         self.checkpoints.warn_if_retention_cannot_fit(
-            int(bytes_per_param * sum(p.numel() for p in self.raw_model.parameters())))
+            int(bytes_per_param * sum(p.numel() for p in self.raw_model.parameters()))
+        )
         self.metrics = MetricsLogger(self.run_dir, self.cfg.logging, self.info.is_main, keep_lines)
 
     def save(self, blocking: bool = False) -> None:
-        state = {"step": self.step, "num_skipped": self.num_skipped, "consecutive_skips": self.consecutive_skips,
-                 "schedule": self.schedule.state_dict(),
-                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+        state = {
+            "step": self.step,
+            "num_skipped": self.num_skipped,
+            "consecutive_skips": self.consecutive_skips,
+            "schedule": self.schedule.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
         rank_state = {"rng": rng_state(), "data": self.loader.state_dict()}
-        self.checkpoints.save(self.step, self.model, self.optimizer, state, rank_state, self.cfg,
-                              self.metrics.num_lines if self.metrics else 0, blocking=blocking, ema=self.ema)
+        self.checkpoints.save(
+            self.step,
+            self.model,
+            self.optimizer,
+            state,
+            rank_state,
+            self.cfg,
+            self.metrics.num_lines if self.metrics else 0,
+            blocking=blocking,
+            ema=self.ema,
+        )
         self._last_saved = self.step
 
     # ---------------------------------------------------------------- one step
@@ -409,8 +473,7 @@ class Trainer:
         except StopIteration:  # end of an epoch: the loader starts the next one
             self._batches = iter(self.loader)
             batch = next(self._batches)
-        return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                for k, v in batch.items()}
+        return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
     def _autocast(self):
         if self.precision == "fp32":
@@ -429,8 +492,9 @@ class Trainer:
         started = time.perf_counter()
         step = self.step
         global_batch = self.global_batch_at(step)
-        num_accum = accumulation_steps(global_batch, self.micro_batch_size, self.info.world_size,
-                                       "train.global_batch_size")
+        num_accum = accumulation_steps(
+            global_batch, self.micro_batch_size, self.info.world_size, "train.global_batch_size"
+        )
         mode = self.objective.mode_at(step)
         idle = self.idle_parameters(mode)
         if self.cfg.perf.refreeze_every_step:  # comparison recipe
@@ -443,12 +507,14 @@ class Trainer:
             p.grad = None
         grad_norm = self._gradient_norm()
         totals = self._sum_over_ranks(totals)
-        skipped = self._update(nonfinite=totals.nonfinite > 0 or not math.isfinite(grad_norm),
-                               loss_finite=math.isfinite(totals.loss))
+        skipped = self._update(
+            nonfinite=totals.nonfinite > 0 or not math.isfinite(grad_norm), loss_finite=math.isfinite(totals.loss)
+        )
         self.step += 1
 
-        record = self._record(mode, lr, grad_norm, totals, global_batch, num_accum, skipped,
-                              time.perf_counter() - started)
+        record = self._record(
+            mode, lr, grad_norm, totals, global_batch, num_accum, skipped, time.perf_counter() - started
+        )
         if not skipped:
             self.schedule.observe(record["loss"])
         return record
@@ -463,8 +529,10 @@ class Trainer:
             batch = self._next_batch()
             totals.data_wait_s += time.perf_counter() - t0
             self.generator.manual_seed(micro_seed(cfg.train.seed, step, a * info.world_size + info.rank))
-            with no_grad_sync(self.model, sync=a == num_accum - 1), \
-                    collective_guard(f"gradient all-reduce of step {step + 1}", info):
+            with (
+                no_grad_sync(self.model, sync=a == num_accum - 1),
+                collective_guard(f"gradient all-reduce of step {step + 1}", info),
+            ):
                 with self._autocast():
                     loss, metrics = self.objective(self.model, batch, step, generator=self.generator)
                     if self.anchor_idle:
@@ -538,22 +606,37 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return skipped
 
-    def _record(self, mode: str, lr: float, grad_norm: float, totals: StepTotals, global_batch: int,
-                num_accum: int, skipped: bool, step_time: float) -> dict:
+    def _record(
+        self,
+        mode: str,
+        lr: float,
+        grad_norm: float,
+        totals: StepTotals,
+        global_batch: int,
+        num_accum: int,
+        skipped: bool,
+        step_time: float,
+    ) -> dict:
         """The step's metrics record (what metrics.jsonl, TensorBoard and the monitor read)."""
         world = self.info.world_size
         record = {
-            "step": self.step, "mode": mode,
+            "step": self.step,
+            "mode": mode,
             "loss": totals.loss / world,
             "text_loss": totals.text_loss / world if mode != "t2l" else None,
             "latent_loss": totals.latent_loss / world if mode != "l2t" else None,
             "accuracy": totals.accuracy / world if mode != "t2l" else None,
-            "lr": lr, "grad_norm": grad_norm,
-            "micro_batch_size": self.micro_batch_size, "global_batch_size": global_batch,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "micro_batch_size": self.micro_batch_size,
+            "global_batch_size": global_batch,
             "accumulation_steps": num_accum,
-            "samples_per_s": global_batch / step_time, "tokens_per_s": totals.tokens / step_time,
-            "step_time_s": step_time, "data_wait_share": totals.data_wait_s / step_time,
-            "skipped": skipped, "num_skipped": self.num_skipped,
+            "samples_per_s": global_batch / step_time,
+            "tokens_per_s": totals.tokens / step_time,
+            "step_time_s": step_time,
+            "data_wait_share": totals.data_wait_s / step_time,
+            "skipped": skipped,
+            "num_skipped": self.num_skipped,
             "stop_requested": totals.stop > 0,
         }
         if self.peak_flops is not None:
@@ -572,8 +655,9 @@ class Trainer:
 
         B, L = tokens.shape
         rows = float(num_masked) / B if num_masked is not None else None
-        return B * training_flops_per_sample(self.raw_model, L, text_head=mode != "t2l",
-                                             latent_head=mode != "l2t", text_head_rows=rows)
+        return B * training_flops_per_sample(
+            self.raw_model, L, text_head=mode != "t2l", latent_head=mode != "l2t", text_head_rows=rows
+        )
 
     # ---------------------------------------------------------------- the loop
 
@@ -590,16 +674,21 @@ class Trainer:
 
             bar = tqdm(total=total, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
         try:
-            with _StopRequest() as stop, profiler_window(cfg.perf.profiler, self.run_dir, self.device,
-                                                         info.rank) as profiler:
+            with (
+                _StopRequest() as stop,
+                profiler_window(cfg.perf.profiler, self.run_dir, self.device, info.rank) as profiler,
+            ):
                 while self.step < total:
                     record = self.train_step(stop)
                     self.checkpoints.raise_background_error()
                     if profiler is not None:
                         profiler.step()
                     if record["skipped"] and info.is_main:
-                        log.warning("step %d: non-finite loss or gradient norm on some rank; update skipped "
-                                    "(%d in a row)", record["step"], self.consecutive_skips)
+                        log.warning(
+                            "step %d: non-finite loss or gradient norm on some rank; update skipped (%d in a row)",
+                            record["step"],
+                            self.consecutive_skips,
+                        )
                     if self.consecutive_skips >= cfg.train.max_consecutive_skips:
                         self._log(self._with_memory(record))
                         raise TrainingStopped(
@@ -607,13 +696,18 @@ class Trainer:
                             f"gradient norm was not finite (train.max_consecutive_skips="
                             f"{cfg.train.max_consecutive_skips}); stopping at step {self.step}. The checkpoints "
                             f"in {self.checkpoints.dir} are untouched: lower optim.lr, check the data, or "
-                            f"resume from an earlier one with --resume PATH")
+                            f"resume from an earlier one with --resume PATH"
+                        )
                     if self.step % cfg.train.log_every == 0 or self.step in (1, total) or record["stop_requested"]:
                         self._log(self._with_memory(record))
                     if bar is not None:
                         bar.update(1)
-                        bar.set_postfix(loss=f"{record['loss']:.4f}", mode=record["mode"],
-                                        samples_s=f"{record['samples_per_s']:.1f}", refresh=False)
+                        bar.set_postfix(
+                            loss=f"{record['loss']:.4f}",
+                            mode=record["mode"],
+                            samples_s=f"{record['samples_per_s']:.1f}",
+                            refresh=False,
+                        )
                     if record["stop_requested"] and self.step < total:  # at the last step: the run is done
                         self.save(blocking=True)
                         # A rank that did not receive the signal itself stops as for the usual SIGTERM.
