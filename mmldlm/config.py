@@ -449,11 +449,11 @@ class DistributedConfig:
     strategy: Literal["ddp", "fsdp2"] = "ddp"
     # A collective that waits longer than this fails the job with a message instead of hanging.
     timeout_minutes: float = 30.0
-    # DDP static graph; auto: on, since the idle head is anchored into the loss every step and the
-    # set of parameters that receive gradients is therefore the same on every step.
+    # DDP static graph; auto: on unless find_unused_parameters (the idle-head anchor keeps the set of
+    # parameters with gradients the same at every step: training/parallelize.py).
     static_graph: bool | Literal["auto"] = "auto"
-    # true: DDP searches the autograd graph for unused parameters every step instead of the idle-head
-    # anchor (parallelize.py) (the comparison recipe's setting).
+    # true: DDP searches the autograd graph for unused parameters every step instead of the anchor
+    # (the comparison recipe's setting).
     find_unused_parameters: bool = False
 
     def check(self, prefix: str = "distributed") -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch.distributed as dist
 from tqdm import tqdm
 
 from mmldlm import __version__
@@ -163,7 +164,6 @@ class Ranks:
     """This process's place among the preparing processes (a gloo group when torch.distributed is up)."""
 
     def __init__(self):
-        import torch.distributed as dist
 
         self.dist = dist if dist.is_available() and dist.is_initialized() else None
         self.rank = self.dist.get_rank() if self.dist else 0

@@ -11,8 +11,14 @@ import sys
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from mmldlm.config import RunConfig
+from mmldlm.data import build_loader, dataset_path, open_dataset, resolve_for_model
+from mmldlm.data.prepare import Ranks, ensure_token_latents
+from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
+from mmldlm.model.mmdit import MultimodalMMDiT
+from mmldlm.objective import Objective
 from mmldlm.training.checkpoint import step_dir_name
 from mmldlm.training.distributed import DistInfo, RankTimeout, init_distributed, leave
 from mmldlm.training.storage import CheckpointError, WriteError, save_run_config
@@ -25,7 +31,6 @@ class _TqdmHandler(logging.Handler):
     """Log lines that do not tear the progress bar apart."""
 
     def emit(self, record):
-        from tqdm import tqdm
 
         tqdm.write(self.format(record), file=sys.stderr)
 
@@ -52,7 +57,6 @@ def set_deterministic(enabled: bool) -> None:
 def dataset_token_latents(dataset) -> torch.Tensor:
     """(V, K, D) token latents of the dataset's vocabulary (model.vocab_prior): rank 0 adds them to a
     dataset prepared before they existed, the other ranks wait for it."""
-    from mmldlm.data.prepare import Ranks, ensure_token_latents
 
     Ranks().on_rank0(lambda: ensure_token_latents(dataset.path, log=log.info) is not None)
     return torch.from_numpy(ensure_token_latents(dataset.path))
@@ -60,9 +64,6 @@ def dataset_token_latents(dataset) -> torch.Tensor:
 
 def build_model_and_objective(cfg: RunConfig, dataset):
     """The network and the objective for a prepared dataset's vocabulary, special ids and latent stats."""
-    from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
-    from mmldlm.model.mmdit import MultimodalMMDiT
-    from mmldlm.objective import Objective
 
     model = MultimodalMMDiT(cfg.model, vocab_size=cfg.model.vocab_size or dataset.vocab_size)
     text = MaskedDiffusion(cfg.text_diffusion, mask_token_id=dataset.mask_id, pad_token_id=dataset.pad_id)
@@ -79,7 +80,6 @@ def open_train_data(cfg: RunConfig, info: DistInfo):
     """(dataset, make_loader, data config) of the training split: make_loader(micro_batch_size)
     builds this rank's loader. With data.path null the bundled corpus is prepared first (once,
     into the cache; every rank takes part)."""
-    from mmldlm.data import build_loader, dataset_path, open_dataset, resolve_for_model
 
     dataset = open_dataset(dataset_path(cfg.data, log=log.info), "train")
     data_cfg = resolve_for_model(cfg.data, cfg.model, dataset)
