@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 
 import torch
 
@@ -22,3 +23,18 @@ def pick_device(kind: str, key: str = "config key 'train.device'") -> torch.devi
     if not torch.cuda.is_available():
         raise OptionError(key, kind, "auto or cpu: no CUDA device is visible")
     return torch.device(kind) if ":" in kind else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def describe_device(device: torch.device) -> str:
+    """A device's name for records and model cards: the GPU's name, or the CPU's model and the number
+    of CPUs this process may use."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:  # Linux: the marketing name
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model} CPU ({cpus} cores)"

@@ -14,6 +14,7 @@ from data_support import prepared, trained_run
 
 from mmldlm import MMLDLM, cli
 from mmldlm.data.errors import DataError
+from mmldlm.device import describe_device
 from mmldlm.sampling.card import model_card
 from mmldlm.sampling.pretrained import CONFIG, TOKENIZER, WEIGHTS
 
@@ -61,7 +62,11 @@ def test_export_writes_a_self_contained_folder_with_its_model_card(run_dir, expo
     assert (config["pad_id"], config["mask_id"]) == (0, 1) and config["model"]["vocab_size"] == config["vocab_size"]
     card = (exported / "README.md").read_text()
     assert card.startswith("---\n") and "library_name: mmldlm" in card
-    assert "6 optimizer steps, 48 samples seen" in card and "on CPU, 1 process(es)" in card
+    assert "6 optimizer steps, 48 samples seen" in card
+    # The checkpoint records what trained it and for how long; the card says so.
+    meta = json.loads((run_dir / "checkpoints" / "step-0000006" / "meta.json").read_text())
+    assert meta["device"] == describe_device(torch.device("cpu")) and meta["wall_seconds"] > 0
+    assert "of training wall-clock time" in card and f"on {meta['device']}, 1 process(es)" in card
     assert "Not evaluated" in card and "licences of the inputs above apply" in card
     assert "the EMA of the weights (train.ema_decay 0.9)" in card and "ema_decay: 0.9" in card
 

@@ -169,6 +169,12 @@ def model_card(run: TrainedRun, run_dir: Path) -> str:
     facts = _compute(run_dir, run.step)
     meta = _read_json(run.checkpoint / "meta.json") or {}
     processes = meta.get("world_size", "?")
+    if meta.get("device"):  # checkpoints name the device they were trained on; older ones do not
+        facts["device"] = meta["device"]
+    wall = meta.get("wall_seconds")
+    timing = f"{_duration(facts['seconds'])} in training steps (evaluation and checkpoints not counted)"
+    if wall is not None:
+        timing = f"{_duration(wall)} of training wall-clock time, {timing}"
     front = ModelCardData(
         library_name="mmldlm", tags=["mmldlm", "masked-diffusion", "latent-diffusion", "sentence-embeddings"], **licence
     )
@@ -182,8 +188,7 @@ def model_card(run: TrainedRun, run_dir: Path) -> str:
     )
     compute_line = (
         f"{facts['steps']} optimizer steps, {facts['samples']:,} samples seen, "
-        f"{_duration(facts['seconds'])} in training steps (evaluation and checkpoints not counted), "
-        f"on {facts['device']}, {processes} process(es)"
+        f"{timing}, on {facts['device']}, {processes} process(es)"
         if facts["logged"]
         else f"{facts['steps']} optimizer steps; metrics.jsonl not found, so no further figures"
     )

@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from mmldlm.config import CheckpointConfig, save_config
+from mmldlm.device import describe_device
 from mmldlm.training.distributed import DistInfo, collective_guard
 from mmldlm.training.storage import CheckpointError, WriteError, free_bytes, write_failure
 
@@ -333,6 +334,9 @@ class CheckpointManager:
             "world_size": self.info.world_size,
             "metrics_lines": metrics_lines,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            # What trained it, for a model card: the device's name and the training wall-clock time.
+            "device": describe_device(self.info.device),
+            "wall_seconds": trainer_state.get("wall_seconds"),
         }
         if self.cfg.async_save and not blocking:
             self._thread = threading.Thread(

@@ -32,15 +32,26 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from mmldlm import comparison
-from mmldlm.config import ConfigError, RunConfig
+from mmldlm.config import ConfigError, PerfConfig, RunConfig
+from mmldlm.model.info import training_flops_per_sample
+from mmldlm.training.batch_size import default_memory_cap, find_micro_batch, probe_or_none
 from mmldlm.training.checkpoint import CheckpointManager
 from mmldlm.training.distributed import DistInfo, collective_guard
 from mmldlm.training.ema import WeightEMA
+from mmldlm.training.evaluation import evaluate_during_training
 from mmldlm.training.metrics import MetricsLogger, cpu_has_native_bf16, memory_stats, peak_flops
 from mmldlm.training.optim import STATE_BYTES, build_optimizer
-from mmldlm.training.parallelize import anchor, apply_fsdp, no_grad_sync, parallelize, uses_anchor
+from mmldlm.training.parallelize import (
+    anchor,
+    apply_activation_checkpointing,
+    apply_fsdp,
+    no_grad_sync,
+    parallelize,
+    uses_anchor,
+)
 from mmldlm.training.profiler import profiler_window
 from mmldlm.training.schedules import LRSchedule
 from mmldlm.training.storage import CheckpointError, WriteError
@@ -215,6 +226,9 @@ class Trainer:
         self.step = 0  # optimizer steps done
         self.num_skipped = 0
         self.consecutive_skips = 0
+        # Wall-clock seconds of training (all starts of this run together; start-up not counted): the
+        # compute a model card reports. fit() starts the clock.
+        self.wall_seconds, self._clock_started = 0.0, None
         self.metrics: MetricsLogger | None = None
         self._last_saved = -1
         self.resumed_from: Path | None = None  # the checkpoint `resume` loaded
@@ -303,7 +317,6 @@ class Trainer:
         return bool(flag.item())
 
     def _memory_cap(self) -> float | None:
-        from mmldlm.training.batch_size import default_memory_cap
 
         cap = self.cfg.train.memory_cap_gib
         return cap * 2**30 if cap is not None else default_memory_cap(self.device)
@@ -314,9 +327,6 @@ class Trainer:
         state, fits the memory cap (train.memory_cap_gib; by default 90% of the GPU, or on CPU 80% of
         the machine's memory). Recomputing costs time; checkpointing only what memory needs keeps a
         run that fits as fast as it can be."""
-        from mmldlm.config import PerfConfig
-        from mmldlm.training.batch_size import probe_or_none
-        from mmldlm.training.parallelize import apply_activation_checkpointing
 
         micro = self.cfg.train.micro_batch_size
         if micro == "auto":
@@ -355,7 +365,6 @@ class Trainer:
     def _find_micro_batch(self, seq_len: int) -> int:
         """train.micro_batch_size=auto: the largest micro-batch that fits (see batch_size.py), the
         same on every rank."""
-        from mmldlm.training.batch_size import find_micro_batch
 
         cfg, info = self.cfg.train, self.info
         batches = [cfg.global_batch_size] + [size for _, size in cfg.batch_schedule]
@@ -410,6 +419,7 @@ class Trainer:
             self.step = state["step"]
             self.num_skipped = state["num_skipped"]
             self.consecutive_skips = state["consecutive_skips"]
+            self.wall_seconds = state.get("wall_seconds", 0.0)  # absent in checkpoints that predate it
             self.schedule.load_state_dict(state["schedule"])
             if self.scaler is not None and state["scaler"]:
                 self.scaler.load_state_dict(state["scaler"])
@@ -434,6 +444,7 @@ class Trainer:
             "step": self.step,
             "num_skipped": self.num_skipped,
             "consecutive_skips": self.consecutive_skips,
+            "wall_seconds": self.elapsed_seconds(),
             "schedule": self.schedule.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
@@ -450,6 +461,13 @@ class Trainer:
             ema=self.ema,
         )
         self._last_saved = self.step
+
+    def elapsed_seconds(self) -> float:
+        """Wall-clock seconds this run has trained, over all its starts, up to now."""
+        if self._clock_started is None:
+            return self.wall_seconds
+        started, before = self._clock_started
+        return before + time.perf_counter() - started
 
     # ---------------------------------------------------------------- one step
 
@@ -644,14 +662,13 @@ class Trainer:
         if self.cfg.perf.compile:
             # Graphs compiled so far in this process: flat after the first padded lengths were seen;
             # growing step after step is a recompilation storm (data.pad_to_multiple bounds the shapes).
-            from torch._dynamo.utils import counters
+            from torch._dynamo.utils import counters  # here: importing dynamo costs a second, eager runs skip it
 
             record["compiled_graphs"] = counters["stats"]["unique_graphs"]
         return record
 
     def _flops(self, tokens: torch.Tensor, mode: str, num_masked: torch.Tensor | None) -> float:
         """The micro-batch's training FLOPs; the text head counts only the masked positions it ran at."""
-        from mmldlm.model.info import training_flops_per_sample
 
         B, L = tokens.shape
         rows = float(num_masked) / B if num_masked is not None else None
@@ -667,11 +684,10 @@ class Trainer:
         cfg, info = self.cfg, self.info
         if self.metrics is None:
             self.resume(None)
+        self._clock_started = (time.perf_counter(), self.wall_seconds)
         total = cfg.train.steps
         bar = None
         if info.is_main and cfg.logging.progress_bar:
-            from tqdm import tqdm
-
             bar = tqdm(total=total, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
         try:
             with (
@@ -729,7 +745,6 @@ class Trainer:
 
     def _evaluate(self) -> None:
         """Evaluation with the small `eval` budget on rank 0, into metrics.jsonl (training/evaluation.py)."""
-        from mmldlm.training.evaluation import evaluate_during_training
 
         record = evaluate_during_training(self)
         if record is not None:
