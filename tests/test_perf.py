@@ -15,7 +15,7 @@ from mmldlm.config import ModelConfig, PerfConfig, flat_keys, load_config, to_di
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.model.mmdit import MultimodalMMDiT
 from mmldlm.objective import Objective
-from mmldlm.training.batch_size import candidate_sizes, largest_fitting, probe_peak_bytes
+from mmldlm.training.batch_size import candidate_sizes, largest_fitting, probe_peak_bytes, spaced_sizes
 from mmldlm.training.distributed import DistInfo
 from mmldlm.training.parallelize import apply_activation_checkpointing, apply_compile, checkpointed_blocks
 from mmldlm.training.trainer import Trainer
@@ -256,8 +256,18 @@ def test_auto_micro_batch_search_is_the_largest_divisor_that_fits():
         return size <= 12
 
     assert largest_fitting(candidate_sizes([96]), fits) == 12
-    assert len(probed) <= 4  # a binary search, not a scan
+    # Logarithmic, not a scan, and nothing probed far above the first size that does not fit.
+    assert len(probed) <= 6 and max(probed) == 16
     assert largest_fitting([1, 2, 4], lambda size: False) is None
+    assert largest_fitting([1, 2, 4], lambda size: True) == 4
+    # Every answer is found, whatever the limit.
+    sizes = spaced_sizes(512)
+    assert sizes[:9] == list(range(1, 10)) and sizes[-1] == 512
+    assert all(b - a <= max(1, a // 8) for a, b in zip(sizes, sizes[1:]))
+    for limit in range(0, 520, 7):
+        assert largest_fitting(sizes, lambda size, limit=limit: size <= limit) == (
+            max([s for s in sizes if s <= limit], default=None)
+        )
 
 
 def test_memory_probe_grows_with_the_micro_batch():

@@ -57,7 +57,7 @@ import yaml
 
 from mmldlm.config import flat_keys, load_config, to_dict
 from mmldlm.model.info import parameter_counts
-from mmldlm.training.batch_size import probe_or_none
+from mmldlm.training.batch_size import largest_fitting, probe_or_none, spaced_sizes
 from mmldlm.training.distributed import init_distributed
 from mmldlm.training.metrics import current_memory_bytes, peak_memory_bytes, release_free_memory, reset_peak_memory
 from mmldlm.training.optim import STATE_BYTES
@@ -265,7 +265,7 @@ def _train_worker(conn, job: dict, run_dir: str) -> None:
 
 
 def _fit_worker(conn, job: dict, run_dir: str, cap_bytes: float, max_size: int) -> None:
-    """The largest micro-batch under `cap_bytes`: probes at 1, 2, 4, ... then bisection."""
+    """The largest micro-batch under `cap_bytes`, to within 1/8 (batch_size.largest_fitting over spaced_sizes)."""
     _setup_worker_logging(job["name"] + " fit")
     os.setpgrp()
     try:
@@ -282,19 +282,13 @@ def _fit_worker(conn, job: dict, run_dir: str, cap_bytes: float, max_size: int) 
             )
             return peaks[size] is not None and peaks[size] <= cap_bytes
 
-        lo, hi = 0, None  # lo fits (0: nothing yet), hi does not
-        size = 1
-        while size <= max_size and fits(size):
-            lo, size = size, size * 2
-        hi = size if size <= max_size else None
-        while hi is not None and hi - lo > max(1, lo // 8):  # bisect to within 1/8
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        sizes = spaced_sizes(max_size)
+        largest = largest_fitting(sizes, fits) or 0
         conn.send(
             {
                 "ok": True,
-                "largest": lo,
-                "capped_by_max": hi is None,
+                "largest": largest,
+                "capped_by_max": largest == sizes[-1],
                 "text_length": data_cfg.max_length,
                 "peaks_gib": {
                     str(k): round(v / 2**30, 3) if v is not None else None  # None: out of memory

@@ -39,15 +39,34 @@ def candidate_sizes(per_process_batches: list[int]) -> list[int]:
 
 def largest_fitting(candidates: list[int], fits: Callable[[int], bool]) -> int | None:
     """The largest of the ascending `candidates` for which `fits` holds (it must be monotone: what
-    fits at some size fits at every smaller one); None when not even the smallest fits."""
-    lo, hi, best = 0, len(candidates) - 1, None
-    while lo <= hi:
+    fits at some size fits at every smaller one); None when not even the smallest fits. Galloping
+    from the smallest (positions 0, 1, 3, 7, ...) and then bisecting: O(log n) probes, and none far
+    above the first size that does not fit (on a CPU a probe far too large can drive the machine
+    into swap before it fails)."""
+    best, lo, hi = None, 0, len(candidates)  # candidates[:lo] fit, candidates[hi:] do not
+    i = 0
+    while lo < hi:
+        i = min(i, hi - 1)
+        if not fits(candidates[i]):
+            hi = i
+            break
+        best, lo, i = candidates[i], i + 1, 2 * i + 1
+    while lo < hi:
         mid = (lo + hi) // 2
         if fits(candidates[mid]):
             best, lo = candidates[mid], mid + 1
         else:
-            hi = mid - 1
+            hi = mid
     return best
+
+
+def spaced_sizes(largest: int, spacing: float = 1 / 8) -> list[int]:
+    """1, 2, ... up to `largest`, each at most `spacing` above the one before (every size up to
+    1 / spacing): the sizes among which a search is exact to within `spacing`."""
+    sizes = [1]
+    while sizes[-1] < largest:
+        sizes.append(min(largest, sizes[-1] + max(1, int(sizes[-1] * spacing))))
+    return sizes
 
 
 def default_memory_cap(device: torch.device) -> float | None:
