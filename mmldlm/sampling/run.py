@@ -180,7 +180,7 @@ class TrainedRun:
     @functools.cached_property
     def encoder(self):
         """The encoder that made the dataset's latents, with the same normalisation."""
-        from mmldlm.data.encoders import load_encoder  # here: only t2l from text needs the encoder
+        from mmldlm.data.encoders import load_encoder  # here: only embedding texts needs the encoder
 
         if self.encoder_normalize is None:
             raise DataError(
