@@ -188,7 +188,14 @@ def test_retention_never_removes_the_checkpoint_latest_names(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "damage", ["no latest", "latest names nothing", "truncated optimizer.pt", "flipped byte in model.safetensors"]
+    "damage",
+    [
+        "no latest",
+        "latest names nothing",
+        "latest one save behind",
+        "truncated optimizer.pt",
+        "flipped byte in model.safetensors",
+    ],
 )
 def test_newest_usable_checkpoint_is_found_whatever_happened_to_latest(tmp_path, caplog, damage):
     """A kill between the rename and `latest`, a deleted or dangling `latest`, a corrupt newest
@@ -205,6 +212,9 @@ def test_newest_usable_checkpoint_is_found_whatever_happened_to_latest(tmp_path,
     elif damage == "latest names nothing":
         (ckpt_dir / "latest").write_text("step-0000009\n")
         reason = "latest names step-0000009"
+    elif damage == "latest one save behind":  # a kill between step 2's rename and the pointer's update
+        (ckpt_dir / "latest").write_text("step-0000001\n")
+        reason = "latest names step-0000001; using the newest checkpoint that verifies, step-0000002"
     elif damage == "truncated optimizer.pt":
         data = (newest / "optimizer.pt").read_bytes()
         (newest / "optimizer.pt").write_bytes(data[: len(data) // 2])
@@ -242,13 +252,22 @@ def _enospc(*args, **kwargs):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-@pytest.mark.parametrize("failing", ["optimizer.pt", "model.safetensors"])
+@pytest.mark.parametrize("failing", ["optimizer.pt", "optimizer.pt as torch reports it", "model.safetensors"])
 def test_full_disk_during_a_save_removes_the_partial_checkpoint_and_says_what_is_left(tmp_path, monkeypatch, failing):
     model, opt = _trained_pair()
     manager = CheckpointManager(CheckpointConfig(), tmp_path, DistInfo())
     _save(manager, 1, model, opt)
     if failing == "optimizer.pt":
         monkeypatch.setattr(ckpt.torch, "save", _enospc)
+    elif failing == "optimizer.pt as torch reports it":  # a RuntimeError without errno; the disk is then full
+        free = iter([10 * 2**30])  # the check before writing sees space, the one after the failure none
+
+        def torch_save(*args, **kwargs):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+        monkeypatch.setattr(ckpt.torch, "save", torch_save)
+        monkeypatch.setattr(ckpt, "free_bytes", lambda path: next(free, 0))
+        failing = "optimizer.pt"
     else:  # safetensors reports the OS error inside its own exception's text
 
         def save_file(*args, **kwargs):

@@ -34,6 +34,7 @@ from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.model import MultimodalMMDiT
 from mmldlm.sampling.sampler import Sampler, SamplingOptions, pad_mask_from_lengths
 from mmldlm.training.checkpoint import find_latest
+from mmldlm.training.storage import CheckpointError
 
 
 @dataclass
@@ -248,7 +249,8 @@ def check_compatible(run: TrainedRun, path: Path) -> None:
 
 
 def find_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
-    """The checkpoint directory to load: `checkpoint`, else the one RUN/checkpoints/latest names."""
+    """The checkpoint directory to load: `checkpoint`, else the run's newest that verifies
+    (training/checkpoint.py find_latest)."""
     if checkpoint is not None:
         path = Path(checkpoint)
         if not (path / "model.safetensors").is_file():
@@ -262,7 +264,10 @@ def find_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
             f"{run_dir}: no such directory; expected a training run directory (train.run_dir) or an "
             f"exported model folder (mmldlm export) on this machine (nothing is downloaded)"
         )
-    path = find_latest(run_dir / "checkpoints")
+    try:
+        path = find_latest(run_dir / "checkpoints", hint="pass --checkpoint PATH of a checkpoint you trust")
+    except CheckpointError as err:
+        raise DataError(str(err)) from None
     if path is None:
         raise DataError(
             f"{run_dir}: no checkpoints, so no trained weights; train the run first (mmldlm train) "

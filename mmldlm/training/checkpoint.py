@@ -21,10 +21,11 @@ that. A stale `.tmp-*` directory (a kill during a write) is removed on the next 
 fails (a full disk) removes its own. Old checkpoints are pruned only after `latest` moved on, and
 never the one `latest` names.
 
-Trust: `latest` is a hint, not the truth. `find_latest` takes the checkpoint it names when that one
-verifies (every file of the manifest has its size, and on resume its checksum), else the newest
-complete one that does, and says which it skipped and why. A kill between the rename and the
-pointer, a deleted `latest` or a truncated file therefore never stops a run from continuing.
+Trust: `latest` is a record of the last save, not the truth. `find_latest` takes the newest
+complete checkpoint that verifies (every file of the manifest has its size, and on resume its
+checksum) and says which it skipped and why, and where `latest` disagreed. A kill between the
+rename and the pointer, a deleted `latest` or a truncated file therefore never stops a run from
+continuing, nor sends it back to an older step.
 
 Collectives happen on every rank and in the foreground: the full state dicts are gathered (FSDP2
 shards are all-gathered, cpu_offload puts the result on rank 0's CPU) and the small per-rank states
@@ -35,6 +36,7 @@ goes on. Before the next snapshot the previous write is awaited, so two writes n
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -152,23 +154,25 @@ def _read_pointer(checkpoint_dir: Path) -> str | None:
     return pointer.read_text().strip() if pointer.is_file() else None
 
 
-def find_latest(checkpoint_dir: Path, checksums: bool = False) -> Path | None:
-    """The checkpoint to continue from in `checkpoint_dir`: the one `latest` names when it verifies,
-    else the newest complete one that does, with a warning naming what was skipped and why. None
-    when there is no checkpoint at all; CheckpointError when there are some and none verifies."""
+RESUME_HINT = "start elsewhere (another train.run_dir) or resume from a checkpoint you trust with --resume PATH"
+
+
+def find_latest(checkpoint_dir: Path, checksums: bool = False, hint: str = RESUME_HINT) -> Path | None:
+    """The checkpoint to continue from in `checkpoint_dir`: the newest complete one that verifies.
+    `latest` is only a record of the last save: a kill between a checkpoint's rename and the pointer's
+    update leaves it one save behind, and after a resume from an older step the newer checkpoints were
+    moved aside (CheckpointManager.continue_from). A warning names what was skipped and why, and a
+    pointer that disagrees. None when there is no checkpoint at all; CheckpointError (ending with
+    `hint`) when there are some and none verifies."""
     named = _read_pointer(checkpoint_dir)
-    newest_first = [step_dir_name(s) for s in reversed(complete_steps(checkpoint_dir))]
-    if named in newest_first:
-        newest_first.remove(named)
-        newest_first.insert(0, named)
-    candidates = [checkpoint_dir / name for name in newest_first]
     skipped = []
-    for path in candidates:
+    for step in reversed(complete_steps(checkpoint_dir)):
+        path = checkpoint_dir / step_dir_name(step)
         reason = verify(path, checksums)
         if reason is not None:
             skipped.append(f"skipped {path.name}: {reason}")
             continue
-        if path.name != named:
+        if path.name != named or skipped:
             pointer = f"latest names {named}" if named else "latest is missing"
             log.warning(
                 "%s: %s; using the newest checkpoint that verifies, %s%s",
@@ -179,12 +183,19 @@ def find_latest(checkpoint_dir: Path, checksums: bool = False) -> Path | None:
             )
         return path
     if skipped:
-        raise CheckpointError(
-            f"{checkpoint_dir}: no checkpoint verifies ({'; '.join(skipped)}); start "
-            f"elsewhere (another train.run_dir) or resume from a checkpoint you trust with "
-            f"--resume PATH"
-        )
+        raise CheckpointError(f"{checkpoint_dir}: no checkpoint verifies ({'; '.join(skipped)}); {hint}")
     return None
+
+
+def _torch_save(obj, path: Path) -> None:
+    """torch.save, with a failed write raised as the OSError it is: torch's writer reports one as a
+    RuntimeError without the errno ("unexpected pos ..."), so a full disk is recognised by the space
+    left where the file was being written."""
+    try:
+        torch.save(obj, path)
+    except RuntimeError as err:
+        code = errno.ENOSPC if free_bytes(path.parent) < 2**20 else errno.EIO
+        raise OSError(code, f"{os.strerror(code)} ({err})") from err
 
 
 class CheckpointManager:
@@ -376,8 +387,8 @@ class CheckpointManager:
         files = {"model.safetensors": lambda f: save_file(_contiguous(snapshot["model"]), str(f))}
         if snapshot["ema"] is not None:
             files["ema.safetensors"] = lambda f: save_file(_contiguous(snapshot["ema"]), str(f))
-        files["optimizer.pt"] = lambda f: torch.save(snapshot["optimizer"], f)
-        files["trainer.pt"] = lambda f: torch.save(snapshot["trainer"], f)
+        files["optimizer.pt"] = lambda f: _torch_save(snapshot["optimizer"], f)
+        files["trainer.pt"] = lambda f: _torch_save(snapshot["trainer"], f)
         files["config.yaml"] = lambda f: save_config(config, f)
         file = tmp
         try:
