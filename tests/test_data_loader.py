@@ -2,7 +2,10 @@
 exact resumption (1 and 2 ranks, with workers), model/data checks and damaged datasets."""
 
 import json
+import os
 import shutil
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -231,3 +234,17 @@ def test_damaged_or_foreign_datasets(data_dir, tmp_path):
         open_dataset(tmp_path, "train")
     with pytest.raises(DataError, match=r"no split 'test' \(splits: train, val\)"):
         open_dataset(data_dir, "test")
+
+
+def test_loader_workers_leave_stop_signals_to_the_main_process(train):
+    """A SIGTERM or SIGINT to the whole process group (a scheduler's stop, Ctrl-C) also reaches the
+    workers: they go on serving batches, so the trainer can finish its step and checkpoint."""
+    loader = build_loader(train, cfg(num_workers=1, persistent_workers=True, prefetch_factor=2), micro_batch_size=4)
+    batches = iter(loader)
+    next(batches)
+    (worker,) = loader.dataloader._iterator._workers
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        os.kill(worker.pid, sig)
+    time.sleep(0.5)
+    assert worker.is_alive()
+    assert next(batches)["tokens"].shape[0] == 4

@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -242,6 +243,15 @@ def default_num_workers(cpus: int | None = None, local_ranks: int | None = None)
     return min(8, cpus // local_ranks)
 
 
+def _leave_stop_signals_to_the_main_process(worker_id: int) -> None:
+    """SIGINT and SIGTERM sent to the whole process group (Ctrl-C in a terminal, a scheduler stopping
+    the job) reach the loader's workers too. They ignore them: the main process decides (the trainer
+    checkpoints at the end of the step) and then shuts the workers down. A worker that died of the
+    signal instead would fail the next batch, and with it the checkpoint."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 class Loader:
     """Iterates one epoch per pass from the current position; `state_dict()` tells where the next
     batch starts (counted when a batch is handed out, not when a worker prefetches it). A pass left
@@ -269,6 +279,7 @@ class Loader:
             prefetch_factor=prefetch_factor if workers else None,
             persistent_workers=persistent_workers and workers,
             pin_memory=pin_memory,
+            worker_init_fn=_leave_stop_signals_to_the_main_process if workers else None,
         )
 
     def __len__(self) -> int:
