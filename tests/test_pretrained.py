@@ -111,12 +111,28 @@ def test_the_card_of_a_model_of_the_bundled_corpus_carries_the_wordnet_licence(r
     assert "from the corpus bundled with mmldlm" in card
 
 
-def test_export_refuses_a_non_empty_folder_without_force(run_dir, tmp_path, capsys):
+def test_export_refuses_a_non_empty_folder_without_force(run_dir, exported, tmp_path, capsys):
     (tmp_path / "keep.txt").write_text("mine")
     assert main("export", "--run", run_dir, "--out", tmp_path) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"--out {tmp_path}: exists and is not an empty folder" in err and "--force" in err
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+    # Not even --force replaces the model's own folder, or a folder that holds it.
+    before = sorted(p.name for p in run_dir.iterdir())
+    for out in (run_dir, run_dir.parent, exported):
+        source = exported if out == exported else run_dir
+        assert main("export", "--run", source, "--out", out, "--force") == 2
+        assert "replacing it would delete what is being exported" in capsys.readouterr().err
+    assert sorted(p.name for p in run_dir.iterdir()) == before
+
+
+def test_a_model_saves_into_the_folder_it_was_loaded_from(exported, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(exported, copy)
+    model = MMLDLM.from_pretrained(copy, device="cpu")
+    model.save_pretrained(copy)
+    again = MMLDLM.from_pretrained(copy, device="cpu")
+    assert torch.equal(again.encode(["blue"], seed=1, **FAST), model.encode(["blue"], seed=1, **FAST))
 
 
 def test_exported_model_samples_what_the_run_samples(run_dir, exported, tmp_path, capsys):

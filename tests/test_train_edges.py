@@ -12,6 +12,7 @@ from data_support import prepared
 from mmldlm import cli
 from mmldlm.tools.monitor import total_steps
 from mmldlm.training import run as run_module
+from mmldlm.training.storage import current_run_config
 from mmldlm.training.trainer import Trainer
 
 TINY = [
@@ -99,3 +100,16 @@ def test_a_run_stopped_by_a_signal_exits_143_and_ends_with_how_to_continue(train
     assert (checkpoint / "meta.json").is_file()
     monkeypatch.setattr(Trainer, "train_step", real_step)
     assert train("--resume", "auto", steps=10)[0] == 0
+
+
+def test_the_config_of_the_latest_start_is_the_one_written_last(tmp_path):
+    """After a resume wrote config.resume-*.yaml, a fresh start (checkpoints removed) rewrites
+    config.yaml: monitor and check must read that one, not the older resume's."""
+    (tmp_path / "config.yaml").write_text("train: {steps: 1000}\n")
+    resume = tmp_path / "config.resume-step-0000500.yaml"
+    resume.write_text("train: {steps: 1000}\n")
+    os.utime(tmp_path / "config.yaml", ns=(1, 1))
+    assert current_run_config(tmp_path) == resume
+    (tmp_path / "config.yaml").write_text("train: {steps: 200}\n")  # the fresh start, written last
+    os.utime(resume, ns=(2, 2))
+    assert current_run_config(tmp_path) == tmp_path / "config.yaml"

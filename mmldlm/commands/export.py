@@ -31,6 +31,12 @@ def run(args: argparse.Namespace) -> int:
     from mmldlm.sampling.pretrained import MMLDLM
 
     out = Path(args.out)
+    source = Path(args.run).resolve()
+    if out.resolve() == source or out.resolve() in source.parents:
+        raise DataError(
+            f"--out {out}: is the model's own folder {args.run}, or holds it; replacing it would delete "
+            f"what is being exported: choose another --out"
+        )
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not args.force:
         raise DataError(
             f"--out {out}: exists and is not an empty folder; choose another --out or pass --force to replace it"

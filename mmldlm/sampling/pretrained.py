@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -125,7 +126,8 @@ def write_folder(run: TrainedRun, directory: Path) -> None:
         str(directory / WEIGHTS),
         metadata={"format": "pt", "weights": run.weights},
     )
-    shutil.copyfile(run.tokenizer_file, directory / TOKENIZER)
+    if not (directory / TOKENIZER).exists() or not os.path.samefile(run.tokenizer_file, directory / TOKENIZER):
+        shutil.copyfile(run.tokenizer_file, directory / TOKENIZER)  # (the same file when saved where it was loaded)
     save_file(
         {"mean": run.latent.mean.float().cpu().contiguous(), "std": run.latent.std.float().cpu().contiguous()},
         str(directory / LATENT_STATS),

@@ -17,11 +17,12 @@ from mmldlm.config import RunConfig
 from mmldlm.data import build_loader, dataset_path, open_dataset, resolve_for_model
 from mmldlm.data.prepare import Ranks, ensure_token_latents
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
+from mmldlm.errors import UserError
 from mmldlm.model.mmdit import MultimodalMMDiT
 from mmldlm.objective import Objective
 from mmldlm.training.checkpoint import step_dir_name
 from mmldlm.training.distributed import DistInfo, RankTimeout, init_distributed, leave
-from mmldlm.training.storage import CheckpointError, WriteError, save_run_config
+from mmldlm.training.storage import save_run_config
 from mmldlm.training.trainer import Trainer, TrainingStopped, seed_everything
 
 log = logging.getLogger(__name__)
@@ -151,14 +152,15 @@ def train(cfg: RunConfig, resume: str | None = None, command: str = "mmldlm trai
     except TrainingStopped as err:
         print(f"mmldlm train: {err}", file=sys.stderr, flush=True)
         status = 1
-    except (CheckpointError, WriteError) as err:
-        # A checkpoint no rank can use (rank 0 chose and told the others: all raise it) or a write
-        # that failed on rank 0 (the others see it leave): one line, and no wait on the peers.
+    except UserError as err:
+        if not info.distributed:
+            raise  # the command line prints it (one line, or the traceback with --debug)
+        # A checkpoint no rank can use (rank 0 chose and told the others: all raise it), a write that
+        # failed on rank 0 (the others see it leave), a config or data error every rank raises: one
+        # line, and no wait on the peers (tearing gloo down at interpreter exit can abort a rank).
         if info.is_main:
             print(f"mmldlm train: {err}", file=sys.stderr, flush=True)
-        if info.distributed:
-            os._exit(2)
-        status = 2
+        os._exit(2)
     else:
         if trainer.stopped_by and info.is_main:
             print(

@@ -33,9 +33,10 @@ def save_run_config(cfg: RunConfig, run_dir: Path, resumed_from: Path | None) ->
 
 
 def current_run_config(run_dir: Path) -> Path:
-    """The config of the run's latest start: the config.resume-*.yaml written last, else config.yaml."""
-    resumes = sorted(run_dir.glob("config.resume-*.yaml"), key=lambda p: p.stat().st_mtime_ns)
-    return resumes[-1] if resumes else run_dir / "config.yaml"
+    """The config of the run's latest start: whichever of config.yaml and the config.resume-*.yaml was
+    written last (a fresh start after the checkpoints were removed rewrites config.yaml)."""
+    written = [p for p in (run_dir / "config.yaml", *run_dir.glob("config.resume-*.yaml")) if p.is_file()]
+    return max(written, key=lambda p: p.stat().st_mtime_ns) if written else run_dir / "config.yaml"
 
 
 def free_bytes(path: str | Path) -> int:
