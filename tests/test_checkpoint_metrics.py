@@ -346,3 +346,31 @@ def test_metrics_line_is_written_whole_or_not_at_all_on_a_full_disk(tmp_path):
     logger.close()
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 3]
     assert logger.num_lines == 2
+
+
+def test_a_run_directory_in_use_by_another_process_is_refused_and_its_partial_checkpoint_kept(tmp_path):
+    """A second trainer on a run that another process is training (a mistaken second `mmldlm train`,
+    a requeued job) must not remove that process's half-written checkpoint as stale, nor write beside it."""
+    partial = tmp_path / "checkpoints" / ".tmp-step-0000007"
+    partial.mkdir(parents=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from mmldlm.training.storage import "
+            "lock_run_dir; lock_run_dir(Path(sys.argv[1])); print('locked', flush=True); time.sleep(60)",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(CheckpointError, match="another process is training in this run directory"):
+            CheckpointManager(CheckpointConfig(), tmp_path, DistInfo())
+        assert partial.is_dir()
+    finally:
+        holder.kill()
+        holder.wait()
+    CheckpointManager(CheckpointConfig(), tmp_path, DistInfo())  # the lock went with the process
+    assert not partial.exists()  # now stale, and removed

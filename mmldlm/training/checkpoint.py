@@ -62,7 +62,7 @@ from torch.distributed.checkpoint.state_dict import (
 from mmldlm.config import CheckpointConfig, save_config
 from mmldlm.device import describe_device
 from mmldlm.training.distributed import DistInfo, collective_guard
-from mmldlm.training.storage import CheckpointError, WriteError, free_bytes, write_failure
+from mmldlm.training.storage import CheckpointError, WriteError, free_bytes, lock_run_dir, write_failure
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +206,7 @@ class CheckpointManager:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         if info.is_main and self.dir.is_dir():
+            lock_run_dir(self.dir.parent)  # before anything is removed: the run may be another process's
             for stale in self.dir.glob(".tmp-step-*"):  # left by a kill during a write
                 shutil.rmtree(stale)
 
@@ -393,6 +394,7 @@ class CheckpointManager:
         file = tmp
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
+            lock_run_dir(self.dir.parent)
             self._check_free_space(name, _tensor_bytes(snapshot))
             if tmp.exists():
                 shutil.rmtree(tmp)

@@ -5,6 +5,7 @@ Imports nothing heavy, so the command line and the monitor use it without loadin
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import shutil
 from pathlib import Path
@@ -65,3 +66,27 @@ def write_failure(err: BaseException, path: Path) -> str:
     if _is_disk_full(err):
         return f"no space left on device {_mount_point(path)} while writing {path}"
     return f"writing {path} failed: {err}"
+
+
+_HELD: dict[str, int] = {}  # run directory (resolved) -> the descriptor whose flock this process holds
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Hold an exclusive lock on an existing run directory for the rest of this process, or raise
+    CheckpointError when another process holds it: a second `mmldlm train` on a run that is training
+    would otherwise remove the first one's half-written checkpoint as stale, and both would write.
+    The lock (flock on the directory) goes with the process, however it ends; taking it again in the
+    same process is a no-op."""
+    key = str(run_dir.resolve())
+    if key in _HELD:
+        return
+    fd = os.open(key, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise CheckpointError(
+            f"{run_dir}: another process is training in this run directory; wait for it to end, stop it, "
+            f"or choose another train.run_dir"
+        ) from None
+    _HELD[key] = fd
