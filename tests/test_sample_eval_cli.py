@@ -287,6 +287,10 @@ REFUSED = {
     ),
     "eval-steps-zero": (["eval", "--num-samples", "4", "--steps", "0"], "--steps: got 0; expected an integer >= 1"),
     "eval-num-samples-zero": (["eval", "--num-samples", "0"], "--num-samples: got 0; expected an integer >= 1"),
+    "eval-threads-negative": (
+        ["eval", "--threads", "-2"],
+        "--threads: got -2; expected 0 (torch's default) or a positive integer",
+    ),
 }
 
 

@@ -9,20 +9,11 @@ from __future__ import annotations
 
 import argparse
 
+from mmldlm.commands.sample import add_device_arguments, add_model_arguments, add_sampler_arguments
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--run",
-        required=True,
-        metavar="RUN_DIR",
-        help="a training run directory or an exported model folder (mmldlm export; needs --data)",
-    )
-    parser.add_argument("--checkpoint", metavar="PATH", help="a checkpoint directory (default: RUN/checkpoints/latest)")
-    parser.add_argument(
-        "--no-ema",
-        action="store_true",
-        help="the raw trained weights instead of their EMA (where the run kept one, train.ema_decay)",
-    )
+    add_model_arguments(parser, "a training run directory or an exported model folder (mmldlm export; needs --data)")
     parser.add_argument(
         "--data",
         metavar="DIR",
@@ -41,28 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="validation samples decoded (l2t) and encoded (t2l), and scored for the ELBO",
     )
     parser.add_argument("--num-t-draws", type=int, default=2, help="draws of t and noise per ELBO batch")
-    parser.add_argument(
-        "--steps",
-        type=int,
-        help="reverse steps of every sampler (default: the run's text_diffusion.num_sampling_steps "
-        "for l2t, latent_diffusion.num_sampling_steps for t2l)",
-    )
-    parser.add_argument(
-        "--latent-steps",
-        type=int,
-        help="reverse steps of t2l (default: --steps, else the run's latent_diffusion.num_sampling_steps)",
-    )
-    parser.add_argument(
-        "--strategy",
-        choices=["ancestral", "confidence"],
-        default="confidence",
-        help="text: the most confident positions first, or MDLM ancestral unmasking",
-    )
-    parser.add_argument(
-        "--temperature",
-        type=float,
-        help="text sampling temperature (default: the run's text_diffusion.sampling_temperature)",
-    )
+    add_sampler_arguments(parser)
     parser.add_argument(
         "--guidance-scale",
         type=float,
@@ -77,18 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-encoder", action="store_true", help="skip re-encoding the l2t text (no cosine)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", metavar="PATH.json", help="the JSON report (default RUN/eval/step-NNNNNNN.json)")
-    parser.add_argument(
-        "--device",
-        choices=["auto", "cpu", "cuda"],
-        default="auto",
-        help="auto: the GPU when there is one, else the CPU",
-    )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=0,
-        help="CPU threads for torch (0: torch's default); 1 is fastest on a CPU other jobs share",
-    )
+    add_device_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
     from mmldlm.commands.sample import sampling_options
     from mmldlm.config import EvalConfig
-    from mmldlm.errors import require_positive
+    from mmldlm.errors import OptionError, require_positive
     from mmldlm.sampling import load_trained
     from mmldlm.sampling.evaluate import evaluate, markdown
     from mmldlm.training.checkpoint import step_dir_name
@@ -113,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
             "--batch-size": args.batch_size,
         }
     )
+    if args.threads < 0:
+        raise OptionError("--threads", args.threads, "0 (torch's default) or a positive integer")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     run = load_trained(args.run, args.checkpoint, args.device, use_ema=not args.no_ema)

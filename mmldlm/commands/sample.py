@@ -1,5 +1,5 @@
 """`mmldlm sample --run RUN_DIR --mode l2t|t2l|joint ...`: text from latents, latents from text, or
-both together, from a trained run (RUN/checkpoints/latest unless --checkpoint) or an exported model
+both together, from a trained run (its newest checkpoint unless --checkpoint) or an exported model
 folder (`mmldlm export`). The samplers are the Python API's (MMLDLM in mmldlm/sampling/pretrained.py):
 the same seed gives the same samples here and there.
 
@@ -22,19 +22,63 @@ import argparse
 import sys
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_model_arguments(parser, what: str) -> None:
+    """--run, --checkpoint, --no-ema: which trained weights (sample and eval)."""
+    parser.add_argument("--run", required=True, metavar="RUN_DIR", help=what)
     parser.add_argument(
-        "--run",
-        required=True,
-        metavar="RUN_DIR",
-        help="a training run directory or an exported model folder (mmldlm export)",
+        "--checkpoint", metavar="PATH", help="a checkpoint directory (default: the run's newest that verifies)"
     )
-    parser.add_argument("--checkpoint", metavar="PATH", help="a checkpoint directory (default: RUN/checkpoints/latest)")
     parser.add_argument(
         "--no-ema",
         action="store_true",
         help="the raw trained weights instead of their EMA (where the run kept one, train.ema_decay)",
     )
+
+
+def add_sampler_arguments(group) -> None:
+    """--steps, --latent-steps, --temperature, --strategy: the samplers' options (sample and eval)."""
+    group.add_argument(
+        "--steps",
+        type=int,
+        help="reverse steps of every sampler (default: the run's text_diffusion.num_sampling_steps for "
+        "l2t and joint, latent_diffusion.num_sampling_steps for t2l)",
+    )
+    group.add_argument(
+        "--latent-steps",
+        type=int,
+        help="reverse steps of t2l (default: --steps, else the run's latent_diffusion.num_sampling_steps)",
+    )
+    group.add_argument(
+        "--temperature",
+        type=float,
+        help="text logits are divided by it (default: the run's text_diffusion.sampling_temperature)",
+    )
+    group.add_argument(
+        "--strategy",
+        choices=["ancestral", "confidence"],
+        default="confidence",
+        help="text: the most confident positions first, or MDLM ancestral unmasking",
+    )
+
+
+def add_device_arguments(group) -> None:
+    """--device, --threads (sample and eval)."""
+    group.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="auto: the GPU when there is one, else the CPU",
+    )
+    group.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="CPU threads for torch (0: torch's default); 1 is fastest on a CPU other jobs share",
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser, "a training run directory or an exported model folder (mmldlm export)")
     parser.add_argument("--mode", required=True, choices=["l2t", "t2l", "joint"])
     src = parser.add_argument_group("source")
     src.add_argument(
@@ -64,28 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "length head, joint draws from the validation split)",
     )
     opt = parser.add_argument_group("sampling")
-    opt.add_argument(
-        "--steps",
-        type=int,
-        help="reverse steps of every sampler (default: the run's text_diffusion.num_sampling_steps for "
-        "l2t and joint, latent_diffusion.num_sampling_steps for t2l)",
-    )
-    opt.add_argument(
-        "--latent-steps",
-        type=int,
-        help="reverse steps of t2l (default: --steps, else the run's latent_diffusion.num_sampling_steps)",
-    )
-    opt.add_argument(
-        "--temperature",
-        type=float,
-        help="text logits are divided by it (default: the run's text_diffusion.sampling_temperature)",
-    )
-    opt.add_argument(
-        "--strategy",
-        choices=["ancestral", "confidence"],
-        default="confidence",
-        help="text: the most confident positions first, or MDLM ancestral unmasking",
-    )
+    add_sampler_arguments(opt)
     opt.add_argument(
         "--guidance-scale",
         type=float,
@@ -99,18 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--out", metavar="FILE.jsonl", help="JSON lines, one per sample (default: stdout)")
     out.add_argument("--latents-out", metavar="FILE.npy", help="t2l/joint: the latents (N, K, D), encoder space")
-    out.add_argument(
-        "--device",
-        choices=["auto", "cpu", "cuda"],
-        default="auto",
-        help="auto: the GPU when there is one, else the CPU",
-    )
-    out.add_argument(
-        "--threads",
-        type=int,
-        default=0,
-        help="CPU threads for torch (0: torch's default); 1 is fastest on a CPU other jobs share",
-    )
+    add_device_arguments(out)
 
 
 # The command-line option behind each SamplingOptions field (of `sample` and `eval`), so that a bad
