@@ -11,7 +11,9 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, metavar="RUN_DIR", help="a training run directory")
-    parser.add_argument("--checkpoint", metavar="PATH", help="a checkpoint directory (default: RUN/checkpoints/latest)")
+    parser.add_argument(
+        "--checkpoint", metavar="PATH", help="a checkpoint directory (default: the run's newest that verifies)"
+    )
     parser.add_argument(
         "--no-ema",
         action="store_true",

@@ -1,7 +1,7 @@
 """A trained model, ready to sample from: config + weights -> model, the two diffusions with the
 training data's latent statistics, the tokenizer, the sentence encoder and (for a run) its dataset.
 
-    run = load_run("runs/default")                 # RUN/checkpoints/latest, GPU when present
+    run = load_run("runs/default")                 # its newest checkpoint that verifies, GPU when present
     sampler = run.sampler(SamplingOptions(num_steps=64))
     texts = run.decode(*sampler.l2t(run.encode_latents(["a small dog"]), pad_mask))
 
@@ -306,7 +306,7 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
 def load_run(
     run_dir: str | Path, checkpoint: str | Path | None = None, device: str = "auto", use_ema: bool = True
 ) -> TrainedRun:
-    """The model of `checkpoint` (default RUN/checkpoints/latest) with the config it was trained with,
+    """The model of `checkpoint` (default the run's newest that verifies) with the config it was trained with,
     on `device`: "auto" (the GPU when there is one), "cpu" or "cuda". The checkpoint's EMA of the
     weights where it has one (train.ema_decay > 0) unless `use_ema` is false, else the raw weights."""
     run_dir = Path(run_dir)
