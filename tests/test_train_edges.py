@@ -102,6 +102,22 @@ def test_a_run_stopped_by_a_signal_exits_143_and_ends_with_how_to_continue(train
     assert train("--resume", "auto", steps=10)[0] == 0
 
 
+def test_a_signal_between_start_up_and_the_first_step_stops_after_that_step(train, tmp_path, monkeypatch):
+    """No moment of a run is left to the default handler: a SIGTERM while the run's config is being
+    recorded (after start-up, before the loop) stops the run at the end of its first step."""
+    real_save = run_module.save_run_config
+
+    def signal_while_recording_the_config(*args):
+        real_save(*args)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(run_module, "save_run_config", signal_while_recording_the_config)
+    status, err = train(steps=10)
+    assert status == 143 and err[-1].startswith("mmldlm train: stopped by SIGTERM at step 1 of 10")
+    assert (tmp_path / "run" / "checkpoints" / "step-0000001" / "meta.json").is_file()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
 def test_the_config_of_the_latest_start_is_the_one_written_last(tmp_path):
     """After a resume wrote config.resume-*.yaml, a fresh start (checkpoints removed) rewrites
     config.yaml: monitor and check must read that one, not the older resume's."""

@@ -23,7 +23,7 @@ from mmldlm.objective import Objective
 from mmldlm.training.checkpoint import step_dir_name
 from mmldlm.training.distributed import DistInfo, RankTimeout, init_distributed, leave
 from mmldlm.training.storage import save_run_config
-from mmldlm.training.trainer import Trainer, TrainingStopped, seed_everything
+from mmldlm.training.trainer import StopRequest, Trainer, TrainingStopped, seed_everything
 
 log = logging.getLogger(__name__)
 
@@ -125,16 +125,19 @@ def train(cfg: RunConfig, resume: str | None = None, command: str = "mmldlm trai
     set_deterministic(cfg.train.deterministic)
     run_dir = Path(cfg.train.run_dir)
     try:
-        with signals_interrupt_start_up():
-            dataset, make_loader, data_cfg = open_train_data(cfg, info)
-            seed_everything(cfg.train.seed)  # the same initial weights on every rank (FSDP2 relies on it)
-            model, objective = build_model_and_objective(cfg, dataset)
-            seed_everything(cfg.train.seed + info.rank)  # rank-local randomness (dropout) differs per rank
-            trainer = Trainer(cfg, model, objective, make_loader, info, max_seq_len=data_cfg.max_length)
-            trainer.resume(resume)
-        if info.is_main:  # the run has started: what it runs with is recorded
-            save_run_config(cfg, run_dir, trainer.resumed_from)
-        status = trainer.fit()
+        # Signals: the loop's handler (checkpoint at the end of the step) is entered first, the start-up's
+        # (end at once, nothing written) inside it; leaving start-up hands back to the loop's with no gap.
+        with StopRequest() as stop:
+            with signals_interrupt_start_up():
+                dataset, make_loader, data_cfg = open_train_data(cfg, info)
+                seed_everything(cfg.train.seed)  # the same initial weights on every rank (FSDP2 relies on it)
+                model, objective = build_model_and_objective(cfg, dataset)
+                seed_everything(cfg.train.seed + info.rank)  # rank-local randomness (dropout) differs per rank
+                trainer = Trainer(cfg, model, objective, make_loader, info, max_seq_len=data_cfg.max_length)
+                trainer.resume(resume)
+            if info.is_main:  # the run has started: what it runs with is recorded
+                save_run_config(cfg, run_dir, trainer.resumed_from)
+            status = trainer.fit(stop)
     except StartUpInterrupted as err:
         if info.is_main:
             print(

@@ -150,7 +150,7 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-class _StopRequest:
+class StopRequest:
     """SIGTERM / SIGINT set a flag; the loop checkpoints at the end of the step and exits. A second
     SIGINT interrupts at once."""
 
@@ -502,7 +502,7 @@ class Trainer:
         # forward, so the cache saves no cast. Small preset, micro-batch 48: 2.21 vs 2.46 GiB peak RSS.
         return torch.autocast(self.device.type, dtype=dtype, cache_enabled=False)
 
-    def train_step(self, stop: _StopRequest | None = None) -> dict:
+    def train_step(self, stop: StopRequest | None = None) -> dict:
         """One optimizer step; returns the step's record (losses averaged over all ranks). The story:
         forward + backward over the micro-batches, the gradient norm (and clipping), the ranks' totals
         in one all-reduce, the update (or a skip), the record. A stop requested before the all-reduce
@@ -678,9 +678,11 @@ class Trainer:
 
     # ---------------------------------------------------------------- the loop
 
-    def fit(self) -> int:
+    def fit(self, stop: StopRequest | None = None) -> int:
         """Train to train.steps; returns the process exit status: 0, or 128 + the signal's number
-        when a signal stopped the run early (its checkpoint written, `stopped_by` naming it)."""
+        when a signal stopped the run early (its checkpoint written, `stopped_by` naming it). `stop`:
+        a StopRequest the caller entered already (so no signal falls between start-up and the loop);
+        by default fit enters its own."""
         cfg, info = self.cfg, self.info
         if self.metrics is None:
             self.resume(None)
@@ -691,7 +693,7 @@ class Trainer:
             bar = tqdm(total=total, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
         try:
             with (
-                _StopRequest() as stop,
+                contextlib.nullcontext(stop) if stop is not None else StopRequest() as stop,
                 profiler_window(cfg.perf.profiler, self.run_dir, self.device, info.rank) as profiler,
             ):
                 while self.step < total:
