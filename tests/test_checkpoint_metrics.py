@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 import mmldlm.training.checkpoint as ckpt
+import mmldlm.training.storage as storage
 from mmldlm.config import CheckpointConfig, LoggingConfig, OptimConfig, RunConfig
 from mmldlm.sampling.run import find_checkpoint
 from mmldlm.training.checkpoint import CheckpointManager, find_latest
@@ -374,3 +375,17 @@ def test_a_run_directory_in_use_by_another_process_is_refused_and_its_partial_ch
         holder.wait()
     CheckpointManager(CheckpointConfig(), tmp_path, DistInfo())  # the lock went with the process
     assert not partial.exists()  # now stale, and removed
+
+
+def test_a_filesystem_without_locks_trains_on_with_a_warning(tmp_path, monkeypatch, caplog):
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(storage.fcntl, "flock", no_locks)
+    (tmp_path / "checkpoints").mkdir()
+    with caplog.at_level(logging.WARNING, logger="mmldlm"):
+        manager = CheckpointManager(CheckpointConfig(), tmp_path, DistInfo())
+    assert "cannot lock the run directory" in caplog.text
+    model, opt = _trained_pair()
+    _save(manager, 1, model, opt)
+    assert manager.steps() == [1]

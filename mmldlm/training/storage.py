@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import shutil
 from pathlib import Path
 
 from mmldlm.config import RunConfig, save_config
 from mmldlm.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -89,4 +92,8 @@ def lock_run_dir(run_dir: Path) -> None:
             f"{run_dir}: another process is training in this run directory; wait for it to end, stop it, "
             f"or choose another train.run_dir"
         ) from None
+    except OSError as err:  # a filesystem without flock (some network mounts): train on, unprotected
+        os.close(fd)
+        log.warning("%s: cannot lock the run directory (%s); a second training there would not be stopped", key, err)
+        fd = -1
     _HELD[key] = fd
