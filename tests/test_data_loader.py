@@ -5,6 +5,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -248,3 +250,20 @@ def test_loader_workers_leave_stop_signals_to_the_main_process(train):
     time.sleep(0.5)
     assert worker.is_alive()
     assert next(batches)["tokens"].shape[0] == 4
+
+
+def test_a_crash_while_workers_run_still_ends_the_process(data_dir):
+    """Workers ignore SIGTERM (above), so they must be stopped the cooperative way when the main process
+    dies of an exception nobody catches; multiprocessing's exit handler would wait for them forever."""
+    script = (
+        "import sys\n"
+        "from mmldlm.config import DataConfig\n"
+        "from mmldlm.data.dataset import build_loader, open_dataset\n"
+        "cfg = DataConfig(num_workers=2, prefetch_factor=2, persistent_workers=False)\n"
+        "loader = build_loader(open_dataset(sys.argv[1], 'train'), cfg, micro_batch_size=4)\n"
+        "batches = iter(loader)\n"
+        "next(batches)\n"
+        "raise RuntimeError('a crash while the workers run')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(data_dir)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "a crash while the workers run" in done.stderr

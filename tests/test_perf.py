@@ -265,9 +265,10 @@ def test_auto_micro_batch_search_is_the_largest_divisor_that_fits():
     assert sizes[:9] == list(range(1, 10)) and sizes[-1] == 512
     assert all(b - a <= max(1, a // 8) for a, b in zip(sizes, sizes[1:]))
     for limit in range(0, 520, 7):
-        assert largest_fitting(sizes, lambda size, limit=limit: size <= limit) == (
-            max([s for s in sizes if s <= limit], default=None)
-        )
+        probed.clear()
+        best = largest_fitting(sizes, lambda size, limit=limit: probed.append(size) or size <= limit)
+        assert best == max([s for s in sizes if s <= limit], default=None)
+        assert max(probed) <= 2.25 * (best or 1) + 1  # never far above what fits
 
 
 def test_memory_probe_grows_with_the_micro_batch():

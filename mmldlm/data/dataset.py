@@ -14,12 +14,14 @@ Latents are in raw encoder space; the objective standardises them with latent_me
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
 import json
 import math
 import os
 import signal
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -252,6 +254,16 @@ def _leave_stop_signals_to_the_main_process(worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+def _shut_down_workers(loader_ref: weakref.ref) -> None:
+    """At interpreter exit (an exception nobody caught, a second Ctrl-C), stop the loader's workers
+    the cooperative way, before multiprocessing's own exit handler would SIGTERM them, which they
+    ignore (above), and wait for them forever. A loader already gone, or never iterated: nothing."""
+    loader = loader_ref()
+    iterator = loader._live_iterator() if loader is not None and loader._live_iterator is not None else None
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):  # torch's own shutdown of its workers
+        iterator._shutdown_workers()
+
+
 class Loader:
     """Iterates one epoch per pass from the current position; `state_dict()` tells where the next
     batch starts (counted when a batch is handed out, not when a worker prefetches it). A pass left
@@ -281,6 +293,9 @@ class Loader:
             pin_memory=pin_memory,
             worker_init_fn=_leave_stop_signals_to_the_main_process if workers else None,
         )
+        self._live_iterator: weakref.ref | None = None  # the iterator whose workers run, for _shut_down_workers
+        if workers:
+            atexit.register(_shut_down_workers, weakref.ref(self))
 
     def __len__(self) -> int:
         """Batches per epoch on this rank."""
@@ -288,7 +303,9 @@ class Loader:
 
     def __iter__(self):
         self._batches.epoch, self._batches.start = self.epoch, self.batch
-        for batch in self.dataloader:
+        iterator = iter(self.dataloader)
+        self._live_iterator = weakref.ref(iterator)
+        for batch in iterator:
             self.batch += 1
             yield batch
         self.epoch, self.batch = self.epoch + 1, 0

@@ -19,6 +19,7 @@ Memory grows with the batch, so a binary search over the sorted candidates finds
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import os
@@ -39,10 +40,10 @@ def candidate_sizes(per_process_batches: list[int]) -> list[int]:
 
 def largest_fitting(candidates: list[int], fits: Callable[[int], bool]) -> int | None:
     """The largest of the ascending `candidates` for which `fits` holds (it must be monotone: what
-    fits at some size fits at every smaller one); None when not even the smallest fits. Galloping
-    from the smallest (positions 0, 1, 3, 7, ...) and then bisecting: O(log n) probes, and none far
-    above the first size that does not fit (on a CPU a probe far too large can drive the machine
-    into swap before it fails)."""
+    fits at some size fits at every smaller one); None when not even the smallest fits. Doubling the
+    size from the smallest, then bisecting: O(log) probes, none above the first candidate of twice
+    the largest size that fit (on a CPU a probe far too large can drive the machine into swap
+    before it fails)."""
     best, lo, hi = None, 0, len(candidates)  # candidates[:lo] fit, candidates[hi:] do not
     i = 0
     while lo < hi:
@@ -50,7 +51,8 @@ def largest_fitting(candidates: list[int], fits: Callable[[int], bool]) -> int |
         if not fits(candidates[i]):
             hi = i
             break
-        best, lo, i = candidates[i], i + 1, 2 * i + 1
+        best, lo = candidates[i], i + 1
+        i = bisect.bisect_left(candidates, 2 * best, lo)  # the next probe: about twice the size that fit
     while lo < hi:
         mid = (lo + hi) // 2
         if fits(candidates[mid]):

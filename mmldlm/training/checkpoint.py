@@ -194,8 +194,9 @@ def _torch_save(obj, path: Path) -> None:
     try:
         torch.save(obj, path)
     except RuntimeError as err:
-        code = errno.ENOSPC if free_bytes(path.parent) < 2**20 else errno.EIO
-        raise OSError(code, f"{os.strerror(code)} ({err})") from err
+        if free_bytes(path.parent) < 2**20:
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({err})") from err
+        raise OSError(f"torch.save failed: {err}") from err
 
 
 class CheckpointManager:

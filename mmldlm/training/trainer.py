@@ -54,7 +54,7 @@ from mmldlm.training.parallelize import (
 )
 from mmldlm.training.profiler import profiler_window
 from mmldlm.training.schedules import LRSchedule
-from mmldlm.training.storage import CheckpointError, WriteError
+from mmldlm.training.storage import CheckpointError, WriteError, lock_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +228,8 @@ class Trainer:
         self.consecutive_skips = 0
         # Wall-clock seconds of training (all starts of this run together; start-up not counted): the
         # compute a model card reports. fit() starts the clock.
-        self.wall_seconds, self._clock_started = 0.0, None
+        self.wall_seconds: float | None = 0.0
+        self._clock_started = None
         self.metrics: MetricsLogger | None = None
         self._last_saved = -1
         self.resumed_from: Path | None = None  # the checkpoint `resume` loaded
@@ -419,7 +420,7 @@ class Trainer:
             self.step = state["step"]
             self.num_skipped = state["num_skipped"]
             self.consecutive_skips = state["consecutive_skips"]
-            self.wall_seconds = state.get("wall_seconds", 0.0)  # absent in checkpoints that predate it
+            self.wall_seconds = state.get("wall_seconds")  # None (unknown) in checkpoints that predate it
             self.schedule.load_state_dict(state["schedule"])
             if self.scaler is not None and state["scaler"]:
                 self.scaler.load_state_dict(state["scaler"])
@@ -437,6 +438,9 @@ class Trainer:
         self.checkpoints.warn_if_retention_cannot_fit(
             int(bytes_per_param * sum(p.numel() for p in self.raw_model.parameters()))
         )
+        if self.info.is_main:  # before metrics.jsonl is cut back: the directory may be another process's
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            lock_run_dir(self.run_dir)
         self.metrics = MetricsLogger(self.run_dir, self.cfg.logging, self.info.is_main, keep_lines)
 
     def save(self, blocking: bool = False) -> None:
@@ -462,9 +466,10 @@ class Trainer:
         )
         self._last_saved = self.step
 
-    def elapsed_seconds(self) -> float:
-        """Wall-clock seconds this run has trained, over all its starts, up to now."""
-        if self._clock_started is None:
+    def elapsed_seconds(self) -> float | None:
+        """Wall-clock seconds this run has trained, over all its starts, up to now; None when a
+        checkpoint it resumed from did not record its own (the total is then unknown)."""
+        if self._clock_started is None or self.wall_seconds is None:
             return self.wall_seconds
         started, before = self._clock_started
         return before + time.perf_counter() - started
