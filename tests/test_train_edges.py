@@ -4,6 +4,8 @@ training ends with one line and a status that says the run is not done."""
 
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -116,6 +118,37 @@ def test_a_signal_between_start_up_and_the_first_step_stops_after_that_step(trai
     assert status == 143 and err[-1].startswith("mmldlm train: stopped by SIGTERM at step 1 of 10")
     assert (tmp_path / "run" / "checkpoints" / "step-0000001" / "meta.json").is_file()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_second_training_in_a_run_directory_in_use_is_refused_before_it_touches_anything(train, tmp_path):
+    """Another process trains in RUN and has not written a checkpoint yet: a second `mmldlm train`
+    there must not cut its metrics.jsonl back nor write beside it."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from mmldlm.training.storage import "
+            "lock_run_dir; lock_run_dir(Path(sys.argv[1])); print('locked', flush=True); time.sleep(60)",
+            str(run_dir),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        status, err = train()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert status == 2 and err[-1].endswith(
+        "another process is training in this run directory; wait for it to "
+        "end, stop it, or choose another train.run_dir"
+    )
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
 
 
 def test_the_config_of_the_latest_start_is_the_one_written_last(tmp_path):
