@@ -43,6 +43,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -268,8 +269,14 @@ class CheckpointManager:
                 n += 1
                 abandoned = self.dir / f"abandoned-{stamp}-{n}"
             abandoned.mkdir()
-            for s in newer:
-                os.replace(self.dir / step_dir_name(s), abandoned / step_dir_name(s))
+            # All or none: a SIGINT/SIGTERM waits until every later checkpoint has moved, or a
+            # `--resume auto` after it would continue the abandoned continuation with steps missing.
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+            try:
+                for s in newer:
+                    os.replace(self.dir / step_dir_name(s), abandoned / step_dir_name(s))
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             log.warning(
                 "resumed from step %d: moved the checkpoints of later steps (%s) to %s; they belong to "
                 "the continuation this run replaces",
