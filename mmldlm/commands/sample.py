@@ -230,6 +230,7 @@ def _sources(args, run) -> tuple[list[str] | None, torch.Tensor | None]:  # noqa
 
 
 def run(args: argparse.Namespace) -> int:
+    import dataclasses
     import json
     import os
 
@@ -255,18 +256,10 @@ def run(args: argparse.Namespace) -> int:
             "--length", args.length, f"an integer in [1, {run.cfg.model.max_seq_len}] (model.max_seq_len of this run)"
         )
     # Checked here, before any sampling, so that a bad value is named by its option.
-    sampling_options(args, run, args.guidance_scale, reuse_output=not args.no_reuse, latent_sampler=args.latent_sampler)
-    options = dict(
-        steps=args.steps,
-        latent_steps=args.latent_steps,
-        temperature=args.temperature,
-        strategy=args.strategy,
-        guidance_scale=args.guidance_scale,
-        reuse_output=not args.no_reuse,
-        latent_sampler=args.latent_sampler,
-        batch_size=args.batch_size,
-        seed=args.seed,
+    sampling = sampling_options(
+        args, run, args.guidance_scale, reuse_output=not args.no_reuse, latent_sampler=args.latent_sampler
     )
+    options = dict(dataclasses.asdict(sampling), batch_size=args.batch_size, seed=args.seed)
     texts, latents = _sources(args, run)
 
     # The inputs of every sample: token ids (when there is a source text) and latents (l2t).
