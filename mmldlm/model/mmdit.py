@@ -412,9 +412,7 @@ class MultimodalMMDiT(nn.Module):
         logits = self.text_final(x_text, c, text_rows) if text_head else None  # (B, L, V) or (N, V)
         if text_head and self.token_latents is not None:
             logits = logits + self.vocab_prior(latents, t_latent_emb, text_rows, L).to(logits.dtype)
-        # (B, K, D). A copy, not the view that nn.Linear returns for a 3-D input: FSDP2 warns at every
-        # run on a view output (an in-place op on it would skip its pre-backward hook); B*K*D is small.
-        latent_out = self.latent_final(x_latent, c).clone() if latent_head else None
+        latent_out = self.latent_final(x_latent, c) if latent_head else None  # (B, K, D)
         lengths = self.length_logits(length_from) if length_from is not None else None  # (B, max_seq_len)
         return ModelOutput(logits, latent_out, lengths)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -129,6 +130,10 @@ def apply_fsdp(model: nn.Module) -> nn.Module:
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
+    # nn.Linear returns a view for a 3-D input, so the latent head's output is one, and FSDP2 warns at
+    # every run that an in-place op on it would skip its pre-backward hook. Nothing here modifies a
+    # model output in place (the objective and the samplers only read them).
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
     return model
 
 
