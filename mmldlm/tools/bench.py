@@ -56,6 +56,7 @@ import torch
 import yaml
 
 from mmldlm.config import flat_keys, load_config, to_dict
+from mmldlm.device import describe_device
 from mmldlm.model.info import parameter_counts
 from mmldlm.training.batch_size import largest_fitting, probe_or_none, spaced_sizes
 from mmldlm.training.distributed import init_distributed
@@ -551,10 +552,10 @@ def _machine(device: str) -> dict:
         "python": platform.python_version(),
         "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": describe_device(torch.device("cpu")),
     }
     if device.startswith("cuda"):
-        machine["gpu"] = torch.cuda.get_device_name(torch.device(device))
+        machine["gpu"] = describe_device(torch.device(device))
     return machine
 
 
