@@ -127,6 +127,7 @@ def test_kill_during_write_leaves_latest_on_a_complete_checkpoint(tmp_path):
     assert (ckpt_dir / ".tmp-step-0000002").is_dir()  # the write really was cut short
     manager = CheckpointManager(CheckpointConfig(), tmp_path, DistInfo())
     assert manager.resolve("auto").name == "step-0000001" and manager.steps() == [1]
+    manager.claim()
     assert not (ckpt_dir / ".tmp-step-0000002").exists()
     model, opt = _trained_pair(seed=5)
     meta, _, _ = manager.load(manager.latest(), model, opt)
@@ -368,12 +369,12 @@ def test_a_run_directory_in_use_by_another_process_is_refused_and_its_partial_ch
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(CheckpointError, match="another process is training in this run directory"):
-            CheckpointManager(CheckpointConfig(), tmp_path, DistInfo())
+            CheckpointManager(CheckpointConfig(), tmp_path, DistInfo()).claim()
         assert partial.is_dir()
     finally:
         holder.kill()
         holder.wait()
-    CheckpointManager(CheckpointConfig(), tmp_path, DistInfo())  # the lock went with the process
+    CheckpointManager(CheckpointConfig(), tmp_path, DistInfo()).claim()  # the lock went with the process
     assert not partial.exists()  # now stale, and removed
 
 
@@ -385,6 +386,7 @@ def test_a_filesystem_without_locks_trains_on_with_a_warning(tmp_path, monkeypat
     (tmp_path / "checkpoints").mkdir()
     with caplog.at_level(logging.WARNING, logger="mmldlm"):
         manager = CheckpointManager(CheckpointConfig(), tmp_path, DistInfo())
+        manager.claim()
     assert "cannot lock the run directory" in caplog.text
     model, opt = _trained_pair()
     _save(manager, 1, model, opt)

@@ -207,10 +207,17 @@ class CheckpointManager:
         self.dir = Path(run_dir) / "checkpoints"  # made by the first write, not before the run starts
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        if info.is_main and self.dir.is_dir():
-            lock_run_dir(self.dir.parent)  # before anything is removed: the run may be another process's
-            for stale in self.dir.glob(".tmp-step-*"):  # left by a kill during a write
-                shutil.rmtree(stale)
+
+    def claim(self) -> None:
+        """Take the run directory for this process, on the main rank, before anything of the run is
+        changed: create and lock it (another process training there is refused, see lock_run_dir),
+        then remove the `.tmp-*` that a kill during a write left, which only now are surely stale."""
+        if not self.info.is_main:
+            return
+        self.dir.parent.mkdir(parents=True, exist_ok=True)
+        lock_run_dir(self.dir.parent)
+        for stale in self.dir.glob(".tmp-step-*"):
+            shutil.rmtree(stale)
 
     # ---------------------------------------------------------------- finding
 
@@ -402,7 +409,6 @@ class CheckpointManager:
         file = tmp
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            lock_run_dir(self.dir.parent)
             self._check_free_space(name, _tensor_bytes(snapshot))
             if tmp.exists():
                 shutil.rmtree(tmp)

@@ -54,7 +54,7 @@ from mmldlm.training.parallelize import (
 )
 from mmldlm.training.profiler import profiler_window
 from mmldlm.training.schedules import LRSchedule
-from mmldlm.training.storage import CheckpointError, WriteError, lock_run_dir
+from mmldlm.training.storage import CheckpointError, WriteError
 
 log = logging.getLogger(__name__)
 
@@ -408,7 +408,8 @@ class Trainer:
     def resume(self, resume: str | None) -> None:
         """Restore from a checkpoint ("auto": the newest that verifies, if any), set aside the
         checkpoints of an abandoned continuation, and open metrics.jsonl accordingly."""
-        path = self.checkpoints.resolve(resume)
+        path = self.checkpoints.resolve(resume)  # a bad --resume fails here, before the run is touched
+        self.checkpoints.claim()
         keep_lines = 0
         if path is None and self.checkpoints.steps():
             raise CheckpointError(
@@ -438,9 +439,6 @@ class Trainer:
         self.checkpoints.warn_if_retention_cannot_fit(
             int(bytes_per_param * sum(p.numel() for p in self.raw_model.parameters()))
         )
-        if self.info.is_main:  # before metrics.jsonl is cut back: the directory may be another process's
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            lock_run_dir(self.run_dir)
         self.metrics = MetricsLogger(self.run_dir, self.cfg.logging, self.info.is_main, keep_lines)
 
     def save(self, blocking: bool = False) -> None:
