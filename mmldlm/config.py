@@ -74,6 +74,10 @@ class ModelConfig:
     # is near the latent input (cosine), scaled by a learned function of t_latent. Needs the dataset's
     # token latents (made by `mmldlm prepare`, or added at the first training start).
     vocab_prior: bool = False
+    # Prefix tokens: the latent input also enters the text stream as this many tokens placed before the
+    # text (a linear map of the latent, as vec2text feeds an embedding to its decoder), so every block of
+    # the text stream reads it through its own weights and several keys; 0 = off.
+    num_prefix_tokens: int = 0
     dropout: float = 0.0
     init_std: float = 0.02
     norm_eps: float = 1e-6
@@ -103,6 +107,8 @@ class ModelConfig:
             _fail(f"{prefix}.timestep_embed_dim", self.timestep_embed_dim, "an even integer")
         if self.vocab_size is not None and self.vocab_size < 3:
             _fail(f"{prefix}.vocab_size", self.vocab_size, "null (from the dataset) or an integer >= 3")
+        if self.num_prefix_tokens < 0:
+            _fail(f"{prefix}.num_prefix_tokens", self.num_prefix_tokens, "an integer >= 0 (0 = off)")
         if self.mlp_ratio <= 0:
             _fail(f"{prefix}.mlp_ratio", self.mlp_ratio, "a number > 0")
         if not 0.0 <= self.dropout < 1.0:

@@ -59,10 +59,11 @@ def test_joint_attention_flows_both_ways(pos_embedding):
     torch.testing.assert_close(latent_out2[1:], latent_out[1:])
 
 
-def test_text_rows_give_the_full_logits_at_those_positions_and_the_same_gradients():
+@pytest.mark.parametrize("prefix", [0, 3])
+def test_text_rows_give_the_full_logits_at_those_positions_and_the_same_gradients(prefix):
     """The training loss reads logits only at masked positions: computing only those must change
     nothing else, including gradients, and keep every parameter in the graph when none is selected."""
-    cfg = tiny()
+    cfg = tiny(num_prefix_tokens=prefix)
     model = randomised(cfg).train()
     tokens, latents, t_text, t_latent = inputs(cfg)
     mask = pad_mask()
@@ -95,8 +96,9 @@ def test_text_rows_give_the_full_logits_at_those_positions_and_the_same_gradient
 
 @pytest.mark.parametrize("attention", ["sdpa", "explicit"])
 @pytest.mark.parametrize("pos_embedding", ["rope", "learned"])
-def test_padding_token_ids_change_no_real_output(attention, pos_embedding):
-    cfg = tiny(attention=attention, pos_embedding=pos_embedding)
+@pytest.mark.parametrize("prefix", [0, 2])
+def test_padding_token_ids_change_no_real_output(attention, pos_embedding, prefix):
+    cfg = tiny(attention=attention, pos_embedding=pos_embedding, num_prefix_tokens=prefix)
     model = randomised(cfg)
     tokens, latents, t_text, t_latent = inputs(cfg)
     mask = pad_mask()
@@ -254,12 +256,13 @@ def test_bad_shapes_are_refused():
         model(tokens, latents[..., :-1], t_text, t_latent)
 
 
+@pytest.mark.parametrize("prefix", [0, 4])
 @pytest.mark.parametrize("heads", [(True, True), (True, False), (False, True), "rows"])
-def test_training_flops_match_torch_flop_counter(heads):
+def test_training_flops_match_torch_flop_counter(heads, prefix):
     """The formula against torch's own count of every matmul in a forward + backward (the explicit
     path: the counter does not see CPU SDPA). The formula counts a grad-input matmul for the first
     layers too, which autograd skips: a few hundred thousand FLOPs out of ~10^8."""
-    cfg = tiny(attention="explicit")
+    cfg = tiny(attention="explicit", num_prefix_tokens=prefix)
     model = randomised(cfg).train()
     B, L = 2, 32
     tokens, latents, t_text, t_latent = inputs(cfg, B=B, L=L)
@@ -355,3 +358,22 @@ def test_a_config_file_refines_a_model_preset(tmp_path):
     path.write_text("model:\n  preset: [tiny]\n")
     with pytest.raises(ConfigError, match=r"'model.preset': got \['tiny'\]; expected the name of a model preset"):
         load_config(path)
+
+
+def test_prefix_tokens_carry_the_latent_and_follow_the_null_latent():
+    """With model.num_prefix_tokens the text stream reads the latent through the prefix as well: with
+    the latent slot's values zeroed in every block (no path through joint attention), the text logits
+    still change with the latent; a dropped row reads the null latent's prefix."""
+    cfg = tiny(num_prefix_tokens=2)
+    model = randomised(cfg)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.latent.qkv.weight[2 * cfg.hidden_size :].zero_()  # latent slots lend no values
+    tokens, latents, t_text, t_latent = inputs(cfg)
+    logits, _, _ = model(tokens, latents, t_text, t_latent, latent_head=False)
+    other, _, _ = model(tokens, latents.roll(1, dims=0), t_text, t_latent, latent_head=False)
+    assert (logits - other).abs().max() > 1e-3
+    null = torch.tensor([True, False, False])
+    dropped, _, _ = model(tokens, latents, t_text, t_latent, latent_null=null, latent_head=False)
+    same_null, _, _ = model(tokens, latents.roll(1, dims=0), t_text, t_latent, latent_null=null, latent_head=False)
+    torch.testing.assert_close(dropped[0], same_null[0])

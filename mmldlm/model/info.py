@@ -62,11 +62,13 @@ def training_flops_per_sample(
     - the vocabulary prior (model.vocab_prior), with the text head: the cosine of the latent to every
       token latent, 2 * V * K * D in the forward and as much again for its input gradient (the token
       latents are a buffer: no weight gradient).
+    - prefix tokens (model.num_prefix_tokens, P): the text stream's blocks run at L + P positions, the
+      text head at L; the prefix projection acts once per sample.
     - not counted: the embedding lookup (a gather), norms, activations, softmax, RoPE, biases and
       adaLN modulate (all O(tokens * H), well under 1% at any preset size).
     """
     cfg = model.cfg
-    L, K = seq_len, cfg.num_latents
+    L, K, P = seq_len, cfg.num_latents, cfg.num_prefix_tokens
     idle = set()
     if not text_head:
         idle |= {id(p) for p in model.text_head_parameters()}
@@ -81,14 +83,16 @@ def training_flops_per_sample(
         part = parameter_part(name)
         if part == "shared" or ".modulation." in f".{name}." or id(module) in once_per_sample:
             rows = 1
-        elif module is model.text_final.head and text_head_rows is not None:
-            rows = text_head_rows
+        elif module is model.text_prefix:
+            rows = 1
+        elif module is model.text_final.head:
+            rows = L if text_head_rows is None else text_head_rows
         else:
-            rows = L if part == "text" else K
+            rows = L + P if part == "text" else K
         matmul += module.weight.numel() * rows
 
-    S = L + K
-    last_queries = (L if text_head else 0) + (K if latent_head else 0)
+    S = L + P + K
+    last_queries = (L + P if text_head else 0) + (K if latent_head else 0)
     attention = 12 * cfg.hidden_size * S * (S * (cfg.num_blocks - 1) + last_queries)
     prior = 4 * model.token_latents.numel() if text_head and model.token_latents is not None else 0
     return 6 * matmul + attention + prior

@@ -255,6 +255,9 @@ class MultimodalMMDiT(nn.Module):
         self.text_embed = nn.Embedding(vocab_size, H)
         self.text_pos = nn.Embedding(cfg.max_seq_len, H) if cfg.pos_embedding == "learned" else None
         self.latent_proj = nn.Linear(D, H)
+        # Prefix tokens (model.num_prefix_tokens): the latent input as P text-stream tokens before the text.
+        P = cfg.num_prefix_tokens
+        self.text_prefix = nn.Linear(K * D, P * H) if P else None
         # Self-conditioning (Chen et al. 2022, "Analog Bits", sec. 3.2): an earlier x0 estimate of the
         # latent enters beside the noised latent; zero when there is none.
         self.latent_self_cond_proj = nn.Linear(D, H, bias=False) if cfg.self_condition else None
@@ -396,6 +399,14 @@ class MultimodalMMDiT(nn.Module):
         elif latent_self_cond is not None:
             raise ValueError("latent_self_cond was given but model.self_condition is false")
 
+        P = self.cfg.num_prefix_tokens
+        if P:
+            x_text = torch.cat([self.prefix_tokens(latents), x_text], dim=1)  # (B, P + L, H)
+            if rope is not None:
+                rope = rope_angles(P + L, self.cfg.hidden_size // self.cfg.num_heads, tokens.device)
+            if text_pad_mask is not None:
+                text_pad_mask = torch.cat([text_pad_mask.new_ones(B, P), text_pad_mask], dim=1)
+
         attn_mask = None
         if text_pad_mask is not None:
             # Latent slots are always valid keys, so every query (even in a fully padded text row)
@@ -409,12 +420,20 @@ class MultimodalMMDiT(nn.Module):
                 x_text, x_latent, c, attn_mask, rope, text_out=text_head or i < last, latent_out=latent_head or i < last
             )
 
+        if text_head and P:
+            x_text = x_text[:, P:]  # (B, L, H): the prefix has no output
         logits = self.text_final(x_text, c, text_rows) if text_head else None  # (B, L, V) or (N, V)
         if text_head and self.token_latents is not None:
             logits = logits + self.vocab_prior(latents, t_latent_emb, text_rows, L).to(logits.dtype)
         latent_out = self.latent_final(x_latent, c) if latent_head else None  # (B, K, D)
         lengths = self.length_logits(length_from) if length_from is not None else None  # (B, max_seq_len)
         return ModelOutput(logits, latent_out, lengths)
+
+    def prefix_tokens(self, latents: Tensor) -> Tensor:
+        """(B, P, H): the latent input (B, K, D) as the text stream's prefix (model.num_prefix_tokens).
+        Rows with the null latent get the null latent's prefix, so guidance drops the prefix too."""
+        B, P = latents.shape[0], self.cfg.num_prefix_tokens
+        return self.text_prefix(latents.reshape(B, -1)).view(B, P, self.cfg.hidden_size)
 
     def set_token_latents(self, token_latents: Tensor) -> None:
         """The vocabulary prior's token latents (V, K, D), standardised like the model's latent input."""
