@@ -12,7 +12,7 @@ from mmldlm.config import LatentDiffusionConfig, ModelConfig, ObjectiveConfig, T
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.model import MultimodalMMDiT
 from mmldlm.objective import Objective
-from mmldlm.sampling import Sampler, SamplingOptions, pad_mask_from_lengths, time_grid
+from mmldlm.sampling import Sampler, SamplingOptions, decoding, pad_mask_from_lengths, time_grid
 
 PAD, MASK, VOCAB, D = 0, 1, 24, 8
 LENGTHS = [5, 7, 6, 4, 7, 5]
@@ -265,3 +265,119 @@ def test_sampler_defaults_come_from_the_run_config_and_given_options_override_th
         options.guidance_scale,
     ) == (8, 8, 0.6, "ddim", 1.5)
     assert SamplingOptions.defaults(text, latent, temperature=1.0).temperature == 1.0
+
+
+def bag_encoder(data: dict):
+    """A stand-in sentence encoder: a text's latent is its closest training sentence's latent, scaled
+    by the share of positions the text has right, plus a fixed random vector per wrong (position,
+    token): exact on the training sentences, further away with every wrong token.
+    (tokens, pad_mask) -> latents (B, 1, D)."""
+    table = 3.0 * torch.randn(8, VOCAB, D, generator=torch.Generator().manual_seed(7))
+    sources, source_mask, latents = data["tokens"], data["pad_mask"], data["latents"].flatten(1)
+
+    def reencode(tokens, pad_mask):
+        L = tokens.shape[1]
+        same = (tokens[:, None, :] == sources[None, :, :L]) & pad_mask[:, None, :] & source_mask[None, :, :L]
+        share = same.sum(-1) / source_mask.sum(-1)[None, :]  # (B, 6)
+        best = share.argmax(dim=1)
+        right = same[torch.arange(len(best)), best]  # (B, L)
+        wrong = table[torch.arange(L)[None, :], tokens] * (pad_mask & ~right)[..., None]  # (B, L, D)
+        return (share.max(dim=1).values[:, None] * latents[best] + wrong.sum(dim=1))[:, None, :]
+
+    return reencode
+
+
+def test_best_of_one_without_correction_is_the_plain_sampler_exactly(overfit):
+    model, text, latent, data = overfit
+    hot = SamplingOptions(num_steps=8, temperature=3.0)
+    plain = Sampler(model, text, latent, hot)
+    same = Sampler(model, text, latent, dataclasses.replace(hot, best_of=1, correction_rounds=0), bag_encoder(data))
+    for seed in (0, 1):
+        assert torch.equal(
+            plain.l2t(data["latents"], data["pad_mask"], torch.Generator().manual_seed(seed)),
+            same.l2t(data["latents"], data["pad_mask"], torch.Generator().manual_seed(seed)),
+        )
+    assert same.num_encoded == 0
+
+
+def test_encoder_in_the_loop_moves_texts_towards_their_targets_and_never_away(overfit):
+    """A hot sampler writes wrong tokens; re-ranking and correction rounds, scored by the stand-in
+    encoder against the encoding of the true texts, keep the closer texts: a correction round never
+    returns a text further from its target than its input."""
+    model, text, latent, data = overfit
+    encoder = bag_encoder(data)
+    target, pad_mask = data["latents"], data["pad_mask"]
+    torch.testing.assert_close(encoder(data["tokens"], pad_mask), target)
+    hot = SamplingOptions(num_steps=8, temperature=12.0, remask_fraction=0.3)
+
+    def cosines(tokens):
+        return torch.nn.functional.cosine_similarity(encoder(tokens, pad_mask).flatten(1), target.flatten(1))
+
+    g = torch.Generator().manual_seed(0)
+    plain = Sampler(model, text, latent, hot).l2t(target, pad_mask, g)
+    sampler = Sampler(model, text, latent, dataclasses.replace(hot, best_of=2), encoder)
+    draft = decoding.best_of(sampler, target, pad_mask, g)
+    assert sampler.num_encoded == 2 * 6
+    torch.testing.assert_close(draft.cosine, cosines(draft.tokens))  # the cosine is the re-encoding's
+    assert draft.cosine.mean() > cosines(plain).mean()
+    start = draft.cosine
+    for rounds in range(3):
+        corrected = decoding.correction_rounds(
+            Sampler(model, text, latent, dataclasses.replace(hot, correction_rounds=1), encoder),
+            draft,
+            target,
+            pad_mask,
+            g,
+        )
+        assert (cosines(corrected.tokens) >= draft.cosine - 1e-6).all(), rounds
+        draft = corrected
+    assert draft.cosine.mean() > start.mean()
+    assert not (draft.tokens == MASK).any() and torch.equal(draft.tokens == PAD, ~pad_mask)
+
+
+def test_remasking_rounds_keep_a_text_complete_and_reproduce_a_memorised_one(overfit):
+    model, text, latent, data = overfit
+    options = SamplingOptions(num_steps=16, remask_rounds=3, remask_fraction=0.5)
+    sampler = Sampler(model, text, latent, options)
+    tokens = sampler.l2t(data["latents"], data["pad_mask"], torch.Generator().manual_seed(1))
+    assert torch.equal(tokens, data["tokens"])
+    # Each round re-reveals half of each text one position per step: 16 steps, then 3 rounds of 4.
+    assert sampler.num_forward > Sampler(model, text, latent, dataclasses.replace(options, remask_rounds=0)).num_forward
+
+
+def test_repetition_penalty_lowers_every_revealed_token_and_nothing_else(overfit):
+    model, text, latent, data = overfit
+    sampler = Sampler(model, text, latent, SamplingOptions(repetition_penalty=2.5))
+    scores = torch.zeros(1, 3, VOCAB)
+    tokens = torch.tensor([[5, MASK, 5]])
+    lowered = sampler._penalize_repeats(scores, tokens)
+    expected = torch.zeros(VOCAB)
+    expected[5] = -2.5
+    assert torch.equal(lowered[0, 1], expected)
+
+
+def test_decoding_options_that_need_the_encoder_refuse_a_sampler_without_one(overfit):
+    model, text, latent, _ = overfit
+    with pytest.raises(ValueError, match="sampling option .best_of.: got 4; expected 1 and 0"):
+        Sampler(model, text, latent, SamplingOptions(best_of=4))
+    with pytest.raises(ValueError, match="sampling option .remask_fraction.: got 0; expected a number in"):
+        Sampler(model, text, latent, SamplingOptions(remask_fraction=0))
+
+
+def test_joint_best_of_keeps_the_pairs_whose_text_matches_its_own_latent(overfit):
+    model, text, latent, data = overfit
+    encoder = bag_encoder(data)
+    pad_mask = pad_mask_from_lengths([7, 5, 6, 4, 7, 5])
+    hot = SamplingOptions(num_steps=8, temperature=3.0, latent_sampler="ddpm")
+
+    def consistency(options):
+        sampler = Sampler(model, text, latent, options, encoder)
+        tokens, latents = sampler.joint(pad_mask, torch.Generator().manual_seed(3))
+        assert not (tokens == MASK).any() and torch.equal(tokens == PAD, ~pad_mask)
+        cosine = torch.nn.functional.cosine_similarity(encoder(tokens, pad_mask).flatten(1), latents.flatten(1))
+        return cosine.mean(), sampler.num_encoded
+
+    plain, none_encoded = consistency(hot)
+    chosen, encoded = consistency(dataclasses.replace(hot, best_of=4, correction_rounds=2))
+    assert none_encoded == 0 and encoded == 6 * 4 + 2 * 6 * 4  # candidates, then 4 variants per round
+    assert chosen > plain

@@ -59,6 +59,34 @@ def add_sampler_arguments(group) -> None:
         default="confidence",
         help="text: the most confident positions first, or MDLM ancestral unmasking",
     )
+    group.add_argument(
+        "--repetition-penalty",
+        type=float,
+        help="text: lower the logit of every token already in the text by this much (default 0: off)",
+    )
+    group.add_argument(
+        "--remask-rounds",
+        type=int,
+        help="text: re-sample the least confident share of a finished text given the rest, this many times",
+    )
+    group.add_argument(
+        "--remask-fraction",
+        type=float,
+        help="the share of a text's tokens re-sampled per remasking or correction round (default 0.25)",
+    )
+    group.add_argument(
+        "--best-of",
+        type=int,
+        help="text: sample N texts per latent and keep the one whose re-encoding by the sentence encoder "
+        "is closest (l2t: to the latent; joint: to its own latent)",
+    )
+    group.add_argument(
+        "--correction-rounds",
+        type=int,
+        help="text: rounds of re-sampling variants of the kept text, each kept only where its "
+        "re-encoding is closer (uses the sentence encoder)",
+    )
+    group.add_argument("--correction-proposals", type=int, help="variants per correction round (default 4)")
 
 
 def add_device_arguments(group) -> None:
@@ -132,6 +160,12 @@ SAMPLING_FLAGS = {
     "latent_steps": "--latent-steps",
     "temperature": "--temperature",
     "guidance_scale": "--guidance-scale",
+    "repetition_penalty": "--repetition-penalty",
+    "remask_rounds": "--remask-rounds",
+    "remask_fraction": "--remask-fraction",
+    "best_of": "--best-of",
+    "correction_rounds": "--correction-rounds",
+    "correction_proposals": "--correction-proposals",
 }
 
 
@@ -148,6 +182,12 @@ def sampling_options(args: argparse.Namespace, run, guidance_scale: float, **opt
         temperature=args.temperature,
         strategy=args.strategy,
         guidance_scale=guidance_scale,
+        repetition_penalty=args.repetition_penalty,
+        remask_rounds=args.remask_rounds,
+        remask_fraction=args.remask_fraction,
+        best_of=args.best_of,
+        correction_rounds=args.correction_rounds,
+        correction_proposals=args.correction_proposals,
         **options,
     )
     sampling.check(SAMPLING_FLAGS)

@@ -41,11 +41,8 @@ def _per_row(t, batch_size: int, device, dtype=torch.float64) -> torch.Tensor:
 
 
 def _gumbel_argmax(scores: torch.Tensor, generator) -> torch.Tensor:
-    """argmax(scores + Gumbel noise) over the last dim, in float64: float32 Gumbel noise is truncated
-    in its tail and lowers the effective temperature (Zheng et al. 2024, arXiv:2409.02908)."""
-    u = rng.uniform(scores.shape, scores.device, generator, dtype=torch.float64)
-    gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(torch.float64).tiny)))
-    return (scores.double() + gumbel).argmax(dim=-1)
+    """argmax(scores + Gumbel noise) over the last dim, in float64 (rng.gumbel says why)."""
+    return (scores.double() + rng.gumbel(scores.shape, scores.device, generator)).argmax(dim=-1)
 
 
 class MaskedDiffusion:
@@ -149,7 +146,7 @@ class MaskedDiffusion:
 
     # --- reverse process -------------------------------------------------------------------------
 
-    def _log_x0(self, logits: torch.Tensor) -> torch.Tensor:
+    def log_x0(self, logits: torch.Tensor) -> torch.Tensor:
         """log x_theta of rows of logits (N, V), float64, the mask never predicted (SUBS)."""
         log_x0 = logits.double()
         log_x0[:, self.mask_token_id] = float("-inf")
@@ -193,9 +190,9 @@ class MaskedDiffusion:
             reveal = rng.uniform(row_of.shape, x_t.device, generator, dtype=torch.float64) >= stay_prob[row_of]
             new = torch.full_like(row_of, self.mask_token_id)
             chosen = where[reveal]
-            new[reveal] = _gumbel_argmax(self._log_x0(logits[chosen[:, 0], chosen[:, 1]]), generator)
+            new[reveal] = _gumbel_argmax(self.log_x0(logits[chosen[:, 0], chosen[:, 1]]), generator)
         elif strategy == "confidence":
-            log_x0 = self._log_x0(logits[masked])  # (N, V)
+            log_x0 = self.log_x0(logits[masked])  # (N, V)
             draw = _gumbel_argmax(log_x0, generator)  # (N,)
             confidence = torch.full((B, L), float("-inf"), dtype=torch.float64, device=x_t.device)
             confidence[masked] = log_x0.gather(-1, draw[:, None])[:, 0]

@@ -29,3 +29,10 @@ def normal(shape, device, generator=None, dtype=torch.float32) -> torch.Tensor:
 def permutation(n: int, device, generator=None) -> torch.Tensor:
     """A random permutation of range(n) on `device`."""
     return torch.randperm(n, generator=generator, device=_draw_device(device, generator)).to(device)
+
+
+def gumbel(shape, device, generator=None) -> torch.Tensor:
+    """Standard Gumbel noise of `shape` on `device`, float64: float32 noise is truncated in its tail
+    and lowers the effective temperature of Gumbel-max sampling (Zheng et al. 2024, arXiv:2409.02908)."""
+    u = uniform(shape, device, generator, dtype=torch.float64)
+    return -torch.log(-torch.log(u.clamp_min(torch.finfo(torch.float64).tiny)))

@@ -177,6 +177,7 @@ def l2t_reconstruction(
         / max(1, sum(len(ws) for ws in decoded_words)),
         "samples_per_s": len(ids) / seconds,
         "model_calls_per_batch": sampler.num_forward / math.ceil(len(ids) / batch_size),
+        "encoded_per_sample": sampler.num_encoded / len(ids),
     }
     cosines = None
     if use_encoder:

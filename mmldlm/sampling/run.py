@@ -88,7 +88,14 @@ class TrainedRun:
         return next(self.model.parameters()).device
 
     def sampler(self, options: SamplingOptions) -> Sampler:
-        return Sampler(self.model, self.text, self.latent, options)
+        """A sampler of this model; it re-encodes texts with the run's sentence encoder where its options
+        ask for it (best-of-N, correction rounds)."""
+        reencode = (
+            (lambda tokens, pad_mask: self.encode_latents(self.decode(tokens, pad_mask)))
+            if options.uses_encoder
+            else None
+        )
+        return Sampler(self.model, self.text, self.latent, options, reencode)
 
     # --- data ------------------------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,6 +47,8 @@ import torch
 from mmldlm.config import LatentDiffusionConfig, TextDiffusionConfig
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion, rng
 from mmldlm.errors import OptionError
+from mmldlm.sampling import decoding
+from mmldlm.sampling.decoding import Draft
 
 
 @dataclass
@@ -61,6 +64,21 @@ class SamplingOptions:
     guidance_scale: float = 0.0  # classifier-free guidance w (module docstring); 0 = off
     latent_sampler: Literal["ddim", "ddpm"] = "ddim"
     reuse_output: bool = True  # l2t: skip the model call when the last step unmasked nothing
+    # Each revealed text position's logit of every token already revealed in its text is lowered by this
+    # much (0 = off): a small model otherwise writes the latent's keyword at several positions.
+    repetition_penalty: float = 0.0
+    # Remasking rounds (ReMDM's loop, Wang et al. 2025): after the text is complete, the least confident
+    # `remask_fraction` of its tokens are masked again and re-sampled given the rest, `remask_rounds` times.
+    remask_rounds: int = 0
+    remask_fraction: float = 0.25
+    # The sentence encoder in the loop (decoding.py): `best_of` candidates per text, the one whose
+    # re-encoding is closest to the target latent kept; then `correction_rounds` rounds, each re-sampling
+    # `correction_proposals` variants of the kept text with its least confident `remask_fraction` masked
+    # (one variant) or a confidence-weighted random share (the others), a variant kept only where its
+    # re-encoding is closer. l2t: the target is the given latent; joint: the text's own sampled latent.
+    best_of: int = 1
+    correction_rounds: int = 0
+    correction_proposals: int = 4
 
     def check(self, keys: dict[str, str] | None = None) -> None:
         """OptionError for a value that cannot be used, named by `keys` (field -> the command-line
@@ -82,6 +100,21 @@ class SamplingOptions:
             fail("latent_sampler", "'ddim' or 'ddpm'")
         if not math.isfinite(self.guidance_scale):
             fail("guidance_scale", "a finite number (0 = off)")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty >= 0):
+            fail("repetition_penalty", "a number >= 0 (0 = off)")
+        for name in ("remask_rounds", "correction_rounds"):
+            if getattr(self, name) < 0:
+                fail(name, "an integer >= 0 (0 = off)")
+        for name in ("best_of", "correction_proposals"):
+            if getattr(self, name) < 1:
+                fail(name, "an integer >= 1")
+        if not 0 < self.remask_fraction <= 1:
+            fail("remask_fraction", "a number in (0, 1]")
+
+    @property
+    def uses_encoder(self) -> bool:
+        """Whether decoding re-encodes its candidates with the sentence encoder."""
+        return self.best_of > 1 or self.correction_rounds > 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -105,9 +138,9 @@ class SamplingOptions:
         )
 
 
-def time_grid(num_steps: int) -> list[tuple[float, float]]:
-    """The (t, s) pairs of the reverse steps: 1 -> ... -> 0 in equal steps (float64 values)."""
-    times = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64).tolist()
+def time_grid(num_steps: int, start: float = 1.0) -> list[tuple[float, float]]:
+    """The (t, s) pairs of the reverse steps: start -> ... -> 0 in equal steps (float64 values)."""
+    times = torch.linspace(start, 0.0, num_steps + 1, dtype=torch.float64).tolist()
     times[-1] = 0.0
     return list(zip(times[:-1], times[1:]))
 
@@ -121,12 +154,28 @@ def pad_mask_from_lengths(lengths, max_len: int | None = None) -> torch.Tensor:
 
 class Sampler:
     """The three samplers for one model and its diffusions. `num_forward` counts model calls (one
-    call may carry a conditional and an unconditional half)."""
+    call may carry a conditional and an unconditional half), `num_encoded` the texts re-encoded.
+    `reencode(tokens, pad_mask) -> latents (B, K, D)` in the encoder's space: the sentence encoder that
+    made the training latents, needed by the decoding options that use it (decoding.py)."""
 
-    def __init__(self, model, text: MaskedDiffusion, latent: GaussianDiffusion, options: SamplingOptions):
+    def __init__(
+        self,
+        model,
+        text: MaskedDiffusion,
+        latent: GaussianDiffusion,
+        options: SamplingOptions,
+        reencode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ):
         options.check()
         self.model, self.text, self.latent, self.options = model, text, latent, options
-        self.num_forward = 0
+        self.reencode = reencode
+        self.num_forward = self.num_encoded = 0
+        if options.uses_encoder and reencode is None:
+            raise OptionError(
+                "sampling option 'best_of'" if options.best_of > 1 else "sampling option 'correction_rounds'",
+                options.best_of if options.best_of > 1 else options.correction_rounds,
+                "1 and 0: re-ranking and correction need the sentence encoder, and this sampler was given none",
+            )
         if options.guidance_scale != 0 and getattr(model, "null_latent", None) is None:
             raise OptionError(
                 "sampling option 'guidance_scale'",
@@ -189,6 +238,16 @@ class Sampler:
         logits[..., self.text.pad_token_id] = float("-inf")
         return logits
 
+    def _penalize_repeats(self, scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """scores (B, L, V) lowered by options.repetition_penalty for every token already revealed in
+        the row (not the mask or padding)."""
+        if self.options.repetition_penalty == 0:
+            return scores
+        present = torch.zeros(scores.shape[0], scores.shape[-1], dtype=torch.bool, device=scores.device)
+        present.scatter_(1, tokens, True)  # (B, V)
+        present[:, [self.text.mask_token_id, self.text.pad_token_id]] = False
+        return scores - self.options.repetition_penalty * present[:, None, :].to(scores.dtype)
+
     def _l2t_logits(self, tokens, latents, t: float, pad_mask) -> torch.Tensor:
         """Text logits given the clean latent at text time t, guided when the scale is not 0."""
         if self.options.guidance_scale == 0:
@@ -238,27 +297,66 @@ class Sampler:
         """Fully masked text (t = 1) with padding where pad_mask is False."""
         return torch.where(pad_mask, self.text.mask_token_id, self.text.pad_token_id).long()
 
+    def _start_confidence(self, pad_mask: torch.Tensor) -> torch.Tensor:
+        """(B, L) float64: -inf at the masked real positions (nothing drawn yet), +inf at padding."""
+        inf = torch.full(pad_mask.shape, float("inf"), dtype=torch.float64, device=pad_mask.device)
+        return torch.where(pad_mask, -inf, inf)
+
     def _start_latent(self, batch_size: int, generator) -> torch.Tensor:
         K, D = self.model.cfg.num_latents, self.model.cfg.latent_dim
         return rng.normal((batch_size, K, D), self.device, generator)
+
+    def _reveal(self, draft: Draft, latents, pad_mask, grid, generator) -> Draft:
+        """Unmask every masked position of the draft along `grid` given clean standardised latents
+        (B, K, D); each revealed token's log-probability when drawn becomes its confidence."""
+        tokens, confidence = draft.tokens, draft.confidence.clone()
+        logits = None
+        for t, s in grid:
+            if logits is None or not self.options.reuse_output:
+                logits = self._l2t_logits(tokens, latents, t, pad_mask)
+            scores = self._penalize_repeats(logits, tokens)
+            new = self.text.step(scores, tokens, t, s, generator, self.options.strategy)
+            if self._record_confidence(confidence, scores, tokens, new):
+                logits = None  # the input changed: the next step needs a fresh model output
+            tokens = new
+        return Draft(tokens, confidence)
+
+    def _record_confidence(self, confidence, scores, tokens, new) -> bool:
+        """Write the log-probability of each token revealed between `tokens` and `new` (B, L) into
+        `confidence` (B, L); whether any was revealed."""
+        revealed = new != tokens
+        if not revealed.any():
+            return False
+        confidence[revealed] = self.text.log_x0(scores[revealed]).gather(-1, new[revealed][:, None])[:, 0]
+        return True
+
+    def write(self, latents: torch.Tensor, pad_mask: torch.Tensor, generator=None) -> Draft:
+        """Text for clean standardised latents (B, K, D) from fully masked: the reverse trajectory, then
+        the remasking rounds (decoding.py)."""
+        start = Draft(self._start_text(pad_mask), self._start_confidence(pad_mask))
+        draft = self._reveal(start, latents, pad_mask, time_grid(self.options.num_steps), generator)
+        return decoding.remask_rounds(self, draft, latents, pad_mask, generator)
+
+    def fill(self, draft: Draft, masked: torch.Tensor, latents, pad_mask, generator=None) -> Draft:
+        """The draft with the positions of `masked` (B, L) re-sampled given the rest: one step per
+        masked position from the time at which that share of the text is masked."""
+        num = int(masked.sum(dim=1).max())
+        if num == 0:
+            return draft
+        share = float((masked.sum(dim=1) / pad_mask.sum(dim=1).clamp_min(1)).max())  # t of that much masking
+        start = Draft(draft.tokens.masked_fill(masked, self.text.mask_token_id), draft.confidence)
+        return self._reveal(start, latents, pad_mask, time_grid(num, start=share), generator)
 
     @torch.no_grad()
     def l2t(
         self, latents: torch.Tensor, pad_mask: torch.Tensor, generator: torch.Generator | None = None
     ) -> torch.Tensor:
-        """Text tokens (B, L) for latents (B, K, D) in encoder space; pad_mask (B, L) fixes the lengths."""
+        """Text tokens (B, L) for latents (B, K, D) in encoder space; pad_mask (B, L) fixes the lengths.
+        Best-of-N and the correction rounds are no-ops unless asked for (decoding.py)."""
         pad_mask = pad_mask.to(self.device)
-        latents = self.latent.standardize(latents.to(self.device, torch.float32))
-        tokens = self._start_text(pad_mask)
-        logits = None
-        for t, s in time_grid(self.options.num_steps):
-            if logits is None or not self.options.reuse_output:
-                logits = self._l2t_logits(tokens, latents, t, pad_mask)
-            new = self.text.step(logits, tokens, t, s, generator, self.options.strategy)
-            if not torch.equal(new, tokens):
-                logits = None  # the input changed: the next step needs a fresh model output
-            tokens = new
-        return tokens
+        target = latents.to(self.device, torch.float32)
+        draft = decoding.best_of(self, target, pad_mask, generator)
+        return decoding.correction_rounds(self, draft, target, pad_mask, generator).tokens
 
     @torch.no_grad()
     def t2l(
@@ -274,18 +372,29 @@ class Sampler:
             x = self.latent.step(pred, x, t, s, self.options.latent_sampler, generator)
         return self.latent.destandardize(x)
 
-    @torch.no_grad()
-    def joint(
-        self, pad_mask: torch.Tensor, generator: torch.Generator | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unconditional (text tokens (B, L), latents (B, K, D) in encoder space) with the given lengths."""
-        pad_mask = pad_mask.to(self.device)
+    def write_joint(self, pad_mask: torch.Tensor, generator=None) -> tuple[Draft, torch.Tensor]:
+        """One joint trajectory: (the text's Draft, latents (B, K, D) in encoder space)."""
         tokens = self._start_text(pad_mask)
+        confidence = self._start_confidence(pad_mask)
         x = self._start_latent(tokens.shape[0], generator)
         x0 = None
         for t, s in time_grid(self.options.num_steps):
             logits, pred, _ = self._model(tokens, x, t, t, pad_mask, text_head=True, latent_head=True, self_cond=x0)
-            tokens = self.text.step(self._text_scores(logits), tokens, t, s, generator, self.options.strategy)
+            scores = self._penalize_repeats(self._text_scores(logits), tokens)
+            new = self.text.step(scores, tokens, t, s, generator, self.options.strategy)
+            self._record_confidence(confidence, scores, tokens, new)
+            tokens = new
             x0 = self._self_cond(pred.float(), x, t)
             x = self.latent.step(pred.float(), x, t, s, self.options.latent_sampler, generator)
-        return tokens, self.latent.destandardize(x)
+        return Draft(tokens, confidence), self.latent.destandardize(x)
+
+    @torch.no_grad()
+    def joint(
+        self, pad_mask: torch.Tensor, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unconditional (text tokens (B, L), latents (B, K, D) in encoder space) with the given lengths.
+        Best-of-N keeps the pair whose text re-encodes closest to its own latent, and the correction
+        rounds move the text towards that latent (decoding.py); no-ops unless asked for."""
+        pad_mask = pad_mask.to(self.device)
+        draft, latents = decoding.best_joint(self, pad_mask, generator)
+        return decoding.correction_rounds(self, draft, latents, pad_mask, generator).tokens, latents

@@ -1,0 +1,74 @@
+"""Quality of l2t decoding against its cost, one row per set of sampler options, on the same validation
+latents of one trained run: word F1, exact match, re-encoded cosine (and BLEU and repetition where the
+evaluation reports them), model calls, encoder calls and seconds per sample. Each row names its options
+as SamplingOptions fields; `default` is the run's own sampler.
+
+    python scripts/decoding_table.py --run runs/default --num-samples 128 \\
+        default "best_of=4" "best_of=4 correction_rounds=4" "remask_rounds=2 repetition_penalty=1"
+
+Timings are one measurement each on whatever else the machine runs: compare rows of one table only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import torch
+import yaml
+
+from mmldlm.sampling import SamplingOptions, load_trained
+from mmldlm.sampling.evaluate import l2t_reconstruction
+
+COLUMNS = (
+    ("word F1", "word_f1", "{:.3f}"),
+    ("exact", "exact_match", "{:.1%}"),
+    ("BLEU", "bleu", "{:.1f}"),
+    ("repetition", "repetition", "{:.3f}"),
+    ("cosine", "cosine_mean", "{:.3f}"),
+)
+
+
+def options_of(run, spec: str) -> SamplingOptions:
+    """The run's sampler defaults with the `field=value` pairs of `spec` ("default": none)."""
+    given = {} if spec == "default" else dict(pair.split("=", 1) for pair in spec.split())
+    options = SamplingOptions.defaults(run.cfg.text_diffusion, run.cfg.latent_diffusion)
+    options = dataclasses.replace(options, **{key: yaml.safe_load(value) for key, value in given.items()})
+    options.check()
+    return options
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", required=True)
+    parser.add_argument("--num-samples", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("specs", nargs="+", help='"default" or "field=value field=value ..."')
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    run = load_trained(args.run)
+    run.model.eval()
+    run.encode_latents(["warm the encoder up"])
+    head = [name for name, *_ in COLUMNS] + ["model calls / batch", "encoded / sample", "s / sample"]
+    print(f"{args.run} step {run.step}, {args.num_samples} validation latents at their source lengths\n")
+    print("| options | " + " | ".join(head) + " |")
+    print("|---|" + "---|" * len(head))
+    for spec in args.specs:
+        options = options_of(run, spec)
+        start = time.perf_counter()
+        result = l2t_reconstruction(run, options, args.num_samples, args.batch_size, args.seed)
+        seconds = time.perf_counter() - start
+        cells = [fmt.format(result[key]) if key in result else "-" for _, key, fmt in COLUMNS]
+        cells += [
+            f"{result['model_calls_per_batch']:.0f}",
+            f"{result.get('encoded_per_sample', 0):.0f}",
+            f"{seconds / result['num_samples']:.3f}",
+        ]
+        print(f"| {spec} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
