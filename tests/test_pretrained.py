@@ -16,7 +16,7 @@ from mmldlm import MMLDLM, cli
 from mmldlm.data.errors import DataError
 from mmldlm.device import describe_device
 from mmldlm.sampling.card import model_card
-from mmldlm.sampling.pretrained import CONFIG, TOKENIZER, WEIGHTS
+from mmldlm.sampling.pretrained import CONFIG, TOKENIZER, WEIGHTS, length_masks
 
 RUN = [
     "model=tiny",
@@ -321,3 +321,21 @@ def test_the_readme_snippet_runs_on_an_exported_model(exported, tmp_path):
     copy = json.loads((tmp_path / "copy" / CONFIG).read_text())
     assert copy == json.loads((exported / CONFIG).read_text())
     assert (tmp_path / "copy" / "README.md").read_text() == (exported / "README.md").read_text()
+
+
+def test_decode_with_the_encoder_in_the_loop_picks_among_the_length_heads_candidates(exported):
+    """length_candidates=3: each text has one of the head's three most likely lengths, chosen by the
+    real sentence encoder's cosine; with best_of and correction rounds the chosen text is at least as
+    close to its latent as the plain text at the head's own length."""
+    model = MMLDLM.from_pretrained(exported, device="cpu")
+    z = model.embed(["a small dog that barks", "to run fast", "a tall building"])
+    candidates = model.run.candidate_lengths(z, 3)
+    assert [row[0] for row in candidates] == model.run.predict_lengths(z)
+    options = model.options(3, length_candidates=3, best_of=2, correction_rounds=1)
+    tokens = model.run.sampler(options).l2t(z, length_masks(candidates), torch.Generator().manual_seed(0))
+    lengths = (tokens != model.run.text.pad_token_id).sum(dim=1).tolist()
+    assert all(n in row for n, row in zip(lengths, candidates))
+    texts = model.decode(z, seed=3, length_candidates=3, best_of=2, correction_rounds=1, **FAST)
+    plain = model.decode(z, seed=3, **FAST)
+    cosine = lambda texts: torch.nn.functional.cosine_similarity(model.embed(texts).flatten(1), z.flatten(1))  # noqa: E731
+    assert len(texts) == 3 and cosine(texts).mean() >= cosine(plain).mean()

@@ -323,11 +323,7 @@ def test_encoder_in_the_loop_moves_texts_towards_their_targets_and_never_away(ov
     start = draft.cosine
     for rounds in range(3):
         corrected = decoding.correction_rounds(
-            Sampler(model, text, latent, dataclasses.replace(hot, correction_rounds=1), encoder),
-            draft,
-            target,
-            pad_mask,
-            g,
+            Sampler(model, text, latent, dataclasses.replace(hot, correction_rounds=1), encoder), draft, target, g
         )
         assert (cosines(corrected.tokens) >= draft.cosine - 1e-6).all(), rounds
         draft = corrected
@@ -358,7 +354,7 @@ def test_repetition_penalty_lowers_every_revealed_token_and_nothing_else(overfit
 
 def test_decoding_options_that_need_the_encoder_refuse_a_sampler_without_one(overfit):
     model, text, latent, _ = overfit
-    with pytest.raises(ValueError, match="sampling option .best_of.: got 4; expected 1 and 0"):
+    with pytest.raises(ValueError, match=r"'length_candidates': got \(4, 0, 1\); expected 1, 0, 1: re-ranking"):
         Sampler(model, text, latent, SamplingOptions(best_of=4))
     with pytest.raises(ValueError, match="sampling option .remask_fraction.: got 0; expected a number in"):
         Sampler(model, text, latent, SamplingOptions(remask_fraction=0))

@@ -87,6 +87,12 @@ def add_sampler_arguments(group) -> None:
         "re-encoding is closer (uses the sentence encoder)",
     )
     group.add_argument("--correction-proposals", type=int, help="variants per correction round (default 4)")
+    group.add_argument(
+        "--length-candidates",
+        type=int,
+        help="l2t without a given length: decode at the length head's N most likely lengths and keep the "
+        "text the sentence encoder puts closest (default 1: the most likely length only)",
+    )
 
 
 def add_device_arguments(group) -> None:
@@ -166,6 +172,7 @@ SAMPLING_FLAGS = {
     "best_of": "--best-of",
     "correction_rounds": "--correction-rounds",
     "correction_proposals": "--correction-proposals",
+    "length_candidates": "--length-candidates",
 }
 
 
@@ -188,6 +195,7 @@ def sampling_options(args: argparse.Namespace, run, guidance_scale: float, **opt
         best_of=args.best_of,
         correction_rounds=args.correction_rounds,
         correction_proposals=args.correction_proposals,
+        length_candidates=args.length_candidates,
         **options,
     )
     sampling.check(SAMPLING_FLAGS)

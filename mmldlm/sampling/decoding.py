@@ -82,17 +82,19 @@ def keep_best(candidates: Draft, num: int) -> Draft:
 
 
 def best_of(sampler, target: torch.Tensor, pad_mask: torch.Tensor, generator) -> Draft:
-    """2. (module docstring): `best_of` texts per target latent (B, K, D, encoder space), the closest kept;
-    with best_of = 1 the sampler's text alone, not re-encoded."""
+    """2. (module docstring): `best_of` texts per target latent (B, K, D, encoder space) at each of the
+    C candidate lengths of pad_mask (B, C, L), or at the one length of pad_mask (B, L); the closest
+    kept. One length and best_of = 1: the sampler's text alone, not re-encoded."""
     num = sampler.options.best_of
     condition = sampler.latent.standardize(target)
-    if num == 1:
+    if pad_mask.dim() == 2 and num == 1:
         return sampler.write(condition, pad_mask, generator)
-    candidates = sampler.write(condition.repeat_interleave(num, 0), pad_mask.repeat_interleave(num, 0), generator)
-    candidates.cosine = similarity(
-        sampler, candidates.tokens, pad_mask.repeat_interleave(num, 0), target.repeat_interleave(num, 0)
-    )
-    return keep_best(candidates, num)
+    masks = pad_mask if pad_mask.dim() == 3 else pad_mask[:, None]  # (B, C, L)
+    per_target = masks.shape[1] * num
+    rows_mask = masks.repeat_interleave(num, dim=1).flatten(0, 1)  # (B * C * num, L)
+    candidates = sampler.write(condition.repeat_interleave(per_target, 0), rows_mask, generator)
+    candidates.cosine = similarity(sampler, candidates.tokens, rows_mask, target.repeat_interleave(per_target, 0))
+    return keep_best(candidates, per_target)
 
 
 def best_joint(sampler, pad_mask: torch.Tensor, generator) -> tuple[Draft, torch.Tensor]:
@@ -108,11 +110,12 @@ def best_joint(sampler, pad_mask: torch.Tensor, generator) -> tuple[Draft, torch
     return candidates.rows(best), latents[best]
 
 
-def correction_rounds(sampler, draft: Draft, target: torch.Tensor, pad_mask: torch.Tensor, generator) -> Draft:
+def correction_rounds(sampler, draft: Draft, target: torch.Tensor, generator) -> Draft:
     """3. (module docstring): target (B, K, D) in the encoder's space."""
     options = sampler.options
     if options.correction_rounds == 0:
         return draft
+    pad_mask = draft.tokens != sampler.text.pad_token_id  # each text's own length (best_of may choose it)
     if draft.cosine is None:
         draft.cosine = similarity(sampler, draft.tokens, pad_mask, target)
     num = options.correction_proposals

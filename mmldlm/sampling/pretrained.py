@@ -274,6 +274,13 @@ def load_trained(
 # The Python API.
 
 
+def length_masks(lengths: list[list[int]]) -> torch.Tensor:
+    """Pad masks of candidate lengths: (B, L) for one length per text, (B, C, L) for C per text."""
+    masks = pad_mask_from_lengths([n for row in lengths for n in row])  # (B * C, L)
+    num = len(lengths[0])
+    return masks if num == 1 else masks.view(len(lengths), num, -1)
+
+
 class MMLDLM:
     """A trained MM-LDLM model: text -> latents (`encode`), latents -> text (`decode`), both (`generate`),
     and the sentence encoder itself (`embed`). Sampler options are keyword arguments: `steps` (every
@@ -373,11 +380,16 @@ class MMLDLM:
         in tokens (`text_lengths`)."""
         sampler = self.run.sampler(self.options(**options))
         latents = self.run.latents_of(latents, "latents")
-        lengths = self.text_lengths(len(latents), lengths, latents, seed)
+        candidates = sampler.options.length_candidates
+        if lengths is None and candidates > 1 and getattr(self.run.model, "length_head", None) is not None:
+            lengths = self.run.candidate_lengths(latents, candidates)  # the encoder picks among them
+        else:
+            lengths = [[n] for n in self.text_lengths(len(latents), lengths, latents, seed)]
         texts = []
         for rows, generator in self._batches(len(latents), batch_size, seed):
-            pad_mask = pad_mask_from_lengths([lengths[i] for i in rows])
-            texts += self.run.decode(sampler.l2t(latents[rows.start : rows.stop], pad_mask, generator), pad_mask)
+            pad_mask = length_masks([lengths[i] for i in rows])
+            tokens = sampler.l2t(latents[rows.start : rows.stop], pad_mask, generator)
+            texts += self.run.decode(tokens, tokens != self.run.text.pad_token_id)
         return texts
 
     def generate(

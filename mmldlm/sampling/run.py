@@ -179,6 +179,14 @@ class TrainedRun:
         logits = self.model.length_logits(self.latent.standardize(latents.to(self.device, torch.float32)))
         return (logits.argmax(dim=1) + 1).clamp(max=self.max_length).tolist()
 
+    @torch.no_grad()
+    def candidate_lengths(self, latents: torch.Tensor, num: int) -> list[list[int]]:
+        """The length head's `num` most likely text lengths for each latent (N, K, D) in encoder space,
+        most likely first, among 1..the length training cut texts to."""
+        logits = self.model.length_logits(self.latent.standardize(latents.to(self.device, torch.float32)))
+        logits = logits[:, : self.max_length]
+        return (logits.topk(min(num, logits.shape[1]), dim=1).indices + 1).tolist()
+
     def sample_lengths(self, num: int, generator: torch.Generator) -> list[int]:
         """Text lengths drawn from the validation split's (`length_counts`), for sources without text."""
         return (torch.multinomial(self.length_counts, num, replacement=True, generator=generator) + 1).tolist()

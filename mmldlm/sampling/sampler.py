@@ -79,6 +79,9 @@ class SamplingOptions:
     best_of: int = 1
     correction_rounds: int = 0
     correction_proposals: int = 4
+    # l2t where the length comes from the length head: its `length_candidates` most likely lengths are
+    # each decoded (best_of texts each) and the encoder keeps the closest text (1 = the head's argmax).
+    length_candidates: int = 1
 
     def check(self, keys: dict[str, str] | None = None) -> None:
         """OptionError for a value that cannot be used, named by `keys` (field -> the command-line
@@ -105,7 +108,7 @@ class SamplingOptions:
         for name in ("remask_rounds", "correction_rounds"):
             if getattr(self, name) < 0:
                 fail(name, "an integer >= 0 (0 = off)")
-        for name in ("best_of", "correction_proposals"):
+        for name in ("best_of", "correction_proposals", "length_candidates"):
             if getattr(self, name) < 1:
                 fail(name, "an integer >= 1")
         if not 0 < self.remask_fraction <= 1:
@@ -114,7 +117,7 @@ class SamplingOptions:
     @property
     def uses_encoder(self) -> bool:
         """Whether decoding re-encodes its candidates with the sentence encoder."""
-        return self.best_of > 1 or self.correction_rounds > 0
+        return self.best_of > 1 or self.correction_rounds > 0 or self.length_candidates > 1
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -172,9 +175,9 @@ class Sampler:
         self.num_forward = self.num_encoded = 0
         if options.uses_encoder and reencode is None:
             raise OptionError(
-                "sampling option 'best_of'" if options.best_of > 1 else "sampling option 'correction_rounds'",
-                options.best_of if options.best_of > 1 else options.correction_rounds,
-                "1 and 0: re-ranking and correction need the sentence encoder, and this sampler was given none",
+                "sampling options 'best_of', 'correction_rounds', 'length_candidates'",
+                (options.best_of, options.correction_rounds, options.length_candidates),
+                "1, 0, 1: re-ranking and correction need the sentence encoder, and this sampler was given none",
             )
         if options.guidance_scale != 0 and getattr(model, "null_latent", None) is None:
             raise OptionError(
@@ -351,12 +354,16 @@ class Sampler:
     def l2t(
         self, latents: torch.Tensor, pad_mask: torch.Tensor, generator: torch.Generator | None = None
     ) -> torch.Tensor:
-        """Text tokens (B, L) for latents (B, K, D) in encoder space; pad_mask (B, L) fixes the lengths.
-        Best-of-N and the correction rounds are no-ops unless asked for (decoding.py)."""
+        """Text tokens (B, L) for latents (B, K, D) in encoder space; pad_mask (B, L) fixes the lengths,
+        or (B, C, L) offers C lengths per latent, of which the sentence encoder picks one (the returned
+        text is padding beyond it). Best-of-N and the correction rounds are no-ops unless asked for
+        (decoding.py)."""
+        if pad_mask.dim() == 3 and self.reencode is None:
+            raise ValueError("Sampler.l2t: several candidate lengths per latent need the sentence encoder")
         pad_mask = pad_mask.to(self.device)
         target = latents.to(self.device, torch.float32)
         draft = decoding.best_of(self, target, pad_mask, generator)
-        return decoding.correction_rounds(self, draft, target, pad_mask, generator).tokens
+        return decoding.correction_rounds(self, draft, target, generator).tokens
 
     @torch.no_grad()
     def t2l(
@@ -397,4 +404,4 @@ class Sampler:
         rounds move the text towards that latent (decoding.py); no-ops unless asked for."""
         pad_mask = pad_mask.to(self.device)
         draft, latents = decoding.best_joint(self, pad_mask, generator)
-        return decoding.correction_rounds(self, draft, latents, pad_mask, generator).tokens, latents
+        return decoding.correction_rounds(self, draft, latents, generator).tokens, latents
