@@ -339,3 +339,12 @@ def test_decode_with_the_encoder_in_the_loop_picks_among_the_length_heads_candid
     plain = model.decode(z, seed=3, **FAST)
     cosine = lambda texts: torch.nn.functional.cosine_similarity(model.embed(texts).flatten(1), z.flatten(1))  # noqa: E731
     assert len(texts) == 3 and cosine(texts).mean() >= cosine(plain).mean()
+
+
+def test_latent_first_generation_decodes_its_own_latents(exported):
+    model = MMLDLM.from_pretrained(exported, device="cpu")
+    texts, latents = model.generate(3, lengths=[4, 6, 5], seed=2, joint_order="latent_first", **FAST)
+    assert len(texts) == 3 and latents.shape == (3, 1, 384) and torch.isfinite(latents).all()
+    assert texts == model.decode(latents, [4, 6, 5], seed=2, **FAST)
+    again, same = model.generate(3, lengths=[4, 6, 5], seed=2, joint_order="latent_first", **FAST)
+    assert again == texts and torch.equal(same, latents)

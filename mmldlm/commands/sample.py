@@ -88,6 +88,11 @@ def add_sampler_arguments(group) -> None:
     )
     group.add_argument("--correction-proposals", type=int, help="variants per correction round (default 4)")
     group.add_argument(
+        "--joint-order",
+        choices=["together", "latent_first"],
+        help="joint: text and latent side by side, or the latent first and then its text as l2t decodes it",
+    )
+    group.add_argument(
         "--length-candidates",
         type=int,
         help="l2t without a given length: decode at the length head's N most likely lengths and keep the "
@@ -196,6 +201,7 @@ def sampling_options(args: argparse.Namespace, run, guidance_scale: float, **opt
         correction_rounds=args.correction_rounds,
         correction_proposals=args.correction_proposals,
         length_candidates=args.length_candidates,
+        joint_order=args.joint_order,
         **options,
     )
     sampling.check(SAMPLING_FLAGS)

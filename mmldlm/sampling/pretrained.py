@@ -395,9 +395,19 @@ class MMLDLM:
     def generate(
         self, num: int, lengths: int | list[int] | None = None, *, batch_size: int = 64, seed: int = 0, **options
     ) -> tuple[list[str], torch.Tensor]:
-        """joint: `num` (text, latent (K, D)) pairs sampled together; `lengths` in tokens (`text_lengths`)."""
+        """joint: `num` (text, latent (K, D)) pairs sampled together; `lengths` in tokens (`text_lengths`).
+        With joint_order="latent_first" the latents are sampled first (given the lengths) and decoded at
+        those lengths as `decode` does."""
         sampler = self.run.sampler(self.options(**options))
         lengths = self.text_lengths(num, lengths, seed=seed)
+        if sampler.options.joint_order == "latent_first":
+            latents = self._stack(
+                [
+                    sampler.latent_prior(pad_mask_from_lengths([lengths[i] for i in rows]), generator).cpu()
+                    for rows, generator in self._batches(num, batch_size, seed)
+                ]
+            )
+            return self.decode(latents, lengths, batch_size=batch_size, seed=seed, **options), latents
         texts, latents = [], []
         for rows, generator in self._batches(num, batch_size, seed):
             pad_mask = pad_mask_from_lengths([lengths[i] for i in rows])

@@ -79,6 +79,11 @@ class SamplingOptions:
     best_of: int = 1
     correction_rounds: int = 0
     correction_proposals: int = 4
+    # joint: "together" moves text and latent down one time grid side by side; "latent_first" samples the
+    # latent given only the text's length (the text fully masked, as training drops the text) and then
+    # decodes it at that length as l2t does, with every l2t option (the latent model and l2t see far
+    # more training than text and latent noised together).
+    joint_order: Literal["together", "latent_first"] = "together"
     # l2t where the length comes from the length head: its `length_candidates` most likely lengths are
     # each decoded (best_of texts each) and the encoder keeps the closest text (1 = the head's argmax).
     length_candidates: int = 1
@@ -111,6 +116,8 @@ class SamplingOptions:
         for name in ("best_of", "correction_proposals", "length_candidates"):
             if getattr(self, name) < 1:
                 fail(name, "an integer >= 1")
+        if self.joint_order not in ("together", "latent_first"):
+            fail("joint_order", "'together' or 'latent_first'")
         if not 0 < self.remask_fraction <= 1:
             fail("remask_fraction", "a number in (0, 1]")
 
@@ -377,6 +384,21 @@ class Sampler:
             pred = self._t2l_prediction(tokens, x, t, pad_mask, x0)
             x0 = self._self_cond(pred, x, t)
             x = self.latent.step(pred, x, t, s, self.options.latent_sampler, generator)
+        return self.latent.destandardize(x)
+
+    @torch.no_grad()
+    def latent_prior(self, pad_mask: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Latents (B, K, D) in encoder space sampled with no text but its length: the latent stream
+        reads fully masked text of the lengths of pad_mask (B, L) at t_text = 1 (what training shows it
+        in joint at t_text = 1 and when it drops the text of t2l), num_steps reverse steps from noise."""
+        pad_mask = pad_mask.to(self.device)
+        hidden = self._start_text(pad_mask)
+        x = self._start_latent(pad_mask.shape[0], generator)
+        x0 = None
+        for t, s in time_grid(self.options.num_steps):
+            pred = self._model(hidden, x, 1.0, t, pad_mask, text_head=False, latent_head=True, self_cond=x0).latent
+            x0 = self._self_cond(pred.float(), x, t)
+            x = self.latent.step(pred.float(), x, t, s, self.options.latent_sampler, generator)
         return self.latent.destandardize(x)
 
     def write_joint(self, pad_mask: torch.Tensor, generator=None) -> tuple[Draft, torch.Tensor]:
