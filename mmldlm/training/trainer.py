@@ -37,6 +37,7 @@ from tqdm import tqdm
 from mmldlm import comparison
 from mmldlm.config import ConfigError, PerfConfig, RunConfig
 from mmldlm.model.info import training_flops_per_sample
+from mmldlm.model.mmdit import padded_row_count
 from mmldlm.training.batch_size import default_memory_cap, find_micro_batch, probe_or_none
 from mmldlm.training.checkpoint import CheckpointManager
 from mmldlm.training.distributed import DistInfo, collective_guard
@@ -61,7 +62,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class StepTotals:
-    """What one step adds up over its micro-batches; the first seven fields are then summed over the
+    """What one step adds up over its micro-batches; the first eight fields are then summed over the
     ranks in one all-reduce (as a float64 tensor), the last two stay this rank's own."""
 
     loss: float = 0.0  # the mean over this rank's micro-batches
@@ -69,6 +70,7 @@ class StepTotals:
     latent_loss: float = 0.0
     accuracy: float = 0.0
     tokens: float = 0.0  # real (non-pad) tokens
+    padded_tokens: float = 0.0  # batch x padded length: the work the step computed on
     nonfinite: float = 0.0  # 1.0 where the loss was not finite
     stop: float = 0.0  # 1.0 where a stop signal arrived
     data_wait_s: float = 0.0
@@ -80,6 +82,7 @@ class StepTotals:
         "latent_loss",
         "accuracy",
         "tokens",
+        "padded_tokens",
         "nonfinite",
         "stop",
     )
@@ -226,6 +229,10 @@ class Trainer:
         self.step = 0  # optimizer steps done
         self.num_skipped = 0
         self.consecutive_skips = 0
+        # (mode, micro-batch, padded length, text-head rows) met so far in this process. Caches grow
+        # with each new one (oneDNN keeps its kernels per shape), so the monitor reads memory growth
+        # while the count still rises as warm-up, and growth after it stopped as a leak.
+        self._input_shapes: set[tuple] = set()
         # Wall-clock seconds of training (all starts of this run together; start-up not counted): the
         # compute a model card reports. fit() starts the clock.
         self.wall_seconds: float | None = 0.0
@@ -569,6 +576,11 @@ class Trainer:
             totals.accuracy += float(metrics.get("accuracy", 0.0)) / num_accum
             pad_mask = batch.get("pad_mask")
             totals.tokens += float(pad_mask.sum()) if pad_mask is not None else batch["tokens"].numel()
+            totals.padded_tokens += batch["tokens"].numel()
+            rows = metrics.get("num_masked")
+            self._input_shapes.add(
+                (mode, *batch["tokens"].shape, padded_row_count(int(rows)) if rows is not None else 0)
+            )
             if self.peak_flops is not None:
                 totals.flops += self._flops(batch["tokens"], mode, metrics.get("num_masked"))
         totals.nonfinite = float(not math.isfinite(totals.loss))
@@ -654,6 +666,10 @@ class Trainer:
             "accumulation_steps": num_accum,
             "samples_per_s": global_batch / step_time,
             "tokens_per_s": totals.tokens / step_time,
+            # The step's cost follows its padded shape (the length bucket it drew), which the monitor
+            # uses to tell a slow machine from a long batch.
+            "padded_tokens": int(totals.padded_tokens),
+            "num_shapes": len(self._input_shapes),
             "step_time_s": step_time,
             "data_wait_share": totals.data_wait_s / step_time,
             "skipped": skipped,
