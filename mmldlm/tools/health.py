@@ -3,8 +3,8 @@ at, and a remedy that names the config switch.
 
 The input is the records of RUN/metrics.jsonl exactly as the trainer writes them (Trainer.train_step
 plus metrics.memory_stats): step, mode, loss, text_loss, latent_loss, lr, grad_norm, samples_per_s,
-tokens_per_s, padded_tokens, num_shapes, step_time_s, data_wait_share, skipped, num_skipped, and
-mem_allocated_gib (CUDA) or mem_rss_gib (CPU); records written before padded_tokens and num_shapes
+tokens_per_s, train_flops, num_shapes, step_time_s, data_wait_share, skipped, num_skipped, and
+mem_allocated_gib (CUDA) or mem_rss_gib (CPU); records written before train_flops and num_shapes
 existed are read too. `HealthTracker.observe(record)` feeds one record to every detector, so a live run
 is analysed as it grows at a constant cost per record.
 
@@ -13,7 +13,7 @@ and step costs (a `random` run jumps between them every step), so losses, gradie
 throughput are compared only with earlier records of the same mode. Throughput is also judged
 against the step's own work: with length-bucketed batches one step computes on 8 tokens a sample and
 the next on 64, so samples/s swings by 25-40% on a quiet machine; a step is slow only when it took
-longer than its mode's step-cost line predicts for its padded tokens. Memory growth while the run
+longer than its mode's step-cost line predicts for its FLOPs. Memory growth while the run
 still meets new input shapes (allocator and oneDNN caches filling) is warm-up, not a leak.
 Thresholds are robust (medians, the median absolute deviation, Theil-Sen lines) so a single outlier
 neither hides nor fakes a trend.
@@ -62,6 +62,7 @@ class HealthConfig:
     throughput_window: int = 5  # records (all modes) whose median slowdown is judged: a drop needs 3 slow of 5
     throughput_drop: float = 0.3  # compute throughput this share below what the step's work predicts
     throughput_history: int = 50  # typical records per mode behind the step-cost line
+    throughput_min_history: int = 5  # records of a mode before its line judges its steps
     data_wait_share: float = 0.2  # median data-wait share of step time over throughput_window records
     memory_window: int = 30  # records over which memory must rise steadily
     memory_creep_fraction: float = 0.1  # rise above this share of the window's starting memory...
@@ -122,10 +123,11 @@ def memory_of(record: dict) -> float | None:
 
 
 def work_of(record: dict) -> float | None:
-    """The work a step computed on: its padded tokens (micro-batch x padded length, summed), or in
-    records written before those were logged its real tokens (tokens_per_s x step_time_s)."""
-    if finite(record.get("padded_tokens")) and record["padded_tokens"] > 0:
-        return float(record["padded_tokens"])
+    """The work a step computed on: its training FLOPs (which follow the padded length it drew and
+    the positions its text head ran at), or in records written before those were logged its real
+    tokens (tokens_per_s x step_time_s)."""
+    if finite(record.get("train_flops")) and record["train_flops"] > 0:
+        return float(record["train_flops"])
     tokens_per_s, step_time = record.get("tokens_per_s"), record.get("step_time_s")
     if finite(tokens_per_s) and finite(step_time) and tokens_per_s * step_time > 0:
         return tokens_per_s * step_time
@@ -257,6 +259,13 @@ class HealthTracker:
         self._check_compiles(record, step)
         return self.alerts[before:]
 
+    def evaluated(self) -> None:
+        """An evaluation ran after the last record: its buffers and the sentence encoder it loads
+        raise the memory once (0.25 GiB in the default run), so memory is judged afresh from the
+        next record."""
+        self._memory.clear()
+        self._memory_start = None
+
     # ---------------------------------------------------------------- detectors
 
     def _check_compiles(self, record: dict, step: int) -> None:
@@ -375,7 +384,7 @@ class HealthTracker:
             return
         cfg = self.cfg
         slow = 1 / (1 - cfg.throughput_drop)  # slowdown at which samples/s is throughput_drop lower
-        if len(state.cost) < cfg.min_history:
+        if len(state.cost) < cfg.throughput_min_history:
             state.cost.add(work, seconds)
             return
         slowdown = state.cost.slowdown(work, seconds)
@@ -384,7 +393,10 @@ class HealthTracker:
         self._slowdowns.append((step, mode, slowdown))
         median = statistics.median(s for _, _, s in self._slowdowns)
         full = len(self._slowdowns) == cfg.throughput_window
-        if self._latches["throughput"].fire(full and median > slow):
+        latch, halfway = self._latches["throughput"], 1 + (slow - 1) / 2
+        if full and median <= halfway:
+            latch.fire(False)  # back near the line: a later drop is a new episode
+        elif full and median > slow and latch.fire(True):
             since = next(st for st, _, s in self._slowdowns if s > slow)
             modes = ", ".join(sorted({m for _, m, s in self._slowdowns if s > slow}))
             self._raise(
@@ -392,7 +404,7 @@ class HealthTracker:
                 "warning",
                 step,
                 f"since step {since} the steps (mode {modes}) ran {1 - 1 / median:.0%} below the samples/s that "
-                f"their padded tokens predict (median of the last {cfg.throughput_window} records against each "
+                f"their FLOPs predict (median of the last {cfg.throughput_window} records against each "
                 f"mode's step-cost line; alert above {cfg.throughput_drop:.0%}); a likely cause: a second busy "
                 f"process on the same cores makes torch's threads wait for each other; see train.threads",
             )

@@ -162,6 +162,7 @@ class RunHistory:
             if is_evaluation(record):
                 # A resume evaluates a re-trained step again: the new figures replace the old ones.
                 self.evaluations = [e for e in self.evaluations if e["step"] < record["step"]] + [record]
+                self.tracker.evaluated()
                 continue
             if self.records and record["step"] <= self.records[-1]["step"]:
                 kept = [r for r in self.records if r["step"] < record["step"]]
@@ -176,9 +177,12 @@ class RunHistory:
             self._replaced = {r["step"]: r for r in dropped}
         self.records = []
         self.tracker = HealthTracker(self.health)
+        evaluated = {e["step"] for e in self.evaluations}
         for record in kept:
             self.records.append(record)
             self.tracker.observe(record)
+            if record["step"] in evaluated:  # written after the step's training record
+                self.tracker.evaluated()
 
     def _compare_with_replaced(self, record: dict) -> None:
         before = self._replaced.get(record["step"])

@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class StepTotals:
-    """What one step adds up over its micro-batches; the first eight fields are then summed over the
+    """What one step adds up over its micro-batches; the first seven fields are then summed over the
     ranks in one all-reduce (as a float64 tensor), the last two stay this rank's own."""
 
     loss: float = 0.0  # the mean over this rank's micro-batches
@@ -70,7 +70,6 @@ class StepTotals:
     latent_loss: float = 0.0
     accuracy: float = 0.0
     tokens: float = 0.0  # real (non-pad) tokens
-    padded_tokens: float = 0.0  # batch x padded length: the work the step computed on
     nonfinite: float = 0.0  # 1.0 where the loss was not finite
     stop: float = 0.0  # 1.0 where a stop signal arrived
     data_wait_s: float = 0.0
@@ -82,7 +81,6 @@ class StepTotals:
         "latent_loss",
         "accuracy",
         "tokens",
-        "padded_tokens",
         "nonfinite",
         "stop",
     )
@@ -576,13 +574,11 @@ class Trainer:
             totals.accuracy += float(metrics.get("accuracy", 0.0)) / num_accum
             pad_mask = batch.get("pad_mask")
             totals.tokens += float(pad_mask.sum()) if pad_mask is not None else batch["tokens"].numel()
-            totals.padded_tokens += batch["tokens"].numel()
             rows = metrics.get("num_masked")
             self._input_shapes.add(
                 (mode, *batch["tokens"].shape, padded_row_count(int(rows)) if rows is not None else 0)
             )
-            if self.peak_flops is not None:
-                totals.flops += self._flops(batch["tokens"], mode, metrics.get("num_masked"))
+            totals.flops += self._flops(batch["tokens"], mode, rows)
         totals.nonfinite = float(not math.isfinite(totals.loss))
         return totals
 
@@ -666,9 +662,9 @@ class Trainer:
             "accumulation_steps": num_accum,
             "samples_per_s": global_batch / step_time,
             "tokens_per_s": totals.tokens / step_time,
-            # The step's cost follows its padded shape (the length bucket it drew), which the monitor
-            # uses to tell a slow machine from a long batch.
-            "padded_tokens": int(totals.padded_tokens),
+            # The step's work: its cost follows the length bucket it drew and how many positions the
+            # text head ran at, so the monitor judges its time against this, not a run-wide median.
+            "train_flops": totals.flops,
             "num_shapes": len(self._input_shapes),
             "step_time_s": step_time,
             "data_wait_share": totals.data_wait_s / step_time,
