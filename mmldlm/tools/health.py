@@ -142,6 +142,12 @@ def compute_seconds(record: dict) -> float | None:
     return step_time * (1 - min(max(wait, 0.0), 0.95)) if finite(wait) else step_time
 
 
+def thirds(values) -> tuple[float, float, float]:
+    """The medians of the first, middle and last third of `values`."""
+    third = len(values) // 3
+    return tuple(statistics.median(values[i * third : (i + 1) * third]) for i in range(3))
+
+
 def robust_z(value: float, history, floor: float) -> float:
     """0.6745 * (value - median) / MAD (Iglewicz & Hoaglin 1993): about a z-score for normal data,
     unmoved by the outliers it is meant to find. The MAD is floored at `floor` so a near-constant
@@ -439,15 +445,7 @@ class HealthTracker:
         # Steady growth, not one jump (a mode using a bigger head for the first time): the medians of
         # the window's three thirds rise in order, and no single record adds half of the rise.
         steps, values, _ = zip(*self._memory)
-        third = len(values) // 3
-        (s1, m1), _, (s3, m3) = (
-            (
-                statistics.median(steps[i * third : (i + 1) * third]),
-                statistics.median(values[i * third : (i + 1) * third]),
-            )
-            for i in range(3)
-        )
-        m2 = statistics.median(values[third : 2 * third])
+        (s1, _, s3), (m1, m2, m3) = thirds(steps), thirds(values)
         rise = m3 - m1
         largest_jump = max(b - a for a, b in zip(values, values[1:]))
         steady = m1 < m2 < m3 and largest_jump < 0.5 * rise
@@ -471,7 +469,7 @@ class HealthTracker:
         run's own pace before the window, since warm-up is fastest at the start and a leak that
         starts later runs ahead of it."""
         records = list(self._memory)
-        if all(shapes is not None for _, _, shapes in records):
+        if self._shapes_known():
             pairs = zip(records, records[1:])
             without_new_shapes = sum(b[1] - a[1] for a, b in pairs if b[2] == a[2])
             return without_new_shapes <= 0.5 * (m3 - m1)
@@ -481,8 +479,11 @@ class HealthTracker:
         earlier_pace = max(m1 - start_memory, 0.0) / (s1 - start_step)
         return (m3 - m1) / (s3 - s1) <= self.cfg.memory_acceleration * earlier_pace
 
+    def _shapes_known(self) -> bool:
+        return all(shapes is not None for _, _, shapes in self._memory)
+
     def _after_what(self) -> str:
-        if all(shapes is not None for _, _, shapes in self._memory):
+        if self._shapes_known():
             return "between records that met no new input shape: not a cache warming up"
         return f"at more than {self.cfg.memory_acceleration:g}x the run's pace before: not its warm-up"
 
