@@ -1,6 +1,6 @@
 """Replay faults into a real run's metrics and report what `mmldlm monitor` says about each.
 
-    python scripts/replay_faults.py runs/default/metrics.jsonl [--points 7]
+    python scripts/replay_faults.py runs/default/metrics.jsonl [--points 7] [--last-step N]
 
 First the alerts on the file as it is (a healthy run should have none), then for each fault of
 mmldlm/tools/faults.py injected at `--points` places spread over the run (from 20% of its records,
@@ -48,9 +48,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("metrics", help="a run's metrics.jsonl")
     parser.add_argument("--points", type=int, default=7, help="injection points spread over the run")
+    parser.add_argument("--last-step", type=int, help="only the records up to this step (a healthy stretch)")
     args = parser.parse_args()
     with open(args.metrics) as f:
         records = [json.loads(line) for line in f if line.strip()]
+    records = [r for r in records if args.last_step is None or r["step"] <= args.last_step]
     steps = [r["step"] for r in records if "loss" in r]
     healthy = faults.alerts_of(records)
     print(f"{args.metrics}: {len(steps)} records, steps {steps[0]}-{steps[-1]}")

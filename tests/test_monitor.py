@@ -379,26 +379,36 @@ def test_cli_report_plot_and_exit_codes(tmp_path, capsys):
 # Judged against each step's work, on the real default run.
 
 DEFAULT_RUN = os.path.join(os.path.dirname(__file__), "data", "default_run_metrics.jsonl")
+QUIET_UNTIL = 620  # the default run's steps before another training job started on its 2 cores
 
 
-def default_run() -> list[dict]:
-    """Records of a real `make train` run (configs/default.yaml, bucketed batches, train.threads=1):
-    see tests/data/README.md."""
+def default_run(until=None) -> list[dict]:
+    """Records of a real `make train` run (configs/default.yaml, bucketed batches, train.threads=1,
+    4000 steps): see tests/data/README.md."""
     with open(DEFAULT_RUN) as f:
-        return [json.loads(line) for line in f]
+        records = [json.loads(line) for line in f]
+    return [r for r in records if until is None or r["step"] <= until]
 
 
 def training_steps(records):
     return [r["step"] for r in records if "loss" in r]
 
 
-def test_the_default_runs_records_raise_no_alert():
-    records = default_run()
-    assert faults.alerts_of(records) == []
+def test_the_default_run_raises_no_alert_while_it_had_the_machine_to_itself():
+    assert faults.alerts_of(default_run(QUIET_UNTIL)) == []
+
+
+def test_the_default_run_slowed_by_another_job_reads_as_throughput_drops_and_nothing_else():
+    # From step 630 another training job shared the 2 cores: steps took 1.7-3.4x as long as their
+    # FLOPs had at the start. Memory rose from 0.5 to 2.3 GiB over 2300 steps and through three
+    # evaluations, then held: warm-up, not a creep.
+    alerts = faults.alerts_of(default_run())
+    assert {a.kind for a in alerts} == {"throughput_drop"}
+    assert alerts[0].message.startswith("since step 630 ")
 
 
 def test_a_slowdown_of_40_percent_over_50_steps_is_one_throughput_drop_naming_when_it_began():
-    records = default_run()
+    records = default_run(QUIET_UNTIL)
     steps = training_steps(records)
     first = steps[len(steps) // 2]
     (alert,) = faults.alerts_of(faults.slowdown(records, first, 50, drop=0.4))
@@ -408,19 +418,21 @@ def test_a_slowdown_of_40_percent_over_50_steps_is_one_throughput_drop_naming_wh
 
 
 @pytest.mark.parametrize(
-    "inject,kind,within_records",
+    "inject,kind,first,within_records",
     [
-        (lambda r, s: faults.loader_stall(r, s, 50, seconds=0.5), "data_wait", 3),
-        (lambda r, s: faults.leak(r, s, mib_per_step=3.0), "memory_creep", 30),
-        (lambda r, s: faults.nonfinite(r, s), "nonfinite", 1),
+        (lambda r, s: faults.loader_stall(r, s, 50, seconds=0.5), "data_wait", 310, 3),
+        (lambda r, s: faults.nonfinite(r, s), "nonfinite", 310, 1),
+        (lambda r, s: faults.leak(r, s, mib_per_step=3.0), "memory_creep", 2500, 30),  # after warm-up
     ],
-    ids=["loader_stall", "leak", "nonfinite"],
+    ids=["loader_stall", "nonfinite", "leak"],
 )
-def test_faults_replayed_into_the_default_run_are_named_within_a_few_records(inject, kind, within_records):
-    records = default_run()
+def test_faults_replayed_into_the_default_run_are_named_within_a_few_records(inject, kind, first, within_records):
+    quiet = first < QUIET_UNTIL
+    records = default_run(QUIET_UNTIL if quiet else None)
     steps = training_steps(records)
-    first = steps[len(steps) // 2]
     alerts = faults.alerts_of(inject(records, first))
+    if not quiet:  # the real slowdowns of the run's shared stretch have alerts of their own
+        alerts = [a for a in alerts if a.kind != "throughput_drop"]
     assert [a.kind for a in alerts] == [kind], [(a.kind, a.step) for a in alerts]
     assert first <= alerts[0].step <= steps[steps.index(first) + within_records - 1]
 

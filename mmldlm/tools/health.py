@@ -394,12 +394,12 @@ class HealthTracker:
             state.cost.add(work, seconds)
             return
         slowdown = state.cost.slowdown(work, seconds)
-        if slowdown <= slow:  # slow steps stay out of the line, so a long slowdown does not become the norm
-            state.cost.add(work, seconds)
+        latch, halfway = self._latches["throughput"], 1 + (slow - 1) / 2
+        if slowdown <= slow and latch.armed:  # slow steps, and all during a drop, stay out of the line,
+            state.cost.add(work, seconds)  # so a long slowdown does not become the norm
         self._slowdowns.append((step, mode, slowdown))
         median = statistics.median(s for _, _, s in self._slowdowns)
         full = len(self._slowdowns) == cfg.throughput_window
-        latch, halfway = self._latches["throughput"], 1 + (slow - 1) / 2
         if full and median <= halfway:
             latch.fire(False)  # back near the line: a later drop is a new episode
         elif full and median > slow and latch.fire(True):
