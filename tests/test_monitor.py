@@ -489,3 +489,18 @@ def test_without_shape_counts_growth_from_the_start_is_warm_up_and_a_later_faste
     assert analyse(write_run(tmp_path / "warm-up", records)).alerts == []
     monitor = analyse(write_run(tmp_path / "leak", faults.leak(records, 3000, mib_per_step=3.0)))
     assert [a.kind for a in monitor.alerts] == ["memory_creep"] and 3000 <= monitor.alerts[0].step < 3300
+
+
+@pytest.mark.parametrize("how", ["stop", "resume"])
+def test_a_restarted_trainers_start_up_is_neither_a_drop_nor_a_creep(tmp_path, how):
+    # A run stopped by a signal at step 200 (or killed there and resumed from step 180) continues in a
+    # new process: its first three records are 5x slower (allocation, start-up) and its memory
+    # starts at 0.5 GiB and warms up to the old 1.2 GiB over 40 records.
+    records = bucketed_records()
+    records[199]["stop_requested"] = how == "stop"
+    first = 201 if how == "stop" else 181
+    later = faults.slowdown(records, first, 3, drop=0.8)[first - 1 :]
+    for i, r in enumerate(later):
+        r["mem_rss_gib"] = 0.5 + 0.7 * min(i, 40) / 40
+    monitor = analyse(write_run(tmp_path, records[:200] + later))
+    assert monitor.alerts == [] and monitor.history.num_resumes == (how == "resume")

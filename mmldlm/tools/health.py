@@ -68,7 +68,7 @@ class HealthConfig:
     memory_creep_fraction: float = 0.1  # rise above this share of the window's starting memory...
     memory_creep_min_gib: float = 0.05  # ...and above this many GiB...
     memory_acceleration: float = 2.0  # ...and, in records without num_shapes, this many times the run's pace before
-    warmup_records: int = 2  # first records of the run left out of throughput and memory baselines
+    warmup_records: int = 2  # first records of each process start left out of throughput and memory
     resume_tolerance: float = 1e-3  # relative loss difference of a re-trained step after a resume
     recompile_growth: int = 8  # graphs compiled after the first min_history records: a recompilation storm
 
@@ -227,6 +227,8 @@ class HealthTracker:
         self._memory_start: tuple[int, float] | None = None  # (step, memory) of the first judged record
         self._num_skipped = 0
         self._graphs_after_warmup = None
+        self._warm_from = self.cfg.warmup_records + 1  # the first record past the process's start-up
+        self._stopped = False  # the last record asked the trainer to stop: a later one is a new process
 
     def _mode(self, name: str) -> _ModeState:
         if name not in self._modes:
@@ -248,6 +250,9 @@ class HealthTracker:
     def observe(self, record: dict) -> list[Alert]:
         """Feed one record; returns the alerts it raised."""
         before = len(self.alerts)
+        if self._stopped:
+            self.process_started()
+        self._stopped = bool(record.get("stop_requested"))
         self.num_records += 1
         step = int(record["step"])
         mode = str(record.get("mode", "all"))
@@ -264,6 +269,12 @@ class HealthTracker:
         self._check_memory(record, step)
         self._check_compiles(record, step)
         return self.alerts[before:]
+
+    def process_started(self) -> None:
+        """The trainer starts again (a resume): its first records pay for allocation and start-up
+        again, and its memory starts from the fresh process's."""
+        self._warm_from = self.num_records + 1 + self.cfg.warmup_records
+        self.evaluated()
 
     def evaluated(self) -> None:
         """An evaluation ran after the last record: its buffers and the sentence encoder it loads
@@ -382,7 +393,7 @@ class HealthTracker:
         state.grad_norms.append(grad_norm)
 
     def _check_throughput(self, state: _ModeState, record: dict, step: int, mode: str) -> None:
-        if self.num_records <= self.cfg.warmup_records:  # first steps: allocation, compilation, worker start-up
+        if self.num_records < self._warm_from:  # first steps: allocation, compilation, worker start-up
             return
         self._check_data_wait(record, step)
         work, seconds = work_of(record), compute_seconds(record)
@@ -434,7 +445,7 @@ class HealthTracker:
     def _check_memory(self, record: dict, step: int) -> None:
         cfg = self.cfg
         memory = memory_of(record)
-        if memory is None or self.num_records <= cfg.warmup_records:
+        if memory is None or self.num_records < self._warm_from:
             return
         shapes = record.get("num_shapes")
         self._memory.append((step, memory, shapes if finite(shapes) else None))

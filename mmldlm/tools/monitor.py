@@ -183,6 +183,8 @@ class RunHistory:
             self.tracker.observe(record)
             if record["step"] in evaluated:  # written after the step's training record
                 self.tracker.evaluated()
+        if dropped:  # the records from here on come from the resumed process
+            self.tracker.process_started()
 
     def _compare_with_replaced(self, record: dict) -> None:
         before = self._replaced.get(record["step"])
