@@ -332,6 +332,12 @@ def test_cli_warns_about_bad_lines_on_stderr_and_refuses_bad_seconds(tmp_path, c
 def test_a_bad_threshold_is_named_with_its_value():
     with pytest.raises(OptionError, match=r"^monitor threshold 'spike_z': got -1.0; expected a number > 0$"):
         Monitor("unused", HealthConfig(spike_z=-1.0))
+    with pytest.raises(OptionError, match=r"^monitor threshold 'throughput_drop': got 1.0; expected a share .* < 1$"):
+        Monitor("unused", HealthConfig(throughput_drop=1.0))
+    with pytest.raises(
+        OptionError, match=r"^monitor threshold 'memory_window': got 2; expected a number of records >= 3$"
+    ):
+        Monitor("unused", HealthConfig(memory_window=2))
 
 
 def test_plot_is_a_png_with_every_curve(tmp_path):
@@ -347,6 +353,7 @@ def test_plot_is_a_png_with_every_curve(tmp_path):
         "grad norm",
         "throughput (samples/s)",
         "memory (GiB)",
+        "step time / what its work predicts",
     ]
 
 

@@ -223,6 +223,7 @@ class HealthTracker:
         self._latches = defaultdict(_Latch)
         self._data_wait = deque(maxlen=self.cfg.throughput_window)
         self._slowdowns = deque(maxlen=self.cfg.throughput_window)  # (step, mode, slowdown), all modes
+        self.slowdowns: list[tuple[int, float]] = []  # (step, slowdown) of every judged record, for the plot
         self._memory = deque(maxlen=self.cfg.memory_window)  # (step, memory, num_shapes or None)
         self._memory_start: tuple[int, float] | None = None  # (step, memory) of the first judged record
         self._num_skipped = 0
@@ -409,6 +410,7 @@ class HealthTracker:
         if slowdown <= slow and latch.armed:  # slow steps, and all during a drop, stay out of the line,
             state.cost.add(work, seconds)  # so a long slowdown does not become the norm
         self._slowdowns.append((step, mode, slowdown))
+        self.slowdowns.append((step, slowdown))
         median = statistics.median(s for _, _, s in self._slowdowns)
         full = len(self._slowdowns) == cfg.throughput_window
         if full and median <= halfway:
