@@ -9,6 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from mmldlm.cli import main
 from mmldlm.config import load_model_preset
 from mmldlm.model import MultimodalMMDiT, parameter_counts, training_flops_per_sample
+from mmldlm.model.mmdit import padded_row_count
 
 VOCAB = 512
 
@@ -92,6 +93,13 @@ def test_text_rows_give_the_full_logits_at_those_positions_and_the_same_gradient
     (logits.sum() + latent_out.sum()).backward()
     length = {id(p) for p in model.length_head.parameters()}  # not asked for here (no length_from)
     assert all(p.grad is not None for p in model.parameters() if id(p) not in length)  # DDP finds no unused parameter
+
+
+def test_text_head_rows_are_padded_to_few_sizes_at_most_an_eighth_larger():
+    # oneDNN keeps memory for every matrix shape it has run: 4096 masked-row counts, 56 head shapes.
+    sizes = {n: padded_row_count(n) for n in range(1, 64 * 64 + 1)}
+    assert len(set(sizes.values())) == 56 and all(n <= size < n + 8 or size <= 1.125 * n for n, size in sizes.items())
+    assert padded_row_count(0) == 0 and [padded_row_count(n) for n in (1, 63, 64, 65, 1000)] == [8, 64, 64, 72, 1024]
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "explicit"])

@@ -96,6 +96,9 @@ def test_progressive_batch_size_changes_accumulation_at_the_given_steps(tmp_path
     assert [r["global_batch_size"] for r in recs] == [2, 2, 6, 6, 4]
     assert [r["accumulation_steps"] for r in recs] == [1, 1, 3, 3, 2]
     assert trainer.loader.pos == 1 + 1 + 3 + 3 + 2
+    # The work the monitor judges each step's time by, and the one input shape (micro-batch 2 x LEN) met.
+    assert [r["train_flops"] / recs[0]["train_flops"] for r in recs] == pytest.approx([1, 1, 3, 3, 2])
+    assert [r["num_shapes"] for r in recs] == [1] * 5
 
 
 def test_idle_head_is_not_moved_by_adamw(tmp_path):

@@ -49,6 +49,6 @@ def run(args: argparse.Namespace) -> int:
         write_report(monitor.report(), args.report)
         print(f"health report: {args.report}")
     if args.plot:
-        plot(monitor.history.records, args.plot, monitor.alerts)
+        plot(monitor.history.records, args.plot, monitor.alerts, monitor.history.tracker.slowdowns)
         print(f"plot: {args.plot}")
     return exit_code(status, args.strict)

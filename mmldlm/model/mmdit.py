@@ -197,6 +197,15 @@ class MMDiTBlock(nn.Module):
         return comparison.explicit_attention(q, k, v, attn_mask, dropout_p)  # comparison recipe
 
 
+def padded_row_count(num_rows: int) -> int:
+    """num_rows rounded up to one of 8 sizes per doubling (multiples of 8 below 64): at most 12.5%
+    more rows, and a few dozen distinct sizes in all. oneDNN, which runs CPU bf16 matmuls, keeps
+    about 1.6 MiB for every matrix shape it has run; one head shape per count of masked positions
+    grew the default run's resident memory by 1.3 GiB (docs/troubleshooting.md)."""
+    step = max(8, 1 << max(0, num_rows.bit_length() - 4))
+    return -(-num_rows // step) * step
+
+
 class FinalLayer(nn.Module):
     """adaLN-modulated final norm and output head of one stream."""
 
@@ -217,7 +226,10 @@ class FinalLayer(nn.Module):
         index = rows.reshape(-1).nonzero().squeeze(1)  # (N,) into the flattened (B * T) positions
         batch = torch.div(index, T, rounding_mode="floor")  # (N,) the row each position belongs to
         x = self.norm(x.reshape(B * T, H).index_select(0, index))  # (N, H)
-        return self.head(x * (1 + scale.index_select(0, batch)) + shift.index_select(0, batch))
+        x = x * (1 + scale.index_select(0, batch)) + shift.index_select(0, batch)  # (N, H)
+        N = x.shape[0]
+        x = F.pad(x, (0, 0, 0, padded_row_count(N) - N))  # (N', H): zero rows, their logits dropped
+        return self.head(x)[:N]  # (N, out_dim)
 
 
 # --------------------------------------------------------------------------------------------------

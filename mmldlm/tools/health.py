@@ -3,20 +3,27 @@ at, and a remedy that names the config switch.
 
 The input is the records of RUN/metrics.jsonl exactly as the trainer writes them (Trainer.train_step
 plus metrics.memory_stats): step, mode, loss, text_loss, latent_loss, lr, grad_norm, samples_per_s,
-tokens_per_s, step_time_s, data_wait_share, skipped, num_skipped, and mem_allocated_gib (CUDA) or
-mem_rss_gib (CPU). `HealthTracker.observe(record)` feeds one record to every detector, so a live run
+tokens_per_s, train_flops, num_shapes, step_time_s, data_wait_share, skipped, num_skipped, and
+mem_allocated_gib (CUDA) or mem_rss_gib (CPU); records written before train_flops and num_shapes
+existed are read too. `HealthTracker.observe(record)` feeds one record to every detector, so a live run
 is analysed as it grows at a constant cost per record.
 
 Like is compared with like: the modes l2t / t2l / joint have their own loss scales, gradient norms
 and step costs (a `random` run jumps between them every step), so losses, gradient norms and
-throughput are compared only with earlier records of the same mode. Thresholds are robust (medians
-and the median absolute deviation) so a single outlier neither hides nor fakes a trend.
+throughput are compared only with earlier records of the same mode. Throughput is also judged
+against the step's own work: with length-bucketed batches one step computes on 8 tokens a sample and
+the next on 64, so samples/s swings by 25-40% on a quiet machine; a step is slow only when it took
+longer than its mode's step-cost line predicts for its FLOPs. Memory growth while the run
+still meets new input shapes (allocator and oneDNN caches filling) is warm-up, not a leak.
+Thresholds are robust (medians, the median absolute deviation, Theil-Sen lines) so a single outlier
+neither hides nor fakes a trend.
 Each episode raises one alert: a detector fires when its condition becomes true and re-arms only
 once the condition has cleared.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import defaultdict, deque
@@ -52,13 +59,16 @@ class HealthConfig:
     plateau_min_improvement: float = 0.01
     plateau_lr_fraction: float = 0.5  # judge plateaus only while lr >= this share of the peak lr seen
     grad_explosion_factor: float = 10.0  # grad norm above this multiple of its running median
-    throughput_window: int = 5  # recent records per mode compared with the run's own median
-    throughput_drop: float = 0.3  # recent median below (1 - this) x the run's median
+    throughput_window: int = 5  # records (all modes) whose median slowdown is judged: a drop needs 3 slow of 5
+    throughput_drop: float = 0.3  # compute throughput this share below what the step's work predicts
+    throughput_history: int = 50  # typical records per mode behind the step-cost line
+    throughput_min_history: int = 5  # records of a mode before its line judges its steps
     data_wait_share: float = 0.2  # median data-wait share of step time over throughput_window records
     memory_window: int = 30  # records over which memory must rise steadily
     memory_creep_fraction: float = 0.1  # rise above this share of the window's starting memory...
-    memory_creep_min_gib: float = 0.05  # ...and above this many GiB
-    warmup_records: int = 2  # first records of the run left out of throughput and memory baselines
+    memory_creep_min_gib: float = 0.05  # ...and above this many GiB...
+    memory_acceleration: float = 2.0  # ...and, in records without num_shapes, this many times the run's pace before
+    warmup_records: int = 2  # first records of each process start left out of throughput and memory
     resume_tolerance: float = 1e-3  # relative loss difference of a re-trained step after a resume
     recompile_growth: int = 8  # graphs compiled after the first min_history records: a recompilation storm
 
@@ -66,6 +76,10 @@ class HealthConfig:
         for name, value in asdict(self).items():
             if not value > 0:
                 raise OptionError(f"monitor threshold '{name}'", value, "a number > 0")
+        if not self.throughput_drop < 1:
+            raise OptionError("monitor threshold 'throughput_drop'", self.throughput_drop, "a share of samples/s < 1")
+        if self.memory_window < 3:  # the window is judged by its thirds
+            raise OptionError("monitor threshold 'memory_window'", self.memory_window, "a number of records >= 3")
 
 
 REMEDIES = {
@@ -108,6 +122,32 @@ def memory_of(record: dict) -> float | None:
     return next((record[k] for k in MEMORY_KEYS if finite(record.get(k))), None)
 
 
+def work_of(record: dict) -> float | None:
+    """The work a step computed on: its training FLOPs (which follow the padded length it drew and
+    the positions its text head ran at), or in records written before those were logged its real
+    tokens (tokens_per_s x step_time_s)."""
+    if finite(record.get("train_flops")) and record["train_flops"] > 0:
+        return float(record["train_flops"])
+    tokens_per_s, step_time = record.get("tokens_per_s"), record.get("step_time_s")
+    if finite(tokens_per_s) and finite(step_time) and tokens_per_s * step_time > 0:
+        return tokens_per_s * step_time
+    return None
+
+
+def compute_seconds(record: dict) -> float | None:
+    """The step's time without its wait for the loader (a slow loader is data_wait's to report)."""
+    step_time, wait = record.get("step_time_s"), record.get("data_wait_share")
+    if not finite(step_time) or step_time <= 0:
+        return None
+    return step_time * (1 - min(max(wait, 0.0), 0.95)) if finite(wait) else step_time
+
+
+def thirds(values) -> tuple[float, float, float]:
+    """The medians of the first, middle and last third of `values`."""
+    third = len(values) // 3
+    return tuple(statistics.median(values[i * third : (i + 1) * third]) for i in range(3))
+
+
 def robust_z(value: float, history, floor: float) -> float:
     """0.6745 * (value - median) / MAD (Iglewicz & Hoaglin 1993): about a z-score for normal data,
     unmoved by the outliers it is meant to find. The MAD is floored at `floor` so a near-constant
@@ -132,16 +172,37 @@ class _Latch:
         return fired
 
 
+class StepCost:
+    """What a mode's step costs for its work: log(seconds) = a + b * log(work), a Theil-Sen line
+    (the median of the pairwise slopes, Sen 1968) through the mode's last `size` typical records.
+    A step's slowdown is its seconds over the line's prediction: about 1 however long its batch."""
+
+    def __init__(self, size: int):
+        self.points: deque = deque(maxlen=size)  # (log work, log seconds)
+
+    def __len__(self) -> int:
+        return len(self.points)
+
+    def add(self, work: float, seconds: float) -> None:
+        self.points.append((math.log(work), math.log(seconds)))
+
+    def slowdown(self, work: float, seconds: float) -> float:
+        pairs = itertools.combinations(self.points, 2)
+        slopes = [(y2 - y1) / (x2 - x1) for (x1, y1), (x2, y2) in pairs if abs(x2 - x1) > 1e-3]
+        slope = statistics.median(slopes) if slopes else 0.0  # one work size so far: a level, no line
+        intercept = statistics.median(y - slope * x for x, y in self.points)
+        return seconds / math.exp(intercept + slope * math.log(work))
+
+
 @dataclass
 class _ModeState:
     """What the detectors remember about one mode."""
 
     residuals: deque  # loss minus the rolling median before it: the loss's jumps off its local level
     grad_norms: deque
-    throughput: deque
+    cost: StepCost
     smoothed: deque  # the last trend_window losses, for the rolling median
     previous_medians: deque  # rolling medians of earlier records, for the trend
-    all_throughput: list = field(default_factory=list)
     best: float = math.inf  # lowest rolling median so far
     anchor: float = math.inf  # the rolling median when it last improved by plateau_min_improvement...
     anchor_at: int = 0  # ...and the count of this mode's records then
@@ -161,9 +222,14 @@ class HealthTracker:
         self._modes: dict[str, _ModeState] = {}
         self._latches = defaultdict(_Latch)
         self._data_wait = deque(maxlen=self.cfg.throughput_window)
-        self._memory = deque(maxlen=self.cfg.memory_window)
+        self._slowdowns = deque(maxlen=self.cfg.throughput_window)  # (step, mode, slowdown), all modes
+        self.slowdowns: list[tuple[int, float]] = []  # (step, slowdown) of every judged record, for the plot
+        self._memory = deque(maxlen=self.cfg.memory_window)  # (step, memory, num_shapes or None)
+        self._memory_start: tuple[int, float] | None = None  # (step, memory) of the first judged record
         self._num_skipped = 0
         self._graphs_after_warmup = None
+        self._warm_from = self.cfg.warmup_records + 1  # the first record past the process's start-up
+        self._stopped = False  # the last record asked the trainer to stop: a later one is a new process
 
     def _mode(self, name: str) -> _ModeState:
         if name not in self._modes:
@@ -171,7 +237,7 @@ class HealthTracker:
             self._modes[name] = _ModeState(
                 deque(maxlen=w),
                 deque(maxlen=w),
-                deque(maxlen=self.cfg.throughput_window),
+                StepCost(self.cfg.throughput_history),
                 deque(maxlen=self.cfg.trend_window),
                 deque(maxlen=self.cfg.trend_window),
             )
@@ -185,6 +251,9 @@ class HealthTracker:
     def observe(self, record: dict) -> list[Alert]:
         """Feed one record; returns the alerts it raised."""
         before = len(self.alerts)
+        if self._stopped:
+            self.process_started()
+        self._stopped = bool(record.get("stop_requested"))
         self.num_records += 1
         step = int(record["step"])
         mode = str(record.get("mode", "all"))
@@ -201,6 +270,19 @@ class HealthTracker:
         self._check_memory(record, step)
         self._check_compiles(record, step)
         return self.alerts[before:]
+
+    def process_started(self) -> None:
+        """The trainer starts again (a resume): its first records pay for allocation and start-up
+        again, and its memory starts from the fresh process's."""
+        self._warm_from = self.num_records + 1 + self.cfg.warmup_records
+        self.evaluated()
+
+    def evaluated(self) -> None:
+        """An evaluation ran after the last record: its buffers and the sentence encoder it loads
+        raise the memory once (0.25 GiB in the default run), so memory is judged afresh from the
+        next record."""
+        self._memory.clear()
+        self._memory_start = None
 
     # ---------------------------------------------------------------- detectors
 
@@ -312,65 +394,111 @@ class HealthTracker:
         state.grad_norms.append(grad_norm)
 
     def _check_throughput(self, state: _ModeState, record: dict, step: int, mode: str) -> None:
+        if self.num_records < self._warm_from:  # first steps: allocation, compilation, worker start-up
+            return
+        self._check_data_wait(record, step)
+        work, seconds = work_of(record), compute_seconds(record)
+        if work is None or seconds is None:
+            return
         cfg = self.cfg
-        if self.num_records <= cfg.warmup_records:  # first steps: allocation, compilation, worker start-up
+        slow = 1 / (1 - cfg.throughput_drop)  # slowdown at which samples/s is throughput_drop lower
+        if len(state.cost) < cfg.throughput_min_history:
+            state.cost.add(work, seconds)
             return
-        if finite(record.get("data_wait_share")):
-            self._data_wait.append(record["data_wait_share"])
-            share = statistics.median(self._data_wait)
-            full = len(self._data_wait) == cfg.throughput_window
-            if self._latches["data_wait"].fire(full and share > cfg.data_wait_share):
-                self._raise(
-                    "data_wait",
-                    "warning",
-                    step,
-                    f"the loader held up {share:.0%} of the step time (median of the last "
-                    f"{cfg.throughput_window} records; alert above {cfg.data_wait_share:.0%})",
-                )
-        speed = record.get("samples_per_s")
-        if not finite(speed):
-            return
-        state.throughput.append(speed)
-        state.all_throughput.append(speed)
-        if len(state.all_throughput) < 2 * cfg.throughput_window:
-            return
-        recent, overall = statistics.median(state.throughput), statistics.median(state.all_throughput)
-        if state.latches["throughput"].fire(recent < (1 - cfg.throughput_drop) * overall):
+        slowdown = state.cost.slowdown(work, seconds)
+        latch, halfway = self._latches["throughput"], 1 + (slow - 1) / 2
+        if slowdown <= slow and latch.armed:  # slow steps, and all during a drop, stay out of the line,
+            state.cost.add(work, seconds)  # so a long slowdown does not become the norm
+        self._slowdowns.append((step, mode, slowdown))
+        self.slowdowns.append((step, slowdown))
+        median = statistics.median(s for _, _, s in self._slowdowns)
+        full = len(self._slowdowns) == cfg.throughput_window
+        if full and median <= halfway:
+            latch.fire(False)  # back near the line: a later drop is a new episode
+        elif full and median > slow and latch.fire(True):
+            since = next(st for st, _, s in self._slowdowns if s > slow)
+            modes = ", ".join(sorted({m for _, m, s in self._slowdowns if s > slow}))
             self._raise(
                 "throughput_drop",
                 "warning",
                 step,
-                f"{recent:.4g} samples/s in mode {mode} (median of the last {cfg.throughput_window} "
-                f"records) is {1 - recent / overall:.0%} below the run's median {overall:.4g}; a likely "
-                f"cause: a second busy process on the same cores makes torch's threads wait for each other; "
-                f"see train.threads",
+                f"since step {since} the steps (mode {modes}) ran {1 - 1 / median:.0%} below the samples/s that "
+                f"their FLOPs predict (median of the last {cfg.throughput_window} records against each "
+                f"mode's step-cost line; alert above {cfg.throughput_drop:.0%}); a likely cause: a second busy "
+                f"process on the same cores makes torch's threads wait for each other; see train.threads",
+            )
+
+    def _check_data_wait(self, record: dict, step: int) -> None:
+        cfg = self.cfg
+        if not finite(record.get("data_wait_share")):
+            return
+        self._data_wait.append(record["data_wait_share"])
+        share = statistics.median(self._data_wait)
+        full = len(self._data_wait) == cfg.throughput_window
+        if self._latches["data_wait"].fire(full and share > cfg.data_wait_share):
+            self._raise(
+                "data_wait",
+                "warning",
+                step,
+                f"the loader held up {share:.0%} of the step time (median of the last "
+                f"{cfg.throughput_window} records; alert above {cfg.data_wait_share:.0%})",
             )
 
     def _check_memory(self, record: dict, step: int) -> None:
         cfg = self.cfg
         memory = memory_of(record)
-        if memory is None or self.num_records <= cfg.warmup_records:
+        if memory is None or self.num_records < self._warm_from:
             return
-        self._memory.append(memory)
+        shapes = record.get("num_shapes")
+        self._memory.append((step, memory, shapes if finite(shapes) else None))
+        if self._memory_start is None:
+            self._memory_start = (step, memory)
         if len(self._memory) < cfg.memory_window:
             return
         # Steady growth, not one jump (a mode using a bigger head for the first time): the medians of
         # the window's three thirds rise in order, and no single record adds half of the rise.
-        values = list(self._memory)
-        third = len(values) // 3
-        m1, m2, m3 = (statistics.median(values[i * third : (i + 1) * third]) for i in range(3))
+        steps, values, _ = zip(*self._memory)
+        (s1, _, s3), (m1, m2, m3) = thirds(steps), thirds(values)
         rise = m3 - m1
         largest_jump = max(b - a for a, b in zip(values, values[1:]))
         steady = m1 < m2 < m3 and largest_jump < 0.5 * rise
         large = rise > max(cfg.memory_creep_fraction * m1, cfg.memory_creep_min_gib)
-        if self._latches["memory"].fire(steady and large):
+        latch = self._latches["memory"]
+        if not (steady and large):
+            latch.fire(False)  # the rise has stopped: a later one is a new episode
+        elif not self._warming_up(s1, m1, s3, m3) and latch.fire(True):
             self._raise(
                 "memory_creep",
                 "warning",
                 step,
                 f"memory rose steadily from {m1:.3g} to {m3:.3g} GiB over the last {cfg.memory_window} "
-                f"records (+{rise / m1:.0%})",
+                f"records (+{rise / m1:.0%}, {rise / (s3 - s1) * 1024:.2g} MiB per step) {self._after_what()}",
             )
+
+    def _warming_up(self, s1: float, m1: float, s3: float, m3: float) -> bool:
+        """Whether the window's growth is warm-up: caches filling as input shapes are met for the first
+        time. With shape counts: less than half of the rise came between records with no new shape
+        in between. Without (older records): the growth is no faster than memory_acceleration x the
+        run's own pace before the window, since warm-up is fastest at the start and a leak that
+        starts later runs ahead of it."""
+        records = list(self._memory)
+        if self._shapes_known():
+            pairs = zip(records, records[1:])
+            without_new_shapes = sum(b[1] - a[1] for a, b in pairs if b[2] == a[2])
+            return without_new_shapes <= 0.5 * (m3 - m1)
+        start_step, start_memory = self._memory_start
+        if s1 <= start_step:
+            return True  # no history before the window to compare with
+        earlier_pace = max(m1 - start_memory, 0.0) / (s1 - start_step)
+        return (m3 - m1) / (s3 - s1) <= self.cfg.memory_acceleration * earlier_pace
+
+    def _shapes_known(self) -> bool:
+        return all(shapes is not None for _, _, shapes in self._memory)
+
+    def _after_what(self) -> str:
+        if self._shapes_known():
+            return "between records that met no new input shape: not a cache warming up"
+        return f"at more than {self.cfg.memory_acceleration:g}x the run's pace before: not its warm-up"
 
     # ---------------------------------------------------------------- summaries
 

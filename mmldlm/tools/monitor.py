@@ -162,6 +162,7 @@ class RunHistory:
             if is_evaluation(record):
                 # A resume evaluates a re-trained step again: the new figures replace the old ones.
                 self.evaluations = [e for e in self.evaluations if e["step"] < record["step"]] + [record]
+                self.tracker.evaluated()
                 continue
             if self.records and record["step"] <= self.records[-1]["step"]:
                 kept = [r for r in self.records if r["step"] < record["step"]]
@@ -176,9 +177,14 @@ class RunHistory:
             self._replaced = {r["step"]: r for r in dropped}
         self.records = []
         self.tracker = HealthTracker(self.health)
+        evaluated = {e["step"] for e in self.evaluations}
         for record in kept:
             self.records.append(record)
             self.tracker.observe(record)
+            if record["step"] in evaluated:  # written after the step's training record
+                self.tracker.evaluated()
+        if dropped:  # the records from here on come from the resumed process
+            self.tracker.process_started()
 
     def _compare_with_replaced(self, record: dict) -> None:
         before = self._replaced.get(record["step"])
@@ -439,12 +445,16 @@ PANELS = (
     ("grad norm", "grad_norm"),
     ("throughput (samples/s)", "samples_per_s"),
     ("memory (GiB)", None),
+    ("step time / what its work predicts", "slowdown"),
 )
 
 
-def plot(records: list[dict], path: str | Path, alerts: list[Alert] = ()) -> list[str]:
+def plot(
+    records: list[dict], path: str | Path, alerts: list[Alert] = (), slowdowns: list[tuple[int, float]] = ()
+) -> list[str]:
     """Curves against step into a PNG, one panel per metric, losses per mode (each mode its own
-    scale); alert steps as vertical lines on the loss panel. Returns the panel titles."""
+    scale); alert steps as vertical lines on the loss panel; the monitor's slowdowns (each step's
+    time over its mode's step-cost line) under the samples/s they explain. Returns the panel titles."""
     import matplotlib  # here: only --plot needs it (a second to import), and the backend precedes pyplot
 
     matplotlib.use("Agg")  # files only: no display needed
@@ -454,6 +464,14 @@ def plot(records: list[dict], path: str | Path, alerts: list[Alert] = ()) -> lis
     fig, axes = plt.subplots(4, 2, figsize=(12, 13), sharex=True)
     titles = []
     for ax, (title, key) in zip(axes.flat, PANELS):
+        titles.append(title)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if key == "slowdown":
+            if slowdowns:
+                ax.plot(*zip(*slowdowns), linewidth=1, color="C0")
+            ax.axhline(1.0, color="grey", linewidth=0.8)
+            continue
         per_mode = key in ("loss", "text_loss", "latent_loss", "grad_norm")
         for mode in modes if per_mode else [None]:
             points = [
@@ -471,11 +489,7 @@ def plot(records: list[dict], path: str | Path, alerts: list[Alert] = ()) -> lis
         if key == "loss":
             for alert in alerts:
                 ax.axvline(alert.step, color="red" if alert.severity == "critical" else "orange", alpha=0.5)
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        titles.append(title)
-    axes[3, 1].axis("off")
-    for ax in (axes[3, 0], axes[2, 1]):  # the lowest panel of each column
+    for ax in axes[3]:  # the lowest panel of each column
         ax.set_xlabel("step")
         ax.xaxis.set_tick_params(labelbottom=True)
     fig.tight_layout()

@@ -37,6 +37,7 @@ from tqdm import tqdm
 from mmldlm import comparison
 from mmldlm.config import ConfigError, PerfConfig, RunConfig
 from mmldlm.model.info import training_flops_per_sample
+from mmldlm.model.mmdit import padded_row_count
 from mmldlm.training.batch_size import default_memory_cap, find_micro_batch, probe_or_none
 from mmldlm.training.checkpoint import CheckpointManager
 from mmldlm.training.distributed import DistInfo, collective_guard
@@ -226,6 +227,10 @@ class Trainer:
         self.step = 0  # optimizer steps done
         self.num_skipped = 0
         self.consecutive_skips = 0
+        # (mode, micro-batch, padded length, text-head rows) met so far in this process. Caches grow
+        # with each new one (oneDNN keeps its kernels per shape), so the monitor reads memory growth
+        # while the count still rises as warm-up, and growth after it stopped as a leak.
+        self._input_shapes: set[tuple] = set()
         # Wall-clock seconds of training (all starts of this run together; start-up not counted): the
         # compute a model card reports. fit() starts the clock.
         self.wall_seconds: float | None = 0.0
@@ -569,8 +574,11 @@ class Trainer:
             totals.accuracy += float(metrics.get("accuracy", 0.0)) / num_accum
             pad_mask = batch.get("pad_mask")
             totals.tokens += float(pad_mask.sum()) if pad_mask is not None else batch["tokens"].numel()
-            if self.peak_flops is not None:
-                totals.flops += self._flops(batch["tokens"], mode, metrics.get("num_masked"))
+            rows = metrics.get("num_masked")
+            self._input_shapes.add(
+                (mode, *batch["tokens"].shape, padded_row_count(int(rows)) if rows is not None else 0)
+            )
+            totals.flops += self._flops(batch["tokens"], mode, rows)
         totals.nonfinite = float(not math.isfinite(totals.loss))
         return totals
 
@@ -654,6 +662,10 @@ class Trainer:
             "accumulation_steps": num_accum,
             "samples_per_s": global_batch / step_time,
             "tokens_per_s": totals.tokens / step_time,
+            # The step's work: its cost follows the length bucket it drew and how many positions the
+            # text head ran at, so the monitor judges its time against this, not a run-wide median.
+            "train_flops": totals.flops,
+            "num_shapes": len(self._input_shapes),
             "step_time_s": step_time,
             "data_wait_share": totals.data_wait_s / step_time,
             "skipped": skipped,
