@@ -485,8 +485,14 @@ class CheckpointManager:
         options = StateDictOptions(full_state_dict=True)
         with collective_guard(f"checkpoint load of {path.name}", self.info):
             set_model_state_dict(model, load_file(str(path / "model.safetensors")), options=options)
+            # Not strict: AdamW makes a parameter's state at its first gradient, and a checkpoint of the
+            # first steps lacks those that no mode has trained yet (the text stream's last projection,
+            # idle in t2l). The model above was loaded strictly, so the parameters are the same.
             set_optimizer_state_dict(
-                model, optimizer, torch.load(path / "optimizer.pt", weights_only=True), options=options
+                model,
+                optimizer,
+                torch.load(path / "optimizer.pt", weights_only=True),
+                options=StateDictOptions(full_state_dict=True, strict=False),
             )
             has_ema = (path / "ema.safetensors").is_file()
             if ema is not None and has_ema:
