@@ -3,6 +3,7 @@ preset: a failed start leaves no trace, each resume keeps its config, a signal d
 training ends with one line and a status that says the run is not done."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 import torch
 import yaml
 from data_support import prepared
+from safetensors.torch import load_file
 
 from mmldlm import cli
 from mmldlm.tools.monitor import total_steps
@@ -167,15 +169,21 @@ def test_the_config_of_the_latest_start_is_the_one_written_last(tmp_path):
     assert current_run_config(tmp_path) == tmp_path / "config.yaml"
 
 
-def test_a_checkpoint_written_before_every_parameter_had_a_gradient_resumes(train, tmp_path):
-    """AdamW makes a parameter's state at its first gradient; after two steps the text stream's last
-    projection (idle in t2l) has none yet, and the checkpoint must still load."""
-    assert train("checkpoint.every=100", steps=2)[0] == 0
-    checkpoint = tmp_path / "run" / "checkpoints" / "step-0000002"
-    optimizer_state = torch.load(checkpoint / "optimizer.pt", weights_only=True)["state"]
-    assert "blocks.3.text.attn_proj.weight" not in optimizer_state
-    status, err = train("--resume", "auto", steps=3)
+def test_a_checkpoint_written_before_every_parameter_had_a_gradient_resumes_exactly(train, tmp_path):
+    """AdamW makes a parameter's state at its first gradient; after two t2l steps the text head has
+    none yet. The checkpoint must load, and the head's state must still start at its first gradient:
+    resumed at step 2, the run ends with the weights of the run that was never stopped."""
+    exact = ["train.deterministic=true", "train.precision=fp32", "schedule.kind=constant", "checkpoint.every=100"]
+    assert train(*exact, steps=4)[0] == 0
+    straight = load_file(tmp_path / "run" / "checkpoints" / "step-0000004" / "model.safetensors")
+    shutil.rmtree(tmp_path / "run")
+    assert train(*exact, steps=2)[0] == 0
+    optimizer_state = torch.load(tmp_path / "run" / "checkpoints" / "step-0000002" / "optimizer.pt", weights_only=True)
+    assert "text_final.head.weight" not in optimizer_state["state"]
+    status, err = train(*exact, "--resume", "auto", steps=4)
     assert status == 0, err[-1]
+    resumed = load_file(tmp_path / "run" / "checkpoints" / "step-0000004" / "model.safetensors")
+    assert all(torch.equal(straight[name], resumed[name]) for name in straight)
 
 
 def test_a_trainer_killed_with_sigkill_leaves_its_run_directory_free_at_once(train, tmp_path):
