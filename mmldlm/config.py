@@ -392,7 +392,8 @@ class TrainConfig:
     # null: no cap on CUDA (the device's memory decides), 80% of the machine's memory on CPU.
     memory_cap_gib: float | None = None
     # Effective batch per optimizer step over all processes; accumulation steps =
-    # global_batch_size / (micro_batch_size * world size), which must divide exactly.
+    # global_batch_size / (micro_batch_size * world size), which must divide exactly. A micro-batch x
+    # world size above the global batch runs as each process's share (training/batch_size.py).
     global_batch_size: int = 32
     # Progressive batch size: [[first_step, global_batch_size], ...], sorted, the first at step 0.
     batch_schedule: list[list[int]] = field(default_factory=list)

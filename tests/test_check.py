@@ -67,7 +67,7 @@ def test_a_clean_config_has_no_error_or_warning(tmp_path):
             [("checkpoint_retention", "warning")],
         ),
         (["train.micro_batch_size=12", "train.global_batch_size=36"], {}, [("batch_divisible", "error")]),
-        (["train.batch_schedule=[[0, 16], [300, 48]]"], {}, [("batch_divisible", "error")]),
+        (["train.batch_schedule=[[0, 48], [300, 64]]"], {}, [("batch_divisible", "error")]),
         (["schedule.warmup_steps=600"], {}, [("lr_schedule", "error")]),
         (
             ["schedule.kind=cosine_restarts", "schedule.restart_period=400", "schedule.warmup_steps=0"],
@@ -101,6 +101,18 @@ def test_planted_problem_is_flagged_and_fix_passes(tmp_path, overrides, env_chan
     fixed, applied = fix_config(cfg, env)
     assert applied and serious(audit(fixed, env)[0]) == []
     assert fixed.train.global_batch_size == cfg.train.global_batch_size  # the training itself stays the same
+
+
+def test_a_micro_batch_larger_than_the_share_of_each_process_is_a_note_not_an_error(tmp_path):
+    """configs/default.yaml (micro-batch 64 = global batch 64) on 2 processes: the trainer runs 32 on each."""
+    cfg, findings = findings_of(tmp_path, ["train.micro_batch_size=32", "train.global_batch_size=32"])
+    assert serious(findings) == []
+    note = next(f for f in findings if f.rule == "batch_divisible")
+    assert note.severity == "info" and not note.changes
+    assert note.message == "train.micro_batch_size=32 x 2 processes is more than the global batch of 32"
+    assert note.why.startswith("the trainer runs micro-batches of 16 on each process instead (accumulation 1")
+    _, findings = findings_of(tmp_path, ["train.micro_batch_size=33", "train.global_batch_size=33"])
+    assert serious(findings) == [("batch_divisible", "error")]  # 33 does not split over 2 processes
 
 
 def test_out_of_memory_fix_keeps_the_global_batch_and_respects_the_world_size(tmp_path):

@@ -378,6 +378,31 @@ def test_a_run_directory_in_use_by_another_process_is_refused_and_its_partial_ch
     assert not partial.exists()  # now stale, and removed
 
 
+def test_the_run_directory_lock_dies_with_its_process_though_a_forked_child_lives_on(tmp_path):
+    """The processes a trainer forks (loader workers) outlive a SIGKILLed trainer; they must not hold
+    its run directory, or the restart right after would be refused as a second training."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, sys, time; from pathlib import Path; from mmldlm.training.storage import lock_run_dir; "
+            "lock_run_dir(Path(sys.argv[1])); child = os.fork(); "
+            "child or time.sleep(60); print(child, flush=True); time.sleep(60)",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    child = int(holder.stdout.readline())
+    holder.kill()
+    holder.wait()
+    try:
+        os.kill(child, 0)  # the child is still alive
+        CheckpointManager(CheckpointConfig(), tmp_path, DistInfo()).claim()
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
 def test_a_filesystem_without_locks_trains_on_with_a_warning(tmp_path, monkeypatch, caplog):
     def no_locks(*args):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))

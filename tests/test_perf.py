@@ -11,14 +11,20 @@ import torch.nn.functional as F
 from loader_support import SyntheticLoader
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mmldlm.config import ModelConfig, PerfConfig, flat_keys, load_config, to_dict
+from mmldlm.config import ConfigError, ModelConfig, PerfConfig, flat_keys, load_config, to_dict
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.model.mmdit import MultimodalMMDiT
 from mmldlm.objective import Objective
-from mmldlm.training.batch_size import candidate_sizes, largest_fitting, probe_peak_bytes, spaced_sizes
+from mmldlm.training.batch_size import (
+    candidate_sizes,
+    largest_fitting,
+    per_process_micro_batch,
+    probe_peak_bytes,
+    spaced_sizes,
+)
 from mmldlm.training.distributed import DistInfo
 from mmldlm.training.parallelize import apply_activation_checkpointing, apply_compile, checkpointed_blocks
-from mmldlm.training.trainer import Trainer
+from mmldlm.training.trainer import Trainer, accumulation_steps
 
 VOCAB, LEN, DIM = 40, 8, 16
 MASK_ID, PAD_ID = 1, 0
@@ -245,6 +251,19 @@ def test_auto_micro_batch_keeps_the_effective_batch(tmp_path, monkeypatch):
             assert trainer.micro_batch_size == 2  # 2 GiB <= 2.5 GiB < 4 GiB
             assert all(r["micro_batch_size"] * r["accumulation_steps"] == 8 for r in records)
     torch.testing.assert_close(torch.tensor(losses["auto"]), torch.tensor(losses["whole"]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_micro_batch_too_large_for_the_world_size_becomes_each_process_share_of_the_global_batch():
+    assert per_process_micro_batch(64, [64], world_size=2) == 32  # configs/default.yaml under torchrun
+    assert per_process_micro_batch(64, [64], world_size=8) == 8
+    assert per_process_micro_batch(16, [16, 48], world_size=2) == 8  # the smallest scheduled batch decides
+    assert per_process_micro_batch(16, [64], world_size=2) == 16  # fits: accumulation 2, unchanged
+    assert per_process_micro_batch(64, [64], world_size=1) == 64
+    # Not evenly split: left to the trainer's refusal, which names the keys.
+    assert per_process_micro_batch(64, [64], world_size=3) == 64
+    assert per_process_micro_batch(4, [12, 20], world_size=4) == 4  # a share of 3 does not divide 20 / 4
+    with pytest.raises(ConfigError, match=r"= 64 x 3 = 192 \(or, smaller than that, a multiple of the world size"):
+        accumulation_steps(64, 64, 3, "train.global_batch_size")
 
 
 def test_auto_micro_batch_search_is_the_largest_divisor_that_fits():

@@ -3,13 +3,18 @@ preset: a failed start leaves no trace, each resume keeps its config, a signal d
 training ends with one line and a status that says the run is not done."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from data_support import prepared
+from safetensors.torch import load_file
 
 from mmldlm import cli
 from mmldlm.tools.monitor import total_steps
@@ -162,3 +167,71 @@ def test_the_config_of_the_latest_start_is_the_one_written_last(tmp_path):
     (tmp_path / "config.yaml").write_text("train: {steps: 200}\n")  # the fresh start, written last
     os.utime(resume, ns=(2, 2))
     assert current_run_config(tmp_path) == tmp_path / "config.yaml"
+
+
+def test_a_checkpoint_written_before_every_parameter_had_a_gradient_resumes_exactly(train, tmp_path):
+    """AdamW makes a parameter's state at its first gradient; after two t2l steps the text head has
+    none yet. The checkpoint must load, and the head's state must still start at its first gradient:
+    resumed at step 2, the run ends with the weights of the run that was never stopped."""
+    exact = ["train.deterministic=true", "train.precision=fp32", "schedule.kind=constant", "checkpoint.every=100"]
+    assert train(*exact, steps=4)[0] == 0
+    straight = load_file(tmp_path / "run" / "checkpoints" / "step-0000004" / "model.safetensors")
+    shutil.rmtree(tmp_path / "run")
+    assert train(*exact, steps=2)[0] == 0
+    optimizer_state = torch.load(tmp_path / "run" / "checkpoints" / "step-0000002" / "optimizer.pt", weights_only=True)
+    assert "text_final.head.weight" not in optimizer_state["state"]
+    status, err = train(*exact, "--resume", "auto", steps=4)
+    assert status == 0, err[-1]
+    resumed = load_file(tmp_path / "run" / "checkpoints" / "step-0000004" / "model.safetensors")
+    assert all(torch.equal(straight[name], resumed[name]) for name in straight)
+
+
+def test_a_trainer_killed_with_sigkill_leaves_its_run_directory_free_at_once(train, tmp_path):
+    """A trainer SIGKILLed while its loader workers run (an OOM kill, a rank restarted by the launcher):
+    the workers it forked must not keep the run directory locked after it, so the restart right after
+    resumes instead of being refused as a second training."""
+    run_dir = tmp_path / "run"
+    trainer = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mmldlm.cli",
+            "train",
+            *TINY,
+            "data.num_workers=1",
+            "train.steps=100000",
+            f"data.path={train.data}",
+            f"train.run_dir={run_dir}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        while not (run_dir / "checkpoints" / "step-0000002").is_dir():
+            assert trainer.poll() is None, "the trainer ended before its first checkpoint"
+            time.sleep(0.05)
+        workers = children(trainer.pid)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert workers
+    status, err = train("data.num_workers=1", "--resume", "auto", steps=last_checkpoint_step(run_dir) + 1)
+    assert status == 0, err[-1]
+    assert not [pid for pid in workers if is_running(pid)]  # they died with the trainer, not seconds later
+
+
+def children(pid):
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+def is_running(pid):
+    """Alive and not a zombie (a container's init may never reap an orphan)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def last_checkpoint_step(run_dir):
+    return max(int(p.name.removeprefix("step-")) for p in (run_dir / "checkpoints").glob("step-*"))

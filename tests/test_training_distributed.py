@@ -151,6 +151,19 @@ def test_two_processes_match_one_process(tmp_path, mode, strategy):
     assert_params_close(final_params(tmp_path / "one", "ema"), final_params(tmp_path / "two", "ema"))
 
 
+def test_a_config_for_one_process_runs_on_two_with_each_process_taking_its_share(tmp_path):
+    """Micro-batch 2 = global batch 2, written for one process (as configs/default.yaml), under torchrun
+    with 2: each process runs micro-batches of 1, said once."""
+    proc = train(tmp_path / "run", ["train.steps=2", "train.global_batch_size=2"], nproc=2)
+    assert_ok(proc)
+    said = (
+        "train.micro_batch_size=2 x 2 processes is more than the global batch of 2; "
+        "each process runs micro-batches of 1"
+    )
+    assert proc.stderr.count(said) == 1
+    assert [(r["micro_batch_size"], r["accumulation_steps"]) for r in records(tmp_path / "run")] == [(1, 1), (1, 1)]
+
+
 def test_kill_and_resume_repeats_the_straight_run_exactly(tmp_path):
     args = [
         "train.steps=40",

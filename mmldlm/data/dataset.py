@@ -15,12 +15,15 @@ Latents are in raw encoder space; the objective standardises them with latent_me
 from __future__ import annotations
 
 import atexit
+import ctypes
 import dataclasses
+import functools
 import hashlib
 import json
 import math
 import os
 import signal
+import sys
 import weakref
 from pathlib import Path
 
@@ -245,7 +248,29 @@ def default_num_workers(cpus: int | None = None, local_ranks: int | None = None)
     return min(8, cpus // local_ranks)
 
 
-def _leave_stop_signals_to_the_main_process(worker_id: int) -> None:
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _start_worker(parent_pid: int, worker_id: int) -> None:
+    """The loader's worker_init_fn: each worker dies with the process it serves and leaves the stop
+    signals to it."""
+    _die_with_the_main_process(parent_pid)
+    _leave_stop_signals_to_the_main_process()
+
+
+def _die_with_the_main_process(parent_pid: int) -> None:
+    """A worker of a SIGKILLed trainer would live on for seconds (torch's watchdog looks for its parent
+    every 5 s) with its memory and open files. On Linux the kernel sends it SIGKILL as soon as the
+    trainer's thread that started it ends (the trainer iterates its loaders on the main thread);
+    elsewhere torch's watchdog stays the only guard. SIGKILL, as the worker ignores SIGTERM (below)."""
+    if sys.platform != "linux":
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent_pid:  # the parent died before the request was made
+        os._exit(1)
+
+
+def _leave_stop_signals_to_the_main_process() -> None:
     """SIGINT and SIGTERM sent to the whole process group (Ctrl-C in a terminal, a scheduler stopping
     the job) reach the loader's workers too. They ignore them: the main process decides (the trainer
     checkpoints at the end of the step) and then shuts the workers down. A worker that died of the
@@ -291,7 +316,7 @@ class Loader:
             prefetch_factor=prefetch_factor if workers else None,
             persistent_workers=persistent_workers and workers,
             pin_memory=pin_memory,
-            worker_init_fn=_leave_stop_signals_to_the_main_process if workers else None,
+            worker_init_fn=functools.partial(_start_worker, os.getpid()) if workers else None,
         )
         self._live_iterator: weakref.ref | None = None  # the iterator whose workers run, for _shut_down_workers
         if workers:

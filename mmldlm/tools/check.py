@@ -30,6 +30,7 @@ import yaml
 from mmldlm.config import MODES, RunConfig, from_dict, to_dict
 from mmldlm.data.dataset import default_num_workers
 from mmldlm.model.mmdit import MultimodalMMDiT
+from mmldlm.training.batch_size import global_batch_sizes, per_process_micro_batch
 from mmldlm.training.metrics import cpu_has_native_bf16
 from mmldlm.training.optim import STATE_BYTES
 from mmldlm.training.schedules import LRSchedule
@@ -450,6 +451,14 @@ RULES = {
         "train.micro_batch_size={micro_fix} (the global batch stays)",
     ),
     "batch_round_up": Rule("batch_divisible", "error", BATCH_MESSAGE, BATCH_WHY, "{rounded}"),
+    "batch_micro_per_process": Rule(
+        "batch_divisible",
+        "info",
+        "train.micro_batch_size={configured} x {world_size} processes is more than the global batch of {smallest}",
+        "the trainer runs micro-batches of {micro} on each process instead (accumulation {accumulation} for "
+        "train.global_batch_size={global_batch}): the same global batch",
+        "nothing to do (train.micro_batch_size={micro} says the same)",
+    ),
     "step_in_backward_ranks": Rule(
         "step_in_backward",
         "error",
@@ -675,11 +684,18 @@ def check_busy_cpus(cfg: RunConfig, env: Environment, est: Estimate) -> list[Fin
     ]
 
 
+def _micro_per_process(cfg: RunConfig, env: Environment) -> int:
+    """The micro-batch the trainer runs on each process for a fixed train.micro_batch_size: the
+    configured one, or each process's share of the global batch (see per_process_micro_batch)."""
+    sizes = global_batch_sizes(cfg.train.global_batch_size, cfg.train.batch_schedule)
+    return per_process_micro_batch(cfg.train.micro_batch_size, sizes, env.world_size)
+
+
 def _largest_micro_batch(cfg: RunConfig, env: Environment, est: Estimate, limit: float) -> int | None:
-    """The largest micro-batch below the configured one that fits `limit` GiB and still divides every
+    """The largest micro-batch below the one that runs that fits `limit` GiB and still divides every
     global batch size over the world size (the global batch, hence the training, stays the same)."""
-    sizes = [cfg.train.global_batch_size] + [size for _, size in cfg.train.batch_schedule]
-    for micro in range(cfg.train.micro_batch_size - 1, 0, -1):
+    sizes = global_batch_sizes(cfg.train.global_batch_size, cfg.train.batch_schedule)
+    for micro in range(_micro_per_process(cfg, env) - 1, 0, -1):
         if all(size % (micro * env.world_size) == 0 for size in sizes) and est.memory_gib(micro) <= limit:
             return micro
     return None
@@ -691,7 +707,7 @@ def check_memory(cfg: RunConfig, env: Environment, est: Estimate) -> list[Findin
         if est.memory_gib(1) <= MEMORY_HEADROOM * env.device_memory_gib:
             return []
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=1))
-    micro = cfg.train.micro_batch_size
+    micro = _micro_per_process(cfg, env)
     need, limit = est.memory_gib(micro), MEMORY_HEADROOM * env.device_memory_gib
     if need <= limit:
         return []
@@ -800,7 +816,10 @@ def check_checkpoint_retention(cfg: RunConfig, env: Environment, est: Estimate) 
 def check_batch_divisible(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
     if cfg.train.micro_batch_size == "auto":
         return []  # the auto micro-batch is chosen among the divisors of the per-process batch
-    per_step = cfg.train.micro_batch_size * env.world_size
+    micro = _micro_per_process(cfg, env)
+    if micro != cfg.train.micro_batch_size:
+        return [_micro_batch_shared_out(cfg, env, micro)]
+    per_step = micro * env.world_size
     sizes = {"train.global_batch_size": cfg.train.global_batch_size}
     sizes.update({f"train.batch_schedule[{i}]": size for i, (_, size) in enumerate(cfg.train.batch_schedule)})
     bad = {key: size for key, size in sizes.items() if size % per_step}
@@ -826,13 +845,25 @@ def check_batch_divisible(cfg: RunConfig, env: Environment, est: Estimate) -> li
     return [finding("batch_round_up", changes, rounded=rounded, **values)]
 
 
+def _micro_batch_shared_out(cfg: RunConfig, env: Environment, micro: int) -> Finding:
+    return finding(
+        "batch_micro_per_process",
+        configured=cfg.train.micro_batch_size,
+        world_size=env.world_size,
+        smallest=min(global_batch_sizes(cfg.train.global_batch_size, cfg.train.batch_schedule)),
+        micro=micro,
+        accumulation=cfg.train.global_batch_size // (micro * env.world_size),
+        global_batch=cfg.train.global_batch_size,
+    )
+
+
 def check_step_in_backward(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
     if not cfg.optim.step_in_backward:
         return []
     if env.world_size > 1:
         return [finding("step_in_backward_ranks", world_size=env.world_size)]
     micro = cfg.train.micro_batch_size
-    sizes = [cfg.train.global_batch_size] + [size for _, size in cfg.train.batch_schedule]
+    sizes = global_batch_sizes(cfg.train.global_batch_size, cfg.train.batch_schedule)
     if micro == "auto" or any(size != micro for size in sizes):  # one process: accumulation
         return [finding("step_in_backward_accumulation", micro=micro, global_batch=cfg.train.global_batch_size)]
     return []
@@ -983,11 +1014,11 @@ def describe(env: Environment, est: Estimate, cfg: RunConfig) -> str:
         f"{env.nnodes} node(s), {env.device_memory_gib:.1f} GiB {where} per process, {env.free_disk_gib:.1f} GiB "
         f"free disk\n"
         f"model: {est.num_params / 1e6:.2f}M parameters (vocab {est.vocab_size}); estimated "
-        f"{est.memory_gib(_micro_for_estimate(cfg)):.2f} GiB per process at micro-batch "
-        f"{_micro_for_estimate(cfg)}; {est.checkpoint_gib:.3f} GiB per checkpoint"
+        f"{est.memory_gib(_micro_for_estimate(cfg, env)):.2f} GiB per process at micro-batch "
+        f"{_micro_for_estimate(cfg, env)}; {est.checkpoint_gib:.3f} GiB per checkpoint"
     )
 
 
-def _micro_for_estimate(cfg: RunConfig) -> int:
-    """The configured micro-batch, or 1 for `auto` (the least the trainer will try)."""
-    return 1 if cfg.train.micro_batch_size == "auto" else cfg.train.micro_batch_size
+def _micro_for_estimate(cfg: RunConfig, env: Environment) -> int:
+    """The micro-batch that runs on each process, or 1 for `auto` (the least the trainer will try)."""
+    return 1 if cfg.train.micro_batch_size == "auto" else _micro_per_process(cfg, env)

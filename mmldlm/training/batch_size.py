@@ -15,6 +15,9 @@ The probe takes no optimizer step, so the weights are untouched; AdamW's two sta
 parameter, allocated at the first real step, are added to the measured peak. It runs the model as
 the trainer set it up (checkpointing and compile applied) and draws from its own RNG stream.
 Memory grows with the batch, so a binary search over the sorted candidates finds the largest fit.
+
+A fixed train.micro_batch_size larger than a process's share of the global batch (a config written
+for one process, started on several) is lowered to that share: see `per_process_micro_batch`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,27 @@ from torch import nn
 
 from mmldlm.objective import Objective
 from mmldlm.training.metrics import peak_memory_bytes, reset_peak_memory
+
+
+def global_batch_sizes(global_batch_size: int, batch_schedule: list[list[int]]) -> list[int]:
+    """Every global batch a run uses: train.global_batch_size and each size of train.batch_schedule."""
+    return [global_batch_size] + [size for _, size in batch_schedule]
+
+
+def per_process_micro_batch(micro_batch: int, global_batches: list[int], world_size: int) -> int:
+    """The micro-batch each process runs for a fixed train.micro_batch_size: that size, unless that many
+    on every process is more than the smallest global batch (configs/default.yaml, a global batch of 64
+    in micro-batches of 64, started on 2 processes). Then each process runs its share of the smallest
+    global batch, smallest / world size (accumulation 1 there), provided every global batch splits
+    evenly into such micro-batches on every process. Otherwise the configured size stays, and the
+    trainer's accumulation check refuses it naming the keys."""
+    smallest = min(global_batches)
+    if micro_batch * world_size <= smallest or smallest % world_size:
+        return micro_batch
+    share = smallest // world_size
+    if any(size % (share * world_size) for size in global_batches):
+        return micro_batch
+    return share
 
 
 def candidate_sizes(per_process_batches: list[int]) -> list[int]:

@@ -200,6 +200,23 @@ def _torch_save(obj, path: Path) -> None:
         raise OSError(f"torch.save failed: {err}") from err
 
 
+def _load_optimizer_state(model, optimizer, saved: dict) -> None:
+    """Load a full optimizer state dict (parameter names as keys) into `optimizer`, the parameters
+    the checkpoint holds no state for included. AdamW makes a parameter's state at its first gradient,
+    so a checkpoint of the first steps lacks those that no mode has trained yet (the text head after
+    t2l steps): hence not strict (the model was loaded strictly, so the parameters are the same).
+    set_optimizer_state_dict first gives every parameter a state (a zero-gradient step: step 1, zero
+    moments); the ones the checkpoint has none for are dropped again, to be made at their first
+    gradient as in the run that wrote it (else their bias correction would be one step off)."""
+    names_by_group = [group["params"] for group in saved["param_groups"]]
+    saved_names = set(saved["state"])
+    set_optimizer_state_dict(model, optimizer, saved, options=StateDictOptions(full_state_dict=True, strict=False))
+    for group, names in zip(optimizer.param_groups, names_by_group, strict=True):
+        for param, name in zip(group["params"], names, strict=True):
+            if name not in saved_names:
+                optimizer.state.pop(param, None)
+
+
 class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, run_dir: str | Path, info: DistInfo):
         self.cfg = cfg
@@ -485,9 +502,7 @@ class CheckpointManager:
         options = StateDictOptions(full_state_dict=True)
         with collective_guard(f"checkpoint load of {path.name}", self.info):
             set_model_state_dict(model, load_file(str(path / "model.safetensors")), options=options)
-            set_optimizer_state_dict(
-                model, optimizer, torch.load(path / "optimizer.pt", weights_only=True), options=options
-            )
+            _load_optimizer_state(model, optimizer, torch.load(path / "optimizer.pt", weights_only=True))
             has_ema = (path / "ema.safetensors").is_file()
             if ema is not None and has_ema:
                 set_model_state_dict(ema.module, load_file(str(path / "ema.safetensors")), options=options)

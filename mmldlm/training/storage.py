@@ -74,12 +74,28 @@ def write_failure(err: BaseException, path: Path) -> str:
 _HELD: dict[str, int] = {}  # run directory (resolved) -> the descriptor whose flock this process holds
 
 
+def _leave_run_dir_locks_to_the_parent() -> None:
+    """In a forked child (a DataLoader worker): close the inherited descriptors of the
+    run-directory locks. An flock belongs to the open file, which a fork shares, so a child that kept
+    its copy would hold the run directory after the trainer died (a SIGKILLed trainer's workers live
+    on for seconds). Closing, not unlocking: LOCK_UN here would release the parent's lock too."""
+    for fd in _HELD.values():
+        if fd >= 0:
+            os.close(fd)
+    _HELD.clear()
+
+
+# Once per process, as `random` and `logging` register theirs: any fork, whoever makes it, lets go.
+os.register_at_fork(after_in_child=_leave_run_dir_locks_to_the_parent)
+
+
 def lock_run_dir(run_dir: Path) -> None:
     """Hold an exclusive lock on an existing run directory for the rest of this process, or raise
     CheckpointError when another process holds it: a second `mmldlm train` on a run that is training
     would otherwise remove the first one's half-written checkpoint as stale, and both would write.
-    The lock (flock on the directory) goes with the process, however it ends; taking it again in the
-    same process is a no-op."""
+    The lock (flock on the directory) goes with the process, however it ends, and is not held by the
+    processes it forks (see _leave_run_dir_locks_to_the_parent); taking it again in the same process
+    is a no-op."""
     key = str(run_dir.resolve())
     if key in _HELD:
         return

@@ -38,7 +38,13 @@ from mmldlm import comparison
 from mmldlm.config import ConfigError, PerfConfig, RunConfig
 from mmldlm.model.info import training_flops_per_sample
 from mmldlm.model.mmdit import padded_row_count
-from mmldlm.training.batch_size import default_memory_cap, find_micro_batch, probe_or_none
+from mmldlm.training.batch_size import (
+    default_memory_cap,
+    find_micro_batch,
+    global_batch_sizes,
+    per_process_micro_batch,
+    probe_or_none,
+)
 from mmldlm.training.checkpoint import CheckpointManager
 from mmldlm.training.distributed import DistInfo, collective_guard
 from mmldlm.training.ema import WeightEMA
@@ -114,9 +120,14 @@ def resolve_precision(name: str, device: torch.device) -> str:
 def accumulation_steps(global_batch: int, micro_batch: int, world_size: int, key: str) -> int:
     per_step = micro_batch * world_size
     if global_batch % per_step:
+        share = (
+            " (or, smaller than that, a multiple of the world size: each process then takes its share)"
+            if global_batch < per_step
+            else ""
+        )
         raise ConfigError(
             f"config key '{key}': got {global_batch}; expected a multiple of "
-            f"train.micro_batch_size x world size = {micro_batch} x {world_size} = {per_step}"
+            f"train.micro_batch_size x world size = {micro_batch} x {world_size} = {per_step}{share}"
         )
     return global_batch // per_step
 
@@ -199,6 +210,9 @@ class Trainer:
             # of host time per call (base preset on an H100), more than the kernel itself. The
             # flash and memory-efficient kernels take masks without that (docs/benchmarks-gpu.md).
             torch.backends.cuda.enable_cudnn_sdp(False)
+        self.micro_batch_size = cfg.train.micro_batch_size  # "auto": probed once the model is set up
+        if self.micro_batch_size != "auto":
+            self.micro_batch_size = self._micro_batch_for_world_size(self.micro_batch_size)
         perf = cfg.perf
         if perf.activation_checkpointing == "auto":
             perf = dataclasses.replace(
@@ -212,7 +226,6 @@ class Trainer:
         if self.ema is not None and info.distributed and cfg.distributed.strategy == "fsdp2":
             apply_fsdp(self.ema.module)
         self.objective = objective
-        self.micro_batch_size = cfg.train.micro_batch_size
         if self.micro_batch_size == "auto":
             self.micro_batch_size = self._find_micro_batch(max_seq_len or self.raw_model.cfg.max_seq_len)
         self.optimizer = build_optimizer(self.model, cfg.optim)
@@ -274,7 +287,7 @@ class Trainer:
                 f"process (world size {info.world_size}): a parameter would be updated with its local "
                 "gradient before the data-parallel reduction"
             )
-        for size in [cfg.train.global_batch_size] + [size for _, size in cfg.train.batch_schedule]:
+        for size in global_batch_sizes(cfg.train.global_batch_size, cfg.train.batch_schedule):
             if size != self.micro_batch_size:
                 raise ConfigError(
                     f"config key 'optim.step_in_backward': got True; expected false with gradient accumulation "
@@ -334,7 +347,7 @@ class Trainer:
         the machine's memory). Recomputing costs time; checkpointing only what memory needs keeps a
         run that fits as fast as it can be."""
 
-        micro = self.cfg.train.micro_batch_size
+        micro = self.micro_batch_size
         if micro == "auto":
             log.info(
                 "activation checkpointing: auto -> none (train.micro_batch_size=auto sizes the "
@@ -368,12 +381,31 @@ class Trainer:
             )
         return mode
 
+    def _micro_batch_for_world_size(self, configured: int) -> int:
+        """train.micro_batch_size, or each process's share of the global batch where the configured
+        size on every process would be more than the global batch (see per_process_micro_batch)."""
+        cfg, world_size = self.cfg.train, self.info.world_size
+        global_batches = global_batch_sizes(cfg.global_batch_size, cfg.batch_schedule)
+        micro = per_process_micro_batch(configured, global_batches, world_size)
+        if micro != configured and self.info.is_main:
+            log.info(
+                "micro-batch: train.micro_batch_size=%d x %d processes is more than the global batch of %d; "
+                "each process runs micro-batches of %d (accumulation %d for train.global_batch_size=%d)",
+                configured,
+                world_size,
+                min(global_batches),
+                micro,
+                cfg.global_batch_size // (micro * world_size),
+                cfg.global_batch_size,
+            )
+        return micro
+
     def _find_micro_batch(self, seq_len: int) -> int:
         """train.micro_batch_size=auto: the largest micro-batch that fits (see batch_size.py), the
         same on every rank."""
 
         cfg, info = self.cfg.train, self.info
-        batches = [cfg.global_batch_size] + [size for _, size in cfg.batch_schedule]
+        batches = global_batch_sizes(cfg.global_batch_size, cfg.batch_schedule)
         for size in batches:
             if size % info.world_size:
                 raise ConfigError(
