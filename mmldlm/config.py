@@ -129,6 +129,8 @@ class TextDiffusionConfig:
     eps: float = 1e-3
     num_sampling_steps: int = 50  # default reverse steps of the text sampler (l2t, joint)
     sampling_temperature: float = 1.0  # default temperature of the text sampler (logits / T)
+    # Default repetition penalty of the text sampler: logits of tokens already in the text lowered by it.
+    sampling_repetition_penalty: float = 0.0
 
     def check(self, prefix: str = "text_diffusion") -> None:
         if not 0.0 < self.eps < 0.5:
@@ -137,6 +139,8 @@ class TextDiffusionConfig:
             _fail(f"{prefix}.num_sampling_steps", self.num_sampling_steps, "an integer >= 1")
         if not self.sampling_temperature > 0:
             _fail(f"{prefix}.sampling_temperature", self.sampling_temperature, "a number > 0")
+        if not self.sampling_repetition_penalty >= 0:
+            _fail(f"{prefix}.sampling_repetition_penalty", self.sampling_repetition_penalty, "a number >= 0 (0 = off)")
 
 
 @dataclass
@@ -497,6 +501,9 @@ class EvalConfig:
     batch_size: int = 32
     retrieval_pool: int = 1000  # validation sentences the t2l latent must find its own among
     encoder: bool = True  # re-encode generated text with the dataset's sentence encoder (l2t cosine)
+    # The slower writing figures: l2t at the length head's lengths, joint generation, n-gram fluency and
+    # the nearest-training-text reference (`mmldlm eval` turns them on; off during training by default).
+    writing: bool = False
 
     def check(self, prefix: str = "eval") -> None:
         if self.every < 0:

@@ -13,7 +13,7 @@ from data_support import trained_run
 
 from mmldlm.cli import main
 from mmldlm.config import load_config
-from mmldlm.sampling import load_run
+from mmldlm.sampling import evaluate, load_run, load_trained
 from mmldlm.sampling.evaluate import elbo, val_batches
 from mmldlm.training.run import train
 
@@ -359,6 +359,19 @@ def test_eval_writes_report_and_summary(run_dir, tmp_path, capsys):
     assert "retrieval@1 among 12" in summary and report["l2t"]["examples"][0]["source"] in summary
     assert "(chance 8.3%)" in summary and "| 1.5 |" in summary and "length head" in summary
     assert out.with_suffix(".md").read_text(encoding="utf-8") in summary
+    # The writing figures beside their references.
+    for entry in (report["l2t"], report["l2t_predicted_length"]):
+        assert 0 <= entry["bleu"] <= 100 and 0 <= entry["repetition"] <= 1 and entry["ngram_perplexity"] > 1
+    ref = report["references"]
+    assert ref["real_ngram_perplexity"] < ref["shuffled_ngram_perplexity"] and 0 <= ref["real_repetition"] <= 1
+    joint = report["joint"]
+    assert joint["num_samples"] == 4 and 0 <= joint["copy_rate"] <= 1 and 0 <= joint["distinct_2"] <= 1
+    assert joint["reference"]["real_pairs"] > joint["reference"]["shuffled_pairs"]
+    assert 0 <= report["nearest_training_text"]["word_f1"] <= 1
+    assert "joint (4 samples): consistency" in summary and "the training text with the nearest latent" in summary
+    # The fluency reference is fitted on the training split alone.
+    run = load_trained(run_dir)
+    assert evaluate.fluency_reference(run) is evaluate._ngram_lm(str(run.dataset_dir), "train")
 
 
 class Recording(torch.nn.Module):

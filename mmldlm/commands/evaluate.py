@@ -45,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retrieval-pool", type=int, default=1000, help="validation sentences for t2l retrieval@1")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--no-encoder", action="store_true", help="skip re-encoding the l2t text (no cosine)")
+    parser.add_argument(
+        "--no-writing",
+        action="store_true",
+        help="skip the slower writing figures: l2t at the length head's lengths, joint generation, n-gram "
+        "fluency and the nearest-training-text reference",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", metavar="PATH.json", help="the JSON report (default RUN/eval/step-NNNNNNN.json)")
     add_device_arguments(parser)
@@ -91,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         num_elbo_batches=math.ceil(args.num_samples / args.batch_size),
         retrieval_pool=args.retrieval_pool,
         encoder=not args.no_encoder,
+        writing=not args.no_writing,
     )
     cfg.check()
     report = evaluate(

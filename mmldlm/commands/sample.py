@@ -62,7 +62,8 @@ def add_sampler_arguments(group) -> None:
     group.add_argument(
         "--repetition-penalty",
         type=float,
-        help="text: lower the logit of every token already in the text by this much (default 0: off)",
+        help="text: lower the logit of every token already in the text by this much (default: the run's "
+        "text_diffusion.sampling_repetition_penalty; 0 = off)",
     )
     group.add_argument(
         "--remask-rounds",

@@ -32,21 +32,23 @@ The report is a JSON-able dict; `markdown` renders it, `flat` turns it into eval
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-import re
+import random
 import time
-from collections import Counter
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from mmldlm.config import EvalConfig
-from mmldlm.data.dataset import PadCollate
+from mmldlm.data.dataset import PadCollate, PreparedDataset
 from mmldlm.diffusion import MaskedDiffusion
 from mmldlm.objective import Objective
-from mmldlm.sampling.run import TrainedRun
-from mmldlm.sampling.sampler import SamplingOptions
+from mmldlm.sampling import text_metrics as tm
+from mmldlm.sampling.run import TrainedRun, dataset_texts
+from mmldlm.sampling.sampler import SamplingOptions, length_masks
+from mmldlm.sampling.text_metrics import word_f1, words
 
 MODES = ("l2t", "t2l", "joint")
 
@@ -133,20 +135,6 @@ def _first_val(run: TrainedRun, num: int) -> tuple[list[list[int]], torch.Tensor
     return ids, torch.stack([torch.from_numpy(s[2].astype("float32")) for s in samples])
 
 
-def words(text: str) -> list[str]:
-    """The lowercase letter runs of `text`, in order."""
-    return re.findall(r"[a-z]+", text.lower())
-
-
-def word_f1(generated: list[str], source: list[str]) -> float:
-    """F1 of the word multisets (0 when either is empty)."""
-    common = sum((Counter(generated) & Counter(source)).values())
-    if not common:
-        return 0.0
-    precision, recall = common / len(generated), common / len(source)
-    return 2 * precision * recall / (precision + recall)
-
-
 def l2t_reconstruction(
     run: TrainedRun,
     options: SamplingOptions,
@@ -155,26 +143,27 @@ def l2t_reconstruction(
     seed: int = 0,
     use_encoder: bool = True,
     num_examples: int = 5,
+    predicted_length: bool = False,
+    fluency: tm.NgramLM | None = None,
 ) -> dict:
-    """Text from the first N validation latents vs. the source texts (module docstring, 2)."""
+    """Text from the first N validation latents vs. the source texts (module docstring, 2), at each
+    source's own length, or with `predicted_length` at the length head's (its `length_candidates` most
+    likely lengths, the encoder choosing), the length a user of `decode` gets."""
     ids, latents = _first_val(run, num_samples)
     sampler = run.sampler(options)
     sources, generated = [], []
     start = time.perf_counter()
     for b in range(0, len(ids), batch_size):
         tokens, pad_mask = run.batch_of(ids[b : b + batch_size])
+        if predicted_length:
+            pad_mask = length_masks(run.candidate_lengths(latents[b : b + batch_size], options.length_candidates))
         out = sampler.l2t(latents[b : b + batch_size], pad_mask, _generator(seed, 1, b))
-        sources += run.decode(tokens, pad_mask)
-        generated += run.decode(out, pad_mask)
+        sources += run.decode(tokens, tokens != run.text.pad_token_id)
+        generated += run.decode(out, out != run.text.pad_token_id)
     seconds = time.perf_counter() - start
-    known = run.known_words
-    decoded_words = [words(g) for g in generated]
     result = {
         "num_samples": len(ids),
-        "exact_match": sum(g == s for g, s in zip(generated, sources)) / len(ids),
-        "word_f1": float(np.mean([word_f1(w, words(s)) for w, s in zip(decoded_words, sources)])),
-        "real_word_rate": sum(w in known for ws in decoded_words for w in ws)
-        / max(1, sum(len(ws) for ws in decoded_words)),
+        **writing_figures(run, generated, sources, fluency),
         "samples_per_s": len(ids) / seconds,
         "model_calls_per_batch": sampler.num_forward / math.ceil(len(ids) / batch_size),
         "encoded_per_sample": sampler.num_encoded / len(ids),
@@ -188,6 +177,87 @@ def l2t_reconstruction(
         for i, (s, g) in enumerate(zip(sources[:num_examples], generated[:num_examples]))
     ]
     return result
+
+
+def writing_figures(run: TrainedRun, generated: list[str], sources: list[str], fluency=None) -> dict:
+    """Exact match, word F1, BLEU, repetition, real-word rate and n-gram perplexity of texts against
+    their sources (text_metrics.py)."""
+    known = run.known_words
+    decoded_words = [words(g) for g in generated]
+    out = {
+        "exact_match": sum(g == s for g, s in zip(generated, sources)) / len(generated),
+        "word_f1": float(np.mean([word_f1(w, words(s)) for w, s in zip(decoded_words, sources)])),
+        "bleu": tm.corpus_bleu(generated, sources),
+        "repetition": tm.repetition(generated, 2),
+        "real_word_rate": sum(w in known for ws in decoded_words for w in ws)
+        / max(1, sum(len(ws) for ws in decoded_words)),
+    }
+    if fluency is not None:
+        out["ngram_perplexity"] = fluency.perplexity(generated)
+    return out
+
+
+def joint_generation(
+    run: TrainedRun,
+    options: SamplingOptions,
+    num_samples: int,
+    batch_size: int,
+    seed: int = 0,
+    fluency: tm.NgramLM | None = None,
+    num_examples: int = 5,
+) -> dict:
+    """Joint samples at lengths drawn from the validation split: consistency (cosine of each text's
+    re-encoding to its own sampled latent), repetition, distinct-1/2, copy rate against the training
+    texts, n-gram perplexity."""
+    sampler = run.sampler(options)
+    lengths = run.sample_lengths(num_samples, _generator(seed, 3))
+    texts, latents = [], []
+    start = time.perf_counter()
+    for b in range(0, num_samples, batch_size):
+        batch_texts, z = run.joint_batch(sampler, lengths[b : b + batch_size], _generator(seed, 4, b))
+        texts += batch_texts
+        latents.append(z)
+    seconds = time.perf_counter() - start
+    latents = torch.cat(latents)
+    consistency = F.cosine_similarity(run.encode_latents(texts).flatten(1), latents.flatten(1), dim=-1)
+    out = {
+        "num_samples": num_samples,
+        "consistency": consistency.mean().item(),
+        "repetition": tm.repetition(texts, 2),
+        "distinct_1": tm.distinct(texts, 1),
+        "distinct_2": tm.distinct(texts, 2),
+        "samples_per_s": num_samples / seconds,
+        "examples": [{"generated": t, "consistency": round(c, 4)} for t, c in zip(texts, consistency.tolist())][
+            :num_examples
+        ],
+    }
+    if run.dataset_dir is not None:
+        out["copy_rate"] = tm.copy_rate(texts, training_set(str(run.dataset_dir)))
+    if fluency is not None:
+        out["ngram_perplexity"] = fluency.perplexity(texts)
+    return out
+
+
+@functools.lru_cache(maxsize=2)
+def training_set(dataset_dir: str) -> frozenset[str]:
+    """The training texts, whitespace-normalised (copy rate)."""
+    return frozenset(tm.normalized(text) for text in dataset_texts(dataset_dir, "train"))
+
+
+@functools.lru_cache(maxsize=2)
+def _ngram_lm(dataset_dir: str, split: str) -> tm.NgramLM:
+    return tm.NgramLM(list(dataset_texts(dataset_dir, split)))
+
+
+def fluency_reference(run: TrainedRun) -> tm.NgramLM | None:
+    """The n-gram model fitted on the training texts alone: the run's training split, or, for an exported
+    model evaluated on the validation split of a prepared dataset, that dataset's training split; None
+    when no training text is at hand (the evaluated texts themselves are never fitted)."""
+    if run.dataset_dir is not None:
+        return _ngram_lm(str(run.dataset_dir), "train")
+    if getattr(run.val, "split", None) == "val":
+        return _ngram_lm(str(run.val.path), "train")
+    return None
 
 
 def t2l_retrieval(
@@ -237,8 +307,8 @@ def length_prediction(run: TrainedRun, num_samples: int) -> dict | None:
     }
 
 
-def references(run: TrainedRun, num_samples: int, pool_size: int) -> dict:
-    """What trivial predictors score on the same samples (module docstring, 5)."""
+def references(run: TrainedRun, num_samples: int, pool_size: int, fluency: tm.NgramLM | None = None) -> dict:
+    """What trivial predictors and real text score on the same samples (module docstring, 5)."""
     ids, targets = _first_val(run, num_samples)
     targets = targets.flatten(1)  # (N, K*D), encoder space
     mean = run.latent.mean
@@ -246,11 +316,41 @@ def references(run: TrainedRun, num_samples: int, pool_size: int) -> dict:
     if mean is not None:
         constant = mean.float().repeat(run.model.cfg.num_latents)[None, :]  # (1, K*D)
         out["mean_latent_cosine"] = F.cosine_similarity(constant, targets, dim=-1).mean().item()
+    texts = run.decode(*run.batch_of(ids))
+    out["real_repetition"] = tm.repetition(texts, 2)
     if len(targets) > 1:
-        out["other_sentence_cosine"] = F.cosine_similarity(targets.roll(1, dims=0), targets, dim=-1).mean().item()
-        texts = [words(text) for text in run.decode(*run.batch_of(ids))]
-        out["other_sentence_word_f1"] = float(np.mean([word_f1(a, b) for a, b in zip(texts[1:] + texts[:1], texts)]))
+        others = texts[1:] + texts[:1]
+        out["other_sentence_cosine"] = F.cosine_similarity(targets.roll(-1, dims=0), targets, dim=-1).mean().item()
+        out["other_sentence_word_f1"] = float(np.mean([word_f1(words(a), words(b)) for a, b in zip(others, texts)]))
+        out["other_sentence_bleu"] = tm.corpus_bleu(others, texts)
+    if fluency is not None:
+        shuffle = random.Random(0)
+        shuffled = [" ".join(shuffle.sample(ws, len(ws))) for ws in map(words, texts)]
+        out["real_ngram_perplexity"] = fluency.perplexity(texts)
+        out["shuffled_ngram_perplexity"] = fluency.perplexity(shuffled)
     return out
+
+
+def nearest_training_text(run: TrainedRun, num_samples: int) -> dict | None:
+    """The l2t reference of retrieval: for each validation latent, the training text whose latent is
+    nearest (cosine); its word F1, BLEU and exact match against the source, and that cosine. A decoder
+    that writes no better than this could be a lookup table. None without the run's training split."""
+    if run.dataset_dir is None:
+        return None
+    ids, targets = _first_val(run, num_samples)
+    train = PreparedDataset(run.dataset_dir, "train")
+    pool = torch.from_numpy(np.concatenate([latents for *_, latents in train.arrays]).astype(np.float32))
+    pool = pool.flatten(1)  # (T, K*D), in sample order
+    similarity = F.normalize(targets.flatten(1), dim=-1) @ F.normalize(pool, dim=-1).T  # (N, T)
+    best = similarity.max(dim=1)
+    nearest = [dataset_texts(str(run.dataset_dir), "train")[i] for i in best.indices.tolist()]
+    sources = run.decode(*run.batch_of(ids))
+    return {
+        "word_f1": float(np.mean([word_f1(words(a), words(b)) for a, b in zip(nearest, sources)])),
+        "bleu": tm.corpus_bleu(nearest, sources),
+        "exact_match": sum(a == b for a, b in zip(nearest, sources)) / len(sources),
+        "cosine_mean": best.values.mean().item(),
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -266,12 +366,14 @@ def evaluate(
     guidance_scales: list[float] | None = None,
 ) -> dict:
     """ELBO per mode, l2t reconstruction, t2l retrieval, length prediction and the references of `run`
-    with the budget of `cfg`; the samplers once per guidance scale (default: options.guidance_scale)."""
+    with the budget of `cfg`; the samplers once per guidance scale (default: options.guidance_scale);
+    with cfg.writing also the writing figures (`writing`)."""
     options = options or SamplingOptions.defaults(run.cfg.text_diffusion, run.cfg.latent_diffusion, cfg.num_steps)
     scales = list(guidance_scales) if guidance_scales else [options.guidance_scale]
     was_training = run.model.training
     run.model.eval()
     try:
+        fluency = fluency_reference(run) if cfg.writing else None
         report = {
             "checkpoint": str(run.checkpoint) if run.checkpoint else None,
             "step": run.step,
@@ -279,38 +381,70 @@ def evaluate(
             "sampling": dataclasses.replace(options, guidance_scale=scales[0]).to_dict(),
             "num_t_draws": num_t_draws,
             "elbo": elbo(run, cfg.num_elbo_batches * cfg.batch_size, cfg.batch_size, num_t_draws, seed),
+            **guidance_sweep(run, cfg, options, scales, seed, fluency),
         }
-        sweep = []
-        for scale in scales:
-            scaled = dataclasses.replace(options, guidance_scale=scale)
-            sweep.append(
-                {
-                    "guidance_scale": scale,
-                    "l2t": l2t_reconstruction(run, scaled, cfg.num_samples, cfg.batch_size, seed, cfg.encoder),
-                    "t2l": t2l_retrieval(run, scaled, cfg.num_samples, cfg.batch_size, cfg.retrieval_pool, seed),
-                }
-            )
-        report["l2t"], report["t2l"] = sweep[0]["l2t"], sweep[0]["t2l"]
-        if len(sweep) > 1:
-            report["guidance"] = [
-                {
-                    "guidance_scale": entry["guidance_scale"],
-                    "l2t": {
-                        k: v
-                        for k, v in entry["l2t"].items()
-                        if k in ("cosine_mean", "exact_match", "word_f1", "real_word_rate")
-                    },
-                    "t2l": {k: entry["t2l"][k] for k in ("cosine_mean", "retrieval_at_1")},
-                }
-                for entry in sweep
-            ]
         length = length_prediction(run, cfg.num_samples)
         if length is not None:
             report["length"] = length
-        report["references"] = references(run, cfg.num_samples, cfg.retrieval_pool)
+        if cfg.writing:
+            report.update(writing(run, cfg, dataclasses.replace(options, guidance_scale=scales[0]), seed, fluency))
+        report["references"] = references(run, cfg.num_samples, cfg.retrieval_pool, fluency)
+        if cfg.writing and fluency is None:
+            report["references"]["ngram_perplexity"] = "not measured: no training texts at hand"
     finally:
         run.model.train(was_training)
     return report
+
+
+def guidance_sweep(run: TrainedRun, cfg: EvalConfig, options, scales: list[float], seed: int, fluency) -> dict:
+    """{"l2t", "t2l"} at the first guidance scale, and {"guidance": [...]} side by side when several."""
+    sweep = []
+    for scale in scales:
+        scaled = dataclasses.replace(options, guidance_scale=scale)
+        l2t = l2t_reconstruction(run, scaled, cfg.num_samples, cfg.batch_size, seed, cfg.encoder, fluency=fluency)
+        t2l = t2l_retrieval(run, scaled, cfg.num_samples, cfg.batch_size, cfg.retrieval_pool, seed)
+        sweep.append({"guidance_scale": scale, "l2t": l2t, "t2l": t2l})
+    out = {"l2t": sweep[0]["l2t"], "t2l": sweep[0]["t2l"]}
+    if len(sweep) > 1:
+        kept = ("cosine_mean", "exact_match", "word_f1", "bleu", "repetition", "real_word_rate")
+        out["guidance"] = [
+            {
+                "guidance_scale": entry["guidance_scale"],
+                "l2t": {k: v for k, v in entry["l2t"].items() if k in kept},
+                "t2l": {k: entry["t2l"][k] for k in ("cosine_mean", "retrieval_at_1")},
+            }
+            for entry in sweep
+        ]
+    return out
+
+
+def writing(run: TrainedRun, cfg: EvalConfig, options: SamplingOptions, seed: int, fluency) -> dict:
+    """l2t at the length head's lengths (where the model has a length head), joint generation (where the
+    encoder is used) and the nearest-training-text reference."""
+    out = {}
+    if getattr(run.model, "length_head", None) is not None:
+        out["l2t_predicted_length"] = l2t_reconstruction(
+            run, options, cfg.num_samples, cfg.batch_size, seed, cfg.encoder, predicted_length=True, fluency=fluency
+        )
+    if cfg.encoder:
+        out["joint"] = joint_generation(run, options, cfg.num_samples, cfg.batch_size, seed, fluency)
+        out["joint"]["reference"] = pair_consistency(run, cfg.num_samples)
+    nearest = nearest_training_text(run, cfg.num_samples)
+    if nearest is not None:
+        out["nearest_training_text"] = nearest
+    return out
+
+
+def pair_consistency(run: TrainedRun, num_samples: int) -> dict:
+    """The joint consistency of real validation pairs (each text re-encoded against its own stored
+    latent) and of shuffled pairs (against the next sample's latent)."""
+    ids, latents = _first_val(run, num_samples)
+    encoded = run.encode_latents(run.decode(*run.batch_of(ids))).flatten(1)
+    latents = latents.flatten(1)
+    return {
+        "real_pairs": F.cosine_similarity(encoded, latents, dim=-1).mean().item(),
+        "shuffled_pairs": F.cosine_similarity(encoded, latents.roll(-1, dims=0), dim=-1).mean().item(),
+    }
 
 
 def flat(report: dict) -> dict:
@@ -324,13 +458,74 @@ def flat(report: dict) -> dict:
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
                 out[f"{prefix}_{key}"] = value
 
-    walk("eval", {k: report[k] for k in ("elbo", "l2t", "t2l", "length", "references") if k in report})
+    parts = ("elbo", "l2t", "t2l", "length", "references", "l2t_predicted_length", "joint", "nearest_training_text")
+    walk("eval", {k: report[k] for k in parts if k in report})
     return out
 
 
 def table_cell(text: str) -> str:
     """`text` as one markdown table cell: no line breaks, no bare column separator."""
     return " ".join(text.split()).replace("|", "\\|")
+
+
+def _figures(r: dict) -> str:
+    """BLEU, repetition and n-gram perplexity of one l2t entry, as a clause."""
+    text = f"BLEU {r['bleu']:.1f}, repetition {r['repetition']:.3f}" if "bleu" in r else ""
+    if "ngram_perplexity" in r:
+        text += f", n-gram perplexity {r['ngram_perplexity']:.1f}"
+    return text
+
+
+def writing_lines(report: dict) -> list[str]:
+    """The writing figures beside their references, in a few lines of markdown."""
+    ref, l2t = report.get("references", {}), report["l2t"]
+    lines = ["", f"l2t writing at the source lengths: {_figures(l2t)}"]
+    if "real_repetition" in ref:
+        real = f"real validation texts: repetition {ref['real_repetition']:.3f}"
+        if "real_ngram_perplexity" in ref:
+            real += (
+                f", n-gram perplexity {ref['real_ngram_perplexity']:.1f} "
+                f"(their words shuffled: {ref['shuffled_ngram_perplexity']:.1f})"
+            )
+        lines += [
+            "",
+            real
+            + (
+                f"; an unrelated sentence: BLEU {ref['other_sentence_bleu']:.1f}"
+                if "other_sentence_bleu" in ref
+                else ""
+            ),
+        ]
+    if "l2t_predicted_length" in report:
+        r = report["l2t_predicted_length"]
+        lines += [
+            "",
+            f"l2t at the length head's lengths (what `decode` gives): exact match {r['exact_match']:.1%}, "
+            f"word F1 {r['word_f1']:.3f}, {_figures(r)}"
+            + (f", cosine {r['cosine_mean']:.4f}" if "cosine_mean" in r else ""),
+        ]
+    if "nearest_training_text" in report:
+        r = report["nearest_training_text"]
+        lines += [
+            "",
+            f"reference, the training text with the nearest latent: word F1 {r['word_f1']:.3f}, BLEU {r['bleu']:.1f}, "
+            f"exact match {r['exact_match']:.1%}, cosine {r['cosine_mean']:.4f}",
+        ]
+    if "joint" in report:
+        j, pairs = report["joint"], report["joint"]["reference"]
+        lines += [
+            "",
+            f"joint ({j['num_samples']} samples): consistency {j['consistency']:.4f} (real pairs "
+            f"{pairs['real_pairs']:.4f}, shuffled pairs {pairs['shuffled_pairs']:.4f}), repetition "
+            f"{j['repetition']:.3f}, distinct-1/2 {j['distinct_1']:.3f}/{j['distinct_2']:.3f}"
+            + (f", copy rate {j['copy_rate']:.1%}" if "copy_rate" in j else "")
+            + (f", n-gram perplexity {j['ngram_perplexity']:.1f}" if "ngram_perplexity" in j else ""),
+            "",
+            "| joint sample | consistency |",
+            "|---|---|",
+            *[f"| {table_cell(e['generated'])} | {e['consistency']:.3f} |" for e in j["examples"]],
+        ]
+    return lines
 
 
 def markdown(report: dict) -> str:
@@ -366,6 +561,7 @@ def markdown(report: dict) -> str:
         f"retrieval@1 among {t2l['pool_size']} {t2l['retrieval_at_1']:.1%}{chance}, "
         f"{t2l['samples_per_s']:.1f} samples/s",
     ]
+    lines += writing_lines(report)
     if "length" in report:
         length = report["length"]
         lines += [

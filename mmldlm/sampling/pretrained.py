@@ -54,7 +54,7 @@ from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.model import MultimodalMMDiT
 from mmldlm.sampling.card import model_card
 from mmldlm.sampling.run import TrainedRun, load_run, load_weights
-from mmldlm.sampling.sampler import SamplingOptions, pad_mask_from_lengths
+from mmldlm.sampling.sampler import SamplingOptions, length_masks
 
 FORMAT_VERSION = 1
 CONFIG, WEIGHTS, TOKENIZER, LATENT_STATS, CARD = (
@@ -274,13 +274,6 @@ def load_trained(
 # The Python API.
 
 
-def length_masks(lengths: list[list[int]]) -> torch.Tensor:
-    """Pad masks of candidate lengths: (B, L) for one length per text, (B, C, L) for C per text."""
-    masks = pad_mask_from_lengths([n for row in lengths for n in row])  # (B * C, L)
-    num = len(lengths[0])
-    return masks if num == 1 else masks.view(len(lengths), num, -1)
-
-
 class MMLDLM:
     """A trained MM-LDLM model: text -> latents (`encode`), latents -> text (`decode`), both (`generate`),
     and the sentence encoder itself (`embed`). Sampler options are keyword arguments: `steps` (every
@@ -400,18 +393,9 @@ class MMLDLM:
         those lengths as `decode` does."""
         sampler = self.run.sampler(self.options(**options))
         lengths = self.text_lengths(num, lengths, seed=seed)
-        if sampler.options.joint_order == "latent_first":
-            latents = self._stack(
-                [
-                    sampler.latent_prior(pad_mask_from_lengths([lengths[i] for i in rows]), generator).cpu()
-                    for rows, generator in self._batches(num, batch_size, seed)
-                ]
-            )
-            return self.decode(latents, lengths, batch_size=batch_size, seed=seed, **options), latents
         texts, latents = [], []
         for rows, generator in self._batches(num, batch_size, seed):
-            pad_mask = pad_mask_from_lengths([lengths[i] for i in rows])
-            tokens, z = sampler.joint(pad_mask, generator)
-            texts += self.run.decode(tokens, pad_mask)
-            latents.append(z.cpu())
+            batch_texts, z = self.run.joint_batch(sampler, [lengths[i] for i in rows], generator)
+            texts += batch_texts
+            latents.append(z)
         return texts, self._stack(latents)

@@ -33,6 +33,7 @@ from mmldlm.device import pick_device
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.model import MultimodalMMDiT
 from mmldlm.sampling.sampler import Sampler, SamplingOptions, pad_mask_from_lengths
+from mmldlm.sampling.text_metrics import words
 from mmldlm.training.checkpoint import find_latest
 from mmldlm.training.storage import CheckpointError
 
@@ -191,6 +192,18 @@ class TrainedRun:
         """Text lengths drawn from the validation split's (`length_counts`), for sources without text."""
         return (torch.multinomial(self.length_counts, num, replacement=True, generator=generator) + 1).tolist()
 
+    @torch.no_grad()
+    def joint_batch(self, sampler: Sampler, lengths: list[int], generator=None) -> tuple[list[str], torch.Tensor]:
+        """One batch of joint samples at the given lengths: texts and latents (B, K, D) in encoder space
+        (on the CPU). With joint_order "latent_first" the latents come first and are decoded as l2t."""
+        pad_mask = pad_mask_from_lengths(lengths)
+        if sampler.options.joint_order == "latent_first":
+            latents = sampler.latent_prior(pad_mask, generator)
+            tokens = sampler.l2t(latents, pad_mask, generator)
+        else:
+            tokens, latents = sampler.joint(pad_mask, generator)
+        return self.decode(tokens, pad_mask), latents.cpu()
+
     # --- the sentence encoder --------------------------------------------------------------------
 
     @functools.cached_property
@@ -211,15 +224,18 @@ class TrainedRun:
 
 
 @functools.lru_cache(maxsize=4)
-def dataset_words(dataset_dir: str, split: str) -> frozenset[str]:
-    """The lowercase letter runs of every text of a split ("all": both) of a prepared dataset, decoded
-    (once per process: evaluation during training asks at every evaluation)."""
-    from mmldlm.sampling.evaluate import words  # evaluate.py imports this module
-
+def dataset_texts(dataset_dir: str, split: str) -> tuple[str, ...]:
+    """Every text of a split ("all": both) of a prepared dataset, decoded (once per process: evaluation
+    during training asks at every evaluation)."""
     data = AllSplits(dataset_dir) if split == "all" else PreparedDataset(dataset_dir, split)
     tokenizer = load_tokenizer(Path(dataset_dir) / data.meta["tokenizer"])
-    texts = tokenizer.decode_batch([data[i][1].tolist() for i in range(len(data))])
-    return frozenset(words(" ".join(texts)))
+    return tuple(tokenizer.decode_batch([data[i][1].tolist() for i in range(len(data))]))
+
+
+@functools.lru_cache(maxsize=4)
+def dataset_words(dataset_dir: str, split: str) -> frozenset[str]:
+    """The lowercase letter runs of every text of a split ("all": both) of a prepared dataset."""
+    return frozenset(words(" ".join(dataset_texts(dataset_dir, split))))
 
 
 class AllSplits(torch.utils.data.ConcatDataset):

@@ -134,7 +134,8 @@ class SamplingOptions:
         cls, text: TextDiffusionConfig, latent: LatentDiffusionConfig, steps: int | None = None, **options
     ) -> SamplingOptions:
         """A run's sampler defaults: each diffusion's num_sampling_steps (both `steps` when given),
-        text_diffusion.sampling_temperature and latent_diffusion.sampler; `options` that are not None
+        text_diffusion.sampling_temperature and .sampling_repetition_penalty, latent_diffusion.sampler;
+        `options` that are not None
         set the rest."""
         given = {key: value for key, value in options.items() if value is not None}
         return cls(
@@ -143,6 +144,7 @@ class SamplingOptions:
                 "latent_steps": latent.num_sampling_steps if steps is None else steps,
                 "latent_sampler": latent.sampler,
                 "temperature": text.sampling_temperature,
+                "repetition_penalty": text.sampling_repetition_penalty,
                 **given,
             }
         )
@@ -160,6 +162,13 @@ def pad_mask_from_lengths(lengths, max_len: int | None = None) -> torch.Tensor:
     lengths = torch.as_tensor(lengths, dtype=torch.long)
     L = int(max_len if max_len is not None else lengths.max())
     return torch.arange(L)[None, :] < lengths[:, None]
+
+
+def length_masks(lengths: list[list[int]]) -> torch.Tensor:
+    """Pad masks of candidate lengths: (B, L) for one length per text, (B, C, L) for C per text."""
+    masks = pad_mask_from_lengths([n for row in lengths for n in row])  # (B * C, L)
+    num = len(lengths[0])
+    return masks if num == 1 else masks.view(len(lengths), num, -1)
 
 
 class Sampler:
