@@ -1,51 +1,96 @@
-"""The writing figures on hand-made texts whose answers are known, and the n-gram reference's rules."""
-
-import math
+"""The text metrics of evaluation on hand-made texts whose answers are worked out by hand, and the n-gram
+reference: the same numbers as nltk's own Kneser-Ney, a distribution, and judging real text better than
+shuffled words."""
 
 import pytest
+from nltk.lm import KneserNeyInterpolated, Vocabulary
+from nltk.lm.preprocessing import padded_everygram_pipeline
 
-from mmldlm.sampling import text_metrics as tm
+from mmldlm.sampling.kneser_ney import fit_kneser_ney
+from mmldlm.sampling.text_metrics import (
+    NgramReference,
+    bleu,
+    copy_rate,
+    distinct,
+    exact_match,
+    repetition,
+    shuffled_words,
+    word_f1,
+    words,
+)
 
-
-def test_an_exact_copy_scores_full_bleu_f1_and_copy_rate():
-    sources = ["a small dog that barks at strangers", "an instrument for measuring temperature"]
-    assert tm.corpus_bleu(sources, sources) == pytest.approx(100.0)
-    assert tm.word_f1(tm.words(sources[0]), tm.words(sources[0])) == 1.0
-    assert tm.copy_rate(sources, {tm.normalized(s) for s in sources}) == 1.0
-    assert tm.copy_rate(["a small  dog that barks at strangers "], {tm.normalized(sources[0])}) == 1.0
-    assert tm.copy_rate(["a small dog"], {tm.normalized(s) for s in sources}) == 0.0
-    # Word salad of the source's words keeps F1 1 but loses BLEU: the reason both are reported.
-    salad = ["strangers at barks that dog small a", "temperature measuring for instrument an"]
-    assert tm.word_f1(tm.words(salad[0]), tm.words(sources[0])) == 1.0
-    assert tm.corpus_bleu(salad, sources) < 10
-
-
-def test_repetition_is_rep_n_by_hand():
-    # "the bark of the bark": bigrams the-bark, bark-of, of-the, the-bark -> 3 distinct of 4.
-    assert tm.repetition(["the bark of the bark"], 2) == pytest.approx(0.25)
-    assert tm.repetition(["the bark of the bark"], 1) == pytest.approx(1 - 3 / 5)
-    assert tm.repetition(["a small dog"], 2) == 0.0
-    # Texts without a bigram do not count; the mean is over the others.
-    assert tm.repetition(["dog", "bark bark bark"], 2) == pytest.approx(0.5)
-    assert tm.distinct(["a dog", "a dog", "a cat"], 2) == pytest.approx(2 / 3)
-    assert tm.distinct(["a dog", "a cat"], 1) == pytest.approx(3 / 4)
+TRAINING = [
+    "the dog ran across the field",
+    "a small dog sat on the mat",
+    "the cat sat on the mat",
+    "a dog and a cat ran across the road",
+    "the field was wet after the rain",
+    "a small cat ran after the dog",
+]
 
 
-TRAIN = ["a small dog that barks", "a small cat that sleeps", "the dog barks at a cat", "a dog runs"]
+def test_repetition_is_the_share_of_repeated_word_ngrams_of_each_text():
+    # "the dog the dog the dog": bigrams the-dog, dog-the, the-dog, dog-the, the-dog: 2 distinct of 5.
+    assert repetition(["the dog the dog the dog"], 2) == pytest.approx(1 - 2 / 5)
+    assert repetition(["the dog the dog the dog"], 1) == pytest.approx(1 - 2 / 6)
+    # Averaged over texts; a text with no bigram ("dog") has no share of repeated bigrams and is left out.
+    assert repetition(["a a a", "a b c", "dog"], 2) == pytest.approx((0.5 + 0.0) / 2)
+    assert repetition(["dog", ""], 2) is None
+    assert repetition(TRAINING[:2], 2) == 0.0
 
 
-def test_the_ngram_model_is_a_distribution_over_every_word_and_the_unknown_one():
-    lm = tm.NgramLM(TRAIN)
-    for context in [(tm.BOS, tm.BOS), ("a", "small"), ("never", "seen"), ("dog", "barks")]:
-        total = sum(lm.trigram(*context, w) for w in lm.vocabulary()) + lm.trigram(*context, "unicorn")
-        assert total == pytest.approx(1.0)
-    assert math.isfinite(lm.perplexity(["a purple unicorn"]))
+def test_distinct_counts_ngrams_across_all_samples():
+    assert distinct(["a b", "a b c"], 1) == pytest.approx(3 / 5)  # a b a b c
+    assert distinct(["a b", "a b c"], 2) == pytest.approx(2 / 3)  # a-b a-b b-c
+    assert distinct(["same text here"] * 4, 2) == pytest.approx(2 / 8)
+    assert distinct(["one"], 2) is None
 
 
-def test_real_text_is_more_fluent_than_its_words_shuffled_and_than_unseen_text():
-    lm = tm.NgramLM(TRAIN)
-    assert lm.perplexity(["a small dog that barks"]) < lm.perplexity(["barks that dog small a"])
-    # A sentence planted only in validation is scored as unseen text: fitted on the training texts alone.
-    planted = "the cat sleeps at a dog"
-    assert lm.perplexity([planted]) > lm.perplexity(["the dog barks at a cat"])
-    assert tm.NgramLM([*TRAIN, planted]).perplexity([planted]) < lm.perplexity([planted])
+def test_an_exact_copy_has_bleu_100_and_copy_rate_1():
+    assert bleu(TRAINING, TRAINING) == pytest.approx(100.0)
+    assert bleu(TRAINING[1:] + TRAINING[:1], TRAINING) < 20
+    assert exact_match(TRAINING, TRAINING) == 1.0 and exact_match(TRAINING[::-1], TRAINING) == 0.0
+    assert copy_rate(TRAINING[:3], TRAINING) == 1.0
+    assert copy_rate(["a  small dog sat on the mat ", "a dog no one wrote"], TRAINING) == 0.5  # whitespace aside
+
+
+def test_words_and_word_f1():
+    assert words("The café's 12 dogs!") == ["the", "caf", "s", "dogs"]
+    assert word_f1(["a", "dog"], ["a", "dog"]) == 1.0 and word_f1([], ["a"]) == 0.0
+    assert word_f1(["a", "dog", "ran"], ["a", "cat"]) == pytest.approx(2 * (1 / 3) * (1 / 2) / (1 / 3 + 1 / 2))
+
+
+def test_shuffled_words_keep_the_words_and_lose_the_order():
+    texts = ["one two three four five six seven", "a b"]
+    shuffled = shuffled_words(texts, seed=0)
+    assert [sorted(words(s)) for s in shuffled] == [sorted(words(t)) for t in texts]
+    assert shuffled[0] != texts[0] and shuffled == shuffled_words(texts, seed=0)
+
+
+def test_the_indexed_kneser_ney_gives_nltks_numbers_and_a_distribution():
+    sentences = [words(t) for t in TRAINING]
+    ours = fit_kneser_ney(sentences, order=3, unk_cutoff=1, discount=0.75)
+    grams, padded_words = padded_everygram_pipeline(3, sentences)
+    stock = KneserNeyInterpolated(3, discount=0.75, vocabulary=Vocabulary(padded_words))
+    stock.fit(grams)
+    vocabulary = sorted(ours.vocab)
+    assert {"</s>", "<s>", "<UNK>"} <= set(vocabulary)
+    for context in [(), ("the",), ("<s>", "<s>"), ("the", "dog"), ("on", "the"), ("zebra", "the")]:
+        scores = [ours.score(word, context) for word in vocabulary]
+        assert scores == [stock.score(word, context) for word in vocabulary]
+        if context != ("<s>", "<s>"):  # (nltk's counts of its own padding make that one sum to 1.09)
+            assert sum(scores) == pytest.approx(1.0)
+
+
+def test_shuffled_words_and_unseen_words_score_worse_than_real_text():
+    reference = NgramReference.fit(TRAINING)
+    assert reference.order == 3 and reference.num_texts == len(TRAINING)
+    real = reference.perplexity(["the dog sat on the mat", "a small cat ran across the field"])
+    shuffled = reference.perplexity(["mat the on sat dog the", "field across small the ran cat a"])
+    assert 1 < real < shuffled
+    # Outside the vocabulary (seen fewer than 2 times) a word costs one rare word's share of <UNK>, finite;
+    # and a text of invented words is not cheap although <UNK> after <UNK> is likely.
+    invented = reference.perplexity(["the dog sat on the zorblax"])
+    assert real < invented < float("inf")
+    assert reference.perplexity(["zorb lax quib frob nix", "blorf wug"]) > shuffled
+    assert reference.perplexity([]) is None

@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import random
 import time
 
 import numpy as np
@@ -144,7 +143,7 @@ def l2t_reconstruction(
     use_encoder: bool = True,
     num_examples: int = 5,
     predicted_length: bool = False,
-    fluency: tm.NgramLM | None = None,
+    fluency: tm.NgramReference | None = None,
 ) -> dict:
     """Text from the first N validation latents vs. the source texts (module docstring, 2), at each
     source's own length, or with `predicted_length` at the length head's (its `length_candidates` most
@@ -187,8 +186,8 @@ def writing_figures(run: TrainedRun, generated: list[str], sources: list[str], f
     out = {
         "exact_match": sum(g == s for g, s in zip(generated, sources)) / len(generated),
         "word_f1": float(np.mean([word_f1(w, words(s)) for w, s in zip(decoded_words, sources)])),
-        "bleu": tm.corpus_bleu(generated, sources),
-        "repetition": tm.repetition(generated, 2),
+        "bleu": tm.bleu(generated, sources),
+        "repetition": tm.repetition(generated, 2) or 0.0,  # None: no text has a bigram, so none repeats
         "real_word_rate": sum(w in known for ws in decoded_words for w in ws)
         / max(1, sum(len(ws) for ws in decoded_words)),
     }
@@ -203,7 +202,7 @@ def joint_generation(
     num_samples: int,
     batch_size: int,
     seed: int = 0,
-    fluency: tm.NgramLM | None = None,
+    fluency: tm.NgramReference | None = None,
     num_examples: int = 5,
 ) -> dict:
     """Joint samples at lengths drawn from the validation split: consistency (cosine of each text's
@@ -223,33 +222,27 @@ def joint_generation(
     out = {
         "num_samples": num_samples,
         "consistency": consistency.mean().item(),
-        "repetition": tm.repetition(texts, 2),
-        "distinct_1": tm.distinct(texts, 1),
-        "distinct_2": tm.distinct(texts, 2),
+        "repetition": tm.repetition(texts, 2) or 0.0,
+        "distinct_1": tm.distinct(texts, 1) or 0.0,
+        "distinct_2": tm.distinct(texts, 2) or 0.0,
         "samples_per_s": num_samples / seconds,
         "examples": [{"generated": t, "consistency": round(c, 4)} for t, c in zip(texts, consistency.tolist())][
             :num_examples
         ],
     }
     if run.dataset_dir is not None:
-        out["copy_rate"] = tm.copy_rate(texts, training_set(str(run.dataset_dir)))
+        out["copy_rate"] = tm.copy_rate(texts, dataset_texts(str(run.dataset_dir), "train"))
     if fluency is not None:
         out["ngram_perplexity"] = fluency.perplexity(texts)
     return out
 
 
 @functools.lru_cache(maxsize=2)
-def training_set(dataset_dir: str) -> frozenset[str]:
-    """The training texts, whitespace-normalised (copy rate)."""
-    return frozenset(tm.normalized(text) for text in dataset_texts(dataset_dir, "train"))
+def _ngram_lm(dataset_dir: str, split: str) -> tm.NgramReference:
+    return tm.NgramReference.fit(list(dataset_texts(dataset_dir, split)))
 
 
-@functools.lru_cache(maxsize=2)
-def _ngram_lm(dataset_dir: str, split: str) -> tm.NgramLM:
-    return tm.NgramLM(list(dataset_texts(dataset_dir, split)))
-
-
-def fluency_reference(run: TrainedRun) -> tm.NgramLM | None:
+def fluency_reference(run: TrainedRun) -> tm.NgramReference | None:
     """The n-gram model fitted on the training texts alone: the run's training split, or, for an exported
     model evaluated on the validation split of a prepared dataset, that dataset's training split; None
     when no training text is at hand (the evaluated texts themselves are never fitted)."""
@@ -307,7 +300,7 @@ def length_prediction(run: TrainedRun, num_samples: int) -> dict | None:
     }
 
 
-def references(run: TrainedRun, num_samples: int, pool_size: int, fluency: tm.NgramLM | None = None) -> dict:
+def references(run: TrainedRun, num_samples: int, pool_size: int, fluency: tm.NgramReference | None = None) -> dict:
     """What trivial predictors and real text score on the same samples (module docstring, 5)."""
     ids, targets = _first_val(run, num_samples)
     targets = targets.flatten(1)  # (N, K*D), encoder space
@@ -317,17 +310,15 @@ def references(run: TrainedRun, num_samples: int, pool_size: int, fluency: tm.Ng
         constant = mean.float().repeat(run.model.cfg.num_latents)[None, :]  # (1, K*D)
         out["mean_latent_cosine"] = F.cosine_similarity(constant, targets, dim=-1).mean().item()
     texts = run.decode(*run.batch_of(ids))
-    out["real_repetition"] = tm.repetition(texts, 2)
+    out["real_repetition"] = tm.repetition(texts, 2) or 0.0
     if len(targets) > 1:
         others = texts[1:] + texts[:1]
         out["other_sentence_cosine"] = F.cosine_similarity(targets.roll(-1, dims=0), targets, dim=-1).mean().item()
         out["other_sentence_word_f1"] = float(np.mean([word_f1(words(a), words(b)) for a, b in zip(others, texts)]))
-        out["other_sentence_bleu"] = tm.corpus_bleu(others, texts)
+        out["other_sentence_bleu"] = tm.bleu(others, texts)
     if fluency is not None:
-        shuffle = random.Random(0)
-        shuffled = [" ".join(shuffle.sample(ws, len(ws))) for ws in map(words, texts)]
         out["real_ngram_perplexity"] = fluency.perplexity(texts)
-        out["shuffled_ngram_perplexity"] = fluency.perplexity(shuffled)
+        out["shuffled_ngram_perplexity"] = fluency.perplexity(tm.shuffled_words(texts))
     return out
 
 
@@ -347,7 +338,7 @@ def nearest_training_text(run: TrainedRun, num_samples: int) -> dict | None:
     sources = run.decode(*run.batch_of(ids))
     return {
         "word_f1": float(np.mean([word_f1(words(a), words(b)) for a, b in zip(nearest, sources)])),
-        "bleu": tm.corpus_bleu(nearest, sources),
+        "bleu": tm.bleu(nearest, sources),
         "exact_match": sum(a == b for a, b in zip(nearest, sources)) / len(sources),
         "cosine_mean": best.values.mean().item(),
     }

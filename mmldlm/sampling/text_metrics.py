@@ -1,37 +1,47 @@
-"""Figures of generated text that a keyword salad cannot game, each with a definition a reader can check.
+"""Figures of generated writing, each read beside the same figure of real text (docs/quality.md, "How
+writing is measured"). Every function takes plain strings, so any texts can be scored:
 
-- `word_f1`: F1 of the word multisets of a text and its source (order-free).
-- `corpus_bleu`: sacrebleu's corpus BLEU (Papineni et al. 2002; its default 13a tokenizer), 0-100.
-- `repetition`: rep-n of Welleck et al. 2019 ("Neural text generation with unlikelihood training"),
-  per text: 1 - distinct word n-grams / word n-grams; averaged over the texts that have an n-gram.
-  A text that says the same bigram twice scores above 0; real text has some (rep-1 counts "the").
-- `distinct`: distinct-n of Li et al. 2016 across a set of texts: distinct word n-grams / word n-grams.
-- `copy_rate`: the share of texts found verbatim (after whitespace normalisation) among known texts.
-- `NgramLM`: an independent fluency reference, a word trigram model with interpolated Kneser-Ney
-  smoothing (Chen & Goodman 1998, "An empirical study of smoothing techniques", eq. 26 with one
-  discount), fitted on training texts only. Its lowest order is interpolated with a uniform
-  distribution over the vocabulary plus one unknown word, so a word never seen in training gets a
-  small, finite probability (it raises the perplexity rather than making it infinite).
-  nltk's KneserNeyInterpolated is the same estimator but scans every n-gram of the model for each
-  query (minutes for 128 short texts) and gives unseen words probability zero, so it is not used here.
+    from mmldlm.sampling.text_metrics import NgramReference, bleu, distinct, repetition
+    reference = NgramReference.fit(training_texts)          # word 3-gram Kneser-Ney, training text only
+    reference.perplexity(generated), reference.perplexity(real_texts)
+    repetition(generated, 2), distinct(generated, 2), bleu(generated, sources)
 
-Words are the lowercase letter runs of a text (`words`).
+Words are the lowercase letter runs of a text (`words`): digits and punctuation are not words.
+- exact_match: the share of texts equal to their source (as strings).
+- word_f1: F1 of the two texts' word multisets.
+- bleu: corpus BLEU (Papineni et al. 2002) of sacrebleu with its defaults (13a tokenisation, case kept,
+  no smoothing), 0-100, one reference per text.
+- repetition(texts, n): seq-rep-n of Welleck et al. 2019 ("Neural text generation with unlikelihood
+  training"): 1 - |distinct n-grams| / |n-grams| of one text's words, the share of its word n-grams that
+  repeat an earlier one, averaged over the texts that have an n-gram. n = 1: the share of repeated words.
+- distinct(texts, n): distinct-n of Li et al. 2016: |distinct n-grams| / |n-grams| over all texts
+  together, how varied a set of samples is.
+- copy_rate: the share of texts that equal some training text (whole texts, whitespace collapsed).
+- NgramReference: perplexity under a word n-gram language model fitted on training texts only
+  (interpolated Kneser-Ney of nltk; see its docstring for OOV words).
 """
 
 from __future__ import annotations
 
 import math
+import random
 import re
 from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import sacrebleu
-
-BOS, EOS = "<s>", "</s>"
 
 
 def words(text: str) -> list[str]:
     """The lowercase letter runs of `text`, in order."""
     return re.findall(r"[a-z]+", text.lower())
+
+
+def exact_match(generated: list[str], sources: list[str]) -> float:
+    """The share of generated texts equal to their source."""
+    return sum(g == s for g, s in zip(generated, sources, strict=True)) / max(1, len(sources))
 
 
 def word_f1(generated: list[str], source: list[str]) -> float:
@@ -43,95 +53,81 @@ def word_f1(generated: list[str], source: list[str]) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def corpus_bleu(generated: list[str], sources: list[str]) -> float:
-    """Corpus BLEU (0-100) of the generated texts against one source each."""
-    return sacrebleu.corpus_bleu(generated, [sources]).score
+def bleu(generated: list[str], references: list[str]) -> float:
+    """Corpus BLEU (0-100) of `generated` against one reference text each (module docstring)."""
+    return float(sacrebleu.corpus_bleu(generated, [references]).score)
 
 
-def _ngrams(tokens: list[str], n: int) -> list[tuple[str, ...]]:
+def word_ngrams(text: str, n: int) -> list[tuple[str, ...]]:
+    """The word n-grams of `text`, in order."""
+    tokens = words(text)
     return [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
 
 
-def repetition(texts: list[str], n: int = 2) -> float:
-    """Mean rep-n over the texts with at least one word n-gram (0 when none has)."""
-    scores = []
+def repetition(texts: Iterable[str], n: int) -> float | None:
+    """seq-rep-n (module docstring) averaged over the texts with at least one word n-gram; None when
+    no text has one."""
+    shares = [1.0 - len(set(grams)) / len(grams) for grams in (word_ngrams(t, n) for t in texts) if grams]
+    return sum(shares) / len(shares) if shares else None
+
+
+def distinct(texts: Iterable[str], n: int) -> float | None:
+    """distinct-n over all `texts` together (module docstring); None without any word n-gram."""
+    grams = [gram for text in texts for gram in word_ngrams(text, n)]
+    return len(set(grams)) / len(grams) if grams else None
+
+
+def copy_rate(texts: list[str], training_texts: Iterable[str]) -> float:
+    """The share of `texts` found verbatim (whitespace collapsed) among `training_texts`."""
+    seen = {" ".join(t.split()) for t in training_texts}
+    return sum(" ".join(t.split()) in seen for t in texts) / max(1, len(texts))
+
+
+def shuffled_words(texts: list[str], seed: int = 0) -> list[str]:
+    """Each text's words in a random order (the same order for the same seed): real words, no syntax."""
+    rng = random.Random(seed)
+    out = []
     for text in texts:
-        grams = _ngrams(words(text), n)
-        if grams:
-            scores.append(1.0 - len(set(grams)) / len(grams))
-    return sum(scores) / len(scores) if scores else 0.0
+        tokens = words(text)
+        rng.shuffle(tokens)
+        out.append(" ".join(tokens))
+    return out
 
 
-def distinct(texts: list[str], n: int = 2) -> float:
-    """distinct-n across the texts (0 when they hold no n-gram)."""
-    grams = [gram for text in texts for gram in _ngrams(words(text), n)]
-    return len(set(grams)) / len(grams) if grams else 0.0
+@dataclass
+class NgramReference:
+    """A word n-gram language model of real text, the judge of fluency that shares nothing with the model
+    evaluated: interpolated Kneser-Ney (Kneser & Ney 1995; nltk.lm, discount 0.75) of order 3 by default.
 
+    OOV words: a word seen fewer than `unk_cutoff` (2) times in the fitted texts is nltk's <UNK> when
+    fitting, so <UNK> holds the probability of all rare words together. When scoring, a word outside the
+    vocabulary (rare or never seen) gets one rare type's share of it, p(<UNK> | context) / the number of
+    word types <UNK> stands for: an invented word costs what one rare word costs, finite but high. (Scoring
+    <UNK> itself would make a text of invented words cheap: <UNK> after <UNK> is likely.) Perplexity is
+    2 ** (mean -log2 p) over every word of every text and each text's end, token-weighted over the texts."""
 
-def normalized(text: str) -> str:
-    return " ".join(text.split())
+    model: Any  # nltk InterpolatedLanguageModel (mmldlm/sampling/kneser_ney.py)
+    num_texts: int  # texts it was fitted on
+    num_unknown_types: int  # word types of those texts that <UNK> stands for
 
+    @classmethod
+    def fit(cls, texts: list[str], order: int = 3, unk_cutoff: int = 2, discount: float = 0.75) -> NgramReference:
+        """The reference fitted on `texts` (training texts only: text it scores later must not be among them)."""
+        # here: kneser_ney.py imports nltk, which takes a second; only the fluency figure needs it
+        from mmldlm.sampling.kneser_ney import fit_kneser_ney, num_unknown_types
 
-def copy_rate(texts: list[str], known: set[str] | frozenset[str]) -> float:
-    """The share of texts that are, whitespace-normalised, in `known` (normalised the same way)."""
-    return sum(normalized(text) in known for text in texts) / len(texts) if texts else 0.0
+        model = fit_kneser_ney([words(t) for t in texts], order, unk_cutoff, discount)
+        return cls(model, len(texts), num_unknown_types(model))
 
+    @property
+    def order(self) -> int:
+        return self.model.order
 
-class NgramLM:
-    """Interpolated Kneser-Ney trigram model over words (module docstring). `perplexity(texts)` is
-    exp of the mean negative log-probability per word, the end of each text counted as a word."""
+    def perplexity(self, texts: list[str]) -> float | None:
+        """Perplexity of `texts` (class docstring); None for no texts."""
+        from mmldlm.sampling.kneser_ney import log2_probabilities  # here: see `fit`
 
-    def __init__(self, texts: list[str], discount: float = 0.75):
-        self.discount = discount
-        trigrams, bigrams = Counter(), Counter()
-        for text in texts:
-            padded = [BOS, BOS, *words(text), EOS]
-            trigrams.update(_ngrams(padded, 3))
-            bigrams.update(_ngrams(padded[1:], 2))
-        # Order 3 reads raw counts; orders 2 and 1 read continuation counts (distinct left contexts).
-        self.tri, self.tri_context = trigrams, Counter()
-        self.tri_types = Counter()  # (u, v) -> distinct w after it
-        for (u, v, _), count in trigrams.items():
-            self.tri_context[(u, v)] += count
-            self.tri_types[(u, v)] += 1
-        self.bi_cont = Counter((v, w) for (_, v, w) in trigrams)  # N1+(. v w)
-        self.bi_cont_context, self.bi_types = Counter(), Counter()  # N1+(. v .), distinct w after v
-        for (v, _), count in self.bi_cont.items():
-            self.bi_cont_context[v] += count
-            self.bi_types[v] += 1
-        self.uni_cont = Counter(w for (_, w) in bigrams)  # N1+(. w)
-        self.uni_total = sum(self.uni_cont.values())
-        self.vocab_size = len(self.uni_cont) + 1  # the words that can follow something, and one unknown
-
-    def unigram(self, w: str) -> float:
-        d = self.discount
-        seen = max(self.uni_cont[w] - d, 0.0) / self.uni_total
-        return seen + d * len(self.uni_cont) / self.uni_total / self.vocab_size
-
-    def bigram(self, v: str, w: str) -> float:
-        total = self.bi_cont_context[v]
-        if not total:
-            return self.unigram(w)
-        d = self.discount
-        return max(self.bi_cont[(v, w)] - d, 0.0) / total + d * self.bi_types[v] / total * self.unigram(w)
-
-    def trigram(self, u: str, v: str, w: str) -> float:
-        """P(w | u v)."""
-        total = self.tri_context[(u, v)]
-        if not total:
-            return self.bigram(v, w)
-        d = self.discount
-        return max(self.tri[(u, v, w)] - d, 0.0) / total + d * self.tri_types[(u, v)] / total * self.bigram(v, w)
-
-    def perplexity(self, texts: list[str]) -> float:
-        nll, count = 0.0, 0
-        for text in texts:
-            padded = [BOS, BOS, *words(text), EOS]
-            for u, v, w in _ngrams(padded, 3):
-                nll -= math.log(self.trigram(u, v, w))
-                count += 1
-        return math.exp(nll / count) if count else float("nan")
-
-    def vocabulary(self) -> list[str]:
-        """Every word the model can predict with a seen count (and the end of a text)."""
-        return list(self.uni_cont)
+        scores = [s for text in texts for s in log2_probabilities(self.model, words(text), self.num_unknown_types)]
+        if not scores:
+            return None
+        return 2.0 ** (-sum(scores) / len(scores)) if all(math.isfinite(s) for s in scores) else math.inf
