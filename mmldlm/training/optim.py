@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from mmldlm.config import OptimConfig
-from mmldlm.quiet import quiet_imports
+from mmldlm.library_noise import quiet_library_noise
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,9 @@ STATE_BYTES = {"fp32": 8.0, "int8": 2 * (1 + 4 / 256), "int4": 2 * (0.5 + 4 / 12
 
 def low_bit_adamw(groups: list[dict], state_dtype: str, kwargs: dict) -> torch.optim.Optimizer:
     """torchao's AdamW with block-quantized moments (fp32 weights, decoupled weight decay)."""
-    with quiet_imports():
-        from torchao.optim import AdamW4bit, AdamW8bit  # here: only optim.state_dtype int8/int4 needs it
+    quiet_library_noise()
+    from torchao.optim import AdamW4bit, AdamW8bit  # here: only optim.state_dtype int8/int4 needs it
+
     optimizer_class = {"int8": AdamW8bit, "int4": AdamW4bit}[state_dtype]
     log.info("optimizer: %s (torchao; moments %s, weights fp32)", optimizer_class.__name__, state_dtype)
     return optimizer_class(groups, **kwargs)
