@@ -131,6 +131,10 @@ class TextDiffusionConfig:
     sampling_temperature: float = 1.0  # default temperature of the text sampler (logits / T)
     # Default repetition penalty of the text sampler: logits of tokens already in the text lowered by it.
     sampling_repetition_penalty: float = 0.0
+    # Default decoding with the sentence encoder in the loop (mmldlm/sampling/decoding.py): candidates per
+    # text, and correction rounds. Evaluation during training always decodes without them.
+    sampling_best_of: int = 1
+    sampling_correction_rounds: int = 0
 
     def check(self, prefix: str = "text_diffusion") -> None:
         if not 0.0 < self.eps < 0.5:
@@ -139,6 +143,10 @@ class TextDiffusionConfig:
             _fail(f"{prefix}.num_sampling_steps", self.num_sampling_steps, "an integer >= 1")
         if not self.sampling_temperature > 0:
             _fail(f"{prefix}.sampling_temperature", self.sampling_temperature, "a number > 0")
+        if self.sampling_best_of < 1:
+            _fail(f"{prefix}.sampling_best_of", self.sampling_best_of, "an integer >= 1 (1 = one text, no re-ranking)")
+        if self.sampling_correction_rounds < 0:
+            _fail(f"{prefix}.sampling_correction_rounds", self.sampling_correction_rounds, "an integer >= 0 (0 = off)")
         if not self.sampling_repetition_penalty >= 0:
             _fail(f"{prefix}.sampling_repetition_penalty", self.sampling_repetition_penalty, "a number >= 0 (0 = off)")
 

@@ -79,13 +79,15 @@ def add_sampler_arguments(group) -> None:
         "--best-of",
         type=int,
         help="text: sample N texts per latent and keep the one whose re-encoding by the sentence encoder "
-        "is closest (l2t: to the latent; joint: to its own latent)",
+        "is closest (l2t: to the latent; joint: to its own latent); default: the run's "
+        "text_diffusion.sampling_best_of",
     )
     group.add_argument(
         "--correction-rounds",
         type=int,
         help="text: rounds of re-sampling variants of the kept text, each kept only where its "
-        "re-encoding is closer (uses the sentence encoder)",
+        "re-encoding is closer (uses the sentence encoder); default: the run's "
+        "text_diffusion.sampling_correction_rounds",
     )
     group.add_argument("--correction-proposals", type=int, help="variants per correction round (default 4)")
     group.add_argument(

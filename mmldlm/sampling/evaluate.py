@@ -359,7 +359,9 @@ def evaluate(
     """ELBO per mode, l2t reconstruction, t2l retrieval, length prediction and the references of `run`
     with the budget of `cfg`; the samplers once per guidance scale (default: options.guidance_scale);
     with cfg.writing also the writing figures (`writing`)."""
-    options = options or SamplingOptions.defaults(run.cfg.text_diffusion, run.cfg.latent_diffusion, cfg.num_steps)
+    if options is None:  # evaluation during training: what the model writes alone, without the encoder's help
+        options = SamplingOptions.defaults(run.cfg.text_diffusion, run.cfg.latent_diffusion, cfg.num_steps)
+        options = dataclasses.replace(options, best_of=1, correction_rounds=0)
     scales = list(guidance_scales) if guidance_scales else [options.guidance_scale]
     was_training = run.model.training
     run.model.eval()

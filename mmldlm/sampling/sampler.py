@@ -134,7 +134,8 @@ class SamplingOptions:
         cls, text: TextDiffusionConfig, latent: LatentDiffusionConfig, steps: int | None = None, **options
     ) -> SamplingOptions:
         """A run's sampler defaults: each diffusion's num_sampling_steps (both `steps` when given),
-        text_diffusion.sampling_temperature and .sampling_repetition_penalty, latent_diffusion.sampler;
+        text_diffusion's sampling_temperature, _repetition_penalty, _best_of and _correction_rounds,
+        latent_diffusion.sampler;
         `options` that are not None
         set the rest."""
         given = {key: value for key, value in options.items() if value is not None}
@@ -145,6 +146,8 @@ class SamplingOptions:
                 "latent_sampler": latent.sampler,
                 "temperature": text.sampling_temperature,
                 "repetition_penalty": text.sampling_repetition_penalty,
+                "best_of": text.sampling_best_of,
+                "correction_rounds": text.sampling_correction_rounds,
                 **given,
             }
         )
