@@ -26,11 +26,13 @@ test: lint
 # The main job: prepare the bundled corpus (first time only, cached), train configs/default.yaml
 # with a progress bar; checkpoints and metrics go to runs/default/. Running it again continues.
 # A run stopped by a signal exits 128 + its number, so the evaluation below does not run on it.
-# Then evaluate the last checkpoint: l2t reconstructions next to their sources and the figures
-# (one thread: on a 2-core machine shared with other jobs, two torch threads ran 6-8x slower).
+# Then a quick evaluation of the last checkpoint (about a minute): what the model writes alone (one
+# text per latent, no encoder in the loop) next to the sources, and the figures; the whole report with
+# the default decoder is `mmldlm eval --run runs/default` (about 7 minutes).
+# One thread: on a 2-core machine shared with other jobs, two torch threads ran 6-8x slower.
 train: install
 	$(PY) -m mmldlm.cli train --config configs/default.yaml --resume auto
-	$(PY) -m mmldlm.cli eval --run runs/default --num-samples 128 --threads 1
+	$(PY) -m mmldlm.cli eval --run runs/default --num-samples 128 --threads 1 --best-of 1 --no-writing
 
 clean:
 	rm -rf $(VENV) .pytest_cache
