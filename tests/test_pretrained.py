@@ -15,6 +15,7 @@ from data_support import prepared, trained_run
 from mmldlm import MMLDLM, cli
 from mmldlm.data.errors import DataError
 from mmldlm.device import describe_device
+from mmldlm.errors import OptionError
 from mmldlm.sampling.card import model_card
 from mmldlm.sampling.pretrained import CONFIG, TOKENIZER, WEIGHTS
 from mmldlm.sampling.sampler import length_masks
@@ -349,3 +350,11 @@ def test_latent_first_generation_decodes_its_own_latents(exported):
     assert [len(ids) > 0 for ids in model.run.tokenize(texts)] == [True] * 3
     again, same = model.generate(3, lengths=[4, 6, 5], seed=2, joint_order="latent_first", **FAST)
     assert again == texts and torch.equal(same, latents)
+
+
+def test_decoding_with_the_encoder_is_refused_in_one_line_for_imported_latents(exported):
+    model = MMLDLM.from_pretrained(exported, device="cpu")
+    model.run.encoder_normalize = None  # as for a run trained on imported latents: no known encoder
+    with pytest.raises(OptionError, match=r"best_of.*got \(2, 0, 1\).*latents were imported"):
+        model.run.sampler(model.options(best_of=2))
+    assert model.run.sampler(model.options(best_of=1)).reencode is None

@@ -31,6 +31,7 @@ from mmldlm.data.errors import DataError
 from mmldlm.data.tokenizer import encode_texts, load_tokenizer
 from mmldlm.device import pick_device
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
+from mmldlm.errors import OptionError
 from mmldlm.model import MultimodalMMDiT
 from mmldlm.sampling.sampler import Sampler, SamplingOptions, pad_mask_from_lengths
 from mmldlm.sampling.text_metrics import words
@@ -90,7 +91,15 @@ class TrainedRun:
 
     def sampler(self, options: SamplingOptions) -> Sampler:
         """A sampler of this model; it re-encodes texts with the run's sentence encoder where its options
-        ask for it (best-of-N, correction rounds)."""
+        ask for it (best-of-N, correction rounds, length candidates). OptionError where they do and the
+        latents were imported (no known encoder to re-encode with)."""
+        if options.uses_encoder and self.encoder_normalize is None:
+            raise OptionError(
+                "sampling options best_of, correction_rounds, length_candidates",
+                (options.best_of, options.correction_rounds, options.length_candidates),
+                "1, 0, 1 for this model: its latents were imported, so no sentence encoder is known to "
+                "re-encode candidates with (--best-of 1, or text_diffusion.sampling_best_of: 1)",
+            )
         reencode = (
             (lambda tokens, pad_mask: self.encode_latents(self.decode(tokens, pad_mask)))
             if options.uses_encoder
