@@ -182,12 +182,10 @@ class TrainedRun:
             return dataset_words(str(self.dataset_dir), "train")
         return dataset_words(str(self.val.path), self.val.split)
 
-    @torch.no_grad()
     def predict_lengths(self, latents: torch.Tensor) -> list[int]:
-        """The length head's most likely text length for each latent (N, K, D) in encoder space, at
-        most the length training cut texts to."""
-        logits = self.model.length_logits(self.latent.standardize(latents.to(self.device, torch.float32)))
-        return (logits.argmax(dim=1) + 1).clamp(max=self.max_length).tolist()
+        """The length head's most likely text length for each latent (N, K, D) in encoder space, among
+        1..the length training cut texts to."""
+        return [lengths[0] for lengths in self.candidate_lengths(latents, 1)]
 
     @torch.no_grad()
     def candidate_lengths(self, latents: torch.Tensor, num: int) -> list[list[int]]:
