@@ -30,9 +30,9 @@ COLUMNS = (
 )
 
 
-def options_of(run, spec: str) -> SamplingOptions:
-    """The run's sampler defaults with the `field=value` pairs of `spec` ("default": none)."""
-    given = {} if spec == "default" else dict(pair.split("=", 1) for pair in spec.split())
+def options_of(run, row: str) -> SamplingOptions:
+    """The run's sampler defaults with the `field=value` pairs of one table row ("default": none)."""
+    given = {} if row == "default" else dict(pair.split("=", 1) for pair in row.split())
     options = SamplingOptions.defaults(run.cfg.text_diffusion, run.cfg.latent_diffusion)
     options = dataclasses.replace(options, **{key: yaml.safe_load(value) for key, value in given.items()})
     options.check()
@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("specs", nargs="+", help='"default" or "field=value field=value ..."')
+    parser.add_argument("rows", nargs="+", help='one per table row: "default" or "field=value field=value ..."')
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     run = load_trained(args.run)
@@ -56,8 +56,8 @@ def main() -> None:
     print(f"{args.run} step {run.step}, {args.num_samples} validation latents at their source lengths\n")
     print("| options | " + " | ".join(head) + " |")
     print("|---|" + "---|" * len(head))
-    for spec in args.specs:
-        options = options_of(run, spec)
+    for row in args.rows:
+        options = options_of(run, row)
         start = time.perf_counter()
         result = l2t_reconstruction(run, options, args.num_samples, args.batch_size, args.seed)
         seconds = time.perf_counter() - start
@@ -67,7 +67,7 @@ def main() -> None:
             f"{result.get('encoded_per_sample', 0):.0f}",
             f"{seconds / result['num_samples']:.3f}",
         ]
-        print(f"| {spec} | " + " | ".join(cells) + " |", flush=True)
+        print(f"| {row} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -343,7 +343,7 @@ def test_decode_with_the_encoder_in_the_loop_picks_among_the_length_heads_candid
     assert len(texts) == 3 and cosine(texts).mean() >= cosine(plain).mean()
 
 
-def test_latent_first_generation_decodes_its_own_latents(exported):
+def test_latent_first_generation_gives_finite_latents_and_repeats_for_a_seed(exported):
     model = MMLDLM.from_pretrained(exported, device="cpu")
     texts, latents = model.generate(3, lengths=[4, 6, 5], seed=2, joint_order="latent_first", **FAST)
     assert len(texts) == 3 and latents.shape == (3, 1, 384) and torch.isfinite(latents).all()

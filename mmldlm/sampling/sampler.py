@@ -135,9 +135,7 @@ class SamplingOptions:
     ) -> SamplingOptions:
         """A run's sampler defaults: each diffusion's num_sampling_steps (both `steps` when given),
         text_diffusion's sampling_temperature, _repetition_penalty, _best_of and _correction_rounds,
-        latent_diffusion.sampler;
-        `options` that are not None
-        set the rest."""
+        and latent_diffusion.sampler; `options` that are not None set the rest."""
         given = {key: value for key, value in options.items() if value is not None}
         return cls(
             **{
