@@ -1,10 +1,12 @@
-"""Quality of l2t decoding against its cost, one row per set of sampler options, on the same validation
-latents of one trained run: word F1, exact match, re-encoded cosine (and BLEU and repetition where the
-evaluation reports them), model calls, encoder calls and seconds per sample. Each row names its options
-as SamplingOptions fields; `default` is the run's own sampler.
+"""Quality of decoding against its cost, one row per set of sampler options, on one trained run. l2t (the
+same validation latents for every row): word F1, exact match, BLEU, repetition, re-encoded cosine, model
+calls, encoder calls and seconds per sample. `--mode joint` (the same lengths, drawn from the validation
+split): consistency of each text with its own latent, repetition, distinct-2, seconds per sample. Each row
+names its options as SamplingOptions fields; `default` is the run's own sampler.
 
     python scripts/decoding_table.py --run runs/default --num-samples 128 \\
         default "best_of=4" "best_of=4 correction_rounds=4" "remask_rounds=2 repetition_penalty=1"
+    python scripts/decoding_table.py --run runs/default --mode joint default "num_steps=8 best_of=8"
 
 Timings are one measurement each on whatever else the machine runs: compare rows of one table only.
 """
@@ -19,15 +21,25 @@ import torch
 import yaml
 
 from mmldlm.sampling import SamplingOptions, load_trained
-from mmldlm.sampling.evaluate import l2t_reconstruction
+from mmldlm.sampling.evaluate import joint_generation, l2t_reconstruction
 
-COLUMNS = (
-    ("word F1", "word_f1", "{:.3f}"),
-    ("exact", "exact_match", "{:.1%}"),
-    ("BLEU", "bleu", "{:.1f}"),
-    ("repetition", "repetition", "{:.3f}"),
-    ("cosine", "cosine_mean", "{:.3f}"),
-)
+COLUMNS = {
+    "l2t": (
+        ("word F1", "word_f1", "{:.3f}"),
+        ("exact", "exact_match", "{:.1%}"),
+        ("BLEU", "bleu", "{:.1f}"),
+        ("repetition", "repetition", "{:.3f}"),
+        ("cosine", "cosine_mean", "{:.3f}"),
+        ("model calls / batch", "model_calls_per_batch", "{:.0f}"),
+        ("encoded / sample", "encoded_per_sample", "{:.0f}"),
+    ),
+    "joint": (
+        ("consistency", "consistency", "{:.3f}"),
+        ("repetition", "repetition", "{:.3f}"),
+        ("distinct-2", "distinct_2", "{:.3f}"),
+    ),
+}
+DECODE = {"l2t": l2t_reconstruction, "joint": joint_generation}
 
 
 def options_of(run, row: str) -> SamplingOptions:
@@ -46,27 +58,26 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--mode", choices=sorted(DECODE), default="l2t")
     parser.add_argument("rows", nargs="+", help='one per table row: "default" or "field=value field=value ..."')
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     run = load_trained(args.run)
     run.model.eval()
     run.encode_latents(["warm the encoder up"])
-    head = [name for name, *_ in COLUMNS] + ["model calls / batch", "encoded / sample", "s / sample"]
-    print(f"{args.run} step {run.step}, {args.num_samples} validation latents at their source lengths\n")
+    columns = COLUMNS[args.mode]
+    head = [name for name, *_ in columns] + ["s / sample"]
+    what = "validation latents at their source lengths" if args.mode == "l2t" else "joint samples"
+    print(f"{args.run} step {run.step}, {args.num_samples} {what}\n")
     print("| options | " + " | ".join(head) + " |")
     print("|---|" + "---|" * len(head))
     for row in args.rows:
         options = options_of(run, row)
         start = time.perf_counter()
-        result = l2t_reconstruction(run, options, args.num_samples, args.batch_size, args.seed)
+        result = DECODE[args.mode](run, options, args.num_samples, args.batch_size, args.seed)
         seconds = time.perf_counter() - start
-        cells = [fmt.format(result[key]) if key in result else "-" for _, key, fmt in COLUMNS]
-        cells += [
-            f"{result['model_calls_per_batch']:.0f}",
-            f"{result.get('encoded_per_sample', 0):.0f}",
-            f"{seconds / result['num_samples']:.3f}",
-        ]
+        cells = [fmt.format(result[key]) if key in result else "-" for _, key, fmt in columns]
+        cells.append(f"{seconds / result['num_samples']:.3f}")
         print(f"| {row} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -145,7 +145,7 @@ def step_inputs(B=32, L=64, seed=3):
     return logits, x_t, g
 
 
-@pytest.mark.parametrize("strategy", ["ancestral", "confidence"])
+@pytest.mark.parametrize("strategy", ["ancestral", "confidence", "margin", "left_to_right"])
 def test_step_to_zero_unmasks_everything_and_keeps_unmasked(strategy):
     diffusion = masked_diffusion()
     logits, x_t, g = step_inputs()
@@ -155,7 +155,7 @@ def test_step_to_zero_unmasks_everything_and_keeps_unmasked(strategy):
     assert (x_s[~was_masked] == x_t[~was_masked]).all()
 
 
-@pytest.mark.parametrize("strategy", ["ancestral", "confidence"])
+@pytest.mark.parametrize("strategy", ["ancestral", "confidence", "margin", "left_to_right"])
 def test_step_unmasks_the_expected_share(strategy):
     diffusion = masked_diffusion()
     logits, x_t, g = step_inputs(B=64, L=128)
@@ -177,6 +177,21 @@ def test_confidence_step_unmasks_the_most_confident():
     # 4 masked, half should be unmasked from t = 1 to s = 0.5: positions 1 and 3 are the most confident
     x_s = diffusion.step(logits, x_t, 1.0, 0.5, strategy="confidence", generator=torch.Generator().manual_seed(0))
     assert x_s.tolist() == [[MASK, 1, MASK, 0, 1]]
+
+
+def test_margin_step_waits_where_two_words_are_near_equal_and_left_to_right_takes_the_leftmost():
+    diffusion = masked_diffusion()
+    x_t = torch.tensor([[MASK, MASK, MASK, MASK, 1]])
+    logits = torch.full((1, 5, V), NEG)
+    # (best, runner-up) logits per position: position 1 is the most probable draw but its runner-up is
+    # as likely; positions 0 and 3 have the widest gaps between their two best words.
+    for pos, (best, second) in enumerate([(4.0, 0.0), (9.0, 9.0), (1.0, 0.5), (3.0, -1.0)]):
+        logits[0, pos, 0], logits[0, pos, 2] = best, second
+    generator = torch.Generator().manual_seed(0)
+    x_s = diffusion.step(logits, x_t, 1.0, 0.5, strategy="margin", generator=generator)
+    assert x_s.tolist() == [[0, MASK, MASK, 0, 1]]
+    x_s = diffusion.step(logits, x_t, 1.0, 0.5, strategy="left_to_right", generator=generator)
+    assert (x_s[0, 2:4] == MASK).all() and (x_s[0, :2] != MASK).all()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from mmldlm import MMLDLM, cli
 from mmldlm.data.errors import DataError
 from mmldlm.device import describe_device
 from mmldlm.errors import OptionError
-from mmldlm.sampling.card import model_card
+from mmldlm.sampling.card import model_card, writing_rows
 from mmldlm.sampling.pretrained import CONFIG, TOKENIZER, WEIGHTS
 from mmldlm.sampling.sampler import length_masks
 
@@ -111,6 +111,22 @@ def test_the_card_of_a_model_of_the_bundled_corpus_carries_the_wordnet_licence(r
     card = model_card(model.run, run_dir)
     assert "license: other\nlicense_name: wordnet-3.0" in card and "WordNet 3.0 Copyright 2006" in card
     assert "from the corpus bundled with mmldlm" in card
+
+
+def test_the_card_reports_writing_beside_its_references_and_leaves_out_what_was_not_measured():
+    report = {
+        "l2t": {"bleu": 4.56, "repetition": 0.031},
+        "nearest_training_text": {"bleu": 10.57},
+        "joint": {"consistency": 0.556, "ngram_perplexity": 158.7},
+        "references": {"other_sentence_bleu": 0.51, "real_repetition": 0.0, "real_ngram_perplexity": 306.3},
+    }
+    rows = {name: (value, reference) for name, value, reference in writing_rows(report, report["references"])}
+    assert rows["l2t BLEU"] == ("4.6", "another sentence 0.5; the training text with the nearest latent 10.6")
+    assert rows["l2t repetition (rep-2)"] == ("0.031", "real text 0.000")
+    assert rows["joint: text-latent consistency"] == ("0.556", "real pairs 1.000")
+    assert rows["joint: word 3-gram perplexity"] == ("159", "real text 306")
+    # A report taken with --no-writing has none of them, and the card says nothing it did not measure.
+    assert writing_rows({"l2t": {"word_f1": 0.3}}, {}) == []
 
 
 def test_export_refuses_a_non_empty_folder_without_force(run_dir, exported, tmp_path, capsys):

@@ -55,9 +55,15 @@ def add_sampler_arguments(group) -> None:
     )
     group.add_argument(
         "--strategy",
-        choices=["ancestral", "confidence"],
+        choices=[
+            "confidence",
+            "margin",
+            "left_to_right",
+            "ancestral",
+        ],  # SamplingOptions.strategy (no torch import here)
         default="confidence",
-        help="text: the most confident positions first, or MDLM ancestral unmasking",
+        help="text: the most confident positions first, the widest gap between the two best words first, "
+        "the leftmost first, or MDLM ancestral unmasking",
     )
     group.add_argument(
         "--repetition-penalty",

@@ -159,7 +159,7 @@ class MaskedDiffusion:
         t,
         s,
         generator: torch.Generator | None = None,
-        strategy: Literal["ancestral", "confidence"] = "ancestral",
+        strategy: Literal["ancestral", "confidence", "margin", "left_to_right"] = "ancestral",
     ) -> torch.Tensor:
         """One reverse step from time t to time s < t: returns z_s (B, L).
 
@@ -171,6 +171,10 @@ class MaskedDiffusion:
         - "confidence": a token is drawn from x_theta at every masked position, and the k most
           confident draws (highest log-probability) are kept, k = round(n_masked (alpha_s - alpha_t)
           / (1 - alpha_t)) per sequence, i.e. the expected number of the ancestral step.
+        - "margin": as "confidence", ranked by the gap between the two most probable tokens of each
+          position (Kim et al. 2025, "Train for the worst, plan for the best", sec. 4): a position whose
+          best two words are near-equal waits until its neighbours decide between them.
+        - "left_to_right": as "confidence", the k leftmost masked positions (semi-autoregressive order).
         Draws use float64 Gumbel-max.
         """
         B, L, V = logits.shape
@@ -191,17 +195,26 @@ class MaskedDiffusion:
             new = torch.full_like(row_of, self.mask_token_id)
             chosen = where[reveal]
             new[reveal] = _gumbel_argmax(self.log_x0(logits[chosen[:, 0], chosen[:, 1]]), generator)
-        elif strategy == "confidence":
+        elif strategy in ("confidence", "margin", "left_to_right"):
             log_x0 = self.log_x0(logits[masked])  # (N, V)
             draw = _gumbel_argmax(log_x0, generator)  # (N,)
             confidence = torch.full((B, L), float("-inf"), dtype=torch.float64, device=x_t.device)
-            confidence[masked] = log_x0.gather(-1, draw[:, None])[:, 0]
+            if strategy == "confidence":
+                confidence[masked] = log_x0.gather(-1, draw[:, None])[:, 0].double()
+            elif strategy == "margin":
+                top2 = log_x0.topk(2, dim=-1).values.exp()  # (N, 2) the two highest probabilities
+                confidence[masked] = (top2[:, 0] - top2[:, 1]).double()
+            else:
+                confidence[masked] = -where[:, 1].double()  # leftmost first
             num_unmask = torch.round(masked.sum(dim=1) * (1.0 - stay_prob))  # (B,)
             rank = confidence.argsort(dim=1, descending=True).argsort(dim=1)  # (B, L) 0 = most confident
             keep = rank < num_unmask[:, None]
             new = torch.where(keep[masked], draw, self.mask_token_id)
         else:
-            raise ValueError(f"MaskedDiffusion.step: strategy {strategy!r}; expected 'ancestral' or 'confidence'")
+            raise ValueError(
+                f"MaskedDiffusion.step: strategy {strategy!r}; expected 'ancestral', 'confidence', 'margin' "
+                "or 'left_to_right'"
+            )
 
         out = x_t.clone()
         out[masked] = new.to(x_t.dtype)

@@ -96,6 +96,33 @@ def _data_section(run: TrainedRun) -> tuple[list[str], dict]:
     return lines, {}
 
 
+def writing_rows(report: dict, ref: dict) -> list[tuple[str, str, str]]:
+    """The writing figures of a report from `mmldlm eval` (absent from one taken with --no-writing)."""
+    l2t, nearest = report["l2t"], report.get("nearest_training_text", {})
+    rows = []
+    if "bleu" in l2t:
+        references = [f"another sentence {ref['other_sentence_bleu']:.1f}" if "other_sentence_bleu" in ref else ""]
+        if "bleu" in nearest:
+            references.append(f"the training text with the nearest latent {nearest['bleu']:.1f}")
+        rows.append(("l2t BLEU", f"{l2t['bleu']:.1f}", "; ".join(r for r in references if r)))
+    if "repetition" in l2t:
+        real = f"real text {ref['real_repetition']:.3f}" if "real_repetition" in ref else ""
+        rows.append(("l2t repetition (rep-2)", f"{l2t['repetition']:.3f}", real))
+    joint = report.get("joint", {})
+    if "consistency" in joint:
+        rows.append(("joint: text-latent consistency", f"{joint['consistency']:.3f}", "real pairs 1.000"))
+    if "ngram_perplexity" in joint:
+        real = ref.get("real_ngram_perplexity")
+        rows.append(
+            (
+                "joint: word 3-gram perplexity",
+                f"{joint['ngram_perplexity']:.0f}",
+                f"real text {real:.0f}" if real is not None else "",
+            )
+        )
+    return rows
+
+
 def _eval_section(run_dir: Path, run: TrainedRun) -> list[str]:
     path = run_dir / "eval" / f"{run.checkpoint.name}.json"
     report = _read_json(path)
@@ -130,6 +157,7 @@ def _eval_section(run_dir: Path, run: TrainedRun) -> list[str]:
         ),
         ("l2t real-word rate / exact match", f"{l2t['real_word_rate']:.1%} / {l2t['exact_match']:.1%}", ""),
     ]
+    rows += writing_rows(report, ref)
     if "text_nats_per_token" in elbo.get("l2t", {}):
         rows.append(("l2t text NELBO (nats/token)", f"{elbo['l2t']['text_nats_per_token']:.3f}", "upper bound"))
     if "length" in report:

@@ -50,6 +50,9 @@ from mmldlm.errors import OptionError
 from mmldlm.sampling import decoding
 from mmldlm.sampling.decoding import Draft
 
+# How masked text positions are revealed (MaskedDiffusion.step).
+STRATEGIES = ("ancestral", "confidence", "margin", "left_to_right")
+
 
 @dataclass
 class SamplingOptions:
@@ -60,7 +63,7 @@ class SamplingOptions:
     temperature: float = 1.0  # text logits are divided by it; 1 samples the model's distribution
     # How masked text positions are revealed: "confidence" (the most confident draws first) decodes
     # far better words than MDLM's ancestral sampler from small models (docs/quality.md).
-    strategy: Literal["ancestral", "confidence"] = "confidence"
+    strategy: Literal["ancestral", "confidence", "margin", "left_to_right"] = "confidence"
     guidance_scale: float = 0.0  # classifier-free guidance w (module docstring); 0 = off
     latent_sampler: Literal["ddim", "ddpm"] = "ddim"
     reuse_output: bool = True  # l2t: skip the model call when the last step unmasked nothing
@@ -102,8 +105,8 @@ class SamplingOptions:
             fail("latent_steps", "an integer >= 1 (or None: num_steps)")
         if not self.temperature > 0:
             fail("temperature", "a number > 0")
-        if self.strategy not in ("ancestral", "confidence"):
-            fail("strategy", "'ancestral' or 'confidence'")
+        if self.strategy not in STRATEGIES:
+            fail("strategy", " or ".join(repr(name) for name in STRATEGIES))
         if self.latent_sampler not in ("ddim", "ddpm"):
             fail("latent_sampler", "'ddim' or 'ddpm'")
         if not math.isfinite(self.guidance_scale):
