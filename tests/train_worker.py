@@ -6,11 +6,14 @@ injection through MMLDLM_TEST_FAULT:
     killrank:RANK:STEP       RANK alone SIGKILLs itself after the forward of STEP (mid-step)
     killsave:STEP            the rank writing the checkpoint of STEP SIGKILLs itself once its first file
                              is written (the step's directory is left incomplete)
+    killpointer:STEP         the rank writing the checkpoint of STEP SIGKILLs itself after the step's
+                             directory is complete and renamed, before `latest` names it
 A fault fires in a worker group's first start only: under torchrun's restarts
 (TORCHELASTIC_RESTART_COUNT > 0) the restarted workers run clean, as after a real crash.
 With MMLDLM_TEST_DUMP_SHARDS=DIR every rank writes DIR/rank-R.pt after training: its device-mesh
 coordinate and the local shard of every parameter.
-Usage: python tests/train_worker.py [mmldlm train arguments]."""
+Usage: python tests/train_worker.py [mmldlm train arguments]. The workers of scripts/launch.sh get
+the same faults through tests/launcher_faults/sitecustomize.py."""
 
 import os
 import signal
@@ -44,6 +47,16 @@ def _install_fault(spec: str) -> None:
                 _kill_self()
 
         checkpoint_module.save_file = killing_save_file
+        return
+    if kind == "killpointer":
+        real_point_latest = checkpoint_module.CheckpointManager._point_latest
+
+        def killing_point_latest(self, name):
+            if name == checkpoint_module.step_dir_name(int(args[0])):
+                _kill_self()
+            real_point_latest(self, name)
+
+        checkpoint_module.CheckpointManager._point_latest = killing_point_latest
         return
     real_call = objective_module.Objective.__call__
 
@@ -83,9 +96,14 @@ def _dump_shards_after_fit(out: Path) -> None:
     trainer_module.Trainer.fit = fit_then_dump
 
 
-if __name__ == "__main__":
+def install_from_environment() -> None:
+    """The fault of MMLDLM_TEST_FAULT (first start only) and the shard dump of MMLDLM_TEST_DUMP_SHARDS."""
     if os.environ.get("MMLDLM_TEST_FAULT") and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
         _install_fault(os.environ["MMLDLM_TEST_FAULT"])
     if os.environ.get("MMLDLM_TEST_DUMP_SHARDS"):
         _dump_shards_after_fit(Path(os.environ["MMLDLM_TEST_DUMP_SHARDS"]))
+
+
+if __name__ == "__main__":
+    install_from_environment()
     sys.exit(cli.main(["train", *sys.argv[1:]]))

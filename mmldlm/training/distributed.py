@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from mmldlm.config import DistributedConfig
 from mmldlm.device import pick_device
@@ -84,10 +84,7 @@ def init_distributed(cfg: DistributedConfig, device_kind: str = "auto") -> DistI
         dist.init_process_group(
             backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=device if backend == "nccl" else None
         )
-    mesh = None
-    if cfg.strategy == "hsdp":
-        shape = (world_size // shard_group_size, shard_group_size)
-        mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+    mesh = hsdp_mesh(world_size, shard_group_size, device.type, timeout_s) if cfg.strategy == "hsdp" else None
     return DistInfo(
         rank=rank,
         world_size=world_size,
@@ -96,6 +93,20 @@ def init_distributed(cfg: DistributedConfig, device_kind: str = "auto") -> DistI
         device=device,
         timeout_s=timeout_s,
         mesh=mesh,
+    )
+
+
+def hsdp_mesh(world_size: int, shard_group_size: int, device_type: str, timeout_s: float) -> DeviceMesh:
+    """The (replicate, shard) mesh of HSDP: rank r in shard group r // shard_group_size. Its groups are
+    made here with the job's timeout and handed to DeviceMesh.from_group: init_device_mesh would make
+    them with torch's default timeout (30 minutes), so a hung rank would hold its peers that long
+    whatever distributed.timeout_minutes says."""
+    layout = torch.arange(world_size).view(world_size // shard_group_size, shard_group_size)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    shard_group, _ = dist.new_subgroups_by_enumeration(layout.tolist(), timeout=timeout)
+    replicate_group, _ = dist.new_subgroups_by_enumeration(layout.T.tolist(), timeout=timeout)
+    return DeviceMesh.from_group(
+        [replicate_group, shard_group], device_type, mesh=layout, mesh_dim_names=("replicate", "shard")
     )
 
 
