@@ -4,7 +4,7 @@ writes a checkpoint, or hangs until the collective timeout; each time the launch
 groups with --resume auto, the run continues from the newest checkpoint that verifies, and it ends
 with every optimizer step trained once and logged once, the losses of an uninterrupted run.
 
-The faults come from tests/train_worker.py, put into the launcher's workers by
+The faults come from tests/fault_injection.py, put into the launcher's workers by
 tests/launcher_faults/sitecustomize.py; they fire in the first start only."""
 
 import json
