@@ -465,7 +465,12 @@ class DistributedConfig:
     """Process group and model wrapping (see mmldlm/training/distributed.py, parallelize.py)."""
 
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on CUDA, gloo on CPU
-    strategy: Literal["ddp", "fsdp2"] = "ddp"
+    # ddp: every rank holds the whole model; fsdp2: weights, gradients and optimizer state sharded over
+    # all ranks; hsdp: sharded within groups of shard_group_size ranks, replicated across the groups.
+    strategy: Literal["ddp", "fsdp2", "hsdp"] = "ddp"
+    # hsdp: ranks per shard group (a divisor of the world size); null: the processes of one node
+    # (torchrun's LOCAL_WORLD_SIZE), so the weight all-gathers stay on the node's fast links.
+    shard_group_size: int | None = None
     # A collective that waits longer than this fails the job with a message instead of hanging.
     timeout_minutes: float = 30.0
     # DDP static graph; auto: on unless find_unused_parameters (the idle-head anchor keeps the set of
@@ -478,6 +483,31 @@ class DistributedConfig:
     def check(self, prefix: str = "distributed") -> None:
         if self.timeout_minutes <= 0:
             _fail(f"{prefix}.timeout_minutes", self.timeout_minutes, "a number of minutes > 0")
+        if self.shard_group_size is not None and self.shard_group_size < 1:
+            allowed = "null (the processes of one node) or an integer >= 1"
+            _fail(f"{prefix}.shard_group_size", self.shard_group_size, allowed)
+
+    @property
+    def shards_model(self) -> bool:
+        """Whether the strategy shards weights, gradients and optimizer state (fsdp2 and hsdp)."""
+        return self.strategy in ("fsdp2", "hsdp")
+
+    def num_shards(self, world_size: int, local_world_size: int, prefix: str = "distributed") -> int:
+        """Over how many ranks each parameter is sharded in a job of `world_size` processes,
+        `local_world_size` per node: 1 under ddp, all of them under fsdp2, one shard group under hsdp."""
+        if not self.shards_model or world_size == 1:
+            return 1
+        if self.strategy == "fsdp2":
+            return world_size
+        size = self.shard_group_size if self.shard_group_size is not None else local_world_size
+        where = "" if self.shard_group_size is not None else " (null: LOCAL_WORLD_SIZE, the processes per node)"
+        if world_size % size:
+            _fail(
+                f"{prefix}.shard_group_size",
+                size,
+                f"a divisor of the world size {world_size}{where}, so that the ranks form whole shard groups",
+            )
+        return size
 
 
 @dataclass

@@ -8,7 +8,7 @@ import yaml
 
 from mmldlm import cli
 from mmldlm.config import load_config
-from mmldlm.tools.check import RULES, Environment, audit, detect_environment, fix_config
+from mmldlm.tools.check import RULES, Environment, audit, detect_environment, estimate, fix_config
 
 # A machine described by hand, so findings do not depend on where the tests run: 2 processes on a
 # node with 8 CPUs, 24 GiB per process, plenty of disk, fused AdamW available.
@@ -121,6 +121,21 @@ def test_out_of_memory_fix_keeps_the_global_batch_and_respects_the_world_size(tm
     micro = fixed.train.micro_batch_size
     assert 1 < micro < 4096 and 8192 % (micro * ENV.world_size) == 0
     assert not any(f.rule == "memory" for f in audit(fixed, ENV)[0])
+
+
+def test_the_memory_estimate_divides_the_training_state_by_the_ranks_that_shard_it(tmp_path):
+    """2 nodes x 2 processes: fp32 weights, gradients and AdamW moments (16 bytes per parameter) whole
+    under DDP, over 4 ranks under FSDP2, over one node's 2 ranks under HSDP (its default group)."""
+    two_nodes = Environment(**{**ENV.__dict__, "nnodes": 2})
+    static = {}
+    for strategy in ("ddp", "fsdp2", "hsdp"):
+        cfg, findings = findings_of(tmp_path, [f"distributed.strategy={strategy}"], two_nodes)
+        static[strategy] = estimate(cfg, two_nodes).static_gib
+        assert serious(findings) == []
+    num_params = estimate(cfg, two_nodes).num_params
+    state_gib = 16 * num_params / 2**30
+    assert static["ddp"] - static["hsdp"] == pytest.approx(state_gib / 2)
+    assert static["ddp"] - static["fsdp2"] == pytest.approx(state_gib * 3 / 4)
 
 
 def test_auto_micro_batch_needs_only_micro_batch_one_to_fit(tmp_path):

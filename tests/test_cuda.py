@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from test_perf import RandomLoader, model_inputs, objective_for, tiny_model
 
 from mmldlm.config import PerfConfig, load_config
-from mmldlm.training.distributed import DistInfo
+from mmldlm.training.distributed import DistInfo, hsdp_mesh
 from mmldlm.training.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp
 from mmldlm.training.trainer import Trainer
 
@@ -130,16 +130,16 @@ def nccl_group():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2", "hsdp"])
 def test_one_process_nccl_wrap_matches_the_plain_model(nccl_group, wrap):
-    """DDP's NCCL all-reduce and FSDP2's sharding over one GPU give the plain model's loss and
-    gradients: the collectives run, and change nothing with one rank."""
+    """DDP's NCCL all-reduce, FSDP2's sharding and HSDP's (over a 1 x 1 mesh of NCCL groups) on one
+    GPU give the plain model's loss and gradients: the collectives run, and change nothing with one rank."""
     plain = tiny_model().to(CUDA)
     wrapped = copy.deepcopy(plain)
     if wrap == "ddp":
         wrapped = torch.nn.parallel.DistributedDataParallel(wrapped, device_ids=[0], find_unused_parameters=True)
     else:
-        apply_fsdp(wrapped)
+        apply_fsdp(wrapped, hsdp_mesh(1, 1, "cuda", timeout_s=60) if wrap == "hsdp" else None)
 
     def run(model):
         tokens, latents, t_text, t_latent, pad_mask = on_cuda(model_inputs())

@@ -1,8 +1,10 @@
-"""The loop end to end on CPU with gloo: DDP/FSDP2 vs one process, exact resume after kill -9,
-the non-finite guard, a stalled rank, accumulation, and the multi-node launcher."""
+"""The loop end to end on CPU with gloo: DDP/FSDP2 vs one process, HSDP on a 2 x 2 mesh vs DDP and
+FSDP2, exact resume after kill -9, the non-finite guard, a stalled rank, accumulation, and the
+multi-node launcher."""
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from mmldlm.config import ConfigValueError, DistributedConfig
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "train_worker.py"
@@ -72,11 +76,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env(fault: str | None = None) -> dict:
+def _env(fault: str | None = None, dump_shards: Path | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("MMLDLM_TEST_FAULT", None)
+    env.pop("MMLDLM_TEST_DUMP_SHARDS", None)
     if fault:
         env["MMLDLM_TEST_FAULT"] = fault
+    if dump_shards:
+        env["MMLDLM_TEST_DUMP_SHARDS"] = str(dump_shards)
     return env
 
 
@@ -87,6 +94,7 @@ def train(
     fault: str | None = None,
     resume: str | None = None,
     timeout: float = 180,
+    dump_shards: Path | None = None,
 ) -> subprocess.CompletedProcess:
     cmd = [*BASE, f"train.run_dir={run_dir}", *args] + (["--resume", resume] if resume else [])
     if nproc == 1:
@@ -103,7 +111,8 @@ def train(
             str(WORKER),
             *cmd,
         ]
-    return subprocess.run(full, env=_env(fault), capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    env = _env(fault, dump_shards)
+    return subprocess.run(full, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -224,6 +233,100 @@ def test_stalled_rank_fails_the_job_with_a_message(tmp_path):
     ckpt = tmp_path / "checkpoints"
     assert (ckpt / "latest").read_text().strip() == "step-0000002"
     assert json.loads((ckpt / "step-0000002" / "meta.json").read_text())["step"] == 2
+
+
+# HSDP on 4 processes: 2 shard groups (replicas) of 2 ranks each; every mode of the mix, the EMA.
+HSDP_ARGS = [
+    "train.steps=8",
+    "train.micro_batch_size=1",
+    "train.global_batch_size=4",
+    "objective.mode=random",
+    "train.ema_decay=0.9",
+    "checkpoint.every=4",
+]
+
+
+@pytest.fixture(scope="module")
+def hsdp_run(tmp_path_factory):
+    """An HSDP run (2 x 2) whose ranks wrote their local shards after training."""
+    root = tmp_path_factory.mktemp("hsdp")
+    (root / "shards").mkdir()
+    args = [*HSDP_ARGS, "distributed.strategy=hsdp", "distributed.shard_group_size=2"]
+    assert_ok(train(root / "run", args, nproc=4, dump_shards=root / "shards"))
+    return root
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_hsdp_trains_as_ddp_and_fsdp2_do(hsdp_run, tmp_path, strategy):
+    """The same losses step by step and the same weights: sharding changes only the order of float
+    sums (reduce-scatter within a group, all-reduce across groups), hence 1e-5, not equality."""
+    assert_ok(train(tmp_path, [*HSDP_ARGS, f"distributed.strategy={strategy}"], nproc=4))
+    hsdp, other = records(hsdp_run / "run"), records(tmp_path)
+    assert [r["mode"] for r in hsdp] == [r["mode"] for r in other] and len(hsdp) == 8
+    assert {"l2t", "t2l"} <= {r["mode"] for r in hsdp}  # each head idle at some step (None gradients)
+    for a, b in zip(hsdp, other):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4, abs=1e-6)
+    for weights in ("model", "ema"):
+        assert_params_close(final_params(hsdp_run / "run", weights), final_params(tmp_path, weights))
+
+
+def test_hsdp_shards_within_a_group_and_replicates_across_groups(hsdp_run):
+    """Rank r sits at mesh coordinate (r // 2, r % 2); the two ranks of a group hold different halves
+    of each parameter (dim 0), which together are the checkpoint's weight, and the two replicas hold
+    equal shards after 8 updates (the gradients were all-reduced across the groups)."""
+    dumps = [torch.load(hsdp_run / "shards" / f"rank-{r}.pt") for r in range(4)]
+    assert [tuple(d["coordinate"]) for d in dumps] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    full = final_params(hsdp_run / "run")
+    assert dumps[0]["params"].keys() <= full.keys()  # the checkpoint also holds the buffers
+    for name in dumps[0]["params"]:
+        weight = full[name]
+        for group in ((0, 1), (2, 3)):
+            shards = [dumps[r]["params"][name] for r in group]
+            if weight.shape[0] > 1:
+                assert shards[0].shape[0] < weight.shape[0], name  # a part, not the whole
+            assert torch.equal(torch.cat(shards), weight), name
+        for replicas in ((0, 2), (1, 3)):
+            assert torch.equal(dumps[replicas[0]]["params"][name], dumps[replicas[1]]["params"][name]), name
+
+
+def test_hsdp_kill_and_resume_repeats_the_straight_run_exactly(hsdp_run, tmp_path):
+    args = [*HSDP_ARGS, "distributed.strategy=hsdp", "distributed.shard_group_size=2"]
+    killed = train(tmp_path, args, nproc=4, fault="kill:6")  # every rank dies before step 7's forward
+    assert killed.returncode != 0
+    assert [r["step"] for r in records(tmp_path)] == list(range(1, 7))
+    resumed = train(tmp_path, args, nproc=4, resume="auto")
+    assert_ok(resumed)
+    assert "resumed from" in resumed.stderr and "step-0000004" in resumed.stderr
+    straight, again = records(hsdp_run / "run"), records(tmp_path)
+    assert [r["step"] for r in again] == list(range(1, 9))
+    assert [r["loss"] for r in again] == [r["loss"] for r in straight]
+    for weights in ("model", "ema"):
+        a, b = final_params(hsdp_run / "run", weights), final_params(tmp_path, weights)
+        assert all(torch.equal(a[k], b[k]) for k in a), weights
+
+
+@pytest.mark.parametrize(
+    "shard_group_size,local_world_size,expected",
+    [
+        (3, 2, "config key 'distributed.shard_group_size': got 3; expected a divisor of the world size 4,"),
+        (None, 3, "got 3; expected a divisor of the world size 4 (null: LOCAL_WORLD_SIZE, the processes per node)"),
+        (0, 2, "got 0; expected null (the processes of one node) or an integer >= 1"),
+    ],
+)
+def test_a_shard_group_size_that_does_not_divide_the_world_is_refused(shard_group_size, local_world_size, expected):
+    cfg = DistributedConfig(strategy="hsdp", shard_group_size=shard_group_size)
+    with pytest.raises(ConfigValueError, match=re.escape(expected)):
+        cfg.check()
+        cfg.num_shards(4, local_world_size)
+
+
+def test_each_strategy_shards_over_its_own_number_of_ranks():
+    assert DistributedConfig(strategy="ddp").num_shards(8, 4) == 1
+    assert DistributedConfig(strategy="fsdp2").num_shards(8, 4) == 8
+    assert DistributedConfig(strategy="hsdp").num_shards(8, 4) == 4  # null: one node's processes
+    assert DistributedConfig(strategy="hsdp", shard_group_size=2).num_shards(8, 4) == 2
+    assert DistributedConfig(strategy="hsdp").num_shards(1, 1) == 1
 
 
 def _descendants(pid: int) -> list[int]:

@@ -28,9 +28,9 @@ How it measures, and why:
 8. With `processes` > 1 every config runs as that many ranks of one process group on this machine
    (gloo over loopback on CPU, NCCL with one GPU per rank), which is how DDP and FSDP2 differ in
    memory: the peak is per process (the largest over the ranks), the training-state split is per
-   process (FSDP2 shards weights, gradients and AdamW state over the ranks; DDP holds them whole in
-   each), samples/s counts the global batch. The largest-micro-batch search runs in one process
-   and is skipped.
+   process (FSDP2 shards weights, gradients and AdamW state over the ranks, HSDP over a shard group
+   of them; DDP holds them whole in each), samples/s counts the global batch. The largest-micro-batch
+   search runs in one process and is skipped.
 """
 
 from __future__ import annotations
@@ -184,6 +184,7 @@ def _join_ranks(job: dict) -> None:
         RANK=str(job["rank"]),
         LOCAL_RANK=str(job["rank"]),
         WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(job["port"]),
     )
@@ -215,6 +216,7 @@ def _train_worker(conn, job: dict, run_dir: str) -> None:
                 "global_batch_size": cfg.train.global_batch_size,
                 "world_size": info.world_size,
                 "strategy": cfg.distributed.strategy,
+                "num_shards": cfg.distributed.num_shards(info.world_size, info.local_world_size),
                 "parameters": parameter_counts(trainer.raw_model)["total"],
             }
         )
@@ -411,11 +413,11 @@ def _summary(setup: dict, records: list[dict], memory: list[dict]) -> dict:
     peak_gib = max(per_rank_gib)
     # The training state in one process: fp32 weights (4 bytes per parameter), gradients (4; none
     # held all at once with optim.step_in_backward) and AdamW's two moments (8 in fp32, about 2 in
-    # int8, 1 in int4: optim.state_dtype), each divided over the ranks by FSDP2 and whole in every
-    # DDP rank. The rest of the peak is activations, low-precision weight copies, DDP's gradient
-    # buckets, FSDP2's gathered weights, and temporaries.
+    # int8, 1 in int4: optim.state_dtype), each divided over the ranks by FSDP2 (over a shard group by
+    # HSDP) and whole in every DDP rank. The rest of the peak is activations, low-precision weight
+    # copies, DDP's gradient buckets, FSDP2's gathered weights, and temporaries.
     world = setup.get("world_size", 1)
-    params = setup["parameters"] / (world if setup.get("strategy") == "fsdp2" else 1)
+    params = setup["parameters"] / setup.get("num_shards", 1)
     split = {
         "weights_gib": 4 * params / 2**30,
         "gradients_gib": 0.0 if setup.get("step_in_backward") else 4 * params / 2**30,

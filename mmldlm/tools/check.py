@@ -171,8 +171,9 @@ def estimate(cfg: RunConfig, env: Environment) -> Estimate:
 
     Static: fp32 weights 4P + gradients 4P (none all at once with optim.step_in_backward) + AdamW
     moments 8P (about 2P in int8, 1P in int4: optim.state_dtype), divided by the world size under
-    FSDP2, which shards all three; plus a 2P low-precision weight copy under bf16/fp16 autocast,
-    plus runtime overhead (CUDA context and allocator slack 0.75 GiB; 0.3 GiB of process on CPU).
+    FSDP2, which shards all three (by the shard group size under HSDP); plus a 2P low-precision weight
+    copy under bf16/fp16 autocast, plus runtime overhead (CUDA context and allocator slack 0.75 GiB;
+    0.3 GiB of process on CPU).
     Activations per sample: a GPT block stores about S * H * (34 + 5 * nh * S / H) bytes with 16-bit
     activations (Korthikanti et al. 2022, sec. 4.1), over S = L + K tokens here. An MMDiT block also
     keeps its adaLN-modulated inputs and the QK-norm and RoPE outputs: 50 instead of 34 matches the
@@ -189,7 +190,7 @@ def estimate(cfg: RunConfig, env: Environment) -> Estimate:
     seq_len = cfg.data.max_length or m.max_seq_len
     tokens = seq_len + m.num_latents
     low_precision = cfg.train.precision in ("bf16", "fp16") or (cfg.train.precision == "auto" and env.native_bf16)
-    shards = env.world_size if cfg.distributed.strategy == "fsdp2" else 1
+    shards = cfg.distributed.num_shards(env.world_size, env.nproc_per_node)
     # fp32 weights 4, gradients 4 (none all at once with the step in backward), AdamW moments by state_dtype
     moments = STATE_BYTES[cfg.optim.state_dtype]
     state = 4 + (0 if cfg.optim.step_in_backward else 4) + moments
@@ -758,7 +759,7 @@ def check_unused_parameters(cfg: RunConfig, env: Environment, est: Estimate) -> 
     idle_heads = sorted({idle[m] for m in modes if m in idle})
     if not idle_heads or env.world_size == 1:
         return []
-    name = "idle_heads_fsdp2" if cfg.distributed.strategy == "fsdp2" else "idle_heads_ddp"
+    name = "idle_heads_fsdp2" if cfg.distributed.shards_model else "idle_heads_ddp"
     return [finding(name, modes=", ".join(modes), heads=" and the ".join(idle_heads))]
 
 

@@ -5,6 +5,10 @@ group uses NCCL on CUDA and gloo on CPU, with a finite timeout (default 30 minut
 that let a dead rank freeze a job): a collective that waits longer raises on the waiting ranks,
 and `collective_guard` turns that into `RankTimeout`, whose message says which collective of which
 step timed out and what to look at.
+
+Under `distributed.strategy=hsdp` the ranks also form a 2-D device mesh (replicate, shard): rank r
+sits in shard group r // shard_group_size, and FSDP2 over that mesh shards each parameter within
+its group and all-reduces gradients across the groups (hybrid sharding).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from mmldlm.config import DistributedConfig
 from mmldlm.device import pick_device
@@ -36,8 +41,10 @@ class DistInfo:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    local_world_size: int = 1
     device: torch.device = torch.device("cpu")
     timeout_s: float = 1800.0
+    mesh: DeviceMesh | None = None  # hsdp: the (replicate, shard) mesh FSDP2 shards over
 
     @property
     def is_main(self) -> bool:
@@ -65,6 +72,8 @@ def init_distributed(cfg: DistributedConfig, device_kind: str = "auto") -> DistI
     if world_size == 1:
         return DistInfo(device=device, timeout_s=timeout_s)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    shard_group_size = cfg.num_shards(world_size, local_world_size)  # a bad size fails before any collective
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl":
         if device.type != "cuda":
@@ -75,7 +84,30 @@ def init_distributed(cfg: DistributedConfig, device_kind: str = "auto") -> DistI
         dist.init_process_group(
             backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=device if backend == "nccl" else None
         )
-    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, timeout_s=timeout_s)
+    mesh = hsdp_mesh(world_size, shard_group_size, device.type, timeout_s) if cfg.strategy == "hsdp" else None
+    return DistInfo(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        device=device,
+        timeout_s=timeout_s,
+        mesh=mesh,
+    )
+
+
+def hsdp_mesh(world_size: int, shard_group_size: int, device_type: str, timeout_s: float) -> DeviceMesh:
+    """The (replicate, shard) mesh of HSDP: rank r in shard group r // shard_group_size. Its groups are
+    made here with the job's timeout and handed to DeviceMesh.from_group: init_device_mesh would make
+    them with torch's default timeout (30 minutes), so a hung rank would hold its peers that long
+    whatever distributed.timeout_minutes says."""
+    layout = torch.arange(world_size).view(world_size // shard_group_size, shard_group_size)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    shard_group, _ = dist.new_subgroups_by_enumeration(layout.tolist(), timeout=timeout)
+    replicate_group, _ = dist.new_subgroups_by_enumeration(layout.T.tolist(), timeout=timeout)
+    return DeviceMesh.from_group(
+        [replicate_group, shard_group], device_type, mesh=layout, mesh_dim_names=("replicate", "shard")
+    )
 
 
 @contextlib.contextmanager

@@ -4,7 +4,7 @@ the small budget of the `eval` config section and returns a metrics record
     {"step": 200, "eval_elbo_l2t_text_nats_per_token": ..., "eval_l2t_exact_match": ..., ...}
 
 for the one metrics.jsonl writer. The other ranks wait at a barrier, so no rank runs ahead into a
-collective while rank 0 is busy. Under FSDP2 no rank holds the whole model, so every rank first
+collective while rank 0 is busy. Under FSDP2 and HSDP no rank holds the whole model, so every rank first
 takes part in gathering the full weights, and rank 0 evaluates a copy. Evaluation draws from its own
 generators and leaves the training RNG, data position and train/eval mode as they were.
 """
@@ -26,9 +26,9 @@ log = logging.getLogger(__name__)
 
 def _full_model(trainer):
     """The unsharded model that evaluation samples from, on rank 0 (None elsewhere): the EMA of the
-    weights when the run keeps one, else the raw model; a gathered copy where FSDP2 shards it."""
+    weights when the run keeps one, else the raw model; a gathered copy where FSDP2 or HSDP shards it."""
     source = trainer.ema.module if trainer.ema is not None else trainer.raw_model
-    if not (trainer.info.distributed and trainer.cfg.distributed.strategy == "fsdp2"):
+    if not (trainer.info.distributed and trainer.cfg.distributed.shards_model):
         return source if trainer.info.is_main else None
     with collective_guard(f"evaluation weight gather of step {trainer.step}", trainer.info):
         state = get_model_state_dict(source, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -1,7 +1,7 @@
 """The setup step that turns a plain `MultimodalMMDiT` into what the loop trains. The model file
 knows nothing of this. The order is fixed (as in torchtitan): activation checkpointing of blocks,
-then per-block `torch.compile`, then the data-parallel wrap (DDP or FSDP2), because each step must
-see the modules the previous one produced.
+then per-block `torch.compile`, then the data-parallel wrap (DDP, FSDP2, or FSDP2 over the 2-D
+(replicate, shard) mesh of HSDP), because each step must see the modules the previous one produced.
 
 Checkpointing and compile act on each block in place (its `forward` is replaced by a checkpointed
 call, `nn.Module.compile` compiles its call), so parameter names stay `blocks.i....` in every mode:
@@ -20,8 +20,9 @@ parameters' `.grad` to None before the optimizer step: AdamW skips them, exactly
 process where they simply got no gradient. Since every parameter now receives a gradient on every
 step whatever the mode, the set of used parameters never changes and DDP's static_graph is valid.
 
-FSDP2 needs no anchor: a parameter that took no part in the step keeps a None gradient after the
-reduce-scatter (every rank runs the same mode at a given step), so the idle head is skipped the same way.
+FSDP2 (and HSDP, FSDP2 over a 2-D mesh) needs no anchor: a parameter that took no part in the step
+keeps a None gradient after the reduce-scatter (every rank runs the same mode at a given step), so
+the idle head is skipped the same way.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -108,8 +110,8 @@ def parallelize(model: nn.Module, perf: PerfConfig, cfg: DistributedConfig, info
         apply_compile(model)
     if not info.distributed:
         return model
-    if cfg.strategy == "fsdp2":
-        return apply_fsdp(model)
+    if cfg.shards_model:
+        return apply_fsdp(model, info.mesh)
     return DistributedDataParallel(
         model,
         device_ids=[info.device.index] if info.device.type == "cuda" else None,
@@ -123,13 +125,16 @@ def parallelize(model: nn.Module, perf: PerfConfig, cfg: DistributedConfig, info
     )
 
 
-def apply_fsdp(model: nn.Module) -> nn.Module:
-    """Shard `model` with FSDP2 in place (also the EMA copy, so that it is sharded like the model)."""
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh | None = None) -> nn.Module:
+    """Shard `model` with FSDP2 in place (also the EMA copy, so that it is sharded like the model):
+    over all ranks (`mesh` None), or HSDP over a 2-D (replicate, shard) mesh: sharded along "shard",
+    replicated along "replicate", gradients reduce-scattered within a shard group and all-reduced
+    across the groups."""
     # Per block first, then the root (embeddings, heads, timestep MLPs): each block's parameters
     # are gathered just before it runs and freed after, overlapping with the neighbours' compute.
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     # nn.Linear returns a view for a 3-D input, so the latent head's output is one, and FSDP2 warns at
     # every run that an in-place op on it would skip its pre-backward hook. Nothing here modifies a
     # model output in place (the objective and the samplers only read them).

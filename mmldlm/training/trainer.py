@@ -223,8 +223,8 @@ class Trainer:
             )
         self.activation_checkpointing = perf.activation_checkpointing  # what runs: auto resolved
         self.model = parallelize(self.raw_model, perf, cfg.distributed, info)
-        if self.ema is not None and info.distributed and cfg.distributed.strategy == "fsdp2":
-            apply_fsdp(self.ema.module)
+        if self.ema is not None and info.distributed and cfg.distributed.shards_model:
+            apply_fsdp(self.ema.module, info.mesh)
         self.objective = objective
         if self.micro_batch_size == "auto":
             self.micro_batch_size = self._find_micro_batch(max_seq_len or self.raw_model.cfg.max_seq_len)
@@ -626,7 +626,7 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm, foreach=True)
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm is a DTensor over the shards
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2 and HSDP: the norm is a DTensor over the shards
             grad_norm = grad_norm.full_tensor()
         return grad_norm.item()
 

@@ -1,0 +1,99 @@
+"""Faults put into a training process for the tests, chosen by MMLDLM_TEST_FAULT:
+    nan:RANK:STEP[,STEP...]  the objective returns a NaN loss on RANK at those (0-based) steps
+    stall:RANK:STEP:SECONDS  RANK sleeps before the forward of STEP
+    kill:STEP                every rank SIGKILLs itself before the forward of STEP
+    killrank:RANK:STEP       RANK alone SIGKILLs itself after the forward of STEP (mid-step)
+    killsave:STEP            the rank writing the checkpoint of STEP SIGKILLs itself once its first file
+                             is written (the step's directory is left incomplete)
+    killpointer:STEP         the rank writing the checkpoint of STEP SIGKILLs itself after the step's
+                             directory is complete and renamed, before `latest` names it
+A fault fires in a worker group's first start only: under torchrun's restarts
+(TORCHELASTIC_RESTART_COUNT > 0) the restarted workers run clean, as after a real crash.
+With MMLDLM_TEST_DUMP_SHARDS=DIR every rank writes DIR/rank-R.pt after training: its device-mesh
+coordinate and the local shard of every parameter.
+Installed by tests/train_worker.py, and in the workers of scripts/launch.sh by
+tests/launcher_faults/sitecustomize.py."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from mmldlm import objective as objective_module
+from mmldlm.training import checkpoint as checkpoint_module
+from mmldlm.training import trainer as trainer_module
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _install_fault(spec: str) -> None:
+    kind, *args = spec.split(":")
+    rank = int(os.environ.get("RANK", 0))
+    if kind == "killsave":
+        real_save_file = checkpoint_module.save_file
+
+        def killing_save_file(tensors, filename, *save_args, **save_kwargs):
+            real_save_file(tensors, filename, *save_args, **save_kwargs)
+            if Path(filename).parent.name.endswith(checkpoint_module.step_dir_name(int(args[0]))):
+                _kill_self()
+
+        checkpoint_module.save_file = killing_save_file
+        return
+    if kind == "killpointer":
+        real_point_latest = checkpoint_module.CheckpointManager._point_latest
+
+        def killing_point_latest(self, name):
+            if name == checkpoint_module.step_dir_name(int(args[0])):
+                _kill_self()
+            real_point_latest(self, name)
+
+        checkpoint_module.CheckpointManager._point_latest = killing_point_latest
+        return
+    real_call = objective_module.Objective.__call__
+
+    def faulty_call(self, model, batch, step, generator=None):
+        if kind == "kill" and step == int(args[0]):
+            _kill_self()
+        if kind == "stall" and rank == int(args[0]) and step == int(args[1]):
+            time.sleep(float(args[2]))
+        loss, metrics = real_call(self, model, batch, step, generator)
+        if kind == "killrank" and rank == int(args[0]) and step == int(args[1]):
+            _kill_self()
+        if kind == "nan" and rank == int(args[0]) and step in {int(s) for s in args[1].split(",")}:
+            loss = loss * torch.tensor(float("nan"))
+        return loss, metrics
+
+    objective_module.Objective.__call__ = faulty_call
+
+
+def _dump_shards_after_fit(out: Path) -> None:
+    real_fit = trainer_module.Trainer.fit
+
+    def fit_then_dump(self, *fit_args, **fit_kwargs):
+        status = real_fit(self, *fit_args, **fit_kwargs)
+        mesh = self.info.mesh
+        torch.save(
+            {
+                "coordinate": mesh.get_coordinate() if mesh is not None else None,
+                "params": {
+                    name: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+                    for name, p in self.raw_model.named_parameters()
+                },
+            },
+            out / f"rank-{self.info.rank}.pt",
+        )
+        return status
+
+    trainer_module.Trainer.fit = fit_then_dump
+
+
+def install_from_environment() -> None:
+    """The fault of MMLDLM_TEST_FAULT (first start only) and the shard dump of MMLDLM_TEST_DUMP_SHARDS."""
+    if os.environ.get("MMLDLM_TEST_FAULT") and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
+        _install_fault(os.environ["MMLDLM_TEST_FAULT"])
+    if os.environ.get("MMLDLM_TEST_DUMP_SHARDS"):
+        _dump_shards_after_fit(Path(os.environ["MMLDLM_TEST_DUMP_SHARDS"]))
