@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+
+from mmldlm.training.checkpoint import read_weights
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "train_worker.py"
@@ -112,7 +113,7 @@ def records(run_dir: Path) -> list[dict]:
 
 def final_params(run_dir: Path, weights: str = "model") -> dict:
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    return load_file(str(run_dir / "checkpoints" / latest / f"{weights}.safetensors"))
+    return read_weights(run_dir / "checkpoints" / latest, weights)
 
 
 def assert_ok(proc):
@@ -198,11 +199,9 @@ def test_nonfinite_loss_on_one_rank_is_skipped_on_every_rank(tmp_path):
     assert [r["skipped"] for r in recs] == [False, False, False, True, False, False]
     assert recs[-1]["num_skipped"] == 1 and all(r["loss"] == r["loss"] for r in recs[4:])  # finite again
     ckpt = tmp_path / "checkpoints"
-    before, after = (load_file(str(ckpt / f"step-000000{s}/model.safetensors")) for s in (3, 4))
+    before, after = (read_weights(ckpt / f"step-000000{s}") for s in (3, 4))
     assert all(torch.equal(before[k], after[k]) for k in before)  # rank 0 skipped too (its loss was finite)
-    assert not torch.equal(
-        after["text_embed.weight"], load_file(str(ckpt / "step-0000005/model.safetensors"))["text_embed.weight"]
-    )
+    assert not torch.equal(after["text_embed.weight"], read_weights(ckpt / "step-0000005")["text_embed.weight"])
 
 
 def test_consecutive_nonfinite_updates_stop_the_run_with_checkpoints_untouched(tmp_path):
