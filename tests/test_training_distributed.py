@@ -73,11 +73,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env(fault: str | None = None) -> dict:
+def _env(fault: str | None = None, record: Path | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("MMLDLM_TEST_FAULT", None)
+    env.pop("MMLDLM_TEST_RECORD", None)
     if fault:
         env["MMLDLM_TEST_FAULT"] = fault
+    if record:
+        record.mkdir(parents=True, exist_ok=True)
+        env["MMLDLM_TEST_RECORD"] = str(record)
     return env
 
 
@@ -88,6 +92,7 @@ def train(
     fault: str | None = None,
     resume: str | None = None,
     timeout: float = 180,
+    record: Path | None = None,
 ) -> subprocess.CompletedProcess:
     cmd = [*BASE, f"train.run_dir={run_dir}", *args] + (["--resume", resume] if resume else [])
     if nproc == 1:
@@ -104,7 +109,7 @@ def train(
             str(WORKER),
             *cmd,
         ]
-    return subprocess.run(full, env=_env(fault), capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return subprocess.run(full, env=_env(fault, record), capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -184,6 +189,49 @@ def test_kill_and_resume_repeats_the_straight_run_exactly(tmp_path):
     for weights in ("model", "ema"):
         a, b = final_params(tmp_path / "straight", weights), final_params(tmp_path / "resumed", weights)
         assert all(torch.equal(a[k], b[k]) for k in a), weights
+
+
+def samples_by_step(record: Path) -> dict[int, list[int]]:
+    """{step: the samples all ranks trained on in it} from the worker's MMLDLM_TEST_RECORD files."""
+    read = {}
+    for file in record.glob("rank-*.txt"):
+        for line in file.read_text().splitlines():
+            step, *indices = map(int, line.split())
+            read.setdefault(step, []).extend(indices)
+    return read
+
+
+@pytest.mark.parametrize("before,after", [((2, "ddp"), (1, "ddp")), ((1, "ddp"), (2, "fsdp2"))])
+def test_a_run_resumes_on_another_number_of_processes_and_strategy_reading_each_sample_once(tmp_path, before, after):
+    """Killed after the checkpoint of step 3, resumed on another world size (and DDP -> FSDP2): DCP
+    reshards model, optimizer and EMA, the LR schedule goes on by step, and the data by samples seen.
+    Each step trains on the samples it trains on in the run that was never stopped, none twice; with
+    one sample per micro-batch the steps are the same computations, so the losses and weights agree."""
+    args = ["train.steps=6", "checkpoint.every=3", "train.micro_batch_size=1", "train.global_batch_size=2"]
+    args += ["objective.mode=random", "train.ema_decay=0.9"]
+
+    def run(name, topology, **kw):
+        nproc, strategy = topology
+        return train(tmp_path / name, [*args, f"distributed.strategy={strategy}"], nproc=nproc, **kw)
+
+    assert_ok(run("straight", before, record=tmp_path / "read-straight"))
+    killed = run("resumed", before, fault="kill:4", record=tmp_path / "read-before")
+    assert killed.returncode != 0
+    proc = run("resumed", after, resume="auto", record=tmp_path / "read-after")
+    assert_ok(proc)
+    assert "from a checkpoint of" in proc.stderr and "seeded from (train.seed, step 3, rank)" in proc.stderr
+    straight = samples_by_step(tmp_path / "read-straight")
+    read = {s: v for s, v in samples_by_step(tmp_path / "read-before").items() if s < 3}
+    read.update(samples_by_step(tmp_path / "read-after"))
+    assert {s: sorted(v) for s, v in read.items()} == {s: sorted(v) for s, v in straight.items()}
+    all_read = [i for v in read.values() for i in v]
+    assert len(all_read) == len(set(all_read)) == 12
+    a, b = records(tmp_path / "straight"), records(tmp_path / "resumed")
+    assert [r["step"] for r in b] == list(range(1, 7))
+    assert [r["lr"] for r in b] == [r["lr"] for r in a]
+    assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-5, abs=1e-6)
+    for weights in ("model", "ema"):
+        assert_params_close(final_params(tmp_path / "straight", weights), final_params(tmp_path / "resumed", weights))
 
 
 def test_nonfinite_loss_on_one_rank_is_skipped_on_every_rank(tmp_path):

@@ -3,6 +3,8 @@ injection through MMLDLM_TEST_FAULT:
     nan:RANK:STEP[,STEP...]  the objective returns a NaN loss on RANK at those (0-based) steps
     stall:RANK:STEP:SECONDS  RANK sleeps before the forward of STEP
     kill:STEP                every rank SIGKILLs itself before the forward of STEP
+and with MMLDLM_TEST_RECORD=DIR each rank appends "STEP INDEX INDEX ..." of every micro-batch it
+trains on to DIR/rank-RANK.txt (which samples each step read).
 Usage: python tests/train_worker.py [mmldlm train arguments]."""
 
 import os
@@ -37,7 +39,21 @@ def _install_fault(spec: str) -> None:
     objective_module.Objective.__call__ = faulty_call
 
 
+def _record_samples(directory: str) -> None:
+    record = Path(directory) / f"rank-{os.environ.get('RANK', 0)}.txt"
+    real_call = objective_module.Objective.__call__
+
+    def recording_call(self, model, batch, step, generator=None):
+        with open(record, "a") as f:
+            f.write(" ".join(map(str, [step, *batch["index"].tolist()])) + "\n")
+        return real_call(self, model, batch, step, generator)
+
+    objective_module.Objective.__call__ = recording_call
+
+
 if __name__ == "__main__":
     if os.environ.get("MMLDLM_TEST_FAULT"):
         _install_fault(os.environ["MMLDLM_TEST_FAULT"])
+    if os.environ.get("MMLDLM_TEST_RECORD"):
+        _record_samples(os.environ["MMLDLM_TEST_RECORD"])
     sys.exit(cli.main(["train", *sys.argv[1:]]))
