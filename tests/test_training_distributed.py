@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmldlm.training.checkpoint import read_weights
+from mmldlm.training.checkpoint import read_weights, verify
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "train_worker.py"
@@ -232,6 +232,23 @@ def test_a_run_resumes_on_another_number_of_processes_and_strategy_reading_each_
     assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-5, abs=1e-6)
     for weights in ("model", "ema"):
         assert_params_close(final_params(tmp_path / "straight", weights), final_params(tmp_path / "resumed", weights))
+
+
+def test_asynchronous_sharded_checkpoints_list_every_ranks_files_and_resume(tmp_path):
+    """FSDP2 on 2 processes, saved in the background: each checkpoint's manifest lists both ranks'
+    shards and states with their checksums, and the run resumes from it."""
+    args = ["train.steps=4", "checkpoint.every=2", "checkpoint.async_save=true", "distributed.strategy=fsdp2"]
+    assert_ok(train(tmp_path / "run", args, nproc=2))
+    ckpt = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-0000002", "step-0000004"]
+    meta = json.loads((ckpt / "step-0000004" / "meta.json").read_text())
+    assert (meta["world_size"], meta["strategy"]) == (2, "fsdp2")
+    listed = set(meta["files"])
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "rank-00000.pt", "rank-00001.pt", "trainer.pt"} <= listed
+    assert listed == {p.name for p in (ckpt / "step-0000004").iterdir()} - {"meta.json"}
+    assert verify(ckpt / "step-0000004", checksums=True) is None
+    assert_ok(train(tmp_path / "run", [*args, "train.steps=6"], nproc=2, resume=str(ckpt / "step-0000002")))
+    assert [r["step"] for r in records(tmp_path / "run")] == list(range(1, 7))
 
 
 def test_nonfinite_loss_on_one_rank_is_skipped_on_every_rank(tmp_path):
