@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 
@@ -302,6 +303,26 @@ def test_a_save_that_cannot_fit_is_refused_before_writing_and_retention_warns_at
     ):
         _save(manager, 1, model, opt)
     assert manager.steps() == [] and not list((tmp_path / "checkpoints").iterdir())
+
+
+def test_a_full_state_checkpoint_is_read_for_its_weights_and_refused_for_resuming_in_one_line(tmp_path):
+    """The earlier format: rank 0 wrote model.safetensors, optimizer.pt and trainer.pt, listed in meta.json."""
+    model, opt = _trained_pair()
+    path = tmp_path / "checkpoints" / "step-0000003"
+    path.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    torch.save(opt.state_dict(), path / "optimizer.pt")
+    torch.save({"trainer": {"step": 3}, "ranks": [{}]}, path / "trainer.pt")
+    files = {n: {"bytes": (path / n).stat().st_size, "sha256": ckpt._sha256(path / n)} for n in ckpt.FULL_STATE_FILES}
+    (path / "meta.json").write_text(json.dumps({"step": 3, "world_size": 1, "metrics_lines": 3, "files": files}))
+    manager = CheckpointManager(CheckpointConfig(), tmp_path, DistInfo())
+    assert manager.resolve("auto") == path
+    weights = ckpt.read_weights(path)
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(CheckpointError) as err:
+        manager.load(path, *_trained_pair(seed=1))
+    assert str(err.value).startswith(f"checkpoint {path} is of the earlier full-state format")
+    assert "sample, evaluate or export it" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_metrics_resume_drops_only_records_past_the_checkpoint(tmp_path):

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mmldlm.sampling.pretrained import MMLDLM
 from mmldlm.training.checkpoint import read_weights, verify
 
 REPO = Path(__file__).resolve().parent.parent
@@ -123,6 +124,10 @@ def final_params(run_dir: Path, weights: str = "model") -> dict:
 
 def assert_ok(proc):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def assert_params_equal(a: dict, b: dict):
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def assert_params_close(a: dict, b: dict, tol: float = 1e-5):
@@ -236,8 +241,9 @@ def test_a_run_resumes_on_another_number_of_processes_and_strategy_reading_each_
 
 def test_asynchronous_sharded_checkpoints_list_every_ranks_files_and_resume(tmp_path):
     """FSDP2 on 2 processes, saved in the background: each checkpoint's manifest lists both ranks'
-    shards and states with their checksums, and the run resumes from it."""
+    shards and states with their checksums, the run resumes from it, and one process reads it."""
     args = ["train.steps=4", "checkpoint.every=2", "checkpoint.async_save=true", "distributed.strategy=fsdp2"]
+    args.append("train.ema_decay=0.9")
     assert_ok(train(tmp_path / "run", args, nproc=2))
     ckpt = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-0000002", "step-0000004"]
@@ -249,6 +255,14 @@ def test_asynchronous_sharded_checkpoints_list_every_ranks_files_and_resume(tmp_
     assert verify(ckpt / "step-0000004", checksums=True) is None
     assert_ok(train(tmp_path / "run", [*args, "train.steps=6"], nproc=2, resume=str(ckpt / "step-0000002")))
     assert [r["step"] for r in records(tmp_path / "run")] == list(range(1, 7))
+    # Read in this one process: the API, and an export of it, hold the EMA the 2 ranks wrote in shards.
+    ema = read_weights(ckpt / "step-0000006", "ema")
+    loaded = MMLDLM.from_pretrained(tmp_path / "run", device="cpu")
+    assert (loaded.run.step, loaded.run.weights) == (6, "ema")
+    assert_params_equal(loaded.run.model.state_dict(), ema)
+    loaded.save_pretrained(tmp_path / "exported")
+    exported = MMLDLM.from_pretrained(tmp_path / "exported", device="cpu").run.model.state_dict()
+    assert_params_equal(exported, ema)
 
 
 def test_nonfinite_loss_on_one_rank_is_skipped_on_every_rank(tmp_path):
