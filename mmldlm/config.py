@@ -263,7 +263,7 @@ class DataConfig:
     shuffle: bool = True
     drop_last: bool = True  # every rank gets the same number of full batches
     # Length bucketing: each run of this many batches is regrouped into batches of similar lengths
-    # (less padding computed; see BatchOrder); 1 = off. Resuming then needs the same batch size.
+    # (less padding computed; see BatchOrder); 1 = off. A resume on another batch size regroups what is left.
     bucket_batches: int = 1
     seed: int = 0  # shuffle order (epoch e uses seed + e); build_loader's seed argument overrides it
     # Preparing the default corpus (path null); `mmldlm prepare` has these and more as options.

@@ -3,14 +3,16 @@
     stall:RANK:STEP:SECONDS  RANK sleeps before the forward of STEP
     kill:STEP                every rank SIGKILLs itself before the forward of STEP
     killrank:RANK:STEP       RANK alone SIGKILLs itself after the forward of STEP (mid-step)
-    killsave:STEP            the rank writing the checkpoint of STEP SIGKILLs itself once its first file
-                             is written (the step's directory is left incomplete)
+    killsave:STEP            rank 0 SIGKILLs itself while writing the checkpoint of STEP, once its model
+                             shard and its first small file are written (the step's directory is left
+                             incomplete)
     killpointer:STEP         the rank writing the checkpoint of STEP SIGKILLs itself after the step's
                              directory is complete and renamed, before `latest` names it
 A fault fires in a worker group's first start only: under torchrun's restarts
 (TORCHELASTIC_RESTART_COUNT > 0) the restarted workers run clean, as after a real crash.
 With MMLDLM_TEST_DUMP_SHARDS=DIR every rank writes DIR/rank-R.pt after training: its device-mesh
-coordinate and the local shard of every parameter.
+coordinate and the local shard of every parameter. With MMLDLM_TEST_RECORD=DIR each rank appends
+"STEP INDEX INDEX ..." of every micro-batch it trains on to DIR/rank-RANK.txt (which samples each step read).
 Installed by tests/train_worker.py, and in the workers of scripts/launch.sh by
 tests/launcher_faults/sitecustomize.py."""
 
@@ -34,14 +36,14 @@ def _install_fault(spec: str) -> None:
     kind, *args = spec.split(":")
     rank = int(os.environ.get("RANK", 0))
     if kind == "killsave":
-        real_save_file = checkpoint_module.save_file
+        real_torch_save = checkpoint_module._torch_save
 
-        def killing_save_file(tensors, filename, *save_args, **save_kwargs):
-            real_save_file(tensors, filename, *save_args, **save_kwargs)
-            if Path(filename).parent.name.endswith(checkpoint_module.step_dir_name(int(args[0]))):
+        def killing_torch_save(obj, path):
+            real_torch_save(obj, path)
+            if rank == 0 and Path(path).parent.name.endswith(checkpoint_module.step_dir_name(int(args[0]))):
                 _kill_self()
 
-        checkpoint_module.save_file = killing_save_file
+        checkpoint_module._torch_save = killing_torch_save
         return
     if kind == "killpointer":
         real_point_latest = checkpoint_module.CheckpointManager._point_latest
@@ -91,9 +93,24 @@ def _dump_shards_after_fit(out: Path) -> None:
     trainer_module.Trainer.fit = fit_then_dump
 
 
+def _record_samples(directory: Path) -> None:
+    record = directory / f"rank-{os.environ.get('RANK', 0)}.txt"
+    real_call = objective_module.Objective.__call__
+
+    def recording_call(self, model, batch, step, generator=None):
+        with open(record, "a") as f:
+            f.write(" ".join(map(str, [step, *batch["index"].tolist()])) + "\n")
+        return real_call(self, model, batch, step, generator)
+
+    objective_module.Objective.__call__ = recording_call
+
+
 def install_from_environment() -> None:
-    """The fault of MMLDLM_TEST_FAULT (first start only) and the shard dump of MMLDLM_TEST_DUMP_SHARDS."""
+    """The fault of MMLDLM_TEST_FAULT (first start only), the shard dump of MMLDLM_TEST_DUMP_SHARDS and
+    the sample record of MMLDLM_TEST_RECORD."""
     if os.environ.get("MMLDLM_TEST_FAULT") and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
         _install_fault(os.environ["MMLDLM_TEST_FAULT"])
     if os.environ.get("MMLDLM_TEST_DUMP_SHARDS"):
         _dump_shards_after_fit(Path(os.environ["MMLDLM_TEST_DUMP_SHARDS"]))
+    if os.environ.get("MMLDLM_TEST_RECORD"):
+        _record_samples(Path(os.environ["MMLDLM_TEST_RECORD"]))

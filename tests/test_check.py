@@ -1,14 +1,18 @@
 """`mmldlm check` on the tiny preset: each planted problem is flagged by its rule (and nothing else
 is an error or a warning), `--fix` output passes, and the command's exit codes."""
 
+import dataclasses
 import os
 
 import pytest
+import torch
 import yaml
 
 from mmldlm import cli
-from mmldlm.config import load_config
+from mmldlm.config import CheckpointConfig, RunConfig, load_config
 from mmldlm.tools.check import RULES, Environment, audit, detect_environment, estimate, fix_config
+from mmldlm.training.checkpoint import CheckpointManager
+from mmldlm.training.distributed import DistInfo
 
 # A machine described by hand, so findings do not depend on where the tests run: 2 processes on a
 # node with 8 CPUs, 24 GiB per process, plenty of disk, fused AdamW available.
@@ -170,6 +174,24 @@ def test_resuming_with_another_length_warns_that_the_lr_jumps(tmp_path):
     _, findings = findings_of(tmp_path, [])
     (finding,) = [f for f in findings if f.rule == "lr_schedule"]
     assert "train.steps=300" in finding.message and "jump" in finding.why
+
+
+def test_a_resume_on_another_number_of_processes_says_what_it_does_in_one_line(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    manager = CheckpointManager(CheckpointConfig(), tmp_path / "run", DistInfo())
+    manager.save(3, model, optimizer, {"step": 3}, {"rng": None}, RunConfig(), metrics_lines=3)
+    for resume in ("auto", str(tmp_path / "run" / "checkpoints" / "step-0000003")):
+        _, findings = findings_of(tmp_path, ["distributed.strategy=fsdp2"], dataclasses.replace(ENV, resume=resume))
+        (finding,) = [f for f in findings if f.rule == "resume_topology"]
+        assert finding.severity == "info"
+        assert finding.message == (
+            f"--resume {resume}: checkpoint {tmp_path}/run/checkpoints/step-0000003 was written by 1 process(es) "
+            f"(single), this run has 2 (fsdp2)"
+        )
+        assert "resharded" in finding.why and "samples seen" in finding.why
+    one_process = dataclasses.replace(ENV, resume="auto", nproc_per_node=1)
+    assert not [f for f in findings_of(tmp_path, [], one_process)[1] if f.rule == "resume_topology"]
 
 
 def test_cli_prints_why_and_fix_writes_a_config_that_passes(tmp_path, capsys, monkeypatch):

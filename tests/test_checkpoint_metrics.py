@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import SafetensorError
+from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
 
 import mmldlm.training.checkpoint as ckpt
 import mmldlm.training.storage as storage
@@ -146,7 +147,7 @@ def test_resume_path_that_is_not_a_checkpoint_is_one_line_naming_what_is_expecte
             manager.resolve(resume)
         message = str(err.value)
         assert message.startswith(f"--resume {resume}: {what}") and "\n" not in message
-        assert "meta.json, model.safetensors, optimizer.pt, trainer.pt" in message
+        assert "meta.json, .metadata, trainer.pt" in message
     (garbage / "meta.json").write_bytes(b"\x00\xff not json")
     with pytest.raises(CheckpointError, match="meta.json is not readable JSON"):
         manager.resolve(str(garbage))
@@ -195,8 +196,8 @@ def test_retention_never_removes_the_checkpoint_latest_names(tmp_path):
         "no latest",
         "latest names nothing",
         "latest one save behind",
-        "truncated optimizer.pt",
-        "flipped byte in model.safetensors",
+        "truncated shard",
+        "flipped byte in the shard",
     ],
 )
 def test_newest_usable_checkpoint_is_found_whatever_happened_to_latest(tmp_path, caplog, damage):
@@ -217,16 +218,16 @@ def test_newest_usable_checkpoint_is_found_whatever_happened_to_latest(tmp_path,
     elif damage == "latest one save behind":  # a kill between step 2's rename and the pointer's update
         (ckpt_dir / "latest").write_text("step-0000001\n")
         reason = "latest names step-0000001; using the newest checkpoint that verifies, step-0000002"
-    elif damage == "truncated optimizer.pt":
-        data = (newest / "optimizer.pt").read_bytes()
-        (newest / "optimizer.pt").write_bytes(data[: len(data) // 2])
-        expected, reason = "step-0000001", f"skipped step-0000002: {newest}/optimizer.pt has {len(data) // 2} bytes"
+    elif damage == "truncated shard":
+        data = (newest / "__0_0.distcp").read_bytes()
+        (newest / "__0_0.distcp").write_bytes(data[: len(data) // 2])
+        expected, reason = "step-0000001", f"skipped step-0000002: {newest}/__0_0.distcp has {len(data) // 2} bytes"
     else:  # same size, other content: only the checksum, read on resume, sees it
-        data = bytearray((newest / "model.safetensors").read_bytes())
+        data = bytearray((newest / "__0_0.distcp").read_bytes())
         data[-1] ^= 0xFF
-        (newest / "model.safetensors").write_bytes(bytes(data))
+        (newest / "__0_0.distcp").write_bytes(bytes(data))
         assert manager.latest() == newest  # sizes only
-        expected, reason = "step-0000001", f"{newest}/model.safetensors does not match the SHA-256"
+        expected, reason = "step-0000001", f"{newest}/__0_0.distcp does not match the SHA-256"
     with caplog.at_level(logging.WARNING, logger="mmldlm"):
         assert manager.resolve("auto").name == expected
     assert reason in caplog.text
@@ -254,33 +255,33 @@ def _enospc(*args, **kwargs):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-@pytest.mark.parametrize("failing", ["optimizer.pt", "optimizer.pt as torch reports it", "model.safetensors"])
+@pytest.mark.parametrize(
+    "failing", ["__0_0.distcp", "__0_0.distcp in the background", "rank-00000.pt", "rank-00000.pt as torch reports it"]
+)
 def test_full_disk_during_a_save_removes_the_partial_checkpoint_and_says_what_is_left(tmp_path, monkeypatch, failing):
     model, opt = _trained_pair()
-    manager = CheckpointManager(CheckpointConfig(), tmp_path, DistInfo())
+    manager = CheckpointManager(CheckpointConfig(async_save="background" in failing), tmp_path, DistInfo())
     _save(manager, 1, model, opt)
-    if failing == "optimizer.pt":
-        monkeypatch.setattr(ckpt.torch, "save", _enospc)
-    elif failing == "optimizer.pt as torch reports it":  # a RuntimeError without errno; the disk is then full
+    manager.wait()
+    real_save = torch.save
+
+    def failing_save(error):  # torch.save fails for the files the manager writes, not inside DCP's shards
+        return lambda obj, f, **kw: (_ for _ in ()).throw(error) if isinstance(f, Path) else real_save(obj, f, **kw)
+
+    if failing == "rank-00000.pt":
+        monkeypatch.setattr(ckpt.torch, "save", failing_save(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+    elif failing == "rank-00000.pt as torch reports it":  # a RuntimeError without errno; the disk is then full
         free = iter([10 * 2**30])  # the check before writing sees space, the one after the failure none
-
-        def torch_save(*args, **kwargs):
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
-
-        monkeypatch.setattr(ckpt.torch, "save", torch_save)
+        error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        monkeypatch.setattr(ckpt.torch, "save", failing_save(error))
         monkeypatch.setattr(ckpt, "free_bytes", lambda path: next(free, 0))
-        failing = "optimizer.pt"
-    else:  # safetensors reports the OS error inside its own exception's text
-
-        def save_file(*args, **kwargs):
-            raise SafetensorError(
-                "Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
-                'message: "No space left on device" })'
-            )
-
-        monkeypatch.setattr(ckpt, "save_file", save_file)
+        failing = "rank-00000.pt"
+    else:  # DCP's writer hits the full disk; DCP hands the OSError on inside a CheckpointException
+        monkeypatch.setattr(dcp_filesystem, "_write_item", _enospc)
+        failing = "__0_0.distcp"
     with pytest.raises(WriteError) as err:
         _save(manager, 2, model, opt)
+        manager.wait()
     message = str(err.value)
     assert message.startswith("no space left on device /") and "\n" not in message
     assert f"while writing {tmp_path}/checkpoints/.tmp-step-0000002/{failing}" in message
@@ -302,6 +303,26 @@ def test_a_save_that_cannot_fit_is_refused_before_writing_and_retention_warns_at
     ):
         _save(manager, 1, model, opt)
     assert manager.steps() == [] and not list((tmp_path / "checkpoints").iterdir())
+
+
+def test_a_full_state_checkpoint_is_read_for_its_weights_and_refused_for_resuming_in_one_line(tmp_path):
+    """The earlier format: rank 0 wrote model.safetensors, optimizer.pt and trainer.pt, listed in meta.json."""
+    model, opt = _trained_pair()
+    path = tmp_path / "checkpoints" / "step-0000003"
+    path.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    torch.save(opt.state_dict(), path / "optimizer.pt")
+    torch.save({"trainer": {"step": 3}, "ranks": [{}]}, path / "trainer.pt")
+    files = {n: {"bytes": (path / n).stat().st_size, "sha256": ckpt._sha256(path / n)} for n in ckpt.FULL_STATE_FILES}
+    (path / "meta.json").write_text(json.dumps({"step": 3, "world_size": 1, "metrics_lines": 3, "files": files}))
+    manager = CheckpointManager(CheckpointConfig(), tmp_path, DistInfo())
+    assert manager.resolve("auto") == path
+    weights = ckpt.read_weights(path)
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(CheckpointError) as err:
+        manager.load(path, *_trained_pair(seed=1))
+    assert str(err.value).startswith(f"checkpoint {path} is of the earlier full-state format")
+    assert "sample, evaluate or export it" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_metrics_resume_drops_only_records_past_the_checkpoint(tmp_path):

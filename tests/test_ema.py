@@ -9,6 +9,7 @@ from mmldlm.config import ModelConfig, load_config
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.model.mmdit import MultimodalMMDiT
 from mmldlm.objective import Objective
+from mmldlm.training.checkpoint import has_ema
 from mmldlm.training.distributed import DistInfo
 from mmldlm.training.ema import WeightEMA, warmup_decay
 from mmldlm.training.trainer import Trainer
@@ -92,7 +93,7 @@ def test_resumed_ema_equals_the_uninterrupted_ema_bit_for_bit(tmp_path):
         assert torch.equal(a, b), name
     # The average lags the weights: it is not a copy of them.
     assert any(not torch.equal(a, b) for a, b in zip(straight.ema.module.parameters(), straight.raw_model.parameters()))
-    assert (tmp_path / "b" / "checkpoints" / "step-0000008" / "ema.safetensors").is_file()
+    assert has_ema(tmp_path / "b" / "checkpoints" / "step-0000008")
 
 
 def test_resuming_a_run_without_ema_starts_the_average_from_the_weights(tmp_path):

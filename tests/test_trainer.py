@@ -164,7 +164,7 @@ def test_failed_background_save_is_reported_at_the_next_step(tmp_path, monkeypat
     trainer.train_step = step_after_the_write
     with pytest.raises(
         WriteError,
-        match="no space left on device .*optimizer.pt; the partial checkpoint was "
+        match="no space left on device .*rank-00000.pt; the partial checkpoint was "
         "removed, the last good checkpoint is .*step-0000002",
     ):
         trainer.fit()

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from mmldlm.config import ConfigValueError, DistributedConfig
+from mmldlm.sampling.pretrained import MMLDLM
+from mmldlm.training.checkpoint import read_weights, verify
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "train_worker.py"
@@ -76,14 +77,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env(fault: str | None = None, dump_shards: Path | None = None) -> dict:
+def _env(fault: str | None = None, dump_shards: Path | None = None, record: Path | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    env.pop("MMLDLM_TEST_FAULT", None)
-    env.pop("MMLDLM_TEST_DUMP_SHARDS", None)
+    for name in ("MMLDLM_TEST_FAULT", "MMLDLM_TEST_DUMP_SHARDS", "MMLDLM_TEST_RECORD"):
+        env.pop(name, None)
     if fault:
         env["MMLDLM_TEST_FAULT"] = fault
     if dump_shards:
         env["MMLDLM_TEST_DUMP_SHARDS"] = str(dump_shards)
+    if record:
+        record.mkdir(parents=True, exist_ok=True)
+        env["MMLDLM_TEST_RECORD"] = str(record)
     return env
 
 
@@ -95,6 +99,7 @@ def train(
     resume: str | None = None,
     timeout: float = 180,
     dump_shards: Path | None = None,
+    record: Path | None = None,
 ) -> subprocess.CompletedProcess:
     cmd = [*BASE, f"train.run_dir={run_dir}", *args] + (["--resume", resume] if resume else [])
     if nproc == 1:
@@ -111,7 +116,7 @@ def train(
             str(WORKER),
             *cmd,
         ]
-    env = _env(fault, dump_shards)
+    env = _env(fault, dump_shards, record)
     return subprocess.run(full, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
@@ -121,11 +126,15 @@ def records(run_dir: Path) -> list[dict]:
 
 def final_params(run_dir: Path, weights: str = "model") -> dict:
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    return load_file(str(run_dir / "checkpoints" / latest / f"{weights}.safetensors"))
+    return read_weights(run_dir / "checkpoints" / latest, weights)
 
 
 def assert_ok(proc):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def assert_params_equal(a: dict, b: dict):
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def assert_params_close(a: dict, b: dict, tol: float = 1e-5):
@@ -194,6 +203,77 @@ def test_kill_and_resume_repeats_the_straight_run_exactly(tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a), weights
 
 
+def samples_by_step(record: Path) -> dict[int, list[int]]:
+    """{step: the samples all ranks trained on in it} from the worker's MMLDLM_TEST_RECORD files."""
+    read = {}
+    for file in record.glob("rank-*.txt"):
+        for line in file.read_text().splitlines():
+            step, *indices = map(int, line.split())
+            read.setdefault(step, []).extend(indices)
+    return read
+
+
+@pytest.mark.parametrize("before,after,batch", [((2, "ddp"), (1, "ddp"), 2), ((1, "ddp"), (2, "fsdp2"), 2)])
+def test_a_run_resumes_on_another_number_of_processes_and_strategy_reading_each_sample_once(
+    tmp_path, before, after, batch
+):
+    """Killed after the checkpoint of step 3, resumed on another world size (and strategy): DCP
+    reshards model, optimizer and EMA, the LR schedule goes on by step, and the data by samples seen.
+    Each step trains on the samples it trains on in the run that was never stopped, none twice; with
+    one sample per micro-batch the steps are the same computations, so the losses and weights agree."""
+    args = ["train.steps=6", "checkpoint.every=3", "train.micro_batch_size=1", f"train.global_batch_size={batch}"]
+    args += ["objective.mode=random", "train.ema_decay=0.9"]
+
+    def run(name, topology, **kw):
+        nproc, strategy = topology
+        return train(tmp_path / name, [*args, f"distributed.strategy={strategy}"], nproc=nproc, **kw)
+
+    assert_ok(run("straight", before, record=tmp_path / "read-straight"))
+    killed = run("resumed", before, fault="kill:4", record=tmp_path / "read-before")
+    assert killed.returncode != 0
+    proc = run("resumed", after, resume="auto", record=tmp_path / "read-after")
+    assert_ok(proc)
+    assert "from a checkpoint of" in proc.stderr and "seeded from (train.seed, step 3, rank)" in proc.stderr
+    straight = samples_by_step(tmp_path / "read-straight")
+    read = {s: v for s, v in samples_by_step(tmp_path / "read-before").items() if s < 3}
+    read.update(samples_by_step(tmp_path / "read-after"))
+    assert {s: sorted(v) for s, v in read.items()} == {s: sorted(v) for s, v in straight.items()}
+    all_read = [i for v in read.values() for i in v]
+    assert len(all_read) == len(set(all_read)) == 6 * batch
+    a, b = records(tmp_path / "straight"), records(tmp_path / "resumed")
+    assert [r["step"] for r in b] == list(range(1, 7))
+    assert [r["lr"] for r in b] == [r["lr"] for r in a]
+    assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-5, abs=1e-6)
+    for weights in ("model", "ema"):
+        assert_params_close(final_params(tmp_path / "straight", weights), final_params(tmp_path / "resumed", weights))
+
+
+def test_asynchronous_sharded_checkpoints_list_every_ranks_files_and_resume(tmp_path):
+    """FSDP2 on 2 processes, saved in the background: each checkpoint's manifest lists both ranks'
+    shards and states with their checksums, the run resumes from it, and one process reads it."""
+    args = ["train.steps=4", "checkpoint.every=2", "checkpoint.async_save=true", "distributed.strategy=fsdp2"]
+    args.append("train.ema_decay=0.9")
+    assert_ok(train(tmp_path / "run", args, nproc=2))
+    ckpt = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-0000002", "step-0000004"]
+    meta = json.loads((ckpt / "step-0000004" / "meta.json").read_text())
+    assert (meta["world_size"], meta["strategy"]) == (2, "fsdp2")
+    listed = set(meta["files"])
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "rank-00000.pt", "rank-00001.pt", "trainer.pt"} <= listed
+    assert listed == {p.name for p in (ckpt / "step-0000004").iterdir()} - {"meta.json"}
+    assert verify(ckpt / "step-0000004", checksums=True) is None
+    assert_ok(train(tmp_path / "run", [*args, "train.steps=6"], nproc=2, resume=str(ckpt / "step-0000002")))
+    assert [r["step"] for r in records(tmp_path / "run")] == list(range(1, 7))
+    # Read in this one process: the API, and an export of it, hold the EMA the 2 ranks wrote in shards.
+    ema = read_weights(ckpt / "step-0000006", "ema")
+    loaded = MMLDLM.from_pretrained(tmp_path / "run", device="cpu")
+    assert (loaded.run.step, loaded.run.weights) == (6, "ema")
+    assert_params_equal(loaded.run.model.state_dict(), ema)
+    loaded.save_pretrained(tmp_path / "exported")
+    exported = MMLDLM.from_pretrained(tmp_path / "exported", device="cpu").run.model.state_dict()
+    assert_params_equal(exported, ema)
+
+
 def test_nonfinite_loss_on_one_rank_is_skipped_on_every_rank(tmp_path):
     args = [
         "train.steps=6",
@@ -207,11 +287,9 @@ def test_nonfinite_loss_on_one_rank_is_skipped_on_every_rank(tmp_path):
     assert [r["skipped"] for r in recs] == [False, False, False, True, False, False]
     assert recs[-1]["num_skipped"] == 1 and all(r["loss"] == r["loss"] for r in recs[4:])  # finite again
     ckpt = tmp_path / "checkpoints"
-    before, after = (load_file(str(ckpt / f"step-000000{s}/model.safetensors")) for s in (3, 4))
+    before, after = (read_weights(ckpt / f"step-000000{s}") for s in (3, 4))
     assert all(torch.equal(before[k], after[k]) for k in before)  # rank 0 skipped too (its loss was finite)
-    assert not torch.equal(
-        after["text_embed.weight"], load_file(str(ckpt / "step-0000005/model.safetensors"))["text_embed.weight"]
-    )
+    assert not torch.equal(after["text_embed.weight"], read_weights(ckpt / "step-0000005")["text_embed.weight"])
 
 
 def test_consecutive_nonfinite_updates_stop_the_run_with_checkpoints_untouched(tmp_path):
@@ -411,4 +489,4 @@ def test_launcher_two_nodes_trains_and_restarts_a_killed_worker(tmp_path):
     assert [r["step"] for r in recs] == list(range(1, 31))
     logs = "".join((tmp_path / "logs" / f"node-{r}.log").read_text() for r in (0, 1))
     assert "resumed from" in logs
-    assert (run_dir / "checkpoints" / "step-0000030" / "model.safetensors").is_file()
+    assert (run_dir / "checkpoints" / "step-0000030" / ".metadata").is_file()

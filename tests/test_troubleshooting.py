@@ -150,7 +150,7 @@ def test_a_resume_from_an_older_checkpoint_survives_a_kill_and_a_corrupt_file(tm
     (first_branch,) = ckpt.glob("abandoned-*")
     assert sorted(p.name for p in first_branch.iterdir()) == ["step-0000015", "step-0000016"]
     assert (ckpt / "latest").read_text().strip() == "step-0000015"
-    weights = ckpt / "step-0000015" / "model.safetensors"
+    weights = ckpt / "step-0000015" / "__0_0.distcp"
     size = weights.stat().st_size
     os.truncate(weights, 100)
     resumed = train(run, dataset, fault="", resume="auto", extra=[keep])

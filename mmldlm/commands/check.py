@@ -1,4 +1,4 @@
-"""`mmldlm check CONFIG [section.key=value ...] [--fix OUT]`: audit a run config and the machine it
+"""`mmldlm check CONFIG [section.key=value ...] [--fix OUT] [--resume PATH]`: audit a run config and the machine it
 would run on for the problems that make a run fail or waste its hardware; each finding says why it
 matters and how to fix it.
 `--fix OUT` writes the corrected config (and OUT.diff); exit status 2 with errors, 1 with warnings
@@ -35,6 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="L",
         help="CPUs other work keeps busy (default: this machine's 1-minute load average)",
     )
+    parser.add_argument(
+        "--resume",
+        metavar="PATH",
+        help="the --resume the run will be started with (auto or a checkpoint): says what resuming it on "
+        "another number of processes or strategy does",
+    )
     parser.add_argument("--strict", action="store_true", help="exit 1 when there are warnings")
 
 
@@ -46,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     env = detect_environment(cfg, args.nproc_per_node, args.nnodes, args.device_memory_gib, args.load)
+    env.resume = args.resume
     findings, est = audit(cfg, env)
     print(describe(env, est, cfg))
     for finding in findings:

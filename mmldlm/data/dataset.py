@@ -20,7 +20,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import math
 import os
 import signal
 import sys
@@ -126,18 +125,26 @@ def open_dataset(path: str | Path, split: str = "train") -> PreparedDataset:
 
 
 class BatchOrder:
-    """The sample indices of rank `rank`'s batches in each epoch: the scheme of DistributedSampler
-    (permutation seeded by seed + epoch, truncated or wrapped to a multiple of world_size, rank r
-    takes positions r, r + W, ...), cut into batches. After b batches on every rank exactly the first
-    b * B * W positions of the epoch's permutation are consumed, so a position is a sample count
-    and a run can resume with another batch size or world size when it divides that count.
+    """The order in which an epoch's samples are read, and rank `rank`'s batches of it.
 
-    Length bucketing (`lengths` given, `bucket_batches` = n > 1): each run of n batches of the rank's
-    order is sorted by length, cut into n batches of similar lengths, and those n batches are handed
-    out in a seeded random order. A batch is padded to its longest sample, so with random batches of
-    the default corpus (mean 12.5 tokens, a long tail to 76) about 70% of the text positions computed
-    are padding; bucketed, about 25%. The samples of an epoch are the same; only their grouping
-    changes, so resuming needs the same batch size and world size (the loader's state says so)."""
+    The global order of an epoch is a function of the seed and the epoch alone: a permutation of the
+    samples (seeded by seed + epoch; the identity without shuffle). Reading consumes it in global
+    batches of G = batch size x world size: global batch k is positions [kG, (k+1)G), of which rank r
+    takes positions r, r + W, ... (DistributedSampler's scheme). A position is therefore a count of
+    samples seen: a run resumed after S samples continues at the S-th sample of the order, dealt out to
+    the ranks it has now, whatever its batch size or world size, and no sample is repeated or skipped.
+    The epoch ends with the last whole global batch (drop_last) or fills the last one by wrapping
+    around to the epoch's start.
+
+    Length bucketing (`lengths` given, `bucket_batches` = n > 1): each window of n global batches is
+    sorted by length, cut into n global batches of similar lengths, and those are read in a seeded
+    random order. A batch is padded to its longest sample, so with random batches of the default
+    corpus (mean 12.5 tokens, a long tail to 76) about 70% of the text positions computed are padding;
+    bucketed, about 25%. The samples of the epoch are the same; their grouping depends on G. A resume
+    with another G after S samples: what was read is the first S positions of the old grouping, and the
+    samples not read yet, in the order of the permutation, are grouped anew with the new G. Each such
+    grouping of an epoch is a layout (first position, G), which the loader's state keeps, so a chain of
+    resumes on changing world sizes stays exact."""
 
     def __init__(
         self,
@@ -157,57 +164,70 @@ class BatchOrder:
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         self.lengths = lengths if bucket_batches > 1 else None
         self.bucket_batches = bucket_batches if self.lengths is not None else 1
-        self.per_rank = num_samples // world_size if drop_last else math.ceil(num_samples / world_size)
-        self.num_batches = self.per_rank // batch_size if drop_last else math.ceil(self.per_rank / batch_size)
+        self.global_batch = batch_size * world_size
+        whole, partial = divmod(num_samples, self.global_batch)
+        self.num_batches = whole + (partial > 0 and not drop_last)  # of an epoch read in one layout
         if self.num_batches == 0:
             raise DataError(
                 f"{num_samples} samples do not fill one batch of {batch_size} on each of "
                 f"{world_size} rank(s); lower the batch size or set data.drop_last=false"
             )
 
-    def rank_indices(self, epoch: int) -> np.ndarray:
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + epoch)
-            order = torch.randperm(self.num_samples, generator=g).numpy()
+    def permutation(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_samples)
+        return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch)).numpy()
+
+    def epoch_order(self, epoch: int, layouts: list[list[int]]) -> np.ndarray:
+        """The global read order of `epoch` (sample indices, whole global batches), read in `layouts`:
+        [[first position, G], ...], oldest first; the last is this order's own G."""
+        rest, read = self.permutation(epoch), []
+        for i, (start, size) in enumerate(layouts):
+            grouped = self._grouped(rest, size, epoch, i)
+            if i == len(layouts) - 1:
+                read.append(grouped)
+                break
+            taken = grouped[: layouts[i + 1][0] - start]
+            read.append(taken)
+            rest = rest[~np.isin(rest, taken)]  # the permutation's order is kept
+        return np.concatenate(read)
+
+    def _grouped(self, samples: np.ndarray, size: int, epoch: int, layout: int) -> np.ndarray:
+        """`samples` cut into global batches of `size` (the class docstring), bucketed when asked."""
+        whole, partial = divmod(len(samples), size)
+        if partial and not self.drop_last:
+            samples = np.resize(samples, (whole + 1) * size)  # resize wraps around to the start
         else:
-            order = np.arange(self.num_samples)
-        total = self.per_rank * self.world_size
-        order = order[:total] if self.drop_last else np.resize(order, total)  # resize wraps around
-        return order[self.rank :: self.world_size]
-
-    def batches(self, epoch: int, start: int):
-        """Batches start, start + 1, ... of `epoch`; the ones before `start` are never formed."""
-        indices = self.rank_indices(epoch)
-        if self.bucket_batches > 1:
-            indices = self._bucketed(indices, epoch)
-        for b in range(start, self.num_batches):
-            yield indices[b * self.batch_size : (b + 1) * self.batch_size].tolist()
-
-    def _bucketed(self, indices: np.ndarray, epoch: int) -> np.ndarray:
-        """`indices` regrouped window by window (class docstring); the same for a given (seed, epoch, rank)."""
-        B, n = self.batch_size, self.bucket_batches
-        out = indices.copy()
-        g = np.random.default_rng([self.seed, epoch, self.rank])
-        for first in range(0, self.num_batches * B, n * B):
-            window = indices[first : min(first + n * B, self.num_batches * B)]  # whole batches only
-            by_length = window[np.argsort(self.lengths[window], kind="stable")]
-            batches = by_length.reshape(-1, B)
-            out[first : first + window.size] = batches[g.permutation(len(batches))].reshape(-1)
+            samples = samples[: whole * size]
+        if self.bucket_batches == 1:
+            return samples
+        out = samples.copy()
+        g = np.random.default_rng([self.seed, epoch, layout])
+        window = self.bucket_batches * size
+        for first in range(0, len(samples), window):
+            part = samples[first : first + window]
+            batches = part[np.argsort(self.lengths[part], kind="stable")].reshape(-1, size)
+            out[first : first + part.size] = batches[g.permutation(len(batches))].reshape(-1)
         return out
+
+    def batches(self, order: np.ndarray, start: int):
+        """This rank's batches of the global order `order` from position `start` on."""
+        for first in range(start, len(order) - self.global_batch + 1, self.global_batch):
+            yield order[first : first + self.global_batch][self.rank :: self.world_size].tolist()
 
 
 class _EpochBatches:
-    """The batch_sampler handed to DataLoader: the batches of one epoch from a start batch. The
-    Loader sets (epoch, start) before each pass; DataLoader reads it ahead for prefetching."""
+    """The batch_sampler handed to DataLoader: this rank's batches of one epoch's order from a start
+    position. The Loader sets both before each pass; DataLoader reads it ahead for prefetching."""
 
     def __init__(self, order: BatchOrder):
-        self.order, self.epoch, self.start = order, 0, 0
+        self.order, self.epoch_order, self.start = order, np.empty(0, dtype=np.int64), 0
 
     def __iter__(self):
-        return self.order.batches(self.epoch, self.start)
+        return self.order.batches(self.epoch_order, self.start)
 
     def __len__(self) -> int:
-        return self.order.num_batches - self.start
+        return max(0, len(self.epoch_order) - self.start) // self.order.global_batch
 
 
 class PadCollate:
@@ -305,7 +325,8 @@ class Loader:
         pin_memory: bool,
     ):
         self.dataset, self.order = dataset, order
-        self.epoch, self.batch = 0, 0
+        self.epoch, self.samples = 0, 0  # samples of the epoch read (handed out) so far, over all ranks
+        self.layouts = [[0, order.global_batch]]  # the epoch's groupings (BatchOrder)
         self._batches = _EpochBatches(order)
         workers = num_workers > 0
         self.dataloader = DataLoader(
@@ -327,53 +348,41 @@ class Loader:
         return self.order.num_batches
 
     def __iter__(self):
-        self._batches.epoch, self._batches.start = self.epoch, self.batch
+        self._batches.epoch_order = self.order.epoch_order(self.epoch, self.layouts)
+        self._batches.start = self.samples
         iterator = iter(self.dataloader)
         self._live_iterator = weakref.ref(iterator)
         for batch in iterator:
-            self.batch += 1
+            self.samples += self.order.global_batch
             yield batch
-        self.epoch, self.batch = self.epoch + 1, 0
+        self.epoch, self.samples, self.layouts = self.epoch + 1, 0, [[0, self.order.global_batch]]
 
     def state_dict(self) -> dict:
-        global_batch = self.order.batch_size * self.order.world_size
-        state = {
+        """Where the next batch starts: the epoch and the samples of it read by all ranks together."""
+        return {
             "epoch": self.epoch,
-            "samples": self.batch * global_batch,
+            "samples": self.samples,
+            "layouts": [list(layout) for layout in self.layouts],
             "num_samples": self.order.num_samples,
             "seed": self.order.seed,
             "shuffle": self.order.shuffle,
+            "bucket_batches": self.order.bucket_batches,
         }
-        if self.order.bucket_batches > 1:  # bucketed batches are formed per (batch size, rank)
-            state.update(
-                bucket_batches=self.order.bucket_batches,
-                batch_size=self.order.batch_size,
-                world_size=self.order.world_size,
-            )
-        return state
 
     def load_state_dict(self, state: dict) -> None:
-        keys = ["num_samples", "seed", "shuffle"]
+        """Continue where `state` was taken, with this loader's batch size and world size (BatchOrder)."""
         state = {"bucket_batches": 1, **state}
-        keys.append("bucket_batches")
-        if state["bucket_batches"] > 1:  # bucketed batches exist only for the batch size and ranks they were cut for
-            keys += ["batch_size", "world_size"]
-        for key in keys:
+        for key in ("num_samples", "seed", "shuffle", "bucket_batches"):
             if state[key] != getattr(self.order, key):
                 raise DataError(
                     f"loader state: saved with {key}={state[key]!r}, this loader has "
                     f"{getattr(self.order, key)!r} ({self.dataset.path}, split {self.dataset.split}); "
-                    f"resume with the same dataset, seed and data.bucket_batches (and, bucketed, the "
-                    f"same batch size and world size)"
+                    f"resume with the same dataset, seed and data.bucket_batches"
                 )
-        global_batch = self.order.batch_size * self.order.world_size
-        if state["samples"] % global_batch:
-            raise DataError(
-                f"loader state: {state['samples']} samples into epoch {state['epoch']} is not a whole "
-                f"number of global batches of {global_batch}; resume with a batch size x world size "
-                f"that divides it"
-            )
-        self.epoch, self.batch = state["epoch"], state["samples"] // global_batch
+        layouts = [list(layout) for layout in state.get("layouts", [[0, self.order.global_batch]])]
+        if layouts[-1][1] != self.order.global_batch:  # another batch size x world size from here on
+            layouts.append([state["samples"], self.order.global_batch])
+        self.epoch, self.samples, self.layouts = state["epoch"], state["samples"], layouts
 
 
 def build_loader(

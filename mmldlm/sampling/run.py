@@ -35,7 +35,7 @@ from mmldlm.errors import OptionError
 from mmldlm.model import MultimodalMMDiT
 from mmldlm.sampling.sampler import Sampler, SamplingOptions, pad_mask_from_lengths
 from mmldlm.sampling.text_metrics import words
-from mmldlm.training.checkpoint import find_latest
+from mmldlm.training.checkpoint import find_latest, has_ema, is_full_state, read_weights
 from mmldlm.training.storage import CheckpointError
 
 
@@ -291,9 +291,9 @@ def find_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
     (training/checkpoint.py find_latest)."""
     if checkpoint is not None:
         path = Path(checkpoint)
-        if not (path / "model.safetensors").is_file():
+        if not (path / ".metadata").is_file() and not is_full_state(path):
             raise DataError(
-                f"--checkpoint {path}: no model.safetensors there; checkpoints are "
+                f"--checkpoint {path}: no checkpoint there (no .metadata); checkpoints are "
                 f"RUN/checkpoints/step-NNNNNNN directories"
             )
         return path
@@ -314,15 +314,17 @@ def find_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
     return path
 
 
-def load_weights(model: torch.nn.Module, path: Path) -> None:
-    """Load a safetensors file into `model`, or DataError naming the file and what does not match the
-    model's config (missing, unexpected or differently shaped tensors); the model is untouched then."""
-    if not path.is_file():
-        raise DataError(f"{path}: no such file; the model's weights are missing")
-    try:
-        state = load_file(str(path))
-    except SafetensorError as err:
-        raise DataError(f"{path}: not a readable safetensors file ({err})") from None
+def load_weights(model: torch.nn.Module, path: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+    """Load a safetensors file (or `state`, the weights read from `path`) into `model`, or DataError
+    naming the file and what does not match the model's config (missing, unexpected or differently
+    shaped tensors); the model is untouched then."""
+    if state is None:
+        if not path.is_file():
+            raise DataError(f"{path}: no such file; the model's weights are missing")
+        try:
+            state = load_file(str(path))
+        except SafetensorError as err:
+            raise DataError(f"{path}: not a readable safetensors file ({err})") from None
     expected = model.state_dict()
     missing = sorted(expected.keys() - state.keys())
     unexpected = sorted(state.keys() - expected.keys())
@@ -354,8 +356,9 @@ def load_run(
     data_dir = dataset_path(cfg.data, log=lambda _msg: None)
     val = PreparedDataset(data_dir, "val")
     model = MultimodalMMDiT(cfg.model, vocab_size=cfg.model.vocab_size or val.vocab_size)
-    weights = "ema" if use_ema and (path / "ema.safetensors").is_file() else "raw"
-    load_weights(model, path / ("ema.safetensors" if weights == "ema" else "model.safetensors"))
+    weights = "ema" if use_ema and has_ema(path) else "raw"
+    # In this one process, whatever the number of processes that wrote the checkpoint.
+    load_weights(model, path, read_weights(path, "ema" if weights == "ema" else "model"))
     model.to(pick_device(device, key="--device")).eval()
     text = MaskedDiffusion(cfg.text_diffusion, mask_token_id=val.mask_id, pad_token_id=val.pad_id)
     mean, std = val.latent_stats()

@@ -31,10 +31,11 @@ from mmldlm.config import MODES, RunConfig, from_dict, to_dict
 from mmldlm.data.dataset import default_num_workers
 from mmldlm.model.mmdit import MultimodalMMDiT
 from mmldlm.training.batch_size import global_batch_sizes, per_process_micro_batch
+from mmldlm.training.checkpoint import find_latest, is_full_state
 from mmldlm.training.metrics import cpu_has_native_bf16
 from mmldlm.training.optim import STATE_BYTES
 from mmldlm.training.schedules import LRSchedule
-from mmldlm.training.storage import current_run_config, free_bytes
+from mmldlm.training.storage import CheckpointError, current_run_config, free_bytes
 
 GIB = 2**30
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
@@ -65,6 +66,7 @@ class Environment:
     fused_adamw: bool = True  # torch's fused AdamW kernel works on `device`
     native_bf16: bool = False  # bf16 matmuls in hardware (a CUDA GPU, or a CPU with AVX512-BF16/AMX)
     environ: dict[str, str] = field(default_factory=dict)  # the NCCL / torch variables that matter
+    resume: str | None = None  # what `mmldlm train --resume` would be given: "auto", a checkpoint path, or none
 
     @property
     def world_size(self) -> int:
@@ -275,6 +277,16 @@ RESUME_MESSAGE = (
 )
 RESUME_WHY = "the schedule spans train.steps: resuming makes the LR jump from {old:.3g} to {new:.3g} at step {step}"
 RESUME_FIX = "keep train.steps={before}, or accept the jump (schedule.warmup_steps does not apply again)"
+
+TOPOLOGY_MESSAGE = (
+    "--resume {resume}: checkpoint {path} was written by {before} process(es) ({before_strategy}), this run "
+    "has {now} ({strategy})"
+)
+TOPOLOGY_WHY = (
+    "the checkpoint is resharded to this run (model, optimizer and EMA); the LR schedule goes on by step, the "
+    "data at the samples seen (none repeated or skipped, accumulation from the global batch); each rank's RNG "
+    "is seeded from (train.seed, step, rank) instead of restored"
+)
 
 RULES = {
     # Timeouts and the NCCL watchdog: a hung rank must fail the job, soon but not too soon.
@@ -514,6 +526,20 @@ RULES = {
     "resume_other_length": Rule("lr_schedule", "warning", RESUME_MESSAGE, RESUME_WHY, RESUME_FIX),
     "resume_after_end": Rule(
         "lr_schedule", "warning", RESUME_MESSAGE, RESUME_WHY + " and the old schedule had already ended", RESUME_FIX
+    ),
+    "resume_other_topology": Rule(
+        "resume_topology",
+        "info",
+        TOPOLOGY_MESSAGE,
+        TOPOLOGY_WHY,
+        "nothing to fix; resume on {before} process(es) with {before_strategy} to restore the RNG states too",
+    ),
+    "resume_full_state": Rule(
+        "resume_topology",
+        "error",
+        "--resume {resume}: checkpoint {path} is of the earlier full-state format (model.safetensors)",
+        "training resumes only from sharded checkpoints; that one can still be sampled, evaluated or exported",
+        "resume it with the mmldlm that wrote it, or start a new run (another train.run_dir)",
     ),
     # The baseline preset's performance choices (configs/baseline.yaml), each slower with no gain.
     "find_unused_parameters": Rule(
@@ -922,6 +948,37 @@ def _resume_with_other_length(cfg: RunConfig) -> list[Finding]:
     return [finding(name, run_dir=run_dir, step=step, before=before, steps=cfg.train.steps, old=old, new=new)]
 
 
+def check_resume_topology(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
+    """`--resume` naming a checkpoint written by another number of processes or another strategy: what
+    the resume does then (one line); a checkpoint of the full-state format cannot be resumed."""
+    if env.resume in (None, "none"):
+        return []
+    try:
+        path = find_latest(Path(cfg.train.run_dir) / "checkpoints") if env.resume == "auto" else Path(env.resume)
+        meta = json.loads((path / "meta.json").read_text()) if path is not None else None
+    except (OSError, ValueError, CheckpointError):
+        return []  # no checkpoint, or none that reads: `mmldlm train` says which and why
+    if meta is None or not isinstance(meta.get("world_size"), int):
+        return []
+    values = {"resume": env.resume, "path": path}
+    if is_full_state(path):
+        return [finding("resume_full_state", **values)]
+    strategy = cfg.distributed.strategy if env.world_size > 1 else "single"
+    before_strategy = meta.get("strategy", "ddp" if meta["world_size"] > 1 else "single")
+    if (meta["world_size"], before_strategy) == (env.world_size, strategy):
+        return []
+    return [
+        finding(
+            "resume_other_topology",
+            **values,
+            before=meta["world_size"],
+            before_strategy=before_strategy,
+            now=env.world_size,
+            strategy=strategy,
+        )
+    ]
+
+
 def check_slow_switches(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
     """The baseline preset's performance choices (configs/baseline.yaml), each slower with no gain."""
     fires = {
@@ -948,6 +1005,7 @@ CHECKS = (
     check_batch_divisible,
     check_step_in_backward,
     check_lr_schedule,
+    check_resume_topology,
     check_slow_switches,
 )
 

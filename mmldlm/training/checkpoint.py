@@ -1,25 +1,37 @@
 """One checkpoint manager: save, find, load, rotate, optionally in the background.
 
-Layout of `RUN/checkpoints/`:
+Layout of `RUN/checkpoints/` (one format whatever the number of processes; one process is world size 1):
     step-0000500/
-        model.safetensors   full (unsharded) model weights, fp32
-        ema.safetensors     the EMA of the weights (train.ema_decay > 0), same names; sample and eval
-                            use it by default
-        optimizer.pt        full AdamW state keyed by parameter name
-        trainer.pt          {"trainer": step, schedule, skip counters, ...,
-                             "ranks": [per-rank RNG states and data position, by rank],
-                             "ema_num_averaged": updates in the EMA (with ema.safetensors)}
+        .metadata           torch.distributed.checkpoint's index: every tensor's global shape and
+                            where each of its pieces lies in the shard files (relative names)
+        __0_0.distcp ...    rank r's shard __r_0.distcp: under FSDP2 its slices of the weights, AdamW
+                            moments and EMA; under DDP the replicated tensors are written once
+                            ("model.*", "optim.state.*", "optim.param_groups.*", "ema.*" in .metadata)
+        rank-00000.pt ...   rank r's own state: its RNG states
+        trainer.pt          {"trainer": step, schedule, skip counters, data position (samples seen), ...,
+                             "ema_num_averaged": updates in the EMA (when the run keeps one)}
         config.yaml         the resolved run config
-        meta.json           step, world size, metrics line count, and "files": the size and SHA-256
-                            of every other file, taken at save time
+        meta.json           step, world size, strategy, metrics line count, and "files": the size and
+                            SHA-256 of every other file, each rank's taken by that rank at save time
     latest                  text file naming the newest complete step directory
     abandoned-<time>/       checkpoints newer than the step a run was resumed from (see `continue_from`)
 
-Atomicity: everything is written into `.tmp-step-0000500/`, flushed, and only then renamed to
-`step-0000500/` (a rename within one directory is atomic), and `latest` is replaced atomically after
-that. A stale `.tmp-*` directory (a kill during a write) is removed on the next start; a write that
-fails (a full disk) removes its own. Old checkpoints are pruned only after `latest` moved on, and
-never the one `latest` names.
+Writing: every rank writes its own shard with `torch.distributed.checkpoint` (DCP) into
+`.tmp-step-0000500/`, then its own small file, and hashes the files it wrote; the lists are gathered
+to rank 0, which writes meta.json last, flushes, renames the directory to `step-0000500/` (a rename
+within one directory is atomic) and then replaces `latest` atomically. No rank ever holds the whole
+state: this is what lets a model whose state does not fit one host checkpoint at all. Before writing,
+rank 0 checks the free space for the whole checkpoint and every rank hears its verdict. A stale
+`.tmp-*` directory (a kill during a write) is removed on the next start; a write that fails (a full
+disk) removes its own. Old checkpoints are pruned only after `latest` moved on, and never the one
+`latest` names.
+
+Asynchronous (checkpoint.async_save): `dcp.async_save` copies the state to CPU memory in the
+foreground and writes it in a background thread over a gloo process group of its own (the training
+group may be NCCL, and must stay free for the training collectives); the rest (small files, checksums,
+meta.json, rename, `latest`, pruning) runs in that thread when the write completes. The next save and
+the end of the run wait for it; its failure is raised on the training thread after the step it is
+noticed in.
 
 Trust: `latest` is a record of the last save, not the truth. `find_latest` takes the newest
 complete checkpoint that verifies (every file of the manifest has its size, and on resume its
@@ -27,11 +39,12 @@ checksum) and says which it skipped and why, and where `latest` disagreed. A kil
 rename and the pointer, a deleted `latest` or a truncated file therefore never stops a run from
 continuing, nor sends it back to an older step.
 
-Collectives happen on every rank and in the foreground: the full state dicts are gathered (FSDP2
-shards are all-gathered, cpu_offload puts the result on rank 0's CPU) and the small per-rank states
-are gathered to rank 0. Rank 0 alone writes, so an asynchronous save needs no cross-rank
-coordination: the snapshot is copied to CPU memory and a background thread writes it while training
-goes on. Before the next snapshot the previous write is awaited, so two writes never overlap.
+Loading: `dcp.load` into the state dicts of the model and optimizer of the *current* run, then
+`set_state_dict`: DCP reads for each rank the pieces its own shards need, so a checkpoint written by
+2 processes resumes on 1 or 4, and DDP on FSDP2 and back. The per-rank RNG states are restored only
+on the same number of processes (the trainer derives them otherwise). Sampling, evaluation and
+export read the weights in one process (`read_weights`). Checkpoints of the earlier full-state format
+(model.safetensors, optimizer.pt) are still read for sampling and export, not for resuming training.
 """
 
 from __future__ import annotations
@@ -46,18 +59,23 @@ import shutil
 import signal
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    get_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
+    set_state_dict,
 )
 
 from mmldlm.config import CheckpointConfig, save_config
@@ -68,24 +86,32 @@ from mmldlm.training.storage import CheckpointError, WriteError, free_bytes, loc
 log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step-(\d{7})$")
-# What every checkpoint holds, also one written before meta.json listed its files.
-REQUIRED_FILES = ("meta.json", "model.safetensors", "optimizer.pt", "trainer.pt")
+# What every checkpoint holds; a checkpoint without a manifest (written before meta.json listed its
+# files) is of the full-state format and is checked for those.
+REQUIRED_FILES = ("meta.json", ".metadata", "trainer.pt")
+FULL_STATE_FILES = ("model.safetensors", "optimizer.pt", "trainer.pt")
+# The flat optimizer state dict ("state.NAME.exp_avg", "param_groups.NAME.lr"): DCP stores each entry
+# under its own key, so a parameter the checkpoint holds no state for is told by a missing key.
+STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# DCP warns at every save and load in one process, where no_dist=True is what is asked for.
+SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+def _quiet_single_process_warning() -> None:
+    warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING, category=UserWarning)
 
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:07d}"
 
 
-def _cpu_copy(tree):
-    """A deep copy of a state tree with every tensor in (private) CPU memory: the snapshot must not
-    change while the model trains on."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().to("cpu", copy=True)
-    if isinstance(tree, dict):
-        return {k: _cpu_copy(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_cpu_copy(v) for v in tree)
-    return tree
+def rank_file_name(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+def is_full_state(path: Path) -> bool:
+    """A checkpoint of the earlier format: rank 0 wrote the gathered state (model.safetensors)."""
+    return not (path / ".metadata").is_file() and (path / "model.safetensors").is_file()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -101,11 +127,9 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _contiguous(state: dict) -> dict:
-    return {k: v.contiguous() for k, v in state.items()}
-
-
 def _tensor_bytes(tree) -> int:
+    """Bytes of every tensor in a state tree; a DTensor counts with its global size, so on any rank
+    this is the size of the whole checkpoint."""
     if isinstance(tree, torch.Tensor):
         return tree.numel() * tree.element_size()
     if isinstance(tree, dict):
@@ -135,7 +159,7 @@ def verify(path: Path, checksums: bool) -> str | None:
         return f"{meta_file} is not readable JSON ({err})"
     if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
         return f"{meta_file} is not a checkpoint's meta.json (no integer 'step')"
-    manifest = meta.get("files") or {name: None for name in REQUIRED_FILES[1:]}
+    manifest = meta.get("files") or {name: None for name in FULL_STATE_FILES}
     for name, expected in manifest.items():
         file = path / name
         if not file.is_file():
@@ -200,21 +224,57 @@ def _torch_save(obj, path: Path) -> None:
         raise OSError(f"torch.save failed: {err}") from err
 
 
-def _load_optimizer_state(model, optimizer, saved: dict) -> None:
-    """Load a full optimizer state dict (parameter names as keys) into `optimizer`, the parameters
-    the checkpoint holds no state for included. AdamW makes a parameter's state at its first gradient,
-    so a checkpoint of the first steps lacks those that no mode has trained yet (the text head after
-    t2l steps): hence not strict (the model was loaded strictly, so the parameters are the same).
-    set_optimizer_state_dict first gives every parameter a state (a zero-gradient step: step 1, zero
-    moments); the ones the checkpoint has none for are dropped again, to be made at their first
-    gradient as in the run that wrote it (else their bias correction would be one step off)."""
-    names_by_group = [group["params"] for group in saved["param_groups"]]
-    saved_names = set(saved["state"])
-    set_optimizer_state_dict(model, optimizer, saved, options=StateDictOptions(full_state_dict=True, strict=False))
+def training_state_dict(model, optimizer, ema=None) -> dict:
+    """What DCP saves and loads: {"model", "optim", "ema"}, each rank's view (FSDP2: DTensor shards;
+    DDP: whole tensors). On an optimizer with no state yet (a fresh run, before loading) torch first
+    gives every parameter one (a step with zero gradients and lr 0), so there is a tensor to load into."""
+    model_state, optim_state = get_state_dict(model, optimizer, options=STATE_OPTIONS)
+    state = {"model": model_state, "optim": optim_state}
+    if ema is not None:
+        state["ema"] = get_model_state_dict(ema.module)
+    return state
+
+
+def _saved_keys(path: Path) -> set[str]:
+    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def _drop_unsaved_optimizer_state(model, optimizer, saved: set[str]) -> None:
+    """AdamW makes a parameter's state at its first gradient, so a checkpoint of the first steps lacks
+    those that no mode has trained yet (the text head after t2l steps). Loading kept the zero state
+    torch made for them (training_state_dict); it is dropped again, to be made at their first gradient
+    as in the run that wrote it (else their bias correction would be one step off)."""
+    names_by_group = [group["params"] for group in get_optimizer_state_dict(model, optimizer)["param_groups"]]
     for group, names in zip(optimizer.param_groups, names_by_group, strict=True):
         for param, name in zip(group["params"], names, strict=True):
-            if name not in saved_names:
+            if f"optim.state.{name}.step" not in saved:
                 optimizer.state.pop(param, None)
+
+
+def read_weights(path: Path, which: str = "model") -> dict[str, torch.Tensor]:
+    """The whole weights ("model" or "ema") of the checkpoint at `path`, in this one process,
+    whatever the number of processes that wrote it (sampling, evaluation, export). A checkpoint of
+    the full-state format is read from its safetensors file."""
+    if is_full_state(path):
+        return load_file(str(path / f"{which}.safetensors"))
+    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    prefix = f"{which}."
+    state = {
+        key[len(prefix) :]: torch.empty(item.size, dtype=item.properties.dtype)
+        for key, item in metadata.items()
+        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
+    }
+    if not state:
+        raise CheckpointError(f"{path}: holds no {which} weights")
+    _quiet_single_process_warning()
+    dcp.load({which: state}, checkpoint_id=str(path), no_dist=True)
+    return state
+
+
+def has_ema(path: Path) -> bool:
+    if is_full_state(path):
+        return (path / "ema.safetensors").is_file()
+    return any(key.startswith("ema.") for key in _saved_keys(path))
 
 
 class CheckpointManager:
@@ -224,6 +284,11 @@ class CheckpointManager:
         self.dir = Path(run_dir) / "checkpoints"  # made by the first write, not before the run starts
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        # The checkpoint's own process group (gloo: CPU tensors, and a background write must not
+        # share the training group's queue); made now, as every rank builds its manager at the same point.
+        self._group = dist.new_group(backend="gloo") if info.distributed else None
+        if not info.distributed:
+            _quiet_single_process_warning()
 
     def claim(self) -> None:
         """Take the run directory for this process, on the main rank, before anything of the run is
@@ -355,40 +420,150 @@ class CheckpointManager:
     ) -> None:
         """Checkpoint after `step` optimizer steps. Call on every rank. Asynchronous when
         checkpoint.async_save is on, unless `blocking` (the final and the signal-triggered save).
-        `ema`: the run's WeightEMA, if any."""
+        `ema`: the run's WeightEMA, if any. `rank_state` is this rank's own; the rest is the same on
+        every rank and rank 0's is written."""
         self.wait()
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        with collective_guard(f"checkpoint gather of step {step}", self.info):
-            model_state = get_model_state_dict(model, options=options)
-            optim_state = get_optimizer_state_dict(model, optimizer, options=options)
-            ema_state = get_model_state_dict(ema.module, options=options) if ema is not None else None
-            rank_states = [None] * self.info.world_size if self.info.is_main else None
-            if self.info.distributed:
-                dist.gather_object(rank_state, rank_states, dst=0)
-            else:
-                rank_states = [rank_state]
-        if not self.info.is_main:
-            return
-        trainer = {"trainer": trainer_state, "ranks": rank_states}
+        name = step_dir_name(step)
+        tmp = self.dir / f".tmp-{name}"
+        with collective_guard(f"checkpoint state of step {step}", self.info):
+            state = training_state_dict(model, optimizer, ema)
+            self._prepare(tmp, name, _tensor_bytes(state))
+        trainer = {"trainer": trainer_state}
         if ema is not None:
             trainer["ema_num_averaged"] = ema.num_averaged
-        snapshot = _cpu_copy({"model": model_state, "optimizer": optim_state, "ema": ema_state, "trainer": trainer})
         meta = {
             "step": step,
             "world_size": self.info.world_size,
+            "strategy": config.distributed.strategy if self.info.distributed else "single",
             "metrics_lines": metrics_lines,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             # What trained it, for a model card: the device's name and the training wall-clock time.
             "device": describe_device(self.info.device),
             "wall_seconds": trainer_state.get("wall_seconds"),
         }
+        small = {rank_file_name(self.info.rank): lambda f: _torch_save(rank_state, f)}
+        if self.info.is_main:
+            small["trainer.pt"] = lambda f: _torch_save(trainer, f)
+            small["config.yaml"] = lambda f: save_config(config, f)
+        writer = dcp.FileSystemWriter(str(tmp))
         if self.cfg.async_save and not blocking:
+            try:  # the copy to CPU memory happens here, in the foreground; the write in the background
+                future = dcp.async_save(
+                    state, storage_writer=writer, process_group=self._group, no_dist=not self.info.distributed
+                )
+            except CheckpointException as err:
+                self._fail(tmp, err)
             self._thread = threading.Thread(
-                target=self._write_guarded, args=(step, snapshot, meta, config), name="checkpoint-writer", daemon=False
+                target=self._finish_guarded, args=(future, tmp, small, meta), name="checkpoint-writer", daemon=False
             )
             self._thread.start()
         else:
-            self._write(step, snapshot, meta, config)
+            try:
+                dcp.save(state, storage_writer=writer, process_group=self._group, no_dist=not self.info.distributed)
+            except CheckpointException as err:
+                self._fail(tmp, err)
+            self._finish(tmp, small, meta)
+
+    def _prepare(self, tmp: Path, name: str, num_bytes: int) -> None:
+        """On rank 0: check the free space for the whole checkpoint and make an empty `tmp`; every
+        rank hears the verdict, so all write or all raise the same WriteError."""
+        verdict = [None]
+        if self.info.is_main:
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                self._check_free_space(name, num_bytes)
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                tmp.mkdir()
+            except WriteError as err:
+                verdict[0] = str(err)
+            except OSError as err:
+                verdict[0] = f"{write_failure(err, tmp)}; nothing was written, {self.last_good()}"
+        if self.info.distributed:
+            dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None:
+            raise WriteError(verdict[0])
+
+    def _fail(self, tmp: Path, err: BaseException, file: Path | None = None):
+        """Remove the partial checkpoint and raise the WriteError that says what happened and what is left.
+        A failure inside DCP comes as a CheckpointException listing each rank's error; the first names
+        the shard: the rank's __r_0.distcp, unless the OS error carries its own file name."""
+        if isinstance(err, CheckpointException):
+            rank, (err, _) = min(err.failures.items())
+            file = Path(err.filename) if getattr(err, "filename", None) else tmp / f"__{rank}_0.distcp"
+        if self.info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise WriteError(
+            f"{write_failure(err, file or tmp)}; the partial checkpoint was removed, "
+            f"{self.last_good()}; free space, then continue with --resume auto"
+        ) from err
+
+    def _finish_guarded(self, future, *args) -> None:
+        try:
+            try:
+                future.result()
+            except CheckpointException as err:
+                self._fail(args[0], err)
+            self._finish(*args)
+        except BaseException as err:  # handed to the training thread by wait()
+            self._error = err
+
+    def _finish(self, tmp: Path, small: dict, meta: dict) -> None:
+        """After the shards are written: every rank writes its small files and hashes what it wrote;
+        rank 0 gathers the lists, writes meta.json, renames, moves `latest` and prunes."""
+        files, failure = {}, None
+        file = tmp
+        try:
+            for file_name, write in small.items():
+                file = tmp / file_name
+                write(file)
+            own = [tmp / n for n in small] + sorted(tmp.glob(f"__{self.info.rank}_*.distcp"))
+            if self.info.is_main:
+                own.append(tmp / ".metadata")
+            for file in own:
+                with open(file, "rb") as f:
+                    os.fsync(f.fileno())
+                files[file.name] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
+        except OSError as err:
+            failure = write_failure(err, file)
+        gathered = [None] * self.info.world_size if self.info.is_main else None
+        if self.info.distributed:
+            dist.gather_object((files, failure), gathered, dst=0, group=self._group)
+        else:
+            gathered = [(files, failure)]
+        if not self.info.is_main:
+            if failure is not None:
+                raise WriteError(f"{failure}; rank 0 removes the partial checkpoint")
+            return
+        failures = [f for _, f in gathered if f is not None]
+        manifest = dict(sorted(item for listed, _ in gathered for item in listed.items()))
+        file = tmp / "meta.json"
+        try:
+            if failures:
+                raise OSError(failures[0])
+            file.write_text(json.dumps({**meta, "files": manifest}, indent=1) + "\n")
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+        except OSError as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            said = failures[0] if failures else write_failure(err, file)
+            raise WriteError(
+                f"{said}; the partial checkpoint was removed, {self.last_good()}; free space, then continue "
+                f"with --resume auto"
+            ) from err
+        final = self.dir / tmp.name.removeprefix(".tmp-")
+        if final.exists():  # the same step saved again (e.g. a signal right after a periodic save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        try:
+            self._point_latest(final.name)
+        except OSError as err:  # the checkpoint is whole; --resume auto finds it without the pointer
+            raise WriteError(
+                f"{write_failure(err, self.dir / 'latest')}; {final} is complete and --resume auto continues from it"
+            ) from err
+        self._prune()
+        log.info("checkpoint: wrote %s", final)
 
     def wait(self) -> None:
         """Block until a background write is done; re-raise its error here, on the training thread."""
@@ -405,59 +580,6 @@ class CheckpointManager:
         """Called after every step: a background write that has failed is reported now, not at the next save."""
         if self._thread is not None and not self._thread.is_alive():
             self.wait()
-
-    def _write_guarded(self, *args) -> None:
-        try:
-            self._write(*args)
-        except BaseException as err:  # handed to the training thread by wait()
-            self._error = err
-
-    def _write(self, step: int, snapshot: dict, meta: dict, config) -> None:
-        name = step_dir_name(step)
-        final = self.dir / name
-        tmp = self.dir / f".tmp-{name}"
-        # safetensors refuses tensors that share memory; the CPU copy gave each its own.
-        files = {"model.safetensors": lambda f: save_file(_contiguous(snapshot["model"]), str(f))}
-        if snapshot["ema"] is not None:
-            files["ema.safetensors"] = lambda f: save_file(_contiguous(snapshot["ema"]), str(f))
-        files["optimizer.pt"] = lambda f: _torch_save(snapshot["optimizer"], f)
-        files["trainer.pt"] = lambda f: _torch_save(snapshot["trainer"], f)
-        files["config.yaml"] = lambda f: save_config(config, f)
-        file = tmp
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self._check_free_space(name, _tensor_bytes(snapshot))
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-            manifest = {}
-            for file_name, write in files.items():
-                file = tmp / file_name
-                write(file)
-                manifest[file_name] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
-            file = tmp / "meta.json"
-            file.write_text(json.dumps({**meta, "files": manifest}, indent=1) + "\n")
-            for written in tmp.iterdir():
-                with open(written, "rb") as f:
-                    os.fsync(f.fileno())
-            _fsync_dir(tmp)
-        except (OSError, SafetensorError) as err:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise WriteError(
-                f"{write_failure(err, file)}; the partial checkpoint was removed, "
-                f"{self.last_good()}; free space, then continue with --resume auto"
-            ) from err
-        if final.exists():  # the same step saved again (e.g. a signal right after a periodic save)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        try:
-            self._point_latest(name)
-        except OSError as err:  # the checkpoint is whole; --resume auto finds it without the pointer
-            raise WriteError(
-                f"{write_failure(err, self.dir / 'latest')}; {final} is complete and --resume auto continues from it"
-            ) from err
-        self._prune()
-        log.info("checkpoint: wrote %s", final)
 
     def _check_free_space(self, name: str, num_bytes: int) -> None:
         free = free_bytes(self.dir)
@@ -488,31 +610,60 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- loading
 
-    def load(self, path: Path, model, optimizer, ema=None) -> tuple[dict, dict, dict]:
+    def load(self, path: Path, model, optimizer, ema=None) -> tuple[dict, dict, dict | None]:
         """Load weights and optimizer state into (possibly wrapped) `model` / `optimizer`, and the EMA
-        into `ema` if given, on every rank; returns (meta, trainer_state, this rank's state). A
-        checkpoint without an EMA restarts the average from the weights at the next update."""
+        into `ema` if given, on every rank, resharded for this run's world size and strategy; returns
+        (meta, trainer_state, this rank's state), the last None when the checkpoint was written by
+        another number of processes. A checkpoint without an EMA restarts the average from the weights
+        at the next update."""
         meta = json.loads((path / "meta.json").read_text())
-        if meta["world_size"] != self.info.world_size:
+        if is_full_state(path):
             raise CheckpointError(
-                f"checkpoint {path} was written by {meta['world_size']} processes, this run has "
-                f"{self.info.world_size}: the per-rank RNG states and data positions do not map; resume "
-                f"with the same number of processes"
+                f"checkpoint {path} is of the earlier full-state format (model.safetensors, optimizer.pt), "
+                f"which training no longer resumes from; sample, evaluate or export it, or resume it with "
+                f"the mmldlm that wrote it"
             )
-        options = StateDictOptions(full_state_dict=True)
+        saved = _saved_keys(path)
         with collective_guard(f"checkpoint load of {path.name}", self.info):
-            set_model_state_dict(model, load_file(str(path / "model.safetensors")), options=options)
-            _load_optimizer_state(model, optimizer, torch.load(path / "optimizer.pt", weights_only=True))
-            has_ema = (path / "ema.safetensors").is_file()
-            if ema is not None and has_ema:
-                set_model_state_dict(ema.module, load_file(str(path / "ema.safetensors")), options=options)
-        state = torch.load(path / "trainer.pt", weights_only=True)
+            state = training_state_dict(model, optimizer, ema)
+            saved_ema = any(key.startswith("ema.") for key in saved)
+            if not saved_ema:
+                state.pop("ema", None)
+            missing = sorted(f"{part}.{key}" for part in ("model", "ema") for key in state.get(part, {}))
+            missing = [key for key in missing if key not in saved]
+            if missing:
+                raise CheckpointError(
+                    f"checkpoint {path} lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}: "
+                    f"it is of another model; resume with the config it was written with ({path / 'config.yaml'})"
+                )
+            # Partial: the optimizer states of parameters that had none keep torch's zero ones, dropped below.
+            dcp.load(
+                state,
+                checkpoint_id=str(path),
+                planner=DefaultLoadPlanner(allow_partial_load=True),
+                process_group=self._group,
+                no_dist=not self.info.distributed,
+            )
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+                options=STATE_OPTIONS,
+            )
+            _drop_unsaved_optimizer_state(model, optimizer, saved)
+            if "ema" in state:
+                set_model_state_dict(ema.module, state["ema"])
+        trainer = torch.load(path / "trainer.pt", weights_only=True)
         if ema is not None:
-            ema.averaged.n_averaged.fill_(state.get("ema_num_averaged", 0) if has_ema else 0)
-            if not has_ema and self.info.is_main:
+            ema.averaged.n_averaged.fill_(trainer.get("ema_num_averaged", 0) if saved_ema else 0)
+            if not saved_ema and self.info.is_main:
                 log.warning(
                     "checkpoint %s holds no EMA of the weights; the average starts again from the "
                     "weights at the next step",
                     path,
                 )
-        return meta, state["trainer"], state["ranks"][self.info.rank]
+        own = None
+        if meta["world_size"] == self.info.world_size:
+            own = torch.load(path / rank_file_name(self.info.rank), weights_only=True)
+        return meta, trainer["trainer"], own

@@ -462,9 +462,9 @@ class Trainer:
             self.schedule.load_state_dict(state["schedule"])
             if self.scaler is not None and state["scaler"]:
                 self.scaler.load_state_dict(state["scaler"])
-            self.loader.load_state_dict(rank_state["data"])
+            self.loader.load_state_dict(state["data"])
             self._batches = iter(self.loader)
-            set_rng_state(rank_state["rng"])
+            self._restore_rng(rank_state, meta)
             keep_lines = meta["metrics_lines"]
             self._last_saved = self.step
             self.checkpoints.continue_from(path, self.step)
@@ -478,6 +478,22 @@ class Trainer:
         )
         self.metrics = MetricsLogger(self.run_dir, self.cfg.logging, self.info.is_main, keep_lines)
 
+    def _restore_rng(self, rank_state: dict | None, meta: dict) -> None:
+        """This rank's RNG states as saved; from a checkpoint of another number of processes (there is
+        then no state of this rank), derived from the seed, the step and the rank."""
+        if rank_state is not None:
+            set_rng_state(rank_state["rng"])
+            return
+        seed_everything(micro_seed(self.cfg.train.seed, self.step, self.info.rank))
+        if self.info.is_main:
+            log.info(
+                "resumed on %d process(es) from a checkpoint of %d: each rank's RNG is seeded from "
+                "(train.seed, step %d, rank), not restored",
+                self.info.world_size,
+                meta["world_size"],
+                self.step,
+            )
+
     def save(self, blocking: bool = False) -> None:
         state = {
             "step": self.step,
@@ -486,8 +502,9 @@ class Trainer:
             "wall_seconds": self.elapsed_seconds(),
             "schedule": self.schedule.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "data": self.loader.state_dict(),  # the same on every rank: samples seen, not batches
         }
-        rank_state = {"rng": rng_state(), "data": self.loader.state_dict()}
+        rank_state = {"rng": rng_state()}
         self.checkpoints.save(
             self.step,
             self.model,

@@ -1,0 +1,107 @@
+"""Save time and peak resident memory of rank 0 for one checkpoint, sharded (what the trainer writes:
+every rank its own shard through torch.distributed.checkpoint) or full-state (the earlier way: the
+whole state gathered to rank 0's CPU, which alone writes model.safetensors, ema.safetensors and
+optimizer.pt). Run one method per launch: peak RSS only ever grows within a process.
+
+    torchrun --nproc-per-node 2 scripts/checkpoint_bench.py --method sharded model=small
+    torchrun --nproc-per-node 2 scripts/checkpoint_bench.py --method full-state model=small
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from torch.distributed.checkpoint.state_dict import (  # noqa: E402
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+
+from mmldlm.config import load_config  # noqa: E402
+from mmldlm.model import MultimodalMMDiT  # noqa: E402
+from mmldlm.training.checkpoint import CheckpointManager, training_state_dict  # noqa: E402
+from mmldlm.training.distributed import init_distributed  # noqa: E402
+from mmldlm.training.ema import WeightEMA  # noqa: E402
+from mmldlm.training.optim import build_optimizer  # noqa: E402
+from mmldlm.training.parallelize import apply_fsdp, parallelize  # noqa: E402
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def save_full_state(run_dir: Path, model, optimizer, ema, is_main: bool) -> None:
+    """The earlier checkpoint write: gather everything to rank 0's CPU, rank 0 writes."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=options)
+    optim_state = get_optimizer_state_dict(model, optimizer, options=options)
+    ema_state = get_model_state_dict(ema.module, options=options)
+    if is_main:
+        out = run_dir / "full"
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in model_state.items()}, str(out / "model.safetensors"))
+        save_file({k: v.contiguous() for k, v in ema_state.items()}, str(out / "ema.safetensors"))
+        torch.save(optim_state, out / "optimizer.pt")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--method", choices=["sharded", "full-state"], required=True)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    args = parser.parse_args(argv)
+    cfg = load_config(None, ["train.device=cpu", *args.overrides])
+    info = init_distributed(cfg.distributed, "cpu")
+    torch.manual_seed(0)
+    model = MultimodalMMDiT(cfg.model, vocab_size=cfg.model.vocab_size or 8192)
+    ema = WeightEMA(model, 0.999)
+    wrapped = parallelize(model, cfg.perf, cfg.distributed, info)
+    if info.distributed and cfg.distributed.strategy == "fsdp2":
+        apply_fsdp(ema.module)
+    optimizer = build_optimizer(wrapped, cfg.optim)
+    training_state_dict(wrapped, optimizer)  # gives AdamW its state, as after a first step
+    run_dir = Path(args.dir or tempfile.mkdtemp(prefix="checkpoint-bench-"))
+    manager = CheckpointManager(cfg.checkpoint, run_dir, info)
+    if info.distributed:
+        dist.barrier()
+    before, peak_before = rss_mib(), peak_rss_mib()
+    started = time.perf_counter()
+    if args.method == "sharded":
+        manager.save(1, wrapped, optimizer, {"step": 1}, {"rng": None}, cfg, 0, blocking=True, ema=ema)
+    else:
+        save_full_state(run_dir, wrapped, optimizer, ema, info.is_main)
+    if info.distributed:
+        dist.barrier()
+    seconds = time.perf_counter() - started
+    if info.is_main:
+        num_params = sum(p.numel() for p in model.parameters())
+        written = sum(f.stat().st_size for f in run_dir.rglob("*") if f.is_file())
+        print(
+            f"{args.method} ({info.world_size} process(es), {cfg.distributed.strategy}): {num_params / 1e6:.1f} M "
+            f"parameters, {written / 2**20:.0f} MiB written in {seconds:.2f} s; rank 0 RSS {before:.0f} MiB "
+            f"before the save (peak so far {peak_before:.0f} MiB), peak after it {peak_rss_mib():.0f} MiB"
+        )
+    if info.distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
