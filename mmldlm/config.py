@@ -473,8 +473,9 @@ class DistributedConfig:
     shard_group_size: int | None = None
     # A collective that waits longer than this fails the job with a message instead of hanging.
     timeout_minutes: float = 30.0
-    # DDP static graph; auto: on unless find_unused_parameters (the idle-head anchor keeps the set of
-    # parameters with gradients the same at every step: training/parallelize.py).
+    # DDP static graph; auto: on unless find_unused_parameters or a step accumulates micro-batches (the
+    # idle-head anchor keeps the set of parameters with gradients the same at every step:
+    # training/parallelize.py; torch's static graph fails under no_sync(): Trainer._resolve_static_graph).
     static_graph: bool | Literal["auto"] = "auto"
     # true: DDP searches the autograd graph for unused parameters every step instead of the anchor
     # (the comparison recipe's setting).

@@ -121,7 +121,9 @@ def parallelize(model: nn.Module, perf: PerfConfig, cfg: DistributedConfig, info
         # broadcast_buffers=False under its current name: no buffer broadcast before every forward
         # (the model has no buffers that training changes).
         forward_sync_buffers=False,
-        static_graph=cfg.static_graph if cfg.static_graph != "auto" else not cfg.find_unused_parameters,
+        static_graph=cfg.static_graph
+        if cfg.static_graph != "auto"
+        else not cfg.find_unused_parameters,  # (Trainer resolves auto)
     )
 
 
