@@ -216,13 +216,23 @@ class PadCollate:
     def __init__(self, pad_id: int, multiple: int, max_length: int | None):
         self.pad_id, self.multiple, self.max_length = pad_id, multiple, max_length
 
-    def __call__(self, samples: list[tuple[int, np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
-        lengths = np.array([len(tokens) for _, tokens, _ in samples])
-        if self.max_length is not None:
-            lengths = np.minimum(lengths, self.max_length)
+    def kept_lengths(self, lengths: np.ndarray) -> np.ndarray:
+        """The token counts the batch keeps of samples of these lengths (cut at max_length)."""
+        return np.minimum(lengths, self.max_length) if self.max_length is not None else lengths
+
+    def padded_length(self, lengths: np.ndarray) -> int:
+        """L of a batch of samples of these (kept) lengths: the longest, rounded up to the multiple."""
         length = -(-max(int(lengths.max()), 1) // self.multiple) * self.multiple
-        if self.max_length is not None:
-            length = min(length, self.max_length)
+        return min(length, self.max_length) if self.max_length is not None else length
+
+    def positions(self, lengths: np.ndarray) -> int:
+        """Text positions the model computes for a batch of samples of these lengths: B x L."""
+        lengths = self.kept_lengths(lengths)
+        return len(lengths) * self.padded_length(lengths)
+
+    def __call__(self, samples: list[tuple[int, np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
+        lengths = self.kept_lengths(np.array([len(tokens) for _, tokens, _ in samples]))
+        length = self.padded_length(lengths)
         tokens = np.full((len(samples), length), self.pad_id, dtype=np.int64)  # (B, L)
         for row, ((_, ids, _), n) in enumerate(zip(samples, lengths)):
             tokens[row, :n] = ids[:n]
@@ -385,12 +395,27 @@ def build_loader(
     seed: int | None = None,
 ) -> Loader:
     """The loader of this rank's share of `dataset`; `seed` (default cfg.seed) fixes the shuffle order."""
-    lengths = None
-    if cfg.bucket_batches > 1:
-        lengths = dataset.lengths()
-        if cfg.max_length is not None:
-            lengths = np.minimum(lengths, cfg.max_length)  # what the collate keeps
-    order = BatchOrder(
+    lengths = dataset.lengths() if cfg.bucket_batches > 1 else None
+    order = _batch_order(dataset, cfg, micro_batch_size, rank, world_size, lengths, seed)
+    collate = _collate(dataset, cfg)
+    num_workers = default_num_workers() if cfg.num_workers is None else cfg.num_workers
+    pin_memory = torch.cuda.is_available() if cfg.pin_memory is None else cfg.pin_memory
+    return Loader(dataset, order, collate, num_workers, cfg.prefetch_factor, cfg.persistent_workers, pin_memory)
+
+
+def _batch_order(
+    dataset: PreparedDataset,
+    cfg: DataConfig,
+    micro_batch_size: int,
+    rank: int,
+    world_size: int,
+    lengths: np.ndarray | None,
+    seed: int | None = None,
+) -> BatchOrder:
+    """The batch order of `build_loader`; `lengths` (the samples' token counts) needed only to bucket."""
+    if lengths is not None and cfg.max_length is not None:
+        lengths = np.minimum(lengths, cfg.max_length)  # what the collate keeps
+    return BatchOrder(
         len(dataset),
         micro_batch_size,
         rank,
@@ -401,10 +426,57 @@ def build_loader(
         lengths=lengths,
         bucket_batches=cfg.bucket_batches,
     )
-    collate = PadCollate(dataset.pad_id, cfg.pad_to_multiple, cfg.max_length)
-    num_workers = default_num_workers() if cfg.num_workers is None else cfg.num_workers
-    pin_memory = torch.cuda.is_available() if cfg.pin_memory is None else cfg.pin_memory
-    return Loader(dataset, order, collate, num_workers, cfg.prefetch_factor, cfg.persistent_workers, pin_memory)
+
+
+def _collate(dataset: PreparedDataset, cfg: DataConfig) -> PadCollate:
+    return PadCollate(dataset.pad_id, cfg.pad_to_multiple, cfg.max_length)
+
+
+# --------------------------------------------------------------------------------------------------
+# The batch that sizes memory.
+
+
+def heaviest_batch_lengths(lengths: np.ndarray, order: BatchOrder, collate: PadCollate, epoch: int = 0) -> np.ndarray:
+    """The sample lengths of the batch of `epoch` (in `order`, this rank's) for which the model
+    computes the most text positions (`collate.positions`): the batch whose activations a memory
+    probe must fit. The most, not a quantile: a batch over the probed size runs out of memory on CUDA
+    every epoch, and with padding the heaviest batch is the one that holds the longest sample (every
+    epoch has it). Bucketed, it is that sample's bucket (similar lengths); unbucketed, one long
+    sample among short ones, padded alike."""
+    batches = list(order.batches(epoch, 0))
+    costs = [collate.positions(lengths[batch]) for batch in batches]
+    return lengths[batches[int(np.argmax(costs))]]
+
+
+def batch_of_lengths(
+    lengths: np.ndarray, collate: PadCollate, vocab_size: int, num_latents: int, latent_dim: int, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """A batch as the loader makes it (`collate`) of samples of these lengths: random token ids in
+    [2, vocab_size), random latents. A memory probe runs it: memory depends on shapes, not values."""
+    g = np.random.default_rng(seed)
+    samples = [
+        (i, g.integers(2, vocab_size, int(n)), g.standard_normal((num_latents, latent_dim), dtype=np.float32))
+        for i, n in enumerate(lengths)
+    ]
+    return collate(samples)
+
+
+def heaviest_batch(
+    dataset: PreparedDataset,
+    cfg: DataConfig,
+    micro_batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    vocab_size: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """A batch shaped like the heaviest one this rank's loader yields in its first epoch at this
+    micro-batch size (`heaviest_batch_lengths`, the data's real lengths under cfg's bucketing), with
+    random tokens below `vocab_size` (default the dataset's); cfg's max_length must be resolved."""
+    order = _batch_order(dataset, cfg, micro_batch_size, rank, world_size, dataset.lengths())
+    collate = _collate(dataset, cfg)
+    lengths = heaviest_batch_lengths(collate.kept_lengths(dataset.lengths()), order, collate)
+    vocab = vocab_size if vocab_size is not None else dataset.vocab_size
+    return batch_of_lengths(lengths, collate, vocab, dataset.num_latents, dataset.latent_dim)
 
 
 # --------------------------------------------------------------------------------------------------
