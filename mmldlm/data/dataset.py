@@ -8,7 +8,8 @@ padding collate and the tuned DataLoader around them.
     loader.load_state_dict(state)     # resume there; skipped batches are never read
 
 A batch is {"tokens" (B, L) int64, "pad_mask" (B, L) bool, "latents" (B, K, D) float32, "index" (B,)
-int64}, L the longest sample in the batch (at most max_length) rounded up to pad_to_multiple.
+int64}, L the longest sample in the batch (at most max_length) rounded up to pad_to_multiple; with
+data.packing also the packed layout of its texts (PadCollate).
 Latents are in raw encoder space; the objective standardises them with latent_mean/latent_std.
 """
 
@@ -211,10 +212,16 @@ class _EpochBatches:
 
 
 class PadCollate:
-    """Samples -> batch dict, padded with pad_id to a multiple of `multiple` and cut at `max_length`."""
+    """Samples -> batch dict, padded with pad_id to a multiple of `multiple` and cut at `max_length`.
 
-    def __init__(self, pad_id: int, multiple: int, max_length: int | None):
-        self.pad_id, self.multiple, self.max_length = pad_id, multiple, max_length
+    With `pack_length` (data.packing) the batch also says where each text goes in packed rows of
+    that many positions (`pack_rows`; the model runs its blocks on those rows, mmldlm/model/mmdit.py
+    `Packing`): "pack_doc" (R, P) the text (row of the padded batch) of each packed position, -1
+    for padding; "pack_position" (R, P) its position in its text; "pack_latent_doc" (R, M) the text
+    of each row's m-th group of latent slots, -1 for padding (M: the most texts in one row)."""
+
+    def __init__(self, pad_id: int, multiple: int, max_length: int | None, pack_length: int | None = None):
+        self.pad_id, self.multiple, self.max_length, self.pack_length = pad_id, multiple, max_length, pack_length
 
     def kept_lengths(self, lengths: np.ndarray) -> np.ndarray:
         """The token counts the batch keeps of samples of these lengths (cut at max_length)."""
@@ -226,8 +233,11 @@ class PadCollate:
         return min(length, self.max_length) if self.max_length is not None else length
 
     def positions(self, lengths: np.ndarray) -> int:
-        """Text positions the model computes for a batch of samples of these lengths: B x L."""
+        """Text positions the model's blocks compute for a batch of samples of these lengths: B x L, or
+        packed, rows x pack_length."""
         lengths = self.kept_lengths(lengths)
+        if self.pack_length is not None:
+            return len(pack_rows(lengths, self.pack_length)) * self.pack_length
         return len(lengths) * self.padded_length(lengths)
 
     def __call__(self, samples: list[tuple[int, np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
@@ -236,12 +246,55 @@ class PadCollate:
         tokens = np.full((len(samples), length), self.pad_id, dtype=np.int64)  # (B, L)
         for row, ((_, ids, _), n) in enumerate(zip(samples, lengths)):
             tokens[row, :n] = ids[:n]
-        return {
+        batch = {
             "tokens": torch.from_numpy(tokens),
             "pad_mask": torch.from_numpy(np.arange(length)[None, :] < lengths[:, None]),  # (B, L)
             "latents": torch.from_numpy(np.stack([lat for _, _, lat in samples]).astype(np.float32)),  # (B, K, D)
             "index": torch.tensor([i for i, _, _ in samples], dtype=torch.int64),  # (B,)
         }
+        if self.pack_length is not None:
+            batch.update(packed_layout(lengths, self.pack_length))
+        return batch
+
+
+def pack_rows(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """The samples of each packed row: first-fit decreasing (longest first, each into the first row
+    with room), which leaves little more than one part-filled row. Every length must be <= capacity."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in np.argsort(-lengths, kind="stable"):
+        n = int(lengths[i])
+        row = next((r for r, free in enumerate(room) if free >= n), None)
+        if row is None:
+            rows.append([])
+            room.append(capacity)
+            row = len(rows) - 1
+        rows[row].append(int(i))
+        room[row] -= n
+    return rows
+
+
+def packed_layout(lengths: np.ndarray, pack_length: int) -> dict[str, torch.Tensor]:
+    """pack_doc, pack_position (R, P) and pack_latent_doc (R, M) of texts of these lengths (PadCollate)."""
+    if lengths.max(initial=0) > pack_length:
+        raise DataError(f"a text of {int(lengths.max())} tokens does not fit data.pack_length={pack_length}")
+    rows = pack_rows(lengths, pack_length)
+    doc = np.full((len(rows), pack_length), -1, dtype=np.int64)  # (R, P)
+    position = np.zeros((len(rows), pack_length), dtype=np.int64)
+    latent_doc = np.full((len(rows), max(len(row) for row in rows)), -1, dtype=np.int64)  # (R, M)
+    for r, row in enumerate(rows):
+        start = 0
+        for m, i in enumerate(row):
+            n = int(lengths[i])
+            doc[r, start : start + n] = i
+            position[r, start : start + n] = np.arange(n)
+            latent_doc[r, m] = i
+            start += n
+    return {
+        "pack_doc": torch.from_numpy(doc),
+        "pack_position": torch.from_numpy(position),
+        "pack_latent_doc": torch.from_numpy(latent_doc),
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -429,7 +482,8 @@ def _batch_order(
 
 
 def _collate(dataset: PreparedDataset, cfg: DataConfig) -> PadCollate:
-    return PadCollate(dataset.pad_id, cfg.pad_to_multiple, cfg.max_length)
+    pack_length = (cfg.pack_length or cfg.max_length) if cfg.packing else None
+    return PadCollate(dataset.pad_id, cfg.pad_to_multiple, cfg.max_length, pack_length)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -506,9 +560,11 @@ def resolve_for_model(data: DataConfig, model: ModelConfig, dataset: PreparedDat
         max_length = model.max_seq_len // data.pad_to_multiple * data.pad_to_multiple
         if max_length == 0:
             _fail("data.pad_to_multiple", data.pad_to_multiple, f"<= model.max_seq_len={model.max_seq_len}")
-        return dataclasses.replace(data, max_length=max_length)
+        data = dataclasses.replace(data, max_length=max_length)
     if data.max_length > model.max_seq_len:
         _fail("data.max_length", data.max_length, f"<= model.max_seq_len={model.max_seq_len}")
+    if data.packing and data.pack_length is not None and data.pack_length < data.max_length:
+        _fail("data.pack_length", data.pack_length, f"null or >= data.max_length={data.max_length} (the longest text)")
     return data
 
 

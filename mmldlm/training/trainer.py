@@ -624,10 +624,9 @@ class Trainer:
             pad_mask = batch.get("pad_mask")
             totals.tokens += float(pad_mask.sum()) if pad_mask is not None else batch["tokens"].numel()
             rows = metrics.get("num_masked")
-            self._input_shapes.add(
-                (mode, *batch["tokens"].shape, padded_row_count(int(rows)) if rows is not None else 0)
-            )
-            totals.flops += self._flops(batch["tokens"], mode, rows)
+            computed = batch.get("pack_doc", batch["tokens"])  # (rows, text positions) the blocks ran on
+            self._input_shapes.add((mode, *computed.shape, padded_row_count(int(rows)) if rows is not None else 0))
+            totals.flops += self._flops(computed, mode, rows)
         totals.nonfinite = float(not math.isfinite(totals.loss))
         return totals
 
