@@ -233,11 +233,12 @@ class PadCollate:
         return min(length, self.max_length) if self.max_length is not None else length
 
     def positions(self, lengths: np.ndarray) -> int:
-        """Text positions the model's blocks compute for a batch of samples of these lengths: B x L, or
-        packed, rows x pack_length."""
+        """Positions the model's blocks compute for a batch of samples of these lengths: B x L text
+        positions, or packed, R x (P + M): text positions and latent groups (padding included)."""
         lengths = self.kept_lengths(lengths)
         if self.pack_length is not None:
-            return len(pack_rows(lengths, self.pack_length)) * self.pack_length
+            rows = pack_rows(lengths, self.pack_length)
+            return len(rows) * (self.pack_length + _rounded_up(max(map(len, rows)), self.multiple))
         return len(lengths) * self.padded_length(lengths)
 
     def __call__(self, samples: list[tuple[int, np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
@@ -253,7 +254,7 @@ class PadCollate:
             "index": torch.tensor([i for i, _, _ in samples], dtype=torch.int64),  # (B,)
         }
         if self.pack_length is not None:
-            batch.update(packed_layout(lengths, self.pack_length))
+            batch.update(packed_layout(lengths, self.pack_length, self.multiple))
         return batch
 
 
@@ -274,14 +275,20 @@ def pack_rows(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     return rows
 
 
-def packed_layout(lengths: np.ndarray, pack_length: int) -> dict[str, torch.Tensor]:
-    """pack_doc, pack_position (R, P) and pack_latent_doc (R, M) of texts of these lengths (PadCollate)."""
+def _rounded_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def packed_layout(lengths: np.ndarray, pack_length: int, multiple: int = 1) -> dict[str, torch.Tensor]:
+    """pack_doc, pack_position (R, P) and pack_latent_doc (R, M) of texts of these lengths (PadCollate),
+    M the most texts in a row rounded up to `multiple`: like the padded length, it bounds the number
+    of distinct shapes the kernels see (oneDNN keeps memory per matrix shape on CPU)."""
     if lengths.max(initial=0) > pack_length:
         raise DataError(f"a text of {int(lengths.max())} tokens does not fit data.pack_length={pack_length}")
     rows = pack_rows(lengths, pack_length)
     doc = np.full((len(rows), pack_length), -1, dtype=np.int64)  # (R, P)
     position = np.zeros((len(rows), pack_length), dtype=np.int64)
-    latent_doc = np.full((len(rows), max(len(row) for row in rows)), -1, dtype=np.int64)  # (R, M)
+    latent_doc = np.full((len(rows), _rounded_up(max(map(len, rows)), multiple)), -1, dtype=np.int64)  # (R, M)
     for r, row in enumerate(rows):
         start = 0
         for m, i in enumerate(row):
