@@ -165,21 +165,22 @@ class MMDiTBlock(nn.Module):
         text_out: bool = True,
         latent_out: bool = True,
         text_doc: Tensor | None = None,
-        latent_doc: Tensor | None = None,
+        latent_rows: LatentRows | None = None,
     ) -> tuple[Tensor | None, Tensor | None]:
         """x_text (B, L, H), x_latent (B, K, H), c (B, H); attn_mask (B, 1, 1, L + K) bool, True = key
         takes part; rope = (cos, sin) (L, hd/2) for the text positions.
 
-        Packed rows (`Packing`): x_text (R, L, H) and x_latent (R, M * K, H) hold several texts, c (N, H)
-        one row per text, text_doc (R, L) and latent_doc (R, M * K) the text of each position (every
-        position is modulated by its own text's c), attn_mask (R, 1, S, S) block-diagonal, rope
-        (R, 1, L, hd/2) at each position's place in its own text.
+        Packed rows (`Packing`): x_text (R, L, H) holds several texts end to end, text_doc (R, L) the
+        text of each position (modulated by its own text's c (N, H)); x_latent (N, K, H) stays one row
+        per text, and only its queries, keys and values are placed in the rows for the attention
+        (latent_rows); attn_mask (R, 1, S, S) block-diagonal, S = L + M * K; rope (R, 1, L, hd/2) at
+        each position's place in its own text.
 
         A stream with `*_out=False` only lends its keys and values: its queries, attention output and
         MLP are not computed and it returns None (SD3's last "context_pre_only" block), so a head that
         is skipped leaves no parameter of the last block waiting for a gradient."""
         mod_text = per_position(self.text.modulation(c), text_doc, 6)  # 6 x (B, 1, H) or (R, L, H)
-        mod_latent = per_position(self.latent.modulation(c), latent_doc, 6)
+        mod_latent = per_position(self.latent.modulation(c), None, 6)  # 6 x (B, 1, H)
         q_text, k_text, v_text = self.text.qkv_heads(x_text, mod_text[0], mod_text[1])  # (B, nh, L, hd)
         q_latent, k_latent, v_latent = self.latent.qkv_heads(x_latent, mod_latent[0], mod_latent[1])  # (B, nh, K, hd)
         if rope is not None:
@@ -188,6 +189,9 @@ class MMDiTBlock(nn.Module):
             # latent at an offset equal to its own position, and the slots are told apart by their
             # learned slot embeddings instead.
             q_text, k_text = apply_rope(q_text, *rope), apply_rope(k_text, *rope)
+        if latent_rows is not None:  # packed: each text's latent slots into its row
+            k_latent, v_latent = latent_rows.to_rows(k_latent), latent_rows.to_rows(v_latent)  # (R, nh, M * K, hd)
+            q_latent = latent_rows.to_rows(q_latent) if latent_out else None
 
         k = torch.cat([k_text, k_latent], dim=2)  # (B, nh, S, hd)
         v = torch.cat([v_text, v_latent], dim=2)
@@ -204,6 +208,8 @@ class MMDiTBlock(nn.Module):
             y_text, y_latent = y[:, :L], y[:, L:]
         else:
             y_text = y_latent = y
+        if latent_out and latent_rows is not None:
+            y_latent = latent_rows.from_rows(y_latent)  # (N, K, H)
         x_text = self.text.residual(x_text, y_text, mod_text) if text_out else None
         x_latent = self.latent.residual(x_latent, y_latent, mod_latent) if latent_out else None
         return x_text, x_latent
@@ -262,8 +268,9 @@ class FinalLayer(nn.Module):
 
 class Packing(NamedTuple):
     """Where the N texts of a batch sit in R packed rows of P text positions (data.packing; built by the
-    loader's collate, mmldlm/data/dataset.py). A packed row holds several texts end to end; each
-    text's K latent slots are a group of the row's latent stream. Every position attends only within
+    loader's collate, mmldlm/data/dataset.py). A packed row holds several texts end to end, and in the
+    attention each text's K latent slots join its row as a group (M groups per row; the latent
+    stream's other layers run on one row per text: `LatentRows`). Every position attends only within
     its own text (its tokens and its latent slots), is modulated by its own text's timesteps, and takes
     RoPE or learned positions from its place in its own text, so each text's outputs are those it
     gets alone in an unpadded row; padding positions (-1) attend only among themselves."""
@@ -284,6 +291,11 @@ class Packing(NamedTuple):
         slots = self.latent_doc[:, :, None] * K + torch.arange(K, device=self.latent_doc.device)  # (R, M, K)
         return slots.masked_fill(self.latent_doc[:, :, None] < 0, -1).flatten(1)
 
+    def latent_rows(self, N: int, K: int) -> LatentRows:
+        """How the N texts' K latent slots are placed in the rows, and taken back."""
+        slots = self.latent_slots(K)  # (R, M * K)
+        return LatentRows(slots.clamp_min(0), self.unpacked_index(N * K, slots), K)
+
     def attention_mask(self, K: int) -> Tensor:
         """(R, 1, S, S) bool, S = P + M * K: True where query and key belong to the same text."""
         text_of = torch.cat([self.text_doc, self.latent_doc.repeat_interleave(K, dim=1)], dim=1)  # (R, S)
@@ -300,6 +312,25 @@ class Packing(NamedTuple):
         real = flat >= 0
         where = torch.zeros(num_slots, dtype=torch.long, device=flat.device)
         return where.index_put_((flat[real],), torch.arange(flat.numel(), device=flat.device)[real])
+
+
+class LatentRows(NamedTuple):
+    """The latent stream's way into packed rows: its position-wise layers run on (N, K, H), one row
+    per text with no padding; only the attention sees the slots in their texts' rows."""
+
+    slots: Tensor  # (R, M * K) index into the (N * K) slots of each row's latent position (padding: 0)
+    where: Tensor  # (N * K,) the flat (R * M * K) position of each slot
+    K: int
+
+    def to_rows(self, x: Tensor) -> Tensor:
+        """(N, nh, K, hd) -> (R, nh, M * K, hd)."""
+        N, nh, K, hd = x.shape
+        return x.transpose(1, 2).reshape(N * K, nh, hd)[self.slots].transpose(1, 2)
+
+    def from_rows(self, y: Tensor) -> Tensor:
+        """(R, M * K, H) -> (N, K, H)."""
+        H = y.shape[-1]
+        return y.reshape(-1, H)[self.where].view(-1, self.K, H)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -473,15 +504,13 @@ class MultimodalMMDiT(nn.Module):
         if packing is None:
             x_text, rope = self.embed_text(tokens, torch.arange(L, device=tokens.device), L)  # (B, L, H)
             x_text, rope, attn_mask = self.with_prefix(x_text, rope, text_pad_mask, latents)
-            text_doc = latent_doc = None
+            text_doc = latent_rows = None
         else:
             x_text, rope = self.embed_text(
                 tokens.reshape(-1)[packing.text_slots(L).clamp_min(0)], packing.text_position, L
             )
-            slots = packing.latent_slots(K)  # (R, M * K)
-            x_latent = x_latent.reshape(B * K, -1)[slots.clamp_min(0)]  # (R, M * K, H)
             attn_mask = packing.attention_mask(K)  # (R, 1, S, S)
-            text_doc, latent_doc = packing.text_doc.clamp_min(0), slots.clamp_min(0) // K
+            text_doc, latent_rows = packing.text_doc.clamp_min(0), packing.latent_rows(B, K)
 
         last = len(self.blocks) - 1
         for i, block in enumerate(self.blocks):
@@ -494,14 +523,12 @@ class MultimodalMMDiT(nn.Module):
                 text_out=text_head or i < last,
                 latent_out=latent_head or i < last,
                 text_doc=text_doc,
-                latent_doc=latent_doc,
+                latent_rows=latent_rows,
             )
 
         logits = self.text_logits(x_text, c, text_rows, packing, L) if text_head else None  # (B, L, V) or (N, V)
         if text_head and self.token_latents is not None:
             logits = logits + self.vocab_prior(latents, t_latent_emb, text_rows, L).to(logits.dtype)
-        if latent_head and packing is not None:
-            x_latent = x_latent.reshape(-1, x_latent.shape[-1])[packing.unpacked_index(B * K, slots)].view(B, K, -1)
         latent_out = self.latent_final(x_latent, c) if latent_head else None  # (B, K, D)
         lengths = self.length_logits(length_from) if length_from is not None else None  # (B, max_seq_len)
         return ModelOutput(logits, latent_out, lengths)
