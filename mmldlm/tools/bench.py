@@ -11,7 +11,9 @@ How it measures, and why:
    compete for the cores. Warm-up steps first (compile, allocator, loader workers), not measured.
 3. Every config runs the same steps: same seed, data order, modes and noise; only speed differs.
 4. Step time: median and spread (p10..p90) over the measured steps; samples/s = global batch /
-   median step time; tokens/s = median over steps of real (non-pad) tokens / step time.
+   median step time; tokens/s = median over steps of real (non-pad) tokens / step time, and the
+   real tokens of all measured steps over their summed time (steps of different lengths weighed by
+   their work: bucketed and packed batches differ there).
 5. Peak memory over the measured steps: CUDA max allocated; on CPU the peak resident set size minus
    the worker's RSS before it built anything (the Python runtime and torch), i.e. what training adds:
    weights, gradients, optimizer state, activations, temporaries. Loader worker processes are not
@@ -431,6 +433,9 @@ def _summary(setup: dict, records: list[dict], memory: list[dict]) -> dict:
         # From the fastest step: on a shared machine the least disturbed estimate of what the config can do.
         "best_samples_per_s": setup["global_batch_size"] / step_time["min"],
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
+        # Real tokens of all measured steps over their time: where steps differ in length (bucketed
+        # batches draw a bucket of short or long texts, packed ones a mix), the throughput of the work.
+        "total_tokens_per_s": sum(r["tokens_per_s"] * r["step_time_s"] for r in records) / sum(times),
         "data_wait_share": statistics.median(r["data_wait_share"] for r in records),
         "peak_memory_gib": peak_gib,  # per process: the largest over the ranks
         "peak_memory_per_rank_gib": per_rank_gib,
@@ -514,7 +519,14 @@ def run_bench(opts: BenchOptions, command: str = "") -> dict:
     first, last = jobs[0]["name"], jobs[-1]["name"]
     ratios = {
         key: results[last][key] / results[first][key]
-        for key in ("samples_per_s", "best_samples_per_s", "tokens_per_s", "peak_memory_gib", "peak_above_state_gib")
+        for key in (
+            "samples_per_s",
+            "best_samples_per_s",
+            "tokens_per_s",
+            "total_tokens_per_s",
+            "peak_memory_gib",
+            "peak_above_state_gib",
+        )
     }
     if opts.fit and opts.processes == 1:
         ratios["largest_micro_batch"] = (
@@ -631,7 +643,8 @@ def markdown(report: dict) -> str:
         f"{report['options']['optimized']} / {report['options']['baseline']}: "
         f"samples/s **{r['samples_per_s']:.2f}x** (from the fastest steps "
         f"{r['best_samples_per_s']:.2f}x), tokens/s "
-        f"{r['tokens_per_s']:.2f}x, peak memory at equal batch **{r['peak_memory_gib']:.2f}x** "
+        f"{r['tokens_per_s']:.2f}x (all steps' tokens over their time {r['total_tokens_per_s']:.2f}x), "
+        f"peak memory at equal batch **{r['peak_memory_gib']:.2f}x** "
         f"(the rest, above the training state: {r['peak_above_state_gib']:.2f}x)"
         + (f", largest micro-batch **{r['largest_micro_batch']:.2f}x**" if r.get("largest_micro_batch") else "")
         + ".",
