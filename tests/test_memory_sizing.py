@@ -111,3 +111,11 @@ def test_check_sizes_activations_by_the_heaviest_batch_of_the_prepared_data(data
     assert str(data_dir) in est.seq_len_source
     unknown = estimate(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(tmp_path))), Environment())
     assert unknown.seq_len == 128 and unknown.activations_gib_per_sample > est.activations_gib_per_sample
+
+
+def test_check_sizes_packed_batches_by_their_rows(data_dir):
+    padded = run_config(data_dir, f"train.micro_batch_size={MICRO}", "train.global_batch_size=32")
+    packed = run_config(data_dir, f"train.micro_batch_size={MICRO}", "train.global_batch_size=32", "data.packing=true")
+    est_padded, est_packed = estimate(padded, Environment()), estimate(packed, Environment())
+    assert est_packed.seq_len < est_padded.seq_len
+    assert "rows x 128 tokens (8 texts)" in est_packed.seq_len_source

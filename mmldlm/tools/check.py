@@ -31,7 +31,7 @@ from mmldlm.config import MODES, RunConfig, from_dict, to_dict
 from mmldlm.data import DataError
 from mmldlm.data.dataset import default_num_workers, default_prepare_options, heaviest_batch, open_dataset
 from mmldlm.model.mmdit import MultimodalMMDiT
-from mmldlm.training.batch_size import global_batch_sizes, per_process_micro_batch
+from mmldlm.training.batch_size import batch_shape, global_batch_sizes, per_process_micro_batch
 from mmldlm.training.metrics import cpu_has_native_bf16
 from mmldlm.training.optim import STATE_BYTES
 from mmldlm.training.schedules import LRSchedule
@@ -192,8 +192,8 @@ def text_positions_per_sample(cfg: RunConfig, env: Environment) -> tuple[float, 
         batch = heaviest_batch(dataset, data, micro, world_size=env.world_size)
     except DataError as err:  # not one batch of that size in the data: the loader refuses it too
         return float(max_length), f"every text at the longest length, {max_length} ({err})"
-    rows, length = batch["tokens"].shape
-    return rows * length / micro, f"the heaviest batch of {path}: {rows} x {length} tokens"
+    rows, length = batch.get("pack_doc", batch["tokens"]).shape  # packed: the rows the blocks run on
+    return rows * length / micro, f"the heaviest batch of {path}: {batch_shape(batch)}"
 
 
 def estimate(cfg: RunConfig, env: Environment) -> Estimate:

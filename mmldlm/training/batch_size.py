@@ -175,7 +175,10 @@ def probe_or_none(
 
 
 def batch_shape(batch: dict) -> str:
-    """How a probe batch reads in a log line: "16 x 80 tokens"."""
+    """How a probe batch reads in a log line: "16 x 80 tokens", or packed "3 rows x 128 tokens (16 texts)"."""
+    if "pack_doc" in batch:
+        rows, length = batch["pack_doc"].shape
+        return f"{rows} rows x {length} tokens ({batch['tokens'].shape[0]} texts)"
     rows, length = batch["tokens"].shape
     return f"{rows} x {length} tokens"
 
