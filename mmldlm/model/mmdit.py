@@ -79,8 +79,11 @@ def per_position(mod: Tensor, doc: Tensor | None, chunks: int) -> tuple[Tensor, 
     """adaLN parameters mod (N, chunks * H), one row per text, split into `chunks` tensors shaped for
     `modulate`: (N, 1, H) when row b of the batch is text b (doc None), or gathered by the text each
     position of a packed row belongs to, (R, T, H) for doc (R, T) (padding: any valid text)."""
-    mod = mod[:, None, :] if doc is None else mod[doc]  # (N, 1, cH) or (R, T, cH)
-    return mod.chunk(chunks, dim=-1)
+    if doc is None:
+        return mod[:, None, :].chunk(chunks, dim=-1)  # (N, 1, cH)
+    # index_select, not mod[doc]: its backward (index_add) is about 4x faster on CPU than indexing's
+    # (index_put with accumulate).
+    return mod.index_select(0, doc.flatten()).view(*doc.shape, -1).chunk(chunks, dim=-1)  # (R, T, cH)
 
 
 class RMSNorm(nn.RMSNorm):
@@ -325,12 +328,13 @@ class LatentRows(NamedTuple):
     def to_rows(self, x: Tensor) -> Tensor:
         """(N, nh, K, hd) -> (R, nh, M * K, hd)."""
         N, nh, K, hd = x.shape
-        return x.transpose(1, 2).reshape(N * K, nh, hd)[self.slots].transpose(1, 2)
+        rows = x.transpose(1, 2).reshape(N * K, nh, hd).index_select(0, self.slots.flatten())  # (R * M * K, nh, hd)
+        return rows.view(*self.slots.shape, nh, hd).transpose(1, 2)
 
     def from_rows(self, y: Tensor) -> Tensor:
         """(R, M * K, H) -> (N, K, H)."""
         H = y.shape[-1]
-        return y.reshape(-1, H)[self.where].view(-1, self.K, H)
+        return y.reshape(-1, H).index_select(0, self.where).view(-1, self.K, H)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -588,7 +592,7 @@ class MultimodalMMDiT(nn.Module):
         where = packing.unpacked_index(B * L, packing.text_slots(L))  # (B * L,) into the packed positions
         x_text = x_text.reshape(-1, H)
         if text_rows is None:
-            return self.text_final(x_text[where].view(B, L, H), c)
+            return self.text_final(x_text.index_select(0, where).view(B, L, H), c)
         index = text_rows.reshape(-1).nonzero().squeeze(1)  # (N,) into the (B * L) positions
         doc = torch.div(index, L, rounding_mode="floor")  # (N,) the text of each
         return self.text_final.at(x_text.index_select(0, where.index_select(0, index)), c, doc)
