@@ -643,8 +643,10 @@ def markdown(report: dict) -> str:
         f"{report['options']['optimized']} / {report['options']['baseline']}: "
         f"samples/s **{r['samples_per_s']:.2f}x** (from the fastest steps "
         f"{r['best_samples_per_s']:.2f}x), tokens/s "
-        f"{r['tokens_per_s']:.2f}x (all steps' tokens over their time {r['total_tokens_per_s']:.2f}x), "
-        f"peak memory at equal batch **{r['peak_memory_gib']:.2f}x** "
+        f"{r['tokens_per_s']:.2f}x"
+        # Absent from reports written before it was measured (scripts/gpu_report.py reads old ones).
+        + (f" (all steps' tokens over their time {r['total_tokens_per_s']:.2f}x)" if "total_tokens_per_s" in r else "")
+        + f", peak memory at equal batch **{r['peak_memory_gib']:.2f}x** "
         f"(the rest, above the training state: {r['peak_above_state_gib']:.2f}x)"
         + (f", largest micro-batch **{r['largest_micro_batch']:.2f}x**" if r.get("largest_micro_batch") else "")
         + ".",
