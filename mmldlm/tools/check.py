@@ -598,6 +598,16 @@ RULES = {
         "train.precision=auto (bf16 where native, else fp32)",
         {"train.precision": "auto"},
     ),
+    "packing_bucketed": Rule(
+        "packing_gaps",
+        "warning",
+        "data.packing=true with data.bucket_batches={bucket_batches}",
+        "bucketed batches hold texts of similar length, which leave gaps at the ends of the packed rows: "
+        "on the default corpus at micro-batch 64, 84% of the packed positions are real tokens "
+        "bucketed against 96% unbucketed (docs/benchmarks.md)",
+        "data.bucket_batches=1",
+        {"data.bucket_batches": 1},
+    ),
     "compile_shapes": Rule(
         "compile_shapes",
         "warning",
@@ -954,7 +964,8 @@ def _resume_with_other_length(cfg: RunConfig) -> list[Finding]:
 
 
 def check_slow_switches(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
-    """The baseline preset's performance choices (configs/baseline.yaml), each slower with no gain."""
+    """The baseline preset's performance choices (configs/baseline.yaml), each slower with no gain, and
+    switches that undo each other's gain."""
     fires = {
         "find_unused_parameters": cfg.distributed.find_unused_parameters,
         "optimizer_loop": not cfg.optim.foreach and cfg.optim.fused is not True,
@@ -963,8 +974,10 @@ def check_slow_switches(cfg: RunConfig, env: Environment, est: Estimate) -> list
         "precision_fp32": cfg.train.precision == "fp32" and env.native_bf16,
         "precision_emulated": cfg.train.precision == "bf16" and not env.native_bf16,
         "compile_shapes": cfg.perf.compile and cfg.data.pad_to_multiple < 64,
+        "packing_bucketed": cfg.data.packing and cfg.data.bucket_batches > 1,
     }
-    return [finding(name, device=env.device, pad=cfg.data.pad_to_multiple) for name, fired in fires.items() if fired]
+    values = dict(device=env.device, pad=cfg.data.pad_to_multiple, bucket_batches=cfg.data.bucket_batches)
+    return [finding(name, **values) for name, fired in fires.items() if fired]
 
 
 CHECKS = (
