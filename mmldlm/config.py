@@ -265,6 +265,11 @@ class DataConfig:
     # Length bucketing: each run of this many batches is regrouped into batches of similar lengths
     # (less padding computed; see BatchOrder); 1 = off. A resume on another batch size regroups what is left.
     bucket_batches: int = 1
+    # Sequence packing: the texts of a micro-batch are laid end to end in rows of pack_length text
+    # positions, each attending only to itself (and its own latent slots), so the blocks compute
+    # almost no padding (see PadCollate, mmldlm/model/mmdit.py `Packing`). The micro-batch still counts texts.
+    packing: bool = False
+    pack_length: int | None = None  # null: data.max_length; at least the longest text kept
     seed: int = 0  # shuffle order (epoch e uses seed + e); build_loader's seed argument overrides it
     # Preparing the default corpus (path null); `mmldlm prepare` has these and more as options.
     vocab_size: int = 8192
@@ -285,6 +290,12 @@ class DataConfig:
             _fail(f"{prefix}.num_workers", self.num_workers, "null (automatic) or an integer >= 0")
         if self.bucket_batches < 1:
             _fail(f"{prefix}.bucket_batches", self.bucket_batches, "an integer >= 1 (1 = no length bucketing)")
+        if self.pack_length is not None and (self.pack_length < 1 or self.pack_length % self.pad_to_multiple):
+            _fail(
+                f"{prefix}.pack_length",
+                self.pack_length,
+                f"null (data.max_length) or a positive multiple of {prefix}.pad_to_multiple={self.pad_to_multiple}",
+            )
         if self.prefetch_factor is not None and self.prefetch_factor < 1:
             _fail(f"{prefix}.prefetch_factor", self.prefetch_factor, "null or an integer >= 1")
         if self.vocab_size < 258:
@@ -630,6 +641,20 @@ class RunConfig:
             section = getattr(self, f.name)
             if hasattr(section, "check"):
                 section.check(f.name)
+        if self.data.packing:
+            refused = {
+                "model.attention": self.model.attention == "explicit",  # comparison recipe
+                "model.num_prefix_tokens": self.model.num_prefix_tokens > 0,
+                "distributed.strategy": self.distributed.strategy == "fsdp2",
+            }
+            for key in (key for key, no in refused.items() if no):
+                section, name = key.split(".")
+                _fail(
+                    "data.packing",
+                    True,
+                    f"false with {key}={getattr(getattr(self, section), name)} (packed rows take SDPA attention, "
+                    "no prefix tokens, and one process or DDP)",
+                )
         if self.optim.step_in_backward and self.train.precision == "fp16":
             _fail(
                 "optim.step_in_backward",

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from mmldlm.config import MODES, ObjectiveConfig
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion, rng
+from mmldlm.model.mmdit import Packing
 
 
 class Objective:
@@ -93,14 +94,16 @@ class Objective:
     def __call__(self, model, batch: dict, step: int, generator: torch.Generator | None = None):
         """(loss, metrics) for one micro-batch at training step `step`.
 
-        batch: tokens (B, L) int64, pad_mask (B, L) bool (True = real), latents (B, K, D) raw encoder space.
+        batch: tokens (B, L) int64, pad_mask (B, L) bool (True = real), latents (B, K, D) raw encoder space;
+        with data.packing also the packed layout the model's blocks run on (mmldlm/model/mmdit.py
+        `Packing`): noise, losses and metrics are those of the padded batch either way.
         metrics (detached tensors, and `mode` a str): loss, and for the active heads only
         text: text_loss (NELBO nats/token or masked CE, per text cfg), accuracy, num_masked, num_tokens;
         latent: latent_loss; length head (every mode): length_loss, length_accuracy. Keys of an idle
         head are absent.
         """
         mode = self.mode_at(step)
-        tokens, pad_mask = batch["tokens"], batch.get("pad_mask")
+        tokens, pad_mask, packing = batch["tokens"], batch.get("pad_mask"), Packing.from_batch(batch)
         latents = self.latent.standardize(batch["latents"])  # (B, K, D)
         B, device = tokens.shape[0], tokens.device
         text_on, latent_on = mode in ("l2t", "joint"), mode in ("t2l", "joint")
@@ -124,6 +127,7 @@ class Objective:
             text_in = tokens.masked_fill(hide, self.text.mask_token_id)
             t_text = drop.float()  # all masked = time 1
 
+        layout = {"packing": packing} if packing is not None else {}  # a padded batch's call is the plain one
         self_cond = None
         if (
             self.self_condition
@@ -140,6 +144,7 @@ class Objective:
                     latent_null=latent_null,
                     text_head=False,
                     latent_head=True,
+                    **layout,
                 ).latent
                 self_cond, _ = self.latent.predict_x0_eps(first.float(), latent_in, t_latent)
 
@@ -158,6 +163,7 @@ class Objective:
             text_head=text_on,
             latent_head=latent_on,
             text_rows=rows,
+            **layout,
             **extra,
         )
 

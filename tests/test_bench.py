@@ -63,6 +63,7 @@ def test_bench_three_steps_writes_a_well_formed_report(tmp_path_factory, tmp_pat
         "samples_per_s",
         "best_samples_per_s",
         "tokens_per_s",
+        "total_tokens_per_s",
         "peak_memory_gib",
         "peak_above_state_gib",
         "largest_micro_batch",

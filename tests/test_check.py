@@ -84,6 +84,7 @@ def test_a_clean_config_has_no_error_or_warning(tmp_path):
         (["perf.refreeze_every_step=true"], {}, [("refreeze", "warning")]),
         (["model.attention=explicit"], {}, [("attention", "warning")]),
         (["perf.compile=true"], {}, [("compile_shapes", "warning")]),
+        (["data.packing=true", "data.bucket_batches=32"], {}, [("packing_gaps", "warning")]),
         (["optim.step_in_backward=true", "optim.grad_clip=0"], {}, [("step_in_backward", "error")]),
         (["optim.step_in_backward=true", "optim.grad_clip=0"], {"nproc_per_node": 1}, [("step_in_backward", "error")]),
         (

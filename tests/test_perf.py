@@ -4,6 +4,7 @@ the optimized switches' losses, auto micro-batch keeps the effective batch; the 
 in performance keys; the profiler writes a trace."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from mmldlm.model.mmdit import MultimodalMMDiT
 from mmldlm.objective import Objective
 from mmldlm.training.batch_size import (
     candidate_sizes,
+    full_length_batch,
     largest_fitting,
     per_process_micro_batch,
     probe_peak_bytes,
@@ -294,8 +296,9 @@ def test_memory_probe_grows_with_the_micro_batch():
     cfg = load_config(None, [])
     model = tiny_model()
     objective = objective_for(cfg)
-    small = probe_peak_bytes(model, objective, 1, LEN, torch.device("cpu"))
-    large = probe_peak_bytes(model, objective, 512, LEN, torch.device("cpu"))
+    batches = functools.partial(full_length_batch, seq_len=LEN, vocab_size=VOCAB, num_latents=1, latent_dim=DIM)
+    small = probe_peak_bytes(model, objective, 1, batches, torch.device("cpu"))
+    large = probe_peak_bytes(model, objective, 512, batches, torch.device("cpu"))
     assert large > small
     assert all(p.grad is None for p in model.parameters())  # the probe leaves no gradients behind
 

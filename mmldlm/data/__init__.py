@@ -23,6 +23,7 @@ _EXPORTS = {
     "build_loader": "dataset",
     "resolve_for_model": "dataset",
     "dataset_path": "dataset",
+    "heaviest_batch": "dataset",
     "PreparedDataset": "dataset",
     "Loader": "dataset",
     "prepare": "prepare",

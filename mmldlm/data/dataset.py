@@ -8,7 +8,8 @@ padding collate and the tuned DataLoader around them.
     loader.load_state_dict(state)     # resume there; skipped batches are never read
 
 A batch is {"tokens" (B, L) int64, "pad_mask" (B, L) bool, "latents" (B, K, D) float32, "index" (B,)
-int64}, L the longest sample in the batch (at most max_length) rounded up to pad_to_multiple.
+int64}, L the longest sample in the batch (at most max_length) rounded up to pad_to_multiple; with
+data.packing also the packed layout of its texts (PadCollate).
 Latents are in raw encoder space; the objective standardises them with latent_mean/latent_std.
 """
 
@@ -231,27 +232,96 @@ class _EpochBatches:
 
 
 class PadCollate:
-    """Samples -> batch dict, padded with pad_id to a multiple of `multiple` and cut at `max_length`."""
+    """Samples -> batch dict, padded with pad_id to a multiple of `multiple` and cut at `max_length`.
 
-    def __init__(self, pad_id: int, multiple: int, max_length: int | None):
-        self.pad_id, self.multiple, self.max_length = pad_id, multiple, max_length
+    With `pack_length` (data.packing) the batch also says where each text goes in packed rows of
+    that many positions (`pack_rows`; the model runs its blocks on those rows, mmldlm/model/mmdit.py
+    `Packing`): "pack_doc" (R, P) the text (row of the padded batch) of each packed position, -1
+    for padding; "pack_position" (R, P) its position in its text; "pack_latent_doc" (R, M) the text
+    of each row's m-th group of latent slots, -1 for padding (M: the most texts in one row)."""
+
+    def __init__(self, pad_id: int, multiple: int, max_length: int | None, pack_length: int | None = None):
+        self.pad_id, self.multiple, self.max_length, self.pack_length = pad_id, multiple, max_length, pack_length
+
+    def kept_lengths(self, lengths: np.ndarray) -> np.ndarray:
+        """The token counts the batch keeps of samples of these lengths (cut at max_length)."""
+        return np.minimum(lengths, self.max_length) if self.max_length is not None else lengths
+
+    def padded_length(self, lengths: np.ndarray) -> int:
+        """L of a batch of samples of these (kept) lengths: the longest, rounded up to the multiple."""
+        length = -(-max(int(lengths.max()), 1) // self.multiple) * self.multiple
+        return min(length, self.max_length) if self.max_length is not None else length
+
+    def positions(self, lengths: np.ndarray) -> int:
+        """Positions the model's blocks compute for a batch of samples of these lengths: B x L text
+        positions, or packed, R x (P + M): text positions and latent groups (padding included)."""
+        lengths = self.kept_lengths(lengths)
+        if self.pack_length is not None:
+            rows = pack_rows(lengths, self.pack_length)
+            return len(rows) * (self.pack_length + _rounded_up(max(map(len, rows)), self.multiple))
+        return len(lengths) * self.padded_length(lengths)
 
     def __call__(self, samples: list[tuple[int, np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
-        lengths = np.array([len(tokens) for _, tokens, _ in samples])
-        if self.max_length is not None:
-            lengths = np.minimum(lengths, self.max_length)
-        length = -(-max(int(lengths.max()), 1) // self.multiple) * self.multiple
-        if self.max_length is not None:
-            length = min(length, self.max_length)
+        lengths = self.kept_lengths(np.array([len(tokens) for _, tokens, _ in samples]))
+        length = self.padded_length(lengths)
         tokens = np.full((len(samples), length), self.pad_id, dtype=np.int64)  # (B, L)
         for row, ((_, ids, _), n) in enumerate(zip(samples, lengths)):
             tokens[row, :n] = ids[:n]
-        return {
+        batch = {
             "tokens": torch.from_numpy(tokens),
             "pad_mask": torch.from_numpy(np.arange(length)[None, :] < lengths[:, None]),  # (B, L)
             "latents": torch.from_numpy(np.stack([lat for _, _, lat in samples]).astype(np.float32)),  # (B, K, D)
             "index": torch.tensor([i for i, _, _ in samples], dtype=torch.int64),  # (B,)
         }
+        if self.pack_length is not None:
+            batch.update(packed_layout(lengths, self.pack_length, self.multiple))
+        return batch
+
+
+def pack_rows(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """The samples of each packed row: first-fit decreasing (longest first, each into the first row
+    with room), which leaves little more than one part-filled row. Every length must be <= capacity."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in np.argsort(-lengths, kind="stable"):
+        n = int(lengths[i])
+        row = next((r for r, free in enumerate(room) if free >= n), None)
+        if row is None:
+            rows.append([])
+            room.append(capacity)
+            row = len(rows) - 1
+        rows[row].append(int(i))
+        room[row] -= n
+    return rows
+
+
+def _rounded_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def packed_layout(lengths: np.ndarray, pack_length: int, multiple: int = 1) -> dict[str, torch.Tensor]:
+    """pack_doc, pack_position (R, P) and pack_latent_doc (R, M) of texts of these lengths (PadCollate),
+    M the most texts in a row rounded up to `multiple`: like the padded length, it bounds the number
+    of distinct shapes the kernels see (oneDNN keeps memory per matrix shape on CPU)."""
+    if lengths.max(initial=0) > pack_length:
+        raise DataError(f"a text of {int(lengths.max())} tokens does not fit data.pack_length={pack_length}")
+    rows = pack_rows(lengths, pack_length)
+    doc = np.full((len(rows), pack_length), -1, dtype=np.int64)  # (R, P)
+    position = np.zeros((len(rows), pack_length), dtype=np.int64)
+    latent_doc = np.full((len(rows), _rounded_up(max(map(len, rows)), multiple)), -1, dtype=np.int64)  # (R, M)
+    for r, row in enumerate(rows):
+        start = 0
+        for m, i in enumerate(row):
+            n = int(lengths[i])
+            doc[r, start : start + n] = i
+            position[r, start : start + n] = np.arange(n)
+            latent_doc[r, m] = i
+            start += n
+    return {
+        "pack_doc": torch.from_numpy(doc),
+        "pack_position": torch.from_numpy(position),
+        "pack_latent_doc": torch.from_numpy(latent_doc),
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -394,12 +464,27 @@ def build_loader(
     seed: int | None = None,
 ) -> Loader:
     """The loader of this rank's share of `dataset`; `seed` (default cfg.seed) fixes the shuffle order."""
-    lengths = None
-    if cfg.bucket_batches > 1:
-        lengths = dataset.lengths()
-        if cfg.max_length is not None:
-            lengths = np.minimum(lengths, cfg.max_length)  # what the collate keeps
-    order = BatchOrder(
+    lengths = dataset.lengths() if cfg.bucket_batches > 1 else None
+    order = _batch_order(dataset, cfg, micro_batch_size, rank, world_size, lengths, seed)
+    collate = _collate(dataset, cfg)
+    num_workers = default_num_workers() if cfg.num_workers is None else cfg.num_workers
+    pin_memory = torch.cuda.is_available() if cfg.pin_memory is None else cfg.pin_memory
+    return Loader(dataset, order, collate, num_workers, cfg.prefetch_factor, cfg.persistent_workers, pin_memory)
+
+
+def _batch_order(
+    dataset: PreparedDataset,
+    cfg: DataConfig,
+    micro_batch_size: int,
+    rank: int,
+    world_size: int,
+    lengths: np.ndarray | None,
+    seed: int | None = None,
+) -> BatchOrder:
+    """The batch order of `build_loader`; `lengths` (the samples' token counts) needed only to bucket."""
+    if lengths is not None and cfg.max_length is not None:
+        lengths = np.minimum(lengths, cfg.max_length)  # what the collate keeps
+    return BatchOrder(
         len(dataset),
         micro_batch_size,
         rank,
@@ -410,10 +495,58 @@ def build_loader(
         lengths=lengths,
         bucket_batches=cfg.bucket_batches,
     )
-    collate = PadCollate(dataset.pad_id, cfg.pad_to_multiple, cfg.max_length)
-    num_workers = default_num_workers() if cfg.num_workers is None else cfg.num_workers
-    pin_memory = torch.cuda.is_available() if cfg.pin_memory is None else cfg.pin_memory
-    return Loader(dataset, order, collate, num_workers, cfg.prefetch_factor, cfg.persistent_workers, pin_memory)
+
+
+def _collate(dataset: PreparedDataset, cfg: DataConfig) -> PadCollate:
+    pack_length = (cfg.pack_length or cfg.max_length) if cfg.packing else None
+    return PadCollate(dataset.pad_id, cfg.pad_to_multiple, cfg.max_length, pack_length)
+
+
+# --------------------------------------------------------------------------------------------------
+# The batch that sizes memory.
+
+
+def heaviest_batch_lengths(lengths: np.ndarray, order: BatchOrder, collate: PadCollate, epoch: int = 0) -> np.ndarray:
+    """The sample lengths of the batch of `epoch` (in `order`, this rank's) for which the model
+    computes the most text positions (`collate.positions`): the batch whose activations a memory
+    probe must fit. The most, not a quantile: a batch over the probed size runs out of memory on CUDA
+    every epoch, and with padding the heaviest batch is the one that holds the longest sample (every
+    epoch has it). Bucketed, it is that sample's bucket (similar lengths); unbucketed, one long
+    sample among short ones, padded alike."""
+    batches = list(order.batches(order.epoch_order(epoch, [[0, order.global_batch]]), 0))  # a fresh run's grouping
+    costs = [collate.positions(lengths[batch]) for batch in batches]
+    return lengths[batches[int(np.argmax(costs))]]
+
+
+def batch_of_lengths(
+    lengths: np.ndarray, collate: PadCollate, vocab_size: int, num_latents: int, latent_dim: int, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """A batch as the loader makes it (`collate`) of samples of these lengths: random token ids in
+    [2, vocab_size), random latents. A memory probe runs it: memory depends on shapes, not values."""
+    g = np.random.default_rng(seed)
+    samples = [
+        (i, g.integers(2, vocab_size, int(n)), g.standard_normal((num_latents, latent_dim), dtype=np.float32))
+        for i, n in enumerate(lengths)
+    ]
+    return collate(samples)
+
+
+def heaviest_batch(
+    dataset: PreparedDataset,
+    cfg: DataConfig,
+    micro_batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    vocab_size: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """A batch shaped like the heaviest one this rank's loader yields in its first epoch at this
+    micro-batch size (`heaviest_batch_lengths`, the data's real lengths under cfg's bucketing), with
+    random tokens below `vocab_size` (default the dataset's); cfg's max_length must be resolved."""
+    order = _batch_order(dataset, cfg, micro_batch_size, rank, world_size, dataset.lengths())
+    collate = _collate(dataset, cfg)
+    lengths = heaviest_batch_lengths(collate.kept_lengths(dataset.lengths()), order, collate)
+    vocab = vocab_size if vocab_size is not None else dataset.vocab_size
+    return batch_of_lengths(lengths, collate, vocab, dataset.num_latents, dataset.latent_dim)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -443,9 +576,11 @@ def resolve_for_model(data: DataConfig, model: ModelConfig, dataset: PreparedDat
         max_length = model.max_seq_len // data.pad_to_multiple * data.pad_to_multiple
         if max_length == 0:
             _fail("data.pad_to_multiple", data.pad_to_multiple, f"<= model.max_seq_len={model.max_seq_len}")
-        return dataclasses.replace(data, max_length=max_length)
+        data = dataclasses.replace(data, max_length=max_length)
     if data.max_length > model.max_seq_len:
         _fail("data.max_length", data.max_length, f"<= model.max_seq_len={model.max_seq_len}")
+    if data.packing and data.pack_length is not None and data.pack_length < data.max_length:
+        _fail("data.pack_length", data.pack_length, f"null or >= data.max_length={data.max_length} (the longest text)")
     return data
 
 

@@ -70,8 +70,20 @@ class TimestepEmbedder(nn.Module):
 
 
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
-    """adaLN: x (B, T, H) normalised elsewhere; shift, scale (B, H) from the conditioning vector."""
-    return x * (1 + scale[:, None, :]) + shift[:, None, :]
+    """adaLN: x (B, T, H) normalised elsewhere; shift, scale (B, 1, H) from each row's conditioning
+    vector, or (B, T, H) per position in packed rows (`per_position`)."""
+    return x * (1 + scale) + shift
+
+
+def per_position(mod: Tensor, doc: Tensor | None, chunks: int) -> tuple[Tensor, ...]:
+    """adaLN parameters mod (N, chunks * H), one row per text, split into `chunks` tensors shaped for
+    `modulate`: (N, 1, H) when row b of the batch is text b (doc None), or gathered by the text each
+    position of a packed row belongs to, (R, T, H) for doc (R, T) (padding: any valid text)."""
+    if doc is None:
+        return mod[:, None, :].chunk(chunks, dim=-1)  # (N, 1, cH)
+    # index_select, not mod[doc]: its backward (index_add) is about 4x faster on CPU than indexing's
+    # (index_put with accumulate).
+    return mod.index_select(0, doc.flatten()).view(*doc.shape, -1).chunk(chunks, dim=-1)  # (R, T, cH)
 
 
 class RMSNorm(nn.RMSNorm):
@@ -122,11 +134,12 @@ class StreamLayers(nn.Module):
         q, k, v = qkv.view(B, T, 3, self.num_heads, H // self.num_heads).permute(2, 0, 3, 1, 4)  # (B, nh, T, hd)
         return self.q_norm(q), self.k_norm(k), v
 
-    def residual(self, x: Tensor, attn_out: Tensor, mod: list[Tensor]) -> Tensor:
-        """The gated attention and MLP residual updates of x (B, T, H); attn_out (B, T, H)."""
+    def residual(self, x: Tensor, attn_out: Tensor, mod: tuple[Tensor, ...]) -> Tensor:
+        """The gated attention and MLP residual updates of x (B, T, H); attn_out (B, T, H); mod the
+        six adaLN tensors from `per_position`."""
         _, _, gate_attn, shift_mlp, scale_mlp, gate_mlp = mod
-        x = x + gate_attn[:, None, :] * self.dropout(self.attn_proj(attn_out))
-        x = x + gate_mlp[:, None, :] * self.dropout(self.mlp(modulate(self.norm_mlp(x), shift_mlp, scale_mlp)))
+        x = x + gate_attn * self.dropout(self.attn_proj(attn_out))
+        x = x + gate_mlp * self.dropout(self.mlp(modulate(self.norm_mlp(x), shift_mlp, scale_mlp)))
         return x
 
     def output_parameters(self) -> list[nn.Parameter]:
@@ -154,15 +167,23 @@ class MMDiTBlock(nn.Module):
         rope: tuple[Tensor, Tensor] | None = None,
         text_out: bool = True,
         latent_out: bool = True,
+        text_doc: Tensor | None = None,
+        latent_rows: LatentRows | None = None,
     ) -> tuple[Tensor | None, Tensor | None]:
         """x_text (B, L, H), x_latent (B, K, H), c (B, H); attn_mask (B, 1, 1, L + K) bool, True = key
         takes part; rope = (cos, sin) (L, hd/2) for the text positions.
 
+        Packed rows (`Packing`): x_text (R, L, H) holds several texts end to end, text_doc (R, L) the
+        text of each position (modulated by its own text's c (N, H)); x_latent (N, K, H) stays one row
+        per text, and only its queries, keys and values are placed in the rows for the attention
+        (latent_rows); attn_mask (R, 1, S, S) block-diagonal, S = L + M * K; rope (R, 1, L, hd/2) at
+        each position's place in its own text.
+
         A stream with `*_out=False` only lends its keys and values: its queries, attention output and
         MLP are not computed and it returns None (SD3's last "context_pre_only" block), so a head that
         is skipped leaves no parameter of the last block waiting for a gradient."""
-        mod_text = self.text.modulation(c).chunk(6, dim=-1)  # 6 x (B, H)
-        mod_latent = self.latent.modulation(c).chunk(6, dim=-1)
+        mod_text = per_position(self.text.modulation(c), text_doc, 6)  # 6 x (B, 1, H) or (R, L, H)
+        mod_latent = per_position(self.latent.modulation(c), None, 6)  # 6 x (B, 1, H)
         q_text, k_text, v_text = self.text.qkv_heads(x_text, mod_text[0], mod_text[1])  # (B, nh, L, hd)
         q_latent, k_latent, v_latent = self.latent.qkv_heads(x_latent, mod_latent[0], mod_latent[1])  # (B, nh, K, hd)
         if rope is not None:
@@ -171,20 +192,27 @@ class MMDiTBlock(nn.Module):
             # latent at an offset equal to its own position, and the slots are told apart by their
             # learned slot embeddings instead.
             q_text, k_text = apply_rope(q_text, *rope), apply_rope(k_text, *rope)
+        if latent_rows is not None:  # packed: each text's latent slots into its row
+            k_latent, v_latent = latent_rows.to_rows(k_latent), latent_rows.to_rows(v_latent)  # (R, nh, M * K, hd)
+            q_latent = latent_rows.to_rows(q_latent) if latent_out else None
 
         k = torch.cat([k_text, k_latent], dim=2)  # (B, nh, S, hd)
         v = torch.cat([v_text, v_latent], dim=2)
         queries = [q for q, wanted in ((q_text, text_out), (q_latent, latent_out)) if wanted]
         q = torch.cat(queries, dim=2)  # (B, nh, Sq, hd): Sq = L + K, or L or K in a last block
+        L = x_text.shape[1]
+        if attn_mask is not None and attn_mask.shape[2] > 1 and not (text_out and latent_out):
+            attn_mask = attn_mask[:, :, :L] if text_out else attn_mask[:, :, L:]  # packed: the queries asked for
         y = self.attend(q, k, v, attn_mask)  # (B, nh, Sq, hd)
         B, nh, Sq, hd = y.shape
         y = y.transpose(1, 2).reshape(B, Sq, nh * hd)  # (B, Sq, H)
 
-        L = x_text.shape[1]
         if text_out and latent_out:
             y_text, y_latent = y[:, :L], y[:, L:]
         else:
             y_text = y_latent = y
+        if latent_out and latent_rows is not None:
+            y_latent = latent_rows.from_rows(y_latent)  # (N, K, H)
         x_text = self.text.residual(x_text, y_text, mod_text) if text_out else None
         x_latent = self.latent.residual(x_latent, y_latent, mod_latent) if latent_out else None
         return x_text, x_latent
@@ -219,17 +247,94 @@ class FinalLayer(nn.Module):
         """x (B, T, H), c (B, H) -> (B, T, out_dim); with rows (B, T) bool, only at those positions,
         (N, out_dim) in row-major order (as x[rows]): the text head's training loss needs its logits
         only at masked positions, and (N, V) is the largest activation of a small model."""
-        shift, scale = self.modulation(c).chunk(2, dim=-1)  # (B, H) each
         if rows is None:
+            shift, scale = per_position(self.modulation(c), None, 2)  # (B, 1, H) each
             return self.head(modulate(self.norm(x), shift, scale))
         B, T, H = x.shape
         index = rows.reshape(-1).nonzero().squeeze(1)  # (N,) into the flattened (B * T) positions
         batch = torch.div(index, T, rounding_mode="floor")  # (N,) the row each position belongs to
-        x = self.norm(x.reshape(B * T, H).index_select(0, index))  # (N, H)
-        x = x * (1 + scale.index_select(0, batch)) + shift.index_select(0, batch)  # (N, H)
+        return self.at(x.reshape(B * T, H).index_select(0, index), c, batch)
+
+    def at(self, x: Tensor, c: Tensor, doc: Tensor) -> Tensor:
+        """x (N, H) single positions, c (B, H), doc (N,) the row of c of each -> (N, out_dim)."""
+        shift, scale = self.modulation(c).chunk(2, dim=-1)  # (B, H) each
+        x = self.norm(x)
+        x = x * (1 + scale.index_select(0, doc)) + shift.index_select(0, doc)  # (N, H)
         N = x.shape[0]
         x = F.pad(x, (0, 0, 0, padded_row_count(N) - N))  # (N', H): zero rows, their logits dropped
         return self.head(x)[:N]  # (N, out_dim)
+
+
+# --------------------------------------------------------------------------------------------------
+# Packed rows.
+
+
+class Packing(NamedTuple):
+    """Where the N texts of a batch sit in R packed rows of P text positions (data.packing; built by the
+    loader's collate, mmldlm/data/dataset.py). A packed row holds several texts end to end, and in the
+    attention each text's K latent slots join its row as a group (M groups per row; the latent
+    stream's other layers run on one row per text: `LatentRows`). Every position attends only within
+    its own text (its tokens and its latent slots), is modulated by its own text's timesteps, and takes
+    RoPE or learned positions from its place in its own text, so each text's outputs are those it
+    gets alone in an unpadded row; padding positions (-1) attend only among themselves."""
+
+    text_doc: Tensor  # (R, P) int64: the text (row of the padded batch) of each position, -1 = padding
+    text_position: Tensor  # (R, P) int64: its position in that text
+    latent_doc: Tensor  # (R, M) int64: the text of the row's m-th group of K latent slots, -1 = padding
+
+    @classmethod
+    def from_batch(cls, batch: dict) -> Packing | None:
+        """The packing of a loader batch, or None for a batch of one text per row."""
+        if "pack_doc" not in batch:
+            return None
+        return cls(batch["pack_doc"], batch["pack_position"], batch["pack_latent_doc"])
+
+    def latent_slots(self, K: int) -> Tensor:
+        """(R, M * K): for each latent position of a row, its index into the (N * K) latent slots, -1 = padding."""
+        slots = self.latent_doc[:, :, None] * K + torch.arange(K, device=self.latent_doc.device)  # (R, M, K)
+        return slots.masked_fill(self.latent_doc[:, :, None] < 0, -1).flatten(1)
+
+    def latent_rows(self, N: int, K: int) -> LatentRows:
+        """How the N texts' K latent slots are placed in the rows, and taken back."""
+        slots = self.latent_slots(K)  # (R, M * K)
+        return LatentRows(slots.clamp_min(0), self.unpacked_index(N * K, slots), K)
+
+    def attention_mask(self, K: int) -> Tensor:
+        """(R, 1, S, S) bool, S = P + M * K: True where query and key belong to the same text."""
+        text_of = torch.cat([self.text_doc, self.latent_doc.repeat_interleave(K, dim=1)], dim=1)  # (R, S)
+        return (text_of[:, :, None] == text_of[:, None, :])[:, None]
+
+    def text_slots(self, L: int) -> Tensor:
+        """(R, P): for each packed position, its index into the padded batch's (N * L) text positions, -1 = padding."""
+        return (self.text_doc * L + self.text_position).masked_fill(self.text_doc < 0, -1)
+
+    def unpacked_index(self, num_slots: int, packed: Tensor) -> Tensor:
+        """(num_slots,) the flat packed position of each of the padded batch's slots, given `packed`
+        (R, T) (each slot's index, -1 = padding); slots in no row (padding of the batch) get 0."""
+        flat = packed.flatten()
+        real = flat >= 0
+        where = torch.zeros(num_slots, dtype=torch.long, device=flat.device)
+        return where.index_put_((flat[real],), torch.arange(flat.numel(), device=flat.device)[real])
+
+
+class LatentRows(NamedTuple):
+    """The latent stream's way into packed rows: its position-wise layers run on (N, K, H), one row
+    per text with no padding; only the attention sees the slots in their texts' rows."""
+
+    slots: Tensor  # (R, M * K) index into the (N * K) slots of each row's latent position (padding: 0)
+    where: Tensor  # (N * K,) the flat (R * M * K) position of each slot
+    K: int
+
+    def to_rows(self, x: Tensor) -> Tensor:
+        """(N, nh, K, hd) -> (R, nh, M * K, hd)."""
+        N, nh, K, hd = x.shape
+        rows = x.transpose(1, 2).reshape(N * K, nh, hd).index_select(0, self.slots.flatten())  # (R * M * K, nh, hd)
+        return rows.view(*self.slots.shape, nh, hd).transpose(1, 2)
+
+    def from_rows(self, y: Tensor) -> Tensor:
+        """(R, M * K, H) -> (N, K, H)."""
+        H = y.shape[-1]
+        return y.reshape(-1, H).index_select(0, self.where).view(-1, self.K, H)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -360,6 +465,7 @@ class MultimodalMMDiT(nn.Module):
         text_rows: Tensor | None = None,
         latent_self_cond: Tensor | None = None,
         length_from: Tensor | None = None,
+        packing: Packing | None = None,
     ) -> ModelOutput:
         """tokens (B, L) int64, latents (B, K, D) standardised and noised, t_text and t_latent (B,) in
         [0, 1]; text_pad_mask (B, L) bool, True = real token; latent_null (B,) bool, True = use the
@@ -369,7 +475,8 @@ class MultimodalMMDiT(nn.Module):
         latent_self_cond (B, K, D): an earlier x0 estimate of the standardised latent (model.self_condition;
         None = no estimate yet, the same as zeros). length_from (B, K, D): clean standardised latents
         whose text lengths the length head predicts (training passes them so that the head is part of
-        the one forward that DDP and FSDP2 see)."""
+        the one forward that DDP and FSDP2 see). packing: the blocks run on packed rows of the B texts
+        (data.packing; inputs and outputs keep the padded layout, and equal those without packing)."""
         B, L = tokens.shape
         K, D = self.cfg.num_latents, self.cfg.latent_dim
         if L > self.cfg.max_seq_len:
@@ -381,26 +488,13 @@ class MultimodalMMDiT(nn.Module):
             )
         if not (text_head or latent_head):
             raise ValueError("forward needs at least one of text_head, latent_head")
+        if packing is not None and self.cfg.num_prefix_tokens:
+            raise ValueError("packed rows take no prefix tokens (model.num_prefix_tokens); set data.packing=false")
 
         # Conditioning: both timesteps, separate MLPs, summed into one vector.
         t_latent_emb = self.t_latent_embed(t_latent)  # (B, H)
         c = self.t_text_embed(t_text) + t_latent_emb  # (B, H)
-
-        x_text = self.text_embed(tokens)  # (B, L, H)
-        rope = None
-        if self.text_pos is not None:
-            x_text = x_text + self.text_pos.weight[:L]
-        else:
-            rope = rope_angles(L, self.cfg.hidden_size // self.cfg.num_heads, tokens.device)
-
-        if self.null_latent is not None:
-            # Always through torch.where (an all-False mask when no row is dropped) so the null
-            # latent is in every graph and DDP never waits for its gradient in vain.
-            if latent_null is None:
-                latent_null = torch.zeros(B, dtype=torch.bool, device=latents.device)
-            latents = torch.where(latent_null[:, None, None], self.null_latent.to(latents.dtype), latents)
-        elif latent_null is not None:
-            raise ValueError("latent_null was given but model.null_latent is false: there is no null latent")
+        latents = self.latent_input(latents, latent_null)  # (B, K, D): the null latent where dropped
         x_latent = self.latent_proj(latents) + self.latent_pos  # (B, K, H)
         if self.latent_self_cond_proj is not None:
             # Zeros rather than a skipped branch when there is no estimate: the weight is in every graph,
@@ -411,35 +505,97 @@ class MultimodalMMDiT(nn.Module):
         elif latent_self_cond is not None:
             raise ValueError("latent_self_cond was given but model.self_condition is false")
 
-        P = self.cfg.num_prefix_tokens
-        if P:
-            x_text = torch.cat([self.prefix_tokens(latents), x_text], dim=1)  # (B, P + L, H)
-            if rope is not None:
-                rope = rope_angles(P + L, self.cfg.hidden_size // self.cfg.num_heads, tokens.device)
-            if text_pad_mask is not None:
-                text_pad_mask = torch.cat([text_pad_mask.new_ones(B, P), text_pad_mask], dim=1)
-
-        attn_mask = None
-        if text_pad_mask is not None:
-            # Latent slots are always valid keys, so every query (even in a fully padded text row)
-            # has at least one key and the softmax never normalises over nothing.
-            keep = torch.cat([text_pad_mask, text_pad_mask.new_ones(B, K)], dim=1)  # (B, S)
-            attn_mask = keep[:, None, None, :]  # (B, 1, 1, S): same for every head and query
+        if packing is None:
+            x_text, rope = self.embed_text(tokens, torch.arange(L, device=tokens.device), L)  # (B, L, H)
+            x_text, rope, attn_mask = self.with_prefix(x_text, rope, text_pad_mask, latents)
+            text_doc = latent_rows = None
+        else:
+            x_text, rope = self.embed_text(
+                tokens.reshape(-1)[packing.text_slots(L).clamp_min(0)], packing.text_position, L
+            )
+            attn_mask = packing.attention_mask(K)  # (R, 1, S, S)
+            text_doc, latent_rows = packing.text_doc.clamp_min(0), packing.latent_rows(B, K)
 
         last = len(self.blocks) - 1
         for i, block in enumerate(self.blocks):
             x_text, x_latent = block(
-                x_text, x_latent, c, attn_mask, rope, text_out=text_head or i < last, latent_out=latent_head or i < last
+                x_text,
+                x_latent,
+                c,
+                attn_mask,
+                rope,
+                text_out=text_head or i < last,
+                latent_out=latent_head or i < last,
+                text_doc=text_doc,
+                latent_rows=latent_rows,
             )
 
-        if text_head and P:
-            x_text = x_text[:, P:]  # (B, L, H): the prefix has no output
-        logits = self.text_final(x_text, c, text_rows) if text_head else None  # (B, L, V) or (N, V)
+        logits = self.text_logits(x_text, c, text_rows, packing, L) if text_head else None  # (B, L, V) or (N, V)
         if text_head and self.token_latents is not None:
             logits = logits + self.vocab_prior(latents, t_latent_emb, text_rows, L).to(logits.dtype)
         latent_out = self.latent_final(x_latent, c) if latent_head else None  # (B, K, D)
         lengths = self.length_logits(length_from) if length_from is not None else None  # (B, max_seq_len)
         return ModelOutput(logits, latent_out, lengths)
+
+    def latent_input(self, latents: Tensor, latent_null: Tensor | None) -> Tensor:
+        """The latent input (B, K, D) with the null latent in the rows latent_null (B,) marks."""
+        if self.null_latent is not None:
+            # Always through torch.where (an all-False mask when no row is dropped) so the null
+            # latent is in every graph and DDP never waits for its gradient in vain.
+            if latent_null is None:
+                latent_null = torch.zeros(latents.shape[0], dtype=torch.bool, device=latents.device)
+            return torch.where(latent_null[:, None, None], self.null_latent.to(latents.dtype), latents)
+        if latent_null is not None:
+            raise ValueError("latent_null was given but model.null_latent is false: there is no null latent")
+        return latents
+
+    def embed_text(self, tokens: Tensor, positions: Tensor, L: int) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+        """Token embeddings (..., T, H) of tokens (..., T) at positions (T,) or (R, T) in their texts, and
+        the RoPE angles (cos, sin) of those positions shaped to broadcast over heads (None: learned
+        positions, added here)."""
+        x = self.text_embed(tokens)
+        if self.text_pos is not None:
+            return x + self.text_pos(positions), None
+        cos, sin = rope_angles(L, self.cfg.hidden_size // self.cfg.num_heads, tokens.device)  # (L, hd/2)
+        if positions.dim() == 1:
+            return x, (cos[positions], sin[positions])  # (T, hd/2)
+        return x, (cos[positions][:, None], sin[positions][:, None])  # (R, 1, T, hd/2)
+
+    def with_prefix(
+        self, x_text: Tensor, rope: tuple[Tensor, Tensor] | None, text_pad_mask: Tensor | None, latents: Tensor
+    ) -> tuple[Tensor, tuple[Tensor, Tensor] | None, Tensor | None]:
+        """The text stream with the prefix tokens (model.num_prefix_tokens) before it, its RoPE angles,
+        and the attention mask (B, 1, 1, S) of the padded batch (None: no padding)."""
+        B, L = x_text.shape[:2]
+        P = self.cfg.num_prefix_tokens
+        if P:
+            x_text = torch.cat([self.prefix_tokens(latents), x_text], dim=1)  # (B, P + L, H)
+            if rope is not None:
+                rope = rope_angles(P + L, self.cfg.hidden_size // self.cfg.num_heads, x_text.device)
+            if text_pad_mask is not None:
+                text_pad_mask = torch.cat([text_pad_mask.new_ones(B, P), text_pad_mask], dim=1)
+        if text_pad_mask is None:
+            return x_text, rope, None
+        # Latent slots are always valid keys, so every query (even in a fully padded text row)
+        # has at least one key and the softmax never normalises over nothing.
+        keep = torch.cat([text_pad_mask, text_pad_mask.new_ones(B, self.cfg.num_latents)], dim=1)  # (B, S)
+        return x_text, rope, keep[:, None, None, :]  # (B, 1, 1, S): same for every head and query
+
+    def text_logits(
+        self, x_text: Tensor, c: Tensor, text_rows: Tensor | None, packing: Packing | None, L: int
+    ) -> Tensor:
+        """The text head on the last block's text stream: (B, L, V), or (N, V) at text_rows."""
+        if packing is None:
+            x_text = x_text[:, self.cfg.num_prefix_tokens :]  # (B, L, H): the prefix has no output
+            return self.text_final(x_text, c, text_rows)
+        B, H = c.shape[0], x_text.shape[-1]
+        where = packing.unpacked_index(B * L, packing.text_slots(L))  # (B * L,) into the packed positions
+        x_text = x_text.reshape(-1, H)
+        if text_rows is None:
+            return self.text_final(x_text.index_select(0, where).view(B, L, H), c)
+        index = text_rows.reshape(-1).nonzero().squeeze(1)  # (N,) into the (B * L) positions
+        doc = torch.div(index, L, rounding_mode="floor")  # (N,) the text of each
+        return self.text_final.at(x_text.index_select(0, where.index_select(0, index)), c, doc)
 
     def prefix_tokens(self, latents: Tensor) -> Tensor:
         """(B, P, H): the latent input (B, K, D) as the text stream's prefix (model.num_prefix_tokens).

@@ -11,7 +11,9 @@ How it measures, and why:
    compete for the cores. Warm-up steps first (compile, allocator, loader workers), not measured.
 3. Every config runs the same steps: same seed, data order, modes and noise; only speed differs.
 4. Step time: median and spread (p10..p90) over the measured steps; samples/s = global batch /
-   median step time; tokens/s = median over steps of real (non-pad) tokens / step time.
+   median step time; tokens/s = median over steps of real (non-pad) tokens / step time, and the
+   real tokens of all measured steps over their summed time (steps of different lengths weighed by
+   their work: bucketed and packed batches differ there).
 5. Peak memory over the measured steps: CUDA max allocated; on CPU the peak resident set size minus
    the worker's RSS before it built anything (the Python runtime and torch), i.e. what training adds:
    weights, gradients, optimizer state, activations, temporaries. Loader worker processes are not
@@ -20,8 +22,8 @@ How it measures, and why:
    one process and which dominates small batches: that part is what checkpointing, attention and
    precision act on.
 6. Largest micro-batch under a memory cap: in a fresh process per config, the auto micro-batch probe
-   (mmldlm/training/batch_size.py: one joint-mode forward + backward at full text length, plus
-   AdamW state) at 1, 2, 4, ... until the cap is passed, then bisected. The probe runs eagerly
+   (mmldlm/training/batch_size.py: one joint-mode forward + backward of the heaviest batch of that
+   size the data yield, plus AdamW state) at 1, 2, 4, ... until the cap is passed, then bisected. The probe runs eagerly
    (compile off: it would recompile at every probed size); checkpointing and attention as configured.
 7. MFU from the model's FLOPs per sample and the device's peak (mmldlm.training.metrics), only where
    the peak is known: never on CPU.
@@ -58,12 +60,11 @@ import yaml
 from mmldlm.config import flat_keys, load_config, to_dict
 from mmldlm.device import describe_device
 from mmldlm.model.info import parameter_counts
-from mmldlm.training.batch_size import largest_fitting, probe_or_none, spaced_sizes
+from mmldlm.training.batch_size import batch_shape, largest_fitting, probe_or_none, spaced_sizes
 from mmldlm.training.distributed import init_distributed
 from mmldlm.training.metrics import current_memory_bytes, peak_memory_bytes, release_free_memory, reset_peak_memory
 from mmldlm.training.optim import STATE_BYTES
-from mmldlm.training.run import build_model_and_objective, open_train_data
-from mmldlm.training.trainer import Trainer, seed_everything
+from mmldlm.training.run import build_trainer as build_run_trainer
 
 log = logging.getLogger(__name__)
 
@@ -167,11 +168,8 @@ def _setup_worker_logging(name: str) -> None:
 def build_trainer(config: str, overrides: list[str], run_dir: str, extra: list[str] = ()):
     cfg = load_config(config, [*overrides, f"train.run_dir={run_dir}", "logging.progress_bar=false", *extra])
     info = init_distributed(cfg.distributed, cfg.train.device)
-    dataset, make_loader, data_cfg = open_train_data(cfg, info)
-    seed_everything(cfg.train.seed)
-    model, objective = build_model_and_objective(cfg, dataset)
-    trainer = Trainer(cfg, model, objective, make_loader, info, max_seq_len=data_cfg.max_length)
-    return cfg, info, trainer, data_cfg
+    trainer = build_run_trainer(cfg, info)
+    return cfg, info, trainer, trainer.heaviest_batch
 
 
 def _join_ranks(job: dict) -> None:
@@ -276,12 +274,12 @@ def _fit_worker(conn, job: dict, run_dir: str, cap_bytes: float, max_size: int) 
         if load_config(job["config"], job["overrides"]).perf.activation_checkpointing == "auto":
             # auto checkpoints as much as a micro-batch needs; the largest it can fit is under full.
             extra.append("perf.activation_checkpointing=full")
-        _, info, trainer, data_cfg = build_trainer(job["config"], job["overrides"], run_dir, extra)
+        _, info, trainer, heaviest = build_trainer(job["config"], job["overrides"], run_dir, extra)
         peaks = {}
 
         def fits(size: int) -> bool:
             peaks[size] = probe_or_none(
-                trainer.model, trainer.objective, size, data_cfg.max_length, info.device, trainer._autocast
+                trainer.model, trainer.objective, size, heaviest, info.device, trainer._autocast
             )
             return peaks[size] is not None and peaks[size] <= cap_bytes
 
@@ -292,7 +290,7 @@ def _fit_worker(conn, job: dict, run_dir: str, cap_bytes: float, max_size: int) 
                 "ok": True,
                 "largest": largest,
                 "capped_by_max": largest == sizes[-1],
-                "text_length": data_cfg.max_length,
+                "heaviest_batch_at_largest": batch_shape(heaviest(max(largest, 1))),
                 "peaks_gib": {
                     str(k): round(v / 2**30, 3) if v is not None else None  # None: out of memory
                     for k, v in sorted(peaks.items())
@@ -437,6 +435,9 @@ def _summary(setup: dict, records: list[dict], memory: list[dict]) -> dict:
         # From the fastest step: on a shared machine the least disturbed estimate of what the config can do.
         "best_samples_per_s": setup["global_batch_size"] / step_time["min"],
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
+        # Real tokens of all measured steps over their time: where steps differ in length (bucketed
+        # batches draw a bucket of short or long texts, packed ones a mix), the throughput of the work.
+        "total_tokens_per_s": sum(r["tokens_per_s"] * r["step_time_s"] for r in records) / sum(times),
         "data_wait_share": statistics.median(r["data_wait_share"] for r in records),
         "peak_memory_gib": peak_gib,  # per process: the largest over the ranks
         "peak_memory_per_rank_gib": per_rank_gib,
@@ -520,7 +521,14 @@ def run_bench(opts: BenchOptions, command: str = "") -> dict:
     first, last = jobs[0]["name"], jobs[-1]["name"]
     ratios = {
         key: results[last][key] / results[first][key]
-        for key in ("samples_per_s", "best_samples_per_s", "tokens_per_s", "peak_memory_gib", "peak_above_state_gib")
+        for key in (
+            "samples_per_s",
+            "best_samples_per_s",
+            "tokens_per_s",
+            "total_tokens_per_s",
+            "peak_memory_gib",
+            "peak_above_state_gib",
+        )
     }
     if opts.fit and opts.processes == 1:
         ratios["largest_micro_batch"] = (
@@ -637,7 +645,10 @@ def markdown(report: dict) -> str:
         f"{report['options']['optimized']} / {report['options']['baseline']}: "
         f"samples/s **{r['samples_per_s']:.2f}x** (from the fastest steps "
         f"{r['best_samples_per_s']:.2f}x), tokens/s "
-        f"{r['tokens_per_s']:.2f}x, peak memory at equal batch **{r['peak_memory_gib']:.2f}x** "
+        f"{r['tokens_per_s']:.2f}x"
+        # Absent from reports written before it was measured (scripts/gpu_report.py reads old ones).
+        + (f" (all steps' tokens over their time {r['total_tokens_per_s']:.2f}x)" if "total_tokens_per_s" in r else "")
+        + f", peak memory at equal batch **{r['peak_memory_gib']:.2f}x** "
         f"(the rest, above the training state: {r['peak_above_state_gib']:.2f}x)"
         + (f", largest micro-batch **{r['largest_micro_batch']:.2f}x**" if r.get("largest_micro_batch") else "")
         + ".",

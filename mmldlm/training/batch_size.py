@@ -6,7 +6,9 @@ size, and each size in train.batch_schedule), so accumulation = per-process batc
 always exact: auto changes how the effective batch is split, never the effective batch.
 
 A candidate fits when one forward + backward in the joint mode (both heads: the most memory), on
-that many samples at the longest text length, peaks under the cap:
+the heaviest batch of that many samples the run's data yields (the prepared dataset's real lengths
+under the configured bucketing: `heaviest_batch` in mmldlm/data/dataset.py; every text at the
+longest length when the data are not known), peaks under the cap:
 - CUDA: an out-of-memory error means it does not fit (the allocator's cache is emptied and the search
   backs off to a smaller candidate); train.memory_cap_gib, when set, also bounds the peak allocation.
 - CPU: the process's peak RSS (mmldlm.training.metrics.peak_memory_bytes) must stay under
@@ -109,28 +111,29 @@ def optimizer_state_bytes(model: nn.Module) -> int:
     return sum(2 * p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
-def probe_batch(
-    batch_size: int,
-    seq_len: int,
-    vocab_size: int,
-    num_latents: int,
-    latent_dim: int,
-    device: torch.device,
-    generator: torch.Generator,
+def full_length_batch(
+    batch_size: int, seq_len: int, vocab_size: int, num_latents: int, latent_dim: int, seed: int = 0
 ) -> dict:
-    """A batch of the largest shape the loader can produce: every row a full-length text."""
+    """A batch of the largest shape the loader can produce: every row a full-length text. What a probe
+    runs when the data's lengths are not known (`heaviest_batch` in mmldlm/data/dataset.py, when they are)."""
+    generator = torch.Generator().manual_seed(seed)
     return {
-        "tokens": torch.randint(2, vocab_size, (batch_size, seq_len), generator=generator).to(device),  # (B, L)
-        "pad_mask": torch.ones(batch_size, seq_len, dtype=torch.bool, device=device),  # (B, L)
-        "latents": torch.randn(batch_size, num_latents, latent_dim, generator=generator).to(device),  # (B, K, D)
+        "tokens": torch.randint(2, vocab_size, (batch_size, seq_len), generator=generator),  # (B, L)
+        "pad_mask": torch.ones(batch_size, seq_len, dtype=torch.bool),  # (B, L)
+        "latents": torch.randn(batch_size, num_latents, latent_dim, generator=generator),  # (B, K, D)
     }
 
 
 def probe_peak_bytes(
-    model: nn.Module, objective, batch_size: int, seq_len: int, device: torch.device, autocast: Callable = None
+    model: nn.Module,
+    objective,
+    batch_size: int,
+    make_batch: Callable[[int], dict],
+    device: torch.device,
+    autocast: Callable = None,
 ) -> int:
-    """Peak memory of one joint-mode forward + backward of `batch_size` full-length samples, plus the
-    optimizer state; raises torch.OutOfMemoryError where CUDA runs out."""
+    """Peak memory of one joint-mode forward + backward of `make_batch(batch_size)` (a CPU batch as the
+    loader yields it), plus the optimizer state; raises torch.OutOfMemoryError where CUDA runs out."""
     joint = Objective(
         dataclasses.replace(objective.cfg, mode="joint"),
         objective.text,
@@ -139,8 +142,7 @@ def probe_peak_bytes(
         objective.length_head,
     )
     raw = getattr(model, "module", model)
-    generator = torch.Generator().manual_seed(batch_size)
-    batch = probe_batch(batch_size, seq_len, raw.vocab_size, raw.cfg.num_latents, raw.cfg.latent_dim, device, generator)
+    batch = {k: v.to(device) for k, v in make_batch(batch_size).items()}
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # dropout must not shift the run's RNG stream
         reset_peak_memory(device)
@@ -156,34 +158,49 @@ def probe_peak_bytes(
 
 
 def probe_or_none(
-    model: nn.Module, objective, batch_size: int, seq_len: int, device: torch.device, autocast: Callable = None
+    model: nn.Module,
+    objective,
+    batch_size: int,
+    make_batch: Callable[[int], dict],
+    device: torch.device,
+    autocast: Callable = None,
 ) -> int | None:
     """`probe_peak_bytes`, or None where CUDA ran out of memory (its cache is emptied then): every
     search over sizes or checkpointing modes reads an out-of-memory error as "does not fit"."""
     try:
-        return probe_peak_bytes(model, objective, batch_size, seq_len, device, autocast)
+        return probe_peak_bytes(model, objective, batch_size, make_batch, device, autocast)
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         return None
+
+
+def batch_shape(batch: dict) -> str:
+    """How a probe batch reads in a log line: "16 x 80 tokens", or packed "3 rows x 128 tokens (16 texts)"."""
+    if "pack_doc" in batch:
+        rows, length = batch["pack_doc"].shape
+        return f"{rows} rows x {length} tokens ({batch['tokens'].shape[0]} texts)"
+    rows, length = batch["tokens"].shape
+    return f"{rows} x {length} tokens"
 
 
 def find_micro_batch(
     model: nn.Module,
     objective,
     per_process_batches: list[int],
-    seq_len: int,
+    make_batch: Callable[[int], dict],
     device: torch.device,
     cap_bytes: float | None,
     autocast: Callable = None,
     agree: Callable[[bool], bool] = lambda fits: fits,
 ) -> tuple[int, dict]:
-    """The largest candidate micro-batch whose probe fits under `cap_bytes` (see the module doc), and
-    {size: peak bytes or None for out-of-memory} of the probes. `agree` makes every rank take the
-    same decision (a MIN all-reduce of the flag) so all ranks probe in lockstep and end equal."""
+    """The largest candidate micro-batch whose probe (on `make_batch(size)`) fits under `cap_bytes`
+    (see the module doc), and {size: peak bytes or None for out-of-memory} of the probes. `agree`
+    makes every rank take the same decision (a MIN all-reduce of the flag) so all ranks probe in
+    lockstep and end equal."""
     peaks: dict[int, int | None] = {}
 
     def fits(size: int) -> bool:
-        peaks[size] = probe_or_none(model, objective, size, seq_len, device, autocast)
+        peaks[size] = probe_or_none(model, objective, size, make_batch, device, autocast)
         return agree(peaks[size] is not None and (cap_bytes is None or peaks[size] <= cap_bytes))
 
     size = largest_fitting(candidate_sizes(per_process_batches), fits)
@@ -192,7 +209,7 @@ def find_micro_batch(
         peak = f"peak {peaks[1] / 2**30:.2f} GiB" if peaks.get(1) is not None else "out of memory"
         raise RuntimeError(
             f"train.micro_batch_size=auto: not even a micro-batch of 1 fits in {cap} "
-            f"({peak} at text length {seq_len}); raise train.memory_cap_gib, or use a "
+            f"({peak} on a batch of {batch_shape(make_batch(1))}); raise train.memory_cap_gib, or use a "
             f"smaller model or activation checkpointing"
         )
     return size, peaks

@@ -4,6 +4,7 @@ the loop. Used by the command (mmldlm/commands/train.py) under plain python or t
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -14,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from mmldlm.config import RunConfig
-from mmldlm.data import build_loader, dataset_path, open_dataset, resolve_for_model
+from mmldlm.data import build_loader, dataset_path, heaviest_batch, open_dataset, resolve_for_model
 from mmldlm.data.prepare import Ranks, ensure_token_latents
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.errors import UserError
@@ -91,6 +92,19 @@ def open_train_data(cfg: RunConfig, info: DistInfo):
     return dataset, make_loader, data_cfg
 
 
+def build_trainer(cfg: RunConfig, info: DistInfo) -> Trainer:
+    """The data, model, objective and trainer of `cfg` on this rank; the memory probes run the
+    heaviest batch of the real data (mmldlm.data.dataset.heaviest_batch)."""
+    dataset, make_loader, data_cfg = open_train_data(cfg, info)
+    seed_everything(cfg.train.seed)  # the same initial weights on every rank (FSDP2 relies on it)
+    model, objective = build_model_and_objective(cfg, dataset)
+    seed_everything(cfg.train.seed + info.rank)  # rank-local randomness (dropout) differs per rank
+    heaviest = functools.partial(
+        heaviest_batch, dataset, data_cfg, rank=info.rank, world_size=info.world_size, vocab_size=model.vocab_size
+    )
+    return Trainer(cfg, model, objective, make_loader, info, max_seq_len=data_cfg.max_length, heaviest_batch=heaviest)
+
+
 class StartUpInterrupted(Exception):
     """SIGTERM or SIGINT before the first step: nothing is written, the process leaves with 128 + signum."""
 
@@ -129,11 +143,7 @@ def train(cfg: RunConfig, resume: str | None = None, command: str = "mmldlm trai
         # (end at once, nothing written) inside it; leaving start-up hands back to the loop's with no gap.
         with StopRequest() as stop:
             with signals_interrupt_start_up():
-                dataset, make_loader, data_cfg = open_train_data(cfg, info)
-                seed_everything(cfg.train.seed)  # the same initial weights on every rank (FSDP2 relies on it)
-                model, objective = build_model_and_objective(cfg, dataset)
-                seed_everything(cfg.train.seed + info.rank)  # rank-local randomness (dropout) differs per rank
-                trainer = Trainer(cfg, model, objective, make_loader, info, max_seq_len=data_cfg.max_length)
+                trainer = build_trainer(cfg, info)
                 trainer.resume(resume)
             if info.is_main:  # the run has started: what it runs with is recorded
                 save_run_config(cfg, run_dir, trainer.resumed_from)

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import random
 import signal
 import time
 import typing
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -39,8 +41,10 @@ from mmldlm.config import ConfigError, DistributedConfig, PerfConfig, RunConfig
 from mmldlm.model.info import training_flops_per_sample
 from mmldlm.model.mmdit import padded_row_count
 from mmldlm.training.batch_size import (
+    batch_shape,
     default_memory_cap,
     find_micro_batch,
+    full_length_batch,
     global_batch_sizes,
     per_process_micro_batch,
     probe_or_none,
@@ -192,10 +196,20 @@ class Trainer:
     """Owns the wrapped model, optimizer, schedule, checkpoints and metrics of one run.
 
     `loader` is a loader (an iterable, not callable), or a callable of the micro-batch size that builds one: with
-    train.micro_batch_size=auto the size is known only once the set-up model has been probed."""
+    train.micro_batch_size=auto the size is known only once the set-up model has been probed.
+    `heaviest_batch(size)`: the heaviest batch of `size` samples the loader yields (a CPU batch), which
+    the memory probes of `auto` checkpointing and micro-batch run; by default every text at
+    `max_seq_len` (default model.max_seq_len)."""
 
     def __init__(
-        self, cfg: RunConfig, model: nn.Module, objective, loader, info: DistInfo, max_seq_len: int | None = None
+        self,
+        cfg: RunConfig,
+        model: nn.Module,
+        objective,
+        loader,
+        info: DistInfo,
+        max_seq_len: int | None = None,
+        heaviest_batch: Callable[[int], dict] | None = None,
     ):
         self.cfg = cfg
         self.info = info
@@ -213,21 +227,23 @@ class Trainer:
         self.micro_batch_size = cfg.train.micro_batch_size  # "auto": probed once the model is set up
         if self.micro_batch_size != "auto":
             self.micro_batch_size = self._micro_batch_for_world_size(self.micro_batch_size)
+        self.heaviest_batch = heaviest_batch or functools.partial(
+            full_length_batch,
+            seq_len=max_seq_len or self.raw_model.cfg.max_seq_len,
+            vocab_size=self.raw_model.vocab_size,
+            num_latents=self.raw_model.cfg.num_latents,
+            latent_dim=self.raw_model.cfg.latent_dim,
+        )
         perf = cfg.perf
         if perf.activation_checkpointing == "auto":
-            perf = dataclasses.replace(
-                perf,
-                activation_checkpointing=self._choose_checkpointing(
-                    objective, max_seq_len or self.raw_model.cfg.max_seq_len
-                ),
-            )
+            perf = dataclasses.replace(perf, activation_checkpointing=self._choose_checkpointing(objective))
         self.activation_checkpointing = perf.activation_checkpointing  # what runs: auto resolved
         self.model = parallelize(self.raw_model, perf, self._resolve_static_graph(cfg, info), info)
         if self.ema is not None and info.distributed and cfg.distributed.shards_model:
             apply_fsdp(self.ema.module, info.mesh)
         self.objective = objective
         if self.micro_batch_size == "auto":
-            self.micro_batch_size = self._find_micro_batch(max_seq_len or self.raw_model.cfg.max_seq_len)
+            self.micro_batch_size = self._find_micro_batch()
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.schedule = LRSchedule(cfg.schedule, cfg.optim.lr, cfg.train.steps)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
@@ -355,10 +371,10 @@ class Trainer:
         cap = self.cfg.train.memory_cap_gib
         return cap * 2**30 if cap is not None else default_memory_cap(self.device)
 
-    def _choose_checkpointing(self, objective, seq_len: int) -> str:
+    def _choose_checkpointing(self, objective) -> str:
         """perf.activation_checkpointing=auto: the least checkpointing (none, selective, full) under
-        which one joint-mode forward + backward of the micro-batch at full text length, plus AdamW's
-        state, fits the memory cap (train.memory_cap_gib; by default 90% of the GPU, or on CPU 80% of
+        which one joint-mode forward + backward of the heaviest micro-batch the data yield, plus
+        AdamW's state, fits the memory cap (train.memory_cap_gib; by default 90% of the GPU, or on CPU 80% of
         the machine's memory). Recomputing costs time; checkpointing only what memory needs keeps a
         run that fits as fast as it can be."""
 
@@ -375,22 +391,23 @@ class Trainer:
         peaks = {}
         for mode in ("none", "selective", "full"):
             apply_activation_checkpointing(self.raw_model, PerfConfig(activation_checkpointing=mode))
-            peaks[mode] = probe_or_none(self.raw_model, objective, micro, seq_len, self.device, self._autocast)
+            peaks[mode] = probe_or_none(
+                self.raw_model, objective, micro, self.heaviest_batch, self.device, self._autocast
+            )
             if self._agree(peaks[mode] is not None and peaks[mode] <= cap) or mode == "full":
                 break
         apply_activation_checkpointing(self.raw_model, PerfConfig(activation_checkpointing="none"))
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # the probes ran at full text length: give their blocks back
+            torch.cuda.empty_cache()  # the probes ran the heaviest batch: give their blocks back
         if self.info.is_main:
             probed = ", ".join(
                 f"{m} {p / 2**30:.2f} GiB" if p is not None else f"{m} out of memory" for m, p in peaks.items()
             )
             log.info(
-                "activation checkpointing: auto -> %s (micro-batch %d at text length %d, cap %.2f GiB; "
+                "activation checkpointing: auto -> %s (the heaviest micro-batch of the data, %s; cap %.2f GiB; "
                 "probed peak: %s)",
                 mode,
-                micro,
-                seq_len,
+                batch_shape(self.heaviest_batch(micro)),
                 cap / 2**30,
                 probed,
             )
@@ -415,7 +432,7 @@ class Trainer:
             )
         return micro
 
-    def _find_micro_batch(self, seq_len: int) -> int:
+    def _find_micro_batch(self) -> int:
         """train.micro_batch_size=auto: the largest micro-batch that fits (see batch_size.py), the
         same on every rank."""
 
@@ -432,7 +449,7 @@ class Trainer:
             self.model,
             self.objective,
             [b // info.world_size for b in batches],
-            seq_len,
+            self.heaviest_batch,
             self.device,
             cap,
             self._autocast,
@@ -444,11 +461,11 @@ class Trainer:
                 for b, p in sorted(peaks.items())
             )
             log.info(
-                "micro-batch: auto -> %d (cap %s; probed peak at text length %d: %s); accumulation "
-                "%d for the global batch of %d",
+                "micro-batch: auto -> %d (cap %s; probed peak on the heaviest batch of the data, %s: %s); "
+                "accumulation %d for the global batch of %d",
                 size,
                 f"{cap / 2**30:.2f} GiB" if cap else "none",
-                seq_len,
+                batch_shape(self.heaviest_batch(size)),
                 probed,
                 cfg.global_batch_size // (size * info.world_size),
                 cfg.global_batch_size,
@@ -639,10 +656,9 @@ class Trainer:
             pad_mask = batch.get("pad_mask")
             totals.tokens += float(pad_mask.sum()) if pad_mask is not None else batch["tokens"].numel()
             rows = metrics.get("num_masked")
-            self._input_shapes.add(
-                (mode, *batch["tokens"].shape, padded_row_count(int(rows)) if rows is not None else 0)
-            )
-            totals.flops += self._flops(batch["tokens"], mode, rows)
+            computed = batch.get("pack_doc", batch["tokens"])  # (rows, text positions) the blocks ran on
+            self._input_shapes.add((mode, *computed.shape, padded_row_count(int(rows)) if rows is not None else 0))
+            totals.flops += self._flops(computed, mode, rows)
         totals.nonfinite = float(not math.isfinite(totals.loss))
         return totals
 
