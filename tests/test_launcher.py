@@ -9,7 +9,6 @@ tests/launcher_faults/sitecustomize.py; they fire in the first start only."""
 
 import json
 import os
-import signal
 import subprocess
 from pathlib import Path
 
@@ -18,10 +17,10 @@ from test_training_distributed import (  # noqa: F401  (dataset: the module's pr
     BASE,
     PYTHON,
     REPO,
-    _descendants,
     _env,
     dataset,
     free_port,
+    kill_trees,
     records,
 )
 
@@ -69,14 +68,7 @@ def launch_two_nodes(out: Path, fault: str | None = None) -> list[int]:
     try:
         return [n.wait(timeout=300) for n in nodes]
     finally:
-        # Whatever is left (a launcher that timed out): the workers too, or they stay blocked in a collective.
-        for n in nodes:
-            for pid in [n.pid, *_descendants(n.pid)]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            n.wait()
+        kill_trees(nodes)  # whatever is left (a launcher that timed out), its workers too
 
 
 def log_of(out: Path) -> str:

@@ -11,9 +11,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from mmldlm.config import load_config
 from mmldlm.data.dataset import build_loader, heaviest_batch, open_dataset, resolve_for_model
-from mmldlm.objective import Objective
 from mmldlm.tools.check import Environment, estimate
-from mmldlm.training.batch_size import full_length_batch
+from mmldlm.training.batch_size import full_length_batch, joint_objective
 from mmldlm.training.run import build_model_and_objective
 
 MICRO = 8
@@ -47,13 +46,7 @@ def run_config(data_dir, *overrides):
 def measured_peak(model, objective, batch) -> int:
     """Peak bytes of live tensors (torch's own accounting, on CPU too) over one joint-mode forward and
     backward of `batch`, as the memory probe runs it."""
-    joint = Objective(
-        dataclasses.replace(objective.cfg, mode="joint"),
-        objective.text,
-        objective.latent,
-        objective.self_condition,
-        objective.length_head,
-    )
+    joint = joint_objective(objective)
     tracker = MemTracker()
     tracker.track_external(model)
     with tracker:

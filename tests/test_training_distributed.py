@@ -436,6 +436,18 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def kill_trees(nodes: list[subprocess.Popen]) -> None:
+    """SIGKILL every process the launchers `nodes` started, and them: a torchrun agent killed alone
+    leaves its workers orphaned, blocked in a collective."""
+    for n in nodes:
+        for pid in [n.pid, *_descendants(n.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        n.wait()
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -489,15 +501,7 @@ def test_launcher_two_nodes_trains_and_restarts_a_killed_worker(tmp_path):
         os.kill(workers[0], signal.SIGKILL)
         assert [n.wait(timeout=240) for n in nodes] == [0, 0]
     finally:
-        # Kill every process the launchers started: a torchrun agent killed alone leaves its workers
-        # orphaned, blocked in a collective.
-        for n in nodes:
-            for pid in [n.pid, *_descendants(n.pid)]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            n.wait()
+        kill_trees(nodes)
     recs = records(run_dir)
     assert [r["step"] for r in recs] == list(range(1, 31))
     logs = "".join((tmp_path / "logs" / f"node-{r}.log").read_text() for r in (0, 1))

@@ -124,6 +124,17 @@ def full_length_batch(
     }
 
 
+def joint_objective(objective) -> Objective:
+    """`objective` in joint mode: both heads, both noises, the mode whose step needs the most memory."""
+    return Objective(
+        dataclasses.replace(objective.cfg, mode="joint"),
+        objective.text,
+        objective.latent,
+        objective.self_condition,
+        objective.length_head,
+    )
+
+
 def probe_peak_bytes(
     model: nn.Module,
     objective,
@@ -134,13 +145,7 @@ def probe_peak_bytes(
 ) -> int:
     """Peak memory of one joint-mode forward + backward of `make_batch(batch_size)` (a CPU batch as the
     loader yields it), plus the optimizer state; raises torch.OutOfMemoryError where CUDA runs out."""
-    joint = Objective(
-        dataclasses.replace(objective.cfg, mode="joint"),
-        objective.text,
-        objective.latent,
-        objective.self_condition,
-        objective.length_head,
-    )
+    joint = joint_objective(objective)
     raw = getattr(model, "module", model)
     batch = {k: v.to(device) for k, v in make_batch(batch_size).items()}
     devices = [device] if device.type == "cuda" else []
