@@ -1,9 +1,12 @@
 """Save time and peak resident memory of rank 0 for one checkpoint, sharded (what the trainer writes:
-every rank its own shard through torch.distributed.checkpoint) or full-state (the earlier way: the
-whole state gathered to rank 0's CPU, which alone writes model.safetensors, ema.safetensors and
-optimizer.pt). Run one method per launch: peak RSS only ever grows within a process.
+every rank its own shard through torch.distributed.checkpoint), sharded-async (the same through
+dcp.async_save: also the seconds the training loop is blocked, against the seconds of one training
+step of the same model) or full-state (the earlier way: the whole state gathered to rank 0's CPU,
+which alone writes model.safetensors, ema.safetensors and optimizer.pt). Run one method per launch:
+peak RSS only ever grows within a process.
 
     torchrun --nproc-per-node 2 scripts/checkpoint_bench.py --method sharded model=small
+    torchrun --nproc-per-node 2 scripts/checkpoint_bench.py --method sharded-async model=small
     torchrun --nproc-per-node 2 scripts/checkpoint_bench.py --method full-state model=small
 """
 
@@ -60,9 +63,28 @@ def save_full_state(run_dir: Path, model, optimizer, ema, is_main: bool) -> None
         torch.save(optim_state, out / "optimizer.pt")
 
 
+def step_seconds(model, optimizer, cfg, num_steps: int = 3) -> float:
+    """Median seconds of a training step (forward of both heads, backward, AdamW) on random tokens of
+    `cfg.train.micro_batch_size` texts of 16 tokens, the default corpus's typical padded length."""
+    B, K, D = cfg.train.micro_batch_size, cfg.model.num_latents, cfg.model.latent_dim
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(2, cfg.model.vocab_size or 8192, (B, 16), generator=generator)
+    latents = torch.randn(B, K, D, generator=generator)
+    t = torch.rand(B, generator=generator)
+    seconds = []
+    for _ in range(num_steps + 1):  # the first is warm-up
+        started = time.perf_counter()
+        out = model(tokens, latents, t, t)
+        (out.text_logits.float().mean() + out.latent.float().mean()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        seconds.append(time.perf_counter() - started)
+    return sorted(seconds[1:])[num_steps // 2]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--method", choices=["sharded", "full-state"], required=True)
+    parser.add_argument("--method", choices=["sharded", "sharded-async", "full-state"], required=True)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_args(argv)
@@ -75,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if info.distributed and cfg.distributed.strategy == "fsdp2":
         apply_fsdp(ema.module)
     optimizer = build_optimizer(wrapped, cfg.optim)
+    step = step_seconds(wrapped, optimizer, cfg) if args.method == "sharded-async" else None
     training_state_dict(wrapped, optimizer)  # gives AdamW its state, as after a first step
     run_dir = Path(args.dir or tempfile.mkdtemp(prefix="checkpoint-bench-"))
     manager = CheckpointManager(cfg.checkpoint, run_dir, info)
@@ -82,8 +105,13 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
     before, peak_before = rss_mib(), peak_rss_mib()
     started = time.perf_counter()
+    blocked = None
     if args.method == "sharded":
         manager.save(1, wrapped, optimizer, {"step": 1}, {"rng": None}, cfg, 0, blocking=True, ema=ema)
+    elif args.method == "sharded-async":
+        manager.save(1, wrapped, optimizer, {"step": 1}, {"rng": None}, cfg, 0, ema=ema)
+        blocked = time.perf_counter() - started  # the loop goes on from here while the shards are written
+        manager.wait()
     else:
         save_full_state(run_dir, wrapped, optimizer, ema, info.is_main)
     if info.distributed:
@@ -97,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
             f"parameters, {written / 2**20:.0f} MiB written in {seconds:.2f} s; rank 0 RSS {before:.0f} MiB "
             f"before the save (peak so far {peak_before:.0f} MiB), peak after it {peak_rss_mib():.0f} MiB"
         )
+        if blocked is not None:
+            print(
+                f"the training loop was blocked {blocked:.2f} s of that: {blocked / step:.0%} of one training "
+                f"step ({step:.2f} s, micro-batch {cfg.train.micro_batch_size} x 16 tokens)"
+            )
     if info.distributed:
         dist.barrier()
         dist.destroy_process_group()
