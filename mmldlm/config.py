@@ -486,7 +486,7 @@ class DistributedConfig:
     timeout_minutes: float = 30.0
     # DDP static graph; auto: on unless find_unused_parameters or a step accumulates micro-batches (the
     # idle-head anchor keeps the set of parameters with gradients the same at every step:
-    # training/parallelize.py; torch's static graph fails under no_sync(): Trainer._resolve_static_graph).
+    # training/parallelize.py, which also says why static graph and no_sync() do not mix).
     static_graph: bool | Literal["auto"] = "auto"
     # true: DDP searches the autograd graph for unused parameters every step instead of the anchor
     # (the comparison recipe's setting).

@@ -102,9 +102,16 @@ def apply_compile(model: nn.Module, backend: str | Callable = "inductor") -> Non
         block.compile(backend=backend)
 
 
-def parallelize(model: nn.Module, perf: PerfConfig, cfg: DistributedConfig, info: DistInfo) -> nn.Module:
+def parallelize(
+    model: nn.Module, perf: PerfConfig, cfg: DistributedConfig, info: DistInfo, accumulates: bool = False
+) -> nn.Module:
     """Apply activation checkpointing, then compile, to `model` (already on its device), then wrap it
-    for data-parallel training; a single process trains it unwrapped."""
+    for data-parallel training; a single process trains it unwrapped. `accumulates`: a step may run
+    several micro-batches (no_sync() before all but the last).
+
+    DDP's static graph ("auto": on unless find_unused_parameters or `accumulates`) cannot run under
+    no_sync(): torch 2.13 fails the first backward with an "expect_autograd_hooks_" internal assert
+    (pytorch/pytorch#143580) and, once past it, stops all-reducing gradients."""
     apply_activation_checkpointing(model, perf)
     if perf.compile:
         apply_compile(model)
@@ -123,7 +130,7 @@ def parallelize(model: nn.Module, perf: PerfConfig, cfg: DistributedConfig, info
         forward_sync_buffers=False,
         static_graph=cfg.static_graph
         if cfg.static_graph != "auto"
-        else not cfg.find_unused_parameters,  # (Trainer resolves auto)
+        else not (cfg.find_unused_parameters or accumulates),
     )
 
 

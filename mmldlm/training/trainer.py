@@ -37,7 +37,7 @@ from torch import nn
 from tqdm import tqdm
 
 from mmldlm import comparison
-from mmldlm.config import ConfigError, DistributedConfig, PerfConfig, RunConfig
+from mmldlm.config import ConfigError, PerfConfig, RunConfig
 from mmldlm.model.info import training_flops_per_sample
 from mmldlm.model.mmdit import padded_row_count
 from mmldlm.training.batch_size import (
@@ -238,7 +238,7 @@ class Trainer:
         if perf.activation_checkpointing == "auto":
             perf = dataclasses.replace(perf, activation_checkpointing=self._choose_checkpointing(objective))
         self.activation_checkpointing = perf.activation_checkpointing  # what runs: auto resolved
-        self.model = parallelize(self.raw_model, perf, self._resolve_static_graph(cfg, info), info)
+        self.model = parallelize(self.raw_model, perf, cfg.distributed, info, self._may_accumulate(cfg, info))
         if self.ema is not None and info.distributed and cfg.distributed.shards_model:
             apply_fsdp(self.ema.module, info.mesh)
         self.objective = objective
@@ -278,20 +278,11 @@ class Trainer:
         if self.step_in_backward:
             self._setup_step_in_backward()
 
-    def _resolve_static_graph(self, cfg: RunConfig, info: DistInfo) -> DistributedConfig:
-        """distributed.static_graph "auto": on unless DDP must find unused parameters, or a step may
-        accumulate micro-batches. DDP's static graph under no_sync() fails the first backward with an
-        "expect_autograd_hooks_" internal assert in torch 2.13 (pytorch/pytorch#143580) and, once
-        past it, stops all-reducing gradients; a micro-batch searched for at start-up ("auto") may
-        accumulate too."""
-        dist_cfg = cfg.distributed
-        if dist_cfg.static_graph != "auto":
-            return dist_cfg
+    def _may_accumulate(self, cfg: RunConfig, info: DistInfo) -> bool:
+        """Whether a step may run several micro-batches: a scheduled global batch above micro-batch x
+        world size, or a micro-batch still to be searched for at start-up ("auto")."""
         sizes = [cfg.train.global_batch_size] + [size for _, size in cfg.train.batch_schedule]
-        accumulates = self.micro_batch_size == "auto" or any(
-            size > self.micro_batch_size * info.world_size for size in sizes
-        )
-        return dataclasses.replace(dist_cfg, static_graph=not (dist_cfg.find_unused_parameters or accumulates))
+        return self.micro_batch_size == "auto" or any(size > self.micro_batch_size * info.world_size for size in sizes)
 
     def _backward_with_updates(self, loss: torch.Tensor, idle: list[nn.Parameter]) -> None:
         """optim.step_in_backward's backward: the hooks update each parameter as its gradient arrives
