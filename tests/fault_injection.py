@@ -32,8 +32,8 @@ def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _install_fault(spec: str) -> None:
-    kind, *args = spec.split(":")
+def _install_fault(fault: str) -> None:
+    kind, *args = fault.split(":")
     rank = int(os.environ.get("RANK", 0))
     if kind == "killsave":
         real_torch_save = checkpoint_module._torch_save

@@ -2,14 +2,17 @@
 rendezvous, gloo), HSDP with one node per shard group. A rank is SIGKILLed mid-step, killed while it
 writes a checkpoint, or hangs until the collective timeout; each time the launchers restart the worker
 groups with --resume auto, the run continues from the newest checkpoint that verifies, and it ends
-with every optimizer step trained once and logged once, the losses of an uninterrupted run.
+with every optimizer step trained once and logged once, the losses of an uninterrupted run. Also a
+worker killed from outside on 2 nodes of 1 process.
 
 The faults come from tests/fault_injection.py, put into the launcher's workers by
 tests/launcher_faults/sitecustomize.py; they fire in the first start only."""
 
 import json
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,6 @@ from test_training_distributed import (  # noqa: F401  (dataset: the module's pr
     _env,
     dataset,
     free_port,
-    kill_trees,
     records,
 )
 
@@ -37,26 +39,63 @@ ARGS = [
 ]
 
 
-def launch_two_nodes(out: Path, fault: str | None = None) -> list[int]:
-    """Run the launcher once per simulated node until both end; their exit codes. The run is in
-    out/run, each node's log in out/logs/node-R.log."""
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def kill_trees(nodes: list[subprocess.Popen]) -> None:
+    """SIGKILL every process the launchers `nodes` started, and them: a torchrun agent killed alone
+    leaves its workers orphaned, blocked in a collective."""
+    for n in nodes:
+        for pid in [n.pid, *_descendants(n.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        n.wait()
+
+
+def start_two_nodes(
+    out: Path, args: list[str], fault: str | None = None, nproc_per_node: int = 2, max_restarts: int = 2
+) -> list[subprocess.Popen]:
+    """One launcher per simulated node, training `args` into out/run; each node's log in
+    out/logs/node-R.log."""
     env = {
         **_env(fault),
         "NNODES": "2",
-        "NPROC_PER_NODE": "2",
+        "NPROC_PER_NODE": str(nproc_per_node),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
-        "MAX_RESTARTS": "2",
+        "MAX_RESTARTS": str(max_restarts),
         "LOG_DIR": str(out / "logs"),
         "RUN_ID": f"launcher-{out.name}",
         "PYTHON": PYTHON,
     }
     if fault:
         env["PYTHONPATH"] = f"{REPO / 'tests' / 'launcher_faults'}{os.pathsep}{env['PYTHONPATH']}"
-    args = [*BASE, f"train.run_dir={out / 'run'}", *ARGS]
-    nodes = [
+    return [
         subprocess.Popen(
-            ["bash", str(REPO / "scripts" / "launch.sh"), *args],
+            ["bash", str(REPO / "scripts" / "launch.sh"), *BASE, f"train.run_dir={out / 'run'}", *args],
             cwd=REPO,
             env={**env, "NODE_RANK": str(rank)},
             stdout=subprocess.DEVNULL,
@@ -65,6 +104,11 @@ def launch_two_nodes(out: Path, fault: str | None = None) -> list[int]:
         )
         for rank in (0, 1)
     ]
+
+
+def launch_two_nodes(out: Path, fault: str | None = None) -> list[int]:
+    """Run the launcher once per simulated node (2 x 2 processes, ARGS) until both end; their exit codes."""
+    nodes = start_two_nodes(out, ARGS, fault)
     try:
         return [n.wait(timeout=300) for n in nodes]
     finally:
@@ -125,3 +169,30 @@ def test_a_hung_rank_times_out_and_the_run_restarts_from_the_last_checkpoint(uni
     assert launch_two_nodes(tmp_path, fault="stall:3:5:3600") == [0, 0], log_of(tmp_path)[-5000:]
     assert "did not complete within distributed.timeout_minutes=0.15" in log_of(tmp_path)
     assert_continued_from(tmp_path, 4, uninterrupted)
+
+
+def test_a_worker_killed_from_outside_is_restarted_on_one_process_per_node(tmp_path):
+    # The kill comes from outside the worker (as the kernel's OOM killer or an operator would), once the
+    # first checkpoint exists; one process per node, one restart allowed.
+    args = ["train.steps=30", "train.global_batch_size=4", "checkpoint.every=5", "distributed.timeout_minutes=2"]
+    nodes = start_two_nodes(tmp_path, args, nproc_per_node=1, max_restarts=1)
+    run_dir = tmp_path / "run"
+    try:
+        latest = run_dir / "checkpoints" / "latest"
+        deadline = time.monotonic() + 150
+        while not latest.exists() and time.monotonic() < deadline and all(n.poll() is None for n in nodes):
+            time.sleep(0.2)
+        assert latest.exists(), "no checkpoint was written"
+        workers = [
+            p
+            for p in _descendants(nodes[1].pid)
+            if "mmldlm.cli" in _cmdline(p) and "torch.distributed.run" not in _cmdline(p)
+        ]
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        assert [n.wait(timeout=240) for n in nodes] == [0, 0]
+    finally:
+        kill_trees(nodes)
+    assert [r["step"] for r in records(run_dir)] == list(range(1, 31))
+    assert "resumed from" in log_of(tmp_path)
+    assert (run_dir / "checkpoints" / "step-0000030" / ".metadata").is_file()

@@ -1,6 +1,6 @@
 """The loop end to end on CPU with gloo: DDP/FSDP2 vs one process, HSDP on a 2 x 2 mesh vs DDP and
-FSDP2, exact resume after kill -9, the non-finite guard, a stalled rank, accumulation, and the
-multi-node launcher."""
+FSDP2, exact resume after kill -9, the non-finite guard, a stalled rank, accumulation (the launcher on
+two simulated nodes: tests/test_launcher.py)."""
 
 import json
 import os
@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -418,92 +417,3 @@ def test_each_strategy_shards_over_its_own_number_of_ranks():
     assert DistributedConfig(strategy="hsdp").num_shards(8, 4) == 4  # null: one node's processes
     assert DistributedConfig(strategy="hsdp", shard_group_size=2).num_shards(8, 4) == 2
     assert DistributedConfig(strategy="hsdp").num_shards(1, 1) == 1
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def kill_trees(nodes: list[subprocess.Popen]) -> None:
-    """SIGKILL every process the launchers `nodes` started, and them: a torchrun agent killed alone
-    leaves its workers orphaned, blocked in a collective."""
-    for n in nodes:
-        for pid in [n.pid, *_descendants(n.pid)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        n.wait()
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def test_launcher_two_nodes_trains_and_restarts_a_killed_worker(tmp_path):
-    run_dir = tmp_path / "run"
-    env = {
-        **_env(),
-        "NNODES": "2",
-        "NPROC_PER_NODE": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "MAX_RESTARTS": "1",
-        "LOG_DIR": str(tmp_path / "logs"),
-        "RUN_ID": "launcher-test",
-        "PYTHON": PYTHON,
-    }
-    args = [
-        *BASE,
-        f"train.run_dir={run_dir}",
-        "train.steps=30",
-        "train.global_batch_size=4",
-        "checkpoint.every=5",
-        "distributed.timeout_minutes=2",
-    ]
-    nodes = [
-        subprocess.Popen(
-            ["bash", str(REPO / "scripts" / "launch.sh"), *args],
-            cwd=REPO,
-            env={**env, "NODE_RANK": str(rank)},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for rank in (0, 1)
-    ]
-    try:
-        latest = run_dir / "checkpoints" / "latest"
-        deadline = time.monotonic() + 150
-        while not latest.exists() and time.monotonic() < deadline and all(n.poll() is None for n in nodes):
-            time.sleep(0.2)
-        assert latest.exists(), "no checkpoint was written"
-        workers = [
-            p
-            for p in _descendants(nodes[1].pid)
-            if "mmldlm.cli" in _cmdline(p) and "torch.distributed.run" not in _cmdline(p)
-        ]
-        assert len(workers) == 1
-        os.kill(workers[0], signal.SIGKILL)
-        assert [n.wait(timeout=240) for n in nodes] == [0, 0]
-    finally:
-        kill_trees(nodes)
-    recs = records(run_dir)
-    assert [r["step"] for r in recs] == list(range(1, 31))
-    logs = "".join((tmp_path / "logs" / f"node-{r}.log").read_text() for r in (0, 1))
-    assert "resumed from" in logs
-    assert (run_dir / "checkpoints" / "step-0000030" / ".metadata").is_file()
