@@ -529,7 +529,7 @@ class CheckpointConfig:
     every: int = 500  # steps between checkpoints; the last step is always saved
     keep_last: int = 3
     milestone_every: int = 0  # also keep every step that is a multiple of this; 0 = none
-    async_save: bool = False  # snapshot to CPU, write in a background thread
+    async_save: bool = False  # copy to CPU memory and write in background threads, overlapping training
 
     def check(self, prefix: str = "checkpoint") -> None:
         if self.every < 1 or self.keep_last < 1:

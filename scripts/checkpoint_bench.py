@@ -1,7 +1,8 @@
 """Save time and peak resident memory of rank 0 for one checkpoint, sharded (what the trainer writes:
 every rank its own shard through torch.distributed.checkpoint), sharded-async (the same through
-dcp.async_save: also the seconds the training loop is blocked, against the seconds of one training
-step of the same model) or full-state (the earlier way: the whole state gathered to rank 0's CPU,
+dcp.async_save: also the seconds the training loop is blocked, in save() and waiting for the
+background copy before the next update, against the seconds of one training step of the same model,
+and how much longer the step beside the save took) or full-state (the earlier way: the whole state gathered to rank 0's CPU,
 which alone writes model.safetensors, ema.safetensors and optimizer.pt). Run one method per launch:
 peak RSS only ever grows within a process.
 
@@ -63,22 +64,32 @@ def save_full_state(run_dir: Path, model, optimizer, ema, is_main: bool) -> None
         torch.save(optim_state, out / "optimizer.pt")
 
 
-def step_seconds(model, optimizer, cfg, num_steps: int = 3) -> float:
-    """Median seconds of a training step (forward of both heads, backward, AdamW) on random tokens of
-    `cfg.train.micro_batch_size` texts of 16 tokens, the default corpus's typical padded length."""
+def random_batch(cfg):
+    """`cfg.train.micro_batch_size` random texts of 16 tokens (the default corpus's typical padded
+    length), latents and noise levels."""
     B, K, D = cfg.train.micro_batch_size, cfg.model.num_latents, cfg.model.latent_dim
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(2, cfg.model.vocab_size or 8192, (B, 16), generator=generator)
-    latents = torch.randn(B, K, D, generator=generator)
     t = torch.rand(B, generator=generator)
-    seconds = []
-    for _ in range(num_steps + 1):  # the first is warm-up
-        started = time.perf_counter()
-        out = model(tokens, latents, t, t)
-        (out.text_logits.float().mean() + out.latent.float().mean()).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        seconds.append(time.perf_counter() - started)
+    return tokens, torch.randn(B, K, D, generator=generator), t
+
+
+def train_step(model, optimizer, batch, before_update=lambda: None) -> float:
+    """Seconds of one training step: forward of both heads, backward, `before_update()` (what the
+    trainer calls before it changes the state), AdamW."""
+    tokens, latents, t = batch
+    started = time.perf_counter()
+    out = model(tokens, latents, t, t)
+    (out.text_logits.float().mean() + out.latent.float().mean()).backward()
+    before_update()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - started
+
+
+def step_seconds(model, optimizer, batch, num_steps: int = 3) -> float:
+    """Median seconds of a training step, after one warm-up."""
+    seconds = [train_step(model, optimizer, batch) for _ in range(num_steps + 1)]
     return sorted(seconds[1:])[num_steps // 2]
 
 
@@ -97,9 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     if info.distributed and cfg.distributed.strategy == "fsdp2":
         apply_fsdp(ema.module)
     optimizer = build_optimizer(wrapped, cfg.optim)
-    step = step_seconds(wrapped, optimizer, cfg) if args.method == "sharded-async" else None
+    batch = random_batch(cfg)
+    step = step_seconds(wrapped, optimizer, batch) if args.method == "sharded-async" else None
     training_state_dict(wrapped, optimizer)  # gives AdamW its state, as after a first step
-    run_dir = Path(args.dir or tempfile.mkdtemp(prefix="checkpoint-bench-"))
+    run_dir = [args.dir or (tempfile.mkdtemp(prefix="checkpoint-bench-") if info.is_main else None)]
+    if info.distributed:  # one directory for every rank's shard, as in a run
+        dist.broadcast_object_list(run_dir, src=0)
+    run_dir = Path(run_dir[0])
     manager = CheckpointManager(cfg.checkpoint, run_dir, info)
     if info.distributed:
         dist.barrier()
@@ -110,7 +125,16 @@ def main(argv: list[str] | None = None) -> int:
         manager.save(1, wrapped, optimizer, {"step": 1}, {"rng": None}, cfg, 0, blocking=True, ema=ema)
     elif args.method == "sharded-async":
         manager.save(1, wrapped, optimizer, {"step": 1}, {"rng": None}, cfg, 0, ema=ema)
-        blocked = time.perf_counter() - started  # the loop goes on from here while the shards are written
+        blocked = time.perf_counter() - started  # the loop goes on from here while the state is copied
+        waits = []
+
+        def wait_for_snapshot():
+            waited = time.perf_counter()
+            manager.wait_for_snapshot()
+            waits.append(time.perf_counter() - waited)
+
+        overlapped = train_step(wrapped, optimizer, batch, wait_for_snapshot)  # the step beside the save
+        blocked += waits[0]
         manager.wait()
     else:
         save_full_state(run_dir, wrapped, optimizer, ema, info.is_main)
@@ -127,8 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         if blocked is not None:
             print(
-                f"the training loop was blocked {blocked:.2f} s of that: {blocked / step:.0%} of one training "
-                f"step ({step:.2f} s, micro-batch {cfg.train.micro_batch_size} x 16 tokens)"
+                f"the training loop was blocked {blocked:.2f} s of that (in save() and waiting for the copy "
+                f"before the next update): {blocked / step:.0%} of one training step ({step:.2f} s, "
+                f"micro-batch {cfg.train.micro_batch_size} x 16 tokens); the step beside the save took "
+                f"{overlapped:.2f} s, {overlapped / step - 1:+.0%}"
             )
     if info.distributed:
         dist.barrier()

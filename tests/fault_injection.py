@@ -6,6 +6,7 @@
     killsave:STEP            rank 0 SIGKILLs itself while writing the checkpoint of STEP, once its model
                              shard and its first small file are written (the step's directory is left
                              incomplete)
+    fullsave:RANK:STEP       writing RANK's own small file of the checkpoint of STEP fails: no space left
     killpointer:STEP         the rank writing the checkpoint of STEP SIGKILLs itself after the step's
                              directory is complete and renamed, before `latest` names it
 A fault fires in a worker group's first start only: under torchrun's restarts
@@ -16,6 +17,7 @@ coordinate and the local shard of every parameter. With MMLDLM_TEST_RECORD=DIR e
 Installed by tests/train_worker.py, and in the workers of scripts/launch.sh by
 tests/launcher_faults/sitecustomize.py."""
 
+import errno
 import os
 import signal
 import time
@@ -44,6 +46,17 @@ def _install_fault(fault: str) -> None:
                 _kill_self()
 
         checkpoint_module._torch_save = killing_torch_save
+        return
+    if kind == "fullsave":
+        real_torch_save = checkpoint_module._torch_save
+
+        def full_disk_torch_save(obj, path):
+            step_dir = checkpoint_module.step_dir_name(int(args[1]))
+            if rank == int(args[0]) and Path(path).parent.name.endswith(step_dir) and "rank-" in Path(path).name:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            real_torch_save(obj, path)
+
+        checkpoint_module._torch_save = full_disk_torch_save
         return
     if kind == "killpointer":
         real_point_latest = checkpoint_module.CheckpointManager._point_latest

@@ -85,6 +85,7 @@ def test_a_clean_config_has_no_error_or_warning(tmp_path):
         (["model.attention=explicit"], {}, [("attention", "warning")]),
         (["perf.compile=true"], {}, [("compile_shapes", "warning")]),
         (["data.packing=true", "data.bucket_batches=32"], {}, [("packing_gaps", "warning")]),
+        (["checkpoint.async_save=true"], {"device": "cpu", "native_bf16": True}, [("async_save", "warning")]),
         (["optim.step_in_backward=true", "optim.grad_clip=0"], {}, [("step_in_backward", "error")]),
         (["optim.step_in_backward=true", "optim.grad_clip=0"], {"nproc_per_node": 1}, [("step_in_backward", "error")]),
         (
@@ -149,6 +150,12 @@ def test_auto_micro_batch_needs_only_micro_batch_one_to_fit(tmp_path):
     small_gpu = Environment(**{**ENV.__dict__, "device_memory_gib": 0.001})
     _, findings = findings_of(tmp_path, ["train.micro_batch_size=auto"], small_gpu)
     assert ("memory", "error") in serious(findings)
+
+
+def test_a_background_save_is_flagged_on_cpu_only(tmp_path):
+    """On GPUs the background copy and write cost the steps little; on a CPU they compete with them."""
+    _, findings = findings_of(tmp_path, ["checkpoint.async_save=true"])
+    assert serious(findings) == []
 
 
 def test_the_baseline_preset_is_flagged_for_its_slow_switches(tmp_path):

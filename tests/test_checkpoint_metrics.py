@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -81,19 +83,41 @@ def test_retention_keeps_last_n_plus_milestones(tmp_path, async_save):
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
 
 
-def test_async_snapshot_is_not_affected_by_later_updates(tmp_path):
+def test_async_snapshot_is_not_affected_by_later_updates(tmp_path, monkeypatch):
+    """Once wait_for_snapshot returns, the weights, moments and learning rate may change: the checkpoint
+    holds those of the step saved, although its copy was still running when save returned."""
+    from torch.distributed.checkpoint.staging import StateDictStager
+
+    copying, real_stage = threading.Event(), StateDictStager.stage
+
+    def slow_stage(self, state_dict, **kwargs):
+        copying.set()
+        time.sleep(0.3)  # a large state: the copy outlasts save()
+        return real_stage(self, state_dict, **kwargs)
+
+    monkeypatch.setattr(StateDictStager, "stage", slow_stage)
     model, opt = _trained_pair()
     manager = CheckpointManager(CheckpointConfig(async_save=True), tmp_path, DistInfo())
     expected = {k: v.clone() for k, v in model.state_dict().items()}
+    expected_moments = [s["exp_avg"].clone() for s in opt.state.values()]
+    lr = opt.param_groups[0]["lr"]
     _save(manager, 1, model, opt)
-    with torch.no_grad():  # training goes on while the writer thread runs
+    assert copying.wait(5) and manager._staging is not None and not manager._staging.done()
+    opt.param_groups[0]["lr"] = lr * 7  # the next step's schedule sets the rate before the snapshot is done
+    manager.wait_for_snapshot()
+    with torch.no_grad():  # the next update
         for p in model.parameters():
             p.add_(1.0)
+        for state in opt.state.values():
+            state["exp_avg"].add_(1.0)
     manager.wait()
     fresh, fresh_opt = _trained_pair(seed=3)
     manager.load(manager.latest(), fresh, fresh_opt)
     for key, value in fresh.state_dict().items():
         assert torch.equal(value, expected[key])
+    for state, moment in zip(fresh_opt.state.values(), expected_moments):
+        assert torch.equal(state["exp_avg"], moment)
+    assert fresh_opt.param_groups[0]["lr"] == lr
 
 
 def test_kill_during_write_leaves_latest_on_a_complete_checkpoint(tmp_path):
@@ -408,7 +432,8 @@ def test_the_run_directory_lock_dies_with_its_process_though_a_forked_child_live
             "-c",
             "import os, sys, time; from pathlib import Path; from mmldlm.training.storage import lock_run_dir; "
             "lock_run_dir(Path(sys.argv[1])); child = os.fork(); "
-            "child or time.sleep(60); print(child, flush=True); time.sleep(60)",
+            # The child speaks once it runs (after the fork handlers), so the kill below never races them.
+            "child or print(os.getpid(), flush=True); time.sleep(60)",
             str(tmp_path),
         ],
         stdout=subprocess.PIPE,

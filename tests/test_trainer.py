@@ -5,6 +5,7 @@ import errno
 import json
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -170,6 +171,33 @@ def test_failed_background_save_is_reported_at_the_next_step(tmp_path, monkeypat
         trainer.fit()
     assert trainer.step == 5  # the step after the failed save, not the next save at step 6
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-0000002"]
+
+
+def test_asynchronous_checkpoints_hold_the_step_they_save(tmp_path, monkeypatch):
+    """The state is copied during the next step, which waits for the copy before its update: with a
+    copy that outlasts a forward and backward, the asynchronous checkpoints still equal blocking ones."""
+    from torch.distributed.checkpoint.staging import StateDictStager
+
+    from mmldlm.training.checkpoint import read_weights
+
+    real_stage = StateDictStager.stage
+
+    def slow_stage(self, state_dict, **kwargs):
+        time.sleep(0.5)
+        return real_stage(self, state_dict, **kwargs)
+
+    monkeypatch.setattr(StateDictStager, "stage", slow_stage)
+    common = ["train.steps=4", "checkpoint.every=2", "train.precision=fp32", "train.micro_batch_size=2"]
+    runs = {}
+    for name in ("async", "blocking"):
+        trainer = make_trainer(tmp_path / name, [*common, f"checkpoint.async_save={name == 'async'}", "train.ema_decay=0.9"])
+        assert trainer.fit() == 0
+        runs[name] = tmp_path / name / "checkpoints"
+    for step in ("step-0000002", "step-0000004"):
+        for which in ("model", "ema"):
+            saved, reference = read_weights(runs["async"] / step, which), read_weights(runs["blocking"] / step, which)
+            assert saved.keys() == reference.keys()
+            assert all(torch.equal(saved[k], reference[k]) for k in saved), (step, which)
 
 
 def test_auto_precision_is_bf16_only_where_bf16_matmuls_are_native(monkeypatch):

@@ -225,7 +225,10 @@ def samples_by_step(record: Path) -> dict[int, list[int]]:
     return read
 
 
-@pytest.mark.parametrize("before,after,batch", [((2, "ddp"), (1, "ddp"), 2), ((1, "ddp"), (2, "fsdp2"), 2)])
+@pytest.mark.parametrize(
+    "before,after,batch",
+    [((2, "ddp"), (1, "ddp"), 2), ((1, "ddp"), (2, "fsdp2"), 2), ((4, "fsdp2"), (2, "ddp"), 4)],
+)
 def test_a_run_resumes_on_another_number_of_processes_and_strategy_reading_each_sample_once(
     tmp_path, before, after, batch
 ):
@@ -284,6 +287,23 @@ def test_asynchronous_sharded_checkpoints_list_every_ranks_files_and_resume(tmp_
     loaded.save_pretrained(tmp_path / "exported")
     exported = MMLDLM.from_pretrained(tmp_path / "exported", device="cpu").run.model.state_dict()
     assert_params_equal(exported, ema)
+
+
+def test_a_failed_background_save_on_one_rank_stops_every_rank_with_the_cause(tmp_path):
+    """Rank 1's disk fills while it writes the checkpoint of step 4 in the background: every rank hears
+    it, and the job stops at the first step after the write ended (at the latest before the next
+    save), saying which file failed; the partial checkpoint is gone and step 2 is whole."""
+    args = ["train.steps=40", "checkpoint.every=2", "checkpoint.async_save=true", "distributed.strategy=fsdp2"]
+    proc = train(tmp_path, args, nproc=2, fault="fullsave:1:4", timeout=120)
+    assert proc.returncode != 0
+    said = re.search(r"no space left on device .*rank-00001\.pt; the partial checkpoint was removed, the last good "
+                     r"checkpoint is .*step-0000002", proc.stderr)
+    assert said, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "exitcode  : 2 " in proc.stderr  # a rank stopped with the error, not by a signal or a timeout
+    ckpt = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-0000002"]
+    assert verify(ckpt / "step-0000002", checksums=True) is None
+    assert 4 <= max(r["step"] for r in records(tmp_path)) <= 6
 
 
 def test_nonfinite_loss_on_one_rank_is_skipped_on_every_rank(tmp_path):
@@ -417,3 +437,4 @@ def test_each_strategy_shards_over_its_own_number_of_ranks():
     assert DistributedConfig(strategy="hsdp").num_shards(8, 4) == 4  # null: one node's processes
     assert DistributedConfig(strategy="hsdp", shard_group_size=2).num_shards(8, 4) == 2
     assert DistributedConfig(strategy="hsdp").num_shards(1, 1) == 1
+

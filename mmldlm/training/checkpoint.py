@@ -26,12 +26,14 @@ rank 0 checks the free space for the whole checkpoint and every rank hears its v
 disk) removes its own. Old checkpoints are pruned only after `latest` moved on, and never the one
 `latest` names.
 
-Asynchronous (checkpoint.async_save): `dcp.async_save` copies the state to CPU memory in the
-foreground and writes it in a background thread over a gloo process group of its own (the training
-group may be NCCL, and must stay free for the training collectives); the rest (small files, checksums,
-meta.json, rename, `latest`, pruning) runs in that thread when the write completes. The next save and
-the end of the run wait for it; its failure is raised on the training thread after the step it is
-noticed in.
+Asynchronous (checkpoint.async_save): `save` returns at once. A staging thread copies the state to
+CPU memory (DCP's DefaultStager with background staging) while the next forward and backward run; the
+trainer calls `wait_for_snapshot` before the next update changes the weights, moments or EMA, so the
+copy is the state of the step saved. A writer thread then plans and writes the shards over a gloo
+process group of its own (the training group may be NCCL, and must stay free for the training
+collectives), and the rest (small files, checksums, meta.json, rename, `latest`, pruning) runs in that
+thread when the write completes. The next save and the end of the run wait for it; its failure is
+raised on the training thread after the step it is noticed in.
 
 Trust: `latest` is a record of the last save, not the truth. `find_latest` takes the newest
 complete checkpoint that verifies (every file of the manifest has its size, and on resume its
@@ -60,6 +62,8 @@ import signal
 import threading
 import time
 import warnings
+from concurrent import futures
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -69,6 +73,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -99,6 +104,18 @@ SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitia
 
 def _quiet_single_process_warning() -> None:
     warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING, category=UserWarning)
+
+
+def _background_stager(device: torch.device) -> DefaultStager:
+    """DCP's stager copying the state to CPU memory in a thread of its own; pinned memory and
+    non-blocking copies where the state lives on a GPU. Shared memory is for a writer process, and the
+    writer here is a thread."""
+    cuda = device.type == "cuda"
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
+        )
+    )
 
 
 def step_dir_name(step: int) -> str:
@@ -284,6 +301,7 @@ class CheckpointManager:
         self.dir = Path(run_dir) / "checkpoints"  # made by the first write, not before the run starts
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._staging: Future | None = None  # an asynchronous save's copy of the state, until it is done
         # The checkpoint's own process group (gloo: CPU tensors, and a background write must not
         # share the training group's queue); made now, as every rank builds its manager at the same point.
         self._group = dist.new_group(backend="gloo") if info.distributed else None
@@ -447,14 +465,24 @@ class CheckpointManager:
             small["config.yaml"] = lambda f: save_config(config, f)
         writer = dcp.FileSystemWriter(str(tmp))
         if self.cfg.async_save and not blocking:
-            try:  # the copy to CPU memory happens here, in the foreground; the write in the background
-                future = dcp.async_save(
-                    state, storage_writer=writer, process_group=self._group, no_dist=not self.info.distributed
+            stager = _background_stager(self.info.device)
+            try:  # returns at once: the copy to CPU memory and the write both run in the background
+                response = dcp.async_save(
+                    state,
+                    storage_writer=writer,
+                    process_group=self._group,
+                    async_stager=stager,
+                    no_dist=not self.info.distributed,
                 )
             except CheckpointException as err:
+                stager.close()
                 self._fail(tmp, err)
+            self._staging = response.staging_completion
             self._thread = threading.Thread(
-                target=self._finish_guarded, args=(future, tmp, small, meta), name="checkpoint-writer", daemon=False
+                target=self._finish_guarded,
+                args=(response.upload_completion, stager, tmp, small, meta),
+                name="checkpoint-writer",
+                daemon=False,
             )
             self._thread.start()
         else:
@@ -498,19 +526,22 @@ class CheckpointManager:
             f"{self.last_good()}; free space, then continue with --resume auto"
         ) from err
 
-    def _finish_guarded(self, future, *args) -> None:
+    def _finish_guarded(self, future, stager, *args) -> None:
         try:
             try:
                 future.result()
             except CheckpointException as err:
                 self._fail(args[0], err)
+            finally:
+                stager.close()  # frees the staged copy
             self._finish(*args)
         except BaseException as err:  # handed to the training thread by wait()
             self._error = err
 
     def _finish(self, tmp: Path, small: dict, meta: dict) -> None:
         """After the shards are written: every rank writes its small files and hashes what it wrote;
-        rank 0 gathers the lists, writes meta.json, renames, moves `latest` and prunes."""
+        the lists go to every rank (a failure stops them all), and rank 0 writes meta.json, renames,
+        moves `latest` and prunes."""
         files, failure = {}, None
         file = tmp
         try:
@@ -526,16 +557,17 @@ class CheckpointManager:
                 files[file.name] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
         except OSError as err:
             failure = write_failure(err, file)
-        gathered = [None] * self.info.world_size if self.info.is_main else None
+        # Every rank hears every rank's failure: all stop at the same step, none waits on a dead peer.
+        gathered = [None] * self.info.world_size
         if self.info.distributed:
-            dist.gather_object((files, failure), gathered, dst=0, group=self._group)
+            dist.all_gather_object(gathered, (files, failure), group=self._group)
         else:
             gathered = [(files, failure)]
-        if not self.info.is_main:
-            if failure is not None:
-                raise WriteError(f"{failure}; rank 0 removes the partial checkpoint")
-            return
         failures = [f for _, f in gathered if f is not None]
+        if not self.info.is_main:
+            if failures:
+                raise WriteError(f"{failures[0]}; rank 0 removes the partial checkpoint, {self.last_good()}")
+            return
         manifest = dict(sorted(item for listed, _ in gathered for item in listed.items()))
         file = tmp / "meta.json"
         try:
@@ -565,8 +597,18 @@ class CheckpointManager:
         self._prune()
         log.info("checkpoint: wrote %s", final)
 
+    def wait_for_snapshot(self) -> None:
+        """Block until an asynchronous save has copied the state it saves. Call before anything changes
+        the weights, the optimizer's state or the EMA; the copy runs during the forward and backward
+        after the save, so this is usually free. A failed copy is reported by `wait`, as is any failure
+        of the write."""
+        if self._staging is not None:
+            futures.wait([self._staging])
+            self._staging = None
+
     def wait(self) -> None:
         """Block until a background write is done; re-raise its error here, on the training thread."""
+        self._staging = None
         if self._thread is not None:
             self._thread.join()
             self._thread = None

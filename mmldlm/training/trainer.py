@@ -14,7 +14,8 @@ One optimizer step (`train_step`):
    any rank before that all-reduce makes every rank checkpoint at the end of this step and exit
    with status 128 + the signal's number.
 5. Clip, step, log, checkpoint (with optim.step_in_backward each parameter is stepped inside
-   backward instead).
+   backward instead). An asynchronous checkpoint copies the state during the next step's forward
+   and backward; the update waits for that copy.
 """
 
 from __future__ import annotations
@@ -605,6 +606,7 @@ class Trainer:
             p.grad = None
         grad_norm = self._gradient_norm()
         totals = self._sum_over_ranks(totals)
+        self.checkpoints.wait_for_snapshot()  # an asynchronous save copies the state it saves until here
         skipped = self._update(
             nonfinite=totals.nonfinite > 0 or not math.isfinite(grad_norm), loss_finite=math.isfinite(totals.loss)
         )
@@ -637,6 +639,7 @@ class Trainer:
                         loss = anchor(loss, idle)
                 scaled = loss / num_accum
                 if self.step_in_backward:
+                    self.checkpoints.wait_for_snapshot()  # the updates below change what a save copies
                     self._backward_with_updates(loss, idle)
                 else:
                     (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
