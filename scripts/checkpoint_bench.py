@@ -2,9 +2,9 @@
 every rank its own shard through torch.distributed.checkpoint), sharded-async (the same through
 dcp.async_save: also the seconds the training loop is blocked, in save() and waiting for the
 background copy before the next update, against the seconds of one training step of the same model,
-and how much longer the step beside the save took) or full-state (the earlier way: the whole state gathered to rank 0's CPU,
-which alone writes model.safetensors, ema.safetensors and optimizer.pt). Run one method per launch:
-peak RSS only ever grows within a process.
+and how much longer the step beside the save took) or full-state (the earlier way: the whole state
+gathered to rank 0's CPU, which alone writes model.safetensors, ema.safetensors and optimizer.pt).
+Run one method per launch: peak RSS only ever grows within a process.
 
     torchrun --nproc-per-node 2 scripts/checkpoint_bench.py --method sharded model=small
     torchrun --nproc-per-node 2 scripts/checkpoint_bench.py --method sharded-async model=small

@@ -190,7 +190,9 @@ def test_asynchronous_checkpoints_hold_the_step_they_save(tmp_path, monkeypatch)
     common = ["train.steps=4", "checkpoint.every=2", "train.precision=fp32", "train.micro_batch_size=2"]
     runs = {}
     for name in ("async", "blocking"):
-        trainer = make_trainer(tmp_path / name, [*common, f"checkpoint.async_save={name == 'async'}", "train.ema_decay=0.9"])
+        trainer = make_trainer(
+            tmp_path / name, [*common, f"checkpoint.async_save={name == 'async'}", "train.ema_decay=0.9"]
+        )
         assert trainer.fit() == 0
         runs[name] = tmp_path / name / "checkpoints"
     for step in ("step-0000002", "step-0000004"):

@@ -296,8 +296,11 @@ def test_a_failed_background_save_on_one_rank_stops_every_rank_with_the_cause(tm
     args = ["train.steps=40", "checkpoint.every=2", "checkpoint.async_save=true", "distributed.strategy=fsdp2"]
     proc = train(tmp_path, args, nproc=2, fault="fullsave:1:4", timeout=120)
     assert proc.returncode != 0
-    said = re.search(r"no space left on device .*rank-00001\.pt; the partial checkpoint was removed, the last good "
-                     r"checkpoint is .*step-0000002", proc.stderr)
+    said = re.search(
+        r"no space left on device .*rank-00001\.pt; the partial checkpoint was removed, the last good "
+        r"checkpoint is .*step-0000002",
+        proc.stderr,
+    )
     assert said, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "exitcode  : 2 " in proc.stderr  # a rank stopped with the error, not by a signal or a timeout
     ckpt = tmp_path / "checkpoints"
@@ -437,4 +440,3 @@ def test_each_strategy_shards_over_its_own_number_of_ranks():
     assert DistributedConfig(strategy="hsdp").num_shards(8, 4) == 4  # null: one node's processes
     assert DistributedConfig(strategy="hsdp", shard_group_size=2).num_shards(8, 4) == 2
     assert DistributedConfig(strategy="hsdp").num_shards(1, 1) == 1
-
