@@ -111,10 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     batch = random_batch(cfg)
     step = step_seconds(wrapped, optimizer, batch) if args.method == "sharded-async" else None
     training_state_dict(wrapped, optimizer)  # gives AdamW its state, as after a first step
-    run_dir = [args.dir or (tempfile.mkdtemp(prefix="checkpoint-bench-") if info.is_main else None)]
+    chosen = [args.dir or (tempfile.mkdtemp(prefix="checkpoint-bench-") if info.is_main else None)]
     if info.distributed:  # one directory for every rank's shard, as in a run
-        dist.broadcast_object_list(run_dir, src=0)
-    run_dir = Path(run_dir[0])
+        dist.broadcast_object_list(chosen, src=0)
+    run_dir = Path(chosen[0])
     manager = CheckpointManager(cfg.checkpoint, run_dir, info)
     if info.distributed:
         dist.barrier()

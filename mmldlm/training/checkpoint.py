@@ -63,7 +63,6 @@ import threading
 import time
 import warnings
 from concurrent import futures
-from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -301,7 +300,7 @@ class CheckpointManager:
         self.dir = Path(run_dir) / "checkpoints"  # made by the first write, not before the run starts
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._staging: Future | None = None  # an asynchronous save's copy of the state, until it is done
+        self._staging: futures.Future | None = None  # an asynchronous save's copy of the state, until it is done
         # The checkpoint's own process group (gloo: CPU tensors, and a background write must not
         # share the training group's queue); made now, as every rank builds its manager at the same point.
         self._group = dist.new_group(backend="gloo") if info.distributed else None
