@@ -1,0 +1,196 @@
+"""Uncertainty of evaluation figures: percentile bootstrap intervals (Efron & Tibshirani 1993, ch. 13).
+
+Every figure of `mmldlm eval` is a statistic of a sample of validation texts (and, where the figure is
+sampled, of sampling draws per text). The interval says how far the same figure could move on another
+sample of texts of the same size, the way lm-evaluation-harness and HELM report a standard error beside
+each metric:
+
+    est = bootstrap(per_text_values)                       # the mean, its 95% interval, n
+    est = bootstrap(per_text_nats, weights=num_tokens)     # a ratio: sum(x w) / sum(w), per token
+    est = bootstrap_statistic(lambda idx: bleu(gen[idx], src[idx]), n=len(gen))  # corpus-level figures
+    diff = paired_difference(values_a, values_b)           # run A - run B on the same texts (Dror et al. 2018)
+
+Two-level data: a `(n_texts, n_draws)` array resamples texts, then draws within each resampled text,
+so the interval covers both the choice of texts and the sampler's randomness. Resamples come from a
+generator of their own (`seed`): the same inputs give the same interval.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+NUM_RESAMPLES = 1000
+LEVEL = 0.95
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A figure, its interval [low, high] at `level`, and the number of texts `n` it rests on."""
+
+    value: float
+    low: float
+    high: float
+    n: int
+    level: float = LEVEL
+
+    def to_dict(self) -> dict:
+        return {"value": self.value, "low": self.low, "high": self.high, "n": self.n}
+
+    def format(self, digits: int = 3, scale: float = 1.0, unit: str = "") -> str:
+        """'0.589 [0.561, 0.617]' (times `scale`, then `unit`)."""
+        f = f"{{:.{digits}f}}"
+        v, lo, hi = (f.format(x * scale) for x in (self.value, self.low, self.high))
+        return f"{v}{unit} [{lo}, {hi}]"
+
+
+@dataclass(frozen=True)
+class Difference:
+    """A - B on the same texts: the difference, its interval, and whether the interval excludes 0."""
+
+    a: float
+    b: float
+    difference: float
+    low: float
+    high: float
+    n: int
+    level: float = LEVEL
+
+    @property
+    def significant(self) -> bool:
+        return self.low > 0.0 or self.high < 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "a": self.a,
+            "b": self.b,
+            "difference": self.difference,
+            "low": self.low,
+            "high": self.high,
+            "n": self.n,
+            "significant": self.significant,
+        }
+
+
+def _bounds(resampled: np.ndarray, level: float) -> tuple[float, float]:
+    resampled = resampled[np.isfinite(resampled)]
+    if resampled.size == 0:
+        return float("nan"), float("nan")
+    tail = (1.0 - level) / 2.0 * 100.0
+    low, high = np.percentile(resampled, [tail, 100.0 - tail])
+    return float(low), float(high)
+
+
+def _mean_of(values: np.ndarray, weights: np.ndarray | None) -> Callable[[np.ndarray, np.ndarray | None], float]:
+    """The statistic of rows `idx` (and, for 2-D values, draws `cols` per row): a mean or a ratio."""
+
+    def statistic(idx: np.ndarray, cols: np.ndarray | None = None) -> float:
+        v = values[idx] if cols is None else np.take_along_axis(values[idx], cols, axis=1)
+        if weights is None:
+            return float(v.mean())
+        w = weights[idx] if cols is None else np.take_along_axis(weights[idx], cols, axis=1)
+        return float((v * w).sum() / max(w.sum(), 1e-12))
+
+    return statistic
+
+
+def _as_arrays(values, weights) -> tuple[np.ndarray, np.ndarray | None]:
+    v = np.asarray(values, dtype=np.float64)
+    if v.ndim not in (1, 2) or v.shape[0] == 0:
+        raise ValueError(f"bootstrap: expected a non-empty (n,) or (n, draws) array, got shape {v.shape}")
+    w = None if weights is None else np.broadcast_to(np.asarray(weights, dtype=np.float64), v.shape)
+    return v, w
+
+
+def _draw_indices(rng: np.random.Generator, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray | None]:
+    n = shape[0]
+    idx = rng.integers(0, n, size=n)
+    cols = rng.integers(0, shape[1], size=(n, shape[1])) if len(shape) == 2 else None
+    return idx, cols
+
+
+def bootstrap(
+    values,
+    *,
+    weights=None,
+    num_resamples: int = NUM_RESAMPLES,
+    level: float = LEVEL,
+    seed: int = 0,
+) -> Estimate:
+    """The mean of `values` ((n,) per text, or (n, draws)), or the ratio sum(v w) / sum(w) with
+    `weights`, with its percentile bootstrap interval over texts (and draws)."""
+    v, w = _as_arrays(values, weights)
+    statistic = _mean_of(v, w)
+    rng = np.random.default_rng(seed)
+    resampled = np.array([statistic(*_draw_indices(rng, v.shape)) for _ in range(num_resamples)])
+    return Estimate(statistic(np.arange(v.shape[0])), *_bounds(resampled, level), n=v.shape[0], level=level)
+
+
+def bootstrap_statistic(
+    statistic: Callable[[np.ndarray], float],
+    n: int,
+    *,
+    num_resamples: int = NUM_RESAMPLES,
+    level: float = LEVEL,
+    seed: int = 0,
+) -> Estimate:
+    """A figure computed from the texts at indices `idx` as a whole (corpus BLEU, distinct-n, a
+    distance between two sets), with its interval over resampled texts."""
+    if n <= 0:
+        raise ValueError(f"bootstrap_statistic: expected n >= 1 texts, got {n}")
+    rng = np.random.default_rng(seed)
+    resampled = np.array([statistic(rng.integers(0, n, size=n)) for _ in range(num_resamples)])
+    return Estimate(float(statistic(np.arange(n))), *_bounds(resampled, level), n=n, level=level)
+
+
+def paired_difference(
+    values_a,
+    values_b,
+    *,
+    weights_a=None,
+    weights_b=None,
+    num_resamples: int = NUM_RESAMPLES,
+    level: float = LEVEL,
+    seed: int = 0,
+) -> Difference:
+    """A - B for two sets of per-text values on the same texts, in the same order: both are resampled
+    with the same indices (a paired bootstrap), so what the texts share cancels."""
+    a, wa = _as_arrays(values_a, weights_a)
+    b, wb = _as_arrays(values_b, weights_b)
+    if a.shape[0] != b.shape[0]:
+        raise ValueError(f"paired_difference: the two runs have {a.shape[0]} and {b.shape[0]} texts; expected the same")
+    stat_a, stat_b = _mean_of(a, wa), _mean_of(b, wb)
+    rng = np.random.default_rng(seed)
+    resampled = []
+    for _ in range(num_resamples):
+        idx = rng.integers(0, a.shape[0], size=a.shape[0])
+        cols_a = rng.integers(0, a.shape[1], size=(a.shape[0], a.shape[1])) if a.ndim == 2 else None
+        cols_b = rng.integers(0, b.shape[1], size=(b.shape[0], b.shape[1])) if b.ndim == 2 else None
+        resampled.append(stat_a(idx, cols_a) - stat_b(idx, cols_b))
+    full = np.arange(a.shape[0])
+    va, vb = stat_a(full), stat_b(full)
+    return Difference(va, vb, va - vb, *_bounds(np.array(resampled), level), n=a.shape[0], level=level)
+
+
+def paired_statistic_difference(
+    statistic_a: Callable[[np.ndarray], float],
+    statistic_b: Callable[[np.ndarray], float],
+    n: int,
+    *,
+    num_resamples: int = NUM_RESAMPLES,
+    level: float = LEVEL,
+    seed: int = 0,
+) -> Difference:
+    """A - B for corpus-level figures of two runs on the same n texts, resampled with the same indices."""
+    if n <= 0:
+        raise ValueError(f"paired_statistic_difference: expected n >= 1 texts, got {n}")
+    rng = np.random.default_rng(seed)
+    resampled = []
+    for _ in range(num_resamples):
+        idx = rng.integers(0, n, size=n)
+        resampled.append(statistic_a(idx) - statistic_b(idx))
+    full = np.arange(n)
+    va, vb = float(statistic_a(full)), float(statistic_b(full))
+    return Difference(va, vb, va - vb, *_bounds(np.array(resampled), level), n=n, level=level)
