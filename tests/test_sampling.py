@@ -315,9 +315,10 @@ def test_encoder_in_the_loop_moves_texts_towards_their_targets_and_never_away(ov
 
     g = torch.Generator().manual_seed(0)
     plain = Sampler(model, text, latent, hot).l2t(target, pad_mask, g)
-    sampler = Sampler(model, text, latent, dataclasses.replace(hot, best_of=2), encoder)
+    # Best of 4: of 2, the six texts beat one plain draw in 6 of 8 seeds only (of 4: 8 of 8).
+    sampler = Sampler(model, text, latent, dataclasses.replace(hot, best_of=4), encoder)
     draft = decoding.best_of(sampler, target, pad_mask, g)
-    assert sampler.num_encoded == 2 * 6
+    assert sampler.num_encoded == 4 * 6
     torch.testing.assert_close(draft.cosine, cosines(draft.tokens))  # the cosine is the re-encoding's
     assert draft.cosine.mean() > cosines(plain).mean()
     start = draft.cosine
