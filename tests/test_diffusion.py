@@ -159,6 +159,7 @@ def test_step_to_zero_unmasks_everything_and_keeps_unmasked(strategy):
 def test_step_unmasks_the_expected_share(strategy):
     diffusion = masked_diffusion()
     logits, x_t, g = step_inputs(B=64, L=128)
+    x_t[x_t != PAD] = MASK  # the text at t = 1: every real token masked
     x_s = diffusion.step(logits, x_t, torch.full((64,), 1.0), torch.full((64,), 0.5), generator=g, strategy=strategy)
     was_masked = x_t == MASK
     assert (x_s[~was_masked] == x_t[~was_masked]).all()
@@ -167,21 +168,38 @@ def test_step_unmasks_the_expected_share(strategy):
     assert still == pytest.approx(0.5, abs=0.03)
 
 
+def test_remasking_step_keeps_the_forward_share_masks_whatever_it_revealed_and_never_padding():
+    diffusion = masked_diffusion()
+    logits, x_t, g = step_inputs(B=64, L=128)
+    x_t = diffusion.add_noise(torch.randint(0, 3, x_t.shape, generator=g), 0.6, x_t != PAD, g).masked_fill(
+        x_t == PAD, PAD
+    )
+    logits[..., PAD] = NEG  # the sampler never draws padding
+    x_s = diffusion.remasking_step(logits, x_t, 0.6, 0.5, max_sigma=0.3, generator=g)
+    real = x_t != PAD
+    assert torch.equal(x_s == PAD, ~real)
+    # sigma = 0.3 of the revealed tokens masked again, and the masked share still 1 - alpha_s = 0.5
+    assert (x_s[real & (x_t != MASK)] == MASK).float().mean().item() == pytest.approx(0.3, abs=0.03)
+    assert (x_s[real] == MASK).float().mean().item() == pytest.approx(0.5, abs=0.02)
+    final = diffusion.remasking_step(logits, x_s, 0.5, 0.0, max_sigma=0.3, generator=g)
+    assert not (final == MASK).any() and torch.equal(final[x_s != MASK], x_s[x_s != MASK])
+
+
 def test_confidence_step_unmasks_the_most_confident():
     diffusion = masked_diffusion()
-    x_t = torch.tensor([[MASK, MASK, MASK, MASK, 1]])
+    x_t = torch.tensor([[MASK, MASK, MASK, MASK, PAD]])
     logits = torch.full((1, 5, V), NEG)
     for pos, (token, logit) in enumerate([(0, 2.0), (1, 9.0), (2, 1.0), (0, 8.0)]):
         logits[0, pos, token] = logit
         logits[0, pos, (token + 1) % 3] = 0.0  # a runner-up: confidence = log p of the drawn token
     # 4 masked, half should be unmasked from t = 1 to s = 0.5: positions 1 and 3 are the most confident
     x_s = diffusion.step(logits, x_t, 1.0, 0.5, strategy="confidence", generator=torch.Generator().manual_seed(0))
-    assert x_s.tolist() == [[MASK, 1, MASK, 0, 1]]
+    assert x_s.tolist() == [[MASK, 1, MASK, 0, PAD]]
 
 
 def test_margin_step_waits_where_two_words_are_near_equal_and_left_to_right_takes_the_leftmost():
     diffusion = masked_diffusion()
-    x_t = torch.tensor([[MASK, MASK, MASK, MASK, 1]])
+    x_t = torch.tensor([[MASK, MASK, MASK, MASK, PAD]])
     logits = torch.full((1, 5, V), NEG)
     # (best, runner-up) logits per position: position 1 is the most probable draw but its runner-up is
     # as likely; positions 0 and 3 have the widest gaps between their two best words.
@@ -189,7 +207,7 @@ def test_margin_step_waits_where_two_words_are_near_equal_and_left_to_right_take
         logits[0, pos, 0], logits[0, pos, 2] = best, second
     generator = torch.Generator().manual_seed(0)
     x_s = diffusion.step(logits, x_t, 1.0, 0.5, strategy="margin", generator=generator)
-    assert x_s.tolist() == [[0, MASK, MASK, 0, 1]]
+    assert x_s.tolist() == [[0, MASK, MASK, 0, PAD]]
     x_s = diffusion.step(logits, x_t, 1.0, 0.5, strategy="left_to_right", generator=generator)
     assert (x_s[0, 2:4] == MASK).all() and (x_s[0, :2] != MASK).all()
 

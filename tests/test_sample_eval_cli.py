@@ -264,6 +264,26 @@ REFUSED = {
         ["sample", "--mode", "l2t", "--num", "1", "--temperature", "0"],
         "--temperature: got 0.0; expected a number > 0",
     ),
+    "remask-posterior-confidence-order": (
+        ["sample", "--mode", "l2t", "--num", "1", "--remask", "posterior"],
+        "--strategy: got 'confidence'; expected 'ancestral' with remask 'posterior'",
+    ),
+    "remask-cap-zero": (
+        [
+            "sample",
+            "--mode",
+            "l2t",
+            "--num",
+            "1",
+            "--strategy",
+            "ancestral",
+            "--remask",
+            "posterior",
+            "--remask-cap",
+            "0",
+        ],
+        "--remask-cap: got 0.0; expected a number in (0, 1]",
+    ),
     "text-empty": (
         ["sample", "--mode", "l2t", "--text", ""],
         "--text: got ''; expected a text with at least one character that is not a space",

@@ -188,6 +188,21 @@ def test_a_checkpoint_written_before_every_parameter_had_a_gradient_resumes_exac
     assert all(torch.equal(straight[name], resumed[name]) for name in straight)
 
 
+def test_a_run_with_dropout_resumed_midway_ends_with_the_weights_of_the_straight_run(train, tmp_path):
+    """Dropout draws from the global RNG, which a checkpoint restores; starting a pass over the data
+    must not draw from it too, or the resumed run's dropout masks differ from the straight run's."""
+    exact = ["model.dropout=0.1", "train.deterministic=true", "train.precision=fp32", "schedule.kind=constant"]
+    exact += ["checkpoint.every=100"]
+    assert train(*exact, steps=6)[0] == 0
+    straight = read_weights(tmp_path / "run" / "checkpoints" / "step-0000006")
+    shutil.rmtree(tmp_path / "run")
+    assert train(*exact, steps=3)[0] == 0
+    status, err = train(*exact, "--resume", "auto", steps=6)
+    assert status == 0, err[-1]
+    resumed = read_weights(tmp_path / "run" / "checkpoints" / "step-0000006")
+    assert all(torch.equal(straight[name], resumed[name]) for name in straight)
+
+
 def test_a_trainer_killed_with_sigkill_leaves_its_run_directory_free_at_once(train, tmp_path):
     """A trainer SIGKILLed while its loader workers run (an OOM kill, a rank restarted by the launcher):
     the workers it forked must not keep the run directory locked after it, so the restart right after

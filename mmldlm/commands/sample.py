@@ -62,8 +62,9 @@ def add_sampler_arguments(group) -> None:
             "ancestral",
         ],  # SamplingOptions.strategy (no torch import here)
         default="confidence",
-        help="text: the most confident positions first, the widest gap between the two best words first, "
-        "the leftmost first, or MDLM ancestral unmasking",
+        help="text: the most confident positions first (mode-seeking), the widest gap between the two best "
+        "words first, the leftmost first, or MDLM ancestral unmasking (these three sample the model's "
+        "distribution)",
     )
     group.add_argument(
         "--repetition-penalty",
@@ -74,7 +75,21 @@ def add_sampler_arguments(group) -> None:
     group.add_argument(
         "--remask-rounds",
         type=int,
-        help="text: re-sample the least confident share of a finished text given the rest, this many times",
+        help="text: re-sample the least confident share of a finished text given the rest, this many times "
+        "(--remask confidence)",
+    )
+    group.add_argument(
+        "--remask",
+        choices=["confidence", "posterior"],  # SamplingOptions.remask (no torch import here)
+        help="text: how revealed tokens are masked again: the least confident share in rounds after the text "
+        "(--remask-rounds; mode-seeking; the default), or ReMDM's remasking posterior at every step of "
+        "--strategy ancestral (samples the model's distribution)",
+    )
+    group.add_argument(
+        "--remask-cap",
+        type=float,
+        help="--remask posterior: the most a step masks again of the revealed tokens, "
+        "sigma_t = min(cap, (1 - alpha_s) / alpha_t) (default 0.02)",
     )
     group.add_argument(
         "--remask-fraction",
@@ -183,6 +198,9 @@ SAMPLING_FLAGS = {
     "repetition_penalty": "--repetition-penalty",
     "remask_rounds": "--remask-rounds",
     "remask_fraction": "--remask-fraction",
+    "remask": "--remask",
+    "remask_cap": "--remask-cap",
+    "strategy": "--strategy",
     "best_of": "--best-of",
     "correction_rounds": "--correction-rounds",
     "correction_proposals": "--correction-proposals",
@@ -206,6 +224,8 @@ def sampling_options(args: argparse.Namespace, run, guidance_scale: float, **opt
         repetition_penalty=args.repetition_penalty,
         remask_rounds=args.remask_rounds,
         remask_fraction=args.remask_fraction,
+        remask=args.remask,
+        remask_cap=args.remask_cap,
         best_of=args.best_of,
         correction_rounds=args.correction_rounds,
         correction_proposals=args.correction_proposals,

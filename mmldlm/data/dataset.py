@@ -398,6 +398,10 @@ class Loader:
         self.epoch, self.samples = 0, 0  # samples of the epoch read (handed out) so far, over all ranks
         self.layouts = [[0, order.global_batch]]  # the epoch's groupings (BatchOrder)
         self._batches = _EpochBatches(order)
+        # Starting a pass draws the workers' base seed; from a generator of the loader's own it is a
+        # function of the seed and the epoch, and the global RNG (dropout, noise), which a checkpoint
+        # restores, sees no draw that a resumed run would take at another point than the straight run.
+        self._worker_seeds = torch.Generator()
         workers = num_workers > 0
         self.dataloader = DataLoader(
             dataset,
@@ -407,6 +411,7 @@ class Loader:
             prefetch_factor=prefetch_factor if workers else None,
             persistent_workers=persistent_workers and workers,
             pin_memory=pin_memory,
+            generator=self._worker_seeds,
             worker_init_fn=functools.partial(_start_worker, os.getpid()) if workers else None,
         )
         self._live_iterator: weakref.ref | None = None  # the iterator whose workers run, for _shut_down_workers
@@ -420,6 +425,7 @@ class Loader:
     def __iter__(self):
         self._batches.epoch_order = self.order.epoch_order(self.epoch, self.layouts)
         self._batches.start = self.samples
+        self._worker_seeds.manual_seed(self.order.seed + self.epoch)
         iterator = iter(self.dataloader)
         self._live_iterator = weakref.ref(iterator)
         for batch in iterator:

@@ -152,6 +152,23 @@ class MaskedDiffusion:
         log_x0[:, self.mask_token_id] = float("-inf")
         return torch.log_softmax(log_x0, dim=-1)
 
+    def num_to_reveal(self, x_t: torch.Tensor, s) -> torch.Tensor:
+        """(B,) how many masked positions of x_t (B, L) a step to time s reveals: the cumulative target
+        round(n (alpha_s - alpha_1) / (1 - alpha_1)), the expected number of a text's n real tokens an
+        ancestral trajectory from t = 1 has revealed by s, less the number already revealed (at least 0).
+        Counts per step are differences of the targets, so however many steps there are, the share
+        revealed follows the schedule and the model never reads more masks than training showed it
+        at that time (a rounded per-step share, round(n_masked (alpha_s - alpha_t) / (1 - alpha_t)),
+        is 0 whenever a step's share is under half a token: 12 tokens in 50 steps stayed all masked
+        down to t = 0.46)."""
+        B = x_t.shape[0]
+        alpha_1, one_minus_1 = self.alpha(torch.ones(B, dtype=torch.float64, device=x_t.device))
+        alpha_s, _ = self.alpha(_per_row(s, B, x_t.device))
+        num_real = (x_t != self.pad_token_id).sum(dim=1)  # (B,)
+        num_revealed = num_real - (x_t == self.mask_token_id).sum(dim=1)
+        target = torch.round(num_real * ((alpha_s - alpha_1) / one_minus_1).clamp(0.0, 1.0))
+        return (target - num_revealed).clamp_min(0)
+
     def step(
         self,
         logits: torch.Tensor,
@@ -169,24 +186,29 @@ class MaskedDiffusion:
           (1 - alpha_s) / (1 - alpha_t), else takes a token drawn from x_theta. At s = 0 nothing
           stays masked.
         - "confidence": a token is drawn from x_theta at every masked position, and the k most
-          confident draws (highest log-probability) are kept, k = round(n_masked (alpha_s - alpha_t)
-          / (1 - alpha_t)) per sequence, i.e. the expected number of the ancestral step.
+          confident draws (highest log-probability) are kept, k = `num_to_reveal`: the revealed share
+          follows the schedule for any number of steps. Mode-seeking: which draws are kept depends on
+          the drawn values, favouring likely tokens, so even an exact x_theta does not give samples of
+          the model's distribution (docs/quality.md: total variation 0.55 on a toy, i.i.d. draws 0.018).
         - "margin": as "confidence", ranked by the gap between the two most probable tokens of each
           position (Kim et al. 2025, "Train for the worst, plan for the best", sec. 4): a position whose
           best two words are near-equal waits until its neighbours decide between them.
         - "left_to_right": as "confidence", the k leftmost masked positions (semi-autoregressive order).
+        "ancestral", "margin" and "left_to_right" sample the model's distribution: the positions revealed
+        depend on the unmasked tokens alone, never on the values drawn, so each revealed token is a
+        draw from its conditional (exact where a step reveals one token; positions revealed in the same
+        step are drawn independently, which with few steps per token loses their correlation).
         Draws use float64 Gumbel-max.
         """
         B, L, V = logits.shape
-        alpha_t, one_minus_t = self.alpha(_per_row(t, B, x_t.device))  # (B,)
-        alpha_s, one_minus_s = self.alpha(_per_row(s, B, x_t.device))
-        stay_prob = one_minus_s / one_minus_t  # (B,) P(still masked at s | masked at t)
-
         masked = x_t == self.mask_token_id  # (B, L)
         where = masked.nonzero()  # (N, 2) (sequence, position) of each masked position
         row_of = where[:, 0]
 
         if strategy == "ancestral":
+            _, one_minus_t = self.alpha(_per_row(t, B, x_t.device))  # (B,)
+            _, one_minus_s = self.alpha(_per_row(s, B, x_t.device))
+            stay_prob = one_minus_s / one_minus_t  # (B,) P(still masked at s | masked at t)
             # eq. 7: (alpha_s - alpha_t)/(1 - alpha_t) * x_theta + (1 - alpha_s)/(1 - alpha_t) * m, drawn in
             # two stages with the same law: reveal with prob 1 - stay_prob, then a token from x_theta.
             # Only revealed positions pay for a draw over the vocabulary, so over a whole trajectory each
@@ -206,7 +228,7 @@ class MaskedDiffusion:
                 confidence[masked] = (top2[:, 0] - top2[:, 1]).double()
             else:
                 confidence[masked] = -where[:, 1].double()  # leftmost first
-            num_unmask = torch.round(masked.sum(dim=1) * (1.0 - stay_prob))  # (B,)
+            num_unmask = self.num_to_reveal(x_t, s)  # (B,)
             rank = confidence.argsort(dim=1, descending=True).argsort(dim=1)  # (B, L) 0 = most confident
             keep = rank < num_unmask[:, None]
             new = torch.where(keep[masked], draw, self.mask_token_id)
@@ -218,4 +240,32 @@ class MaskedDiffusion:
 
         out = x_t.clone()
         out[masked] = new.to(x_t.dtype)
+        return out
+
+    def remasking_step(
+        self, logits: torch.Tensor, x_t: torch.Tensor, t, s, max_sigma: float, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """One reverse step from time t to s < t of ReMDM's remasking posterior (Wang et al. 2025,
+        "Remasking Discrete Diffusion Models with Inference-Time Scaling", arXiv:2503.00307) with
+        the max-capped schedule sigma_t = min(max_sigma, (1 - alpha_s) / alpha_t): returns z_s (B, L).
+        - an unmasked real token is masked again with probability sigma_t, whatever its value;
+        - a masked position takes a token drawn from x_theta with probability
+          (alpha_s - (1 - sigma_t) alpha_t) / (1 - alpha_t), else stays masked.
+        Both keep the forward marginal q(z_s | x) of every position (sigma_t <= (1 - alpha_s) / alpha_t
+        keeps the second a probability), so, as the ancestral step (sigma_t = 0), it samples the model's
+        distribution; the remasked tokens are drawn again later given more of the text. At s = 0,
+        sigma_t = 0 and every position is revealed. Padding is kept.
+        """
+        B = x_t.shape[0]
+        alpha_t, one_minus_t = self.alpha(_per_row(t, B, x_t.device))  # (B,)
+        alpha_s, one_minus_s = self.alpha(_per_row(s, B, x_t.device))
+        sigma = (one_minus_s / alpha_t).clamp(max=max_sigma)  # (B,)
+        reveal_prob = (alpha_s - (1.0 - sigma) * alpha_t) / one_minus_t  # (B,)
+
+        masked = x_t == self.mask_token_id  # (B, L)
+        u = rng.uniform(x_t.shape, x_t.device, generator, dtype=torch.float64)  # (B, L)
+        remask = ~masked & (x_t != self.pad_token_id) & (u < sigma[:, None])
+        reveal = masked & (u < reveal_prob[:, None])
+        out = x_t.masked_fill(remask, self.mask_token_id)
+        out[reveal] = _gumbel_argmax(self.log_x0(logits[reveal]), generator).to(x_t.dtype)
         return out

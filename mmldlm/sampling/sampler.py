@@ -4,7 +4,7 @@ Every sampler walks a uniform time grid 1 = t_0 > t_1 > ... > t_N = 0 and calls 
 `step` for each transition t_i -> t_{i+1} (N = num_steps for l2t and joint, latent_steps for t2l):
 - text: starts fully masked at t = 1 (padding stays padding: the text length is given, see below)
   and ends with every position unmasked at t = 0 (`MaskedDiffusion.step`, float64 Gumbel, ancestral
-  or confidence-ordered);
+  or in an order; `MaskedDiffusion.remasking_step` with ReMDM's remasking);
 - latent: starts from N(0, I) at t = 1 in the standardised space and ends at the x0 estimate at
   t = 0 (`GaussianDiffusion.step`, DDIM or DDPM); results are returned de-standardised, in the
   sentence encoder's space.
@@ -14,6 +14,13 @@ distribution since `joint` trains on independent times.
 Length. The text has no end-of-text token and padding is never predicted (it is excluded from the
 loss), so the caller fixes each text's length with `pad_mask` (True = a real position); the CLI takes
 it from a source text or draws it from the validation split's lengths.
+
+What the text sampler preserves, at temperature 1: were the model's conditionals exact, the
+"ancestral", "margin" and "left_to_right" orders and posterior remasking would draw texts from the
+model's distribution (exactly where each step reveals one token: positions revealed in one step are
+drawn independently); the "confidence" order and the confidence remasking rounds are mode-seeking, as
+they keep or remask tokens by the values drawn. tests/test_sampler_distribution.py measures both with
+an exact denoiser on a toy distribution (docs/quality.md).
 
 Classifier-free guidance (Ho & Salimans 2022) with scale w:
     guided = cond + w * (cond - uncond) = uncond + (1 + w) * (cond - uncond)
@@ -52,6 +59,8 @@ from mmldlm.sampling.decoding import Draft
 
 # How masked text positions are revealed (MaskedDiffusion.step).
 STRATEGIES = ("ancestral", "confidence", "margin", "left_to_right")
+# How tokens once revealed are masked again (SamplingOptions.remask).
+REMASKS = ("confidence", "posterior")
 
 
 @dataclass
@@ -60,9 +69,13 @@ class SamplingOptions:
     # Reverse steps of t2l; None: num_steps. The text nearly fixes its latent, and a few steps (whose
     # first x0 estimate is the conditional mean) can beat many (docs/quality.md).
     latent_steps: int | None = None
-    temperature: float = 1.0  # text logits are divided by it; 1 samples the model's distribution
-    # How masked text positions are revealed: "confidence" (the most confident draws first) decodes
-    # far better words than MDLM's ancestral sampler from small models (docs/quality.md).
+    # Text logits are divided by it; 1 keeps the model's distribution where the strategy does.
+    temperature: float = 1.0
+    # How masked text positions are revealed (MaskedDiffusion.step). "confidence" (the most confident
+    # draws first) is mode-seeking: it keeps a draw for being likely, so it does not sample the model's
+    # distribution, and it decodes far better words than MDLM's ancestral sampler from small models
+    # (docs/quality.md). "ancestral", "margin" and "left_to_right" choose positions without looking at
+    # the drawn values and sample the model's distribution when steps reveal one token each.
     strategy: Literal["ancestral", "confidence", "margin", "left_to_right"] = "confidence"
     guidance_scale: float = 0.0  # classifier-free guidance w (module docstring); 0 = off
     latent_sampler: Literal["ddim", "ddpm"] = "ddim"
@@ -70,10 +83,16 @@ class SamplingOptions:
     # Each revealed text position's logit of every token already revealed in its text is lowered by this
     # much (0 = off): a small model otherwise writes the latent's keyword at several positions.
     repetition_penalty: float = 0.0
-    # Remasking rounds (ReMDM's loop, Wang et al. 2025): after the text is complete, the least confident
-    # `remask_fraction` of its tokens are masked again and re-sampled given the rest, `remask_rounds` times.
+    # Remasking: "confidence" rounds after the text is complete, each masking its least confident
+    # `remask_fraction` of tokens again and re-sampling them given the rest, `remask_rounds` times (0 =
+    # off); mode-seeking, as the tokens remasked are chosen by their values. "posterior": ReMDM's
+    # remasking posterior (Wang et al. 2025) at every step of the ancestral sampler, each revealed token
+    # masked again with probability min(remask_cap, (1 - alpha_s) / alpha_t) whatever its value; it
+    # samples the model's distribution (MaskedDiffusion.remasking_step).
+    remask: Literal["confidence", "posterior"] = "confidence"
     remask_rounds: int = 0
     remask_fraction: float = 0.25
+    remask_cap: float = 0.02
     # The sentence encoder in the loop (decoding.py): `best_of` candidates per text, the one whose
     # re-encoding is closest to the target latent kept; then `correction_rounds` rounds, each re-sampling
     # `correction_proposals` variants of the kept text with its least confident `remask_fraction` masked
@@ -123,6 +142,23 @@ class SamplingOptions:
             fail("joint_order", "'together' or 'latent_first'")
         if not 0 < self.remask_fraction <= 1:
             fail("remask_fraction", "a number in (0, 1]")
+        self._check_remask(fail)
+
+    def _check_remask(self, fail) -> None:
+        if self.remask not in REMASKS:
+            fail("remask", " or ".join(repr(name) for name in REMASKS))
+        if not 0 < self.remask_cap <= 1:
+            fail("remask_cap", "a number in (0, 1]")
+        if self.remask == "posterior" and self.strategy != "ancestral":
+            fail(
+                "strategy",
+                "'ancestral' with remask 'posterior' (the posterior reveals each masked token by its own probability)",
+            )
+        if self.remask == "posterior" and self.remask_rounds:
+            fail(
+                "remask_rounds",
+                "0 with remask 'posterior' (it remasks during the trajectory; the rounds are confidence remasking)",
+            )
 
     @property
     def uses_encoder(self) -> bool:
@@ -338,15 +374,21 @@ class Sampler:
             if logits is None or not self.options.reuse_output:
                 logits = self._l2t_logits(tokens, latents, t, pad_mask)
             scores = self._penalize_repeats(logits, tokens)
-            new = self.text.step(scores, tokens, t, s, generator, self.options.strategy)
+            new = self._text_step(scores, tokens, t, s, generator)
             if self._record_confidence(confidence, scores, tokens, new):
                 logits = None  # the input changed: the next step needs a fresh model output
             tokens = new
         return Draft(tokens, confidence)
 
+    def _text_step(self, scores, tokens, t: float, s: float, generator) -> torch.Tensor:
+        """One reverse step of the text from t to s: the strategy's, or ReMDM's remasking posterior."""
+        if self.options.remask == "posterior":
+            return self.text.remasking_step(scores, tokens, t, s, self.options.remask_cap, generator)
+        return self.text.step(scores, tokens, t, s, generator, self.options.strategy)
+
     def _record_confidence(self, confidence, scores, tokens, new) -> bool:
         """Write the log-probability of each token revealed between `tokens` and `new` (B, L) into
-        `confidence` (B, L); whether any was revealed."""
+        `confidence` (B, L) (-inf where the posterior masked a token again); whether any changed."""
         revealed = new != tokens
         if not revealed.any():
             return False
@@ -423,7 +465,7 @@ class Sampler:
         for t, s in time_grid(self.options.num_steps):
             logits, pred, _ = self._model(tokens, x, t, t, pad_mask, text_head=True, latent_head=True, self_cond=x0)
             scores = self._penalize_repeats(self._text_scores(logits), tokens)
-            new = self.text.step(scores, tokens, t, s, generator, self.options.strategy)
+            new = self._text_step(scores, tokens, t, s, generator)
             self._record_confidence(confidence, scores, tokens, new)
             tokens = new
             x0 = self._self_cond(pred.float(), x, t)
