@@ -120,11 +120,32 @@ def test_cli_reports_bad_input_cleanly(tmp_path, monkeypatch, capsys):
         f"mmldlm prepare: {bad}:2: no field 'text' (fields here: txt); name the text field with --text-field"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
-    foreign = tmp_path / "foreign"
-    foreign.mkdir()
-    (foreign / "notes.txt").write_text("mine")
-    assert run_cli(monkeypatch, "--input", "default", "--out", foreign) == 2
-    assert "exists and is not a prepared dataset; pass --overwrite" in capsys.readouterr().err
+
+
+def test_overwrite_replaces_nothing_that_mmldlm_did_not_write(data_dir, tmp_path, monkeypatch, capsys):
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.txt").write_text("thesis")
+    for flags in ([], ["--overwrite"]):
+        assert run_cli(monkeypatch, "--input", "default", "--out", precious, *flags) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            f"mmldlm prepare: refusing to replace {precious}: is not a prepared dataset (meta.json) and it holds "
+            f"thesis.txt (1 file) that mmldlm did not write; choose another --out or remove it yourself\n"
+        )
+    # A prepared dataset that a user added a file to keeps it too, as does a folder in the place of the
+    # temporary one.
+    dataset = tmp_path / "dataset"
+    shutil.copytree(data_dir, dataset)
+    (dataset / "val" / "notes.txt").write_text("mine")
+    assert run_cli(monkeypatch, "--input", "default", "--out", dataset, "--overwrite") == 2
+    assert "it holds val/notes.txt (1 file) that mmldlm did not write" in capsys.readouterr().err
+    (tmp_path / ".fresh.partial").mkdir()
+    (tmp_path / ".fresh.partial" / "draft.txt").write_text("mine")
+    assert run_cli(monkeypatch, "--input", "default", "--out", tmp_path / "fresh") == 2
+    assert "it holds draft.txt (1 file) that mmldlm did not write" in capsys.readouterr().err
+    assert (precious / "thesis.txt").read_text() == "thesis" and (dataset / "val" / "notes.txt").is_file()
+    assert (tmp_path / ".fresh.partial" / "draft.txt").is_file()
 
 
 def free_port() -> int:

@@ -129,12 +129,23 @@ def test_the_card_reports_writing_beside_its_references_and_leaves_out_what_was_
     assert writing_rows({"l2t": {"word_f1": 0.3}}, {}) == []
 
 
-def test_export_refuses_a_non_empty_folder_without_force(run_dir, exported, tmp_path, capsys):
+def test_export_replaces_only_an_export_and_that_only_with_force(run_dir, exported, tmp_path, capsys):
     (tmp_path / "keep.txt").write_text("mine")
-    assert main("export", "--run", run_dir, "--out", tmp_path) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"--out {tmp_path}: exists and is not an empty folder" in err and "--force" in err
+    for flags in ([], ["--force"]):
+        assert main("export", "--run", run_dir, "--out", tmp_path, *flags) == 2
+        assert capsys.readouterr().err == (
+            f"mmldlm export: refusing to replace {tmp_path}: is not an exported model (config.json) and it "
+            f"holds keep.txt (1 file) that mmldlm did not write; choose another --out or remove it yourself\n"
+        )
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+    copy = tmp_path / "copy"
+    shutil.copytree(exported, copy)
+    assert main("export", "--run", run_dir, "--out", copy) == 2
+    assert f"--out {copy}: holds an exported model; choose another --out or pass --force" in capsys.readouterr().err
+    (copy / "notes.md").write_text("mine")
+    assert main("export", "--run", run_dir, "--out", copy, "--force") == 2
+    assert "it holds notes.md (1 file) that mmldlm did not write" in capsys.readouterr().err
+    assert (copy / "notes.md").is_file()
     # Not even --force replaces the model's own folder, or a folder that holds it.
     before = sorted(p.name for p in run_dir.iterdir())
     for out in (run_dir, run_dir.parent, exported):

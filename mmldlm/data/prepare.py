@@ -43,6 +43,7 @@ from mmldlm.data.errors import DataError
 from mmldlm.data.legacy import LegacySource
 from mmldlm.device import pick_device
 from mmldlm.errors import OptionError, UserError, require_positive
+from mmldlm.outputs import publish, refuse_foreign
 
 LATENT_DTYPES = ("float16", "float32")
 STD_FLOOR = 1e-6  # standardising by the std never divides by zero, even for a constant dimension
@@ -283,18 +284,18 @@ def _partial_dir(out: Path) -> Path:
     return out.with_name(f".{out.name}.partial")
 
 
+REPLACE_ELSEWHERE = "choose another --out or remove it yourself"
+
+
 def output_state(opts: PrepareOptions) -> str:
-    """'complete' (same options, nothing to do) or 'absent' (to be written); DataError when the
-    output holds something that must not be replaced silently."""
+    """'complete' (same options, nothing to do) or 'absent' (to be written); a UserError when the
+    output holds something that must not be replaced (see mmldlm/outputs.py)."""
     out = Path(opts.out)
-    if not out.exists() or opts.overwrite:
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return "absent"
-    if out.is_dir() and not any(out.iterdir()):
+    if opts.overwrite or not fmt.PREPARED.is_marked(out):
+        refuse_foreign(out, fmt.PREPARED, REPLACE_ELSEWHERE)
         return "absent"
-    if not (out / fmt.META).is_file():
-        raise DataError(
-            f"{out}: exists and is not a prepared dataset; pass --overwrite to replace it or choose another --out"
-        )
     meta = fmt.read_meta(out)
     previous = meta.get("prepare", {})
     changed = [f"{k}: {previous.get(k)!r} -> {v!r}" for k, v in opts.recorded().items() if previous.get(k) != v]
@@ -309,23 +310,10 @@ def output_state(opts: PrepareOptions) -> str:
 def _fresh_partial(out: Path) -> str:
     partial = _partial_dir(out)
     if partial.exists():  # left by a run that was killed
+        refuse_foreign(partial, fmt.PREPARED, "remove it or choose another --out", marked=False)
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
     return str(partial)
-
-
-def publish(partial: Path, out: Path) -> None:
-    """Move the finished directory `partial` onto `out` by renames, so `out` is never half written; an
-    existing `out` (--overwrite, or `mmldlm export --force`) is replaced."""
-    if out.exists():
-        old = out.with_name(f".{out.name}.old")
-        if old.exists():
-            shutil.rmtree(old)
-        out.rename(old)
-        partial.rename(out)
-        shutil.rmtree(old)
-    else:
-        partial.rename(out)
 
 
 def token_latents(tokenizer, encoder, batch_size: int = 256) -> np.ndarray:
@@ -423,7 +411,7 @@ def _merge(
         meta["token_latents"] = fmt.TOKEN_LATENTS
     (partial / fmt.TOKENIZER).write_text(tokenizer_json)
     (partial / fmt.META).write_text(json.dumps(meta, indent=1) + "\n")
-    publish(partial, Path(opts.out))
+    publish(partial, Path(opts.out), fmt.PREPARED, REPLACE_ELSEWHERE)
     return meta
 
 

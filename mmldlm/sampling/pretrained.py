@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -52,6 +53,7 @@ from mmldlm.data.tokenizer import load_tokenizer, special_ids, vocab_size
 from mmldlm.device import pick_device
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.model import MultimodalMMDiT
+from mmldlm.outputs import FolderKind
 from mmldlm.sampling.card import model_card
 from mmldlm.sampling.run import TrainedRun, load_run, load_weights
 from mmldlm.sampling.sampler import SamplingOptions, length_masks
@@ -63,6 +65,15 @@ CONFIG, WEIGHTS, TOKENIZER, LATENT_STATS, CARD = (
     "tokenizer.json",
     "latent_stats.safetensors",
     "README.md",
+)
+# What an exported folder holds (and the reports `mmldlm eval` wrote into one before it wrote them
+# elsewhere): `mmldlm export --force` replaces a folder that holds nothing else.
+EXPORTED = FolderKind(
+    "an exported model",
+    CONFIG,
+    re.compile(
+        "|".join(re.escape(name) for name in (CONFIG, WEIGHTS, TOKENIZER, LATENT_STATS, CARD)) + r"|eval/[^/]+\.json"
+    ),
 )
 SECTIONS = {
     "model": ModelConfig,
