@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from mmldlm.data.errors import DataError
-from mmldlm.library_noise import quiet_library_noise
+from mmldlm.library_noise import quiet_library_noise, quiet_loading_bars
 
 DEFAULT_ENCODER = "all-MiniLM-L6-v2"
 
@@ -44,6 +44,7 @@ REGISTRY: dict[str, Callable] = {DEFAULT_ENCODER: _load_minilm}
 def sentence_transformer(name: str, device: str):
     """The sentence-transformers model of a registered name or local folder, loaded once per process."""
     quiet_library_noise()  # sentence-transformers imports torchao where it is installed
+    quiet_loading_bars()
     if name in REGISTRY:
         return REGISTRY[name](device)
     if Path(name).is_dir():
