@@ -385,3 +385,20 @@ def test_decoding_with_the_encoder_is_refused_in_one_line_for_imported_latents(e
     with pytest.raises(OptionError, match=r"best_of.*got \(2, 0, 1\).*latents were imported"):
         model.run.sampler(model.options(best_of=2))
     assert model.run.sampler(model.options(best_of=1)).reencode is None
+
+
+def test_the_api_names_its_own_arguments_in_its_errors(exported, monkeypatch, capsys):
+    model = MMLDLM.from_pretrained(exported, device="cpu")
+    for call, message in (
+        (lambda: model.generate(0), "num: got 0; expected an integer >= 1"),
+        (lambda: model.generate(2, 0), "lengths: got 0; expected an integer >= 1"),
+        (lambda: model.generate(2, [3, 0]), r"lengths: got \[3, 0\]; expected text lengths in tokens, each >= 1"),
+        (lambda: model.encode("a dog", batch_size=0), "batch_size: got 0; expected an integer >= 1"),
+    ):
+        with pytest.raises(OptionError, match=f"^{message}$"):
+            call()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(OptionError, match=r"^MMLDLM.from_pretrained\(device=...\): got 'cuda'; expected auto or cpu"):
+        MMLDLM.from_pretrained(exported, device="cuda")
+    assert main("sample", "--run", exported, "--mode", "joint", "--device", "cuda") == 2
+    assert capsys.readouterr().err.startswith("mmldlm sample: --device: got 'cuda'; expected auto or cpu")

@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
     from mmldlm.commands.sample import sampling_options
     from mmldlm.config import EvalConfig
+    from mmldlm.device import pick_device
     from mmldlm.errors import OptionError, require_positive
     from mmldlm.sampling import load_trained
     from mmldlm.sampling.evaluate import evaluate, markdown
@@ -82,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         raise OptionError("--threads", args.threads, "0 (torch's default) or a positive integer")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    run = load_trained(args.run, args.checkpoint, args.device, use_ema=not args.no_ema)
+    device = str(pick_device(args.device, key="--device"))
+    run = load_trained(args.run, args.checkpoint, device, use_ema=not args.no_ema)
     if run.dataset_dir is None and not args.data:
         raise run.no_dataset()
     split = args.split or ("all" if args.data else "val")

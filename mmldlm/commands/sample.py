@@ -310,6 +310,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
+    from mmldlm.device import pick_device
     from mmldlm.errors import OptionError, require_positive
     from mmldlm.sampling import MMLDLM
 
@@ -322,7 +323,8 @@ def run(args: argparse.Namespace) -> int:
             raise OptionError(option, path, "a file in an existing directory")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    model = MMLDLM.from_pretrained(args.run, checkpoint=args.checkpoint, device=args.device, use_ema=not args.no_ema)
+    device = str(pick_device(args.device, key="--device"))
+    model = MMLDLM.from_pretrained(args.run, checkpoint=args.checkpoint, device=device, use_ema=not args.no_ema)
     run = model.run
     if args.length is not None and args.length > run.cfg.model.max_seq_len:
         raise OptionError(
