@@ -878,10 +878,27 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), cls: 
     return cfg
 
 
-def load_model_preset(name: str) -> ModelConfig:
+def load_model_preset(name: str | Path) -> ModelConfig:
     cfg = from_dict(ModelConfig, _read_yaml(resolve_preset(name, "model")), "model")
     cfg.check()
     return cfg
+
+
+def load_model_config(target: str | Path) -> ModelConfig:
+    """The model config of a model preset (a name or a file), of a run config file (its model section),
+    or of a training run directory (its resolved config.yaml)."""
+    path = Path(target)
+    if path.is_dir():
+        if not (path / "config.yaml").is_file():
+            raise ConfigError(
+                f"{path}: a directory without config.yaml; expected a model preset, a run config file, a "
+                f"training run directory or an exported model folder"
+            )
+        path = path / "config.yaml"
+    file = resolve_preset(path if path.is_file() else target, "model")
+    if any(section.name in _read_yaml(file) for section in dataclasses.fields(RunConfig)):
+        return load_config(file).model
+    return load_model_preset(file)
 
 
 def save_config(cfg: Any, path: str | Path) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from data_support import prepared, trained_run
 
 from mmldlm import MMLDLM, cli
@@ -402,3 +403,17 @@ def test_the_api_names_its_own_arguments_in_its_errors(exported, monkeypatch, ca
         MMLDLM.from_pretrained(exported, device="cuda")
     assert main("sample", "--run", exported, "--mode", "joint", "--device", "cuda") == 2
     assert capsys.readouterr().err.startswith("mmldlm sample: --device: got 'cuda'; expected auto or cpu")
+
+
+def test_a_runs_config_records_the_values_it_trained_with_and_model_info_reads_it(run_dir, exported, capsys):
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    vocab_size = json.loads((exported / CONFIG).read_text())["vocab_size"]
+    assert (config["model"]["vocab_size"], config["data"]["max_length"]) == (vocab_size, 64)  # not null
+    outputs = []
+    for target in (run_dir, run_dir / "config.yaml", exported):
+        assert main("model-info", target) == 0
+        outputs.append(capsys.readouterr().out.split("\n", 1))
+    assert all(f"vocab_size {vocab_size}\n" in head + "\n" for head, _ in outputs)
+    assert outputs[0][1] == outputs[1][1] == outputs[2][1]  # the same counts and FLOPs
+    assert main("model-info", run_dir / "checkpoints") == 2
+    assert "checkpoints: a directory without config.yaml; expected a model preset" in capsys.readouterr().err
