@@ -208,7 +208,9 @@ def test_exported_model_samples_what_the_run_samples(run_dir, exported, tmp_path
     capsys.readouterr()
 
 
-def test_validation_data_of_an_exported_model_comes_from_data(run_dir, exported, tmp_path, tmp_path_factory, capsys):
+def test_validation_data_of_an_exported_model_comes_from_data_and_its_report_goes_elsewhere(
+    run_dir, exported, tmp_path, tmp_path_factory, capsys, monkeypatch
+):
     assert main("eval", "--run", exported, "--device", "cpu") == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "carries no validation data; give --data PATH" in err
@@ -246,7 +248,8 @@ def test_validation_data_of_an_exported_model_comes_from_data(run_dir, exported,
     )
     like = tmp_path / "like"
     assert main("prepare", "--like", exported, "--input", tmp_path / "new.txt", "--out", like, "--quiet") == 0
-    out = tmp_path / "report.json"
+    before = sorted(p.name for p in exported.iterdir())
+    monkeypatch.chdir(tmp_path)  # without --out the report goes to ./eval-<folder name>/, not into the folder
     assert (
         main(
             "eval",
@@ -267,11 +270,12 @@ def test_validation_data_of_an_exported_model_comes_from_data(run_dir, exported,
             "--no-encoder",
             "--device",
             "cpu",
-            "--out",
-            out,
         )
         == 0
     )
+    out = tmp_path / "eval-model" / "step-0000006-like.json"
+    assert "mmldlm eval: wrote eval-model/step-0000006-like.json" in capsys.readouterr().out
+    assert sorted(p.name for p in exported.iterdir()) == before
     report = json.loads(out.read_text())
     assert report["step"] == 6 and report["weights"] == "ema" and report["t2l"]["pool_size"] == 6
     assert report["data"] == {"path": str(like.resolve()), "split": "all"}
