@@ -16,8 +16,15 @@ from mmldlm import cli
 from mmldlm.config import DataConfig
 from mmldlm.data import format as fmt
 from mmldlm.data.dataset import dataset_path, default_prepare_options, open_dataset
-from mmldlm.data.encoders import sentence_transformer
-from mmldlm.data.prepare import STD_FLOOR, ensure_token_latents, split_indices
+from mmldlm.data.encoders import load_encoder, sentence_transformer
+from mmldlm.data.prepare import (
+    STD_FLOOR,
+    PrepareOptions,
+    ensure_token_latents,
+    prepare,
+    split_indices,
+    unknown_pieces_warning,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -146,6 +153,21 @@ def test_overwrite_replaces_nothing_that_mmldlm_did_not_write(data_dir, tmp_path
     assert "it holds draft.txt (1 file) that mmldlm did not write" in capsys.readouterr().err
     assert (precious / "thesis.txt").read_text() == "thesis" and (dataset / "val" / "notes.txt").is_file()
     assert (tmp_path / ".fresh.partial" / "draft.txt").is_file()
+
+
+def test_prepare_warns_once_when_the_encoder_reads_many_word_pieces_as_unknown(tmp_path):
+    texts = corpus_texts()[:20] + [f"第{i}天 我爱北京 🎉 party {i}" for i in range(10)]
+    (tmp_path / "mixed.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    said = []
+    opts = PrepareOptions(
+        inputs=[str(tmp_path / "mixed.txt")], out=str(tmp_path / "out"), **{**SMALL, "vocab_size": 300}
+    )
+    prepare(opts, log=said.append)
+    warnings = [line for line in said if line.startswith("warning:")]
+    assert len(warnings) == 1 and "all-MiniLM-L6-v2 reads" in warnings[0]
+    assert "of the word pieces as [UNK] (10 of 30 texts checked hold one, e.g. '第')" in warnings[0]
+    # The test corpus (one emoji in 170 texts) is under the threshold.
+    assert unknown_pieces_warning(corpus_texts(), load_encoder()) is None
 
 
 def free_port() -> int:

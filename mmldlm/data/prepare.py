@@ -49,6 +49,8 @@ LATENT_DTYPES = ("float16", "float32")
 STD_FLOOR = 1e-6  # standardising by the std never divides by zero, even for a constant dimension
 # Options that only change how the work runs, not what is written; a rerun may change them freely.
 RUN_ONLY_OPTIONS = ("out", "overwrite", "device", "encode_batch_size", "progress")
+UNKNOWN_SHARE = 0.01  # prepare warns when the encoder reads more than this share of the word pieces as unknown
+UNKNOWN_CHECKED_TEXTS = 10_000  # ... in an evenly spread sample of about this many texts
 
 
 @dataclass
@@ -463,6 +465,8 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
 
         tokenizer_json = ranks.on_rank0(make_tokenizer)
         encoder = ranks.on_all(lambda: load_encoder(opts.encoder, _device(opts.device), opts.normalize))
+        if ranks.rank == 0 and (warning := unknown_pieces_warning(texts, encoder)):
+            say(warning)
         source = TextSource(texts, tok.from_json(tokenizer_json), encoder, opts.encode_batch_size)
         extra = {"encoder": encoder.name, "encoder_normalize": opts.normalize}
 
@@ -495,6 +499,21 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
         f"latents {meta['num_latents']}x{meta['latent_dim']}"
     )
     return {"status": "created", "path": str(out), "meta": meta}
+
+
+def unknown_pieces_warning(texts: list[str], encoder) -> str | None:
+    """A warning when the sentence encoder reads more than UNKNOWN_SHARE of the word pieces of (an evenly
+    spread sample of) `texts` as its unknown token, naming an example; else None."""
+    sample = texts[:: max(1, len(texts) // UNKNOWN_CHECKED_TEXTS)]
+    found = encoder.unknown_pieces(sample)
+    if found.num_unknown <= UNKNOWN_SHARE * found.num_pieces:
+        return None
+    return (
+        f"warning: the sentence encoder {encoder.name} reads {found.num_unknown / found.num_pieces:.1%} of the "
+        f"word pieces as {found.token} ({found.num_texts} of {len(sample)} texts checked hold one, e.g. "
+        f"{found.example!r}): the latents do not see those characters; an encoder whose vocabulary covers "
+        f"them (--encoder) would"
+    )
 
 
 def _read_corpus(opts: PrepareOptions) -> tuple[list[str], dict]:
