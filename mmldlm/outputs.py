@@ -28,17 +28,27 @@ class FolderKind:
     written: re.Pattern  # the paths (relative, '/'-separated) of the files mmldlm writes there
 
     def is_marked(self, folder: Path) -> bool:
+        """Whether `folder` is of this kind: its marker holds a format_version, or (a damaged marker, which
+        the refusals of a damaged folder tell to replace) the marker is there beside other files of the kind."""
         try:
             content = json.loads((folder / self.marker).read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            return False
-        return isinstance(content, dict) and "format_version" in content
+            content = None
+        if isinstance(content, dict) and "format_version" in content:
+            return True
+        ours = [f for f in files_under(folder) if self.written.fullmatch(f)]
+        return (folder / self.marker).is_file() and len(ours) > 1
+
+
+def files_under(folder: Path) -> list[str]:
+    """The files under `folder`, as sorted relative '/'-separated paths."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir())
 
 
 def foreign_files(folder: Path, kind: FolderKind, marked: bool = True) -> list[str]:
     """The files under `folder` (relative paths) that mmldlm did not write there: all of them when
-    `marked` is asked for and the folder lacks the kind's marker."""
-    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir())
+    `marked` is asked for and the folder is not of the kind (FolderKind.is_marked)."""
+    files = files_under(folder)
     if marked and files and not kind.is_marked(folder):
         return files
     return [f for f in files if not kind.written.fullmatch(f)]

@@ -34,11 +34,19 @@ def test_publish_refuses_a_folder_that_gained_a_foreign_file_and_keeps_both(tmp_
 
 
 def test_a_folder_without_its_marker_is_foreign_whatever_its_file_names(tmp_path):
-    files = {f"part-{i}.bin": "x" for i in range(5)}
-    out = folder(tmp_path / "out", {"meta.json": "[]", **files})
+    out = folder(tmp_path / "out", {f"part-{i}.bin": "x" for i in range(5)})
     with pytest.raises(UserError) as err:
         publish(folder(tmp_path / "new", {}), out, KIND, "choose another")
-    assert (
-        "is not a test folder (meta.json) and it holds meta.json, part-0.bin, part-1.bin and 3 more (6 files)"
-        in str(err.value)
+    assert "is not a test folder (meta.json) and it holds part-0.bin, part-1.bin, part-2.bin and 2 more (5 files)" in (
+        str(err.value)
     )
+
+
+def test_a_damaged_marker_beside_the_kinds_files_is_still_replaced(tmp_path):
+    out = folder(tmp_path / "out", {"meta.json": "{not json", "part-0.bin": "old"})
+    publish(folder(tmp_path / "new", {"meta.json": '{"format_version": 1}'}), out, KIND, "choose another")
+    assert (out / "meta.json").read_text() == '{"format_version": 1}'
+    # A marker alone is not enough: it may be the user's own file of that name.
+    alone = folder(tmp_path / "alone", {"meta.json": "{not json"})
+    with pytest.raises(UserError, match=r"is not a test folder \(meta.json\) and it holds meta.json \(1 file\)"):
+        publish(folder(tmp_path / "newer", {}), alone, KIND, "choose another")
