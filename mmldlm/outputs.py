@@ -17,6 +17,7 @@ from pathlib import Path
 from mmldlm.errors import UserError
 
 NAMES_SHOWN = 3  # a refusal names this many of the foreign files, then counts the rest
+ELSEWHERE = "choose another --out or remove it yourself"  # what a refusal tells the user to do
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def foreign_files(folder: Path, kind: FolderKind, marked: bool = True) -> list[s
     return [f for f in files if not kind.written.fullmatch(f)]
 
 
-def refuse_foreign(out: Path, kind: FolderKind, alternative: str, marked: bool = True) -> None:
+def refuse_foreign(out: Path, kind: FolderKind, alternative: str = ELSEWHERE, marked: bool = True) -> None:
     """UserError unless `out` is missing, an empty folder, or a folder of `kind` holding only what mmldlm
     writes there; the message names what the user would lose and never suggests a flag that deletes it."""
     if not out.exists() and not out.is_symlink():
@@ -73,10 +74,10 @@ def refuse_foreign(out: Path, kind: FolderKind, alternative: str, marked: bool =
         )
 
 
-def publish(partial: Path, out: Path, kind: FolderKind, alternative: str) -> None:
+def publish(partial: Path, out: Path, kind: FolderKind) -> None:
     """Move the finished folder `partial` onto `out` by renames, so `out` is never half written. An existing
     `out` is checked again (files may have come since the work began), renamed aside, then removed."""
-    refuse_foreign(out, kind, alternative)
+    refuse_foreign(out, kind)
     if not out.exists():
         partial.rename(out)
         return

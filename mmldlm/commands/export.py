@@ -42,8 +42,7 @@ def run(args: argparse.Namespace) -> int:
             f"--out {out}: is the model's own folder {args.run}, or holds it; replacing it would delete "
             f"what is being exported: choose another --out"
         )
-    elsewhere = "choose another --out or remove it yourself"
-    refuse_foreign(out, EXPORTED, elsewhere)
+    refuse_foreign(out, EXPORTED)
     if out.exists() and any(out.iterdir()) and not args.force:
         raise DataError(f"--out {out}: holds an exported model; choose another --out or pass --force to replace it")
     model = MMLDLM.from_pretrained(args.run, checkpoint=args.checkpoint, device="cpu", use_ema=not args.no_ema)
@@ -54,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         shutil.rmtree(partial)
         raise
-    publish(partial, out, EXPORTED, elsewhere)
+    publish(partial, out, EXPORTED)
     files = ", ".join(sorted(p.name for p in out.iterdir()))
     print(f"mmldlm export: wrote {out} ({files}; {model.run.weights} weights of step {model.run.step})")
     return 0

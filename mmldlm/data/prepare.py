@@ -286,9 +286,6 @@ def _partial_dir(out: Path) -> Path:
     return out.with_name(f".{out.name}.partial")
 
 
-REPLACE_ELSEWHERE = "choose another --out or remove it yourself"
-
-
 def output_state(opts: PrepareOptions) -> str:
     """'complete' (same options, nothing to do) or 'absent' (to be written); a UserError when the
     output holds something that must not be replaced (see mmldlm/outputs.py)."""
@@ -296,7 +293,7 @@ def output_state(opts: PrepareOptions) -> str:
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return "absent"
     if opts.overwrite or not fmt.PREPARED.is_marked(out):
-        refuse_foreign(out, fmt.PREPARED, REPLACE_ELSEWHERE)
+        refuse_foreign(out, fmt.PREPARED)
         return "absent"
     meta = fmt.read_meta(out)
     previous = meta.get("prepare", {})
@@ -413,7 +410,7 @@ def _merge(
         meta["token_latents"] = fmt.TOKEN_LATENTS
     (partial / fmt.TOKENIZER).write_text(tokenizer_json)
     (partial / fmt.META).write_text(json.dumps(meta, indent=1) + "\n")
-    publish(partial, Path(opts.out), fmt.PREPARED, REPLACE_ELSEWHERE)
+    publish(partial, Path(opts.out), fmt.PREPARED)
     return meta
 
 
