@@ -339,9 +339,12 @@ def test_following_a_path_that_is_not_a_run_fails_at_once(tmp_path, capsys):
         )
 
 
-def test_a_run_directory_waiting_for_its_first_record_is_followed(tmp_path):
+@pytest.mark.parametrize("start", ["empty", "checkpoints"])
+def test_a_run_directory_waiting_for_its_first_record_is_followed(tmp_path, start):
+    # An empty directory (made by the trainer's first step, or by a job script), or a resume loading its
+    # checkpoint: metrics.jsonl comes next.
     run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)  # a resume loading its checkpoint: metrics.jsonl comes next
+    (run / "checkpoints" if start == "checkpoints" else run).mkdir(parents=True)
     lines = []
 
     def sleep(_seconds):

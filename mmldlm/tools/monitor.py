@@ -406,14 +406,20 @@ def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
 
 
+def may_become_run(path: Path) -> bool:
+    """A directory `mmldlm train` writes in (storage.is_run_dir), or an empty one: the trainer creates the
+    run directory first, and a job script may make it before the trainer starts."""
+    return is_run_dir(path) or (path.is_dir() and not any(path.iterdir()))
+
+
 def follow(monitor: Monitor, interval: float = 2.0, once: bool = False, out=print, warn=_warn, sleep=time.sleep) -> str:
     """Poll until the run is complete, stopped by a signal, or stalled (or once); print the status
     line and each new alert (`out`), and each unreadable line of the file (`warn`). Returns the
-    final status. Without a metrics file, only a directory that `mmldlm train` is starting in is
-    waited for (see storage.is_run_dir); any other path is a FileNotFoundError at once."""
+    final status. Without a metrics file, only a directory that may become a run is waited for
+    (`may_become_run`); any other path is a FileNotFoundError at once."""
     while True:
         changed = monitor.poll()
-        if monitor.reader.mtime is None and (once or not is_run_dir(monitor.run_dir)):
+        if monitor.reader.mtime is None and (once or not may_become_run(monitor.run_dir)):
             raise FileNotFoundError(f"{monitor.path}: no metrics file (is this a run directory of `mmldlm train`?)")
         for warning in monitor.new_warnings():
             warn(warning)
