@@ -147,6 +147,13 @@ def test_export_replaces_only_an_export_and_that_only_with_force(run_dir, export
     assert main("export", "--run", run_dir, "--out", copy, "--force") == 2
     assert "it holds notes.md (1 file) that mmldlm did not write" in capsys.readouterr().err
     assert (copy / "notes.md").is_file()
+    # The reports that `mmldlm eval` once wrote into an exported folder are its own: --force replaces them.
+    (copy / "notes.md").unlink()
+    (copy / "eval").mkdir()
+    for name in ("step-0000006.json", "step-0000006.md"):
+        (copy / "eval" / name).write_text("{}")
+    assert main("export", "--run", run_dir, "--out", copy, "--force") == 0
+    assert not (copy / "eval").exists()
     # Not even --force replaces the model's own folder, or a folder that holds it.
     before = sorted(p.name for p in run_dir.iterdir())
     for out in (run_dir, run_dir.parent, exported):

@@ -73,7 +73,8 @@ EXPORTED = FolderKind(
     "an exported model",
     CONFIG,
     re.compile(
-        "|".join(re.escape(name) for name in (CONFIG, WEIGHTS, TOKENIZER, LATENT_STATS, CARD)) + r"|eval/[^/]+\.json"
+        "|".join(re.escape(name) for name in (CONFIG, WEIGHTS, TOKENIZER, LATENT_STATS, CARD))
+        + r"|eval/[^/]+\.(json|md)"
     ),
 )
 SECTIONS = {
