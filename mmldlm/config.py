@@ -29,6 +29,7 @@ from mmldlm.errors import OptionError, UserError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 MODES = ("l2t", "t2l", "joint")
+DEVICE_KINDS = re.compile(r"auto|cpu|cuda(:\d+)?")  # what train.device and every --device accept
 
 
 class ConfigError(UserError):
@@ -422,7 +423,8 @@ class TrainConfig:
     batch_schedule: list[list[int]] = field(default_factory=list)
     # auto: bf16 autocast where bf16 matmuls are native (CUDA; CPUs with AVX512-BF16 or AMX), else fp32
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # auto, cpu, cuda (cuda:LOCAL_RANK) or cuda:N (one process; CUDA_VISIBLE_DEVICES chooses the GPUs seen)
+    device: str = "auto"
     # torch's intra-op CPU threads per process; null: torch's default (one per core). With another
     # busy process on the same cores the threads wait for each other: 1 is then far faster.
     threads: int | None = None
@@ -441,6 +443,8 @@ class TrainConfig:
                 _fail(f"{prefix}.{key}", getattr(self, key), "an integer >= 1")
         if not self.run_dir:
             _fail(f"{prefix}.run_dir", self.run_dir, "a directory path")
+        if not DEVICE_KINDS.fullmatch(self.device):
+            _fail(f"{prefix}.device", self.device, "auto, cpu, cuda or cuda:N")
         if not 0.0 <= self.ema_decay < 1.0:
             _fail(f"{prefix}.ema_decay", self.ema_decay, "a number in [0, 1) (0 = no EMA)")
         if self.threads is not None and self.threads < 1:
@@ -874,10 +878,27 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), cls: 
     return cfg
 
 
-def load_model_preset(name: str) -> ModelConfig:
+def load_model_preset(name: str | Path) -> ModelConfig:
     cfg = from_dict(ModelConfig, _read_yaml(resolve_preset(name, "model")), "model")
     cfg.check()
     return cfg
+
+
+def load_model_config(target: str | Path) -> ModelConfig:
+    """The model config of a model preset (a name or a file), of a run config file (its model section),
+    or of a training run directory (its resolved config.yaml)."""
+    path = Path(target)
+    if path.is_dir():
+        if not (path / "config.yaml").is_file():
+            raise ConfigError(
+                f"{path}: a directory without config.yaml; expected a model preset, a run config file, a "
+                f"training run directory or an exported model folder"
+            )
+        path = path / "config.yaml"
+    file = resolve_preset(path if path.is_file() else target, "model")
+    if any(section.name in _read_yaml(file) for section in dataclasses.fields(RunConfig)):
+        return load_config(file).model
+    return load_model_preset(file)
 
 
 def save_config(cfg: Any, path: str | Path) -> None:

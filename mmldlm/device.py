@@ -7,22 +7,31 @@ import platform
 
 import torch
 
+from mmldlm.config import DEVICE_KINDS
 from mmldlm.errors import OptionError
 
 
 def pick_device(kind: str, key: str = "config key 'train.device'") -> torch.device:
     """ "auto": cuda:LOCAL_RANK when CUDA is present, else the CPU; "cuda": cuda:LOCAL_RANK; "cuda:N"
-    and "cpu" as given. Asking for CUDA where there is none is an OptionError naming `key` (the config
-    key or command-line option the value came from)."""
+    (N among the visible devices, which CUDA_VISIBLE_DEVICES chooses) and "cpu" as given. Anything
+    else, or CUDA where there is none, is an OptionError naming `key` (the config key, command-line
+    option or argument the value came from)."""
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cpu":
         return torch.device("cpu")
-    if not kind.startswith("cuda"):
+    if not DEVICE_KINDS.fullmatch(kind):
         raise OptionError(key, kind, "auto, cpu, cuda or cuda:N")
     if not torch.cuda.is_available():
         raise OptionError(key, kind, "auto or cpu: no CUDA device is visible")
-    return torch.device(kind) if ":" in kind else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if ":" not in kind:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    count = torch.cuda.device_count()
+    if int(kind.split(":")[1]) >= count:
+        raise OptionError(
+            key, kind, f"cuda:N with N < {count}, the CUDA devices visible here (CUDA_VISIBLE_DEVICES chooses them)"
+        )
+    return torch.device(kind)
 
 
 def describe_device(device: torch.device) -> str:

@@ -9,6 +9,10 @@ low-bit AdamW. Its import then logs, at warning level:
   Calling register_constant() on Enum subclasses is deprecated", from torch's "torch.utils._pytree"
   logger, for torchao's own enums.
 `quiet_library_noise()` runs before those imports (mmldlm/data/encoders.py, mmldlm/training/optim.py).
+
+transformers also draws a "Loading weights: 100%|...|103/103" bar on stderr each time it loads a model,
+whatever the command's own --quiet; `quiet_loading_bars()` turns its bars off where the sentence encoder
+is loaded (mmldlm/data/encoders.py). Nothing is downloaded, so no download bar is lost.
 """
 
 from __future__ import annotations
@@ -38,3 +42,11 @@ def quiet_library_noise() -> None:
         logger = logging.getLogger(name)
         if _keep not in logger.filters:
             logger.addFilter(_keep)
+
+
+def quiet_loading_bars() -> None:
+    """Turn off the progress bars of transformers (and of huggingface_hub, which it switches with them)."""
+    # Here, not at the top: transformers takes seconds to import, and only loading the encoder needs it.
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()

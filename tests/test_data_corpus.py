@@ -47,6 +47,16 @@ def test_jsonl_field(tmp_path, gz):
 
 
 @pytest.mark.parametrize("gz", [False, True])
+def test_a_byte_order_mark_is_not_part_of_the_first_sample(tmp_path, gz):
+    lines, records = tmp_path / "bom.txt", tmp_path / "bom.jsonl"
+    lines.write_text("\ufeff" + "\n".join(TEXTS) + "\n", encoding="utf-8")
+    records.write_text("\ufeff" + "".join(json.dumps({"text": t}) + "\n" for t in TEXTS), encoding="utf-8")
+    if gz:
+        lines, records = gzipped(lines), gzipped(records)
+    assert read_texts(lines) == TEXTS and read_texts(records) == TEXTS
+
+
+@pytest.mark.parametrize("gz", [False, True])
 def test_parquet_column(tmp_path, gz):
     path = tmp_path / "c.parquet"
     pq.write_table(pa.table({"id": list(range(3)), "text": TEXTS}), path)

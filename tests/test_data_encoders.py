@@ -1,5 +1,5 @@
 """The encoder registry: the default model, normalisation on/off, a local folder plugged in by path; and
-loading it prints none of torchao's import noise."""
+loading it prints none of torchao's import noise nor transformers' "Loading weights" bar."""
 
 import logging
 import subprocess
@@ -41,7 +41,7 @@ def test_local_folder_plugs_in_by_path(tmp_path):
         load_encoder("no-such-model")
 
 
-def test_loading_the_encoder_prints_no_torchao_import_noise_and_keeps_real_warnings():
+def test_loading_the_encoder_prints_no_import_noise_nor_a_loading_bar_and_keeps_real_warnings():
     # A fresh process: the noise is printed once, when torchao is first imported.
     code = (
         "import logging; from mmldlm.data.encoders import load_encoder; load_encoder().encode(['a dog']); "
@@ -49,7 +49,7 @@ def test_loading_the_encoder_prints_no_torchao_import_noise_and_keeps_real_warni
         "logging.getLogger('torch.utils._pytree').warning('a real pytree warning')"
     )
     err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stderr
-    assert "Failed to load" not in err and "is an Enum subclass" not in err
+    assert "Failed to load" not in err and "is an Enum subclass" not in err and "Loading weights" not in err
     assert "a real torchao warning" in err and "a real pytree warning" in err
 
 

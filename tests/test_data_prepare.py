@@ -16,8 +16,15 @@ from mmldlm import cli
 from mmldlm.config import DataConfig
 from mmldlm.data import format as fmt
 from mmldlm.data.dataset import dataset_path, default_prepare_options, open_dataset
-from mmldlm.data.encoders import sentence_transformer
-from mmldlm.data.prepare import STD_FLOOR, ensure_token_latents, split_indices
+from mmldlm.data.encoders import load_encoder, sentence_transformer
+from mmldlm.data.prepare import (
+    STD_FLOOR,
+    PrepareOptions,
+    ensure_token_latents,
+    prepare,
+    split_indices,
+    unknown_pieces_warning,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -120,11 +127,47 @@ def test_cli_reports_bad_input_cleanly(tmp_path, monkeypatch, capsys):
         f"mmldlm prepare: {bad}:2: no field 'text' (fields here: txt); name the text field with --text-field"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
-    foreign = tmp_path / "foreign"
-    foreign.mkdir()
-    (foreign / "notes.txt").write_text("mine")
-    assert run_cli(monkeypatch, "--input", "default", "--out", foreign) == 2
-    assert "exists and is not a prepared dataset; pass --overwrite" in capsys.readouterr().err
+
+
+def test_overwrite_replaces_nothing_that_mmldlm_did_not_write(data_dir, tmp_path, monkeypatch, capsys):
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.txt").write_text("thesis")
+    for flags in ([], ["--overwrite"]):
+        assert run_cli(monkeypatch, "--input", "default", "--out", precious, *flags) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            f"mmldlm prepare: refusing to replace {precious}: is not a prepared dataset (meta.json) and it holds "
+            f"thesis.txt (1 file) that mmldlm did not write; choose another --out or remove it yourself\n"
+        )
+    # A prepared dataset that a user added a file to keeps it too, as does a folder in the place of the
+    # temporary one.
+    dataset = tmp_path / "dataset"
+    shutil.copytree(data_dir, dataset)
+    (dataset / "val" / "notes.txt").write_text("mine")
+    assert run_cli(monkeypatch, "--input", "default", "--out", dataset, "--overwrite") == 2
+    assert "it holds val/notes.txt (1 file) that mmldlm did not write" in capsys.readouterr().err
+    (tmp_path / ".fresh.partial").mkdir()
+    (tmp_path / ".fresh.partial" / "draft.txt").write_text("mine")
+    assert run_cli(monkeypatch, "--input", "default", "--out", tmp_path / "fresh") == 2
+    assert "it holds draft.txt (1 file) that mmldlm did not write" in capsys.readouterr().err
+    assert (precious / "thesis.txt").read_text() == "thesis" and (dataset / "val" / "notes.txt").is_file()
+    assert (tmp_path / ".fresh.partial" / "draft.txt").is_file()
+
+
+def test_prepare_warns_once_when_the_encoder_reads_many_word_pieces_as_unknown(tmp_path):
+    texts = corpus_texts()[:20] + [f"第{i}天 我爱北京 🎉 party {i}" for i in range(10)]
+    (tmp_path / "mixed.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    said = []
+    opts = PrepareOptions(
+        inputs=[str(tmp_path / "mixed.txt")], out=str(tmp_path / "out"), **{**SMALL, "vocab_size": 300}
+    )
+    prepare(opts, log=said.append)
+    warnings = [line for line in said if line.startswith("warning:")]
+    assert len(warnings) == 1 and "all-MiniLM-L6-v2 reads" in warnings[0]
+    assert "of the word pieces as [UNK] (10 of 30 texts checked hold one, e.g. '第')" in warnings[0]
+    # The test corpus (one emoji in 170 texts) is under the threshold.
+    assert unknown_pieces_warning(corpus_texts(), load_encoder()) is None
 
 
 def free_port() -> int:

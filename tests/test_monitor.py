@@ -329,6 +329,31 @@ def test_cli_warns_about_bad_lines_on_stderr_and_refuses_bad_seconds(tmp_path, c
         assert capsys.readouterr().err == f"mmldlm monitor: {option}: got 0.0; expected a number of seconds > 0\n"
 
 
+def test_following_a_path_that_is_not_a_run_fails_at_once(tmp_path, capsys):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    for path in (tmp_path / "typo", tmp_path / "notes"):
+        assert cli.main(["monitor", str(path), "--interval", "0.01", "--stall-seconds", "0.05"]) == 2
+        assert capsys.readouterr().err == (
+            f"mmldlm monitor: {path / 'metrics.jsonl'}: no metrics file (is this a run directory of `mmldlm train`?)\n"
+        )
+
+
+@pytest.mark.parametrize("start", ["empty", "checkpoints"])
+def test_a_run_directory_waiting_for_its_first_record_is_followed(tmp_path, start):
+    # An empty directory (made by the trainer's first step, or by a job script), or a resume loading its
+    # checkpoint: metrics.jsonl comes next.
+    run = tmp_path / "run"
+    (run / "checkpoints" if start == "checkpoints" else run).mkdir(parents=True)
+    lines = []
+
+    def sleep(_seconds):
+        write_run(run, make_records(5))
+
+    assert follow(Monitor(run), interval=0, out=lines.append, sleep=sleep) == "healthy"
+    assert lines[-1] == "run complete; status: healthy (0 alert(s), 0 resume(s))"
+
+
 def test_a_bad_threshold_is_named_with_its_value():
     with pytest.raises(OptionError, match=r"^monitor threshold 'spike_z': got -1.0; expected a number > 0$"):
         Monitor("unused", HealthConfig(spike_z=-1.0))
@@ -510,4 +535,4 @@ def test_a_restarted_trainers_start_up_is_neither_a_drop_nor_a_creep(tmp_path, h
     for i, r in enumerate(later):
         r["mem_rss_gib"] = 0.5 + 0.7 * min(i, 40) / 40
     monitor = analyse(write_run(tmp_path, records[:200] + later))
-    assert monitor.alerts == [] and monitor.history.num_resumes == (how == "resume")
+    assert monitor.alerts == [] and monitor.history.num_resumes == 1

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from data_support import prepared, trained_run
 
 from mmldlm import MMLDLM, cli
@@ -129,12 +130,30 @@ def test_the_card_reports_writing_beside_its_references_and_leaves_out_what_was_
     assert writing_rows({"l2t": {"word_f1": 0.3}}, {}) == []
 
 
-def test_export_refuses_a_non_empty_folder_without_force(run_dir, exported, tmp_path, capsys):
+def test_export_replaces_only_an_export_and_that_only_with_force(run_dir, exported, tmp_path, capsys):
     (tmp_path / "keep.txt").write_text("mine")
-    assert main("export", "--run", run_dir, "--out", tmp_path) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"--out {tmp_path}: exists and is not an empty folder" in err and "--force" in err
+    for flags in ([], ["--force"]):
+        assert main("export", "--run", run_dir, "--out", tmp_path, *flags) == 2
+        assert capsys.readouterr().err == (
+            f"mmldlm export: refusing to replace {tmp_path}: is not an exported model (config.json) and it "
+            f"holds keep.txt (1 file) that mmldlm did not write; choose another --out or remove it yourself\n"
+        )
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+    copy = tmp_path / "copy"
+    shutil.copytree(exported, copy)
+    assert main("export", "--run", run_dir, "--out", copy) == 2
+    assert f"--out {copy}: holds an exported model; choose another --out or pass --force" in capsys.readouterr().err
+    (copy / "notes.md").write_text("mine")
+    assert main("export", "--run", run_dir, "--out", copy, "--force") == 2
+    assert "it holds notes.md (1 file) that mmldlm did not write" in capsys.readouterr().err
+    assert (copy / "notes.md").is_file()
+    # The reports that `mmldlm eval` once wrote into an exported folder are its own: --force replaces them.
+    (copy / "notes.md").unlink()
+    (copy / "eval").mkdir()
+    for name in ("step-0000006.json", "step-0000006.md"):
+        (copy / "eval" / name).write_text("{}")
+    assert main("export", "--run", run_dir, "--out", copy, "--force") == 0
+    assert not (copy / "eval").exists()
     # Not even --force replaces the model's own folder, or a folder that holds it.
     before = sorted(p.name for p in run_dir.iterdir())
     for out in (run_dir, run_dir.parent, exported):
@@ -196,7 +215,9 @@ def test_exported_model_samples_what_the_run_samples(run_dir, exported, tmp_path
     capsys.readouterr()
 
 
-def test_validation_data_of_an_exported_model_comes_from_data(run_dir, exported, tmp_path, tmp_path_factory, capsys):
+def test_validation_data_of_an_exported_model_comes_from_data_and_its_report_goes_elsewhere(
+    run_dir, exported, tmp_path, tmp_path_factory, capsys, monkeypatch
+):
     assert main("eval", "--run", exported, "--device", "cpu") == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "carries no validation data; give --data PATH" in err
@@ -234,7 +255,8 @@ def test_validation_data_of_an_exported_model_comes_from_data(run_dir, exported,
     )
     like = tmp_path / "like"
     assert main("prepare", "--like", exported, "--input", tmp_path / "new.txt", "--out", like, "--quiet") == 0
-    out = tmp_path / "report.json"
+    before = sorted(p.name for p in exported.iterdir())
+    monkeypatch.chdir(tmp_path)  # without --out the report goes to ./eval-<folder name>/, not into the folder
     assert (
         main(
             "eval",
@@ -255,11 +277,12 @@ def test_validation_data_of_an_exported_model_comes_from_data(run_dir, exported,
             "--no-encoder",
             "--device",
             "cpu",
-            "--out",
-            out,
         )
         == 0
     )
+    out = tmp_path / "eval-model" / "step-0000006-like.json"
+    assert "mmldlm eval: wrote eval-model/step-0000006-like.json" in capsys.readouterr().out
+    assert sorted(p.name for p in exported.iterdir()) == before
     report = json.loads(out.read_text())
     assert report["step"] == 6 and report["weights"] == "ema" and report["t2l"]["pool_size"] == 6
     assert report["data"] == {"path": str(like.resolve()), "split": "all"}
@@ -374,3 +397,34 @@ def test_decoding_with_the_encoder_is_refused_in_one_line_for_imported_latents(e
     with pytest.raises(OptionError, match=r"best_of.*got \(2, 0, 1\).*latents were imported"):
         model.run.sampler(model.options(best_of=2))
     assert model.run.sampler(model.options(best_of=1)).reencode is None
+
+
+def test_the_api_names_its_own_arguments_in_its_errors(exported, monkeypatch, capsys):
+    model = MMLDLM.from_pretrained(exported, device="cpu")
+    for call, message in (
+        (lambda: model.generate(0), "num: got 0; expected an integer >= 1"),
+        (lambda: model.generate(2, 0), "lengths: got 0; expected an integer >= 1"),
+        (lambda: model.generate(2, [3, 0]), r"lengths: got \[3, 0\]; expected text lengths in tokens, each >= 1"),
+        (lambda: model.encode("a dog", batch_size=0), "batch_size: got 0; expected an integer >= 1"),
+    ):
+        with pytest.raises(OptionError, match=f"^{message}$"):
+            call()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(OptionError, match=r"^MMLDLM.from_pretrained\(device=...\): got 'cuda'; expected auto or cpu"):
+        MMLDLM.from_pretrained(exported, device="cuda")
+    assert main("sample", "--run", exported, "--mode", "joint", "--device", "cuda") == 2
+    assert capsys.readouterr().err.startswith("mmldlm sample: --device: got 'cuda'; expected auto or cpu")
+
+
+def test_a_runs_config_records_the_values_it_trained_with_and_model_info_reads_it(run_dir, exported, capsys):
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    vocab_size = json.loads((exported / CONFIG).read_text())["vocab_size"]
+    assert (config["model"]["vocab_size"], config["data"]["max_length"]) == (vocab_size, 64)  # not null
+    outputs = []
+    for target in (run_dir, run_dir / "config.yaml", exported):
+        assert main("model-info", target) == 0
+        outputs.append(capsys.readouterr().out.split("\n", 1))
+    assert all(f"vocab_size {vocab_size}\n" in head + "\n" for head, _ in outputs)
+    assert outputs[0][1] == outputs[1][1] == outputs[2][1]  # the same counts and FLOPs
+    assert main("model-info", run_dir / "checkpoints") == 2
+    assert "checkpoints: a directory without config.yaml; expected a model preset" in capsys.readouterr().err

@@ -148,8 +148,9 @@ def test_sample_and_eval_use_the_ema_weights_unless_told_otherwise(run_dir):
     assert any(differs)
 
 
-def test_sample_t2l_and_joint_write_latents(run_dir, tmp_path, capsys):
-    (tmp_path / "lines.txt").write_text("a small dog\n\nthe act of running\nblue\n")
+def test_sample_t2l_and_joint_write_latents_and_a_text_files_records_keep_its_line_numbers(run_dir, tmp_path, capsys):
+    # A byte order mark is not text; a blank line is skipped and keeps its number.
+    (tmp_path / "lines.txt").write_text("\ufeffa small dog\n\nthe act of running\nblue\n", encoding="utf-8")
     z_file = tmp_path / "z.npy"
     assert (
         main(
@@ -171,7 +172,7 @@ def test_sample_t2l_and_joint_write_latents(run_dir, tmp_path, capsys):
         == 0
     )
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["text"] for r in records] == ["a small dog", "the act of running", "blue"]
+    assert [(r["index"], r["text"]) for r in records] == [(0, "a small dog"), (2, "the act of running"), (3, "blue")]
     z = np.load(z_file)
     assert z.shape == (3, 1, 384) and np.isfinite(z).all()
 

@@ -258,6 +258,24 @@ def test_device_choice_is_one_rule_that_names_the_key_it_came_from():
             pick_device("cuda:1")
 
 
+def test_train_device_takes_cuda_n_among_the_visible_gpus_and_one_process_only(monkeypatch):
+    from mmldlm.device import pick_device
+    from mmldlm.training.distributed import init_distributed
+
+    cfg = load_config(None, ["train.device=cuda:1"])
+    assert cfg.train.device == "cuda:1"
+    with pytest.raises(ValueError, match="config key 'train.device': got 'gpu'; expected auto, cpu, cuda or cuda:N"):
+        load_config(None, ["train.device=gpu"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert pick_device("cuda:0") == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"got 'cuda:1'; expected cuda:N with N < 1, the CUDA devices visible here"):
+        pick_device("cuda:1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="got 'cuda:0'; expected auto or cuda under torchrun"):
+        init_distributed(cfg.distributed, "cuda:0")
+
+
 def test_train_threads_sets_torchs_cpu_threads_for_the_run(tmp_path_factory, tmp_path):
     before = torch.get_num_threads()
     threads = 3 if before != 3 else 2

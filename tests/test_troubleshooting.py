@@ -50,6 +50,7 @@ def test_nan_and_a_resume_in_a_live_tiny_run_are_followed_to_completion(tmp_path
     step-5 checkpoint; the resumed run gets a NaN loss at step 12. The monitor follows it all."""
     dataset = prepared(tmp_path_factory)
     run = tmp_path / "run"
+    run.mkdir()  # followed while empty: a missing directory is refused at once as a mistyped path
     monitor = Monitor(run, stall_seconds=120)
     lines, statuses = [], []
     follower = threading.Thread(

@@ -3,7 +3,8 @@ mode, l2t reconstruction and t2l retrieval of a trained run (mmldlm/sampling/eva
 a JSON report (default RUN/eval/step-NNNNNNN.json) and its markdown summary beside it (.md), and
 prints the summary. `--data DIR` evaluates on another prepared dataset (made with `mmldlm prepare
 --like RUN_DIR`), by default all of it; its report goes to RUN/eval/step-NNNNNNN-<DIR name>.json.
-An exported model folder (`mmldlm export`) carries no dataset, so with one `--data` is required."""
+An exported model folder (`mmldlm export`) carries no dataset, so with one `--data` is required; the
+folder is left as it was: its report goes to ./eval-<folder name>/ unless --out says where."""
 
 from __future__ import annotations
 
@@ -52,7 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "fluency and the nearest-training-text reference",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", metavar="PATH.json", help="the JSON report (default RUN/eval/step-NNNNNNN.json)")
+    parser.add_argument(
+        "--out",
+        metavar="PATH.json",
+        help="the JSON report (default RUN/eval/step-NNNNNNN.json; for an exported folder "
+        "./eval-<folder name>/step-NNNNNNN-<DIR name>.json, the folder is never written to)",
+    )
     add_device_arguments(parser)
 
 
@@ -65,9 +71,11 @@ def run(args: argparse.Namespace) -> int:
 
     from mmldlm.commands.sample import sampling_options
     from mmldlm.config import EvalConfig
+    from mmldlm.device import pick_device
     from mmldlm.errors import OptionError, require_positive
     from mmldlm.sampling import load_trained
     from mmldlm.sampling.evaluate import evaluate, markdown
+    from mmldlm.sampling.pretrained import is_exported
     from mmldlm.training.checkpoint import step_dir_name
 
     require_positive(
@@ -82,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
         raise OptionError("--threads", args.threads, "0 (torch's default) or a positive integer")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    run = load_trained(args.run, args.checkpoint, args.device, use_ema=not args.no_ema)
+    device = str(pick_device(args.device, key="--device"))
+    run = load_trained(args.run, args.checkpoint, device, use_ema=not args.no_ema)
     if run.dataset_dir is None and not args.data:
         raise run.no_dataset()
     split = args.split or ("all" if args.data else "val")
@@ -106,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
     report["data"] = {"path": str(data.resolve()), "split": split}
     # Another dataset's (or split's) report must not overwrite the run's own evaluation.
     suffix = f"-{data.resolve().name}" if args.data else ("" if split == "val" else f"-{split}")
-    out = Path(args.out) if args.out else Path(args.run) / "eval" / f"{step_dir_name(run.step or 0)}{suffix}.json"
+    reports = Path(f"eval-{Path(args.run).resolve().name}") if is_exported(Path(args.run)) else Path(args.run) / "eval"
+    out = Path(args.out) if args.out else reports / f"{step_dir_name(run.step or 0)}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     summary = markdown(report)

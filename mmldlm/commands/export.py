@@ -2,7 +2,8 @@
 folder that `MMLDLM.from_pretrained(DIR)`, `mmldlm sample --run DIR` and `mmldlm eval --run DIR --data
 PATH` load with no run directory or dataset (layout: mmldlm/sampling/pretrained.py; model card:
 mmldlm/sampling/card.py). The folder is written beside DIR under a temporary name and renamed into
-place when complete, so DIR never holds half an export; a non-empty DIR is replaced only with --force."""
+place when complete, so DIR never holds half an export; an existing export is replaced only with --force,
+and a folder holding anything mmldlm did not write never is (mmldlm/outputs.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the raw trained weights instead of their EMA (where the run kept one, train.ema_decay)",
     )
     parser.add_argument("--out", required=True, metavar="DIR", help="the folder to write")
-    parser.add_argument("--force", action="store_true", help="replace DIR when it exists and is not empty")
+    parser.add_argument(
+        "--force", action="store_true", help="replace DIR when it is an exported model (nothing else is replaced)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,8 +32,8 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from mmldlm.data.errors import DataError
-    from mmldlm.data.prepare import publish
-    from mmldlm.sampling.pretrained import MMLDLM
+    from mmldlm.outputs import publish, refuse_foreign
+    from mmldlm.sampling.pretrained import EXPORTED, MMLDLM
 
     out = Path(args.out)
     source = Path(args.run).resolve()
@@ -39,10 +42,9 @@ def run(args: argparse.Namespace) -> int:
             f"--out {out}: is the model's own folder {args.run}, or holds it; replacing it would delete "
             f"what is being exported: choose another --out"
         )
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not args.force:
-        raise DataError(
-            f"--out {out}: exists and is not an empty folder; choose another --out or pass --force to replace it"
-        )
+    refuse_foreign(out, EXPORTED)
+    if out.exists() and any(out.iterdir()) and not args.force:
+        raise DataError(f"--out {out}: holds an exported model; choose another --out or pass --force to replace it")
     model = MMLDLM.from_pretrained(args.run, checkpoint=args.checkpoint, device="cpu", use_ema=not args.no_ema)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
@@ -51,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         shutil.rmtree(partial)
         raise
-    publish(partial, out)
+    publish(partial, out, EXPORTED)
     files = ", ".join(sorted(p.name for p in out.iterdir()))
     print(f"mmldlm export: wrote {out} ({files}; {model.run.weights} weights of step {model.run.step})")
     return 0

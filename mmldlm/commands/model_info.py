@@ -1,4 +1,5 @@
-"""`mmldlm model-info PRESET`: parameter counts per part and training FLOPs per sample of a model preset."""
+"""`mmldlm model-info PRESET|CONFIG|RUN_DIR|EXPORTED`: parameter counts per part and training FLOPs per sample
+of a model preset, of the model of a run config, of a training run or of an exported model folder."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ DEFAULT_VOCAB_SIZE = 8192  # when neither the preset nor --vocab-size gives one
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("preset", help="a model preset name (configs/model/NAME.yaml) or a path to one")
+    parser.add_argument(
+        "preset",
+        metavar="PRESET|CONFIG|RUN_DIR|EXPORTED",
+        help="a model preset name (configs/model/NAME.yaml) or a path to one, a run config file (a run's "
+        "config.yaml), a training run directory, or an exported model folder (mmldlm export)",
+    )
     parser.add_argument(
         "--vocab-size",
         type=int,
@@ -21,13 +27,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     import torch
 
-    from mmldlm.config import load_model_preset
+    from mmldlm.config import ModelConfig, from_dict, load_model_config
     from mmldlm.errors import OptionError
     from mmldlm.model import MultimodalMMDiT, parameter_counts, training_flops_per_sample
+    from mmldlm.sampling.pretrained import is_exported, read_config
 
-    cfg = load_model_preset(args.preset)
+    path = Path(args.preset)
+    if is_exported(path):
+        cfg = from_dict(ModelConfig, read_config(path)["model"], "model")
+    else:
+        cfg = load_model_config(args.preset)
     vocab_size = args.vocab_size or cfg.vocab_size or DEFAULT_VOCAB_SIZE
     vocab_note = "" if args.vocab_size or cfg.vocab_size else " (assumed: pass --vocab-size)"
     seq_len = cfg.max_seq_len if args.seq_len is None else args.seq_len
@@ -44,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
     head_dim = cfg.hidden_size // cfg.num_heads
     print(
-        f"model preset '{args.preset}': hidden_size {cfg.hidden_size}, num_blocks {cfg.num_blocks}, "
+        f"model '{args.preset}': hidden_size {cfg.hidden_size}, num_blocks {cfg.num_blocks}, "
         f"num_heads {cfg.num_heads} (head dim {head_dim}), mlp_ratio {cfg.mlp_ratio}, "
         f"latents {cfg.num_latents} x {cfg.latent_dim}, vocab_size {vocab_size}{vocab_note}"
     )

@@ -51,7 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     out = parser.add_argument_group("output")
     out.add_argument("--out", required=True, metavar="DIR", help="the dataset directory to create")
-    out.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+    out.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace DIR when it is a prepared dataset (a folder holding other files is never replaced)",
+    )
     out.add_argument("--val-fraction", type=float, default=0.01, help="share of samples in the val split (0: none)")
     out.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
     out.add_argument("--shard-size", type=int, default=16384, help="samples per shard file")

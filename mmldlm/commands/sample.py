@@ -150,7 +150,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="TEXT",
         help="a source text (repeatable): l2t encodes it with the run's sentence encoder first",
     )
-    src.add_argument("--text-file", metavar="FILE", help="source texts, one per line")
+    src.add_argument(
+        "--text-file",
+        metavar="FILE",
+        help="source texts, one per line; blank lines are skipped and keep their number: a record's index "
+        "is its line's (0-based, after any --text)",
+    )
     src.add_argument("--latents", metavar="FILE.npy", help="l2t: latents (N, K, D) or (N, D) in the encoder's space")
     src.add_argument(
         "--data",
@@ -237,9 +242,11 @@ def sampling_options(args: argparse.Namespace, run, guidance_scale: float, **opt
     return sampling
 
 
-def _read_texts(args) -> list[str]:
-    """The source texts of --text and --text-file (its non-blank lines); OptionError for a blank
-    --text, DataError for a file that cannot be read or holds no text."""
+def _read_texts(args) -> tuple[list[str], list[int]]:
+    """The source texts of --text and --text-file (its non-blank lines), and the index of each in that
+    input: the --text in order, then the file's lines, a skipped blank line keeping its number (line L
+    of the file is index len(--text) + L - 1). OptionError for a blank --text, DataError for a file that
+    cannot be read or holds no text."""
     from mmldlm.data.errors import DataError
     from mmldlm.errors import OptionError
 
@@ -247,10 +254,11 @@ def _read_texts(args) -> list[str]:
         if not text.strip():
             raise OptionError("--text", text, "a text with at least one character that is not a space")
     texts = list(args.text or [])
+    index = list(range(len(texts)))
     if args.text_file:
         try:
-            with open(args.text_file, encoding="utf-8") as f:
-                lines = [line.rstrip("\n") for line in f if line.strip()]
+            with open(args.text_file, encoding="utf-8-sig") as f:  # -sig: a byte order mark is not text
+                lines = [(i, line.rstrip("\n")) for i, line in enumerate(f, start=len(texts)) if line.strip()]
         except (OSError, UnicodeDecodeError) as err:
             raise DataError(
                 f"--text-file {args.text_file}: cannot be read ({err}); expected a UTF-8 text file, "
@@ -258,8 +266,9 @@ def _read_texts(args) -> list[str]:
             ) from None
         if not lines:
             raise DataError(f"--text-file {args.text_file}: no line with text; expected one source text per line")
-        texts += lines
-    return texts
+        index += [i for i, _ in lines]
+        texts += [line for _, line in lines]
+    return texts, index
 
 
 def _read_latents(path: str, num_latents: int, latent_dim: int) -> torch.Tensor:  # noqa: F821
@@ -294,22 +303,23 @@ def _read_latents(path: str, num_latents: int, latent_dim: int) -> torch.Tensor:
     return torch.from_numpy(array.astype(np.float32))
 
 
-def _sources(args, run) -> tuple[list[str] | None, torch.Tensor | None]:  # noqa: F821
-    """(source texts or None, latents or None) from the arguments."""
+def _sources(args, run) -> tuple[list[str] | None, torch.Tensor | None, list[int] | None]:  # noqa: F821
+    """(source texts or None, latents or None, the input index of each source text or None) from the
+    arguments."""
     from mmldlm.data.errors import DataError
 
-    texts = _read_texts(args)
+    texts, index = _read_texts(args)
     if args.latents:
         if args.mode != "l2t":
             raise DataError("--latents is a source for --mode l2t only")
         if texts:
             raise DataError("--latents and --text/--text-file are two sources of l2t; give one")
-        return None, _read_latents(args.latents, run.cfg.model.num_latents, run.cfg.model.latent_dim)
+        return None, _read_latents(args.latents, run.cfg.model.num_latents, run.cfg.model.latent_dim), None
     if texts:
-        return texts, None
+        return texts, None, index
     if args.mode == "t2l":
         raise DataError("--mode t2l needs --text or --text-file")
-    return None, None
+    return None, None, None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -320,6 +330,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
+    from mmldlm.device import pick_device
     from mmldlm.errors import OptionError, require_positive
     from mmldlm.sampling import MMLDLM
 
@@ -332,7 +343,8 @@ def run(args: argparse.Namespace) -> int:
             raise OptionError(option, path, "a file in an existing directory")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    model = MMLDLM.from_pretrained(args.run, checkpoint=args.checkpoint, device=args.device, use_ema=not args.no_ema)
+    device = str(pick_device(args.device, key="--device"))
+    model = MMLDLM.from_pretrained(args.run, checkpoint=args.checkpoint, device=device, use_ema=not args.no_ema)
     run = model.run
     if args.length is not None and args.length > run.cfg.model.max_seq_len:
         raise OptionError(
@@ -343,7 +355,7 @@ def run(args: argparse.Namespace) -> int:
         args, run, args.guidance_scale, reuse_output=not args.no_reuse, latent_sampler=args.latent_sampler
     )
     options = dict(dataclasses.asdict(sampling), batch_size=args.batch_size, seed=args.seed)
-    texts, latents = _sources(args, run)
+    texts, latents, index = _sources(args, run)
 
     # The inputs of every sample: token ids (when there is a source text) and latents (l2t).
     ids = run.tokenize(texts) if texts is not None else None
@@ -379,6 +391,8 @@ def run(args: argparse.Namespace) -> int:
             for i, t in enumerate(out)
         ]
 
+    for record in records if index else []:  # a record's index is its source text's place in the input
+        record["index"] = index[record["index"]]
     if args.latents_out and z is not None:
         np.save(args.latents_out, z.numpy())
     out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout

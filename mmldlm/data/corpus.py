@@ -47,12 +47,13 @@ def _raw_bytes(path: Path) -> io.BufferedIOBase:
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(1-based line number, decoded line) over a plain or gzipped UTF-8 file."""
+    """(1-based line number, decoded line) over a plain or gzipped UTF-8 file; a byte order mark that
+    starts the file (Windows editors write one) is not part of the first line."""
     try:
         with _raw_bytes(path) as f:
             for lineno, raw in enumerate(f, start=1):
                 try:
-                    yield lineno, raw.decode("utf-8")
+                    yield lineno, raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
                 except UnicodeDecodeError as err:
                     raise DataError(
                         f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at "

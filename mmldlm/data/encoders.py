@@ -16,11 +16,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from mmldlm.data.errors import DataError
-from mmldlm.library_noise import quiet_library_noise
+from mmldlm.library_noise import quiet_library_noise, quiet_loading_bars
 
 DEFAULT_ENCODER = "all-MiniLM-L6-v2"
 
@@ -44,6 +45,7 @@ REGISTRY: dict[str, Callable] = {DEFAULT_ENCODER: _load_minilm}
 def sentence_transformer(name: str, device: str):
     """The sentence-transformers model of a registered name or local folder, loaded once per process."""
     quiet_library_noise()  # sentence-transformers imports torchao where it is installed
+    quiet_loading_bars()
     if name in REGISTRY:
         return REGISTRY[name](device)
     if Path(name).is_dir():
@@ -52,6 +54,16 @@ def sentence_transformer(name: str, device: str):
         f"encoder '{name}': neither a registered encoder ({', '.join(REGISTRY)}) nor a local "
         f"sentence-transformers folder"
     )
+
+
+class UnknownPieces(NamedTuple):
+    """What an encoder's tokenizer could not read in some texts (see SentenceEncoder.unknown_pieces)."""
+
+    token: str | None  # the tokenizer's unknown token, e.g. [UNK]; None: it has none
+    num_unknown: int  # word pieces read as `token`
+    num_pieces: int  # all word pieces
+    num_texts: int  # texts holding at least one
+    example: str | None  # the characters of the first such piece
 
 
 class SentenceEncoder:
@@ -70,6 +82,25 @@ class SentenceEncoder:
             )
         self.model = model
         self.latent_dim = int(model.get_embedding_dimension())
+
+    def unknown_pieces(self, texts: list[str]) -> UnknownPieces:
+        """The word pieces of `texts` that the model's tokenizer maps to its unknown token: characters the
+        latent does not see (MiniLM's vocabulary lacks emoji and many CJK characters)."""
+        tokenizer = self.model.tokenizer
+        unk = tokenizer.unk_token_id
+        if unk is None or not texts:
+            return UnknownPieces(tokenizer.unk_token, 0, 0, 0, None)
+        encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        num_unknown = num_pieces = num_texts = 0
+        example = None
+        for text, ids, offsets in zip(texts, encoded["input_ids"], encoded["offset_mapping"]):
+            unknown = [span for i, span in zip(ids, offsets) if i == unk]
+            num_pieces += len(ids)
+            num_unknown += len(unknown)
+            num_texts += bool(unknown)
+            if unknown and example is None:
+                example = text[unknown[0][0] : unknown[0][1]]
+        return UnknownPieces(tokenizer.unk_token, num_unknown, num_pieces, num_texts, example)
 
     def encode(
         self, texts: list[str], batch_size: int = 128, progress: Callable[[int], None] | None = None

@@ -18,11 +18,13 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
 
 from mmldlm.data.errors import DataError
+from mmldlm.outputs import FolderKind
 
 FORMAT_VERSION = 1
 META = "meta.json"
@@ -44,6 +46,16 @@ REQUIRED_KEYS = (
     "shards",
     "latent_mean",
     "latent_std",
+)
+# What `mmldlm prepare` writes in the directory (and ensure_token_latents' temporary files beside them):
+# `prepare --overwrite` replaces a directory that holds nothing else.
+PREPARED = FolderKind(
+    "a prepared dataset",
+    META,
+    re.compile(
+        r"(meta\.json|tokenizer\.json|token_latents\.npy|\.(meta\.json|token_latents\.npy)\.tmp"
+        r"|(train|val)/(tokens|offsets|latents)-\d{5}\.(bin|npy))"
+    ),
 )
 
 

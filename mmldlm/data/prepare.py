@@ -43,11 +43,14 @@ from mmldlm.data.errors import DataError
 from mmldlm.data.legacy import LegacySource
 from mmldlm.device import pick_device
 from mmldlm.errors import OptionError, UserError, require_positive
+from mmldlm.outputs import publish, refuse_foreign
 
 LATENT_DTYPES = ("float16", "float32")
 STD_FLOOR = 1e-6  # standardising by the std never divides by zero, even for a constant dimension
 # Options that only change how the work runs, not what is written; a rerun may change them freely.
 RUN_ONLY_OPTIONS = ("out", "overwrite", "device", "encode_batch_size", "progress")
+UNKNOWN_SHARE = 0.01  # prepare warns when the encoder reads more than this share of the word pieces as unknown
+UNKNOWN_CHECKED_TEXTS = 10_000  # ... in an evenly spread sample of about this many texts
 
 
 @dataclass
@@ -284,17 +287,14 @@ def _partial_dir(out: Path) -> Path:
 
 
 def output_state(opts: PrepareOptions) -> str:
-    """'complete' (same options, nothing to do) or 'absent' (to be written); DataError when the
-    output holds something that must not be replaced silently."""
+    """'complete' (same options, nothing to do) or 'absent' (to be written); a UserError when the
+    output holds something that must not be replaced (see mmldlm/outputs.py)."""
     out = Path(opts.out)
-    if not out.exists() or opts.overwrite:
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return "absent"
-    if out.is_dir() and not any(out.iterdir()):
+    if opts.overwrite or not fmt.PREPARED.is_marked(out):
+        refuse_foreign(out, fmt.PREPARED)
         return "absent"
-    if not (out / fmt.META).is_file():
-        raise DataError(
-            f"{out}: exists and is not a prepared dataset; pass --overwrite to replace it or choose another --out"
-        )
     meta = fmt.read_meta(out)
     previous = meta.get("prepare", {})
     changed = [f"{k}: {previous.get(k)!r} -> {v!r}" for k, v in opts.recorded().items() if previous.get(k) != v]
@@ -309,23 +309,10 @@ def output_state(opts: PrepareOptions) -> str:
 def _fresh_partial(out: Path) -> str:
     partial = _partial_dir(out)
     if partial.exists():  # left by a run that was killed
+        refuse_foreign(partial, fmt.PREPARED, "remove it or choose another --out", marked=False)
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
     return str(partial)
-
-
-def publish(partial: Path, out: Path) -> None:
-    """Move the finished directory `partial` onto `out` by renames, so `out` is never half written; an
-    existing `out` (--overwrite, or `mmldlm export --force`) is replaced."""
-    if out.exists():
-        old = out.with_name(f".{out.name}.old")
-        if old.exists():
-            shutil.rmtree(old)
-        out.rename(old)
-        partial.rename(out)
-        shutil.rmtree(old)
-    else:
-        partial.rename(out)
 
 
 def token_latents(tokenizer, encoder, batch_size: int = 256) -> np.ndarray:
@@ -423,7 +410,7 @@ def _merge(
         meta["token_latents"] = fmt.TOKEN_LATENTS
     (partial / fmt.TOKENIZER).write_text(tokenizer_json)
     (partial / fmt.META).write_text(json.dumps(meta, indent=1) + "\n")
-    publish(partial, Path(opts.out))
+    publish(partial, Path(opts.out), fmt.PREPARED)
     return meta
 
 
@@ -475,6 +462,8 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
 
         tokenizer_json = ranks.on_rank0(make_tokenizer)
         encoder = ranks.on_all(lambda: load_encoder(opts.encoder, _device(opts.device), opts.normalize))
+        if ranks.rank == 0 and (warning := unknown_pieces_warning(texts, encoder)):
+            say(warning)
         source = TextSource(texts, tok.from_json(tokenizer_json), encoder, opts.encode_batch_size)
         extra = {"encoder": encoder.name, "encoder_normalize": opts.normalize}
 
@@ -507,6 +496,21 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
         f"latents {meta['num_latents']}x{meta['latent_dim']}"
     )
     return {"status": "created", "path": str(out), "meta": meta}
+
+
+def unknown_pieces_warning(texts: list[str], encoder) -> str | None:
+    """A warning when the sentence encoder reads more than UNKNOWN_SHARE of the word pieces of (an evenly
+    spread sample of) `texts` as its unknown token, naming an example; else None."""
+    sample = texts[:: max(1, len(texts) // UNKNOWN_CHECKED_TEXTS)]
+    found = encoder.unknown_pieces(sample)
+    if found.num_unknown <= UNKNOWN_SHARE * found.num_pieces:
+        return None
+    return (
+        f"warning: the sentence encoder {encoder.name} reads {found.num_unknown / found.num_pieces:.1%} of the "
+        f"word pieces as {found.token} ({found.num_texts} of {len(sample)} texts checked hold one, e.g. "
+        f"{found.example!r}): the latents do not see those characters; an encoder whose vocabulary covers "
+        f"them (--encoder) would"
+    )
 
 
 def _read_corpus(opts: PrepareOptions) -> tuple[list[str], dict]:

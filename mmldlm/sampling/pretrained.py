@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -51,7 +52,9 @@ from mmldlm.data.errors import DataError
 from mmldlm.data.tokenizer import load_tokenizer, special_ids, vocab_size
 from mmldlm.device import pick_device
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
+from mmldlm.errors import OptionError, require_positive
 from mmldlm.model import MultimodalMMDiT
+from mmldlm.outputs import FolderKind
 from mmldlm.sampling.card import model_card
 from mmldlm.sampling.run import TrainedRun, load_run, load_weights
 from mmldlm.sampling.sampler import SamplingOptions, length_masks
@@ -63,6 +66,16 @@ CONFIG, WEIGHTS, TOKENIZER, LATENT_STATS, CARD = (
     "tokenizer.json",
     "latent_stats.safetensors",
     "README.md",
+)
+# What an exported folder holds (and the reports `mmldlm eval` wrote into one before it wrote them
+# elsewhere): `mmldlm export --force` replaces a folder that holds nothing else.
+EXPORTED = FolderKind(
+    "an exported model",
+    CONFIG,
+    re.compile(
+        "|".join(re.escape(name) for name in (CONFIG, WEIGHTS, TOKENIZER, LATENT_STATS, CARD))
+        + r"|eval/[^/]+\.(json|md)"
+    ),
 )
 SECTIONS = {
     "model": ModelConfig,
@@ -205,7 +218,7 @@ def load_exported(directory: str | Path, device: str = "auto") -> TrainedRun:
     stats = _latent_stats(directory / LATENT_STATS, cfg.model.latent_dim)
     model = MultimodalMMDiT(cfg.model, vocab_size=cfg.model.vocab_size)
     load_weights(model, directory / WEIGHTS)
-    model.to(pick_device(device, key="--device")).eval()
+    model.to(pick_device(device, key="device")).eval()
     text = MaskedDiffusion(cfg.text_diffusion, mask_token_id=config["mask_id"], pad_token_id=config["pad_id"])
     run = TrainedRun(
         cfg,
@@ -292,6 +305,7 @@ class MMLDLM:
     ) -> MMLDLM:
         """An exported folder or a run directory (then `checkpoint`, default the latest, and the EMA of the
         weights unless `use_ema` is false). Local folders only: nothing is downloaded."""
+        device = str(pick_device(device, key="MMLDLM.from_pretrained(device=...)"))  # before the weights load
         path = Path(path)
         run = load_trained(path, checkpoint, device, use_ema)
         if not is_exported(path):
@@ -329,10 +343,13 @@ class MMLDLM:
         all), else the length head's prediction from `latents`, else drawn from the training data's
         validation lengths with the generator of `seed`."""
         if isinstance(lengths, int):
+            require_positive({"lengths": lengths})
             return [lengths] * num
         if lengths is not None:
             if len(lengths) != num:
                 raise DataError(f"lengths: {len(lengths)} given for {num} samples")
+            if min(lengths, default=1) < 1:
+                raise OptionError("lengths", lengths, "text lengths in tokens, each >= 1")
             return list(lengths)
         if latents is not None and getattr(self.run.model, "length_head", None) is not None:
             return self.run.predict_lengths(latents)
@@ -340,6 +357,7 @@ class MMLDLM:
 
     def _batches(self, num: int, batch_size: int, seed: int):
         """(rows, generator) of each batch; the generator depends only on the seed and the first row."""
+        require_positive({"batch_size": batch_size})
         for b in range(0, num, batch_size):
             yield range(b, min(b + batch_size, num)), torch.Generator().manual_seed(seed * 1_000_003 + b)
 
@@ -391,6 +409,7 @@ class MMLDLM:
         """joint: `num` (text, latent (K, D)) pairs sampled together; `lengths` in tokens (`text_lengths`).
         With joint_order="latent_first" the latents are sampled first (given the lengths) and decoded at
         those lengths as `decode` does."""
+        require_positive({"num": num})
         sampler = self.run.sampler(self.options(**options))
         lengths = self.text_lengths(num, lengths, seed=seed)
         texts, latents = [], []

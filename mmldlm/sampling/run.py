@@ -359,7 +359,7 @@ def load_run(
     weights = "ema" if use_ema and has_ema(path) else "raw"
     # In this one process, whatever the number of processes that wrote the checkpoint.
     load_weights(model, path, read_weights(path, "ema" if weights == "ema" else "model"))
-    model.to(pick_device(device, key="--device")).eval()
+    model.to(pick_device(device, key="device")).eval()
     text = MaskedDiffusion(cfg.text_diffusion, mask_token_id=val.mask_id, pad_token_id=val.pad_id)
     mean, std = val.latent_stats()
     meta_file = path / "meta.json"

@@ -9,6 +9,8 @@ re-reads from the start; a step that is not after the previous record also count
 both cases the records from that step on are replaced and the detectors replay the history, so the
 alerts always describe the run as the file now holds it. The first re-trained step is compared with
 the record it replaced: a resume that does not repeat the interrupted run raises `resume_mismatch`.
+A run stopped by a signal checkpoints at its last record (`stop_requested`), so its resume rewrites
+nothing: a record after a stop is the resume.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 import yaml
 
 from mmldlm.tools.health import REMEDIES, Alert, HealthConfig, HealthTracker, finite, memory_of, status_of
-from mmldlm.training.storage import current_run_config
+from mmldlm.training.storage import current_run_config, is_run_dir
 
 EXIT_HEALTHY, EXIT_WARNING, EXIT_CRITICAL = 0, 1, 2
 STAT_KEYS = (
@@ -167,6 +169,8 @@ class RunHistory:
             if self.records and record["step"] <= self.records[-1]["step"]:
                 kept = [r for r in self.records if r["step"] < record["step"]]
                 self._restart(kept, self.records[len(kept) :])
+            elif self.records and self.records[-1].get("stop_requested"):
+                self.num_resumes += 1  # stopped by a signal at its checkpoint, continued by a new process
             self._compare_with_replaced(record)
             self.records.append(record)
             self.tracker.observe(record)
@@ -402,13 +406,20 @@ def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
 
 
+def may_become_run(path: Path) -> bool:
+    """A directory `mmldlm train` writes in (storage.is_run_dir), or an empty one: the trainer creates the
+    run directory first, and a job script may make it before the trainer starts."""
+    return is_run_dir(path) or (path.is_dir() and not any(path.iterdir()))
+
+
 def follow(monitor: Monitor, interval: float = 2.0, once: bool = False, out=print, warn=_warn, sleep=time.sleep) -> str:
     """Poll until the run is complete, stopped by a signal, or stalled (or once); print the status
     line and each new alert (`out`), and each unreadable line of the file (`warn`). Returns the
-    final status."""
+    final status. Without a metrics file, only a directory that may become a run is waited for
+    (`may_become_run`); any other path is a FileNotFoundError at once."""
     while True:
         changed = monitor.poll()
-        if once and monitor.reader.mtime is None:
+        if monitor.reader.mtime is None and (once or not may_become_run(monitor.run_dir)):
             raise FileNotFoundError(f"{monitor.path}: no metrics file (is this a run directory of `mmldlm train`?)")
         for warning in monitor.new_warnings():
             warn(warning)

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mmldlm.config import DistributedConfig
 from mmldlm.device import pick_device
+from mmldlm.errors import OptionError
 
 # How gloo/NCCL describe a peer that stopped answering (timeout) or went away (connection lost).
 _PEER_FAILURE = re.compile(r"timed out|timeout|connection (closed|reset)|broken pipe", re.IGNORECASE)
@@ -67,8 +68,15 @@ def set_nccl_env_defaults(timeout_s: float) -> None:
 def init_distributed(cfg: DistributedConfig, device_kind: str = "auto") -> DistInfo:
     """Join the torchrun process group (if launched by torchrun) and pick this rank's device."""
     timeout_s = cfg.timeout_minutes * 60
-    device = pick_device(device_kind)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if world_size > 1 and ":" in device_kind:  # every rank would take the same GPU
+        raise OptionError(
+            "config key 'train.device'",
+            device_kind,
+            "auto or cuda under torchrun, where each rank takes cuda:LOCAL_RANK "
+            "(CUDA_VISIBLE_DEVICES chooses the GPUs)",
+        )
+    device = pick_device(device_kind)
     if world_size == 1:
         return DistInfo(device=device, timeout_s=timeout_s)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))

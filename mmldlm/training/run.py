@@ -4,6 +4,7 @@ the loop. Used by the command (mmldlm/commands/train.py) under plain python or t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -102,7 +103,14 @@ def build_trainer(cfg: RunConfig, info: DistInfo) -> Trainer:
     heaviest = functools.partial(
         heaviest_batch, dataset, data_cfg, rank=info.rank, world_size=info.world_size, vocab_size=model.vocab_size
     )
-    return Trainer(cfg, model, objective, make_loader, info, max_seq_len=data_cfg.max_length, heaviest_batch=heaviest)
+    # The trainer's config holds the values used where `cfg` left them to the data (null: the dataset's
+    # vocabulary, the model's length), so the run's config.yaml and every checkpoint's record them.
+    resolved = dataclasses.replace(
+        cfg, data=data_cfg, model=dataclasses.replace(cfg.model, vocab_size=model.vocab_size)
+    )
+    return Trainer(
+        resolved, model, objective, make_loader, info, max_seq_len=data_cfg.max_length, heaviest_batch=heaviest
+    )
 
 
 class StartUpInterrupted(Exception):
@@ -146,7 +154,7 @@ def train(cfg: RunConfig, resume: str | None = None, command: str = "mmldlm trai
                 trainer = build_trainer(cfg, info)
                 trainer.resume(resume)
             if info.is_main:  # the run has started: what it runs with is recorded
-                save_run_config(cfg, run_dir, trainer.resumed_from)
+                save_run_config(trainer.cfg, run_dir, trainer.resumed_from)
             status = trainer.fit(stop)
     except StartUpInterrupted as err:
         if info.is_main:

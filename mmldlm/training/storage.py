@@ -43,6 +43,12 @@ def current_run_config(run_dir: Path) -> Path:
     return max(written, key=lambda p: p.stat().st_mtime_ns) if written else run_dir / "config.yaml"
 
 
+def is_run_dir(path: Path) -> bool:
+    """Whether `mmldlm train` writes in `path`: it opens metrics.jsonl as it claims the directory, writes
+    config.yaml when the run has started, and checkpoints/ at the first save (a resume finds it)."""
+    return any((path / name).exists() for name in ("metrics.jsonl", "config.yaml", "checkpoints"))
+
+
 def free_bytes(path: str | Path) -> int:
     """Free bytes on the filesystem that holds `path`, or will hold it (its nearest existing parent)."""
     where = Path(path).absolute()
