@@ -352,11 +352,22 @@ def test_eval_writes_report_and_summary(run_dir, tmp_path, capsys):
     l2t = report["elbo"]["l2t"]
     assert l2t["text_bits_per_token"] == pytest.approx(l2t["text_nats_per_token"] / math.log(2))
     assert l2t["text_ppl_bound"] == pytest.approx(math.exp(l2t["text_nats_per_token"]))
-    assert set(report["elbo"]["t2l"]) == {"latent_loss"}
+    assert set(report["elbo"]["t2l"]) == {"latent_loss", "latent_loss_interval", "num_samples", "per_text"}
+    # Every figure carries its 95% interval and n, and the per-text values it was made from.
+    assert np.array(report["elbo"]["l2t"]["per_text"]["text_nats"]).shape == (4, 2)  # texts x draws of t
+    low, high = l2t["text_nats_per_token_interval"]
+    assert low <= high and l2t["text_bits_per_token_interval"] == pytest.approx([low / math.log(2), high / math.log(2)])
+    for key in ("exact_match", "word_f1", "bleu", "real_word_rate", "cosine_mean"):
+        low, high = report["l2t"][f"{key}_interval"]
+        assert low <= high, key
+    assert len(report["l2t"]["per_text"]["word_f1"]) == report["l2t"]["num_samples"] == 4
+    assert report["l2t"]["word_f1"] == pytest.approx(np.mean(report["l2t"]["per_text"]["word_f1"]))
+    assert "selected_on" not in report["l2t"] and "l2t_without_selection" not in report  # best of 1: no selection
     assert -1 <= report["l2t"]["cosine_mean"] <= 1 and 0 <= report["l2t"]["exact_match"] <= 1
     assert report["t2l"]["pool_size"] == 12 and len(report["l2t"]["examples"]) == 4
     summary = capsys.readouterr().out
     assert "retrieval@1 among 12" in summary and report["l2t"]["examples"][0]["source"] in summary
+    assert f"word F1 {evaluate.figure_text(report['l2t'], 'word_f1')}" in summary
     assert "(chance 8.3%)" in summary and "| 1.5 |" in summary and "length head" in summary
     assert out.with_suffix(".md").read_text(encoding="utf-8") in summary
     # The writing figures beside their references.
@@ -368,7 +379,11 @@ def test_eval_writes_report_and_summary(run_dir, tmp_path, capsys):
     assert joint["num_samples"] == 4 and 0 <= joint["copy_rate"] <= 1 and 0 <= joint["distinct_2"] <= 1
     assert joint["reference"]["real_pairs"] > joint["reference"]["shuffled_pairs"]
     assert 0 <= report["nearest_training_text"]["word_f1"] <= 1
-    assert "joint (4 samples): consistency" in summary and "the training text with the nearest latent" in summary
+    assert (
+        "joint (4 samples): repetition" in summary
+        and "; consistency " in summary
+        and "the training text with the nearest latent" in summary
+    )
     # The fluency reference is fitted on the training split alone.
     run = load_trained(run_dir)
     assert evaluate.fluency_reference(run) is evaluate._ngram_lm(str(run.dataset_dir), "train")

@@ -10,6 +10,10 @@ each metric:
     est = bootstrap_statistic(lambda idx: bleu(gen[idx], src[idx]), n=len(gen))  # corpus-level figures
     diff = paired_difference(values_a, values_b)           # run A - run B on the same texts (Dror et al. 2018)
 
+A report keeps each figure's per-text values, and a recipe (`Mean`, `Corpus`) says how the figure is made
+from them, so one recipe gives both the figure's interval (`estimate`) and the paired difference of two
+reports on the same texts (`difference`, what `mmldlm compare` prints).
+
 Two-level data: a `(n_texts, n_draws)` array resamples texts, then draws within each resampled text,
 so the interval covers both the choice of texts and the sampler's randomness. Resamples come from a
 generator of their own (`seed`): the same inputs give the same interval.
@@ -100,7 +104,9 @@ def _as_arrays(values, weights) -> tuple[np.ndarray, np.ndarray | None]:
     v = np.asarray(values, dtype=np.float64)
     if v.ndim not in (1, 2) or v.shape[0] == 0:
         raise ValueError(f"bootstrap: expected a non-empty (n,) or (n, draws) array, got shape {v.shape}")
-    w = None if weights is None else np.broadcast_to(np.asarray(weights, dtype=np.float64), v.shape)
+    w = None if weights is None else np.asarray(weights, dtype=np.float64)
+    if w is not None:  # one weight per text (n,) stands for each of its draws (n, draws)
+        w = np.broadcast_to(w[:, None] if w.ndim == 1 and v.ndim == 2 else w, v.shape)
     return v, w
 
 
@@ -194,3 +200,47 @@ def paired_statistic_difference(
     full = np.arange(n)
     va, vb = float(statistic_a(full)), float(statistic_b(full))
     return Difference(va, vb, va - vb, *_bounds(np.array(resampled), level), n=n, level=level)
+
+
+@dataclass(frozen=True)
+class Mean:
+    """A figure that is the mean of one per-text value, per_text[values] ((n,) or (n, draws)), or with
+    `weights` the ratio sum(v w) / sum(w) (nats per token: values per token, weighted by tokens)."""
+
+    values: str
+    weights: str | None = None
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.values,) if self.weights is None else (self.values, self.weights)
+
+    def _arrays(self, per_text: dict) -> tuple[np.ndarray, np.ndarray | None]:
+        weights = None if self.weights is None else per_text[self.weights]
+        return np.asarray(per_text[self.values], dtype=np.float64), weights
+
+    def estimate(self, per_text: dict, **kwargs) -> Estimate:
+        values, weights = self._arrays(per_text)
+        return bootstrap(values, weights=weights, **kwargs)
+
+    def difference(self, per_text_a: dict, per_text_b: dict, **kwargs) -> Difference:
+        (a, wa), (b, wb) = self._arrays(per_text_a), self._arrays(per_text_b)
+        return paired_difference(a, b, weights_a=wa, weights_b=wb, **kwargs)
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A figure of the texts as a whole (corpus BLEU, distinct-n, a perplexity over all words):
+    `statistic(per_text)` returns the figure of the texts at indices `idx`, fn(idx) -> float, doing once
+    whatever does not depend on idx."""
+
+    keys: tuple[str, ...]
+    statistic: Callable[[dict], Callable[[np.ndarray], float]]
+
+    def estimate(self, per_text: dict, **kwargs) -> Estimate:
+        return bootstrap_statistic(self.statistic(per_text), len(per_text[self.keys[0]]), **kwargs)
+
+    def difference(self, per_text_a: dict, per_text_b: dict, **kwargs) -> Difference:
+        n_a, n_b = len(per_text_a[self.keys[0]]), len(per_text_b[self.keys[0]])
+        if n_a != n_b:
+            raise ValueError(f"paired_statistic_difference: the two runs have {n_a} and {n_b} texts; expected the same")
+        return paired_statistic_difference(self.statistic(per_text_a), self.statistic(per_text_b), n_a, **kwargs)
