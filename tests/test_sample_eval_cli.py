@@ -459,3 +459,54 @@ def test_fsdp2_ranks_gather_for_rank0_evaluation_and_wait(run_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     evals = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "eval_t2l_cosine_mean" in r]
     assert [r["step"] for r in evals] == [2, 4]
+
+
+SMALL_EVAL = ["--num-samples", "4", "--batch-size", "4", "--retrieval-pool", "12", *FAST]
+
+
+def test_compare_of_a_run_with_itself_finds_no_difference_on_any_figure(run_dir, tmp_path, capsys):
+    out = tmp_path / "same.json"
+    assert main(["compare", str(run_dir), str(run_dir), *SMALL_EVAL, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    figures = {(r["section"], r["figure"]) for r in result["rows"]}
+    assert {
+        ("elbo l2t", "text_nats_per_token"),
+        ("l2t", "bleu"),
+        ("joint", "distinct_2"),
+        ("t2l", "retrieval_at_1"),
+    } <= figures
+    for row in result["rows"]:
+        assert row["difference"] == row["low"] == row["high"] == 0.0 and not row["significant"], row
+    assert "| l2t word_f1 | 4 |" in capsys.readouterr().out
+
+
+def test_compare_of_two_reports_gives_each_figure_its_paired_difference(run_dir, tmp_path, capsys):
+    ema, raw, fewer = tmp_path / "ema.json", tmp_path / "raw.json", tmp_path / "fewer.json"
+    quick = ["--no-writing", "--num-t-draws", "1"]
+    assert main(["eval", "--run", str(run_dir), *SMALL_EVAL, *quick, "--out", str(ema)]) == 0
+    assert main(["eval", "--run", str(run_dir), "--no-ema", *SMALL_EVAL, *quick, "--out", str(raw)]) == 0
+    capsys.readouterr()
+    out = tmp_path / "compare.json"
+    assert main(["compare", str(ema), str(raw), "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["a"] == str(ema) and result["level"] == 0.95 and result["not_compared"] == []
+    rows = {(r["section"], r["figure"]): r for r in result["rows"]}
+    nats = rows[("elbo l2t", "text_nats_per_token")]
+    a, b = (json.loads(p.read_text())["elbo"]["l2t"]["text_nats_per_token"] for p in (ema, raw))
+    assert (
+        nats["a"] == pytest.approx(a) and nats["b"] == pytest.approx(b) and nats["difference"] == pytest.approx(a - b)
+    )
+    assert nats["low"] <= nats["difference"] <= nats["high"] and nats["n"] == 4
+    assert nats["significant"] == (nats["low"] > 0 or nats["high"] < 0)
+    assert (
+        "| figure | n | A | B | A - B | interval | significant |" in table
+        and "| elbo l2t text_nats_per_token | 4 |" in table
+    )
+    # Reports of other texts are refused: the i-th values must belong to the same text.
+    args = ["eval", "--run", str(run_dir), *SMALL_EVAL, *quick, "--num-samples", "3", "--out", str(fewer)]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(["compare", str(ema), str(fewer)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "scored different validation texts" in err and str(fewer) in err

@@ -14,6 +14,12 @@ from mmldlm.commands.sample import add_device_arguments, add_model_arguments, ad
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, "a training run directory or an exported model folder (mmldlm export; needs --data)")
+    add_evaluation_arguments(parser)
+    parser.add_argument("--out", metavar="PATH.json", help="the JSON report (default RUN/eval/step-NNNNNNN.json)")
+
+
+def add_evaluation_arguments(parser: argparse.ArgumentParser) -> None:
+    """What is evaluated and how (eval and compare): data, budget, samplers, seed, device."""
     parser.add_argument(
         "--data",
         metavar="DIR",
@@ -51,13 +57,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip the slower writing figures: l2t at the length head's lengths, joint generation, n-gram "
         "fluency and the nearest-training-text reference",
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", metavar="PATH.json", help="the JSON report (default RUN/eval/step-NNNNNNN.json)")
+    parser.add_argument("--seed", type=int, default=0, help="the seed of every sampler and draw of t")
     add_device_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     import json
+    from pathlib import Path
+
+    from mmldlm.sampling.evaluate import markdown
+    from mmldlm.training.checkpoint import step_dir_name
+
+    run, report = evaluation(args, args.run)
+    data, split = Path(report["data"]["path"]), report["data"]["split"]
+    # Another dataset's (or split's) report must not overwrite the run's own evaluation.
+    suffix = f"-{data.name}" if args.data else ("" if split == "val" else f"-{split}")
+    out = Path(args.out) if args.out else Path(args.run) / "eval" / f"{step_dir_name(run.step or 0)}{suffix}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    summary = markdown(report)
+    out.with_suffix(".md").write_text(summary, encoding="utf-8")
+    print(summary, end="")
+    print(f"mmldlm eval: wrote {out} and {out.with_suffix('.md')}")
+    return 0
+
+
+def evaluation(args: argparse.Namespace, model_path: str):
+    """(the trained run, its report) of the model at `model_path` with the options of `args`
+    (add_evaluation_arguments, and --checkpoint / --no-ema where the command has them)."""
     import math
     from pathlib import Path
 
@@ -67,8 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from mmldlm.config import EvalConfig
     from mmldlm.errors import OptionError, require_positive
     from mmldlm.sampling import load_trained
-    from mmldlm.sampling.evaluate import evaluate, markdown
-    from mmldlm.training.checkpoint import step_dir_name
+    from mmldlm.sampling.evaluate import evaluate
 
     require_positive(
         {
@@ -82,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         raise OptionError("--threads", args.threads, "0 (torch's default) or a positive integer")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    run = load_trained(args.run, args.checkpoint, args.device, use_ema=not args.no_ema)
+    run = load_trained(model_path, getattr(args, "checkpoint", None), args.device, use_ema=not args.no_ema)
     if run.dataset_dir is None and not args.data:
         raise run.no_dataset()
     split = args.split or ("all" if args.data else "val")
@@ -104,13 +130,4 @@ def run(args: argparse.Namespace) -> int:
         run, cfg, options, num_t_draws=args.num_t_draws, seed=args.seed, guidance_scales=args.guidance_scale
     )
     report["data"] = {"path": str(data.resolve()), "split": split}
-    # Another dataset's (or split's) report must not overwrite the run's own evaluation.
-    suffix = f"-{data.resolve().name}" if args.data else ("" if split == "val" else f"-{split}")
-    out = Path(args.out) if args.out else Path(args.run) / "eval" / f"{step_dir_name(run.step or 0)}{suffix}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    summary = markdown(report)
-    out.with_suffix(".md").write_text(summary, encoding="utf-8")
-    print(summary, end="")
-    print(f"mmldlm eval: wrote {out} and {out.with_suffix('.md')}")
-    return 0
+    return run, report

@@ -283,11 +283,12 @@ def _first_val(run: TrainedRun, num: int) -> tuple[list[list[int]], torch.Tensor
     return ids, torch.stack([torch.from_numpy(s[2].astype("float32")) for s in samples])
 
 
-def texts_digest(run: TrainedRun, num: int) -> str:
-    """sha256 of the first `num` validation texts (as decoded) and their latents: two reports with the
-    same digest and seed scored the same texts."""
-    ids, latents = _first_val(run, num)
-    digest = hashlib.sha256("\n".join(run.decode(*run.batch_of(ids))).encode("utf-8"))
+def texts_digest(run: TrainedRun, *counts: int) -> str:
+    """sha256 of how many validation texts each part scored (`counts`), and of the first max(counts)
+    texts (as decoded) and their latents: two reports with the same digest and seed scored the same texts."""
+    ids, latents = _first_val(run, max(counts))
+    digest = hashlib.sha256(repr([min(c, len(run.val)) for c in counts]).encode("utf-8"))
+    digest.update("\n".join(run.decode(*run.batch_of(ids))).encode("utf-8"))
     digest.update(latents.numpy().tobytes())
     return digest.hexdigest()
 
@@ -548,7 +549,7 @@ def evaluate(
             "sampling": first.to_dict(),
             "num_t_draws": num_t_draws,
             "seed": seed,
-            "texts_sha256": texts_digest(run, max(num_elbo, cfg.num_samples, cfg.retrieval_pool)),
+            "texts_sha256": texts_digest(run, num_elbo, cfg.num_samples, cfg.retrieval_pool),
             "elbo": elbo(run, num_elbo, cfg.batch_size, num_t_draws, seed),
             **guidance_sweep(run, cfg, options, scales, seed, fluency),
         }

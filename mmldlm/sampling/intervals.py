@@ -162,7 +162,8 @@ def paired_difference(
     seed: int = 0,
 ) -> Difference:
     """A - B for two sets of per-text values on the same texts, in the same order: both are resampled
-    with the same indices (a paired bootstrap), so what the texts share cancels."""
+    with the same indices (a paired bootstrap), so what the texts share cancels; (n, draws) values of the
+    same shape are paired by draw as well (the same seeds drew them)."""
     a, wa = _as_arrays(values_a, weights_a)
     b, wb = _as_arrays(values_b, weights_b)
     if a.shape[0] != b.shape[0]:
@@ -173,7 +174,9 @@ def paired_difference(
     for _ in range(num_resamples):
         idx = rng.integers(0, a.shape[0], size=a.shape[0])
         cols_a = rng.integers(0, a.shape[1], size=(a.shape[0], a.shape[1])) if a.ndim == 2 else None
-        cols_b = rng.integers(0, b.shape[1], size=(b.shape[0], b.shape[1])) if b.ndim == 2 else None
+        # Draws with the same generators in A and B are paired too: the same draws of each text.
+        same_draws = b.shape == a.shape
+        cols_b = cols_a if same_draws else rng.integers(0, b.shape[1], size=b.shape) if b.ndim == 2 else None
         resampled.append(stat_a(idx, cols_a) - stat_b(idx, cols_b))
     full = np.arange(a.shape[0])
     va, vb = stat_a(full), stat_b(full)
