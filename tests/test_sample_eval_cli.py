@@ -510,3 +510,17 @@ def test_compare_of_two_reports_gives_each_figure_its_paired_difference(run_dir,
     assert main(["compare", str(ema), str(fewer)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "scored different validation texts" in err and str(fewer) in err
+
+
+def test_a_figure_the_decoder_selects_on_is_labelled_and_measured_without_selection(run_dir, tmp_path, capsys):
+    out = tmp_path / "best-of.json"
+    args = ["eval", "--run", str(run_dir), *SMALL_EVAL, "--no-writing", "--num-t-draws", "1", "--best-of", "2"]
+    assert main([*args, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["l2t"]["selected_on"] == {"cosine_mean": "max over 2 candidates"}
+    plain = report["l2t_without_selection"]
+    assert "selected_on" not in plain and plain["num_samples"] == 4 and plain["encoded_per_sample"] == 0
+    summary = capsys.readouterr().out
+    assert "re-encoded cosine" in summary and "(selected on: max over 2 candidates)" in summary
+    assert f"without selection (best of 1) {evaluate.figure_text(plain, 'cosine_mean', '.4f')}" in summary
+    assert "eval_l2t_without_selection_cosine_mean_low" in evaluate.flat(report)
