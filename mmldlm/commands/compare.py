@@ -34,23 +34,19 @@ def run(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from mmldlm.commands.evaluate import evaluation
+    from mmldlm.commands.evaluate import check_options, evaluation
     from mmldlm.errors import UserError
     from mmldlm.sampling.compare import compare_reports, markdown
 
-    reports = []
+    check_options(args)
+    for path in (args.a, args.b):  # both refused before either is evaluated
+        if not Path(path).exists():
+            raise UserError(f"{path}: no such file or directory; expected a run, an exported model or an eval report")
+    reports = {path: read_report(Path(path)) for path in (args.a, args.b) if Path(path).is_file()}
     for path in (args.a, args.b):
-        if Path(path).is_file():
-            try:
-                report = json.loads(Path(path).read_text(encoding="utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as err:
-                raise UserError(f"{path}: not a JSON report of `mmldlm eval` ({err})") from None
-            if not isinstance(report, dict):
-                raise UserError(f"{path}: got a JSON {type(report).__name__}; expected a report of `mmldlm eval`")
-            reports.append(report)
-        else:
-            reports.append(evaluation(args, path)[1])
-    result = compare_reports(*reports, names=(args.a, args.b))
+        if path not in reports:
+            reports[path] = evaluation(args, path)[1]
+    result = compare_reports(reports[args.a], reports[args.b], names=(args.a, args.b))
     print(markdown(result), end="")
     if args.out:
         out = Path(args.out)
@@ -58,3 +54,18 @@ def run(args: argparse.Namespace) -> int:
         out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
         print(f"mmldlm compare: wrote {out}")
     return 0
+
+
+def read_report(path) -> dict:
+    """The JSON report of `mmldlm eval` at `path`; UserError naming the file when it is none."""
+    import json
+
+    from mmldlm.errors import UserError
+
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"{path}: not a JSON report of `mmldlm eval` ({err})") from None
+    if not isinstance(report, dict):
+        raise UserError(f"{path}: got a JSON {type(report).__name__}; expected a report of `mmldlm eval`")
+    return report

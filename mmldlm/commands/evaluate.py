@@ -82,19 +82,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def evaluation(args: argparse.Namespace, model_path: str):
-    """(the trained run, its report) of the model at `model_path` with the options of `args`
-    (add_evaluation_arguments, and --checkpoint / --no-ema where the command has them)."""
-    import math
-    from pathlib import Path
-
-    import torch
-
-    from mmldlm.commands.sample import sampling_options
-    from mmldlm.config import EvalConfig
+def check_options(args: argparse.Namespace) -> None:
+    """OptionError for the first option of add_evaluation_arguments that cannot be used."""
     from mmldlm.errors import OptionError, require_positive
-    from mmldlm.sampling import load_trained
-    from mmldlm.sampling.evaluate import evaluate
 
     require_positive(
         {
@@ -106,6 +96,22 @@ def evaluation(args: argparse.Namespace, model_path: str):
     )
     if args.threads < 0:
         raise OptionError("--threads", args.threads, "0 (torch's default) or a positive integer")
+
+
+def evaluation(args: argparse.Namespace, model_path: str):
+    """(the trained run, its report) of the model at `model_path` with the options of `args`
+    (add_evaluation_arguments, and --checkpoint / --no-ema where the command has them)."""
+    import math
+    from pathlib import Path
+
+    import torch
+
+    from mmldlm.commands.sample import sampling_options
+    from mmldlm.config import EvalConfig
+    from mmldlm.sampling import load_trained
+    from mmldlm.sampling.evaluate import evaluate
+
+    check_options(args)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     run = load_trained(model_path, getattr(args, "checkpoint", None), args.device, use_ema=not args.no_ema)
