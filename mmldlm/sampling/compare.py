@@ -14,6 +14,9 @@ from mmldlm.errors import UserError
 from mmldlm.sampling.evaluate import sections
 from mmldlm.sampling.intervals import LEVEL, NUM_RESAMPLES
 
+# Sections that score the validation data and the training texts, not the model: the same in both.
+DATA_ONLY = ("references", "nearest_training_text", "joint reference")
+
 
 def check_comparable(a: dict, b: dict, names: tuple[str, str]) -> None:
     """UserError unless the reports `a` and `b` (named `names`) scored the same texts with the same seed."""
@@ -37,11 +40,13 @@ def check_comparable(a: dict, b: dict, names: tuple[str, str]) -> None:
 
 def compare_reports(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> dict:
     """{"a", "b", "level", "num_resamples", "rows": [{section, figure, a, b, difference, low, high, n,
-    significant}], "not_compared": [sections in one report only]}."""
+    significant}], "not_compared": [sections in one report only]}; the figures of the model, not of the
+    data (`DATA_ONLY`)."""
     check_comparable(a, b, names)
-    of_b = {name: section for name, section, _ in sections(b)}
+    of_a = [(name, section, figures) for name, section, figures in sections(a) if name not in DATA_ONLY]
+    of_b = {name: section for name, section, _ in sections(b) if name not in DATA_ONLY}
     rows, not_compared = [], []
-    for name, section_a, figures in sections(a):
+    for name, section_a, figures in of_a:
         if name not in of_b:
             not_compared.append(name)
             continue
@@ -55,7 +60,7 @@ def compare_reports(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> di
                     f"{len(per_b[recipe.keys[0]])}; expected the same texts (the same --num-samples)"
                 )
             rows.append({"section": name, "figure": figure, **recipe.difference(per_a, per_b).to_dict()})
-    not_compared += [name for name in of_b if name not in {n for n, *_ in sections(a)}]
+    not_compared += [name for name in of_b if name not in {n for n, *_ in of_a}]
     return {
         "a": names[0],
         "b": names[1],
