@@ -40,15 +40,6 @@ class Estimate:
     n: int
     level: float = LEVEL
 
-    def to_dict(self) -> dict:
-        return {"value": self.value, "low": self.low, "high": self.high, "n": self.n}
-
-    def format(self, digits: int = 3, scale: float = 1.0, unit: str = "") -> str:
-        """'0.589 [0.561, 0.617]' (times `scale`, then `unit`)."""
-        f = f"{{:.{digits}f}}"
-        v, lo, hi = (f.format(x * scale) for x in (self.value, self.low, self.high))
-        return f"{v}{unit} [{lo}, {hi}]"
-
 
 @dataclass(frozen=True)
 class Difference:
