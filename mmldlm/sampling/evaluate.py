@@ -700,7 +700,7 @@ def _cosine_clause(report: dict, key: str) -> str:
     if "cosine_mean" not in r:
         return "re-encoded cosine not measured"
     text = f"re-encoded cosine {figure_text(r, 'cosine_mean', '.4f')}{selected_label(r, 'cosine_mean')}"
-    plain = report.get("l2t_without_selection", {})
+    plain = report.get("l2t_without_selection", {}) if key == "l2t" else {}  # measured at the source lengths
     if "selected_on" in r and "cosine_mean" in plain:
         text += f"; without selection (best of 1) {figure_text(plain, 'cosine_mean', '.4f')}"
     return text
