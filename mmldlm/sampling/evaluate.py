@@ -190,10 +190,10 @@ def selection(options: SamplingOptions, length_candidates: bool = False) -> str 
     keeps the sampler's one text. `length_candidates`: the lengths are candidates too (l2t at the
     length head's lengths)."""
     parts = []
-    if options.best_of > 1:
-        parts.append(f"max over {options.best_of} candidates")
-    if length_candidates and options.length_candidates > 1:
-        parts.append(f"at {options.length_candidates} candidate lengths")
+    lengths = options.length_candidates if length_candidates else 1
+    if options.best_of * lengths > 1:
+        each = f" ({options.best_of} at each of {lengths} lengths)" if options.best_of > 1 and lengths > 1 else ""
+        parts.append(f"max over {options.best_of * lengths} candidates{each}")
     if options.correction_rounds > 0:
         parts.append(f"{options.correction_rounds} correction rounds kept where the cosine rose")
     return ", ".join(parts) or None
