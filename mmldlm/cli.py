@@ -29,6 +29,10 @@ COMMANDS = {
         "evaluate",
         "validation ELBO per mode, l2t reconstruction, t2l retrieval, joint generation and how the text reads",
     ),
+    "compare": (
+        "compare",
+        "two runs on the same validation texts and seeds: each figure's difference and its paired 95% interval",
+    ),
     "export": (
         "export",
         "a trained model as a self-contained folder (config.json, model.safetensors, tokenizer, "

@@ -44,8 +44,11 @@ class Objective:
         latent: GaussianDiffusion,
         self_condition: bool = False,
         length_head: bool = False,
+        per_sample: bool = False,
     ):
         self.cfg = cfg
+        # Evaluation: the text ELBO and latent loss of each sample as metrics too (mmldlm/sampling/evaluate.py).
+        self.per_sample = per_sample
         self.text = text
         self.latent = latent
         # What the model has (model.self_condition, model.length_head): whether to feed and train them.
@@ -99,7 +102,8 @@ class Objective:
         `Packing`): noise, losses and metrics are those of the padded batch either way.
         metrics (detached tensors, and `mode` a str): loss, and for the active heads only
         text: text_loss (NELBO nats/token or masked CE, per text cfg), accuracy, num_masked, num_tokens;
-        latent: latent_loss; length head (every mode): length_loss, length_accuracy. Keys of an idle
+        latent: latent_loss; with `per_sample` also nats_per_sample, num_tokens_per_sample and
+        latent_loss_per_sample (B,); length head (every mode): length_loss, length_accuracy. Keys of an idle
         head are absent.
         """
         mode = self.mode_at(step)
@@ -170,7 +174,9 @@ class Objective:
         metrics: dict = {"mode": mode}
         loss = 0.0
         if text_on:
-            text_loss, text_metrics = self.text.loss(out.text_logits, tokens, text_in, t_text, pad_mask)
+            text_loss, text_metrics = self.text.loss(
+                out.text_logits, tokens, text_in, t_text, pad_mask, per_sample=self.per_sample
+            )
             loss = loss + self.cfg.text_loss_weight * text_loss
             metrics["text_loss"] = text_loss.detach()
             metrics.update(text_metrics)
@@ -178,6 +184,15 @@ class Objective:
             latent_loss = self.latent.loss(out.latent, latents, noise, t_latent)
             loss = loss + self.cfg.latent_loss_weight * latent_loss
             metrics["latent_loss"] = latent_loss.detach()
+            if self.per_sample:  # each sample's loss on its own: B small calls, no model forward
+                metrics["latent_loss_per_sample"] = torch.stack(
+                    [
+                        self.latent.loss(
+                            out.latent[i : i + 1], latents[i : i + 1], noise[i : i + 1], t_latent[i : i + 1]
+                        )
+                        for i in range(B)
+                    ]
+                ).detach()
         if self.length_head:
             length_loss, length_accuracy = length_loss_and_accuracy(out.length_logits, tokens, pad_mask)
             loss = loss + self.cfg.length_loss_weight * length_loss

@@ -1,7 +1,8 @@
 """Quality against training samples seen, from the evaluation records (`eval.every`) of one or more
-runs: a markdown table on stdout and, with --plot, a PNG of t2l retrieval@1 and cosine and l2t
-cosine and word F1 beside the references the evaluation measured (chance retrieval, the training-set
-mean latent, an unrelated real sentence).
+runs: a markdown table on stdout (each figure with its 95% interval where the record has one) and, with
+--plot, a PNG of t2l retrieval@1 and cosine and l2t cosine and word F1 (their intervals shaded) beside
+the references the evaluation measured (chance retrieval, the training-set mean latent, an unrelated
+real sentence).
 
     python scripts/quality_curve.py runs/quality --plot docs/quality_curve.png
     python scripts/quality_curve.py runs/a runs/b --label a --label b --plot curves.png
@@ -46,11 +47,21 @@ def evaluations(run: Path) -> list[dict]:
     return out
 
 
+def cell(record: dict, key: str, fmt: str) -> str:
+    """The figure with its 95% interval where the record has one (eval_*_low, eval_*_high)."""
+    if key not in record:
+        return "-"
+    text = fmt.format(record[key])
+    if f"{key}_low" in record:
+        text += f" [{fmt.format(record[f'{key}_low'])}, {fmt.format(record[f'{key}_high'])}]"
+    return text
+
+
 def table(label: str, evals: list[dict]) -> str:
     head = "| run | step | samples seen | " + " | ".join(name for name, _, _ in COLUMNS) + " |"
     lines = [head, "|" + "---|" * (3 + len(COLUMNS))]
     for r in evals:
-        cells = [fmt.format(r[key]) if key in r else "-" for _, key, fmt in COLUMNS]
+        cells = [cell(r, key, fmt) for _, key, fmt in COLUMNS]
         lines.append(f"| {label} | {r['step']} | {r['samples']:,} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -68,6 +79,9 @@ def plot(runs: list[tuple[str, list[dict]]], path: str) -> None:
             points = [(r["samples"], r[key]) for r in evals if key in r and math.isfinite(r[key])]
             if points:
                 ax.plot(*zip(*points), marker="o", color=f"C{i}", label=label)
+            band = [(r["samples"], r[f"{key}_low"], r[f"{key}_high"]) for r in evals if f"{key}_low" in r]
+            if band:  # the 95% interval of each evaluation
+                ax.fill_between(*zip(*band), color=f"C{i}", alpha=0.15, linewidth=0)
         ax.set_title(title)
         ax.set_xlabel("training samples seen")
         ax.set_xscale("log")

@@ -10,6 +10,10 @@ from mmldlm.config import ConfigError, load_config
 from mmldlm.errors import OptionError
 
 REFUSED = {
+    "compare-num-samples": (
+        ["compare", "A", "B", "--num-samples", "0"],
+        "--num-samples: got 0; expected an integer >= 1",
+    ),
     "prepare-val-fraction": (
         ["prepare", "--input", "default", "--out", "OUT", "--val-fraction", "1.5"],
         "--val-fraction: got 1.5; expected a number in [0, 1)",

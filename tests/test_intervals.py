@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from mmldlm.sampling.intervals import bootstrap, bootstrap_statistic, paired_difference
+from mmldlm.sampling.intervals import Corpus, Mean, bootstrap, bootstrap_statistic, paired_difference
 
 
 def test_the_bootstrap_interval_covers_a_known_mean_about_95_percent_of_the_time():
@@ -49,3 +49,16 @@ def test_a_run_compared_with_itself_is_not_significant_and_a_shift_is():
 def test_unequal_numbers_of_texts_are_refused():
     with pytest.raises(ValueError, match="same"):
         paired_difference([1.0, 2.0], [1.0])
+
+
+def test_recipes_pair_the_draws_of_two_reports_and_weigh_each_text_by_its_tokens():
+    rng = np.random.default_rng(3)
+    per_text = {"nats": rng.normal(5.0, 1.0, size=(64, 2)), "tokens": rng.integers(3, 30, size=64)}
+    recipe = Mean("nats", "tokens")
+    est = recipe.estimate(per_text)
+    expected = (per_text["nats"] * per_text["tokens"][:, None]).sum() / (2 * per_text["tokens"].sum())
+    assert est.value == pytest.approx(expected) and est.low < est.value < est.high and est.n == 64
+    same = recipe.difference(per_text, per_text)
+    assert same.difference == same.low == same.high == 0.0  # the same texts and the same draws of each
+    corpus = Corpus(("nats",), lambda p: lambda idx: float(np.asarray(p["nats"])[idx].max()))
+    assert corpus.difference(per_text, per_text).high == 0.0

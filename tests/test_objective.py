@@ -451,3 +451,16 @@ def test_length_head_learns_the_lengths_of_an_overfit_set():
     with torch.no_grad():
         predicted = model.length_logits(objective.latent.standardize(batch["latents"])).argmax(dim=1) + 1
     assert predicted.tolist() == batch["pad_mask"].sum(dim=1).tolist()
+
+
+def test_per_sample_losses_add_up_to_the_batch_losses():
+    batch = make_batch()
+    model = tiny_model()
+    objective = make_objective(batch, mode="joint", cond_drop_prob=0.0)
+    objective.per_sample = True
+    _, metrics = objective(model, batch, step=0, generator=torch.Generator().manual_seed(0))
+    nats, tokens = metrics["nats_per_sample"], metrics["num_tokens_per_sample"]
+    assert torch.equal(tokens, batch["pad_mask"].sum(dim=1))
+    assert (nats.sum() / tokens.sum()).item() == pytest.approx(metrics["text_loss"].item(), rel=1e-5)
+    assert metrics["latent_loss_per_sample"].shape == (B,)
+    assert metrics["latent_loss_per_sample"].mean().item() == pytest.approx(metrics["latent_loss"].item(), rel=1e-5)

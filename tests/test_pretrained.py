@@ -126,6 +126,13 @@ def test_the_card_reports_writing_beside_its_references_and_leaves_out_what_was_
     assert rows["l2t repetition (rep-2)"] == ("0.031", "real text 0.000")
     assert rows["joint: text-latent consistency"] == ("0.556", "real pairs 1.000")
     assert rows["joint: word 3-gram perplexity"] == ("159", "real text 306")
+    # A decoder that keeps the best of several candidates by consistency: the figure says so, and the
+    # consistency of its plain samples stands beside it.
+    report["joint"] = {"consistency": 0.688, "selected_on": {"consistency": "max over 16 candidates"}}
+    report["joint_without_selection"] = {"consistency": 0.41, "consistency_interval": [0.38, 0.44]}
+    rows = {name: (value, reference) for name, value, reference in writing_rows(report, report["references"])}
+    assert rows["joint: text-latent consistency (selected on: max over 16 candidates)"][0] == "0.688"
+    assert rows["joint: consistency without selection (best of 1)"][0] == "0.410 [0.380, 0.440]"
     # A report taken with --no-writing has none of them, and the card says nothing it did not measure.
     assert writing_rows({"l2t": {"word_f1": 0.3}}, {}) == []
 

@@ -373,11 +373,22 @@ def test_eval_writes_report_and_summary(run_dir, tmp_path, capsys):
     l2t = report["elbo"]["l2t"]
     assert l2t["text_bits_per_token"] == pytest.approx(l2t["text_nats_per_token"] / math.log(2))
     assert l2t["text_ppl_bound"] == pytest.approx(math.exp(l2t["text_nats_per_token"]))
-    assert set(report["elbo"]["t2l"]) == {"latent_loss"}
+    assert set(report["elbo"]["t2l"]) == {"latent_loss", "latent_loss_interval", "num_samples", "per_text"}
+    # Every figure carries its 95% interval and n, and the per-text values it was made from.
+    assert np.array(report["elbo"]["l2t"]["per_text"]["text_nats"]).shape == (4, 2)  # texts x draws of t
+    low, high = l2t["text_nats_per_token_interval"]
+    assert low <= high and l2t["text_bits_per_token_interval"] == pytest.approx([low / math.log(2), high / math.log(2)])
+    for key in ("exact_match", "word_f1", "bleu", "real_word_rate", "cosine_mean"):
+        low, high = report["l2t"][f"{key}_interval"]
+        assert low <= high, key
+    assert len(report["l2t"]["per_text"]["word_f1"]) == report["l2t"]["num_samples"] == 4
+    assert report["l2t"]["word_f1"] == pytest.approx(np.mean(report["l2t"]["per_text"]["word_f1"]))
+    assert "selected_on" not in report["l2t"] and "l2t_without_selection" not in report  # best of 1: no selection
     assert -1 <= report["l2t"]["cosine_mean"] <= 1 and 0 <= report["l2t"]["exact_match"] <= 1
     assert report["t2l"]["pool_size"] == 12 and len(report["l2t"]["examples"]) == 4
     summary = capsys.readouterr().out
     assert "retrieval@1 among 12" in summary and report["l2t"]["examples"][0]["source"] in summary
+    assert f"word F1 {evaluate.figure_text(report['l2t'], 'word_f1')}" in summary
     assert "(chance 8.3%)" in summary and "| 1.5 |" in summary and "length head" in summary
     assert out.with_suffix(".md").read_text(encoding="utf-8") in summary
     # The writing figures beside their references.
@@ -389,7 +400,11 @@ def test_eval_writes_report_and_summary(run_dir, tmp_path, capsys):
     assert joint["num_samples"] == 4 and 0 <= joint["copy_rate"] <= 1 and 0 <= joint["distinct_2"] <= 1
     assert joint["reference"]["real_pairs"] > joint["reference"]["shuffled_pairs"]
     assert 0 <= report["nearest_training_text"]["word_f1"] <= 1
-    assert "joint (4 samples): consistency" in summary and "the training text with the nearest latent" in summary
+    assert (
+        "joint (4 samples): repetition" in summary
+        and "; consistency " in summary
+        and "the training text with the nearest latent" in summary
+    )
     # The fluency reference is fitted on the training split alone.
     run = load_trained(run_dir)
     assert evaluate.fluency_reference(run) is evaluate._ngram_lm(str(run.dataset_dir), "train")
@@ -465,3 +480,68 @@ def test_fsdp2_ranks_gather_for_rank0_evaluation_and_wait(run_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     evals = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "eval_t2l_cosine_mean" in r]
     assert [r["step"] for r in evals] == [2, 4]
+
+
+SMALL_EVAL = ["--num-samples", "4", "--batch-size", "4", "--retrieval-pool", "12", *FAST]
+
+
+def test_compare_of_a_run_with_itself_finds_no_difference_on_any_figure(run_dir, tmp_path, capsys):
+    out = tmp_path / "same.json"
+    assert main(["compare", str(run_dir), str(run_dir), *SMALL_EVAL, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    figures = {(r["section"], r["figure"]) for r in result["rows"]}
+    assert {
+        ("elbo l2t", "text_nats_per_token"),
+        ("l2t", "bleu"),
+        ("joint", "distinct_2"),
+        ("t2l", "retrieval_at_1"),
+    } <= figures
+    for row in result["rows"]:
+        assert row["difference"] == row["low"] == row["high"] == 0.0 and not row["significant"], row
+    assert "| l2t word_f1 | 4 |" in capsys.readouterr().out
+
+
+def test_compare_of_two_reports_gives_each_figure_its_paired_difference(run_dir, tmp_path, capsys):
+    ema, raw, fewer = tmp_path / "ema.json", tmp_path / "raw.json", tmp_path / "fewer.json"
+    quick = ["--no-writing", "--num-t-draws", "1"]
+    assert main(["eval", "--run", str(run_dir), *SMALL_EVAL, *quick, "--out", str(ema)]) == 0
+    assert main(["eval", "--run", str(run_dir), "--no-ema", *SMALL_EVAL, *quick, "--out", str(raw)]) == 0
+    capsys.readouterr()
+    out = tmp_path / "compare.json"
+    assert main(["compare", str(ema), str(raw), "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["a"] == str(ema) and result["level"] == 0.95 and result["not_compared"] == []
+    rows = {(r["section"], r["figure"]): r for r in result["rows"]}
+    nats = rows[("elbo l2t", "text_nats_per_token")]
+    a, b = (json.loads(p.read_text())["elbo"]["l2t"]["text_nats_per_token"] for p in (ema, raw))
+    assert (
+        nats["a"] == pytest.approx(a) and nats["b"] == pytest.approx(b) and nats["difference"] == pytest.approx(a - b)
+    )
+    assert nats["low"] <= nats["difference"] <= nats["high"] and nats["n"] == 4
+    assert nats["significant"] == (nats["low"] > 0 or nats["high"] < 0)
+    assert (
+        "| figure | n | A | B | A - B | interval | significant |" in table
+        and "| elbo l2t text_nats_per_token | 4 |" in table
+    )
+    # Reports of other texts are refused: the i-th values must belong to the same text.
+    args = ["eval", "--run", str(run_dir), *SMALL_EVAL, *quick, "--num-samples", "3", "--out", str(fewer)]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(["compare", str(ema), str(fewer)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "scored different validation texts" in err and str(fewer) in err
+
+
+def test_a_figure_the_decoder_selects_on_is_labelled_and_measured_without_selection(run_dir, tmp_path, capsys):
+    out = tmp_path / "best-of.json"
+    args = ["eval", "--run", str(run_dir), *SMALL_EVAL, "--no-writing", "--num-t-draws", "1", "--best-of", "2"]
+    assert main([*args, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["l2t"]["selected_on"] == {"cosine_mean": "max over 2 candidates"}
+    plain = report["l2t_without_selection"]
+    assert "selected_on" not in plain and plain["num_samples"] == 4 and plain["encoded_per_sample"] == 0
+    summary = capsys.readouterr().out
+    assert "re-encoded cosine" in summary and "(selected on: max over 2 candidates)" in summary
+    assert f"without selection (best of 1) {evaluate.figure_text(plain, 'cosine_mean', '.4f')}" in summary
+    assert "eval_l2t_without_selection_cosine_mean_low" in evaluate.flat(report)

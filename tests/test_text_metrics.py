@@ -10,9 +10,12 @@ from mmldlm.sampling.kneser_ney import fit_kneser_ney
 from mmldlm.sampling.text_metrics import (
     NgramReference,
     bleu,
+    bleu_of_statistics,
+    bleu_statistics,
     copy_rate,
     distinct,
     exact_match,
+    perplexity_of,
     repetition,
     shuffled_words,
     word_f1,
@@ -94,3 +97,16 @@ def test_shuffled_words_and_unseen_words_score_worse_than_real_text():
     assert real < invented < float("inf")
     assert reference.perplexity(["zorb lax quib frob nix", "blorf wug"]) > shuffled
     assert reference.perplexity([]) is None
+
+
+def test_corpus_figures_of_any_subset_follow_from_per_text_counts():
+    generated = ["the dog sat on the mat", "a cat ran", "the field was wet", "a small dog"]
+    statistics = bleu_statistics(generated, TRAINING[:4])
+    assert statistics.shape == (4, 10)
+    for subset in ([0, 1, 2, 3], [1, 3], [2, 2, 0]):  # a bootstrap resample repeats texts
+        picked = [generated[i] for i in subset]
+        assert bleu_of_statistics(statistics[subset]) == pytest.approx(bleu(picked, [TRAINING[i] for i in subset]))
+    reference = NgramReference.fit(TRAINING)
+    bits, counts = reference.bits_per_text(generated)
+    assert counts == [len(words(t)) + 1 for t in generated]  # every word and the text's end
+    assert perplexity_of(bits[1:3], counts[1:3]) == pytest.approx(reference.perplexity(generated[1:3]))

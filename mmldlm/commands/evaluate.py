@@ -3,8 +3,7 @@ mode, l2t reconstruction and t2l retrieval of a trained run (mmldlm/sampling/eva
 a JSON report (default RUN/eval/step-NNNNNNN.json) and its markdown summary beside it (.md), and
 prints the summary. `--data DIR` evaluates on another prepared dataset (made with `mmldlm prepare
 --like RUN_DIR`), by default all of it; its report goes to RUN/eval/step-NNNNNNN-<DIR name>.json.
-An exported model folder (`mmldlm export`) carries no dataset, so with one `--data` is required; the
-folder is left as it was: its report goes to ./eval-<folder name>/ unless --out says where."""
+An exported model folder (`mmldlm export`) carries no dataset, so with one `--data` is required."""
 
 from __future__ import annotations
 
@@ -15,6 +14,17 @@ from mmldlm.commands.sample import add_device_arguments, add_model_arguments, ad
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, "a training run directory or an exported model folder (mmldlm export; needs --data)")
+    add_evaluation_arguments(parser)
+    parser.add_argument(
+        "--out",
+        metavar="PATH.json",
+        help="the JSON report (default RUN/eval/step-NNNNNNN.json; for an exported folder "
+        "./eval-<folder name>/step-NNNNNNN-<DIR name>.json, the folder is never written to)",
+    )
+
+
+def add_evaluation_arguments(parser: argparse.ArgumentParser) -> None:
+    """What is evaluated and how (eval and compare): data, budget, samplers, seed, device."""
     parser.add_argument(
         "--data",
         metavar="DIR",
@@ -52,31 +62,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip the slower writing figures: l2t at the length head's lengths, joint generation, n-gram "
         "fluency and the nearest-training-text reference",
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--out",
-        metavar="PATH.json",
-        help="the JSON report (default RUN/eval/step-NNNNNNN.json; for an exported folder "
-        "./eval-<folder name>/step-NNNNNNN-<DIR name>.json, the folder is never written to)",
-    )
+    parser.add_argument("--seed", type=int, default=0, help="the seed of every sampler and draw of t")
     add_device_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     import json
-    import math
     from pathlib import Path
 
-    import torch
-
-    from mmldlm.commands.sample import sampling_options
-    from mmldlm.config import EvalConfig
-    from mmldlm.device import pick_device
-    from mmldlm.errors import OptionError, require_positive
-    from mmldlm.sampling import load_trained
-    from mmldlm.sampling.evaluate import evaluate, markdown
+    from mmldlm.sampling.evaluate import markdown
     from mmldlm.sampling.pretrained import is_exported
     from mmldlm.training.checkpoint import step_dir_name
+
+    run, report = evaluation(args, args.run)
+    data, split = Path(report["data"]["path"]), report["data"]["split"]
+    # Another dataset's (or split's) report must not overwrite the run's own evaluation.
+    suffix = f"-{data.name}" if args.data else ("" if split == "val" else f"-{split}")
+    reports = Path(f"eval-{Path(args.run).resolve().name}") if is_exported(Path(args.run)) else Path(args.run) / "eval"
+    out = Path(args.out) if args.out else reports / f"{step_dir_name(run.step or 0)}{suffix}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    summary = markdown(report)
+    out.with_suffix(".md").write_text(summary, encoding="utf-8")
+    print(summary, end="")
+    print(f"mmldlm eval: wrote {out} and {out.with_suffix('.md')}")
+    return 0
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """OptionError for the first option of add_evaluation_arguments that cannot be used."""
+    from mmldlm.errors import OptionError, require_positive
 
     require_positive(
         {
@@ -88,10 +103,27 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.threads < 0:
         raise OptionError("--threads", args.threads, "0 (torch's default) or a positive integer")
+
+
+def evaluation(args: argparse.Namespace, model_path: str):
+    """(the trained run, its report) of the model at `model_path` with the options of `args`
+    (add_evaluation_arguments, and --checkpoint / --no-ema where the command has them)."""
+    import math
+    from pathlib import Path
+
+    import torch
+
+    from mmldlm.commands.sample import sampling_options
+    from mmldlm.config import EvalConfig
+    from mmldlm.device import pick_device
+    from mmldlm.sampling import load_trained
+    from mmldlm.sampling.evaluate import evaluate
+
+    check_options(args)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     device = str(pick_device(args.device, key="--device"))
-    run = load_trained(args.run, args.checkpoint, device, use_ema=not args.no_ema)
+    run = load_trained(model_path, getattr(args, "checkpoint", None), device, use_ema=not args.no_ema)
     if run.dataset_dir is None and not args.data:
         raise run.no_dataset()
     split = args.split or ("all" if args.data else "val")
@@ -113,14 +145,4 @@ def run(args: argparse.Namespace) -> int:
         run, cfg, options, num_t_draws=args.num_t_draws, seed=args.seed, guidance_scales=args.guidance_scale
     )
     report["data"] = {"path": str(data.resolve()), "split": split}
-    # Another dataset's (or split's) report must not overwrite the run's own evaluation.
-    suffix = f"-{data.resolve().name}" if args.data else ("" if split == "val" else f"-{split}")
-    reports = Path(f"eval-{Path(args.run).resolve().name}") if is_exported(Path(args.run)) else Path(args.run) / "eval"
-    out = Path(args.out) if args.out else reports / f"{step_dir_name(run.step or 0)}{suffix}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    summary = markdown(report)
-    out.with_suffix(".md").write_text(summary, encoding="utf-8")
-    print(summary, end="")
-    print(f"mmldlm eval: wrote {out} and {out.with_suffix('.md')}")
-    return 0
+    return run, report

@@ -103,7 +103,13 @@ class MaskedDiffusion:
         return masked & pad_mask if pad_mask is not None else masked
 
     def loss(
-        self, logits: torch.Tensor, tokens: torch.Tensor, noised: torch.Tensor, t, pad_mask: torch.Tensor | None = None
+        self,
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        noised: torch.Tensor,
+        t,
+        pad_mask: torch.Tensor | None = None,
+        per_sample: bool = False,
     ) -> tuple[torch.Tensor, dict]:
         """The training loss over masked non-pad tokens and its metrics.
 
@@ -112,7 +118,9 @@ class MaskedDiffusion:
         `noised` was drawn at. cfg.loss "elbo": NELBO in nats per non-pad token (module docstring);
         "masked_ce": unweighted mean cross-entropy over masked non-pad tokens.
         Metrics (detached): accuracy of the argmax over masked non-pad tokens, num_masked, num_tokens
-        (non-pad tokens: the ELBO denominator, for token-weighted averages over batches).
+        (non-pad tokens: the ELBO denominator, for token-weighted averages over batches). With
+        `per_sample` (evaluation, cfg.loss "elbo") also nats_per_sample and num_tokens_per_sample (B,):
+        the loss is their sums' ratio.
         """
         B, L = tokens.shape
         masked = self.loss_positions(noised, pad_mask)  # (B, L)
@@ -132,17 +140,22 @@ class MaskedDiffusion:
         masked_logits = masked_logits.index_fill(-1, mask_index, float("-inf"))
         ce = F.cross_entropy(masked_logits, targets, reduction="none")  # (N,)
 
+        extra = {}
         if self.cfg.loss == "elbo":
             weight = self.elbo_weight(_per_row(t, B, logits.device, torch.float32))  # (B,)
             row_weight = weight[:, None].expand(B, L)[masked]  # (N,)
             loss = (row_weight * ce).sum() / num_real.clamp_min(1)
+            if per_sample:
+                nats = torch.zeros(B, L, device=ce.device).masked_scatter_(masked, (row_weight * ce).detach())
+                real = pad_mask if pad_mask is not None else torch.ones_like(masked)
+                extra = {"nats_per_sample": nats.sum(dim=1), "num_tokens_per_sample": real.sum(dim=1)}
         else:
             loss = ce.sum() / num_masked.clamp_min(1)
 
         with torch.no_grad():
             correct = (masked_logits.argmax(dim=-1) == targets).sum()
             accuracy = correct.float() / num_masked.clamp_min(1)
-        return loss, {"accuracy": accuracy, "num_masked": num_masked, "num_tokens": num_real}
+        return loss, {"accuracy": accuracy, "num_masked": num_masked, "num_tokens": num_real, **extra}
 
     # --- reverse process -------------------------------------------------------------------------
 

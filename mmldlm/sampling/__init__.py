@@ -5,6 +5,8 @@ run.py         a run's config + checkpoint -> model, diffusions, tokenizer, vali
 pretrained.py  an exported model folder (write, read) and the MMLDLM Python API
 card.py        the exported folder's model card, from the run directory
 evaluate.py    validation ELBO per mode, l2t reconstruction, t2l cosine and retrieval, the report
+intervals.py   bootstrap intervals of the report's figures and paired differences of two reports
+compare.py     two reports of the same texts, figure by figure (`mmldlm compare`)
 """
 
 from mmldlm.sampling.pretrained import MMLDLM, load_trained

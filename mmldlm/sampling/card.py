@@ -19,7 +19,7 @@ from huggingface_hub import ModelCardData
 from mmldlm.config import to_dict
 from mmldlm.data import format as fmt
 from mmldlm.data.corpus import DEFAULT_CORPUS
-from mmldlm.sampling.evaluate import table_cell
+from mmldlm.sampling.evaluate import figure_text, selected_label, table_cell
 from mmldlm.sampling.run import TrainedRun
 
 WORDNET_LICENCE = DEFAULT_CORPUS.parent / "LICENSE.wordnet"
@@ -104,22 +104,74 @@ def writing_rows(report: dict, ref: dict) -> list[tuple[str, str, str]]:
         references = [f"another sentence {ref['other_sentence_bleu']:.1f}" if "other_sentence_bleu" in ref else ""]
         if "bleu" in nearest:
             references.append(f"the training text with the nearest latent {nearest['bleu']:.1f}")
-        rows.append(("l2t BLEU", f"{l2t['bleu']:.1f}", "; ".join(r for r in references if r)))
+        rows.append(("l2t BLEU", figure_text(l2t, "bleu", ".1f"), "; ".join(r for r in references if r)))
     if "repetition" in l2t:
         real = f"real text {ref['real_repetition']:.3f}" if "real_repetition" in ref else ""
-        rows.append(("l2t repetition (rep-2)", f"{l2t['repetition']:.3f}", real))
+        rows.append(("l2t repetition (rep-2)", figure_text(l2t, "repetition"), real))
     joint = report.get("joint", {})
     if "consistency" in joint:
-        rows.append(("joint: text-latent consistency", f"{joint['consistency']:.3f}", "real pairs 1.000"))
+        label = "joint: text-latent consistency" + selected_label(joint, "consistency")
+        rows.append((label, figure_text(joint, "consistency"), "real pairs 1.000"))
+    plain = report.get("joint_without_selection", {})
+    if "selected_on" in joint and "consistency" in plain:
+        rows.append(("joint: consistency without selection (best of 1)", figure_text(plain, "consistency"), ""))
     if "ngram_perplexity" in joint:
         real = ref.get("real_ngram_perplexity")
         rows.append(
             (
                 "joint: word 3-gram perplexity",
-                f"{joint['ngram_perplexity']:.0f}",
+                figure_text(joint, "ngram_perplexity", ".0f"),
                 f"real text {real:.0f}" if real is not None else "",
             )
         )
+    return rows
+
+
+def _cosine_rows(report: dict, ref: dict) -> list[tuple[str, str, str]]:
+    """The l2t re-encoded cosine, labelled when the decoder selected on it, and without selection."""
+    l2t, plain = report["l2t"], report.get("l2t_without_selection", {})
+    if "cosine_mean" not in l2t:
+        return []
+    other = f"another sentence {ref['other_sentence_cosine']:.3f}" if "other_sentence_cosine" in ref else ""
+    rows = [("l2t re-encoded cosine" + selected_label(l2t, "cosine_mean"), figure_text(l2t, "cosine_mean"), other)]
+    if "selected_on" in l2t and "cosine_mean" in plain:
+        rows.append(("l2t re-encoded cosine without selection (best of 1)", figure_text(plain, "cosine_mean"), other))
+    return rows
+
+
+def _eval_rows(report: dict) -> list[tuple[str, str, str]]:
+    """(figure, value [95% interval], reference) rows: the figures no decoder selects on first."""
+    l2t, t2l, ref, elbo = report["l2t"], report["t2l"], report.get("references", {}), report.get("elbo", {})
+    rows = [
+        (
+            "t2l retrieval@1 among " + str(t2l["pool_size"]),
+            figure_text(t2l, "retrieval_at_1", ".1%"),
+            f"chance {ref['chance_retrieval_at_1']:.1%}" if "chance_retrieval_at_1" in ref else "",
+        ),
+        (
+            "t2l cosine to the true latent",
+            figure_text(t2l, "cosine_mean"),
+            f"training-mean latent {ref['mean_latent_cosine']:.3f}" if "mean_latent_cosine" in ref else "",
+        ),
+        (
+            "l2t word F1 against the source",
+            figure_text(l2t, "word_f1"),
+            f"another sentence {ref['other_sentence_word_f1']:.3f}" if "other_sentence_word_f1" in ref else "",
+        ),
+        (
+            "l2t real-word rate / exact match",
+            f"{figure_text(l2t, 'real_word_rate', '.1%')} / {figure_text(l2t, 'exact_match', '.1%')}",
+            "",
+        ),
+    ]
+    rows += writing_rows(report, ref)
+    rows += _cosine_rows(report, ref)
+    if "text_nats_per_token" in elbo.get("l2t", {}):
+        rows.append(("l2t text NELBO (nats/token)", figure_text(elbo["l2t"], "text_nats_per_token"), "upper bound"))
+    if "length" in report:
+        length = report["length"]
+        accuracy, error = figure_text(length, "accuracy", ".1%"), figure_text(length, "mean_abs_error", ".1f")
+        rows.append(("length head exact / mean abs. error", f"{accuracy} / {error} tokens", ""))
     return rows
 
 
@@ -128,55 +180,17 @@ def _eval_section(run_dir: Path, run: TrainedRun) -> list[str]:
     report = _read_json(path)
     if report is None:
         return [f"Not evaluated: the run has no `eval/{path.name}` (`mmldlm eval --run RUN` writes it)."]
-    l2t, t2l, ref, elbo = report["l2t"], report["t2l"], report.get("references", {}), report.get("elbo", {})
-    rows = [
-        (
-            "t2l retrieval@1 among " + str(t2l["pool_size"]),
-            f"{t2l['retrieval_at_1']:.1%}",
-            f"chance {ref['chance_retrieval_at_1']:.1%}" if "chance_retrieval_at_1" in ref else "",
-        ),
-        (
-            "t2l cosine to the true latent",
-            f"{t2l['cosine_mean']:.3f}",
-            f"training-mean latent {ref['mean_latent_cosine']:.3f}" if "mean_latent_cosine" in ref else "",
-        ),
-    ]
-    if "cosine_mean" in l2t:
-        rows.append(
-            (
-                "l2t re-encoded cosine",
-                f"{l2t['cosine_mean']:.3f}",
-                f"another sentence {ref['other_sentence_cosine']:.3f}" if "other_sentence_cosine" in ref else "",
-            )
-        )
-    rows += [
-        (
-            "l2t word F1 against the source",
-            f"{l2t['word_f1']:.3f}",
-            f"another sentence {ref['other_sentence_word_f1']:.3f}" if "other_sentence_word_f1" in ref else "",
-        ),
-        ("l2t real-word rate / exact match", f"{l2t['real_word_rate']:.1%} / {l2t['exact_match']:.1%}", ""),
-    ]
-    rows += writing_rows(report, ref)
-    if "text_nats_per_token" in elbo.get("l2t", {}):
-        rows.append(("l2t text NELBO (nats/token)", f"{elbo['l2t']['text_nats_per_token']:.3f}", "upper bound"))
-    if "length" in report:
-        rows.append(
-            (
-                "length head exact / mean abs. error",
-                f"{report['length']['accuracy']:.1%} / {report['length']['mean_abs_error']:.1f} tokens",
-                "",
-            )
-        )
-    sampling = report.get("sampling", {})
+    l2t, sampling = report["l2t"], report.get("sampling", {})
     lines = [
         f"`mmldlm eval` of this checkpoint ({report.get('weights')} weights) on {l2t['num_samples']} "
-        f"validation samples, {sampling.get('num_steps')} sampling steps ({path.name}):",
+        f"validation samples, {sampling.get('num_steps')} sampling steps ({path.name}); in brackets the 95% "
+        "bootstrap interval over those texts. A figure the decoder selected its texts on is marked so: it is "
+        "the best of several candidates by construction.",
         "",
         "| figure | value | reference |",
         "|---|---|---|",
     ]
-    lines += [f"| {name} | {value} | {reference} |" for name, value, reference in rows]
+    lines += [f"| {name} | {value} | {reference} |" for name, value, reference in _eval_rows(report)]
     if l2t.get("examples"):
         lines += ["", "| source | decoded from its latent |", "|---|---|"]
         lines += [f"| {table_cell(e['source'])} | {table_cell(e['generated'])} |" for e in l2t["examples"][:3]]

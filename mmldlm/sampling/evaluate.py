@@ -26,6 +26,16 @@
    shared machine).
 With several guidance scales, 2. and 3. are repeated per scale (`guidance`); the l2t and t2l entries
 hold the first scale's figures.
+7. Intervals: every figure is a statistic of per-text values (a mean, a ratio such as nats per token, or
+   a figure of the texts as a whole such as corpus BLEU); each section keeps those values (`per_text`),
+   and each figure `name` has `name_interval` [low, high], the 95% percentile bootstrap over the section's
+   `num_samples` texts (intervals.py; the ELBO's also over its `num_t_draws` draws per text). `SECTIONS`
+   names the recipe of every figure; `mmldlm compare` applies the same recipes to two reports, paired.
+8. Selection: a decoder that keeps the candidate whose re-encoding is closest to the target (best_of > 1,
+   correction rounds) maximises the l2t cosine and the joint consistency over its candidates. Those
+   figures are labelled (`selected_on`) and measured again without selection (`l2t_without_selection`,
+   `joint_without_selection`); word F1, exact match, BLEU and fluency, which no decoder selects on, are
+   the headline of such a decoder.
 The report is a JSON-able dict; `markdown` renders it, `flat` turns it into eval_* metric keys.
 """
 
@@ -33,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
 import time
 
@@ -45,6 +56,7 @@ from mmldlm.data.dataset import PadCollate, PreparedDataset
 from mmldlm.diffusion import MaskedDiffusion
 from mmldlm.objective import Objective
 from mmldlm.sampling import text_metrics as tm
+from mmldlm.sampling.intervals import Corpus, Mean
 from mmldlm.sampling.run import TrainedRun, dataset_texts
 from mmldlm.sampling.sampler import SamplingOptions, length_masks
 from mmldlm.sampling.text_metrics import word_f1, words
@@ -67,18 +79,167 @@ def val_batches(run: TrainedRun, num_samples: int, batch_size: int):
 
 
 # --------------------------------------------------------------------------------------------------
+# Figures with intervals: each section keeps its per-text values, and a recipe per figure (intervals.py)
+# says how the figure is made from them.
+
+
+def _bleu(key: str) -> Corpus:
+    def statistic(per_text: dict):
+        rows = np.asarray(per_text[key], dtype=np.float64)
+        return lambda idx: tm.bleu_of_statistics(rows[idx])
+
+    return Corpus((key,), statistic)
+
+
+def _perplexity(bits: str, counts: str) -> Corpus:
+    def statistic(per_text: dict):
+        b, c = np.asarray(per_text[bits], dtype=np.float64), np.asarray(per_text[counts], dtype=np.float64)
+        return lambda idx: tm.perplexity_of(b[idx], c[idx])
+
+    return Corpus((bits, counts), statistic)
+
+
+def _distinct(n: int) -> Corpus:
+    def statistic(per_text: dict):
+        grams = [tm.word_ngrams(text, n) for text in per_text["texts"]]
+        return lambda idx: tm.distinct_of([grams[i] for i in idx]) or 0.0
+
+    return Corpus(("texts",), statistic)
+
+
+ELBO = {"text_nats_per_token": Mean("text_nats", "num_tokens"), "latent_loss": Mean("latent_loss")}
+L2T = {
+    "exact_match": Mean("exact"),
+    "word_f1": Mean("word_f1"),
+    "bleu": _bleu("bleu_statistics"),
+    "repetition": Mean("repetition", "has_bigram"),
+    "real_word_rate": Mean("real_word_share", "num_words"),
+    "ngram_perplexity": _perplexity("ngram_bits", "ngram_words"),
+    "cosine_mean": Mean("cosine"),
+}
+T2L = {"cosine_mean": Mean("cosine"), "retrieval_at_1": Mean("hit")}
+LENGTH = {"accuracy": Mean("correct"), "mean_abs_error": Mean("abs_error")}
+JOINT = {
+    "consistency": Mean("consistency"),
+    "repetition": Mean("repetition", "has_bigram"),
+    "distinct_1": _distinct(1),
+    "distinct_2": _distinct(2),
+    "copy_rate": Mean("copied"),
+    "ngram_perplexity": _perplexity("ngram_bits", "ngram_words"),
+}
+PAIRS = {"real_pairs": Mean("real_pairs"), "shuffled_pairs": Mean("shuffled_pairs")}
+NEAREST = {
+    "word_f1": Mean("word_f1"),
+    "bleu": _bleu("bleu_statistics"),
+    "exact_match": Mean("exact"),
+    "cosine_mean": Mean("cosine"),
+}
+REFERENCES = {
+    "mean_latent_cosine": Mean("mean_latent_cosine"),
+    "real_repetition": Mean("real_repetition", "real_has_bigram"),
+    "other_sentence_cosine": Mean("other_sentence_cosine"),
+    "other_sentence_word_f1": Mean("other_sentence_word_f1"),
+    "other_sentence_bleu": _bleu("other_sentence_bleu_statistics"),
+    "real_ngram_perplexity": _perplexity("real_ngram_bits", "real_ngram_words"),
+    "shuffled_ngram_perplexity": _perplexity("shuffled_ngram_bits", "shuffled_ngram_words"),
+}
+# The report's sections with per-text values, by key, and the figures of each.
+SECTIONS = {
+    "l2t": L2T,
+    "l2t_without_selection": L2T,
+    "l2t_predicted_length": L2T,
+    "t2l": T2L,
+    "length": LENGTH,
+    "joint": JOINT,
+    "joint_without_selection": JOINT,
+    "nearest_training_text": NEAREST,
+    "references": REFERENCES,
+}
+
+
+def summarise(figures: dict, per_text: dict, **fixed) -> dict:
+    """A report section: `fixed` entries, then each figure of `figures` whose per-text values are at
+    hand as `name` and `name_interval` [low, high] (95% bootstrap over the texts, and over the draws of
+    2-D values), and the per-text values themselves under `per_text` (`mmldlm compare` reads them)."""
+    out = dict(fixed)
+    for name, recipe in figures.items():
+        if all(key in per_text for key in recipe.keys):
+            estimate = recipe.estimate(per_text)
+            out[name] = estimate.value
+            out[f"{name}_interval"] = [estimate.low, estimate.high]
+    out["per_text"] = {key: np.asarray(v).tolist() if not _is_texts(v) else list(v) for key, v in per_text.items()}
+    return out
+
+
+def _is_texts(values) -> bool:
+    return isinstance(values, list) and bool(values) and isinstance(values[0], str)
+
+
+def sections(report: dict) -> list[tuple[str, dict, dict]]:
+    """(name, section, figures) of every section of `report` that keeps per-text values."""
+    out = [(f"elbo {mode}", entry, ELBO) for mode, entry in report.get("elbo", {}).items() if "per_text" in entry]
+    out += [(key, report[key], figures) for key, figures in SECTIONS.items() if "per_text" in report.get(key, {})]
+    if "per_text" in report.get("joint", {}).get("reference", {}):
+        out.append(("joint reference", report["joint"]["reference"], PAIRS))
+    return out
+
+
+def selection(options: SamplingOptions, length_candidates: bool = False) -> str | None:
+    """What a decoder with `options` selects its texts by, in words (the re-encoded cosine to the
+    target, or a joint sample's consistency, is then its maximum over the candidates); None when it
+    keeps the sampler's one text. `length_candidates`: the lengths are candidates too (l2t at the
+    length head's lengths)."""
+    parts = []
+    lengths = options.length_candidates if length_candidates else 1
+    if options.best_of * lengths > 1:
+        each = f" ({options.best_of} at each of {lengths} lengths)" if options.best_of > 1 and lengths > 1 else ""
+        parts.append(f"max over {options.best_of * lengths} candidates{each}")
+    if options.correction_rounds > 0:
+        parts.append(f"{options.correction_rounds} correction rounds kept where the cosine rose")
+    return ", ".join(parts) or None
+
+
+# --------------------------------------------------------------------------------------------------
 # 1. ELBO
 
 
 def eval_objective(run: TrainedRun, mode: str) -> Objective:
-    """The training objective in one mode, with the MDLM ELBO as its text loss and no condition dropping."""
+    """The training objective in one mode, with the MDLM ELBO as its text loss, no condition dropping,
+    and each sample's loss among its metrics."""
     text = MaskedDiffusion(
         dataclasses.replace(run.text.cfg, loss="elbo"), run.text.mask_token_id, run.text.pad_token_id
     )
     cfg = dataclasses.replace(run.cfg.objective, mode=mode, cond_drop_prob=0.0)
     return Objective(
-        cfg, text, run.latent, self_condition=run.cfg.model.self_condition, length_head=run.cfg.model.length_head
+        cfg,
+        text,
+        run.latent,
+        self_condition=run.cfg.model.self_condition,
+        length_head=run.cfg.model.length_head,
+        per_sample=True,
     )
+
+
+def _elbo_per_text(run: TrainedRun, objective: Objective, m: int, num_samples, batch_size, num_t_draws, seed):
+    """{text_nats (N, draws) per token, num_tokens (N,), latent_loss (N, draws)} of one mode's objective."""
+    text, tokens, latent = [], [], []
+    for b, batch in enumerate(val_batches(run, num_samples, batch_size)):
+        batch = {k: v.to(run.device) for k, v in batch.items()}
+        draws = [
+            objective(run.model, batch, step=0, generator=_generator(seed, m, b, d))[1] for d in range(num_t_draws)
+        ]
+        if "nats_per_sample" in draws[0]:
+            count = draws[0]["num_tokens_per_sample"].float().clamp_min(1)
+            text.append(torch.stack([d["nats_per_sample"] / count for d in draws], dim=1).cpu())  # (B, draws)
+            tokens.append(count.cpu())
+        if "latent_loss_per_sample" in draws[0]:
+            latent.append(torch.stack([d["latent_loss_per_sample"] for d in draws], dim=1).cpu())
+    per_text = {}
+    if text:
+        per_text.update(text_nats=torch.cat(text).numpy(), num_tokens=torch.cat(tokens).numpy())
+    if latent:
+        per_text["latent_loss"] = torch.cat(latent).numpy()
+    return per_text
 
 
 @torch.no_grad()
@@ -90,34 +251,22 @@ def elbo(
     seed: int = 0,
     modes: tuple[str, ...] = MODES,
 ) -> dict:
-    """{mode: {text_nats_per_token, text_bits_per_token, text_ppl_bound, latent_loss, ...}} (module docstring)."""
+    """{mode: {text_nats_per_token, text_bits_per_token, text_ppl_bound, latent_loss, ...}} (module
+    docstring), each with its interval over the texts and the draws of t and noise."""
     out = {}
     for m, mode in enumerate(modes):
-        objective = eval_objective(run, mode)
-        nats = tokens = latent = samples = 0.0
-        for b, batch in enumerate(val_batches(run, num_samples, batch_size)):
-            batch = {k: v.to(run.device) for k, v in batch.items()}
-            for draw in range(num_t_draws):
-                _, metrics = objective(run.model, batch, step=0, generator=_generator(seed, m, b, draw))
-                if "text_loss" in metrics:
-                    n = float(metrics["num_tokens"])
-                    nats += float(metrics["text_loss"]) * n
-                    tokens += n
-                if "latent_loss" in metrics:
-                    B = batch["tokens"].shape[0]
-                    latent += float(metrics["latent_loss"]) * B
-                    samples += B
-        result = {}
-        if tokens:
-            per_token = nats / tokens
+        per_text = _elbo_per_text(run, eval_objective(run, mode), m, num_samples, batch_size, num_t_draws, seed)
+        n = len(next(iter(per_text.values())))
+        result = summarise(ELBO, per_text, num_samples=n)
+        if "text_nats_per_token" in result:
+            nats, (low, high) = result["text_nats_per_token"], result["text_nats_per_token_interval"]
             result.update(
-                text_nats_per_token=per_token,
-                text_bits_per_token=per_token / math.log(2),
-                text_ppl_bound=math.exp(min(per_token, 700.0)),
-                num_tokens=int(tokens / num_t_draws),
+                text_bits_per_token=nats / math.log(2),
+                text_bits_per_token_interval=[low / math.log(2), high / math.log(2)],
+                text_ppl_bound=math.exp(min(nats, 700.0)),
+                text_ppl_bound_interval=[math.exp(min(low, 700.0)), math.exp(min(high, 700.0))],
+                num_tokens=int(per_text["num_tokens"].sum()),
             )
-        if samples:
-            result["latent_loss"] = latent / samples
         out[mode] = result
     return out
 
@@ -132,6 +281,16 @@ def _first_val(run: TrainedRun, num: int) -> tuple[list[list[int]], torch.Tensor
     samples = [run.val[i] for i in range(n)]
     ids = [s[1][: run.max_length].tolist() for s in samples]
     return ids, torch.stack([torch.from_numpy(s[2].astype("float32")) for s in samples])
+
+
+def texts_digest(run: TrainedRun, *counts: int) -> str:
+    """sha256 of how many validation texts each part scored (`counts`), and of the first max(counts)
+    texts (as decoded) and their latents: two reports with the same digest and seed scored the same texts."""
+    ids, latents = _first_val(run, max(counts))
+    digest = hashlib.sha256(repr([min(c, len(run.val)) for c in counts]).encode("utf-8"))
+    digest.update("\n".join(run.decode(*run.batch_of(ids))).encode("utf-8"))
+    digest.update(latents.numpy().tobytes())
+    return digest.hexdigest()
 
 
 def l2t_reconstruction(
@@ -160,17 +319,22 @@ def l2t_reconstruction(
         sources += run.decode(tokens, tokens != run.text.pad_token_id)
         generated += run.decode(out, out != run.text.pad_token_id)
     seconds = time.perf_counter() - start
-    result = {
-        "num_samples": len(ids),
-        **writing_figures(run, generated, sources, fluency),
-        "samples_per_s": len(ids) / seconds,
-        "model_calls_per_batch": sampler.num_forward / math.ceil(len(ids) / batch_size),
-        "encoded_per_sample": sampler.num_encoded / len(ids),
-    }
+    per_text = writing_per_text(run, generated, sources, fluency)
     cosines = None
     if use_encoder:
         cosines = F.cosine_similarity(run.encode_latents(generated).flatten(1), latents.flatten(1), dim=-1)
-        result["cosine_mean"] = cosines.mean().item()
+        per_text["cosine"] = cosines.numpy()
+    result = summarise(
+        L2T,
+        per_text,
+        num_samples=len(ids),
+        samples_per_s=len(ids) / seconds,
+        model_calls_per_batch=sampler.num_forward / math.ceil(len(ids) / batch_size),
+        encoded_per_sample=sampler.num_encoded / len(ids),
+    )
+    selected = selection(options, length_candidates=predicted_length)
+    if use_encoder and selected:
+        result["selected_on"] = {"cosine_mean": selected}
     result["examples"] = [
         {"source": s, "generated": g, **({"cosine": round(cosines[i].item(), 4)} if cosines is not None else {})}
         for i, (s, g) in enumerate(zip(sources[:num_examples], generated[:num_examples]))
@@ -178,21 +342,23 @@ def l2t_reconstruction(
     return result
 
 
-def writing_figures(run: TrainedRun, generated: list[str], sources: list[str], fluency=None) -> dict:
-    """Exact match, word F1, BLEU, repetition, real-word rate and n-gram perplexity of texts against
-    their sources (text_metrics.py)."""
+def writing_per_text(run: TrainedRun, generated: list[str], sources: list[str], fluency=None) -> dict:
+    """Per-text values of exact match, word F1, BLEU, repetition, real-word rate and n-gram perplexity
+    of texts against their sources (text_metrics.py; the figures: `L2T`)."""
     known = run.known_words
     decoded_words = [words(g) for g in generated]
+    repetition = tm.repetition_per_text(generated, 2)
     out = {
-        "exact_match": sum(g == s for g, s in zip(generated, sources)) / len(generated),
-        "word_f1": float(np.mean([word_f1(w, words(s)) for w, s in zip(decoded_words, sources)])),
-        "bleu": tm.bleu(generated, sources),
-        "repetition": tm.repetition(generated, 2) or 0.0,  # None: no text has a bigram, so none repeats
-        "real_word_rate": sum(w in known for ws in decoded_words for w in ws)
-        / max(1, sum(len(ws) for ws in decoded_words)),
+        "exact": np.array([g == s for g, s in zip(generated, sources)], dtype=np.float64),
+        "word_f1": np.array([word_f1(w, words(s)) for w, s in zip(decoded_words, sources)]),
+        "bleu_statistics": tm.bleu_statistics(generated, sources),
+        "repetition": np.array([r or 0.0 for r in repetition]),
+        "has_bigram": np.array([r is not None for r in repetition], dtype=np.float64),
+        "real_word_share": np.array([sum(w in known for w in ws) / max(1, len(ws)) for ws in decoded_words]),
+        "num_words": np.array([len(ws) for ws in decoded_words], dtype=np.float64),
     }
     if fluency is not None:
-        out["ngram_perplexity"] = fluency.perplexity(generated)
+        out["ngram_bits"], out["ngram_words"] = fluency.bits_per_text(generated)
     return out
 
 
@@ -219,21 +385,24 @@ def joint_generation(
     seconds = time.perf_counter() - start
     latents = torch.cat(latents)
     consistency = F.cosine_similarity(run.encode_latents(texts).flatten(1), latents.flatten(1), dim=-1)
-    out = {
-        "num_samples": num_samples,
-        "consistency": consistency.mean().item(),
-        "repetition": tm.repetition(texts, 2) or 0.0,
-        "distinct_1": tm.distinct(texts, 1) or 0.0,
-        "distinct_2": tm.distinct(texts, 2) or 0.0,
-        "samples_per_s": num_samples / seconds,
-        "examples": [{"generated": t, "consistency": round(c, 4)} for t, c in zip(texts, consistency.tolist())][
-            :num_examples
-        ],
+    repetition = tm.repetition_per_text(texts, 2)
+    per_text = {
+        "consistency": consistency.numpy(),
+        "repetition": np.array([r or 0.0 for r in repetition]),
+        "has_bigram": np.array([r is not None for r in repetition], dtype=np.float64),
+        "texts": texts,
     }
     if run.dataset_dir is not None:
-        out["copy_rate"] = tm.copy_rate(texts, dataset_texts(str(run.dataset_dir), "train"))
+        per_text["copied"] = np.array(tm.copied(texts, dataset_texts(str(run.dataset_dir), "train")), dtype=np.float64)
     if fluency is not None:
-        out["ngram_perplexity"] = fluency.perplexity(texts)
+        per_text["ngram_bits"], per_text["ngram_words"] = fluency.bits_per_text(texts)
+    out = summarise(JOINT, per_text, num_samples=num_samples, samples_per_s=num_samples / seconds)
+    selected = selection(options)
+    if selected:
+        out["selected_on"] = {"consistency": selected}
+    out["examples"] = [{"generated": t, "consistency": round(c, 4)} for t, c in zip(texts, consistency.tolist())][
+        :num_examples
+    ]
     return out
 
 
@@ -271,13 +440,13 @@ def t2l_retrieval(
     cosine = F.cosine_similarity(generated, pool[: len(ids)], dim=-1)
     similarity = F.normalize(generated, dim=-1) @ F.normalize(pool, dim=-1).T  # (N, P)
     hits = similarity.argmax(dim=1) == torch.arange(len(ids))
-    return {
-        "num_samples": len(ids),
-        "cosine_mean": cosine.mean().item(),
-        "retrieval_at_1": hits.float().mean().item(),
-        "pool_size": pool.shape[0],
-        "samples_per_s": len(ids) / seconds,
-    }
+    return summarise(
+        T2L,
+        {"cosine": cosine.numpy(), "hit": hits.double().numpy()},
+        num_samples=len(ids),
+        pool_size=pool.shape[0],
+        samples_per_s=len(ids) / seconds,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -293,11 +462,8 @@ def length_prediction(run: TrainedRun, num_samples: int) -> dict | None:
     ids, latents = _first_val(run, num_samples)
     predicted = torch.tensor(run.predict_lengths(latents))
     true = torch.tensor([max(len(x), 1) for x in ids])
-    return {
-        "num_samples": len(ids),
-        "accuracy": (predicted == true).float().mean().item(),
-        "mean_abs_error": (predicted - true).abs().float().mean().item(),
-    }
+    per_text = {"correct": (predicted == true).double().numpy(), "abs_error": (predicted - true).abs().double().numpy()}
+    return summarise(LENGTH, per_text, num_samples=len(ids))
 
 
 def references(run: TrainedRun, num_samples: int, pool_size: int, fluency: tm.NgramReference | None = None) -> dict:
@@ -305,21 +471,26 @@ def references(run: TrainedRun, num_samples: int, pool_size: int, fluency: tm.Ng
     ids, targets = _first_val(run, num_samples)
     targets = targets.flatten(1)  # (N, K*D), encoder space
     mean = run.latent.mean
-    out = {"chance_retrieval_at_1": 1.0 / min(pool_size, len(run.val))}
+    per_text = {}
     if mean is not None:
         constant = mean.float().repeat(run.model.cfg.num_latents)[None, :]  # (1, K*D)
-        out["mean_latent_cosine"] = F.cosine_similarity(constant, targets, dim=-1).mean().item()
+        per_text["mean_latent_cosine"] = F.cosine_similarity(constant, targets, dim=-1).numpy()
     texts = run.decode(*run.batch_of(ids))
-    out["real_repetition"] = tm.repetition(texts, 2) or 0.0
+    repetition = tm.repetition_per_text(texts, 2)
+    per_text["real_repetition"] = np.array([r or 0.0 for r in repetition])
+    per_text["real_has_bigram"] = np.array([r is not None for r in repetition], dtype=np.float64)
     if len(targets) > 1:
         others = texts[1:] + texts[:1]
-        out["other_sentence_cosine"] = F.cosine_similarity(targets.roll(-1, dims=0), targets, dim=-1).mean().item()
-        out["other_sentence_word_f1"] = float(np.mean([word_f1(words(a), words(b)) for a, b in zip(others, texts)]))
-        out["other_sentence_bleu"] = tm.bleu(others, texts)
+        per_text["other_sentence_cosine"] = F.cosine_similarity(targets.roll(-1, dims=0), targets, dim=-1).numpy()
+        per_text["other_sentence_word_f1"] = np.array([word_f1(words(a), words(b)) for a, b in zip(others, texts)])
+        per_text["other_sentence_bleu_statistics"] = tm.bleu_statistics(others, texts)
     if fluency is not None:
-        out["real_ngram_perplexity"] = fluency.perplexity(texts)
-        out["shuffled_ngram_perplexity"] = fluency.perplexity(tm.shuffled_words(texts))
-    return out
+        per_text["real_ngram_bits"], per_text["real_ngram_words"] = fluency.bits_per_text(texts)
+        shuffled = fluency.bits_per_text(tm.shuffled_words(texts))
+        per_text["shuffled_ngram_bits"], per_text["shuffled_ngram_words"] = shuffled
+    return summarise(
+        REFERENCES, per_text, num_samples=len(ids), chance_retrieval_at_1=1.0 / min(pool_size, len(run.val))
+    )
 
 
 def nearest_training_text(run: TrainedRun, num_samples: int) -> dict | None:
@@ -336,12 +507,13 @@ def nearest_training_text(run: TrainedRun, num_samples: int) -> dict | None:
     best = similarity.max(dim=1)
     nearest = [dataset_texts(str(run.dataset_dir), "train")[i] for i in best.indices.tolist()]
     sources = run.decode(*run.batch_of(ids))
-    return {
-        "word_f1": float(np.mean([word_f1(words(a), words(b)) for a, b in zip(nearest, sources)])),
-        "bleu": tm.bleu(nearest, sources),
-        "exact_match": sum(a == b for a, b in zip(nearest, sources)) / len(sources),
-        "cosine_mean": best.values.mean().item(),
+    per_text = {
+        "word_f1": np.array([word_f1(words(a), words(b)) for a, b in zip(nearest, sources)]),
+        "bleu_statistics": tm.bleu_statistics(nearest, sources),
+        "exact": np.array([a == b for a, b in zip(nearest, sources)], dtype=np.float64),
+        "cosine": best.values.numpy(),
     }
+    return summarise(NEAREST, per_text, num_samples=len(ids))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -358,35 +530,58 @@ def evaluate(
 ) -> dict:
     """ELBO per mode, l2t reconstruction, t2l retrieval, length prediction and the references of `run`
     with the budget of `cfg`; the samplers once per guidance scale (default: options.guidance_scale);
-    with cfg.writing also the writing figures (`writing`)."""
+    with cfg.writing also the writing figures (`writing`). A decoder that selects its texts by the
+    encoder is also run without selecting (`without_selection`)."""
     if options is None:  # evaluation during training: what the model writes alone, without the encoder's help
         options = SamplingOptions.defaults(run.cfg.text_diffusion, run.cfg.latent_diffusion, cfg.num_steps)
         options = dataclasses.replace(options, best_of=1, correction_rounds=0)
     scales = list(guidance_scales) if guidance_scales else [options.guidance_scale]
+    first = dataclasses.replace(options, guidance_scale=scales[0])
     was_training = run.model.training
     run.model.eval()
     try:
         fluency = fluency_reference(run) if cfg.writing else None
+        num_elbo = cfg.num_elbo_batches * cfg.batch_size
         report = {
             "checkpoint": str(run.checkpoint) if run.checkpoint else None,
             "step": run.step,
             "weights": run.weights,
-            "sampling": dataclasses.replace(options, guidance_scale=scales[0]).to_dict(),
+            "sampling": first.to_dict(),
             "num_t_draws": num_t_draws,
-            "elbo": elbo(run, cfg.num_elbo_batches * cfg.batch_size, cfg.batch_size, num_t_draws, seed),
+            "seed": seed,
+            "texts_sha256": texts_digest(run, num_elbo, cfg.num_samples, cfg.retrieval_pool),
+            "elbo": elbo(run, num_elbo, cfg.batch_size, num_t_draws, seed),
             **guidance_sweep(run, cfg, options, scales, seed, fluency),
         }
         length = length_prediction(run, cfg.num_samples)
         if length is not None:
             report["length"] = length
         if cfg.writing:
-            report.update(writing(run, cfg, dataclasses.replace(options, guidance_scale=scales[0]), seed, fluency))
+            report.update(writing(run, cfg, first, seed, fluency))
+        report.update(without_selection(run, cfg, first, seed, fluency))
         report["references"] = references(run, cfg.num_samples, cfg.retrieval_pool, fluency)
         if cfg.writing and fluency is None:
             report["references"]["ngram_perplexity"] = "not measured: no training texts at hand"
     finally:
         run.model.train(was_training)
     return report
+
+
+def without_selection(run: TrainedRun, cfg: EvalConfig, options: SamplingOptions, seed: int, fluency) -> dict:
+    """Where the decoder selects by the encoder (best_of > 1, correction rounds), l2t (and, with
+    cfg.writing, joint) once more with the sampler's one text: the cosine and consistency a selection
+    did not choose (a selected figure is a maximum over candidates by construction)."""
+    if not (cfg.encoder and selection(options)):
+        return {}
+    plain = dataclasses.replace(options, best_of=1, correction_rounds=0)
+    out = {
+        "l2t_without_selection": l2t_reconstruction(
+            run, plain, cfg.num_samples, cfg.batch_size, seed, True, 0, fluency=fluency
+        )
+    }
+    if cfg.writing:
+        out["joint_without_selection"] = joint_generation(run, plain, cfg.num_samples, cfg.batch_size, seed, fluency, 0)
+    return out
 
 
 def guidance_sweep(run: TrainedRun, cfg: EvalConfig, options, scales: list[float], seed: int, fluency) -> dict:
@@ -399,13 +594,10 @@ def guidance_sweep(run: TrainedRun, cfg: EvalConfig, options, scales: list[float
         sweep.append({"guidance_scale": scale, "l2t": l2t, "t2l": t2l})
     out = {"l2t": sweep[0]["l2t"], "t2l": sweep[0]["t2l"]}
     if len(sweep) > 1:
-        kept = ("cosine_mean", "exact_match", "word_f1", "bleu", "repetition", "real_word_rate")
+        kept = ("cosine_mean", "exact_match", "word_f1", "bleu", "repetition", "real_word_rate", "retrieval_at_1")
+        shown = lambda entry: {k: v for k, v in entry.items() if k.removesuffix("_interval") in kept}  # noqa: E731
         out["guidance"] = [
-            {
-                "guidance_scale": entry["guidance_scale"],
-                "l2t": {k: v for k, v in entry["l2t"].items() if k in kept},
-                "t2l": {k: entry["t2l"][k] for k in ("cosine_mean", "retrieval_at_1")},
-            }
+            {"guidance_scale": entry["guidance_scale"], "l2t": shown(entry["l2t"]), "t2l": shown(entry["t2l"])}
             for entry in sweep
         ]
     return out
@@ -434,26 +626,52 @@ def pair_consistency(run: TrainedRun, num_samples: int) -> dict:
     ids, latents = _first_val(run, num_samples)
     encoded = run.encode_latents(run.decode(*run.batch_of(ids))).flatten(1)
     latents = latents.flatten(1)
-    return {
-        "real_pairs": F.cosine_similarity(encoded, latents, dim=-1).mean().item(),
-        "shuffled_pairs": F.cosine_similarity(encoded, latents.roll(-1, dims=0), dim=-1).mean().item(),
+    per_text = {
+        "real_pairs": F.cosine_similarity(encoded, latents, dim=-1).numpy(),
+        "shuffled_pairs": F.cosine_similarity(encoded, latents.roll(-1, dims=0), dim=-1).numpy(),
     }
+    return summarise(PAIRS, per_text, num_samples=len(ids))
 
 
 def flat(report: dict) -> dict:
-    """The report's numbers as eval_* keys (for metrics.jsonl): eval_elbo_l2t_text_nats_per_token, ..."""
+    """The report's numbers as eval_* keys (for metrics.jsonl): eval_elbo_l2t_text_nats_per_token, and
+    each interval as _low and _high: eval_elbo_l2t_text_nats_per_token_low, ... (no per-text values)."""
     out = {}
 
     def walk(prefix: str, node) -> None:
         for key, value in node.items():
+            if key in ("per_text", "examples"):
+                continue
             if isinstance(value, dict):
                 walk(f"{prefix}_{key}", value)
+            elif key.endswith("_interval") and isinstance(value, list):
+                name = f"{prefix}_{key.removesuffix('_interval')}"
+                out[f"{name}_low"], out[f"{name}_high"] = value
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
                 out[f"{prefix}_{key}"] = value
 
-    parts = ("elbo", "l2t", "t2l", "length", "references", "l2t_predicted_length", "joint", "nearest_training_text")
+    parts = (
+        "elbo",
+        "l2t",
+        "t2l",
+        "length",
+        "references",
+        "l2t_predicted_length",
+        "l2t_without_selection",
+        "joint",
+        "joint_without_selection",
+        "nearest_training_text",
+    )
     walk("eval", {k: report[k] for k in parts if k in report})
     return out
+
+
+def figure_text(section: dict, key: str, spec: str = ".3f") -> str:
+    """`section[key]` with its 95% interval, '0.589 [0.561, 0.617]' ('.1%': '41.0% [35.2%, 46.9%]')."""
+    value, interval = section[key], section.get(f"{key}_interval")
+    if interval is None or not all(math.isfinite(x) for x in interval):
+        return format(value, spec)
+    return f"{value:{spec}} [{interval[0]:{spec}}, {interval[1]:{spec}}]"
 
 
 def table_cell(text: str) -> str:
@@ -461,12 +679,51 @@ def table_cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
+def selected_label(section: dict, key: str) -> str:
+    """' (selected on: max over 4 candidates)' where the decoder chose its texts by figure `key`, else ''."""
+    how = section.get("selected_on", {}).get(key)
+    return f" (selected on: {how})" if how else ""
+
+
 def _figures(r: dict) -> str:
     """BLEU, repetition and n-gram perplexity of one l2t entry, as a clause."""
-    text = f"BLEU {r['bleu']:.1f}, repetition {r['repetition']:.3f}" if "bleu" in r else ""
+    text = f"BLEU {figure_text(r, 'bleu', '.1f')}, repetition {figure_text(r, 'repetition')}" if "bleu" in r else ""
     if "ngram_perplexity" in r:
-        text += f", n-gram perplexity {r['ngram_perplexity']:.1f}"
+        text += f", n-gram perplexity {figure_text(r, 'ngram_perplexity', '.1f')}"
     return text
+
+
+def _cosine_clause(report: dict, key: str) -> str:
+    """The re-encoded cosine of l2t entry `key`, labelled when the decoder selected on it, beside the
+    same decoder's cosine without selection."""
+    r = report[key]
+    if "cosine_mean" not in r:
+        return "re-encoded cosine not measured"
+    text = f"re-encoded cosine {figure_text(r, 'cosine_mean', '.4f')}{selected_label(r, 'cosine_mean')}"
+    plain = report.get("l2t_without_selection", {}) if key == "l2t" else {}  # measured at the source lengths
+    if "selected_on" in r and "cosine_mean" in plain:
+        text += f"; without selection (best of 1) {figure_text(plain, 'cosine_mean', '.4f')}"
+    return text
+
+
+def _joint_lines(report: dict) -> list[str]:
+    j, pairs = report["joint"], report["joint"]["reference"]
+    consistency = f"consistency {figure_text(j, 'consistency', '.4f')}{selected_label(j, 'consistency')}"
+    if "selected_on" in j and "joint_without_selection" in report:
+        consistency += f"; without selection {figure_text(report['joint_without_selection'], 'consistency', '.4f')}"
+    return [
+        "",
+        f"joint ({j['num_samples']} samples): repetition {figure_text(j, 'repetition')}, distinct-1/2 "
+        f"{figure_text(j, 'distinct_1')}/{figure_text(j, 'distinct_2')}"
+        + (f", copy rate {figure_text(j, 'copy_rate', '.1%')}" if "copy_rate" in j else "")
+        + (f", n-gram perplexity {figure_text(j, 'ngram_perplexity', '.1f')}" if "ngram_perplexity" in j else "")
+        + f"; {consistency} (real pairs {figure_text(pairs, 'real_pairs', '.4f')}, shuffled pairs "
+        f"{figure_text(pairs, 'shuffled_pairs', '.4f')})",
+        "",
+        "| joint sample | consistency |",
+        "|---|---|",
+        *[f"| {table_cell(e['generated'])} | {e['consistency']:.3f} |" for e in j["examples"]],
+    ]
 
 
 def writing_lines(report: dict) -> list[str]:
@@ -474,84 +731,93 @@ def writing_lines(report: dict) -> list[str]:
     ref, l2t = report.get("references", {}), report["l2t"]
     lines = ["", f"l2t writing at the source lengths: {_figures(l2t)}"]
     if "real_repetition" in ref:
-        real = f"real validation texts: repetition {ref['real_repetition']:.3f}"
+        real = f"real validation texts: repetition {figure_text(ref, 'real_repetition')}"
         if "real_ngram_perplexity" in ref:
             real += (
-                f", n-gram perplexity {ref['real_ngram_perplexity']:.1f} "
-                f"(their words shuffled: {ref['shuffled_ngram_perplexity']:.1f})"
+                f", n-gram perplexity {figure_text(ref, 'real_ngram_perplexity', '.1f')} "
+                f"(their words shuffled: {figure_text(ref, 'shuffled_ngram_perplexity', '.1f')})"
             )
-        lines += [
-            "",
-            real
-            + (
-                f"; an unrelated sentence: BLEU {ref['other_sentence_bleu']:.1f}"
-                if "other_sentence_bleu" in ref
-                else ""
-            ),
-        ]
+        if "other_sentence_bleu" in ref:
+            real += f"; an unrelated sentence: BLEU {figure_text(ref, 'other_sentence_bleu', '.1f')}"
+        lines += ["", real]
     if "l2t_predicted_length" in report:
         r = report["l2t_predicted_length"]
         lines += [
             "",
-            f"l2t at the length head's lengths (what `decode` gives): exact match {r['exact_match']:.1%}, "
-            f"word F1 {r['word_f1']:.3f}, {_figures(r)}"
-            + (f", cosine {r['cosine_mean']:.4f}" if "cosine_mean" in r else ""),
+            "l2t at the length head's lengths (what `decode` gives): exact match "
+            + f"{figure_text(r, 'exact_match', '.1%')}, word F1 {figure_text(r, 'word_f1')}, {_figures(r)}, "
+            + _cosine_clause(report, "l2t_predicted_length"),
         ]
     if "nearest_training_text" in report:
         r = report["nearest_training_text"]
         lines += [
             "",
-            f"reference, the training text with the nearest latent: word F1 {r['word_f1']:.3f}, BLEU {r['bleu']:.1f}, "
-            f"exact match {r['exact_match']:.1%}, cosine {r['cosine_mean']:.4f}",
+            f"reference, the training text with the nearest latent: word F1 {figure_text(r, 'word_f1')}, BLEU "
+            f"{figure_text(r, 'bleu', '.1f')}, exact match {figure_text(r, 'exact_match', '.1%')}, cosine "
+            f"{figure_text(r, 'cosine_mean', '.4f')}",
         ]
     if "joint" in report:
-        j, pairs = report["joint"], report["joint"]["reference"]
-        lines += [
-            "",
-            f"joint ({j['num_samples']} samples): consistency {j['consistency']:.4f} (real pairs "
-            f"{pairs['real_pairs']:.4f}, shuffled pairs {pairs['shuffled_pairs']:.4f}), repetition "
-            f"{j['repetition']:.3f}, distinct-1/2 {j['distinct_1']:.3f}/{j['distinct_2']:.3f}"
-            + (f", copy rate {j['copy_rate']:.1%}" if "copy_rate" in j else "")
-            + (f", n-gram perplexity {j['ngram_perplexity']:.1f}" if "ngram_perplexity" in j else ""),
-            "",
-            "| joint sample | consistency |",
-            "|---|---|",
-            *[f"| {table_cell(e['generated'])} | {e['consistency']:.3f} |" for e in j["examples"]],
-        ]
+        lines += _joint_lines(report)
+    return lines
+
+
+def _elbo_table(report: dict) -> list[str]:
+    lines = [
+        f"| mode (n texts, {report.get('num_t_draws', 1)} draws of t each) | text nats/token | text bits/token "
+        "| perplexity bound | latent loss |",
+        "|---|---|---|---|---|",
+    ]
+    for mode, r in report["elbo"].items():
+        cell = lambda k, f, r=r: figure_text(r, k, f) if k in r else "-"  # noqa: E731
+        lines.append(
+            f"| {mode} ({r.get('num_samples', '?')}) | {cell('text_nats_per_token', '.4f')} | "
+            f"{cell('text_bits_per_token', '.4f')} | {cell('text_ppl_bound', '.2f')} | {cell('latent_loss', '.4f')} |"
+        )
+    return lines
+
+
+def _guidance_table(report: dict) -> list[str]:
+    lines = [
+        "",
+        "| guidance scale | l2t word F1 | l2t real words | l2t exact match | l2t cosine | t2l cosine "
+        "| t2l retrieval@1 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for entry in report["guidance"]:
+        g2, g1 = entry["l2t"], entry["t2l"]
+        cosine = figure_text(g2, "cosine_mean", ".4f") if "cosine_mean" in g2 else "-"
+        lines.append(
+            f"| {entry['guidance_scale']:g} | {figure_text(g2, 'word_f1')} | "
+            + f"{figure_text(g2, 'real_word_rate', '.1%')} | {figure_text(g2, 'exact_match', '.1%')} | {cosine} | "
+            + f"{figure_text(g1, 'cosine_mean', '.4f')} | {figure_text(g1, 'retrieval_at_1', '.1%')} |"
+        )
     return lines
 
 
 def markdown(report: dict) -> str:
-    """A short human summary of the report."""
+    """A short human summary of the report: each figure with its 95% interval in brackets."""
+    l2t, t2l, ref = report["l2t"], report["t2l"], report.get("references", {})
+    reference = lambda key, text: f" ({text} {figure_text(ref, key, '.4f')})" if key in ref else ""  # noqa: E731
+    chance = f" (chance {ref['chance_retrieval_at_1']:.1%})" if "chance_retrieval_at_1" in ref else ""
     lines = [
         f"# Evaluation of {report['checkpoint']} (step {report['step']}, {report['weights']} weights)",
         "",
         f"Sampling: {report['sampling']}",
         "",
-        "| mode | text nats/token | text bits/token | perplexity bound | latent loss |",
-        "|---|---|---|---|---|",
-    ]
-    for mode, r in report["elbo"].items():
-        cell = lambda k, f, r=r: format(r[k], f) if k in r else "-"  # noqa: E731
-        lines.append(
-            f"| {mode} | {cell('text_nats_per_token', '.4f')} | {cell('text_bits_per_token', '.4f')} | "
-            f"{cell('text_ppl_bound', '.2f')} | {cell('latent_loss', '.4f')} |"
-        )
-    l2t, t2l, ref = report["l2t"], report["t2l"], report.get("references", {})
-    cosine = f"{l2t['cosine_mean']:.4f}" if "cosine_mean" in l2t else "not measured"
-    reference = lambda key, text: f" ({text} {ref[key]:.4f})" if key in ref else ""  # noqa: E731
-    chance = f" (chance {ref['chance_retrieval_at_1']:.1%})" if "chance_retrieval_at_1" in ref else ""
-    lines += [
+        "Each figure: its value [95% interval] (percentile bootstrap over the n texts, and over the draws of t "
+        "for the ELBO).",
+        "",
+        *_elbo_table(report),
         "",
         f"l2t reconstruction ({l2t['num_samples']} validation latents): exact match "
-        f"{l2t['exact_match']:.1%}, mean cosine of the re-encoded text to the source latent {cosine}"
-        f"{reference('other_sentence_cosine', 'an unrelated real sentence:')}, word F1 {l2t['word_f1']:.3f}"
+        f"{figure_text(l2t, 'exact_match', '.1%')}, word F1 {figure_text(l2t, 'word_f1')}"
         f"{reference('other_sentence_word_f1', 'an unrelated real sentence:')}, "
-        f"real words {l2t['real_word_rate']:.1%}, {l2t['samples_per_s']:.1f} samples/s",
+        f"real words {figure_text(l2t, 'real_word_rate', '.1%')}, {_cosine_clause(report, 'l2t')}"
+        f"{reference('other_sentence_cosine', 'an unrelated real sentence:')}, {l2t['samples_per_s']:.1f} samples/s",
         "",
-        f"t2l ({t2l['num_samples']} validation texts): mean cosine to the true latent {t2l['cosine_mean']:.4f}"
-        f"{reference('mean_latent_cosine', 'the training-set mean latent:')}, "
-        f"retrieval@1 among {t2l['pool_size']} {t2l['retrieval_at_1']:.1%}{chance}, "
+        f"t2l ({t2l['num_samples']} validation texts): mean cosine to the true latent "
+        f"{figure_text(t2l, 'cosine_mean', '.4f')}{reference('mean_latent_cosine', 'the training-set mean latent:')}, "
+        f"retrieval@1 among {t2l['pool_size']} {figure_text(t2l, 'retrieval_at_1', '.1%')}{chance}, "
         f"{t2l['samples_per_s']:.1f} samples/s",
     ]
     lines += writing_lines(report)
@@ -559,23 +825,12 @@ def markdown(report: dict) -> str:
         length = report["length"]
         lines += [
             "",
-            f"length head ({length['num_samples']} validation latents): exact {length['accuracy']:.1%}, "
-            f"mean absolute error {length['mean_abs_error']:.2f} tokens",
+            f"length head ({length['num_samples']} validation latents): exact "
+            + f"{figure_text(length, 'accuracy', '.1%')}, mean absolute error "
+            + f"{figure_text(length, 'mean_abs_error', '.2f')} tokens",
         ]
     if "guidance" in report:
-        lines += [
-            "",
-            "| guidance scale | l2t cosine | l2t word F1 | l2t real words | l2t exact match | t2l cosine "
-            "| t2l retrieval@1 |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for entry in report["guidance"]:
-            g2, g1 = entry["l2t"], entry["t2l"]
-            lines.append(
-                f"| {entry['guidance_scale']:g} | {g2.get('cosine_mean', float('nan')):.4f} | "
-                f"{g2['word_f1']:.3f} | {g2['real_word_rate']:.1%} | {g2['exact_match']:.1%} | "
-                f"{g1['cosine_mean']:.4f} | {g1['retrieval_at_1']:.1%} |"
-            )
+        lines += _guidance_table(report)
     lines += ["", "| source | generated from its latent |", "|---|---|"]
     lines += [f"| {table_cell(e['source'])} | {table_cell(e['generated'])} |" for e in l2t["examples"]]
     return "\n".join(lines) + "\n"

@@ -10,6 +10,10 @@ each metric:
     est = bootstrap_statistic(lambda idx: bleu(gen[idx], src[idx]), n=len(gen))  # corpus-level figures
     diff = paired_difference(values_a, values_b)           # run A - run B on the same texts (Dror et al. 2018)
 
+A report keeps each figure's per-text values, and a recipe (`Mean`, `Corpus`) says how the figure is made
+from them, so one recipe gives both the figure's interval (`estimate`) and the paired difference of two
+reports on the same texts (`difference`, what `mmldlm compare` prints).
+
 Two-level data: a `(n_texts, n_draws)` array resamples texts, then draws within each resampled text,
 so the interval covers both the choice of texts and the sampler's randomness. Resamples come from a
 generator of their own (`seed`): the same inputs give the same interval.
@@ -35,15 +39,6 @@ class Estimate:
     high: float
     n: int
     level: float = LEVEL
-
-    def to_dict(self) -> dict:
-        return {"value": self.value, "low": self.low, "high": self.high, "n": self.n}
-
-    def format(self, digits: int = 3, scale: float = 1.0, unit: str = "") -> str:
-        """'0.589 [0.561, 0.617]' (times `scale`, then `unit`)."""
-        f = f"{{:.{digits}f}}"
-        v, lo, hi = (f.format(x * scale) for x in (self.value, self.low, self.high))
-        return f"{v}{unit} [{lo}, {hi}]"
 
 
 @dataclass(frozen=True)
@@ -100,7 +95,9 @@ def _as_arrays(values, weights) -> tuple[np.ndarray, np.ndarray | None]:
     v = np.asarray(values, dtype=np.float64)
     if v.ndim not in (1, 2) or v.shape[0] == 0:
         raise ValueError(f"bootstrap: expected a non-empty (n,) or (n, draws) array, got shape {v.shape}")
-    w = None if weights is None else np.broadcast_to(np.asarray(weights, dtype=np.float64), v.shape)
+    w = None if weights is None else np.asarray(weights, dtype=np.float64)
+    if w is not None:  # one weight per text (n,) stands for each of its draws (n, draws)
+        w = np.broadcast_to(w[:, None] if w.ndim == 1 and v.ndim == 2 else w, v.shape)
     return v, w
 
 
@@ -156,7 +153,8 @@ def paired_difference(
     seed: int = 0,
 ) -> Difference:
     """A - B for two sets of per-text values on the same texts, in the same order: both are resampled
-    with the same indices (a paired bootstrap), so what the texts share cancels."""
+    with the same indices (a paired bootstrap), so what the texts share cancels; (n, draws) values of the
+    same shape are paired by draw as well (the same seeds drew them)."""
     a, wa = _as_arrays(values_a, weights_a)
     b, wb = _as_arrays(values_b, weights_b)
     if a.shape[0] != b.shape[0]:
@@ -167,7 +165,9 @@ def paired_difference(
     for _ in range(num_resamples):
         idx = rng.integers(0, a.shape[0], size=a.shape[0])
         cols_a = rng.integers(0, a.shape[1], size=(a.shape[0], a.shape[1])) if a.ndim == 2 else None
-        cols_b = rng.integers(0, b.shape[1], size=(b.shape[0], b.shape[1])) if b.ndim == 2 else None
+        # Draws with the same generators in A and B are paired too: the same draws of each text.
+        same_draws = b.shape == a.shape
+        cols_b = cols_a if same_draws else rng.integers(0, b.shape[1], size=b.shape) if b.ndim == 2 else None
         resampled.append(stat_a(idx, cols_a) - stat_b(idx, cols_b))
     full = np.arange(a.shape[0])
     va, vb = stat_a(full), stat_b(full)
@@ -194,3 +194,47 @@ def paired_statistic_difference(
     full = np.arange(n)
     va, vb = float(statistic_a(full)), float(statistic_b(full))
     return Difference(va, vb, va - vb, *_bounds(np.array(resampled), level), n=n, level=level)
+
+
+@dataclass(frozen=True)
+class Mean:
+    """A figure that is the mean of one per-text value, per_text[values] ((n,) or (n, draws)), or with
+    `weights` the ratio sum(v w) / sum(w) (nats per token: values per token, weighted by tokens)."""
+
+    values: str
+    weights: str | None = None
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.values,) if self.weights is None else (self.values, self.weights)
+
+    def _arrays(self, per_text: dict) -> tuple[np.ndarray, np.ndarray | None]:
+        weights = None if self.weights is None else per_text[self.weights]
+        return np.asarray(per_text[self.values], dtype=np.float64), weights
+
+    def estimate(self, per_text: dict, **kwargs) -> Estimate:
+        values, weights = self._arrays(per_text)
+        return bootstrap(values, weights=weights, **kwargs)
+
+    def difference(self, per_text_a: dict, per_text_b: dict, **kwargs) -> Difference:
+        (a, wa), (b, wb) = self._arrays(per_text_a), self._arrays(per_text_b)
+        return paired_difference(a, b, weights_a=wa, weights_b=wb, **kwargs)
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A figure of the texts as a whole (corpus BLEU, distinct-n, a perplexity over all words):
+    `statistic(per_text)` returns the figure of the texts at indices `idx`, fn(idx) -> float, doing once
+    whatever does not depend on idx."""
+
+    keys: tuple[str, ...]
+    statistic: Callable[[dict], Callable[[np.ndarray], float]]
+
+    def estimate(self, per_text: dict, **kwargs) -> Estimate:
+        return bootstrap_statistic(self.statistic(per_text), len(per_text[self.keys[0]]), **kwargs)
+
+    def difference(self, per_text_a: dict, per_text_b: dict, **kwargs) -> Difference:
+        n_a, n_b = len(per_text_a[self.keys[0]]), len(per_text_b[self.keys[0]])
+        if n_a != n_b:
+            raise ValueError(f"paired_statistic_difference: the two runs have {n_a} and {n_b} texts; expected the same")
+        return paired_statistic_difference(self.statistic(per_text_a), self.statistic(per_text_b), n_a, **kwargs)

@@ -31,7 +31,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import sacrebleu
+from sacrebleu.metrics import BLEU
 
 
 def words(text: str) -> list[str]:
@@ -58,29 +60,55 @@ def bleu(generated: list[str], references: list[str]) -> float:
     return float(sacrebleu.corpus_bleu(generated, [references]).score)
 
 
+def bleu_statistics(generated: list[str], references: list[str]) -> np.ndarray:
+    """(n, 10) per-text BLEU counts (hypothesis and reference lengths, matched and total 1- to 4-grams):
+    corpus BLEU is a function of their sum (`bleu_of_statistics`), so a resample of texts is a sum."""
+    return np.array(BLEU()._extract_corpus_statistics(generated, [references]), dtype=np.float64).reshape(-1, 10)
+
+
+def bleu_of_statistics(statistics: np.ndarray) -> float:
+    """Corpus BLEU (as `bleu`) of the texts whose `bleu_statistics` rows are given."""
+    return float(BLEU()._compute_score_from_stats(np.asarray(statistics).sum(axis=0).tolist()).score)
+
+
 def word_ngrams(text: str, n: int) -> list[tuple[str, ...]]:
     """The word n-grams of `text`, in order."""
     tokens = words(text)
     return [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
 
 
+def repetition_per_text(texts: Iterable[str], n: int) -> list[float | None]:
+    """seq-rep-n (module docstring) of each text; None for a text without a word n-gram."""
+    return [1.0 - len(set(grams)) / len(grams) if grams else None for grams in (word_ngrams(t, n) for t in texts)]
+
+
 def repetition(texts: Iterable[str], n: int) -> float | None:
     """seq-rep-n (module docstring) averaged over the texts with at least one word n-gram; None when
     no text has one."""
-    shares = [1.0 - len(set(grams)) / len(grams) for grams in (word_ngrams(t, n) for t in texts) if grams]
+    shares = [share for share in repetition_per_text(texts, n) if share is not None]
     return sum(shares) / len(shares) if shares else None
 
 
 def distinct(texts: Iterable[str], n: int) -> float | None:
     """distinct-n over all `texts` together (module docstring); None without any word n-gram."""
-    grams = [gram for text in texts for gram in word_ngrams(text, n)]
+    return distinct_of([word_ngrams(text, n) for text in texts])
+
+
+def distinct_of(grams_per_text: list[list[tuple[str, ...]]]) -> float | None:
+    """distinct-n of texts given as their word n-grams (`word_ngrams`); None without any."""
+    grams = [gram for grams in grams_per_text for gram in grams]
     return len(set(grams)) / len(grams) if grams else None
+
+
+def copied(texts: list[str], training_texts: Iterable[str]) -> list[bool]:
+    """Whether each of `texts` is found verbatim (whitespace collapsed) among `training_texts`."""
+    seen = {" ".join(t.split()) for t in training_texts}
+    return [" ".join(t.split()) in seen for t in texts]
 
 
 def copy_rate(texts: list[str], training_texts: Iterable[str]) -> float:
     """The share of `texts` found verbatim (whitespace collapsed) among `training_texts`."""
-    seen = {" ".join(t.split()) for t in training_texts}
-    return sum(" ".join(t.split()) in seen for t in texts) / max(1, len(texts))
+    return sum(copied(texts, training_texts)) / max(1, len(texts))
 
 
 def shuffled_words(texts: list[str], seed: int = 0) -> list[str]:
@@ -123,11 +151,22 @@ class NgramReference:
     def order(self) -> int:
         return self.model.order
 
-    def perplexity(self, texts: list[str]) -> float | None:
-        """Perplexity of `texts` (class docstring); None for no texts."""
+    def bits_per_text(self, texts: list[str]) -> tuple[list[float], list[int]]:
+        """(-log2 p summed over each text's words and its end, the number of those) per text: the
+        perplexity of any set of the texts is 2 ** (sum of bits / sum of counts)."""
         from mmldlm.sampling.kneser_ney import log2_probabilities  # here: see `fit`
 
-        scores = [s for text in texts for s in log2_probabilities(self.model, words(text), self.num_unknown_types)]
-        if not scores:
-            return None
-        return 2.0 ** (-sum(scores) / len(scores)) if all(math.isfinite(s) for s in scores) else math.inf
+        scores = [log2_probabilities(self.model, words(text), self.num_unknown_types) for text in texts]
+        return [-sum(s) for s in scores], [len(s) for s in scores]
+
+    def perplexity(self, texts: list[str]) -> float | None:
+        """Perplexity of `texts` (class docstring); None for no texts."""
+        bits, counts = self.bits_per_text(texts)
+        return perplexity_of(bits, counts) if sum(counts) else None
+
+
+def perplexity_of(bits, counts) -> float:
+    """2 ** (sum(bits) / sum(counts)): the perplexity of texts from their `bits_per_text`; inf when a
+    word has probability 0."""
+    total = float(np.sum(bits))
+    return 2.0 ** (total / max(1, int(np.sum(counts)))) if math.isfinite(total) else math.inf

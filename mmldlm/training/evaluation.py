@@ -1,12 +1,14 @@
 """Evaluation during training: every `eval.every` steps rank 0 runs mmldlm/sampling/evaluate.py with
 the small budget of the `eval` config section and returns a metrics record
 
-    {"step": 200, "eval_elbo_l2t_text_nats_per_token": ..., "eval_l2t_exact_match": ..., ...}
+    {"step": 200, "eval_elbo_l2t_text_nats_per_token": ..., "eval_elbo_l2t_text_nats_per_token_low": ...,
+     "eval_elbo_l2t_text_nats_per_token_high": ..., "eval_l2t_num_samples": 32, ...}
 
-for the one metrics.jsonl writer. The other ranks wait at a barrier, so no rank runs ahead into a
-collective while rank 0 is busy. Under FSDP2 and HSDP no rank holds the whole model, so every rank first
-takes part in gathering the full weights, and rank 0 evaluates a copy. Evaluation draws from its own
-generators and leaves the training RNG, data position and train/eval mode as they were.
+(each figure with its 95% interval over the `eval.num_samples` texts) for the one metrics.jsonl writer.
+The other ranks wait at a barrier, so no rank runs ahead into a collective while rank 0 is busy. Under
+FSDP2 and HSDP no rank holds the whole model, so every rank first takes part in gathering the full
+weights, and rank 0 evaluates a copy. Evaluation draws from its own generators and leaves the training
+RNG, data position and train/eval mode as they were.
 """
 
 from __future__ import annotations
