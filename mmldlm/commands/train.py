@@ -20,7 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="auto|PATH",
         help="auto: continue from the newest checkpoint in RUN/checkpoints that verifies (latest, "
-        "unless it is missing or damaged), if there is one; PATH: a checkpoint directory",
+        "unless it is missing or damaged), if there is one; PATH: a checkpoint directory (default: none, a "
+        "new run; one whose run directory holds checkpoints is refused)",
     )
 
     parser.add_argument(

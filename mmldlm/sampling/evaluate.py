@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mmldlm import progress
 from mmldlm.config import EvalConfig
 from mmldlm.data.dataset import PadCollate, PreparedDataset
 from mmldlm.diffusion import MaskedDiffusion
@@ -107,6 +108,7 @@ def elbo(
                     B = batch["tokens"].shape[0]
                     latent += float(metrics["latent_loss"]) * B
                     samples += B
+                progress.advance(batch["tokens"].shape[0])
         result = {}
         if tokens:
             per_token = nats / tokens
@@ -122,8 +124,19 @@ def elbo(
     return out
 
 
+def elbo_with_progress(run: TrainedRun, num_samples: int, batch_size: int, num_t_draws: int, seed: int) -> dict:
+    """`elbo` under one progress bar over every mode's samples and draws (mmldlm/progress.py)."""
+    with progress.stage("ELBO", len(MODES) * min(num_samples, len(run.val)) * num_t_draws):
+        return elbo(run, num_samples, batch_size, num_t_draws, seed)
+
+
 # --------------------------------------------------------------------------------------------------
 # 2.-3. sampling
+
+
+def stage_name(name: str, options: SamplingOptions) -> str:
+    """The progress bar's name of a sampling stage: with its guidance scale where guidance is on."""
+    return f"{name}, guidance {options.guidance_scale:g}" if options.guidance_scale else name
 
 
 def _first_val(run: TrainedRun, num: int) -> tuple[list[list[int]], torch.Tensor]:
@@ -152,13 +165,14 @@ def l2t_reconstruction(
     sampler = run.sampler(options)
     sources, generated = [], []
     start = time.perf_counter()
-    for b in range(0, len(ids), batch_size):
-        tokens, pad_mask = run.batch_of(ids[b : b + batch_size])
-        if predicted_length:
-            pad_mask = length_masks(run.candidate_lengths(latents[b : b + batch_size], options.length_candidates))
-        out = sampler.l2t(latents[b : b + batch_size], pad_mask, _generator(seed, 1, b))
-        sources += run.decode(tokens, tokens != run.text.pad_token_id)
-        generated += run.decode(out, out != run.text.pad_token_id)
+    with progress.stage(stage_name("l2t, predicted lengths" if predicted_length else "l2t", options), len(ids)):
+        for b in range(0, len(ids), batch_size):
+            tokens, pad_mask = run.batch_of(ids[b : b + batch_size])
+            if predicted_length:
+                pad_mask = length_masks(run.candidate_lengths(latents[b : b + batch_size], options.length_candidates))
+            out = sampler.l2t(latents[b : b + batch_size], pad_mask, _generator(seed, 1, b))
+            sources += run.decode(tokens, tokens != run.text.pad_token_id)
+            generated += run.decode(out, out != run.text.pad_token_id)
     seconds = time.perf_counter() - start
     result = {
         "num_samples": len(ids),
@@ -212,10 +226,11 @@ def joint_generation(
     lengths = run.sample_lengths(num_samples, _generator(seed, 3))
     texts, latents = [], []
     start = time.perf_counter()
-    for b in range(0, num_samples, batch_size):
-        batch_texts, z = run.joint_batch(sampler, lengths[b : b + batch_size], _generator(seed, 4, b))
-        texts += batch_texts
-        latents.append(z)
+    with progress.stage("joint", num_samples):
+        for b in range(0, num_samples, batch_size):
+            batch_texts, z = run.joint_batch(sampler, lengths[b : b + batch_size], _generator(seed, 4, b))
+            texts += batch_texts
+            latents.append(z)
     seconds = time.perf_counter() - start
     latents = torch.cat(latents)
     consistency = F.cosine_similarity(run.encode_latents(texts).flatten(1), latents.flatten(1), dim=-1)
@@ -262,9 +277,10 @@ def t2l_retrieval(
     sampler = run.sampler(options)
     generated = []
     start = time.perf_counter()
-    for b in range(0, len(ids), batch_size):
-        tokens, pad_mask = run.batch_of(ids[b : b + batch_size])
-        generated.append(sampler.t2l(tokens, pad_mask, _generator(seed, 2, b)).cpu())
+    with progress.stage(stage_name("t2l", options), len(ids)):
+        for b in range(0, len(ids), batch_size):
+            tokens, pad_mask = run.batch_of(ids[b : b + batch_size])
+            generated.append(sampler.t2l(tokens, pad_mask, _generator(seed, 2, b)).cpu())
     seconds = time.perf_counter() - start
     generated = torch.cat(generated).flatten(1)  # (N, K*D)
     pool = pool.flatten(1)  # (P, K*D), P >= N: sample i is pool row i
@@ -366,6 +382,8 @@ def evaluate(
     was_training = run.model.training
     run.model.eval()
     try:
+        if cfg.writing:
+            progress.note("n-gram reference: fitting on the training texts")
         fluency = fluency_reference(run) if cfg.writing else None
         report = {
             "checkpoint": str(run.checkpoint) if run.checkpoint else None,
@@ -373,7 +391,7 @@ def evaluate(
             "weights": run.weights,
             "sampling": dataclasses.replace(options, guidance_scale=scales[0]).to_dict(),
             "num_t_draws": num_t_draws,
-            "elbo": elbo(run, cfg.num_elbo_batches * cfg.batch_size, cfg.batch_size, num_t_draws, seed),
+            "elbo": elbo_with_progress(run, cfg.num_elbo_batches * cfg.batch_size, cfg.batch_size, num_t_draws, seed),
             **guidance_sweep(run, cfg, options, scales, seed, fluency),
         }
         length = length_prediction(run, cfg.num_samples)
@@ -381,6 +399,7 @@ def evaluate(
             report["length"] = length
         if cfg.writing:
             report.update(writing(run, cfg, dataclasses.replace(options, guidance_scale=scales[0]), seed, fluency))
+        progress.note("references: what trivial predictors and real text score")
         report["references"] = references(run, cfg.num_samples, cfg.retrieval_pool, fluency)
         if cfg.writing and fluency is None:
             report["references"]["ngram_perplexity"] = "not measured: no training texts at hand"
