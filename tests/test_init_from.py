@@ -101,14 +101,19 @@ def test_init_weights_raw_takes_the_trained_weights_and_an_export_refuses_it(sou
         started(fine_tune_config(tmp_path / "export-raw", new_data, exported, "train.init_weights=raw"))
 
 
-def test_train_init_from_writes_a_new_run_that_records_its_source(source, new_data, tmp_path, capsys):
+def test_train_init_from_writes_a_new_run_whose_config_and_model_card_name_the_source(
+    source, new_data, tmp_path, capsys
+):
     out = tmp_path / "fine-tuned"
     overrides = ["train.steps=2", f"data.path={new_data}", f"train.run_dir={out}"]
     assert main("train", "--config", source / "config.yaml", *overrides, "--init-from", source) == 0
     config = yaml.safe_load((out / "config.yaml").read_text())
-    assert config["train"]["init_from"] == str(find_latest(source / "checkpoints").resolve())
+    origin = str(find_latest(source / "checkpoints").resolve())
+    assert config["train"]["init_from"] == origin
     assert find_latest(out / "checkpoints").name == "step-0000002"
     assert "initialized from" in capsys.readouterr().err
+    assert main("export", "--run", out, "--out", tmp_path / "export") == 0
+    assert f"Fine-tuned: started from the weights of `{origin}`." in (tmp_path / "export" / "README.md").read_text()
 
 
 def test_a_model_of_another_shape_is_refused_naming_the_tensor_and_the_config_key(source, new_data, tmp_path):
