@@ -121,7 +121,9 @@ def test_a_model_of_another_shape_is_refused_naming_the_tensor_and_the_config_ke
     with pytest.raises(ConfigError) as err:
         started(cfg)
     message = str(err.value)
-    assert re.search(r"config key 'train.init_from': .*\[\d+, 64\] in the source, \[\d+, 32\] here", message)
+    assert re.search(
+        r"config key 'train.init_from': .*shape of \S+ \[\d+, 64\] \(the config makes \[\d+, 32\]\)", message
+    )
     assert "model.hidden_size: 64 in the source, 32 here" in message
 
 

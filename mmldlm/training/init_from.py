@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from mmldlm.config import ConfigError
 from mmldlm.data.errors import DataError
 from mmldlm.sampling.pretrained import is_exported, load_trained, read_config
-from mmldlm.sampling.run import TrainedRun, check_compatible
+from mmldlm.sampling.run import TrainedRun, check_compatible, weight_mismatches
 
 log = logging.getLogger(__name__)
 
@@ -37,18 +37,18 @@ FULL_STATE = StateDictOptions(full_state_dict=True)
 
 def read_source(source: str, weights: str) -> TrainedRun:
     """The model of `source` on the CPU with the weights asked for ("ema": its EMA where it has one;
-    "raw": the trained weights); DataError naming the source when it cannot be read."""
+    "raw": the trained weights); DataError when it cannot be read."""
     path = Path(source)
     if not path.is_dir():
         raise DataError(
-            f"{KEY} {source}: no such directory; expected a training run directory, one of its "
-            f"checkpoints (RUN/checkpoints/step-NNNNNNN) or an exported model folder (mmldlm export)"
+            "no such directory; expected a training run directory, one of its checkpoints "
+            "(RUN/checkpoints/step-NNNNNNN) or an exported model folder (mmldlm export)"
         )
     if is_exported(path):
         if weights == "raw" and read_config(path)["weights"] == "ema":
             raise DataError(
-                f"{KEY} {source}: an exported model holds only the EMA of its weights; "
-                f"train.init_weights=raw needs the run directory it was exported from"
+                "an exported model holds only the EMA of its weights; train.init_weights=raw needs "
+                "the run directory it was exported from"
             )
         return load_trained(path, device="cpu")
     if (path / "meta.json").is_file():  # a checkpoint: RUN/checkpoints/step-NNNNNNN
@@ -57,18 +57,10 @@ def read_source(source: str, weights: str) -> TrainedRun:
 
 
 def check_architecture(source: TrainedRun, model, model_cfg) -> None:
-    """ConfigError naming the first tensors whose name or shape differ between the source's weights and
-    `model` (the new run's unwrapped network), and the model config keys that differ."""
-    theirs = {k: tuple(v.shape) for k, v in source.model.state_dict().items()}
-    ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    problems = [
-        f"{k} {list(theirs[k])} in the source, {list(ours[k])} here"
-        for k in sorted(theirs.keys() & ours.keys())
-        if theirs[k] != ours[k]
-    ]
-    problems += [f"{k} only in the source" for k in sorted(theirs.keys() - ours.keys())]
-    problems += [f"{k} only here" for k in sorted(ours.keys() - theirs.keys())]
-    if not problems:
+    """ConfigError naming the tensors whose name or shape differ between the source's weights and
+    `model` (the new run's network, wrapped or not), and the model config keys that differ."""
+    problems = weight_mismatches(model, source.model.state_dict())
+    if problems is None:
         return
     differing = [
         f"model.{f.name}: {getattr(source.cfg.model, f.name)!r} in the source, {getattr(model_cfg, f.name)!r} here"
@@ -77,16 +69,16 @@ def check_architecture(source: TrainedRun, model, model_cfg) -> None:
     ]
     raise ConfigError(
         f"config key '{KEY}': got {str(source.checkpoint)!r}; its weights do not fit this run's model: "
-        f"{'; '.join(problems[:3])}{' ...' if len(problems) > 3 else ''}"
-        f"{' (' + '; '.join(differing) + ')' if differing else ''}; give this run the source's model config"
+        f"{problems}{' (' + '; '.join(differing) + ')' if differing else ''}; give this run the source's "
+        f"model config (the model section of its config.yaml, or of an export's config.json)"
     )
 
 
 def init_weights(trainer, source: str, weights: str) -> TrainedRun:
     """Load the weights of `source` into the trainer's model (and its EMA, which then starts from them)
     on every rank; returns the source, whose `checkpoint`, `step` and `weights` say what was loaded."""
-    run = read_source(source, weights)
     try:
+        run = read_source(source, weights)
         check_compatible(run, Path(trainer.loader.dataset.path))
     except DataError as err:
         raise DataError(f"{KEY} {source}: {err}") from None
