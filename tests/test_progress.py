@@ -101,6 +101,13 @@ def test_best_of_decoding_draws_a_bar_on_a_terminal_only(run_dir, monkeypatch):
         model.decode(latents, lengths=4, steps=3, best_of=2, progress=progress_option)
         assert ("l2t: 100%" in stream.getvalue()) == drawn
         assert stream.getvalue() == "" or drawn
+    # Within the one batch the bar moves at each of the 3 reverse steps, and ends on its one sample.
+    moves = []
+    original = progress.advance
+    monkeypatch.setattr(progress, "advance", lambda amount: moves.append(amount) or original(amount))
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    model.decode(latents, lengths=4, steps=3, best_of=2, remask_rounds=1)
+    assert len([m for m in moves if m > 0]) >= 3 and sum(moves) == pytest.approx(1.0)
 
 
 def test_eval_names_each_stage_from_its_first_line_and_is_silent_under_quiet(run_dir, tmp_path, monkeypatch):
@@ -117,3 +124,13 @@ def test_eval_names_each_stage_from_its_first_line_and_is_silent_under_quiet(run
     monkeypatch.setattr(sys, "stderr", quiet)
     assert main(*args, "--out", tmp_path / "b.json", "--quiet") == 0
     assert "loading" not in quiet.getvalue() and "100%" not in quiet.getvalue()
+
+
+def test_sample_shows_its_bar_on_a_terminal_and_nothing_under_quiet(run_dir, tmp_path, monkeypatch):
+    args = ["sample", "--run", run_dir, "--mode", "joint", "--num", "2", "--steps", "2", "--device", "cpu"]
+    for extra, drawn in (([], True), (["--quiet"], False)):
+        stream = Terminal()
+        monkeypatch.setattr(sys, "stderr", stream)
+        assert main(*args, "--out", tmp_path / "out.jsonl", *extra) == 0
+        assert stream.getvalue().startswith(f"mmldlm sample: loading {run_dir}\n") == drawn
+        assert ("joint: 100%" in stream.getvalue()) == drawn
