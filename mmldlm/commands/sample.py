@@ -338,7 +338,10 @@ def _sample(args: argparse.Namespace) -> int:
         args, run, args.guidance_scale, reuse_output=not args.no_reuse, latent_sampler=args.latent_sampler
     )
     options = dict(
-        dataclasses.asdict(sampling), batch_size=args.batch_size, seed=args.seed, progress=not args.quiet and "auto"
+        dataclasses.asdict(sampling),
+        batch_size=args.batch_size,
+        seed=args.seed,
+        progress=False if args.quiet else "auto",
     )
     texts, latents = _sources(args, run)
 
