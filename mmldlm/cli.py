@@ -41,6 +41,18 @@ COMMANDS = {
 }
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help names its default: argparse's "(default: X)" is added where the text does
+    not say it already. Flags (off unless given) and options whose default is worked out at run time
+    (None; their text says how) are left as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS) or action.nargs == 0:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmldlm", description="MM-LDLM: multimodal latent diffusion language models")
     parser.add_argument(
@@ -49,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(f"mmldlm.commands.{module_name}")
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=DefaultsHelpFormatter)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser

@@ -436,6 +436,13 @@ class TrainConfig:
     ema_decay: float = 0.0
     max_consecutive_skips: int = 5  # non-finite updates in a row before the run stops
     run_dir: str = "runs/default"
+    # Start a new run from another run's weights (fine-tuning; training/init_from.py): a run directory
+    # (its newest checkpoint that verifies), a checkpoint directory or an exported model folder. The
+    # optimizer, LR schedule, data position and step start afresh; null: random initial weights.
+    init_from: str | None = None
+    # Which of the source's weights: "ema", its EMA where it kept one (else its trained weights); "raw",
+    # its trained weights (an exported folder holds only the one set it was exported with).
+    init_weights: Literal["ema", "raw"] = "ema"
 
     def check(self, prefix: str = "train") -> None:
         for key in ("steps", "global_batch_size", "log_every", "max_consecutive_skips"):
@@ -445,6 +452,8 @@ class TrainConfig:
             _fail(f"{prefix}.run_dir", self.run_dir, "a directory path")
         if not DEVICE_KINDS.fullmatch(self.device):
             _fail(f"{prefix}.device", self.device, "auto, cpu, cuda or cuda:N")
+        if self.init_from is not None and not self.init_from:
+            _fail(f"{prefix}.init_from", self.init_from, "null or a run, checkpoint or exported model directory")
         if not 0.0 <= self.ema_decay < 1.0:
             _fail(f"{prefix}.ema_decay", self.ema_decay, "a number in [0, 1) (0 = no EMA)")
         if self.threads is not None and self.threads < 1:

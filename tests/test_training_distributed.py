@@ -168,6 +168,27 @@ def test_two_processes_match_one_process(tmp_path, mode, strategy):
     assert_params_close(final_params(tmp_path / "one", "ema"), final_params(tmp_path / "two", "ema"))
 
 
+def test_fsdp2_ranks_start_a_fine_tuning_run_from_the_sources_whole_weights(tmp_path):
+    # Every rank reads the source's weights and keeps its shards; a negligible learning rate leaves
+    # them where they started, so the new run's checkpoint gathers the source's EMA again.
+    args = ["train.micro_batch_size=1", "train.global_batch_size=2", "train.ema_decay=0.9"]
+    assert_ok(train(tmp_path / "source", [*args, "train.steps=2"]))
+    tuned = [
+        *args,
+        "train.steps=1",
+        "optim.lr=1e-12",
+        f"train.init_from={tmp_path / 'source'}",
+        "distributed.strategy=fsdp2",
+    ]
+    proc = train(tmp_path / "tuned", tuned, nproc=2)
+    assert_ok(proc)
+    assert proc.stderr.count("initialized from") == 1
+    assert [r["step"] for r in records(tmp_path / "tuned")] == [1]
+    source = final_params(tmp_path / "source", "ema")
+    assert_params_close(final_params(tmp_path / "tuned"), source, tol=1e-6)
+    assert_params_close(final_params(tmp_path / "tuned", "ema"), source, tol=1e-6)
+
+
 def test_ddp_accumulating_micro_batches_trains_as_one_process_does(tmp_path):
     # 2 processes x 2 accumulation steps against 1 process x 4: the same micro-batches, the same update.
     # DDP's static graph cannot run under no_sync(), so "auto" leaves it off when a step accumulates.

@@ -67,6 +67,14 @@ def add_evaluation_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mmldlm.progress import note, reporting  # light (tqdm): the first line comes before torch loads
+
+    with reporting(False if args.quiet else "auto"):
+        note(f"mmldlm eval: loading {args.run}")
+        return _evaluate(args)
+
+
+def _evaluate(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 

@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-samples",
         type=int,
         metavar="N",
-        help="keep a seeded random subset of N samples (after filtering), in corpus order",
+        help="keep a seeded random subset of N samples (after filtering), in corpus order (default: all)",
     )
     src.add_argument(
         "--keep-duplicates",

@@ -76,7 +76,7 @@ def add_sampler_arguments(group) -> None:
         "--remask-rounds",
         type=int,
         help="text: re-sample the least confident share of a finished text given the rest, this many times "
-        "(--remask confidence)",
+        "(--remask confidence; default 0)",
     )
     group.add_argument(
         "--remask",
@@ -114,7 +114,8 @@ def add_sampler_arguments(group) -> None:
     group.add_argument(
         "--joint-order",
         choices=["together", "latent_first"],
-        help="joint: text and latent side by side, or the latent first and then its text as l2t decodes it",
+        help="joint: text and latent side by side, or the latent first and then its text as l2t decodes it "
+        "(default: together)",
     )
     group.add_argument(
         "--length-candidates",
@@ -125,7 +126,7 @@ def add_sampler_arguments(group) -> None:
 
 
 def add_device_arguments(group) -> None:
-    """--device, --threads (sample and eval)."""
+    """--device, --threads, --quiet (sample and eval)."""
     group.add_argument(
         "--device",
         choices=["auto", "cpu", "cuda"],
@@ -137,6 +138,11 @@ def add_device_arguments(group) -> None:
         type=int,
         default=0,
         help="CPU threads for torch (0: torch's default); 1 is fastest on a CPU other jobs share",
+    )
+    group.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bars or stage lines on stderr (they are shown only when stderr is a terminal)",
     )
 
 
@@ -323,6 +329,14 @@ def _sources(args, run) -> tuple[list[str] | None, torch.Tensor | None, list[int
 
 
 def run(args: argparse.Namespace) -> int:
+    from mmldlm.progress import note, reporting  # light (tqdm): the first line comes before torch loads
+
+    with reporting(False if args.quiet else "auto"):
+        note(f"mmldlm sample: loading {args.run}")
+        return _sample(args)
+
+
+def _sample(args: argparse.Namespace) -> int:
     import dataclasses
     import json
     import os
@@ -332,6 +346,7 @@ def run(args: argparse.Namespace) -> int:
 
     from mmldlm.device import pick_device
     from mmldlm.errors import OptionError, require_positive
+    from mmldlm.progress import note
     from mmldlm.sampling import MMLDLM
 
     require_positive({"--num": args.num, "--length": args.length, "--batch-size": args.batch_size})
@@ -354,13 +369,19 @@ def run(args: argparse.Namespace) -> int:
     sampling = sampling_options(
         args, run, args.guidance_scale, reuse_output=not args.no_reuse, latent_sampler=args.latent_sampler
     )
-    options = dict(dataclasses.asdict(sampling), batch_size=args.batch_size, seed=args.seed)
+    options = dict(
+        dataclasses.asdict(sampling),
+        batch_size=args.batch_size,
+        seed=args.seed,
+        progress=False if args.quiet else "auto",
+    )
     texts, latents, index = _sources(args, run)
 
     # The inputs of every sample: token ids (when there is a source text) and latents (l2t).
     ids = run.tokenize(texts) if texts is not None else None
     if args.mode == "l2t" and latents is None:
         if texts is not None:
+            note(f"encoding {len(texts)} source text(s) with the sentence encoder")
             latents = run.encode_latents(texts)
         else:  # the first --num validation samples
             if args.data:

@@ -1,5 +1,6 @@
-"""`mmldlm train --config NAME [section.key=value ...] [--resume auto|PATH]`: train one run. The same
-command runs under torchrun on many processes and nodes (see scripts/launch.sh)."""
+"""`mmldlm train --config NAME [section.key=value ...] [--resume auto|PATH] [--init-from SOURCE]`: train
+one run, or (--init-from) start a new one from another run's weights. The same command runs under
+torchrun on many processes and nodes (see scripts/launch.sh)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="auto|PATH",
         help="auto: continue from the newest checkpoint in RUN/checkpoints that verifies (latest, "
-        "unless it is missing or damaged), if there is one; PATH: a checkpoint directory",
+        "unless it is missing or damaged), if there is one; PATH: a checkpoint directory (default: none, a "
+        "new run; one whose run directory holds checkpoints is refused)",
+    )
+
+    parser.add_argument(
+        "--init-from",
+        metavar="SOURCE",
+        help="start a NEW run from the weights of SOURCE: a run directory (its newest checkpoint), a "
+        "checkpoint directory or an exported model folder; optimizer, LR schedule, data position and step "
+        "start afresh (train.init_from; default: none, random initial weights). New data must be prepared "
+        "with `mmldlm prepare --like SOURCE`",
+    )
+    parser.add_argument(
+        "--init-weights",
+        choices=["ema", "raw"],
+        help="with --init-from: the source's EMA of the weights where it kept one, or its raw trained "
+        "weights (train.init_weights; default: ema)",
     )
 
 
@@ -27,5 +44,10 @@ def run(args: argparse.Namespace) -> int:
     from mmldlm.config import load_config
     from mmldlm.training.run import train
 
-    command = shlex.join(["mmldlm", "train", "--config", args.config, *args.overrides])
-    return train(load_config(args.config, args.overrides), resume=args.resume, command=command)
+    overrides = list(args.overrides)
+    if args.init_from is not None:
+        overrides.append(f"train.init_from={args.init_from}")
+    if args.init_weights is not None:
+        overrides.append(f"train.init_weights={args.init_weights}")
+    command = shlex.join(["mmldlm", "train", "--config", args.config, *overrides])
+    return train(load_config(args.config, overrides), resume=args.resume, command=command)

@@ -271,7 +271,8 @@ def model_card(run: TrainedRun, run_dir: Path) -> str:
         "",
         f"Objective: mode {modes}; text loss {cfg.text_diffusion.loss}, latent prediction "
         f"{cfg.latent_diffusion.prediction} with loss {cfg.latent_diffusion.loss}. Optimizer AdamW, lr {cfg.optim.lr}, "
-        f"global batch {cfg.train.global_batch_size}, precision {cfg.train.precision}.",
+        f"global batch {cfg.train.global_batch_size}, precision {cfg.train.precision}."
+        + (f" Fine-tuned: started from the weights of `{cfg.train.init_from}`." if cfg.train.init_from else ""),
         "",
         f"Compute: {compute_line}.",
         "",

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mmldlm import progress
 from mmldlm.config import EvalConfig
 from mmldlm.data.dataset import PadCollate, PreparedDataset
 from mmldlm.diffusion import MaskedDiffusion
@@ -234,6 +235,7 @@ def _elbo_per_text(run: TrainedRun, objective: Objective, m: int, num_samples, b
             tokens.append(count.cpu())
         if "latent_loss_per_sample" in draws[0]:
             latent.append(torch.stack([d["latent_loss_per_sample"] for d in draws], dim=1).cpu())
+        progress.advance(batch["tokens"].shape[0] * num_t_draws)
     per_text = {}
     if text:
         per_text.update(text_nats=torch.cat(text).numpy(), num_tokens=torch.cat(tokens).numpy())
@@ -271,8 +273,19 @@ def elbo(
     return out
 
 
+def elbo_with_progress(run: TrainedRun, num_samples: int, batch_size: int, num_t_draws: int, seed: int) -> dict:
+    """`elbo` under one progress bar over every mode's samples and draws (mmldlm/progress.py)."""
+    with progress.stage("ELBO", len(MODES) * min(num_samples, len(run.val)) * num_t_draws):
+        return elbo(run, num_samples, batch_size, num_t_draws, seed)
+
+
 # --------------------------------------------------------------------------------------------------
 # 2.-3. sampling
+
+
+def stage_name(name: str, options: SamplingOptions) -> str:
+    """The progress bar's name of a sampling stage: with its guidance scale where guidance is on."""
+    return f"{name}, guidance {options.guidance_scale:g}" if options.guidance_scale else name
 
 
 def _first_val(run: TrainedRun, num: int) -> tuple[list[list[int]], torch.Tensor]:
@@ -311,13 +324,14 @@ def l2t_reconstruction(
     sampler = run.sampler(options)
     sources, generated = [], []
     start = time.perf_counter()
-    for b in range(0, len(ids), batch_size):
-        tokens, pad_mask = run.batch_of(ids[b : b + batch_size])
-        if predicted_length:
-            pad_mask = length_masks(run.candidate_lengths(latents[b : b + batch_size], options.length_candidates))
-        out = sampler.l2t(latents[b : b + batch_size], pad_mask, _generator(seed, 1, b))
-        sources += run.decode(tokens, tokens != run.text.pad_token_id)
-        generated += run.decode(out, out != run.text.pad_token_id)
+    with progress.stage(stage_name("l2t, predicted lengths" if predicted_length else "l2t", options), len(ids)):
+        for b in range(0, len(ids), batch_size):
+            tokens, pad_mask = run.batch_of(ids[b : b + batch_size])
+            if predicted_length:
+                pad_mask = length_masks(run.candidate_lengths(latents[b : b + batch_size], options.length_candidates))
+            out = sampler.l2t(latents[b : b + batch_size], pad_mask, _generator(seed, 1, b))
+            sources += run.decode(tokens, tokens != run.text.pad_token_id)
+            generated += run.decode(out, out != run.text.pad_token_id)
     seconds = time.perf_counter() - start
     per_text = writing_per_text(run, generated, sources, fluency)
     cosines = None
@@ -378,10 +392,11 @@ def joint_generation(
     lengths = run.sample_lengths(num_samples, _generator(seed, 3))
     texts, latents = [], []
     start = time.perf_counter()
-    for b in range(0, num_samples, batch_size):
-        batch_texts, z = run.joint_batch(sampler, lengths[b : b + batch_size], _generator(seed, 4, b))
-        texts += batch_texts
-        latents.append(z)
+    with progress.stage("joint", num_samples):
+        for b in range(0, num_samples, batch_size):
+            batch_texts, z = run.joint_batch(sampler, lengths[b : b + batch_size], _generator(seed, 4, b))
+            texts += batch_texts
+            latents.append(z)
     seconds = time.perf_counter() - start
     latents = torch.cat(latents)
     consistency = F.cosine_similarity(run.encode_latents(texts).flatten(1), latents.flatten(1), dim=-1)
@@ -431,9 +446,10 @@ def t2l_retrieval(
     sampler = run.sampler(options)
     generated = []
     start = time.perf_counter()
-    for b in range(0, len(ids), batch_size):
-        tokens, pad_mask = run.batch_of(ids[b : b + batch_size])
-        generated.append(sampler.t2l(tokens, pad_mask, _generator(seed, 2, b)).cpu())
+    with progress.stage(stage_name("t2l", options), len(ids)):
+        for b in range(0, len(ids), batch_size):
+            tokens, pad_mask = run.batch_of(ids[b : b + batch_size])
+            generated.append(sampler.t2l(tokens, pad_mask, _generator(seed, 2, b)).cpu())
     seconds = time.perf_counter() - start
     generated = torch.cat(generated).flatten(1)  # (N, K*D)
     pool = pool.flatten(1)  # (P, K*D), P >= N: sample i is pool row i
@@ -540,6 +556,8 @@ def evaluate(
     was_training = run.model.training
     run.model.eval()
     try:
+        if cfg.writing:
+            progress.note("n-gram reference: fitting on the training texts")
         fluency = fluency_reference(run) if cfg.writing else None
         num_elbo = cfg.num_elbo_batches * cfg.batch_size
         report = {
@@ -550,7 +568,7 @@ def evaluate(
             "num_t_draws": num_t_draws,
             "seed": seed,
             "texts_sha256": texts_digest(run, num_elbo, cfg.num_samples, cfg.retrieval_pool),
-            "elbo": elbo(run, num_elbo, cfg.batch_size, num_t_draws, seed),
+            "elbo": elbo_with_progress(run, num_elbo, cfg.batch_size, num_t_draws, seed),
             **guidance_sweep(run, cfg, options, scales, seed, fluency),
         }
         length = length_prediction(run, cfg.num_samples)
@@ -559,6 +577,7 @@ def evaluate(
         if cfg.writing:
             report.update(writing(run, cfg, first, seed, fluency))
         report.update(without_selection(run, cfg, first, seed, fluency))
+        progress.note("references: what trivial predictors and real text score")
         report["references"] = references(run, cfg.num_samples, cfg.retrieval_pool, fluency)
         if cfg.writing and fluency is None:
             report["references"]["ngram_perplexity"] = "not measured: no training texts at hand"

@@ -55,6 +55,7 @@ from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.errors import OptionError, require_positive
 from mmldlm.model import MultimodalMMDiT
 from mmldlm.outputs import FolderKind
+from mmldlm.progress import reporting, stage
 from mmldlm.sampling.card import model_card
 from mmldlm.sampling.run import TrainedRun, load_run, load_weights
 from mmldlm.sampling.sampler import SamplingOptions, length_masks
@@ -292,7 +293,8 @@ class MMLDLM:
     and the sentence encoder itself (`embed`). Sampler options are keyword arguments: `steps` (every
     sampler; default the run's num_sampling_steps), and the fields of SamplingOptions (latent_steps,
     temperature, strategy, guidance_scale, latent_sampler, reuse_output). The same `seed` gives the same
-    samples; a batch b of `batch_size` rows draws from the seed `seed * 1_000_003 + b`."""
+    samples; a batch b of `batch_size` rows draws from the seed `seed * 1_000_003 + b`. `progress`: a bar
+    with an ETA on stderr, True, False or "auto" (only when stderr is a terminal; mmldlm/progress.py)."""
 
     def __init__(self, run: TrainedRun, run_dir: Path | None = None, card: str | None = None):
         """`run` loaded from the training run `run_dir` (whose files the model card is written from), or
@@ -374,18 +376,28 @@ class MMLDLM:
         to produce."""
         return self.run.encode_latents([texts] if isinstance(texts, str) else list(texts))
 
-    def encode(self, texts: str | list[str], *, batch_size: int = 64, seed: int = 0, **options) -> torch.Tensor:
+    def encode(
+        self, texts: str | list[str], *, batch_size: int = 64, seed: int = 0, progress: bool | str = "auto", **options
+    ) -> torch.Tensor:
         """t2l: latents (N, K, D) in the encoder's space sampled for `texts` (one string: N = 1)."""
         sampler = self.run.sampler(self.options(**options))
         ids = self.run.tokenize([texts] if isinstance(texts, str) else list(texts))
         out = []
-        for rows, generator in self._batches(len(ids), batch_size, seed):
-            tokens, pad_mask = self.run.batch_of(ids[rows.start : rows.stop])
-            out.append(sampler.t2l(tokens, pad_mask, generator).cpu())
+        with reporting(progress), stage("t2l", total=len(ids)):
+            for rows, generator in self._batches(len(ids), batch_size, seed):
+                tokens, pad_mask = self.run.batch_of(ids[rows.start : rows.stop])
+                out.append(sampler.t2l(tokens, pad_mask, generator).cpu())
         return self._stack(out)
 
     def decode(
-        self, latents, lengths: int | list[int] | None = None, *, batch_size: int = 64, seed: int = 0, **options
+        self,
+        latents,
+        lengths: int | list[int] | None = None,
+        *,
+        batch_size: int = 64,
+        seed: int = 0,
+        progress: bool | str = "auto",
+        **options,
     ) -> list[str]:
         """l2t: a text for each latent (N, K, D), or (N, D) for K = 1, in the encoder's space; `lengths`
         in tokens (`text_lengths`)."""
@@ -397,14 +409,22 @@ class MMLDLM:
         else:
             lengths = [[n] for n in self.text_lengths(len(latents), lengths, latents, seed)]
         texts = []
-        for rows, generator in self._batches(len(latents), batch_size, seed):
-            pad_mask = length_masks([lengths[i] for i in rows])
-            tokens = sampler.l2t(latents[rows.start : rows.stop], pad_mask, generator)
-            texts += self.run.decode(tokens, tokens != self.run.text.pad_token_id)
+        with reporting(progress), stage("l2t", total=len(latents)):
+            for rows, generator in self._batches(len(latents), batch_size, seed):
+                pad_mask = length_masks([lengths[i] for i in rows])
+                tokens = sampler.l2t(latents[rows.start : rows.stop], pad_mask, generator)
+                texts += self.run.decode(tokens, tokens != self.run.text.pad_token_id)
         return texts
 
     def generate(
-        self, num: int, lengths: int | list[int] | None = None, *, batch_size: int = 64, seed: int = 0, **options
+        self,
+        num: int,
+        lengths: int | list[int] | None = None,
+        *,
+        batch_size: int = 64,
+        seed: int = 0,
+        progress: bool | str = "auto",
+        **options,
     ) -> tuple[list[str], torch.Tensor]:
         """joint: `num` (text, latent (K, D)) pairs sampled together; `lengths` in tokens (`text_lengths`).
         With joint_order="latent_first" the latents are sampled first (given the lengths) and decoded at
@@ -413,8 +433,9 @@ class MMLDLM:
         sampler = self.run.sampler(self.options(**options))
         lengths = self.text_lengths(num, lengths, seed=seed)
         texts, latents = [], []
-        for rows, generator in self._batches(num, batch_size, seed):
-            batch_texts, z = self.run.joint_batch(sampler, [lengths[i] for i in rows], generator)
-            texts += batch_texts
-            latents.append(z)
+        with reporting(progress), stage("joint", total=num):
+            for rows, generator in self._batches(num, batch_size, seed):
+                batch_texts, z = self.run.joint_batch(sampler, [lengths[i] for i in rows], generator)
+                texts += batch_texts
+                latents.append(z)
         return texts, self._stack(latents)

@@ -314,6 +314,26 @@ def find_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
     return path
 
 
+def weight_mismatches(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> str | None:
+    """What keeps `state` from loading into `model` (its missing, unexpected and differently shaped
+    tensors, the first three of each, in words), or None when it fits. A sharded model's tensors count
+    with their whole shape."""
+    expected = model.state_dict()
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    shapes = [
+        f"{k} {list(state[k].shape)} (the config makes {list(expected[k].shape)})"
+        for k in sorted(expected.keys() & state.keys())
+        if state[k].shape != expected[k].shape
+    ]
+    problems = [
+        f"{what} {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
+        for what, keys in (("missing", missing), ("unexpected", unexpected), ("shape of", shapes))
+        if keys
+    ]
+    return "; ".join(problems) or None
+
+
 def load_weights(model: torch.nn.Module, path: Path, state: dict[str, torch.Tensor] | None = None) -> None:
     """Load a safetensors file (or `state`, the weights read from `path`) into `model`, or DataError
     naming the file and what does not match the model's config (missing, unexpected or differently
@@ -325,21 +345,9 @@ def load_weights(model: torch.nn.Module, path: Path, state: dict[str, torch.Tens
             state = load_file(str(path))
         except SafetensorError as err:
             raise DataError(f"{path}: not a readable safetensors file ({err})") from None
-    expected = model.state_dict()
-    missing = sorted(expected.keys() - state.keys())
-    unexpected = sorted(state.keys() - expected.keys())
-    shapes = [
-        f"{k} {list(state[k].shape)} (the config makes {list(expected[k].shape)})"
-        for k in sorted(expected.keys() & state.keys())
-        if state[k].shape != expected[k].shape
-    ]
-    if missing or unexpected or shapes:
-        problems = [
-            f"{what} {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
-            for what, keys in (("missing", missing), ("unexpected", unexpected), ("shape of", shapes))
-            if keys
-        ]
-        raise DataError(f"{path}: the weights do not match the model config: {'; '.join(problems)}")
+    problems = weight_mismatches(model, state)
+    if problems:
+        raise DataError(f"{path}: the weights do not match the model config: {problems}")
     model.load_state_dict(state)
 
 

@@ -51,6 +51,7 @@ from typing import Literal
 
 import torch
 
+from mmldlm import progress
 from mmldlm.config import LatentDiffusionConfig, TextDiffusionConfig
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion, rng
 from mmldlm.errors import OptionError
@@ -378,6 +379,7 @@ class Sampler:
             if self._record_confidence(confidence, scores, tokens, new):
                 logits = None  # the input changed: the next step needs a fresh model output
             tokens = new
+            progress.step()
         return Draft(tokens, confidence)
 
     def _text_step(self, scores, tokens, t: float, s: float, generator) -> torch.Tensor:
@@ -394,6 +396,18 @@ class Sampler:
             return False
         confidence[revealed] = self.text.log_x0(scores[revealed]).gather(-1, new[revealed][:, None])[:, 0]
         return True
+
+    def planned_steps(self, pad_mask: torch.Tensor, mode: str) -> int:
+        """Reverse steps one call of `mode` walks for texts of pad_mask (B, L) or (B, C, L), what a progress
+        bar counts (mmldlm/progress.py): the trajectory, then one step per re-sampled position in each
+        remasking (l2t) and correction round, of the longest text."""
+        options = self.options
+        if mode == "t2l":
+            return options.latent_steps or options.num_steps
+        longest = int(pad_mask.sum(dim=-1).max()) if pad_mask.numel() else 0
+        per_round = max(1, math.ceil(longest * options.remask_fraction))
+        rounds = options.correction_rounds + (options.remask_rounds if mode == "l2t" else 0)
+        return options.num_steps + rounds * per_round
 
     def write(self, latents: torch.Tensor, pad_mask: torch.Tensor, generator=None) -> Draft:
         """Text for clean standardised latents (B, K, D) from fully masked: the reverse trajectory, then
@@ -424,8 +438,9 @@ class Sampler:
             raise ValueError("Sampler.l2t: several candidate lengths per latent need the sentence encoder")
         pad_mask = pad_mask.to(self.device)
         target = latents.to(self.device, torch.float32)
-        draft = decoding.best_of(self, target, pad_mask, generator)
-        return decoding.correction_rounds(self, draft, target, generator).tokens
+        with progress.share(target.shape[0], self.planned_steps(pad_mask, "l2t")):
+            draft = decoding.best_of(self, target, pad_mask, generator)
+            return decoding.correction_rounds(self, draft, target, generator).tokens
 
     @torch.no_grad()
     def t2l(
@@ -435,10 +450,12 @@ class Sampler:
         tokens, pad_mask = tokens.to(self.device), pad_mask.to(self.device)
         x = self._start_latent(tokens.shape[0], generator)  # (B, K, D) at t = 1
         x0 = None
-        for t, s in time_grid(self.options.latent_steps or self.options.num_steps):
-            pred = self._t2l_prediction(tokens, x, t, pad_mask, x0)
-            x0 = self._self_cond(pred, x, t)
-            x = self.latent.step(pred, x, t, s, self.options.latent_sampler, generator)
+        with progress.share(tokens.shape[0], self.planned_steps(pad_mask, "t2l")):
+            for t, s in time_grid(self.options.latent_steps or self.options.num_steps):
+                pred = self._t2l_prediction(tokens, x, t, pad_mask, x0)
+                x0 = self._self_cond(pred, x, t)
+                x = self.latent.step(pred, x, t, s, self.options.latent_sampler, generator)
+                progress.step()
         return self.latent.destandardize(x)
 
     @torch.no_grad()
@@ -470,6 +487,7 @@ class Sampler:
             tokens = new
             x0 = self._self_cond(pred.float(), x, t)
             x = self.latent.step(pred.float(), x, t, s, self.options.latent_sampler, generator)
+            progress.step()
         return Draft(tokens, confidence), self.latent.destandardize(x)
 
     @torch.no_grad()
@@ -480,5 +498,6 @@ class Sampler:
         Best-of-N keeps the pair whose text re-encodes closest to its own latent, and the correction
         rounds move the text towards that latent (decoding.py); no-ops unless asked for."""
         pad_mask = pad_mask.to(self.device)
-        draft, latents = decoding.best_joint(self, pad_mask, generator)
-        return decoding.correction_rounds(self, draft, latents, generator).tokens, latents
+        with progress.share(pad_mask.shape[0], self.planned_steps(pad_mask, "joint")):
+            draft, latents = decoding.best_joint(self, pad_mask, generator)
+            return decoding.correction_rounds(self, draft, latents, generator).tokens, latents

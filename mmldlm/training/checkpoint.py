@@ -357,6 +357,11 @@ class CheckpointManager:
         if not path.is_dir():
             raise CheckpointError(f"--resume {resume}: no such directory; {expected}")
         reason = verify(path, checksums=True)
+        if reason is not None and not (path / "meta.json").exists():  # an exported folder, a run directory
+            expected += (
+                f"; to start a new run from the weights of another run, a checkpoint or an exported model, "
+                f"use --init-from {resume}"
+            )
         if reason is not None:
             raise CheckpointError(f"--resume {resume}: {reason}; {expected}")
         return path

@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from mmldlm import comparison
 from mmldlm.config import ConfigError, PerfConfig, RunConfig
+from mmldlm.data.errors import DataError
 from mmldlm.model.info import training_flops_per_sample
 from mmldlm.model.mmdit import padded_row_count
 from mmldlm.training.batch_size import (
@@ -54,6 +55,7 @@ from mmldlm.training.checkpoint import CheckpointManager
 from mmldlm.training.distributed import DistInfo, collective_guard
 from mmldlm.training.ema import WeightEMA
 from mmldlm.training.evaluation import evaluate_during_training
+from mmldlm.training.init_from import init_weights
 from mmldlm.training.metrics import MetricsLogger, cpu_has_native_bf16, memory_stats, peak_flops
 from mmldlm.training.optim import STATE_BYTES, build_optimizer
 from mmldlm.training.parallelize import (
@@ -486,7 +488,13 @@ class Trainer:
             self.schedule.load_state_dict(state["schedule"])
             if self.scaler is not None and state["scaler"]:
                 self.scaler.load_state_dict(state["scaler"])
-            self.loader.load_state_dict(state["data"])
+            try:
+                self.loader.load_state_dict(state["data"])
+            except DataError as err:
+                raise DataError(
+                    f"--resume {path}: {err}; to train on other data from its weights, start a new run "
+                    f"with --init-from {path}"
+                ) from None
             self._batches = iter(self.loader)
             self._restore_rng(rank_state, meta)
             keep_lines = meta["metrics_lines"]
@@ -495,12 +503,27 @@ class Trainer:
             self.resumed_from = path
             if self.info.is_main:
                 log.info("resumed from %s at step %d", path, self.step)
+        elif self.cfg.train.init_from:
+            self._init_from(self.cfg.train.init_from)
         # fp32 weights, AdamW's moments, the EMA's fp32 copy: what a checkpoint of this run takes
         bytes_per_param = 4 + STATE_BYTES[self.cfg.optim.state_dtype] + (4 if self.ema is not None else 0)
         self.checkpoints.warn_if_retention_cannot_fit(
             int(bytes_per_param * sum(p.numel() for p in self.raw_model.parameters()))
         )
         self.metrics = MetricsLogger(self.run_dir, self.cfg.logging, self.info.is_main, keep_lines)
+
+    def _init_from(self, source: str) -> None:
+        """A new run from the weights of `source` (train.init_from; training/init_from.py); the config
+        records the checkpoint or exported folder they came from."""
+        run = init_weights(self, source, self.cfg.train.init_weights)
+        self.cfg.train.init_from = str(run.checkpoint.resolve())
+        if self.info.is_main:
+            log.info(
+                "initialized from %s (step %s, %s weights); optimizer, schedule, data position and step start afresh",
+                self.cfg.train.init_from,
+                run.step,
+                run.weights,
+            )
 
     def _restore_rng(self, rank_state: dict | None, meta: dict) -> None:
         """This rank's RNG states as saved; from a checkpoint of another number of processes (there is
