@@ -34,10 +34,10 @@ from tqdm import tqdm
 
 from mmldlm import __version__
 from mmldlm.config import load_config
-from mmldlm.data import corpus
+from mmldlm.data import corpus, long_texts
 from mmldlm.data import format as fmt
 from mmldlm.data import tokenizer as tok
-from mmldlm.data.dataset import default_prepare_options
+from mmldlm.data.dataset import PreparedDataset, default_prepare_options, resolve_for_model
 from mmldlm.data.encoders import DEFAULT_ENCODER, REGISTRY, load_encoder
 from mmldlm.data.errors import DataError
 from mmldlm.data.legacy import LegacySource
@@ -61,6 +61,8 @@ class PrepareOptions:
     paragraphs: bool = False
     min_chars: int = 1
     max_chars: int = 1000
+    long_texts: str = "cut"  # what a text over --max-tokens or the encoder's limit becomes (long_texts.py)
+    max_tokens: int | None = None  # the longest text the model reads; None: only the encoder's limit
     dedup: bool = True
     max_samples: int | None = None  # a seeded random subset of the filtered samples
     vocab_size: int = 8192
@@ -96,6 +98,12 @@ class PrepareOptions:
                 "--min-chars": self.min_chars,
             }
         )
+        if self.long_texts not in long_texts.MODES:
+            raise OptionError("--long-texts", self.long_texts, f"one of {', '.join(long_texts.MODES)}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise OptionError("--max-tokens", self.max_tokens, "a positive integer (the model's max_seq_len)")
+        if self.max_tokens is not None and self.legacy_tokens is not None:
+            raise DataError("--max-tokens applies to text input; a legacy import keeps its token ids as they are")
         if self.max_chars < self.min_chars:
             raise OptionError("--max-chars", self.max_chars, f"an integer >= --min-chars ({self.min_chars})")
         if bool(self.inputs) == (self.legacy_tokens is not None or self.legacy_latents is not None):
@@ -113,14 +121,16 @@ class PrepareOptions:
 
 
 def options_like_run(run_dir: str | Path) -> dict[str, Any]:
-    """The PrepareOptions fields (tokenizer, encoder, normalize) that prepare new text the way a
-    training run's own dataset was prepared: its tokenizer.json, reused as is (no new BPE, so the
-    same text gets the same ids), and its sentence encoder with the same normalisation, so that the
-    run can be evaluated on the result. Nothing is prepared here: the run's dataset must exist."""
+    """The PrepareOptions fields (tokenizer, encoder, normalize, max_tokens) that prepare new text the
+    way a training run's own dataset was prepared: its tokenizer.json, reused as is (no new BPE, so the
+    same text gets the same ids), its sentence encoder with the same normalisation, and the length its
+    texts were cut to in training, so that the run can be evaluated on the result. Nothing is prepared
+    here: the run's dataset must exist."""
     config_file = Path(run_dir) / "config.yaml"
     if not config_file.is_file():
         raise DataError(f"--like {run_dir}: no config.yaml there; expected a training run directory (train.run_dir)")
-    data = load_config(config_file).data
+    cfg = load_config(config_file)
+    data = cfg.data
     if data.path is not None:
         data_dir, origin = Path(data.path), f"data.path {data.path!r}"
     else:  # the bundled corpus, prepared into the cache on the run's first use
@@ -152,7 +162,8 @@ def options_like_run(run_dir: str | Path) -> dict[str, Any]:
             f"({', '.join(REGISTRY)}) nor a local sentence-transformers folder; to prepare text like this run, "
             f"put that encoder's folder at this path (or register the name in mmldlm/data/encoders.py)"
         )
-    return {"tokenizer": str(tokenizer), "encoder": encoder, "normalize": normalize}
+    max_tokens = resolve_for_model(data, cfg.model, PreparedDataset(data_dir, "train")).max_length
+    return {"tokenizer": str(tokenizer), "encoder": encoder, "normalize": normalize, "max_tokens": max_tokens}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -211,17 +222,26 @@ def _unwrap(results: list[tuple[str | None, Any]]) -> Any:
 
 
 class TextSource:
-    """Corpus texts, tokenised and encoded shard by shard."""
+    """Corpus texts, tokenised, fitted to the limits (long_texts.py) and encoded shard by shard."""
 
-    def __init__(self, texts: list[str], tokenizer, encoder, batch_size: int):
-        self.texts, self.tokenizer, self.encoder, self.batch_size = texts, tokenizer, encoder, batch_size
+    def __init__(self, texts: list[str], limits: long_texts.Limits, mode: str, batch_size: int):
+        self.texts, self.limits, self.mode, self.batch_size = texts, limits, mode, batch_size
+        self.encoder = limits.encoder
 
     def __len__(self) -> int:
         return len(self.texts)
 
-    def shard(self, indices: np.ndarray, progress: Callable[[int], None]) -> tuple[list, np.ndarray]:
+    def shard(self, indices: np.ndarray, progress: Callable[[int], None]) -> tuple[list, np.ndarray, dict]:
+        """(token ids and latents (n, K, D) of the samples stored, the lengths of the texts as read and
+        what became of the long ones). A split text adds samples: n may differ from len(indices)."""
         texts = [self.texts[i] for i in indices]
-        return tok.encode_texts(self.tokenizer, texts), self.encoder.encode(texts, self.batch_size, progress)
+        token_ids = tok.encode_texts(self.limits.tokenizer, texts)
+        wordpieces = self.encoder.count_wordpieces(texts)
+        stored, stored_ids, counts = long_texts.resolve(texts, token_ids, wordpieces, self.limits, self.mode)
+        per_sample = len(texts) / max(len(stored), 1)  # the bar counts texts read, the encoder samples stored
+        latents = self.encoder.encode(stored, self.batch_size, lambda n: progress(n * per_sample))
+        lengths = {"tokens": [len(ids) for ids in token_ids], "wordpieces": wordpieces, "counts": counts}
+        return stored_ids, latents, lengths
 
 
 def split_indices(num_samples: int, val_fraction: float, seed: int) -> dict[str, np.ndarray]:
@@ -256,7 +276,7 @@ def _write_shards(
     """Write this rank's shards; returns each one's meta entry plus its latent sums for the stats."""
     done = []
     for split, index, indices in work:
-        token_lists, latents = source.shard(indices, bar.update)
+        token_lists, latents, lengths = source.shard(indices, bar.update)
         stored = latents.astype(latent_dtype)
         info = fmt.write_shard(root, split, index, token_lists, stored, token_dtype, latent_dtype)
         values = stored.astype(np.float64).reshape(-1, stored.shape[-1])  # statistics of what the loader will read
@@ -270,6 +290,7 @@ def _write_shards(
                 "sum": values.sum(0),
                 "sumsq": np.square(values).sum(0),
                 "count": len(values),
+                "lengths": lengths,
             }
         )
     return done
@@ -387,6 +408,11 @@ def _merge(
     num_latents, latent_dim = shapes.pop()
     train = [s for s in shards if s["split"] == "train"]
     count = sum(s["count"] for s in train)
+    if count == 0:
+        raise DataError(
+            f"{', '.join(opts.inputs)}: no train sample left: --long-texts {opts.long_texts} dropped every "
+            f"text over the limits; use --long-texts split, or a larger --max-tokens"
+        )
     total, total_sq = np.zeros(latent_dim), np.zeros(latent_dim)
     for s in train:  # a fixed order: the float64 sums are the same for any number of ranks
         total += s["sum"]
@@ -475,7 +501,8 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
 
         tokenizer_json = ranks.on_rank0(make_tokenizer)
         encoder = ranks.on_all(lambda: load_encoder(opts.encoder, _device(opts.device), opts.normalize))
-        source = TextSource(texts, tok.from_json(tokenizer_json), encoder, opts.encode_batch_size)
+        limits = long_texts.Limits(tok.from_json(tokenizer_json), encoder, opts.max_tokens)
+        source = TextSource(texts, limits, opts.long_texts, opts.encode_batch_size)
         extra = {"encoder": encoder.name, "encoder_normalize": opts.normalize}
 
     partial = Path(ranks.on_rank0(lambda: _fresh_partial(out)))
@@ -494,6 +521,9 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
                 lambda: _write_shards(source, mine, partial, token_dtype, np.dtype(opts.latent_dtype), bar), gather=True
             )
         shards = [s for rank_shards in results for s in rank_shards]
+        lengths = long_texts.summarise(shards, getattr(source, "limits", None), opts.long_texts)
+        if lengths is not None:
+            extra["lengths"] = lengths
         meta = ranks.on_rank0(
             lambda: _merge(opts, tokenizer_json, counts, shards, partial, extra, getattr(source, "encoder", None))
         )
@@ -501,6 +531,8 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
     finally:
         if ranks.rank == 0 and not completed and partial.exists():
             shutil.rmtree(partial)
+    for line in long_texts.report(lengths, meta["encoder"]) if lengths is not None else []:
+        say(line)
     say(
         f"{out}: {meta['splits']['train']} train + {meta['splits']['val']} val samples, "
         f"{meta['num_tokens']['train'] + meta['num_tokens']['val']} tokens, "

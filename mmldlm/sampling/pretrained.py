@@ -238,8 +238,8 @@ def _latent_stats(path: Path, latent_dim: int) -> dict[str, torch.Tensor]:
 
 
 def options_like_exported(directory: str | Path) -> dict:
-    """The PrepareOptions fields (tokenizer, encoder, normalize) that prepare new text the way the
-    exported model's training data was (`mmldlm prepare --like DIR`), so that it can be evaluated on it."""
+    """The PrepareOptions fields (tokenizer, encoder, normalize, max_tokens) that prepare new text the way
+    the exported model's training data was (`mmldlm prepare --like DIR`), so that it can be evaluated on it."""
     directory = Path(directory)
     config = read_config(directory)
     if config["encoder_normalize"] is None:
@@ -251,6 +251,7 @@ def options_like_exported(directory: str | Path) -> dict:
         "tokenizer": str(directory / TOKENIZER),
         "encoder": config["encoder"],
         "normalize": config["encoder_normalize"],
+        "max_tokens": config["max_length"],
     }
 
 
