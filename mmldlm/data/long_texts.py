@@ -50,17 +50,22 @@ class Limits:
 
 
 def cut(text: str, limits: Limits) -> tuple[str, str]:
-    """(the longest start of `text` ending at a token boundary that fits `limits`, the rest), both
-    stripped. The start keeps at least one token, so splitting always moves on."""
+    """(the longest start of `text` that fits `limits`, the rest), both stripped: the start ends at a
+    space where it holds one (no word is cut in two), else at a token boundary. It keeps at least one
+    token, so splitting always moves on."""
+    text = text.strip()
     ids = tok.encode_texts(limits.tokenizer, [text])[0]
-    start = lambda k: limits.tokenizer.decode(ids[:k]).strip()  # noqa: E731
+    start = lambda k: limits.tokenizer.decode(ids[:k])  # noqa: E731
     lo, hi = 1, len(ids) if limits.max_tokens is None else min(len(ids), limits.max_tokens)
     while lo < hi:  # the largest k whose start fits (fitting shrinks with k)
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if limits.fits(start(mid)) else (lo, mid - 1)
+        lo, hi = (mid, hi) if limits.fits(start(mid).strip()) else (lo, mid - 1)
     head = start(lo)
-    rest = text.strip()[len(head) :] if text.strip().startswith(head) else limits.tokenizer.decode(ids[lo:])
-    return head, rest.strip()
+    if not text.startswith(head):  # a token ends inside a character: the ids decode to other text
+        return head.strip(), limits.tokenizer.decode(ids[lo:]).strip()
+    if lo < len(ids) and not text[len(head)].isspace() and " " in head.strip():
+        head = head[: head.rstrip().rfind(" ")]  # the next token goes on with the last word: end before it
+    return head.strip(), text[len(head) :].strip()
 
 
 def split(text: str, limits: Limits) -> list[str]:

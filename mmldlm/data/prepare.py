@@ -408,10 +408,12 @@ def _merge(
     num_latents, latent_dim = shapes.pop()
     train = [s for s in shards if s["split"] == "train"]
     count = sum(s["count"] for s in train)
-    if count == 0:
+    emptied = [name for name in fmt.SPLITS if opts.val_fraction or name == "train"]
+    emptied = [name for name in emptied if not any(s["info"]["num_samples"] for s in shards if s["split"] == name)]
+    if emptied:
         raise DataError(
-            f"{', '.join(opts.inputs)}: no train sample left: --long-texts {opts.long_texts} dropped every "
-            f"text over the limits; use --long-texts split, or a larger --max-tokens"
+            f"{', '.join(opts.inputs)}: no {emptied[0]} sample left: --long-texts {opts.long_texts} dropped every "
+            f"text of that split over the limits; use --long-texts split, or a larger --max-tokens"
         )
     total, total_sq = np.zeros(latent_dim), np.zeros(latent_dim)
     for s in train:  # a fixed order: the float64 sums are the same for any number of ranks
