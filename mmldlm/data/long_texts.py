@@ -169,8 +169,10 @@ def summarise(shards: list[dict], limits: Limits | None, mode: str) -> dict | No
     }
 
 
-def report(lengths: dict, encoder: str) -> list[str]:
-    """The lines prepare prints about the lengths of meta.json "lengths"."""
+def report(lengths: dict | None, encoder: str) -> list[str]:
+    """The lines prepare prints about meta.json "lengths" (none for imported data: None)."""
+    if lengths is None:
+        return []
     n = lengths["num_texts"]
     enc = lengths["over_encoder"]
     models = "; ".join(

@@ -523,9 +523,7 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
                 lambda: _write_shards(source, mine, partial, token_dtype, np.dtype(opts.latent_dtype), bar), gather=True
             )
         shards = [s for rank_shards in results for s in rank_shards]
-        lengths = long_texts.summarise(shards, getattr(source, "limits", None), opts.long_texts)
-        if lengths is not None:
-            extra["lengths"] = lengths
+        extra["lengths"] = long_texts.summarise(shards, getattr(source, "limits", None), opts.long_texts)
         meta = ranks.on_rank0(
             lambda: _merge(opts, tokenizer_json, counts, shards, partial, extra, getattr(source, "encoder", None))
         )
@@ -533,7 +531,7 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
     finally:
         if ranks.rank == 0 and not completed and partial.exists():
             shutil.rmtree(partial)
-    for line in long_texts.report(lengths, meta["encoder"]) if lengths is not None else []:
+    for line in long_texts.report(meta["lengths"], meta["encoder"]):
         say(line)
     say(
         f"{out}: {meta['splits']['train']} train + {meta['splits']['val']} val samples, "
