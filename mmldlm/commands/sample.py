@@ -296,9 +296,9 @@ def _sources(args, run) -> tuple[list[str] | None, torch.Tensor | None]:  # noqa
     return None, None
 
 
-def _cut_sources(run, texts: list[str]) -> list[int]:
-    """How many tokens of each source text the model cannot read (its max_length), said on stderr once."""
-    cuts = run.tokens_cut(texts)
+def _note_cuts(run, cuts: list[int]) -> list[int]:
+    """`cuts`, the tokens of each source text the model cannot read (past its max_length), said on
+    stderr once where there are any."""
     note = run.cut_note(cuts)
     if note is not None:
         print(f"mmldlm sample: {note}", file=sys.stderr)
@@ -345,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
 
     # The inputs of every sample: token ids (when there is a source text) and latents (l2t).
     ids = run.tokenize(texts) if texts is not None else None
-    cuts = _cut_sources(run, texts) if texts is not None else None
+    cuts = _note_cuts(run, run.tokens_cut(texts)) if texts is not None else None
     if args.mode == "l2t" and latents is None:
         if texts is not None:
             texts = run.decode(*run.batch_of(ids)) if any(cuts) else texts  # the words the length is of
@@ -356,6 +356,7 @@ def run(args: argparse.Namespace) -> int:
             n = min(args.num, len(run.val))
             samples = [run.val[i] for i in range(n)]
             ids = [s[1][: run.max_length].tolist() for s in samples]
+            cuts = _note_cuts(run, [max(len(s[1]) - run.max_length, 0) for s in samples])
             texts = run.decode(*run.batch_of(ids))
             latents = torch.stack([torch.from_numpy(s[2].astype(np.float32)) for s in samples])
     num = len(ids) if ids is not None else (len(latents) if latents is not None else args.num)
@@ -370,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
             for i, t in enumerate(out)
         ]
     elif args.mode == "t2l":
-        with warnings.catch_warnings():  # _cut_sources said what was cut, in the command's words
+        with warnings.catch_warnings():  # _note_cuts said what was cut, in the command's words
             warnings.simplefilter("ignore")
             z = model.encode(texts, **options)
         records = [

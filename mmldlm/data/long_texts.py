@@ -141,7 +141,7 @@ def cut_warning(lengths: np.ndarray, max_length: int, where: str) -> str | None:
     p99 = distribution(lengths)["p99"]
     return (
         f"{where}: {cut_off['texts']} of {len(lengths)} texts ({cut_off['texts'] / len(lengths):.1%}) are longer "
-        f"than data.max_length={max_length} tokens; {cut_off['share']:.1%} of their tokens are never trained on "
+        f"than data.max_length={max_length} tokens; {cut_off['share']:.1%} of all training tokens are never trained on "
         f"(99% of the texts are at most {p99} tokens). Raise model.max_seq_len (`mmldlm check --fix` proposes one), "
         f"or prepare with `mmldlm prepare --long-texts split --max-tokens {max_length}`"
     )

@@ -649,7 +649,7 @@ RULES = {
         "long_texts",
         "warning",
         "{num_over} of {num_texts} training texts ({text_share:.1%}) are longer than data.max_length={max_length} "
-        "tokens: {token_share:.1%} of their tokens are never trained on",
+        "tokens: {token_share:.1%} of all training tokens are never trained on",
         "the loader cuts every sample of {path} at data.max_length and the model never sees the rest; 99% of "
         "the texts are at most {p99} tokens",
         "model.max_seq_len={proposed}{data_max_length} (covers 99% of the texts; attention costs grow with "
@@ -662,7 +662,7 @@ RULES = {
         "long_texts",
         "info",
         "{num_over} of {num_texts} training texts ({text_share:.1%}) are longer than data.max_length={max_length} "
-        "tokens: {token_share:.1%} of their tokens are never trained on",
+        "tokens: {token_share:.1%} of all training tokens are never trained on",
         "the loader cuts every sample of {path} at data.max_length; 99% of the texts fit",
         "to train on the rest too, prepare the data again with `mmldlm prepare --long-texts split "
         "--max-tokens {max_length}`",
