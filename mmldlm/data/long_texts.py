@@ -100,7 +100,7 @@ def resolve(
         if mode == "drop":
             counts["dropped"] += 1
             continue
-        made = [cut(text, limits)[0]] if mode == "cut" else split(text, limits)
+        made = [p for p in ([cut(text, limits)[0]] if mode == "cut" else split(text, limits)) if p]
         counts[mode] += 1
         counts["passages"] += len(made)
         out_texts += made

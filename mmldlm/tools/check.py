@@ -667,6 +667,15 @@ RULES = {
         "to train on the rest too, prepare the data again with `mmldlm prepare --long-texts split "
         "--max-tokens {max_length}`",
     ),
+    "long_texts_prepared": Rule(
+        "long_texts",
+        "info",
+        "{num_long} of the {num_texts} texts read were {what} when {path} was prepared (--long-texts "
+        "{long_texts}): longer than {limits}",
+        "their ends are not in the data, so neither text nor latent describes them (prepare reported "
+        'it; meta.json "lengths")',
+        "to keep every word, prepare the data again with `mmldlm prepare --long-texts split{max_tokens}`",
+    ),
     "compile_shapes": Rule(
         "compile_shapes",
         "warning",
@@ -855,11 +864,35 @@ def _covering_length(length: int, pad: int) -> int:
     return -(-length // multiple) * multiple
 
 
+def _prepared_cut(path: Path) -> list[Finding]:
+    """Texts that prepare cut or dropped (meta.json "lengths"; none recorded for imported data)."""
+    lengths = json.loads((path / "meta.json").read_text()).get("lengths")
+    if not lengths or lengths["long_texts"] == "split" or not (lengths["cut"] or lengths["dropped"]):
+        return []
+    max_tokens = lengths["max_tokens"]
+    limit = f"the encoder's {lengths['encoder_max_wordpieces']} wordpieces"
+    values = dict(
+        num_long=lengths["cut"] + lengths["dropped"],
+        num_texts=lengths["num_texts"],
+        what="cut" if lengths["long_texts"] == "cut" else "dropped",
+        path=path,
+        long_texts=lengths["long_texts"],
+        limits=limit + (f" or {max_tokens} tokens" if max_tokens else ""),
+        max_tokens=f" --max-tokens {max_tokens}" if max_tokens else "",
+    )
+    return [finding("long_texts_prepared", {}, **values)]
+
+
 def check_long_texts(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
-    """Training texts longer than the model reads: the loader cuts them (only the offsets are read)."""
+    """Training texts longer than the model reads: the loader cuts them (only the offsets are read);
+    and texts that prepare cut or dropped to fit (meta.json)."""
     path = prepared_data_path(cfg)
     if path is None:
         return []
+    return _prepared_cut(path) + _loader_cut(cfg, env, est, path)
+
+
+def _loader_cut(cfg: RunConfig, env: Environment, est: Estimate, path: Path) -> list[Finding]:
     lengths = open_dataset(path, "train").lengths()
     max_length = max_length_of(cfg)
     cut_off = long_texts.over(lengths, max_length)
