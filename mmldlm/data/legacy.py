@@ -92,7 +92,7 @@ class LegacySource:
         return latent.astype(np.float32)
 
     def shard(self, indices: np.ndarray, progress: Callable[[int], None]) -> tuple[list, np.ndarray, None]:
-        """(token ids, latents (n, K, D), None: no text lengths, the texts are not at hand)."""
+        """(token ids, latents (n, K, D), None: nothing is cut, the ids are kept as they are)."""
         token_lists, latents = [], []
         for i in indices:
             token_lists.append(self._tokens(self.stems[i]))

@@ -147,49 +147,54 @@ def cut_warning(lengths: np.ndarray, max_length: int, where: str) -> str | None:
     )
 
 
-def summarise(shards: list[dict], limits: Limits | None, mode: str) -> dict | None:
-    """meta.json "lengths": the lengths of the texts as read (in tokens and encoder wordpieces), what the
-    model lengths and the encoder would cut of them, and what `mode` did; None without an encoder
-    (imported latents)."""
-    if limits is None:
-        return None
-    tokens = np.concatenate([s["lengths"]["tokens"] for s in shards]).astype(np.int64)
-    pieces = np.concatenate([s["lengths"]["wordpieces"] for s in shards]).astype(np.int64)
-    counts = sum((s["lengths"]["counts"] for s in shards), Counter())
+def measure(texts: list[str], limits: Limits, chunk: int = 8192) -> dict:
+    """meta.json "lengths" without what became of the long texts (`outcome`): the lengths of the texts as
+    read, in tokens and encoder wordpieces, and what the encoder and model lengths would cut of them."""
+    tokens, pieces = [], []
+    for start in range(0, len(texts), chunk):  # in chunks: the ids of a whole corpus at once would not fit
+        part = texts[start : start + chunk]
+        tokens += [len(ids) for ids in tok.encode_texts(limits.tokenizer, part)]
+        pieces += limits.encoder.count_wordpieces(part)
+    tokens, pieces = np.array(tokens, dtype=np.int64), np.array(pieces, dtype=np.int64)
+    model_lengths = sorted({*MODEL_LENGTHS, limits.max_tokens} - {None})
     return {
         "num_texts": len(tokens),
         "tokens": distribution(tokens),
         "wordpieces": distribution(pieces),
         "encoder_max_wordpieces": limits.encoder.max_wordpieces,
         "over_encoder": over(pieces, limits.encoder.max_wordpieces),
-        "over_model_length": {str(n): over(tokens, n) for n in sorted({*MODEL_LENGTHS, limits.max_tokens} - {None})},
+        "over_model_length": {str(n): over(tokens, n) for n in model_lengths},
         "max_tokens": limits.max_tokens,
-        "long_texts": mode,
-        **{key: counts.get(key, 0) for key in ("cut", "split", "passages", "dropped")},
     }
 
 
-def report(lengths: dict | None, encoder: str) -> list[str]:
-    """The lines prepare prints about meta.json "lengths" (none for imported data: None)."""
-    if lengths is None:
-        return []
-    n = lengths["num_texts"]
+def outcome(mode: str, counts: list[Counter]) -> dict:
+    """What `mode` did to the long texts, from the counts of `resolve` on each shard."""
+    total = sum(counts, Counter())
+    return {"long_texts": mode, **{key: total.get(key, 0) for key in ("cut", "split", "passages", "dropped")}}
+
+
+def report(lengths: dict, encoder: str) -> list[str]:
+    """The lines prepare prints about the lengths of the texts as read (`measure`)."""
     enc = lengths["over_encoder"]
     models = "; ".join(
         f"{limit}: {o['texts']} texts ({o['share']:.1%} of tokens)" for limit, o in lengths["over_model_length"].items()
     )
-    lines = [
-        f"lengths of the {n} texts read: tokens {describe_distribution(lengths['tokens'])}; "
+    return [
+        f"lengths of the {lengths['num_texts']} texts read: tokens {describe_distribution(lengths['tokens'])}; "
         f"encoder wordpieces {describe_distribution(lengths['wordpieces'])}",
         f"over the encoder's {lengths['encoder_max_wordpieces']} wordpieces ({encoder} reads no further): "
         f"{enc['texts']} texts ({enc['share']:.1%} of wordpieces)",
         f"a model of max_seq_len N would cut, by N: {models}",
     ]
+
+
+def report_outcome(lengths: dict) -> str:
+    """The line prepare prints about what became of the long texts (`outcome`)."""
     limit = "the encoder's limit" + (f" or {lengths['max_tokens']} tokens" if lengths["max_tokens"] else "")
     done = {
         "cut": f"{lengths['cut']} texts cut to their start that fits",
         "split": f"{lengths['split']} texts split into {lengths['passages']} passages that fit",
         "drop": f"{lengths['dropped']} texts dropped",
     }[lengths["long_texts"]]
-    lines.append(f"--long-texts {lengths['long_texts']}: over {limit}, {done}")
-    return lines
+    return f"--long-texts {lengths['long_texts']}: over {limit}, {done}"

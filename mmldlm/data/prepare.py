@@ -6,9 +6,11 @@
    train/val split from the seed: a seeded permutation, the first `val_fraction` of it is val, and
    each split keeps corpus order.
 3. Rank 0 trains (or loads) the tokenizer once and broadcasts it, so every rank tokenises with
-   the same merges whatever `tokenizers` does with threads.
-4. Each split is cut into shards of `shard_size` consecutive samples; rank r tokenises, encodes
-   and writes shards r, r + W, r + 2W, ... and reports per-shard latent sums.
+   the same merges whatever `tokenizers` does with threads; it then measures the texts' lengths
+   and reports what the model and encoder limits would cut (long_texts.py).
+4. Each split is cut into shards of `shard_size` consecutive texts; rank r tokenises, fits the long
+   texts to the limits (cut, split or dropped), encodes and writes shards r, r + W, r + 2W, ... and
+   reports per-shard latent sums.
 5. Rank 0 adds the sums in shard order (float64), writes meta.json and the tokenizer, and renames
    the temporary directory onto the output. Shards and sums do not depend on W, so the output is
    the same for any number of processes.
@@ -232,16 +234,15 @@ class TextSource:
         return len(self.texts)
 
     def shard(self, indices: np.ndarray, progress: Callable[[int], None]) -> tuple[list, np.ndarray, dict]:
-        """(token ids and latents (n, K, D) of the samples stored, the lengths of the texts as read and
-        what became of the long ones). A split text adds samples: n may differ from len(indices)."""
+        """(token ids and latents (n, K, D) of the samples stored, counts of what became of the long
+        texts). A split text adds samples: n may differ from len(indices)."""
         texts = [self.texts[i] for i in indices]
         token_ids = tok.encode_texts(self.limits.tokenizer, texts)
         wordpieces = self.encoder.count_wordpieces(texts)
         stored, stored_ids, counts = long_texts.resolve(texts, token_ids, wordpieces, self.limits, self.mode)
         per_sample = len(texts) / max(len(stored), 1)  # the bar counts texts read, the encoder samples stored
         latents = self.encoder.encode(stored, self.batch_size, lambda n: progress(n * per_sample))
-        lengths = {"tokens": [len(ids) for ids in token_ids], "wordpieces": wordpieces, "counts": counts}
-        return stored_ids, latents, lengths
+        return stored_ids, latents, counts
 
 
 def split_indices(num_samples: int, val_fraction: float, seed: int) -> dict[str, np.ndarray]:
@@ -276,7 +277,7 @@ def _write_shards(
     """Write this rank's shards; returns each one's meta entry plus its latent sums for the stats."""
     done = []
     for split, index, indices in work:
-        token_lists, latents, lengths = source.shard(indices, bar.update)
+        token_lists, latents, long_counts = source.shard(indices, bar.update)
         stored = latents.astype(latent_dtype)
         info = fmt.write_shard(root, split, index, token_lists, stored, token_dtype, latent_dtype)
         values = stored.astype(np.float64).reshape(-1, stored.shape[-1])  # statistics of what the loader will read
@@ -290,7 +291,7 @@ def _write_shards(
                 "sum": values.sum(0),
                 "sumsq": np.square(values).sum(0),
                 "count": len(values),
-                "lengths": lengths,
+                "long_counts": long_counts,
             }
         )
     return done
@@ -482,7 +483,7 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
         )
         counts = {"read": len(source), "kept": len(source)}
         splits = split_indices(len(source), opts.val_fraction, opts.seed)
-        extra = {"encoder_normalize": None}  # not known: the legacy latents were made elsewhere
+        extra = {"encoder_normalize": None, "lengths": None}  # not known: the legacy data were made elsewhere
     else:
         texts, counts = ranks.on_all(lambda: _read_corpus(opts))
         say(
@@ -506,6 +507,9 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
         limits = long_texts.Limits(tok.from_json(tokenizer_json), encoder, opts.max_tokens)
         source = TextSource(texts, limits, opts.long_texts, opts.encode_batch_size)
         extra = {"encoder": encoder.name, "encoder_normalize": opts.normalize}
+        extra["lengths"] = ranks.on_rank0(lambda: long_texts.measure(texts, limits))
+        for line in long_texts.report(extra["lengths"], encoder.name):
+            say(line)
 
     partial = Path(ranks.on_rank0(lambda: _fresh_partial(out)))
     completed = False
@@ -523,7 +527,8 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
                 lambda: _write_shards(source, mine, partial, token_dtype, np.dtype(opts.latent_dtype), bar), gather=True
             )
         shards = [s for rank_shards in results for s in rank_shards]
-        extra["lengths"] = long_texts.summarise(shards, getattr(source, "limits", None), opts.long_texts)
+        if extra["lengths"] is not None:
+            extra["lengths"].update(long_texts.outcome(opts.long_texts, [s["long_counts"] for s in shards]))
         meta = ranks.on_rank0(
             lambda: _merge(opts, tokenizer_json, counts, shards, partial, extra, getattr(source, "encoder", None))
         )
@@ -531,8 +536,8 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
     finally:
         if ranks.rank == 0 and not completed and partial.exists():
             shutil.rmtree(partial)
-    for line in long_texts.report(meta["lengths"], meta["encoder"]):
-        say(line)
+    if meta.get("lengths"):
+        say(long_texts.report_outcome(meta["lengths"]))
     say(
         f"{out}: {meta['splits']['train']} train + {meta['splits']['val']} val samples, "
         f"{meta['num_tokens']['train'] + meta['num_tokens']['val']} tokens, "
