@@ -13,7 +13,8 @@ A text over either limit is *long*; `prepare --long-texts` decides what it becom
 
 The latent of a sample is computed from its stored text afterwards, so latent and text always
 describe the same words. The lengths of the texts as read are summarised in meta.json ("lengths"),
-which `mmldlm check` and `mmldlm train` read beside the stored lengths.
+which `mmldlm check` reads; `check` and `train` measure what the loader cuts from the stored lengths
+(the shards' offsets), with no tokenising.
 """
 
 from __future__ import annotations
