@@ -107,6 +107,8 @@ def test_prepare_like_reuses_the_runs_tokenizer_and_encoder(run_dir, like_dir):
         for i in range(len(split))
     ]
     assert sorted(stored) == expected
+    # Texts longer than the run reads would be cut to the length its texts were cut to in training.
+    assert meta["prepare"]["max_tokens"] == load_run(run_dir, device="cpu").max_length
 
 
 def test_prepare_like_refuses_a_run_whose_encoder_is_unknown_or_missing(run_dir, text_file, tmp_path, capsys):

@@ -141,6 +141,22 @@ def test_sample_l2t_from_text_validation_and_latent_file(run_dir, tmp_path):
     assert [r["length"] for r in read_jsonl(out)] == predicted and 1 <= predicted[0] <= run.max_length
 
 
+@pytest.mark.parametrize("mode", ["l2t", "t2l"])
+def test_sample_says_which_source_texts_were_cut_and_l2t_encodes_the_cut_text(run_dir, tmp_path, capsys, mode):
+    run = load_run(run_dir, device="cpu")
+    long = " ".join(["a small dog that barks at the postman every morning."] * 20)
+    out = tmp_path / "out.jsonl"
+    argv = ["sample", "--run", str(run_dir), "--mode", mode, "--text", long, "--text", "a small dog"]
+    assert main([*argv, "--out", str(out), "--latents-out", str(tmp_path / "z.npy"), *FAST]) == 0
+    records = read_jsonl(out)
+    over = len(run.tokenizer.encode(long).ids) - run.max_length
+    assert [(r["cut"], r["num_tokens_cut"]) for r in records] == [(True, over), (False, 0)]
+    assert f"1 of 2 texts longer than the model's {run.max_length} tokens" in capsys.readouterr().err
+    if mode == "l2t":  # the latent, the length and the source are of the same words
+        assert records[0]["source"] == run.tokenizer.decode(run.tokenizer.encode(long).ids[: run.max_length])
+        assert records[0]["length"] == run.max_length
+
+
 def test_sample_and_eval_use_the_ema_weights_unless_told_otherwise(run_dir):
     ema, raw = load_run(run_dir, device="cpu"), load_run(run_dir, device="cpu", use_ema=False)
     assert ema.weights == "ema" and raw.weights == "raw"

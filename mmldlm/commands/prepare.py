@@ -36,7 +36,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-chars",
         type=int,
         default=1000,
-        help="drop samples longer than this (the loader would cut their tokens while the latent saw all)",
+        help="drop samples longer than this many characters, before --long-texts (raise it to keep long "
+        "texts and let --long-texts split them)",
+    )
+    src.add_argument(
+        "--long-texts",
+        choices=["cut", "split", "drop"],
+        default="cut",
+        help="a text longer than --max-tokens tokens or than the sentence encoder reads (256 wordpieces for "
+        "all-MiniLM-L6-v2): cut to its start that fits, split into passages that fit (sentences where they "
+        "fit; each its own sample with its own latent), or drop it. The latent is always computed from "
+        "the stored text (default: cut)",
+    )
+    src.add_argument(
+        "--max-tokens",
+        type=int,
+        metavar="N",
+        help="the longest text the model reads, model.max_seq_len (default: with --like, the run's; else "
+        "no limit but the encoder's)",
     )
     src.add_argument(
         "--max-samples",
@@ -133,6 +150,8 @@ def tokenizer_and_encoder(args: argparse.Namespace) -> dict:
 def options_from_args(args: argparse.Namespace):
     from mmldlm.data.prepare import PrepareOptions
 
+    like = tokenizer_and_encoder(args)
+    like_max_tokens = like.pop("max_tokens", None)
     return PrepareOptions(
         inputs=args.inputs or [],
         out=args.out,
@@ -143,7 +162,9 @@ def options_from_args(args: argparse.Namespace):
         max_chars=args.max_chars,
         dedup=not args.keep_duplicates,
         max_samples=args.max_samples,
-        **tokenizer_and_encoder(args),
+        long_texts=args.long_texts,
+        max_tokens=like_max_tokens if args.max_tokens is None else args.max_tokens,
+        **like,
         latent_dtype=args.latent_dtype,
         val_fraction=args.val_fraction,
         seed=args.seed,

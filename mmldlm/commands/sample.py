@@ -13,13 +13,17 @@ the same seed gives the same samples here and there.
 Writes one JSON record per sample to --out (default: stdout). Text length (in tokens; the model has no
 end-of-text token, see mmldlm/sampling/sampler.py): the source text's length when there is a source
 text (l2t from --text or validation), else --length, else (l2t from --latents) the model's length
-head's most likely length for each latent, else drawn from the validation split's lengths.
+head's most likely length for each latent, else drawn from the validation split's lengths. A source
+text longer than the model reads (the length training cut texts to) is cut to its start: stderr says
+how many texts and tokens, each record carries "cut" and "num_tokens_cut", and l2t encodes the cut text,
+so that its latent and its length describe the same words (its "source").
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 
 def add_model_arguments(parser, what: str) -> None:
@@ -328,6 +332,20 @@ def _sources(args, run) -> tuple[list[str] | None, torch.Tensor | None, list[int
     return None, None, None
 
 
+def _note_cuts(run, cuts: list[int]) -> list[int]:
+    """`cuts`, the tokens of each source text the model cannot read (past its max_length), said on
+    stderr once where there are any."""
+    note = run.cut_note(cuts)
+    if note is not None:
+        print(f"mmldlm sample: {note}", file=sys.stderr)
+    return cuts
+
+
+def _cut(cuts: list[int] | None, i: int) -> dict:
+    """The record fields of source text i's cut: {"cut", "num_tokens_cut"} (none without source texts)."""
+    return {} if cuts is None else {"cut": cuts[i] > 0, "num_tokens_cut": cuts[i]}
+
+
 def run(args: argparse.Namespace) -> int:
     from mmldlm.progress import note, reporting  # light (tqdm): the first line comes before torch loads
 
@@ -379,8 +397,10 @@ def _sample(args: argparse.Namespace) -> int:
 
     # The inputs of every sample: token ids (when there is a source text) and latents (l2t).
     ids = run.tokenize(texts) if texts is not None else None
+    cuts = _note_cuts(run, run.tokens_cut(texts)) if texts is not None else None
     if args.mode == "l2t" and latents is None:
         if texts is not None:
+            texts = run.decode(*run.batch_of(ids)) if any(cuts) else texts  # the words the length is of
             note(f"encoding {len(texts)} source text(s) with the sentence encoder")
             latents = run.encode_latents(texts)
         else:  # the first --num validation samples
@@ -389,6 +409,7 @@ def _sample(args: argparse.Namespace) -> int:
             n = min(args.num, len(run.val))
             samples = [run.val[i] for i in range(n)]
             ids = [s[1][: run.max_length].tolist() for s in samples]
+            cuts = _note_cuts(run, [max(len(s[1]) - run.max_length, 0) for s in samples])
             texts = run.decode(*run.batch_of(ids))
             latents = torch.stack([torch.from_numpy(s[2].astype(np.float32)) for s in samples])
     num = len(ids) if ids is not None else (len(latents) if latents is not None else args.num)
@@ -399,12 +420,17 @@ def _sample(args: argparse.Namespace) -> int:
     if args.mode == "l2t":
         out = model.decode(latents, lengths, **options)
         records = [
-            {"index": i, **({"source": texts[i]} if texts else {}), "text": t, "length": lengths[i]}
+            {"index": i, **({"source": texts[i]} if texts else {}), "text": t, "length": lengths[i], **_cut(cuts, i)}
             for i, t in enumerate(out)
         ]
     elif args.mode == "t2l":
-        z = model.encode(texts, **options)
-        records = [{"index": i, "text": t, "latent_norm": round(z[i].norm().item(), 4)} for i, t in enumerate(texts)]
+        with warnings.catch_warnings():  # _note_cuts said what was cut, in the command's words
+            warnings.simplefilter("ignore")
+            z = model.encode(texts, **options)
+        records = [
+            {"index": i, "text": t, "latent_norm": round(z[i].norm().item(), 4), **_cut(cuts, i)}
+            for i, t in enumerate(texts)
+        ]
     else:
         out, z = model.generate(num, lengths, **options)
         records = [

@@ -82,6 +82,14 @@ class SentenceEncoder:
             )
         self.model = model
         self.latent_dim = int(model.get_embedding_dimension())
+        # The model reads max_seq_length wordpieces, its own [CLS] and [SEP] among them, and ignores the rest.
+        self.max_wordpieces = int(model.max_seq_length) - model.tokenizer.num_special_tokens_to_add()
+
+    def count_wordpieces(self, texts: list[str]) -> list[int]:
+        """The encoder's wordpieces of each text, without its special tokens: what it reads up to
+        `max_wordpieces`."""
+        ids = self.model.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+        return [len(x) for x in ids]
 
     def unknown_pieces(self, texts: list[str]) -> UnknownPieces:
         """The word pieces of `texts` that the model's tokenizer maps to its unknown token: characters the

@@ -91,10 +91,11 @@ class LegacySource:
             )
         return latent.astype(np.float32)
 
-    def shard(self, indices: np.ndarray, progress: Callable[[int], None]) -> tuple[list, np.ndarray]:
+    def shard(self, indices: np.ndarray, progress: Callable[[int], None]) -> tuple[list, np.ndarray, None]:
+        """(token ids, latents (n, K, D), None: nothing is cut, the ids are kept as they are)."""
         token_lists, latents = [], []
         for i in indices:
             token_lists.append(self._tokens(self.stems[i]))
             latents.append(self._latent(self.stems[i]))
             progress(1)
-        return token_lists, np.stack(latents)  # (n, K, D)
+        return token_lists, np.stack(latents), None  # (n, K, D)

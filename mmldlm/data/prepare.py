@@ -6,9 +6,11 @@
    train/val split from the seed: a seeded permutation, the first `val_fraction` of it is val, and
    each split keeps corpus order.
 3. Rank 0 trains (or loads) the tokenizer once and broadcasts it, so every rank tokenises with
-   the same merges whatever `tokenizers` does with threads.
-4. Each split is cut into shards of `shard_size` consecutive samples; rank r tokenises, encodes
-   and writes shards r, r + W, r + 2W, ... and reports per-shard latent sums.
+   the same merges whatever `tokenizers` does with threads; it then measures the texts' lengths
+   and reports what the model and encoder limits would cut (long_texts.py).
+4. Each split is cut into shards of `shard_size` consecutive texts; rank r tokenises, fits the long
+   texts to the limits (cut, split or dropped), encodes and writes shards r, r + W, r + 2W, ... and
+   reports per-shard latent sums.
 5. Rank 0 adds the sums in shard order (float64), writes meta.json and the tokenizer, and renames
    the temporary directory onto the output. Shards and sums do not depend on W, so the output is
    the same for any number of processes.
@@ -34,10 +36,10 @@ from tqdm import tqdm
 
 from mmldlm import __version__
 from mmldlm.config import load_config
-from mmldlm.data import corpus
+from mmldlm.data import corpus, long_texts
 from mmldlm.data import format as fmt
 from mmldlm.data import tokenizer as tok
-from mmldlm.data.dataset import default_prepare_options
+from mmldlm.data.dataset import PreparedDataset, default_prepare_options, resolve_for_model
 from mmldlm.data.encoders import DEFAULT_ENCODER, REGISTRY, load_encoder
 from mmldlm.data.errors import DataError
 from mmldlm.data.legacy import LegacySource
@@ -64,6 +66,8 @@ class PrepareOptions:
     paragraphs: bool = False
     min_chars: int = 1
     max_chars: int = 1000
+    long_texts: str = "cut"  # what a text over --max-tokens or the encoder's limit becomes (long_texts.py)
+    max_tokens: int | None = None  # the longest text the model reads; None: only the encoder's limit
     dedup: bool = True
     max_samples: int | None = None  # a seeded random subset of the filtered samples
     vocab_size: int = 8192
@@ -99,6 +103,12 @@ class PrepareOptions:
                 "--min-chars": self.min_chars,
             }
         )
+        if self.long_texts not in long_texts.MODES:
+            raise OptionError("--long-texts", self.long_texts, f"one of {', '.join(long_texts.MODES)}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise OptionError("--max-tokens", self.max_tokens, "a positive integer (the model's max_seq_len)")
+        if self.max_tokens is not None and self.legacy_tokens is not None:
+            raise DataError("--max-tokens applies to text input; a legacy import keeps its token ids as they are")
         if self.max_chars < self.min_chars:
             raise OptionError("--max-chars", self.max_chars, f"an integer >= --min-chars ({self.min_chars})")
         if bool(self.inputs) == (self.legacy_tokens is not None or self.legacy_latents is not None):
@@ -116,14 +126,16 @@ class PrepareOptions:
 
 
 def options_like_run(run_dir: str | Path) -> dict[str, Any]:
-    """The PrepareOptions fields (tokenizer, encoder, normalize) that prepare new text the way a
-    training run's own dataset was prepared: its tokenizer.json, reused as is (no new BPE, so the
-    same text gets the same ids), and its sentence encoder with the same normalisation, so that the
-    run can be evaluated on the result. Nothing is prepared here: the run's dataset must exist."""
+    """The PrepareOptions fields (tokenizer, encoder, normalize, max_tokens) that prepare new text the
+    way a training run's own dataset was prepared: its tokenizer.json, reused as is (no new BPE, so the
+    same text gets the same ids), its sentence encoder with the same normalisation, and the length its
+    texts were cut to in training, so that the run can be evaluated on the result. Nothing is prepared
+    here: the run's dataset must exist."""
     config_file = Path(run_dir) / "config.yaml"
     if not config_file.is_file():
         raise DataError(f"--like {run_dir}: no config.yaml there; expected a training run directory (train.run_dir)")
-    data = load_config(config_file).data
+    cfg = load_config(config_file)
+    data = cfg.data
     if data.path is not None:
         data_dir, origin = Path(data.path), f"data.path {data.path!r}"
     else:  # the bundled corpus, prepared into the cache on the run's first use
@@ -155,7 +167,8 @@ def options_like_run(run_dir: str | Path) -> dict[str, Any]:
             f"({', '.join(REGISTRY)}) nor a local sentence-transformers folder; to prepare text like this run, "
             f"put that encoder's folder at this path (or register the name in mmldlm/data/encoders.py)"
         )
-    return {"tokenizer": str(tokenizer), "encoder": encoder, "normalize": normalize}
+    max_tokens = resolve_for_model(data, cfg.model, PreparedDataset(data_dir, "train")).max_length
+    return {"tokenizer": str(tokenizer), "encoder": encoder, "normalize": normalize, "max_tokens": max_tokens}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -214,17 +227,25 @@ def _unwrap(results: list[tuple[str | None, Any]]) -> Any:
 
 
 class TextSource:
-    """Corpus texts, tokenised and encoded shard by shard."""
+    """Corpus texts, tokenised, fitted to the limits (long_texts.py) and encoded shard by shard."""
 
-    def __init__(self, texts: list[str], tokenizer, encoder, batch_size: int):
-        self.texts, self.tokenizer, self.encoder, self.batch_size = texts, tokenizer, encoder, batch_size
+    def __init__(self, texts: list[str], limits: long_texts.Limits, mode: str, batch_size: int):
+        self.texts, self.limits, self.mode, self.batch_size = texts, limits, mode, batch_size
+        self.encoder = limits.encoder
 
     def __len__(self) -> int:
         return len(self.texts)
 
-    def shard(self, indices: np.ndarray, progress: Callable[[int], None]) -> tuple[list, np.ndarray]:
+    def shard(self, indices: np.ndarray, progress: Callable[[int], None]) -> tuple[list, np.ndarray, dict]:
+        """(token ids and latents (n, K, D) of the samples stored, counts of what became of the long
+        texts). A split text adds samples: n may differ from len(indices)."""
         texts = [self.texts[i] for i in indices]
-        return tok.encode_texts(self.tokenizer, texts), self.encoder.encode(texts, self.batch_size, progress)
+        token_ids = tok.encode_texts(self.limits.tokenizer, texts)
+        wordpieces = self.encoder.count_wordpieces(texts)
+        stored, stored_ids, counts = long_texts.resolve(texts, token_ids, wordpieces, self.limits, self.mode)
+        per_sample = len(texts) / max(len(stored), 1)  # the bar counts texts read, the encoder samples stored
+        latents = self.encoder.encode(stored, self.batch_size, lambda n: progress(n * per_sample))
+        return stored_ids, latents, counts
 
 
 def split_indices(num_samples: int, val_fraction: float, seed: int) -> dict[str, np.ndarray]:
@@ -259,7 +280,7 @@ def _write_shards(
     """Write this rank's shards; returns each one's meta entry plus its latent sums for the stats."""
     done = []
     for split, index, indices in work:
-        token_lists, latents = source.shard(indices, bar.update)
+        token_lists, latents, long_counts = source.shard(indices, bar.update)
         stored = latents.astype(latent_dtype)
         info = fmt.write_shard(root, split, index, token_lists, stored, token_dtype, latent_dtype)
         values = stored.astype(np.float64).reshape(-1, stored.shape[-1])  # statistics of what the loader will read
@@ -273,6 +294,7 @@ def _write_shards(
                 "sum": values.sum(0),
                 "sumsq": np.square(values).sum(0),
                 "count": len(values),
+                "long_counts": long_counts,
             }
         )
     return done
@@ -374,6 +396,13 @@ def _merge(
     num_latents, latent_dim = shapes.pop()
     train = [s for s in shards if s["split"] == "train"]
     count = sum(s["count"] for s in train)
+    emptied = [name for name in fmt.SPLITS if opts.val_fraction or name == "train"]
+    emptied = [name for name in emptied if not any(s["info"]["num_samples"] for s in shards if s["split"] == name)]
+    if emptied:
+        raise DataError(
+            f"{', '.join(opts.inputs)}: no {emptied[0]} sample left: --long-texts {opts.long_texts} dropped every "
+            f"text of that split over the limits; use --long-texts split, or a larger --max-tokens"
+        )
     total, total_sq = np.zeros(latent_dim), np.zeros(latent_dim)
     for s in train:  # a fixed order: the float64 sums are the same for any number of ranks
         total += s["sum"]
@@ -441,7 +470,7 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
         )
         counts = {"read": len(source), "kept": len(source)}
         splits = split_indices(len(source), opts.val_fraction, opts.seed)
-        extra = {"encoder_normalize": None}  # not known: the legacy latents were made elsewhere
+        extra = {"encoder_normalize": None, "lengths": None}  # not known: the legacy data were made elsewhere
     else:
         texts, counts = ranks.on_all(lambda: _read_corpus(opts))
         say(
@@ -464,8 +493,12 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
         encoder = ranks.on_all(lambda: load_encoder(opts.encoder, _device(opts.device), opts.normalize))
         if ranks.rank == 0 and (warning := unknown_pieces_warning(texts, encoder)):
             say(warning)
-        source = TextSource(texts, tok.from_json(tokenizer_json), encoder, opts.encode_batch_size)
+        limits = long_texts.Limits(tok.from_json(tokenizer_json), encoder, opts.max_tokens)
+        source = TextSource(texts, limits, opts.long_texts, opts.encode_batch_size)
         extra = {"encoder": encoder.name, "encoder_normalize": opts.normalize}
+        extra["lengths"] = ranks.on_rank0(lambda: long_texts.measure(texts, limits))
+        for line in long_texts.report(extra["lengths"], encoder.name):
+            say(line)
 
     partial = Path(ranks.on_rank0(lambda: _fresh_partial(out)))
     completed = False
@@ -483,6 +516,8 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
                 lambda: _write_shards(source, mine, partial, token_dtype, np.dtype(opts.latent_dtype), bar), gather=True
             )
         shards = [s for rank_shards in results for s in rank_shards]
+        if extra["lengths"] is not None:
+            extra["lengths"].update(long_texts.outcome(opts.long_texts, [s["long_counts"] for s in shards]))
         meta = ranks.on_rank0(
             lambda: _merge(opts, tokenizer_json, counts, shards, partial, extra, getattr(source, "encoder", None))
         )
@@ -490,6 +525,8 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
     finally:
         if ranks.rank == 0 and not completed and partial.exists():
             shutil.rmtree(partial)
+    if meta.get("lengths"):
+        say(long_texts.report_outcome(meta["lengths"]))
     say(
         f"{out}: {meta['splits']['train']} train + {meta['splits']['val']} val samples, "
         f"{meta['num_tokens']['train'] + meta['num_tokens']['val']} tokens, "

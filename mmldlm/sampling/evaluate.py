@@ -351,9 +351,15 @@ def l2t_reconstruction(
         result["selected_on"] = {"cosine_mean": selected}
     result["examples"] = [
         {"source": s, "generated": g, **({"cosine": round(cosines[i].item(), 4)} if cosines is not None else {})}
-        for i, (s, g) in enumerate(zip(sources[:num_examples], generated[:num_examples]))
+        for i, (s, g) in enumerate(zip(_stored_texts(run, num_examples), generated[:num_examples]))
     ]
     return result
+
+
+def _stored_texts(run: TrainedRun, num: int) -> list[str]:
+    """The first `num` validation texts as stored, the words their latents came from: whole, where a text
+    longer than the model reads is cut for sampling and for the figures."""
+    return run.tokenizer.decode_batch([run.val[i][1].tolist() for i in range(min(num, len(run.val)))])
 
 
 def writing_per_text(run: TrainedRun, generated: list[str], sources: list[str], fluency=None) -> dict:
@@ -471,15 +477,29 @@ def t2l_retrieval(
 
 @torch.no_grad()
 def length_prediction(run: TrainedRun, num_samples: int) -> dict | None:
-    """The length head's argmax from the first N validation latents vs their true (cut) lengths;
-    None for a model without a length head."""
+    """The length head's argmax from the first N validation latents vs the lengths of their stored
+    texts; None for a model without a length head. A text longer than the model reads has a length
+    the head cannot name: such texts are counted apart ("num_over_max_length"), not scored, so that
+    cutting them to the longest length never scores as exact."""
     if getattr(run.model, "length_head", None) is None:
         return None
-    ids, latents = _first_val(run, num_samples)
+    _, latents = _first_val(run, num_samples)
     predicted = torch.tensor(run.predict_lengths(latents))
-    true = torch.tensor([max(len(x), 1) for x in ids])
-    per_text = {"correct": (predicted == true).double().numpy(), "abs_error": (predicted - true).abs().double().numpy()}
-    return summarise(LENGTH, per_text, num_samples=len(ids))
+    true = torch.tensor([max(len(run.val[i][1]), 1) for i in range(len(latents))])
+    within = true <= run.max_length
+    per_text = {
+        "correct": (predicted == true)[within].double().numpy(),
+        "abs_error": (predicted - true)[within].abs().double().numpy(),
+    }
+    fixed = {
+        "num_samples": len(latents),
+        "num_scored": int(within.sum()),
+        "num_over_max_length": int((~within).sum()),
+        "max_length": run.max_length,
+    }
+    if not within.any():
+        return {**fixed, "accuracy": float("nan"), "mean_abs_error": float("nan")}
+    return summarise(LENGTH, per_text, **fixed)
 
 
 def references(run: TrainedRun, num_samples: int, pool_size: int, fluency: tm.NgramReference | None = None) -> dict:
@@ -813,6 +833,22 @@ def _guidance_table(report: dict) -> list[str]:
     return lines
 
 
+def length_line(length: dict) -> str:
+    """The length head's figures, and how many texts were too long to score."""
+    line = (
+        f"length head ({length['num_samples']} validation latents): exact "
+        f"{figure_text(length, 'accuracy', '.1%')}, mean absolute error "
+        f"{figure_text(length, 'mean_abs_error', '.2f')} tokens"
+    )
+    over = length.get("num_over_max_length", 0)
+    if over:
+        line += (
+            f" over the {length['num_scored']} texts within max_length {length['max_length']}; {over} longer "
+            f"texts not scored (the head names lengths up to {length['max_length']} only)"
+        )
+    return line
+
+
 def markdown(report: dict) -> str:
     """A short human summary of the report: each figure with its 95% interval in brackets."""
     l2t, t2l, ref = report["l2t"], report["t2l"], report.get("references", {})
@@ -842,12 +878,7 @@ def markdown(report: dict) -> str:
     lines += writing_lines(report)
     if "length" in report:
         length = report["length"]
-        lines += [
-            "",
-            f"length head ({length['num_samples']} validation latents): exact "
-            + f"{figure_text(length, 'accuracy', '.1%')}, mean absolute error "
-            + f"{figure_text(length, 'mean_abs_error', '.2f')} tokens",
-        ]
+        lines += ["", length_line(length)]
     if "guidance" in report:
         lines += _guidance_table(report)
     lines += ["", "| source | generated from its latent |", "|---|---|"]

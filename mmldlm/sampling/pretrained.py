@@ -31,6 +31,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -252,8 +253,8 @@ def _latent_stats(path: Path, latent_dim: int) -> dict[str, torch.Tensor]:
 
 
 def options_like_exported(directory: str | Path) -> dict:
-    """The PrepareOptions fields (tokenizer, encoder, normalize) that prepare new text the way the
-    exported model's training data was (`mmldlm prepare --like DIR`), so that it can be evaluated on it."""
+    """The PrepareOptions fields (tokenizer, encoder, normalize, max_tokens) that prepare new text the way
+    the exported model's training data was (`mmldlm prepare --like DIR`), so that it can be evaluated on it."""
     directory = Path(directory)
     config = read_config(directory)
     if config["encoder_normalize"] is None:
@@ -265,6 +266,7 @@ def options_like_exported(directory: str | Path) -> dict:
         "tokenizer": str(directory / TOKENIZER),
         "encoder": config["encoder"],
         "normalize": config["encoder_normalize"],
+        "max_tokens": config["max_length"],
     }
 
 
@@ -373,15 +375,29 @@ class MMLDLM:
 
     def embed(self, texts: str | list[str]) -> torch.Tensor:
         """The sentence encoder's latents (N, K, D) of `texts` (one string: N = 1): what the model learnt
-        to produce."""
-        return self.run.encode_latents([texts] if isinstance(texts, str) else list(texts))
+        to produce. A warning says when a text is longer than the encoder reads (its rest is ignored)."""
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        encoder = self.run.encoder
+        over = [max(n - encoder.max_wordpieces, 0) for n in encoder.count_wordpieces(texts)]
+        if any(over):
+            warnings.warn(
+                f"{sum(n > 0 for n in over)} of {len(texts)} texts longer than the sentence encoder's "
+                f"{encoder.max_wordpieces} wordpieces: their last {sum(over)} wordpieces are not in the latent",
+                stacklevel=2,
+            )
+        return self.run.encode_latents(texts)
 
     def encode(
         self, texts: str | list[str], *, batch_size: int = 64, seed: int = 0, progress: bool | str = "auto", **options
     ) -> torch.Tensor:
-        """t2l: latents (N, K, D) in the encoder's space sampled for `texts` (one string: N = 1)."""
+        """t2l: latents (N, K, D) in the encoder's space sampled for `texts` (one string: N = 1). A warning
+        says when a text is longer than the model reads (it is cut; the latent describes its start)."""
         sampler = self.run.sampler(self.options(**options))
-        ids = self.run.tokenize([texts] if isinstance(texts, str) else list(texts))
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        note = self.run.cut_note(self.run.tokens_cut(texts))
+        if note is not None:
+            warnings.warn(note, stacklevel=2)
+        ids = self.run.tokenize(texts)
         out = []
         with reporting(progress), stage("t2l", total=len(ids)):
             for rows, generator in self._batches(len(ids), batch_size, seed):

@@ -136,8 +136,24 @@ class TrainedRun:
         return torch.from_numpy(np.bincount(lengths - 1, minlength=self.max_length)).float()
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of each text, cut to the length training used."""
+        """Token ids of each text, cut to the length training used (`tokens_cut` says how much went)."""
         return [ids[: self.max_length] for ids in encode_texts(self.tokenizer, texts)]
+
+    def tokens_cut(self, texts: list[str]) -> list[int]:
+        """How many tokens of each text `tokenize` cuts: those past the length training used."""
+        return [max(len(ids) - self.max_length, 0) for ids in encode_texts(self.tokenizer, texts)]
+
+    def cut_note(self, tokens_cut: list[int]) -> str | None:
+        """One line saying how many of the texts were cut and how many tokens went (`tokens_cut`), or
+        None when none was."""
+        num_cut = sum(n > 0 for n in tokens_cut)
+        if not num_cut:
+            return None
+        return (
+            f"{num_cut} of {len(tokens_cut)} texts longer than the model's {self.max_length} tokens were cut to "
+            f"their first {self.max_length} ({sum(tokens_cut)} tokens left out); split a long text into passages "
+            f"to use all of it"
+        )
 
     def batch_of(self, token_lists: list) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens (B, L) padded with the pad id, pad_mask (B, L)) of lists of token ids."""

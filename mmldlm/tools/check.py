@@ -28,7 +28,7 @@ import torch
 import yaml
 
 from mmldlm.config import MODES, RunConfig, from_dict, to_dict
-from mmldlm.data import DataError
+from mmldlm.data import DataError, long_texts
 from mmldlm.data.dataset import default_num_workers, default_prepare_options, heaviest_batch, open_dataset
 from mmldlm.model.mmdit import MultimodalMMDiT
 from mmldlm.training.batch_size import batch_shape, global_batch_sizes, per_process_micro_batch
@@ -182,8 +182,7 @@ def text_positions_per_sample(cfg: RunConfig, env: Environment) -> tuple[float, 
     epoch (mmldlm/data/dataset.py, `heaviest_batch_lengths`): from the prepared dataset's real lengths
     under data.bucket_batches, where the dataset is there to read (only its offsets are read), else
     every text at data.max_length (or model.max_seq_len); and where the figure comes from."""
-    pad = cfg.data.pad_to_multiple
-    max_length = cfg.data.max_length or max(pad, cfg.model.max_seq_len // pad * pad)
+    max_length = max_length_of(cfg)
     path = prepared_data_path(cfg)
     if path is None:
         return float(max_length), f"every text at the longest length, {max_length} (no prepared dataset to read)"
@@ -646,6 +645,37 @@ RULES = {
         "checkpoint.async_save=false",
         {"checkpoint.async_save": False},
     ),
+    "long_texts": Rule(
+        "long_texts",
+        "warning",
+        "{num_over} of {num_texts} training texts ({text_share:.1%}) are longer than data.max_length={max_length} "
+        "tokens: {token_share:.1%} of all training tokens are never trained on",
+        "the loader cuts every sample of {path} at data.max_length and the model never sees the rest; 99% of "
+        "the texts are at most {p99} tokens",
+        "model.max_seq_len={proposed}{data_max_length} (covers 99% of the texts; attention costs grow with "
+        "the square of the length: the estimate goes from {memory_now:.2f} to {memory_then:.2f} GiB per "
+        "process at micro-batch {micro}, and a run cannot resume with another max_seq_len), or prepare "
+        "the data again with `mmldlm prepare --long-texts split --max-tokens {max_length}`: passages the "
+        "model reads whole",
+    ),
+    "long_texts_tail": Rule(
+        "long_texts",
+        "info",
+        "{num_over} of {num_texts} training texts ({text_share:.1%}) are longer than data.max_length={max_length} "
+        "tokens: {token_share:.1%} of all training tokens are never trained on",
+        "the loader cuts every sample of {path} at data.max_length; 99% of the texts fit",
+        "to train on the rest too, prepare the data again with `mmldlm prepare --long-texts split "
+        "--max-tokens {max_length}`",
+    ),
+    "long_texts_prepared": Rule(
+        "long_texts",
+        "info",
+        "{num_long} of the {num_texts} texts read were {what} when {path} was prepared (--long-texts "
+        "{long_texts}): longer than {limits}",
+        "their ends are not in the data, so neither text nor latent describes them (prepare reported "
+        'it; meta.json "lengths")',
+        "to keep every word, prepare the data again with `mmldlm prepare --long-texts split{max_tokens}`",
+    ),
     "compile_shapes": Rule(
         "compile_shapes",
         "warning",
@@ -820,6 +850,85 @@ def check_memory(cfg: RunConfig, env: Environment, est: Estimate) -> list[Findin
                 )
             ]
     return [finding("memory_no_fit", **values)]
+
+
+def max_length_of(cfg: RunConfig) -> int:
+    """data.max_length, else model.max_seq_len rounded down to data.pad_to_multiple (at least one multiple)."""
+    pad = cfg.data.pad_to_multiple
+    return cfg.data.max_length or max(pad, cfg.model.max_seq_len // pad * pad)
+
+
+def _covering_length(length: int, pad: int) -> int:
+    """`length` rounded up to a multiple of 8 (64 past 64), and of data.pad_to_multiple."""
+    multiple = math.lcm(8 if length <= 64 else 64, pad)
+    return -(-length // multiple) * multiple
+
+
+def _prepared_cut(path: Path) -> list[Finding]:
+    """Texts that prepare cut or dropped (meta.json "lengths"; none recorded for imported data)."""
+    lengths = json.loads((path / "meta.json").read_text()).get("lengths")
+    if not lengths or lengths["long_texts"] == "split" or not (lengths["cut"] or lengths["dropped"]):
+        return []
+    max_tokens = lengths["max_tokens"]
+    limit = f"the encoder's {lengths['encoder_max_wordpieces']} wordpieces"
+    values = dict(
+        num_long=lengths["cut"] + lengths["dropped"],
+        num_texts=lengths["num_texts"],
+        what="cut" if lengths["long_texts"] == "cut" else "dropped",
+        path=path,
+        long_texts=lengths["long_texts"],
+        limits=limit + (f" or {max_tokens} tokens" if max_tokens else ""),
+        max_tokens=f" --max-tokens {max_tokens}" if max_tokens else "",
+    )
+    return [finding("long_texts_prepared", {}, **values)]
+
+
+def check_long_texts(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
+    """Training texts longer than the model reads: the loader cuts them (only the offsets are read);
+    and texts that prepare cut or dropped to fit (meta.json)."""
+    path = prepared_data_path(cfg)
+    if path is None:
+        return []
+    return _prepared_cut(path) + _loader_cut(cfg, env, est, path)
+
+
+def _loader_cut(cfg: RunConfig, env: Environment, est: Estimate, path: Path) -> list[Finding]:
+    lengths = open_dataset(path, "train").lengths()
+    max_length = max_length_of(cfg)
+    cut_off = long_texts.over(lengths, max_length)
+    if not cut_off["texts"]:
+        return []
+    p99 = long_texts.distribution(lengths)["p99"]
+    values = dict(
+        num_over=cut_off["texts"],
+        num_texts=len(lengths),
+        text_share=cut_off["texts"] / len(lengths),
+        token_share=cut_off["share"],
+        max_length=max_length,
+        path=path,
+        p99=p99,
+    )
+    if p99 <= max_length:
+        return [finding("long_texts_tail", {}, **values)]
+    proposed = _covering_length(p99, cfg.data.pad_to_multiple)
+    changes = {"model.max_seq_len": max(proposed, cfg.model.max_seq_len)}
+    if cfg.data.max_length is not None:
+        changes["data.max_length"] = proposed
+    micro = _micro_for_estimate(cfg, env)
+    memory_then = estimate(apply_changes(cfg, changes), env).memory_gib(micro)
+    data_max_length = f", data.max_length={proposed}" if cfg.data.max_length is not None else ""
+    return [
+        finding(
+            "long_texts",
+            changes,
+            proposed=proposed,
+            data_max_length=data_max_length,
+            memory_now=est.memory_gib(micro),
+            memory_then=memory_then,
+            micro=micro,
+            **values,
+        )
+    ]
 
 
 def _modes_in_mix(cfg: RunConfig) -> list[str]:
@@ -1064,6 +1173,7 @@ CHECKS = (
     check_lr_schedule,
     check_resume_topology,
     check_slow_switches,
+    check_long_texts,
 )
 
 
