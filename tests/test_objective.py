@@ -134,7 +134,7 @@ def test_l2t_masks_text_and_keeps_the_latent_clean():
     assert ((call["tokens"] == batch["tokens"]) | masked).all()
     assert 0 < call["latent_null"].sum() < 64  # about half the latents replaced by the null latent
     assert torch.equal(call["text_pad_mask"], batch["pad_mask"])
-    assert set(metrics) == {"mode", "loss", "text_loss", "accuracy", "num_masked", "num_tokens"}
+    assert set(metrics) == {"mode", "loss", "text_loss", "accuracy", "num_masked", "num_tokens", "nats_per_text"}
     assert metrics["mode"] == "l2t" and not metrics["loss"].requires_grad
     assert loss.item() == pytest.approx(metrics["text_loss"].item())
 

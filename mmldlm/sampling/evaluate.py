@@ -2,10 +2,19 @@
 
 1. ELBO per mode: the training objective itself (`Objective`, forced to one mode, no condition
    dropping) on validation batches, averaged over `num_t_draws` draws of t and noise per batch.
-   The text term is MDLM's NELBO (whatever text_diffusion.loss trained with) in nats per real
-   token, token-weighted over batches; bits = nats / ln 2; exp(nats) bounds the perplexity from
-   above. In l2t it bounds -log p(text | latent); in joint it is the text term of the joint loss
-   (the latent noised at its own t). The latent term is the configured latent loss.
+   The text term is MDLM's NELBO (whatever text_diffusion.loss trained with) with its prior and
+   reconstruction terms (masked.py), per text. Given the true length it bounds -log p(x | L, latent)
+   (`text_nats_per_token_given_length`, also under the older key `text_nats_per_token`). The length
+   is then paid for (`length_nats_per_text`): in l2t by the length head, -log p_head(L | latent) over
+   the lengths 1..max_length (a model without a head: as joint); in joint by -log p(L) under the
+   validation split's length distribution, the one joint generation draws from (fitted on the same
+   split, so slightly optimistic). `nats_per_text` and `nats_per_token_with_length` bound
+   -log p(x | latent) in l2t, and in joint the text term of the joint loss (the latent noised at its
+   own t) with the length paid. bits = nats / ln 2; exp(nats per token) bounds the perplexity from
+   above; with the length paid it is comparable to an autoregressive model's perplexity over the same
+   tokenizer's tokens that pays for its end-of-text token (the length term plays that token's role).
+   `per_text` keeps the arrays (nats given the length, length nats, tokens) for intervals. The
+   latent term is the configured latent loss.
 2. l2t reconstruction: text sampled from the first N validation latents (each text's true length is
    given, see sampler.py), re-encoded with the dataset's sentence encoder; mean cosine to the source
    latent, and the exact-match rate of the decoded text against the source text. The cosine rewards
@@ -90,36 +99,75 @@ def elbo(
     seed: int = 0,
     modes: tuple[str, ...] = MODES,
 ) -> dict:
-    """{mode: {text_nats_per_token, text_bits_per_token, text_ppl_bound, latent_loss, ...}} (module docstring)."""
+    """{mode: {text_nats_per_token_given_length, nats_per_token_with_length, nats_per_text, ...,
+    latent_loss}} (module docstring, 1)."""
     out = {}
     for m, mode in enumerate(modes):
         objective = eval_objective(run, mode)
-        nats = tokens = latent = samples = 0.0
+        text_nats, length_nats, tokens = [], [], []
+        latent = samples = 0.0
         for b, batch in enumerate(val_batches(run, num_samples, batch_size)):
             batch = {k: v.to(run.device) for k, v in batch.items()}
+            B = batch["tokens"].shape[0]
+            nats = torch.zeros(B, dtype=torch.float64)
             for draw in range(num_t_draws):
                 _, metrics = objective(run.model, batch, step=0, generator=_generator(seed, m, b, draw))
-                if "text_loss" in metrics:
-                    n = float(metrics["num_tokens"])
-                    nats += float(metrics["text_loss"]) * n
-                    tokens += n
+                if "nats_per_text" in metrics:
+                    nats += metrics["nats_per_text"].double().cpu() / num_t_draws
                 if "latent_loss" in metrics:
-                    B = batch["tokens"].shape[0]
                     latent += float(metrics["latent_loss"]) * B
                     samples += B
+            if mode != "t2l":
+                text_nats.append(nats)
+                tokens.append(batch["pad_mask"].sum(dim=1).cpu())
+                length_nats.append(length_cost(run, mode, batch))
         result = {}
-        if tokens:
-            per_token = nats / tokens
-            result.update(
-                text_nats_per_token=per_token,
-                text_bits_per_token=per_token / math.log(2),
-                text_ppl_bound=math.exp(min(per_token, 700.0)),
-                num_tokens=int(tokens / num_t_draws),
-            )
+        if text_nats:
+            result = text_bound(run, torch.cat(text_nats), torch.cat(length_nats), torch.cat(tokens))
         if samples:
             result["latent_loss"] = latent / samples
         out[mode] = result
     return out
+
+
+def length_cost(run: TrainedRun, mode: str, batch: dict) -> torch.Tensor:
+    """(B,) float64 nats: -log p(L) of each text's length (module docstring, 1): the length head's over
+    1..max_length given the clean latent in l2t, else the validation split's length distribution."""
+    lengths = batch["pad_mask"].sum(dim=1).clamp(1, run.max_length).cpu() - 1  # (B,) class index
+    if mode == "l2t" and getattr(run.model, "length_head", None) is not None:
+        logits = run.model.length_logits(run.latent.standardize(batch["latents"].float()))[:, : run.max_length]
+        return -torch.log_softmax(logits.double(), dim=1).cpu().gather(1, lengths[:, None])[:, 0]
+    counts = run.length_counts.double()
+    return -torch.log(counts / counts.sum())[lengths]
+
+
+def text_bound(run: TrainedRun, text_nats: torch.Tensor, length_nats: torch.Tensor, tokens: torch.Tensor) -> dict:
+    """The likelihood figures of texts from their diffusion terms (nats per text, given the length),
+    length costs and real tokens, all (N,): the prior term is added here."""
+    prior = run.text.prior_nats_per_token(run.cfg.model.vocab_size or run.val.vocab_size)  # the model's V
+    given = text_nats + prior * tokens.double()  # (N,) nats given the length
+    paid = given + length_nats  # (N,) nats with the length paid
+    num_tokens = float(tokens.sum())
+    given_per_token, paid_per_token = float(given.sum()) / num_tokens, float(paid.sum()) / num_tokens
+    return {
+        "text_nats_per_token_given_length": given_per_token,
+        "text_nats_per_token": given_per_token,
+        "text_bits_per_token": given_per_token / math.log(2),
+        "text_ppl_bound": math.exp(min(given_per_token, 700.0)),
+        "nats_per_token_with_length": paid_per_token,
+        "bits_per_token_with_length": paid_per_token / math.log(2),
+        "ppl_bound_with_length": math.exp(min(paid_per_token, 700.0)),
+        "nats_per_text": float(paid.mean()),
+        "length_nats_per_text": float(length_nats.mean()),
+        "prior_nats_per_token": prior,
+        "num_tokens": int(num_tokens),
+        "num_texts": len(tokens),
+        "per_text": {
+            "nats_given_length": given.tolist(),
+            "length_nats": length_nats.tolist(),
+            "tokens": tokens.tolist(),
+        },
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -528,14 +576,20 @@ def markdown(report: dict) -> str:
         "",
         f"Sampling: {report['sampling']}",
         "",
-        "| mode | text nats/token | text bits/token | perplexity bound | latent loss |",
-        "|---|---|---|---|---|",
+        'Likelihood bounds (upper bounds; "with length" pays for the length, comparable to an autoregressive '
+        "perplexity that pays for its end of text):",
+        "",
+        "| mode | text nats/token given length | nats/token with length | nats/text with length | "
+        "length nats/text | perplexity bound with length | latent loss |",
+        "|---|---|---|---|---|---|---|",
     ]
     for mode, r in report["elbo"].items():
         cell = lambda k, f, r=r: format(r[k], f) if k in r else "-"  # noqa: E731
         lines.append(
-            f"| {mode} | {cell('text_nats_per_token', '.4f')} | {cell('text_bits_per_token', '.4f')} | "
-            f"{cell('text_ppl_bound', '.2f')} | {cell('latent_loss', '.4f')} |"
+            f"| {mode} | {cell('text_nats_per_token_given_length', '.4f')} | "
+            f"{cell('nats_per_token_with_length', '.4f')} | {cell('nats_per_text', '.2f')} | "
+            f"{cell('length_nats_per_text', '.2f')} | {cell('ppl_bound_with_length', '.2f')} | "
+            f"{cell('latent_loss', '.4f')} |"
         )
     l2t, t2l, ref = report["l2t"], report["t2l"], report.get("references", {})
     cosine = f"{l2t['cosine_mean']:.4f}" if "cosine_mean" in l2t else "not measured"
