@@ -369,6 +369,13 @@ def test_eval_writes_report_and_summary(run_dir, tmp_path, capsys):
     assert joint["reference"]["real_pairs"] > joint["reference"]["shuffled_pairs"]
     assert 0 <= report["nearest_training_text"]["word_f1"] <= 1
     assert "joint (4 samples): consistency" in summary and "the training text with the nearest latent" in summary
+    # The latents' fidelity, each beside real latents at the same n.
+    for entry in (report["t2l"]["latent_fidelity"], joint["latent_fidelity"]):
+        assert entry["num_samples"] == 4 and entry["frechet_distance_real_vs_real"] > 0
+        assert 0 <= entry["recall"] <= 1 and 0 < entry["std_ratio_min"] <= entry["std_ratio_median"]
+    assert "Latent fidelity" in summary and "| joint | 4 |" in summary
+    elbo_row = next(line for line in summary.splitlines() if line.startswith("| l2t |"))
+    assert f"{report['elbo']['l2t']['nats_per_token_with_length']:.4f}" in elbo_row
     # The fluency reference is fitted on the training split alone.
     run = load_trained(run_dir)
     assert evaluate.fluency_reference(run) is evaluate._ngram_lm(str(run.dataset_dir), "train")

@@ -31,7 +31,10 @@
    the training-set mean latent to each target, what a t2l model that ignores its input gets; the
    cosine of each target to another sample's latent, what decoding a real but unrelated sentence
    gets in l2t (a cyclic shift of the samples), and the word F1 of that other sentence.
-6. Speed: samples per second of each sampler at the given step count (one measurement, noisy on a
+6. Latent fidelity (latent_fidelity.py) of t2l's and joint generation's latents against as many real
+   validation latents: Fréchet distance, k-NN precision and recall, the per-dimension std ratio and
+   the spread, each beside real latents against a disjoint real set of the same size.
+7. Speed: samples per second of each sampler at the given step count (one measurement, noisy on a
    shared machine).
 With several guidance scales, 2. and 3. are repeated per scale (`guidance`); the l2t and t2l entries
 hold the first scale's figures.
@@ -53,6 +56,7 @@ from mmldlm.config import EvalConfig
 from mmldlm.data.dataset import PadCollate, PreparedDataset
 from mmldlm.diffusion import MaskedDiffusion
 from mmldlm.objective import Objective
+from mmldlm.sampling import latent_fidelity as lf
 from mmldlm.sampling import text_metrics as tm
 from mmldlm.sampling.run import TrainedRun, dataset_texts
 from mmldlm.sampling.sampler import SamplingOptions, length_masks
@@ -266,6 +270,7 @@ def joint_generation(
         latents.append(z)
     seconds = time.perf_counter() - start
     latents = torch.cat(latents)
+    fidelity = latent_fidelity(run, latents)
     consistency = F.cosine_similarity(run.encode_latents(texts).flatten(1), latents.flatten(1), dim=-1)
     out = {
         "num_samples": num_samples,
@@ -274,6 +279,7 @@ def joint_generation(
         "distinct_1": tm.distinct(texts, 1) or 0.0,
         "distinct_2": tm.distinct(texts, 2) or 0.0,
         "samples_per_s": num_samples / seconds,
+        "latent_fidelity": fidelity,
         "examples": [{"generated": t, "consistency": round(c, 4)} for t, c in zip(texts, consistency.tolist())][
             :num_examples
         ],
@@ -314,6 +320,7 @@ def t2l_retrieval(
         tokens, pad_mask = run.batch_of(ids[b : b + batch_size])
         generated.append(sampler.t2l(tokens, pad_mask, _generator(seed, 2, b)).cpu())
     seconds = time.perf_counter() - start
+    fidelity = latent_fidelity(run, torch.cat(generated))
     generated = torch.cat(generated).flatten(1)  # (N, K*D)
     pool = pool.flatten(1)  # (P, K*D), P >= N: sample i is pool row i
     cosine = F.cosine_similarity(generated, pool[: len(ids)], dim=-1)
@@ -325,7 +332,18 @@ def t2l_retrieval(
         "retrieval_at_1": hits.float().mean().item(),
         "pool_size": pool.shape[0],
         "samples_per_s": len(ids) / seconds,
+        "latent_fidelity": fidelity,
     }
+
+
+def latent_fidelity(run: TrainedRun, generated: torch.Tensor) -> dict:
+    """The fidelity figures (latent_fidelity.py) of generated latents (N, K, D) in encoder space against
+    the first validation latents, in the standardised space, beside two disjoint sets of real latents
+    at the same N (N is cut to half the validation split when it has fewer than 2N)."""
+    n = min(len(generated), len(run.val) // 2)
+    _, real = _first_val(run, 2 * n)
+    standard = lambda x: run.latent.standardize(x.float()).flatten(1).double().numpy()  # noqa: E731
+    return lf.fidelity(standard(generated[:n].cpu()), standard(real[:n]), standard(real[n : 2 * n]))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -569,6 +587,31 @@ def writing_lines(report: dict) -> list[str]:
     return lines
 
 
+def fidelity_lines(report: dict) -> list[str]:
+    """The "latent fidelity" section: t2l's and joint generation's latents against real ones."""
+    rows = [(mode, report[mode]["latent_fidelity"]) for mode in ("t2l", "joint") if mode in report]
+    if not rows:
+        return []
+    lines = [
+        "",
+        f"Latent fidelity (standardised space, {rows[0][1]['dims']} dims; each generated set against as many "
+        "real validation latents, and real against another disjoint real set of the same size; k-NN precision "
+        f"and recall at k = {rows[0][1]['k']}):",
+        "",
+        "| latents | n | Fréchet distance (real vs real) | precision (real) | recall (real) | std ratio median "
+        "[min, max] | spread (real) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, f in rows:
+        lines.append(
+            f"| {name} | {f['num_samples']} | {f['frechet_distance']:.1f} ({f['frechet_distance_real_vs_real']:.1f}) "
+            f"| {f['precision']:.2f} ({f['precision_real_vs_real']:.2f}) | {f['recall']:.2f} "
+            f"({f['recall_real_vs_real']:.2f}) | {f['std_ratio_median']:.2f} [{f['std_ratio_min']:.2f}, "
+            f"{f['std_ratio_max']:.2f}] | {f['spread']:.1f} ({f['spread_real']:.1f}) |"
+        )
+    return lines
+
+
 def markdown(report: dict) -> str:
     """A short human summary of the report."""
     lines = [
@@ -609,6 +652,7 @@ def markdown(report: dict) -> str:
         f"{t2l['samples_per_s']:.1f} samples/s",
     ]
     lines += writing_lines(report)
+    lines += fidelity_lines(report)
     if "length" in report:
         length = report["length"]
         lines += [
