@@ -3,7 +3,7 @@
 generation (mmldlm/sampling/latent_fidelity.py). Markdown tables for docs/quality.md.
 
     python scripts/latent_fidelity_study.py gaussian
-    python scripts/latent_fidelity_study.py run /tmp/fidelity/run --num-samples 256
+    python scripts/latent_fidelity_study.py run /tmp/fidelity/run --num-samples 256 --t2l-steps 2 8 --joint-steps 8
 
 gaussian: the per-dimension std of the samples over the data's, for data N(0, diag(0.5^2, 1^2)) in the
 model's x0 parameterisation (20000 samples). run: the fidelity figures of t2l (the first N validation
@@ -51,7 +51,7 @@ def row(name: str, f: dict, extra: str = "") -> str:
     )
 
 
-def trained(run_dir: str, num_samples: int, batch_size: int) -> None:
+def trained(run_dir: str, num_samples: int, batch_size: int, t2l_steps: list[int], joint_steps: list[int]) -> None:
     run = load_trained(run_dir, device="cpu")
     run.model.eval()
     base = SamplingOptions.defaults(run.cfg.text_diffusion, run.cfg.latent_diffusion)
@@ -60,7 +60,7 @@ def trained(run_dir: str, num_samples: int, batch_size: int) -> None:
     header += "spread (real) |"
     print(f"t2l, n = {num_samples}\n\n| latent steps, sampler {header} cosine | retrieval@1 |")
     print("|---|---|---|---|---|---|---|")
-    for steps in (1, 2, 8, 32, 64):
+    for steps in t2l_steps:
         for sampler in ("ddim", "ddpm"):
             options = dataclasses.replace(base, latent_steps=steps, latent_sampler=sampler)
             r = t2l_retrieval(run, options, num_samples, batch_size, pool_size=len(run.val))
@@ -68,7 +68,7 @@ def trained(run_dir: str, num_samples: int, batch_size: int) -> None:
             print(row(f"{steps} {sampler}", r["latent_fidelity"], extra))
     print(f"\njoint generation, n = {num_samples}\n\n| steps, sampler {header}\n|---|---|---|---|---|")
     lengths = run.sample_lengths(num_samples, _generator(0, 3))
-    for steps in (8, 32, 64, 128):
+    for steps in joint_steps:
         for sampler in ("ddim", "ddpm"):
             sampler_ = run.sampler(dataclasses.replace(base, num_steps=steps, latent_sampler=sampler))
             latents = torch.cat(
@@ -86,12 +86,14 @@ def main() -> None:
     parser.add_argument("run_dir", nargs="?")
     parser.add_argument("--num-samples", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--t2l-steps", type=int, nargs="+", default=[1, 2, 8, 32, 64])
+    parser.add_argument("--joint-steps", type=int, nargs="+", default=[8, 32, 64])
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.what == "gaussian":
         gaussian()
     else:
-        trained(args.run_dir, args.num_samples, args.batch_size)
+        trained(args.run_dir, args.num_samples, args.batch_size, args.t2l_steps, args.joint_steps)
 
 
 if __name__ == "__main__":
