@@ -159,7 +159,17 @@ def _eval_section(run_dir: Path, run: TrainedRun) -> list[str]:
     ]
     rows += writing_rows(report, ref)
     if "text_nats_per_token" in elbo.get("l2t", {}):
-        rows.append(("l2t text NELBO (nats/token)", f"{elbo['l2t']['text_nats_per_token']:.3f}", "upper bound"))
+        rows.append(
+            ("l2t text NELBO given the length (nats/token)", f"{elbo['l2t']['text_nats_per_token']:.3f}", "upper bound")
+        )
+    if "nats_per_token_with_length" in elbo.get("l2t", {}):
+        rows.append(
+            (
+                "l2t NELBO with the length paid (nats/token)",
+                f"{elbo['l2t']['nats_per_token_with_length']:.3f}",
+                "upper bound on -log p(text | latent)",
+            )
+        )
     if "length" in report:
         rows.append(
             (

@@ -357,7 +357,8 @@ class MMLDLM:
         return self.run.encode_latents([texts] if isinstance(texts, str) else list(texts))
 
     def encode(self, texts: str | list[str], *, batch_size: int = 64, seed: int = 0, **options) -> torch.Tensor:
-        """t2l: latents (N, K, D) in the encoder's space sampled for `texts` (one string: N = 1)."""
+        """t2l: latents (N, K, D) in the encoder's space sampled for `texts` (one string: N = 1);
+        latent_sampler="mean" gives the posterior mean instead (one model call; for retrieval)."""
         sampler = self.run.sampler(self.options(**options))
         ids = self.run.tokenize([texts] if isinstance(texts, str) else list(texts))
         out = []
