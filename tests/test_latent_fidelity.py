@@ -57,3 +57,9 @@ def test_exact_denoiser_shows_the_few_step_latent_sampler_collapse():
     many_steps = exact_gaussian_samples(shifted, data_std, 256, 4000, "ddim", g).std(dim=0) / data_std
     assert (two_steps < 0.15).all()  # close to the mean: 0.06 and 0.12 of the data's spread
     assert (many_steps > 0.9).all() and (many_steps < 1.05).all()
+
+
+def test_sets_smaller_than_k_plus_one_use_every_other_sample_as_the_neighbourhood(sets):
+    real, reference, generated = (x[:3] for x in sets)
+    out = fidelity(generated, real, reference, k=5)
+    assert out["k"] == 2 and 0 <= out["precision"] <= 1 and 0 <= out["recall"] <= 1

@@ -347,11 +347,13 @@ def t2l_latents(
     return torch.cat(generated), time.perf_counter() - start
 
 
-def latent_fidelity(run: TrainedRun, generated: torch.Tensor) -> dict:
+def latent_fidelity(run: TrainedRun, generated: torch.Tensor) -> dict | None:
     """The fidelity figures (latent_fidelity.py) of generated latents (N, K, D) in encoder space against
     the first validation latents, in the standardised space, beside two disjoint sets of real latents
-    at the same N (N is cut to half the validation split when it has fewer than 2N)."""
+    at the same N (N is cut to half the validation split when it has fewer than 2N); None below N = 2."""
     n = min(len(generated), len(run.val) // 2)
+    if n < 2:
+        return None
     _, real = _first_val(run, 2 * n)
     standard = lambda x: run.latent.standardize(x.float()).flatten(1).double().numpy()  # noqa: E731
     return lf.fidelity(standard(generated[:n].cpu()), standard(real[:n]), standard(real[n : 2 * n]))
@@ -601,6 +603,7 @@ def writing_lines(report: dict) -> list[str]:
 def fidelity_lines(report: dict) -> list[str]:
     """The "latent fidelity" section: t2l's and joint generation's latents against real ones."""
     rows = [(mode, report[mode]["latent_fidelity"]) for mode in ("t2l", "joint") if mode in report]
+    rows = [(mode, f) for mode, f in rows if f is not None]
     if not rows:
         return []
     lines = [

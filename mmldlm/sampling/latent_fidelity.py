@@ -78,7 +78,9 @@ def spread(x: np.ndarray) -> float:
 
 def fidelity(generated: np.ndarray, real: np.ndarray, reference: np.ndarray, k: int = 3) -> dict:
     """The module's figures of generated (N, D) against real (N, D), each beside the same figure of
-    `reference` (N, D), real latents disjoint from `real`: what real data scores at the same N."""
+    `reference` (N, D), real latents disjoint from `real`: what real data scores at the same N. N >= 2;
+    k is cut to N - 1 for smaller sets."""
+    k = min(k, len(generated) - 1)
     ratio = std_ratio(generated, real)
     precision, recall = precision_recall(real, generated, k)
     real_precision, real_recall = precision_recall(real, reference, k)
