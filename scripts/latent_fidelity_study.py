@@ -7,8 +7,9 @@ generation (mmldlm/sampling/latent_fidelity.py). Markdown tables for docs/qualit
 
 gaussian: the per-dimension std of the samples over the data's, for data N(0, diag(0.5^2, 1^2)) in the
 model's x0 parameterisation (20000 samples). run: the fidelity figures of t2l (the first N validation
-texts; with cosine and retrieval@1 among all validation latents) and of joint generation (N samples at
-lengths drawn from the validation split, one candidate each), each against N real validation latents.
+texts; then the posterior mean's cosine and retrieval@1 among all validation latents) and of joint
+generation (N samples at lengths drawn from the validation split, one candidate each), each against N
+real validation latents.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from mmldlm.config import LatentDiffusionConfig
 from mmldlm.diffusion import GaussianDiffusion
 from mmldlm.sampling import SamplingOptions, load_trained
-from mmldlm.sampling.evaluate import _generator, latent_fidelity, t2l_retrieval
+from mmldlm.sampling.evaluate import _first_val, _generator, latent_fidelity, t2l_latents, t2l_retrieval
 from mmldlm.sampling.latent_fidelity import exact_gaussian_samples
 
 STEPS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -42,12 +43,12 @@ def gaussian() -> None:
             print(f"| {shift:g} | {sampler} | " + " | ".join(cells) + " |")
 
 
-def row(name: str, f: dict, extra: str = "") -> str:
+def row(name: str, f: dict) -> str:
     return (
         f"| {name} | {f['frechet_distance']:.1f} ({f['frechet_distance_real_vs_real']:.1f}) | "
         f"{f['precision']:.2f} / {f['recall']:.2f} ({f['precision_real_vs_real']:.2f} / {f['recall_real_vs_real']:.2f})"
         f" | {f['std_ratio_median']:.2f} [{f['std_ratio_min']:.2f}, {f['std_ratio_max']:.2f}] | "
-        f"{f['spread']:.1f} ({f['spread_real']:.1f}) |{extra}"
+        f"{f['spread']:.1f} ({f['spread_real']:.1f}) |"
     )
 
 
@@ -58,14 +59,15 @@ def trained(run_dir: str, num_samples: int, batch_size: int, t2l_steps: list[int
     base = dataclasses.replace(base, best_of=1, correction_rounds=0)
     header = "| Fréchet distance (real vs real) | precision / recall (real vs real) | std ratio median [min, max] | "
     header += "spread (real) |"
-    print(f"t2l, n = {num_samples}\n\n| latent steps, sampler {header} cosine | retrieval@1 |")
-    print("|---|---|---|---|---|---|---|")
+    ids = _first_val(run, num_samples)[0]
+    print(f"t2l, n = {num_samples}\n\n| latent steps, sampler {header}\n|---|---|---|---|---|")
     for steps in t2l_steps:
         for sampler in ("ddim", "ddpm"):
             options = dataclasses.replace(base, latent_steps=steps, latent_sampler=sampler)
-            r = t2l_retrieval(run, options, num_samples, batch_size, pool_size=len(run.val))
-            extra = f" {r['cosine_mean']:.3f} | {r['retrieval_at_1']:.1%} |"
-            print(row(f"{steps} {sampler}", r["latent_fidelity"], extra))
+            print(row(f"{steps} {sampler}", latent_fidelity(run, t2l_latents(run, options, ids, batch_size, 0)[0])))
+    r = t2l_retrieval(run, base, num_samples, batch_size, pool_size=len(run.val))
+    mean = f"cosine {r['cosine_mean']:.3f}, retrieval@1 among {r['pool_size']} {r['retrieval_at_1']:.1%}"
+    print(f"\nthe posterior mean: {mean}")
     print(f"\njoint generation, n = {num_samples}\n\n| steps, sampler {header}\n|---|---|---|---|---|")
     lengths = run.sample_lengths(num_samples, _generator(0, 3))
     for steps in joint_steps:
