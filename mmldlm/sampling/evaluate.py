@@ -623,6 +623,12 @@ def fidelity_lines(report: dict) -> list[str]:
             f"({f['recall_real_vs_real']:.2f}) | {f['std_ratio_median']:.2f} [{f['std_ratio_min']:.2f}, "
             f"{f['std_ratio_max']:.2f}] | {f['spread']:.1f} ({f['spread_real']:.1f}) |"
         )
+    if any(f["num_samples"] <= f["dims"] for _, f in rows):
+        lines += [
+            "",
+            "With n at most the dimension the covariances are mostly estimation noise, and a narrower sample has "
+            "less of it: read the std ratio and the spread before the Fréchet distance (docs/quality.md).",
+        ]
     return lines
 
 
