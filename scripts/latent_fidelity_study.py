@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 
 import torch
 
@@ -52,7 +53,7 @@ def row(name: str, f: dict) -> str:
     )
 
 
-def trained(run_dir: str, num_samples: int, batch_size: int, t2l_steps: list[int], joint_steps: list[int]) -> None:
+def trained(run_dir: str, num_samples: int, batch_size: int, steps: dict[str, list], guidance: list[float]) -> None:
     run = load_trained(run_dir, device="cpu")
     run.model.eval()
     base = SamplingOptions.defaults(run.cfg.text_diffusion, run.cfg.latent_diffusion)
@@ -61,25 +62,25 @@ def trained(run_dir: str, num_samples: int, batch_size: int, t2l_steps: list[int
     header += "spread (real) |"
     ids = _first_val(run, num_samples)[0]
     print(f"t2l, n = {num_samples}\n\n| latent steps, sampler {header}\n|---|---|---|---|---|")
-    for steps in t2l_steps:
-        for sampler in ("ddim", "ddpm"):
-            options = dataclasses.replace(base, latent_steps=steps, latent_sampler=sampler)
-            print(row(f"{steps} {sampler}", latent_fidelity(run, t2l_latents(run, options, ids, batch_size, 0)[0])))
+    for num, sampler, scale in itertools.product(steps["t2l"], ("ddim", "ddpm"), guidance):
+        options = dataclasses.replace(base, latent_steps=num, latent_sampler=sampler, guidance_scale=scale)
+        name = f"{num} {sampler}" + (f", guidance {scale:g}" if scale else "")
+        print(row(name, latent_fidelity(run, t2l_latents(run, options, ids, batch_size, 0)[0])))
     r = t2l_retrieval(run, base, num_samples, batch_size, pool_size=len(run.val))
     mean = f"cosine {r['cosine_mean']:.3f}, retrieval@1 among {r['pool_size']} {r['retrieval_at_1']:.1%}"
     print(f"\nthe posterior mean: {mean}")
     print(f"\njoint generation, n = {num_samples}\n\n| steps, sampler {header}\n|---|---|---|---|---|")
     lengths = run.sample_lengths(num_samples, _generator(0, 3))
-    for steps in joint_steps:
+    for num in steps["joint"]:
         for sampler in ("ddim", "ddpm"):
-            sampler_ = run.sampler(dataclasses.replace(base, num_steps=steps, latent_sampler=sampler))
+            sampler_ = run.sampler(dataclasses.replace(base, num_steps=num, latent_sampler=sampler))
             latents = torch.cat(
                 [
                     run.joint_batch(sampler_, lengths[b : b + batch_size], _generator(0, 4, b))[1]
                     for b in range(0, num_samples, batch_size)
                 ]
             )
-            print(row(f"{steps} {sampler}", latent_fidelity(run, latents)))
+            print(row(f"{num} {sampler}", latent_fidelity(run, latents)))
 
 
 def main() -> None:
@@ -89,13 +90,15 @@ def main() -> None:
     parser.add_argument("--num-samples", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--t2l-steps", type=int, nargs="+", default=[1, 2, 8, 32, 64])
-    parser.add_argument("--joint-steps", type=int, nargs="+", default=[8, 32, 64])
+    parser.add_argument("--joint-steps", type=int, nargs="*", default=[8, 32, 64], help="none: no joint rows")
+    parser.add_argument("--t2l-guidance", type=float, nargs="+", default=[0.0], help="t2l guidance scales")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.what == "gaussian":
         gaussian()
     else:
-        trained(args.run_dir, args.num_samples, args.batch_size, args.t2l_steps, args.joint_steps)
+        steps = {"t2l": args.t2l_steps, "joint": args.joint_steps}
+        trained(args.run_dir, args.num_samples, args.batch_size, steps, args.t2l_guidance)
 
 
 if __name__ == "__main__":
