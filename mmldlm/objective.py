@@ -6,7 +6,9 @@
 | t2l   | clean, t_text = 0        | noised at t_latent ~ p(t)           | latent |
 | joint | masked at t_text ~ p(t)  | noised at an independent t_latent   | both   |
 
-p(t) is cfg.t_sampling over [0, 1]; the same t is what the model is told (t_text, t_latent).
+p(t) is cfg.t_sampling over [0, 1]; the same t is what the model is told (t_text, t_latent). Text
+times below text_diffusion.eps are moved to eps (`MaskedDiffusion.bound_time`: those rows pay the
+bound's reconstruction term).
 
 Only the output head of the stream that is not generated is idle (it is not computed, so its
 parameters get no gradient); both input encoders always train, so the condition is learned.
@@ -117,7 +119,7 @@ class Objective:
         t_latent = torch.zeros(B, device=device)
         text_in, latent_in, latent_null = tokens, latents, None
         if text_on:
-            t_text = self.sample_t(B, device, generator)
+            t_text = self.text.bound_time(self.sample_t(B, device, generator))
             text_in = self.text.add_noise(tokens, t_text, pad_mask, generator)  # (B, L)
         if latent_on:
             t_latent = self.sample_t(B, device, generator)

@@ -421,6 +421,13 @@ def test_eval_writes_report_and_summary(run_dir, tmp_path, capsys):
         and "; consistency " in summary
         and "the training text with the nearest latent" in summary
     )
+    # The latents' fidelity, each beside real latents at the same n.
+    for entry in (report["t2l"]["latent_fidelity"], joint["latent_fidelity"]):
+        assert entry["num_samples"] == 4 and entry["frechet_distance_real_vs_real"] > 0
+        assert 0 <= entry["recall"] <= 1 and 0 < entry["std_ratio_min"] <= entry["std_ratio_median"]
+    assert "Latent fidelity" in summary and "| joint | 4 |" in summary
+    elbo_row = next(line for line in summary.splitlines() if line.startswith("| l2t ("))
+    assert f"{report['elbo']['l2t']['nats_per_token_with_length']:.4f}" in elbo_row
     # The fluency reference is fitted on the training split alone.
     run = load_trained(run_dir)
     assert evaluate.fluency_reference(run) is evaluate._ngram_lm(str(run.dataset_dir), "train")
@@ -455,8 +462,17 @@ def test_elbo_is_the_mdlm_training_loss_formula_on_the_same_batch(run_dir):
     nll = F.cross_entropy(logits, tokens[masked], reduction="none")  # (N,)
     weight = 1.0 / seen["t_text"].clamp_min(run.text.cfg.eps)  # (B,)
     expected = (nll * weight[:, None].expand_as(masked)[masked]).sum() / pad_mask.sum()
-    assert report["text_nats_per_token"] == pytest.approx(expected.item(), rel=1e-5)
+    prior = run.text.cfg.eps * math.log(run.val.vocab_size - 1)  # the t = 1 term (masked.py)
+    assert report["text_nats_per_token_given_length"] == pytest.approx(expected.item() + prior, rel=1e-5)
+    assert report["text_nats_per_token"] == report["text_nats_per_token_given_length"]
     assert report["num_tokens"] == int(pad_mask.sum())
+    # The length paid: the length head's cross-entropy over 1..max_length, per text.
+    per_text = report["per_text"]
+    assert len(per_text["nats_given_length"]) == len(per_text["length_nats"]) == 4
+    assert min(per_text["length_nats"]) > 0 and report["nats_per_token_with_length"] > report["text_nats_per_token"]
+    paid = sum(per_text["nats_given_length"]) + sum(per_text["length_nats"])
+    assert report["nats_per_text"] == pytest.approx(paid / 4)
+    assert report["nats_per_token_with_length"] == pytest.approx(paid / int(pad_mask.sum()))
 
 
 def test_evaluation_leaves_the_training_trajectory_unchanged(run_dir, tmp_path):

@@ -94,6 +94,16 @@ def test_t2l_retrieves_every_latent_from_its_sentence(overfit):
         assert torch.nn.functional.cosine_similarity(z.flatten(1), data["latents"].flatten(1)).min() > 0.9
 
 
+def test_posterior_mean_latent_is_one_model_call_that_finds_every_latent_and_joint_refuses_it(overfit):
+    model, text, latent, data = overfit
+    sampler = Sampler(model, text, latent, SamplingOptions(latent_steps=16, latent_sampler="mean"))
+    z = sampler.t2l(data["tokens"], data["pad_mask"], torch.Generator().manual_seed(1))
+    assert sampler.num_forward == 1
+    assert torch.nn.functional.cosine_similarity(z.flatten(1), data["latents"].flatten(1)).min() > 0.9
+    with pytest.raises(ValueError, match="latent_sampler.: got 'mean'; expected 'ddim' or 'ddpm' for joint"):
+        sampler.joint(data["pad_mask"], torch.Generator().manual_seed(1))
+
+
 def test_reusing_the_output_skips_model_calls_and_still_reproduces(overfit):
     model, text, latent, data = overfit
     calls = {}

@@ -193,7 +193,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="classifier-free guidance w: cond + w (cond - uncond); 0 = off",
     )
-    opt.add_argument("--latent-sampler", choices=["ddim", "ddpm"], help="default: the run's latent_diffusion.sampler")
+    opt.add_argument(
+        "--latent-sampler",
+        choices=["ddim", "ddpm", "mean"],
+        help="default: the run's latent_diffusion.sampler; mean (t2l): the posterior mean E[latent | text], "
+        "one model call, for using t2l as an encoder",
+    )
     opt.add_argument("--no-reuse", action="store_true", help="l2t: call the model even when a step changed nothing")
     opt.add_argument("--seed", type=int, default=0)
     opt.add_argument("--batch-size", type=int, default=64)

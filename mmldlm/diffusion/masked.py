@@ -17,9 +17,20 @@ and copies unmasked inputs, so only masked positions carry loss. The continuous-
 
 which with loglinear is a 1/t weight on the masked cross-entropy. `loss` returns it in nats per real
 (non-pad) token: the weighted cross-entropy summed over masked non-pad tokens of the batch, divided
-by the number of non-pad tokens of the batch (MDLM's reported NLL per token; eval reuses it). The
-weight is evaluated at max(t, eps) so it stays finite as t -> 0 (at most 1/eps for loglinear); this
-truncates the integral over (0, eps), where only about t * L tokens are masked.
+by the number of non-pad tokens of the batch (MDLM's reported NLL per token; eval reuses it).
+
+A true upper bound on -log p(x | L) (Sohl-Dickstein et al. 2015, eq. 14: prior + diffusion +
+reconstruction) needs the two ends of the integral as well:
+- t in (0, eps): the reverse process ends with one jump from z_eps to x, each masked token drawn from
+  x_theta (what the sampler's last step does). Its cost, the reconstruction term
+  E_q[sum_{masked at eps} -log x_theta(x_i | z_eps)], is estimated by the times drawn below eps:
+  `bound_time` moves them to eps and `elbo_weight` gives them weight 1 / eps (their probability is
+  eps), so E_t over U(0, 1) is the integral over (eps, 1) plus the reconstruction term, unbiased and
+  with finite variance (the plain weight 1/t is unbiased too, but its variance diverges at t = 0).
+- t = 1: alpha_1 = eps, so a token is still itself at t = 1 with prob eps and the diffusion term
+  never pays for it. The prior p(z_1) that matches it keeps each position masked with prob 1 - eps
+  and otherwise shows a token drawn uniformly from the V - 1 that are not the mask; its KL to
+  q(z_1 | x) is eps * log(V - 1) per real token (`prior_nats_per_token`).
 """
 
 from __future__ import annotations
@@ -70,13 +81,25 @@ class MaskedDiffusion:
         return torch.exp(-sigma), -torch.expm1(-sigma)
 
     def elbo_weight(self, t: torch.Tensor) -> torch.Tensor:
-        """-alpha'_t / (1 - alpha_t) (eq. 11), evaluated at max(t, eps) so it stays finite."""
-        t = t.clamp(min=self.cfg.eps)
+        """-alpha'_t / (1 - alpha_t) (eq. 11) for t > eps; 1 / eps at t <= eps, where a row drawn
+        below eps estimates the reconstruction term (module docstring)."""
         eps = self.cfg.eps
+        clamped = t.clamp(min=eps)
         if self.cfg.schedule == "loglinear":
-            return 1.0 / t  # (1 - eps) / ((1 - eps) t)
+            return 1.0 / clamped  # (1 - eps) / ((1 - eps) t); 1 / eps at eps
         sigma_max = -math.log(eps)
-        return sigma_max / torch.expm1(sigma_max * t)  # sigma' alpha / (1 - alpha)
+        weight = sigma_max / torch.expm1(sigma_max * clamped)  # sigma' alpha / (1 - alpha)
+        return torch.where(t <= eps, torch.full_like(weight, 1.0 / eps), weight)
+
+    def bound_time(self, t: torch.Tensor) -> torch.Tensor:
+        """Times below eps moved to eps: the text is noised (and the model told) at eps there, so the
+        rows drawn below eps pay the reconstruction term (module docstring)."""
+        return t.clamp(min=self.cfg.eps)
+
+    def prior_nats_per_token(self, vocab_size: int) -> float:
+        """KL(q(z_1 | x) || p(z_1)) per real token: eps * log(V - 1) (module docstring)."""
+        alpha_1, _ = self.alpha(torch.tensor(1.0, dtype=torch.float64))
+        return float(alpha_1) * math.log(vocab_size - 1)
 
     # --- forward process -------------------------------------------------------------------------
 
@@ -120,7 +143,8 @@ class MaskedDiffusion:
         Metrics (detached): accuracy of the argmax over masked non-pad tokens, num_masked, num_tokens
         (non-pad tokens: the ELBO denominator, for token-weighted averages over batches). With
         `per_sample` (evaluation, cfg.loss "elbo") also nats_per_sample and num_tokens_per_sample (B,):
-        the loss is their sums' ratio.
+        the loss is their sums' ratio; each text's nats are its NELBO estimate given the length,
+        without the prior term.
         """
         B, L = tokens.shape
         masked = self.loss_positions(noised, pad_mask)  # (B, L)

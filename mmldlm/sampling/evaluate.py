@@ -2,10 +2,19 @@
 
 1. ELBO per mode: the training objective itself (`Objective`, forced to one mode, no condition
    dropping) on validation batches, averaged over `num_t_draws` draws of t and noise per batch.
-   The text term is MDLM's NELBO (whatever text_diffusion.loss trained with) in nats per real
-   token, token-weighted over batches; bits = nats / ln 2; exp(nats) bounds the perplexity from
-   above. In l2t it bounds -log p(text | latent); in joint it is the text term of the joint loss
-   (the latent noised at its own t). The latent term is the configured latent loss.
+   The text term is MDLM's NELBO (whatever text_diffusion.loss trained with) with its prior and
+   reconstruction terms (masked.py), per text. Given the true length it bounds -log p(x | L, latent)
+   (`text_nats_per_token_given_length`, also under the older key `text_nats_per_token`). The length
+   is then paid for (`length_nats_per_text`): in l2t by the length head, -log p_head(L | latent) over
+   the lengths 1..max_length (a model without a head: as joint); in joint by -log p(L) under the
+   validation split's length distribution, the one joint generation draws from (fitted on the same
+   split, so slightly optimistic). `nats_per_text` and `nats_per_token_with_length` bound
+   -log p(x | latent) in l2t, and in joint the text term of the joint loss (the latent noised at its
+   own t) with the length paid. bits = nats / ln 2; exp(nats per token) bounds the perplexity from
+   above; with the length paid it is comparable to an autoregressive model's perplexity over the same
+   tokenizer's tokens that pays for its end-of-text token (the length term plays that token's role).
+   `per_text` keeps the arrays (nats given the length, length nats, tokens) for intervals. The
+   latent term is the configured latent loss.
 2. l2t reconstruction: text sampled from the first N validation latents (each text's true length is
    given, see sampler.py), re-encoded with the dataset's sentence encoder; mean cosine to the source
    latent, and the exact-match rate of the decoded text against the source text. The cosine rewards
@@ -13,16 +22,20 @@
    cosine of about 0.9 to the original), so two word-level figures stand beside it: word F1, the
    overlap of the decoded text's words with the source's (lowercase letter runs, counted with
    multiplicity), and the real-word rate, the share of decoded words that occur in the training texts.
-3. t2l: latents sampled from the first N validation texts; mean cosine to the true latent, and
-   retrieval@1: the share whose nearest (cosine) latent among the first `retrieval_pool` validation
-   latents is their own.
+3. t2l: latents from the first N validation texts; mean cosine to the true latent, and retrieval@1:
+   the share whose nearest (cosine) latent among the first `retrieval_pool` validation latents is
+   their own. Both read the posterior mean (latent_sampler "mean": t2l used as an encoder); the
+   sampler's own samples are what the latent fidelity (6.) reads.
 4. Length: the length head's prediction (argmax) from the first N validation latents against the
    true text lengths: exact accuracy and mean absolute error in tokens.
 5. References beside the figures, on the same samples: chance retrieval (1 / pool); the cosine of
    the training-set mean latent to each target, what a t2l model that ignores its input gets; the
    cosine of each target to another sample's latent, what decoding a real but unrelated sentence
    gets in l2t (a cyclic shift of the samples), and the word F1 of that other sentence.
-6. Speed: samples per second of each sampler at the given step count (one measurement, noisy on a
+6. Latent fidelity (latent_fidelity.py) of t2l's and joint generation's latents against as many real
+   validation latents: Fréchet distance, k-NN precision and recall, the per-dimension std ratio and
+   the spread, each beside real latents against a disjoint real set of the same size.
+7. Speed: samples per second of each sampler at the given step count (one measurement, noisy on a
    shared machine).
 With several guidance scales, 2. and 3. are repeated per scale (`guidance`); the l2t and t2l entries
 hold the first scale's figures.
@@ -56,6 +69,7 @@ from mmldlm.config import EvalConfig
 from mmldlm.data.dataset import PadCollate, PreparedDataset
 from mmldlm.diffusion import MaskedDiffusion
 from mmldlm.objective import Objective
+from mmldlm.sampling import latent_fidelity as lf
 from mmldlm.sampling import text_metrics as tm
 from mmldlm.sampling.intervals import Corpus, Mean
 from mmldlm.sampling.run import TrainedRun, dataset_texts
@@ -108,7 +122,13 @@ def _distinct(n: int) -> Corpus:
     return Corpus(("texts",), statistic)
 
 
-ELBO = {"text_nats_per_token": Mean("text_nats", "num_tokens"), "latent_loss": Mean("latent_loss")}
+ELBO = {
+    "text_nats_per_token": Mean("text_nats", "num_tokens"),
+    "nats_per_token_with_length": Mean("nats_with_length", "num_tokens"),
+    "nats_per_text": Mean("nats_per_text"),
+    "length_nats_per_text": Mean("length_nats"),
+    "latent_loss": Mean("latent_loss"),
+}
 L2T = {
     "exact_match": Mean("exact"),
     "word_f1": Mean("word_f1"),
@@ -222,8 +242,11 @@ def eval_objective(run: TrainedRun, mode: str) -> Objective:
 
 
 def _elbo_per_text(run: TrainedRun, objective: Objective, m: int, num_samples, batch_size, num_t_draws, seed):
-    """{text_nats (N, draws) per token, num_tokens (N,), latent_loss (N, draws)} of one mode's objective."""
-    text, tokens, latent = [], [], []
+    """Per-text values of one mode's objective: text_nats (N, draws), the NELBO given the length per token
+    with the prior term; length_nats (N,), -log p(L) (`length_cost`); nats_with_length (N, draws), both per
+    token; nats_per_text (N, draws), both per text; num_tokens (N,); latent_loss (N, draws)."""
+    text, tokens, lengths, latent = [], [], [], []
+    prior = _prior_nats_per_token(run)
     for b, batch in enumerate(val_batches(run, num_samples, batch_size)):
         batch = {k: v.to(run.device) for k, v in batch.items()}
         draws = [
@@ -231,14 +254,22 @@ def _elbo_per_text(run: TrainedRun, objective: Objective, m: int, num_samples, b
         ]
         if "nats_per_sample" in draws[0]:
             count = draws[0]["num_tokens_per_sample"].float().clamp_min(1)
-            text.append(torch.stack([d["nats_per_sample"] / count for d in draws], dim=1).cpu())  # (B, draws)
+            text.append(torch.stack([d["nats_per_sample"] / count for d in draws], dim=1).cpu() + prior)  # (B, draws)
             tokens.append(count.cpu())
+            lengths.append(length_cost(run, objective.cfg.mode, batch))
         if "latent_loss_per_sample" in draws[0]:
             latent.append(torch.stack([d["latent_loss_per_sample"] for d in draws], dim=1).cpu())
         progress.advance(batch["tokens"].shape[0] * num_t_draws)
     per_text = {}
     if text:
-        per_text.update(text_nats=torch.cat(text).numpy(), num_tokens=torch.cat(tokens).numpy())
+        text_nats, num_tokens, length_nats = torch.cat(text).double(), torch.cat(tokens).double(), torch.cat(lengths)
+        per_text.update(
+            text_nats=text_nats.numpy(),
+            length_nats=length_nats.numpy(),
+            nats_with_length=(text_nats + (length_nats / num_tokens)[:, None]).numpy(),
+            nats_per_text=(text_nats * num_tokens[:, None] + length_nats[:, None]).numpy(),
+            num_tokens=num_tokens.numpy(),
+        )
     if latent:
         per_text["latent_loss"] = torch.cat(latent).numpy()
     return per_text
@@ -253,8 +284,8 @@ def elbo(
     seed: int = 0,
     modes: tuple[str, ...] = MODES,
 ) -> dict:
-    """{mode: {text_nats_per_token, text_bits_per_token, text_ppl_bound, latent_loss, ...}} (module
-    docstring), each with its interval over the texts and the draws of t and noise."""
+    """{mode: {text_nats_per_token_given_length, nats_per_token_with_length, nats_per_text, ...,
+    latent_loss}} (module docstring, 1), each with its interval over the texts and the draws of t."""
     out = {}
     for m, mode in enumerate(modes):
         per_text = _elbo_per_text(run, eval_objective(run, mode), m, num_samples, batch_size, num_t_draws, seed)
@@ -262,15 +293,42 @@ def elbo(
         result = summarise(ELBO, per_text, num_samples=n)
         if "text_nats_per_token" in result:
             nats, (low, high) = result["text_nats_per_token"], result["text_nats_per_token_interval"]
+            paid, (paid_low, paid_high) = (
+                result["nats_per_token_with_length"],
+                result["nats_per_token_with_length_interval"],
+            )
             result.update(
+                text_nats_per_token_given_length=nats,
+                text_nats_per_token_given_length_interval=[low, high],
                 text_bits_per_token=nats / math.log(2),
                 text_bits_per_token_interval=[low / math.log(2), high / math.log(2)],
                 text_ppl_bound=math.exp(min(nats, 700.0)),
                 text_ppl_bound_interval=[math.exp(min(low, 700.0)), math.exp(min(high, 700.0))],
+                bits_per_token_with_length=paid / math.log(2),
+                ppl_bound_with_length=math.exp(min(paid, 700.0)),
+                ppl_bound_with_length_interval=[math.exp(min(paid_low, 700.0)), math.exp(min(paid_high, 700.0))],
+                prior_nats_per_token=_prior_nats_per_token(run),
                 num_tokens=int(per_text["num_tokens"].sum()),
+                num_texts=n,
             )
         out[mode] = result
     return out
+
+
+def length_cost(run: TrainedRun, mode: str, batch: dict) -> torch.Tensor:
+    """(B,) float64 nats: -log p(L) of each text's length (module docstring, 1): the length head's over
+    1..max_length given the clean latent in l2t, else the validation split's length distribution."""
+    lengths = batch["pad_mask"].sum(dim=1).clamp(1, run.max_length).cpu() - 1  # (B,) class index
+    if mode == "l2t" and getattr(run.model, "length_head", None) is not None:
+        logits = run.model.length_logits(run.latent.standardize(batch["latents"].float()))[:, : run.max_length]
+        return -torch.log_softmax(logits.double(), dim=1).cpu().gather(1, lengths[:, None])[:, 0]
+    counts = run.length_counts.double()
+    return -torch.log(counts / counts.sum())[lengths]
+
+
+def _prior_nats_per_token(run: TrainedRun) -> float:
+    """The bound's prior term per real token (MaskedDiffusion.prior_nats_per_token) at the model's V."""
+    return run.text.prior_nats_per_token(run.cfg.model.vocab_size or run.val.vocab_size)
 
 
 def elbo_with_progress(run: TrainedRun, num_samples: int, batch_size: int, num_t_draws: int, seed: int) -> dict:
@@ -405,6 +463,7 @@ def joint_generation(
             latents.append(z)
     seconds = time.perf_counter() - start
     latents = torch.cat(latents)
+    fidelity = latent_fidelity(run, latents)
     consistency = F.cosine_similarity(run.encode_latents(texts).flatten(1), latents.flatten(1), dim=-1)
     repetition = tm.repetition_per_text(texts, 2)
     per_text = {
@@ -418,6 +477,7 @@ def joint_generation(
     if fluency is not None:
         per_text["ngram_bits"], per_text["ngram_words"] = fluency.bits_per_text(texts)
     out = summarise(JOINT, per_text, num_samples=num_samples, samples_per_s=num_samples / seconds)
+    out["latent_fidelity"] = fidelity
     selected = selection(options)
     if selected:
         out["selected_on"] = {"consistency": selected}
@@ -446,9 +506,34 @@ def fluency_reference(run: TrainedRun) -> tm.NgramReference | None:
 def t2l_retrieval(
     run: TrainedRun, options: SamplingOptions, num_samples: int, batch_size: int, pool_size: int = 1000, seed: int = 0
 ) -> dict:
-    """Latents from the first N validation texts vs. the true latents (module docstring, 3)."""
+    """Latents from the first N validation texts vs. the true latents (module docstring, 3): cosine and
+    retrieval of the posterior mean (latent_sampler "mean", t2l as an encoder), the fidelity and speed of
+    the latents `options` sample."""
     _, pool = _first_val(run, max(pool_size, num_samples))
     ids = _first_val(run, num_samples)[0]
+    means, _ = t2l_latents(run, dataclasses.replace(options, latent_sampler="mean"), ids, batch_size, seed)
+    sampled, seconds = t2l_latents(run, options, ids, batch_size, seed)
+    means = means.flatten(1)  # (N, K*D)
+    pool = pool.flatten(1)  # (P, K*D), P >= N: sample i is pool row i
+    cosine = F.cosine_similarity(means, pool[: len(ids)], dim=-1)
+    similarity = F.normalize(means, dim=-1) @ F.normalize(pool, dim=-1).T  # (N, P)
+    hits = similarity.argmax(dim=1) == torch.arange(len(ids))
+    out = summarise(
+        T2L,
+        {"cosine": cosine.numpy(), "hit": hits.double().numpy()},
+        num_samples=len(ids),
+        retrieval_latents="posterior mean",
+        pool_size=pool.shape[0],
+        samples_per_s=len(ids) / seconds,
+    )
+    out["latent_fidelity"] = latent_fidelity(run, sampled)
+    return out
+
+
+def t2l_latents(
+    run: TrainedRun, options: SamplingOptions, ids: list[list[int]], batch_size: int, seed: int
+) -> tuple[torch.Tensor, float]:
+    """(latents (N, K, D) t2l samples for the texts `ids`, on the CPU; the seconds it took)."""
     sampler = run.sampler(options)
     generated = []
     start = time.perf_counter()
@@ -456,19 +541,19 @@ def t2l_retrieval(
         for b in range(0, len(ids), batch_size):
             tokens, pad_mask = run.batch_of(ids[b : b + batch_size])
             generated.append(sampler.t2l(tokens, pad_mask, _generator(seed, 2, b)).cpu())
-    seconds = time.perf_counter() - start
-    generated = torch.cat(generated).flatten(1)  # (N, K*D)
-    pool = pool.flatten(1)  # (P, K*D), P >= N: sample i is pool row i
-    cosine = F.cosine_similarity(generated, pool[: len(ids)], dim=-1)
-    similarity = F.normalize(generated, dim=-1) @ F.normalize(pool, dim=-1).T  # (N, P)
-    hits = similarity.argmax(dim=1) == torch.arange(len(ids))
-    return summarise(
-        T2L,
-        {"cosine": cosine.numpy(), "hit": hits.double().numpy()},
-        num_samples=len(ids),
-        pool_size=pool.shape[0],
-        samples_per_s=len(ids) / seconds,
-    )
+    return torch.cat(generated), time.perf_counter() - start
+
+
+def latent_fidelity(run: TrainedRun, generated: torch.Tensor) -> dict | None:
+    """The fidelity figures (latent_fidelity.py) of generated latents (N, K, D) in encoder space against
+    the first validation latents, in the standardised space, beside two disjoint sets of real latents
+    at the same N (N is cut to half the validation split when it has fewer than 2N); None below N = 2."""
+    n = min(len(generated), len(run.val) // 2)
+    if n < 2:
+        return None
+    _, real = _first_val(run, 2 * n)
+    standard = lambda x: run.latent.standardize(x.float()).flatten(1).double().numpy()  # noqa: E731
+    return lf.fidelity(standard(generated[:n].cpu()), standard(real[:n]), standard(real[n : 2 * n]))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -802,15 +887,21 @@ def writing_lines(report: dict) -> list[str]:
 
 def _elbo_table(report: dict) -> list[str]:
     lines = [
-        f"| mode (n texts, {report.get('num_t_draws', 1)} draws of t each) | text nats/token | text bits/token "
-        "| perplexity bound | latent loss |",
-        "|---|---|---|---|---|",
+        'Likelihood bounds (upper bounds; "with length" pays for the length, comparable to an autoregressive '
+        "perplexity that pays for its end of text):",
+        "",
+        f"| mode (n texts, {report.get('num_t_draws', 1)} draws of t each) | text nats/token given length "
+        "| nats/token with length | nats/text with length | length nats/text | perplexity bound with length "
+        "| latent loss |",
+        "|---|---|---|---|---|---|---|",
     ]
     for mode, r in report["elbo"].items():
         cell = lambda k, f, r=r: figure_text(r, k, f) if k in r else "-"  # noqa: E731
         lines.append(
-            f"| {mode} ({r.get('num_samples', '?')}) | {cell('text_nats_per_token', '.4f')} | "
-            f"{cell('text_bits_per_token', '.4f')} | {cell('text_ppl_bound', '.2f')} | {cell('latent_loss', '.4f')} |"
+            f"| {mode} ({r.get('num_samples', '?')}) | {cell('text_nats_per_token_given_length', '.4f')} | "
+            f"{cell('nats_per_token_with_length', '.4f')} | {cell('nats_per_text', '.2f')} | "
+            f"{cell('length_nats_per_text', '.2f')} | {cell('ppl_bound_with_length', '.2f')} | "
+            f"{cell('latent_loss', '.4f')} |"
         )
     return lines
 
@@ -849,6 +940,38 @@ def length_line(length: dict) -> str:
     return line
 
 
+def fidelity_lines(report: dict) -> list[str]:
+    """The "latent fidelity" section: t2l's and joint generation's latents against real ones."""
+    rows = [(mode, report[mode]["latent_fidelity"]) for mode in ("t2l", "joint") if mode in report]
+    rows = [(mode, f) for mode, f in rows if f is not None]
+    if not rows:
+        return []
+    lines = [
+        "",
+        f"Latent fidelity (standardised space, {rows[0][1]['dims']} dims; each generated set against as many "
+        "real validation latents, and real against another disjoint real set of the same size; k-NN precision "
+        f"and recall at k = {rows[0][1]['k']}):",
+        "",
+        "| latents | n | Fréchet distance (real vs real) | precision (real) | recall (real) | std ratio median "
+        "[min, max] | spread (real) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, f in rows:
+        lines.append(
+            f"| {name} | {f['num_samples']} | {f['frechet_distance']:.1f} ({f['frechet_distance_real_vs_real']:.1f}) "
+            f"| {f['precision']:.2f} ({f['precision_real_vs_real']:.2f}) | {f['recall']:.2f} "
+            f"({f['recall_real_vs_real']:.2f}) | {f['std_ratio_median']:.2f} [{f['std_ratio_min']:.2f}, "
+            f"{f['std_ratio_max']:.2f}] | {f['spread']:.1f} ({f['spread_real']:.1f}) |"
+        )
+    if any(f["num_samples"] <= f["dims"] for _, f in rows):
+        lines += [
+            "",
+            "With n at most the dimension the covariances are mostly estimation noise, and a narrower sample has "
+            "less of it: read the std ratio and the spread before the Fréchet distance (docs/quality.md).",
+        ]
+    return lines
+
+
 def markdown(report: dict) -> str:
     """A short human summary of the report: each figure with its 95% interval in brackets."""
     l2t, t2l, ref = report["l2t"], report["t2l"], report.get("references", {})
@@ -870,12 +993,13 @@ def markdown(report: dict) -> str:
         f"real words {figure_text(l2t, 'real_word_rate', '.1%')}, {_cosine_clause(report, 'l2t')}"
         f"{reference('other_sentence_cosine', 'an unrelated real sentence:')}, {l2t['samples_per_s']:.1f} samples/s",
         "",
-        f"t2l ({t2l['num_samples']} validation texts): mean cosine to the true latent "
+        f"t2l ({t2l['num_samples']} validation texts, the posterior mean): mean cosine to the true latent "
         f"{figure_text(t2l, 'cosine_mean', '.4f')}{reference('mean_latent_cosine', 'the training-set mean latent:')}, "
         f"retrieval@1 among {t2l['pool_size']} {figure_text(t2l, 'retrieval_at_1', '.1%')}{chance}, "
         f"{t2l['samples_per_s']:.1f} samples/s",
     ]
     lines += writing_lines(report)
+    lines += fidelity_lines(report)
     if "length" in report:
         length = report["length"]
         lines += ["", length_line(length)]

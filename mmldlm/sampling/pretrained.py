@@ -391,7 +391,8 @@ class MMLDLM:
         self, texts: str | list[str], *, batch_size: int = 64, seed: int = 0, progress: bool | str = "auto", **options
     ) -> torch.Tensor:
         """t2l: latents (N, K, D) in the encoder's space sampled for `texts` (one string: N = 1). A warning
-        says when a text is longer than the model reads (it is cut; the latent describes its start)."""
+        says when a text is longer than the model reads (it is cut; the latent describes its start).
+        latent_sampler="mean" gives the posterior mean instead (one model call; for retrieval)."""
         sampler = self.run.sampler(self.options(**options))
         texts = [texts] if isinstance(texts, str) else list(texts)
         note = self.run.cut_note(self.run.tokens_cut(texts))

@@ -62,6 +62,8 @@ from mmldlm.sampling.decoding import Draft
 STRATEGIES = ("ancestral", "confidence", "margin", "left_to_right")
 # How tokens once revealed are masked again (SamplingOptions.remask).
 REMASKS = ("confidence", "posterior")
+# How a latent is drawn (SamplingOptions.latent_sampler).
+LATENT_SAMPLERS = ("ddim", "ddpm", "mean")
 
 
 @dataclass
@@ -79,7 +81,11 @@ class SamplingOptions:
     # the drawn values and sample the model's distribution when steps reveal one token each.
     strategy: Literal["ancestral", "confidence", "margin", "left_to_right"] = "confidence"
     guidance_scale: float = 0.0  # classifier-free guidance w (module docstring); 0 = off
-    latent_sampler: Literal["ddim", "ddpm"] = "ddim"
+    # "ddim" or "ddpm" (GaussianDiffusion.step) sample the latent; "mean" (t2l only) is the posterior mean
+    # E[x0 | text] for an encoder: one model call at t = 1, whose x0 estimate given noise that carries no
+    # signal (alpha_1 = latent_diffusion.min_alpha) is the regression answer. Samples of few DDIM steps at a
+    # shifted schedule are close to it too: too narrow to stand for the latent distribution (docs/quality.md).
+    latent_sampler: Literal["ddim", "ddpm", "mean"] = "ddim"
     reuse_output: bool = True  # l2t: skip the model call when the last step unmasked nothing
     # Each revealed text position's logit of every token already revealed in its text is lowered by this
     # much (0 = off): a small model otherwise writes the latent's keyword at several positions.
@@ -127,8 +133,8 @@ class SamplingOptions:
             fail("temperature", "a number > 0")
         if self.strategy not in STRATEGIES:
             fail("strategy", " or ".join(repr(name) for name in STRATEGIES))
-        if self.latent_sampler not in ("ddim", "ddpm"):
-            fail("latent_sampler", "'ddim' or 'ddpm'")
+        if self.latent_sampler not in LATENT_SAMPLERS:
+            fail("latent_sampler", " or ".join(repr(name) for name in LATENT_SAMPLERS))
         if not math.isfinite(self.guidance_scale):
             fail("guidance_scale", "a finite number (0 = off)")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty >= 0):
@@ -403,7 +409,7 @@ class Sampler:
         remasking (l2t) and correction round, of the longest text."""
         options = self.options
         if mode == "t2l":
-            return options.latent_steps or options.num_steps
+            return 1 if options.latent_sampler == "mean" else options.latent_steps or options.num_steps
         longest = int(pad_mask.sum(dim=-1).max()) if pad_mask.numel() else 0
         per_round = max(1, math.ceil(longest * options.remask_fraction))
         rounds = options.correction_rounds + (options.remask_rounds if mode == "l2t" else 0)
@@ -446,17 +452,33 @@ class Sampler:
     def t2l(
         self, tokens: torch.Tensor, pad_mask: torch.Tensor, generator: torch.Generator | None = None
     ) -> torch.Tensor:
-        """Latents (B, K, D) in encoder space for text tokens (B, L) (padding where pad_mask is False)."""
+        """Latents (B, K, D) in encoder space for text tokens (B, L) (padding where pad_mask is False);
+        with latent_sampler "mean" the posterior mean (one step from t = 1, whose x0 estimate it is)."""
         tokens, pad_mask = tokens.to(self.device), pad_mask.to(self.device)
         x = self._start_latent(tokens.shape[0], generator)  # (B, K, D) at t = 1
         x0 = None
+        posterior_mean = self.options.latent_sampler == "mean"
+        steps = 1 if posterior_mean else self.options.latent_steps or self.options.num_steps
         with progress.share(tokens.shape[0], self.planned_steps(pad_mask, "t2l")):
-            for t, s in time_grid(self.options.latent_steps or self.options.num_steps):
+            for t, s in time_grid(steps):
                 pred = self._t2l_prediction(tokens, x, t, pad_mask, x0)
                 x0 = self._self_cond(pred, x, t)
-                x = self.latent.step(pred, x, t, s, self.options.latent_sampler, generator)
+                x = self.latent.step(
+                    pred, x, t, s, "ddim" if posterior_mean else self.options.latent_sampler, generator
+                )
                 progress.step()
         return self.latent.destandardize(x)
+
+    def _sampled_latent_sampler(self) -> str:
+        """The latent sampler of joint generation: "ddim" or "ddpm"; OptionError for "mean", which has no
+        text to take the mean given."""
+        if self.options.latent_sampler == "mean":
+            raise OptionError(
+                "sampling option 'latent_sampler'",
+                "mean",
+                "'ddim' or 'ddpm' for joint generation ('mean' is t2l's posterior mean given a text)",
+            )
+        return self.options.latent_sampler
 
     @torch.no_grad()
     def latent_prior(self, pad_mask: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -464,17 +486,19 @@ class Sampler:
         reads fully masked text of the lengths of pad_mask (B, L) at t_text = 1 (what training shows it
         in joint at t_text = 1 and when it drops the text of t2l), num_steps reverse steps from noise."""
         pad_mask = pad_mask.to(self.device)
+        sampler = self._sampled_latent_sampler()
         hidden = self._start_text(pad_mask)
         x = self._start_latent(pad_mask.shape[0], generator)
         x0 = None
         for t, s in time_grid(self.options.num_steps):
             pred = self._model(hidden, x, 1.0, t, pad_mask, text_head=False, latent_head=True, self_cond=x0).latent
             x0 = self._self_cond(pred.float(), x, t)
-            x = self.latent.step(pred.float(), x, t, s, self.options.latent_sampler, generator)
+            x = self.latent.step(pred.float(), x, t, s, sampler, generator)
         return self.latent.destandardize(x)
 
     def write_joint(self, pad_mask: torch.Tensor, generator=None) -> tuple[Draft, torch.Tensor]:
         """One joint trajectory: (the text's Draft, latents (B, K, D) in encoder space)."""
+        sampler = self._sampled_latent_sampler()
         tokens = self._start_text(pad_mask)
         confidence = self._start_confidence(pad_mask)
         x = self._start_latent(tokens.shape[0], generator)
@@ -486,7 +510,7 @@ class Sampler:
             self._record_confidence(confidence, scores, tokens, new)
             tokens = new
             x0 = self._self_cond(pred.float(), x, t)
-            x = self.latent.step(pred.float(), x, t, s, self.options.latent_sampler, generator)
+            x = self.latent.step(pred.float(), x, t, s, sampler, generator)
             progress.step()
         return Draft(tokens, confidence), self.latent.destandardize(x)
 
