@@ -467,10 +467,11 @@ def test_elbo_is_the_mdlm_training_loss_formula_on_the_same_batch(run_dir):
     assert report["text_nats_per_token"] == report["text_nats_per_token_given_length"]
     assert report["num_tokens"] == int(pad_mask.sum())
     # The length paid: the length head's cross-entropy over 1..max_length, per text.
-    per_text = report["per_text"]
-    assert len(per_text["nats_given_length"]) == len(per_text["length_nats"]) == 4
+    per_text = report["per_text"]  # one draw of t: text nats per token (N, 1), tokens (N,)
+    given = [row[0] * n for row, n in zip(per_text["text_nats"], per_text["num_tokens"])]
+    assert len(given) == len(per_text["length_nats"]) == 4
     assert min(per_text["length_nats"]) > 0 and report["nats_per_token_with_length"] > report["text_nats_per_token"]
-    paid = sum(per_text["nats_given_length"]) + sum(per_text["length_nats"])
+    paid = sum(given) + sum(per_text["length_nats"])
     assert report["nats_per_text"] == pytest.approx(paid / 4)
     assert report["nats_per_token_with_length"] == pytest.approx(paid / int(pad_mask.sum()))
 
