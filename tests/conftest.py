@@ -1,6 +1,18 @@
 import os
 
 import pytest
+import torch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """In-process tests run torch on one thread, as the subprocesses they start do (OMP_NUM_THREADS=1):
+    their tiny ops gain nothing from a second thread, and on a 2-core machine shared with other jobs
+    two threads ran the trainer and memory tests 2-4x slower. Tests of the thread setting set their own."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,9 @@
     killpointer:STEP         the rank writing the checkpoint of STEP SIGKILLs itself after the step's
                              directory is complete and renamed, before `latest` names it
 A fault fires in a worker group's first start only: under torchrun's restarts
-(TORCHELASTIC_RESTART_COUNT > 0) the restarted workers run clean, as after a real crash.
+(TORCHELASTIC_RESTART_COUNT > 0) the restarted workers run clean, as after a real crash. With
+MMLDLM_TEST_FIRED=DIR the rank a fault fires on writes DIR/rank-RANK first: a test waits for that file,
+not for a time.
 With MMLDLM_TEST_DUMP_SHARDS=DIR every rank writes DIR/rank-R.pt after training: its device-mesh
 coordinate and the local shard of every parameter. With MMLDLM_TEST_RECORD=DIR each rank appends
 "STEP INDEX INDEX ..." of every micro-batch it trains on to DIR/rank-RANK.txt (which samples each step read).
@@ -30,7 +32,16 @@ from mmldlm.training import checkpoint as checkpoint_module
 from mmldlm.training import trainer as trainer_module
 
 
+def _fired() -> None:
+    """Tell the test that the fault fires now (MMLDLM_TEST_FIRED)."""
+    if os.environ.get("MMLDLM_TEST_FIRED"):
+        directory = Path(os.environ["MMLDLM_TEST_FIRED"])
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"rank-{os.environ.get('RANK', 0)}").touch()
+
+
 def _kill_self() -> None:
+    _fired()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -53,6 +64,7 @@ def _install_fault(fault: str) -> None:
         def full_disk_torch_save(obj, path):
             step_dir = checkpoint_module.step_dir_name(int(args[1]))
             if rank == int(args[0]) and Path(path).parent.name.endswith(step_dir) and "rank-" in Path(path).name:
+                _fired()
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
             real_torch_save(obj, path)
 
@@ -74,11 +86,13 @@ def _install_fault(fault: str) -> None:
         if kind == "kill" and step == int(args[0]):
             _kill_self()
         if kind == "stall" and rank == int(args[0]) and step == int(args[1]):
+            _fired()
             time.sleep(float(args[2]))
         loss, metrics = real_call(self, model, batch, step, generator)
         if kind == "killrank" and rank == int(args[0]) and step == int(args[1]):
             _kill_self()
         if kind == "nan" and rank == int(args[0]) and step in {int(s) for s in args[1].split(",")}:
+            _fired()
             loss = loss * torch.tensor(float("nan"))
         return loss, metrics
 

@@ -87,6 +87,7 @@ def test_ladder_adds_one_group_at_a_time_and_ends_at_optimized():
     assert {k for k in last if last[k] != optimized[k]} == {"train.run_dir"}
 
 
+@pytest.mark.slow  # two spawned configs of two gloo ranks each
 def test_two_process_bench_reports_memory_per_process_and_fsdp2_shards_the_state(tmp_path_factory, tmp_path):
     """Each config runs as two gloo ranks; the training-state split is per process: whole under DDP,
     halved under FSDP2, and both ranks' peaks are reported."""

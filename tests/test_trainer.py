@@ -5,7 +5,7 @@ import errno
 import json
 import os
 import signal
-import time
+import threading
 
 import pytest
 import torch
@@ -15,10 +15,11 @@ from loader_support import SyntheticLoader
 
 from mmldlm.config import ModelConfig, load_config
 from mmldlm.model.mmdit import MultimodalMMDiT
+from mmldlm.training.checkpoint import read_weights
 from mmldlm.training.distributed import DistInfo
 from mmldlm.training.run import train
 from mmldlm.training.storage import WriteError
-from mmldlm.training.trainer import Trainer
+from mmldlm.training.trainer import Trainer, TrainingStopped
 
 VOCAB, LEN, DIM = 40, 8, 16
 
@@ -50,7 +51,7 @@ def SequentialLoader(micro):
     return SyntheticLoader(micro, VOCAB, LEN, DIM)
 
 
-def make_trainer(tmp_path, overrides, mode="joint"):
+def make_trainer(tmp_path, overrides, mode="joint", objective=None):
     cfg = load_config(
         None,
         [
@@ -68,7 +69,8 @@ def make_trainer(tmp_path, overrides, mode="joint"):
         hidden_size=32, num_blocks=2, num_heads=2, max_seq_len=LEN, latent_dim=DIM, timestep_embed_dim=16
     )
     model = MultimodalMMDiT(model_cfg, vocab_size=VOCAB)
-    return Trainer(cfg, model, FixedNoiseObjective(mode), SequentialLoader(cfg.train.micro_batch_size), DistInfo())
+    objective = objective or FixedNoiseObjective(mode)
+    return Trainer(cfg, model, objective, SequentialLoader(cfg.train.micro_batch_size), DistInfo())
 
 
 def records(path):
@@ -173,26 +175,42 @@ def test_failed_background_save_is_reported_at_the_next_step(tmp_path, monkeypat
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-0000002"]
 
 
+class ForwardTellingObjective(FixedNoiseObjective):
+    """FixedNoiseObjective that sets `ran(step)` once the forward of (0-based) `step` has run."""
+
+    def __init__(self):
+        super().__init__()
+        self.forwards: dict[int, threading.Event] = {}
+
+    def ran(self, step: int) -> threading.Event:
+        return self.forwards.setdefault(step, threading.Event())
+
+    def __call__(self, model, batch, step, generator=None):
+        result = super().__call__(model, batch, step, generator)
+        self.ran(step).set()
+        return result
+
+
 def test_asynchronous_checkpoints_hold_the_step_they_save(tmp_path, monkeypatch):
     """The state is copied during the next step, which waits for the copy before its update: with a
-    copy that outlasts a forward and backward, the asynchronous checkpoints still equal blocking ones."""
+    copy that lasts until the next step's forward has run, the asynchronous checkpoints still equal
+    blocking ones."""
     from torch.distributed.checkpoint.staging import StateDictStager
-
-    from mmldlm.training.checkpoint import read_weights
 
     real_stage = StateDictStager.stage
 
-    def slow_stage(self, state_dict, **kwargs):
-        time.sleep(0.5)
+    def stage_after_the_next_forward(self, state_dict, **kwargs):
+        saved = trainer.step  # the trainer waits for this copy before it counts the next step
+        if saved < 4:  # the last checkpoint has no next step
+            assert trainer.objective.ran(saved).wait(60), f"no forward after step {saved}"
         return real_stage(self, state_dict, **kwargs)
 
-    monkeypatch.setattr(StateDictStager, "stage", slow_stage)
+    monkeypatch.setattr(StateDictStager, "stage", stage_after_the_next_forward)
     common = ["train.steps=4", "checkpoint.every=2", "train.precision=fp32", "train.micro_batch_size=2"]
     runs = {}
     for name in ("async", "blocking"):
-        trainer = make_trainer(
-            tmp_path / name, [*common, f"checkpoint.async_save={name == 'async'}", "train.ema_decay=0.9"]
-        )
+        overrides = [*common, f"checkpoint.async_save={name == 'async'}", "train.ema_decay=0.9"]
+        trainer = make_trainer(tmp_path / name, overrides, objective=ForwardTellingObjective())
         assert trainer.fit() == 0
         runs[name] = tmp_path / name / "checkpoints"
     for step in ("step-0000002", "step-0000004"):
@@ -200,6 +218,35 @@ def test_asynchronous_checkpoints_hold_the_step_they_save(tmp_path, monkeypatch)
             saved, reference = read_weights(runs["async"] / step, which), read_weights(runs["blocking"] / step, which)
             assert saved.keys() == reference.keys()
             assert all(torch.equal(saved[k], reference[k]) for k in saved), (step, which)
+
+
+class NonFiniteObjective(FixedNoiseObjective):
+    """FixedNoiseObjective whose loss is NaN at the given (0-based) steps."""
+
+    def __init__(self, steps):
+        super().__init__()
+        self.steps = set(steps)
+
+    def __call__(self, model, batch, step, generator=None):
+        loss, metrics = super().__call__(model, batch, step, generator)
+        return (loss * float("nan"), metrics) if step in self.steps else (loss, metrics)
+
+
+def test_consecutive_nonfinite_updates_are_skipped_then_stop_the_run_with_checkpoints_untouched(tmp_path):
+    overrides = ["train.steps=10", "train.micro_batch_size=2", "train.global_batch_size=2", "checkpoint.every=4"]
+    trainer = make_trainer(
+        tmp_path, [*overrides, "train.max_consecutive_skips=3"], objective=NonFiniteObjective({4, 5, 6})
+    )
+    with pytest.raises(
+        TrainingStopped, match="^3 consecutive updates were skipped .* stopping at step 7. The checkpoints"
+    ):
+        trainer.fit()
+    recs = records(tmp_path)
+    assert [r["skipped"] for r in recs] == [False] * 4 + [True] * 3 and recs[-1]["num_skipped"] == 3
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step-0000004"]  # nothing written at 7
+    saved = read_weights(checkpoints / "step-0000004")
+    assert all(torch.equal(p.detach(), saved[name]) for name, p in trainer.raw_model.named_parameters())
 
 
 def test_auto_precision_is_bf16_only_where_bf16_matmuls_are_native(monkeypatch):
