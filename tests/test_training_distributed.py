@@ -143,9 +143,7 @@ def assert_params_close(a: dict, b: dict, tol: float = 1e-5):
 
 
 @training_scenario
-@pytest.mark.parametrize(
-    "mode,strategy", [("joint", "ddp"), ("random", "ddp"), ("joint", "fsdp2")]
-)
+@pytest.mark.parametrize("mode,strategy", [("joint", "ddp"), ("random", "ddp"), ("joint", "fsdp2")])
 def test_two_processes_match_one_process(tmp_path, mode, strategy):
     # The loader strides samples over ranks (rank r takes r, r + W, ...): with one sample per
     # micro-batch, 1 process x 2 accumulation steps sees exactly the two ranks' micro-batches.
