@@ -1,6 +1,6 @@
 """scripts/launch.sh on 2 simulated nodes of 2 processes each: two launchers on 127.0.0.1 (c10d
-rendezvous, gloo), HSDP with one node per shard group. A rank is SIGKILLed mid-step, killed while it
-writes a checkpoint, or hangs until the collective timeout; each time the launchers restart the worker
+rendezvous, gloo), HSDP with one node per shard group. A rank is SIGKILLed mid-step, killed after it
+wrote a checkpoint but before `latest` names it, or hangs until the collective timeout; each time the launchers restart the worker
 groups with --resume auto, the run continues from the newest checkpoint that verifies, and it ends
 with every optimizer step trained once and logged once, the losses of an uninterrupted run. Also a
 worker killed from outside on 2 nodes of 1 process.
@@ -152,18 +152,11 @@ def test_a_rank_killed_mid_step_restarts_from_the_last_checkpoint(uninterrupted,
     assert_continued_from(tmp_path, 4, uninterrupted)
 
 
-@pytest.mark.parametrize(
-    "fault,step",
-    [
-        ("killsave:8", 4),  # step 8's directory is incomplete: removed, step 4 is the newest that verifies
-        ("killpointer:8", 8),  # step 8 is complete but `latest` still names step 4: step 8 is taken
-    ],
-)
-def test_a_rank_killed_while_saving_restarts_from_the_newest_checkpoint_that_verifies(
-    uninterrupted, tmp_path, fault, step
-):
-    assert launch_two_nodes(tmp_path, fault=fault) == [0, 0], log_of(tmp_path)[-5000:]
-    assert_continued_from(tmp_path, step, uninterrupted)
+def test_a_rank_killed_while_saving_restarts_from_the_newest_checkpoint_that_verifies(uninterrupted, tmp_path):
+    # Step 8 is complete but `latest` still names step 4: step 8 is taken. (A directory left incomplete
+    # by a writer killed mid-write, and a truncated shard, are test_checkpoint_metrics.py's, in process.)
+    assert launch_two_nodes(tmp_path, fault="killpointer:8") == [0, 0], log_of(tmp_path)[-5000:]
+    assert_continued_from(tmp_path, 8, uninterrupted)
 
 
 def test_a_hung_rank_times_out_and_the_run_restarts_from_the_last_checkpoint(uninterrupted, tmp_path):
