@@ -8,7 +8,7 @@ import torch
 def one_torch_thread():
     """In-process tests run torch on one thread, as the subprocesses they start do (OMP_NUM_THREADS=1):
     their tiny ops gain nothing from a second thread, and on a 2-core machine shared with other jobs
-    two threads ran the trainer and memory tests 2-4x slower. Tests of the thread setting set their own."""
+    two threads ran them 4-6x slower (docs/testing.md). Tests of the thread setting set their own."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
