@@ -15,7 +15,7 @@ from loader_support import SyntheticLoader
 
 from mmldlm.config import ModelConfig, load_config
 from mmldlm.model.mmdit import MultimodalMMDiT
-from mmldlm.training.checkpoint import read_weights
+from mmldlm.training.checkpoint import CheckpointManager, read_weights
 from mmldlm.training.distributed import DistInfo
 from mmldlm.training.run import train
 from mmldlm.training.storage import WriteError
@@ -175,42 +175,38 @@ def test_failed_background_save_is_reported_at_the_next_step(tmp_path, monkeypat
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-0000002"]
 
 
-class ForwardTellingObjective(FixedNoiseObjective):
-    """FixedNoiseObjective that sets `ran(step)` once the forward of (0-based) `step` has run."""
-
-    def __init__(self):
-        super().__init__()
-        self.forwards: dict[int, threading.Event] = {}
-
-    def ran(self, step: int) -> threading.Event:
-        return self.forwards.setdefault(step, threading.Event())
-
-    def __call__(self, model, batch, step, generator=None):
-        result = super().__call__(model, batch, step, generator)
-        self.ran(step).set()
-        return result
-
-
 def test_asynchronous_checkpoints_hold_the_step_they_save(tmp_path, monkeypatch):
-    """The state is copied during the next step, which waits for the copy before its update: with a
-    copy that lasts until the next step's forward has run, the asynchronous checkpoints still equal
-    blocking ones."""
+    """The state is copied during the next step, which waits for the copy before its update. Here the
+    copy starts only once the trainer is about to change the state (it waits for the copy, or has
+    stepped the optimizer): the asynchronous checkpoints still equal blocking ones."""
     from torch.distributed.checkpoint.staging import StateDictStager
 
-    real_stage = StateDictStager.stage
+    changing = threading.Event()  # set once the trainer is about to change what a save copies
+    real_stage, real_save = StateDictStager.stage, CheckpointManager.save
+    real_wait_for_snapshot = CheckpointManager.wait_for_snapshot
 
-    def stage_after_the_next_forward(self, state_dict, **kwargs):
-        saved = trainer.step  # the trainer waits for this copy before it counts the next step
-        if saved < 4:  # the last checkpoint has no next step
-            assert trainer.objective.ran(saved).wait(60), f"no forward after step {saved}"
+    def save(self, *args, **kwargs):
+        changing.clear()
+        real_save(self, *args, **kwargs)
+
+    def wait_for_snapshot(self):
+        changing.set()
+        real_wait_for_snapshot(self)
+
+    def stage_once_the_state_changes(self, state_dict, **kwargs):
+        assert changing.wait(60), "the step after the save never came to its update"
         return real_stage(self, state_dict, **kwargs)
 
-    monkeypatch.setattr(StateDictStager, "stage", stage_after_the_next_forward)
-    common = ["train.steps=4", "checkpoint.every=2", "train.precision=fp32", "train.micro_batch_size=2"]
+    monkeypatch.setattr(CheckpointManager, "save", save)
+    monkeypatch.setattr(CheckpointManager, "wait_for_snapshot", wait_for_snapshot)
+    monkeypatch.setattr(StateDictStager, "stage", stage_once_the_state_changes)
+    # Asynchronous saves at steps 2 and 4, each with a step after it; the last save (5) blocks.
+    common = ["train.steps=5", "checkpoint.every=2", "train.precision=fp32", "train.micro_batch_size=2"]
     runs = {}
     for name in ("async", "blocking"):
         overrides = [*common, f"checkpoint.async_save={name == 'async'}", "train.ema_decay=0.9"]
-        trainer = make_trainer(tmp_path / name, overrides, objective=ForwardTellingObjective())
+        trainer = make_trainer(tmp_path / name, overrides)
+        trainer.optimizer.register_step_post_hook(lambda *args: changing.set())
         assert trainer.fit() == 0
         runs[name] = tmp_path / name / "checkpoints"
     for step in ("step-0000002", "step-0000004"):
