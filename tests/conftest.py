@@ -1,3 +1,4 @@
+import multiprocessing
 import os
 
 import pytest
@@ -13,6 +14,17 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_child_outlives_the_session():
+    """A failed test can leave a loader's workers running (its frames, kept for the report, hold the
+    loader). They ignore SIGTERM, so multiprocessing's exit handler would wait for them forever: the
+    run would hang after its report instead of ending with its failures. What is left is killed."""
+    yield
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join()
 
 
 @pytest.fixture(autouse=True)
