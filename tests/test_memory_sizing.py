@@ -80,7 +80,6 @@ def test_the_heaviest_batch_is_the_largest_batch_the_loader_yields(data_dir, lay
         assert -(-longest // data.pad_to_multiple) * data.pad_to_multiple == probe["tokens"].shape[1]
 
 
-@pytest.mark.slow  # a memory-tracked forward and backward of every batch of the dataset, per layout
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_probe_bounds_the_measured_peak_of_every_real_batch(data_dir, layout):
     cfg = run_config(data_dir, layout)
