@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install lint test train clean
+.PHONY: install lint test test-all train clean
 
 install: $(STAMP)
 
@@ -20,7 +20,13 @@ lint: install
 	$(VENV)/bin/ruff format --check --quiet .
 	$(VENV)/bin/ruff check --quiet .
 
+# The fast tier, what every contributor runs: every module's behaviour, in minutes. The slow scenarios
+# (marker `slow` in pyproject.toml: torchrun, the two-node launcher, cold compiles, long runs) are
+# left to `make test-all`, which CI runs. docs/testing.md says what each tier covers.
 test: lint
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: lint
 	$(PY) -m pytest -q
 
 # The main job: prepare the bundled corpus (first time only, cached), train configs/default.yaml

@@ -1,6 +1,30 @@
+import multiprocessing
 import os
 
 import pytest
+import torch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """In-process tests run torch on one thread, as the subprocesses they start do (OMP_NUM_THREADS=1):
+    their tiny ops gain nothing from a second thread, and on a 2-core machine shared with other jobs
+    two threads ran them 4-6x slower (docs/testing.md). Tests of the thread setting set their own."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_child_outlives_the_session():
+    """A failed test can leave a loader's workers running (its frames, kept for the report, hold the
+    loader). They ignore SIGTERM, so multiprocessing's exit handler would wait for them forever: the
+    run would hang after its report instead of ending with its failures. What is left is killed."""
+    yield
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join()
 
 
 @pytest.fixture(autouse=True)

@@ -27,18 +27,25 @@ def corpus_texts() -> list[str]:
     return lines[::1000] + EXTRA_TEXTS
 
 
-def corpus_file(root: Path) -> Path:
+def distributed_corpus_texts() -> list[str]:
+    """240 samples, every 500th line of the bundled corpus: the data of the multi-process scenarios."""
+    with gzip.open(DEFAULT_CORPUS, "rt", encoding="utf-8") as f:
+        return f.read().splitlines()[::500][:240]
+
+
+def corpus_file(root: Path, texts: list[str] | None = None) -> Path:
     path = root / "corpus.txt"
     if not path.exists():
-        path.write_text("\n".join(corpus_texts()) + "\n", encoding="utf-8")
+        path.write_text("\n".join(texts or corpus_texts()) + "\n", encoding="utf-8")
     return path
 
 
-def prepared(tmp_path_factory, name: str = "single", **overrides) -> Path:
-    """The small corpus prepared in this process (once per session and name)."""
+def prepared(tmp_path_factory, name: str = "single", texts: list[str] | None = None, **overrides) -> Path:
+    """`texts` (by default the small corpus) prepared in this process, once per session and name: the
+    modules that ask for the same name share one prepared dataset."""
     if name not in _cache:
         root = tmp_path_factory.mktemp(f"prepared-{name}")
-        opts = PrepareOptions(inputs=[str(corpus_file(root))], out=str(root / "data"), **{**SMALL, **overrides})
+        opts = PrepareOptions(inputs=[str(corpus_file(root, texts))], out=str(root / "data"), **{**SMALL, **overrides})
         prepare(opts, log=lambda _msg: None)
         _cache[name] = root / "data"
     return _cache[name]
@@ -46,18 +53,11 @@ def prepared(tmp_path_factory, name: str = "single", **overrides) -> Path:
 
 def trained_run(tmp_path_factory, overrides: list[str]) -> Path:
     """A run of `mmldlm train` (config defaults + `overrides`) on the small prepared corpus, trained in
-    this process with one torch thread."""
-    import torch
-
+    this process (on one torch thread, tests/conftest.py)."""
     from mmldlm.config import load_config
     from mmldlm.training.run import train
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        out = tmp_path_factory.mktemp("run") / "run"
-        data = prepared(tmp_path_factory)
-        assert train(load_config(None, [*overrides, f"data.path={data}", f"train.run_dir={out}"])) == 0
-    finally:
-        torch.set_num_threads(threads)
+    out = tmp_path_factory.mktemp("run") / "run"
+    data = prepared(tmp_path_factory)
+    assert train(load_config(None, [*overrides, f"data.path={data}", f"train.run_dir={out}"])) == 0
     return out

@@ -10,7 +10,10 @@
     killpointer:STEP         the rank writing the checkpoint of STEP SIGKILLs itself after the step's
                              directory is complete and renamed, before `latest` names it
 A fault fires in a worker group's first start only: under torchrun's restarts
-(TORCHELASTIC_RESTART_COUNT > 0) the restarted workers run clean, as after a real crash.
+(TORCHELASTIC_RESTART_COUNT > 0) the restarted workers run clean, as after a real crash. With
+MMLDLM_TEST_FIRED=DIR the process a fault fires in first writes its pid to DIR/rank-RANK: a test waits
+for that file, not for a time, and a worker started once it exists runs clean too (the launcher of
+the other node restarts its workers with a restart count of 0, and ranks may move between nodes).
 With MMLDLM_TEST_DUMP_SHARDS=DIR every rank writes DIR/rank-R.pt after training: its device-mesh
 coordinate and the local shard of every parameter. With MMLDLM_TEST_RECORD=DIR each rank appends
 "STEP INDEX INDEX ..." of every micro-batch it trains on to DIR/rank-RANK.txt (which samples each step read).
@@ -30,7 +33,24 @@ from mmldlm.training import checkpoint as checkpoint_module
 from mmldlm.training import trainer as trainer_module
 
 
+def _fired() -> None:
+    """Tell the test that the fault fires now, in this process (MMLDLM_TEST_FIRED)."""
+    if os.environ.get("MMLDLM_TEST_FIRED"):
+        directory = Path(os.environ["MMLDLM_TEST_FIRED"])
+        directory.mkdir(parents=True, exist_ok=True)
+        marker = directory / f"rank-{os.environ.get('RANK', 0)}"
+        partial = marker.with_name(f".{marker.name}.{os.getpid()}")
+        partial.write_text(str(os.getpid()))
+        partial.replace(marker)  # whole when it appears
+
+
+def _fired_before() -> bool:
+    directory = os.environ.get("MMLDLM_TEST_FIRED")
+    return directory is not None and any(Path(directory).glob("rank-*"))
+
+
 def _kill_self() -> None:
+    _fired()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -53,6 +73,7 @@ def _install_fault(fault: str) -> None:
         def full_disk_torch_save(obj, path):
             step_dir = checkpoint_module.step_dir_name(int(args[1]))
             if rank == int(args[0]) and Path(path).parent.name.endswith(step_dir) and "rank-" in Path(path).name:
+                _fired()
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
             real_torch_save(obj, path)
 
@@ -74,11 +95,13 @@ def _install_fault(fault: str) -> None:
         if kind == "kill" and step == int(args[0]):
             _kill_self()
         if kind == "stall" and rank == int(args[0]) and step == int(args[1]):
+            _fired()
             time.sleep(float(args[2]))
         loss, metrics = real_call(self, model, batch, step, generator)
         if kind == "killrank" and rank == int(args[0]) and step == int(args[1]):
             _kill_self()
         if kind == "nan" and rank == int(args[0]) and step in {int(s) for s in args[1].split(",")}:
+            _fired()
             loss = loss * torch.tensor(float("nan"))
         return loss, metrics
 
@@ -119,9 +142,10 @@ def _record_samples(directory: Path) -> None:
 
 
 def install_from_environment() -> None:
-    """The fault of MMLDLM_TEST_FAULT (first start only), the shard dump of MMLDLM_TEST_DUMP_SHARDS and
+    """The fault of MMLDLM_TEST_FAULT (first start only, before it fired), the shard dump of MMLDLM_TEST_DUMP_SHARDS and
     the sample record of MMLDLM_TEST_RECORD."""
-    if os.environ.get("MMLDLM_TEST_FAULT") and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
+    first_start = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0 and not _fired_before()
+    if os.environ.get("MMLDLM_TEST_FAULT") and first_start:
         _install_fault(os.environ["MMLDLM_TEST_FAULT"])
     if os.environ.get("MMLDLM_TEST_DUMP_SHARDS"):
         _dump_shards_after_fit(Path(os.environ["MMLDLM_TEST_DUMP_SHARDS"]))

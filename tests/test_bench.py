@@ -1,5 +1,7 @@
-"""`mmldlm bench` end to end on the tiny preset: both configs measured, JSON and markdown well formed;
-the ladder goes from baseline to exactly the optimized config one group of keys at a time."""
+"""`mmldlm bench` end to end on the tiny preset: both configs measured, JSON and markdown well formed
+(the slow tier: each config runs in a spawned worker); a config's figures and the markdown report
+from given step records; the ladder goes from baseline to exactly the optimized config one group of
+keys at a time."""
 
 import json
 
@@ -8,7 +10,7 @@ from data_support import prepared
 
 from mmldlm.cli import main
 from mmldlm.config import flat_keys, load_config, to_dict
-from mmldlm.tools.bench import BenchOptions, bench_configs
+from mmldlm.tools.bench import BenchOptions, _summary, bench_configs, markdown
 
 # The tiny model made smaller still, no compile and no loader workers: this checks the report, not
 # the speed, and must stay fast.
@@ -24,6 +26,7 @@ TINY = [
 ]
 
 
+@pytest.mark.slow  # each config trains in a spawned worker process
 def test_bench_three_steps_writes_a_well_formed_report(tmp_path_factory, tmp_path, capsys):
     data = prepared(tmp_path_factory)
     status = main(
@@ -76,6 +79,47 @@ def test_bench_three_steps_writes_a_well_formed_report(tmp_path_factory, tmp_pat
     assert "optimized / baseline" in capsys.readouterr().out
 
 
+def summary_of(step_times, peaks_gib, num_shards):
+    """bench's figures of a config of 1000 parameters, global batch 8, over steps of the given times
+    (tokens/s 100, 200, 50, ...) with the given per-rank peaks above the runtime."""
+    setup = dict(parameters=1000, num_shards=num_shards, world_size=2, device="cpu", micro_batch_size=4)
+    setup.update(global_batch_size=8, strategy="fsdp2" if num_shards > 1 else "ddp")
+    records = [
+        dict(step_time_s=t, accumulation_steps=1, tokens_per_s=tokens, data_wait_share=0.1, loss=3.0 - i)
+        for i, (t, tokens) in enumerate(zip(step_times, [100.0, 200.0, 50.0]))
+    ]
+    memory = [dict(peak_bytes=(1 + peak) * 2**30, runtime_bytes=2**30) for peak in peaks_gib]
+    return _summary(setup, records, memory)
+
+
+def test_a_configs_figures_come_from_its_steps_and_its_largest_rank_and_the_report_shows_them():
+    ddp, fsdp2 = summary_of([0.5, 0.25, 1.0], [2.0, 1.5], 1), summary_of([0.5, 0.5, 0.5], [1.0, 1.0], 2)
+    assert ddp["step_time_s"]["median"] == 0.5 and (ddp["step_time_s"]["min"], ddp["step_time_s"]["max"]) == (0.25, 1.0)
+    assert ddp["samples_per_s"] == 8 / 0.5 and ddp["best_samples_per_s"] == 8 / 0.25  # median and fastest step
+    assert ddp["tokens_per_s"] == 100.0 and ddp["total_tokens_per_s"] == pytest.approx(150 / 1.75)
+    assert ddp["peak_memory_per_rank_gib"] == [2.0, 1.5] and ddp["peak_memory_gib"] == 2.0
+    assert ddp["state_gib"] == pytest.approx(16 * 1000 / 2**30) and fsdp2["state_gib"] == ddp["state_gib"] / 2
+    assert ddp["peak_above_state_gib"] == pytest.approx(2.0 - ddp["state_gib"])
+    assert ddp["mfu"] is None and ddp["losses"] == [3.0, 2.0, 1.0]
+    keys = ("samples_per_s", "best_samples_per_s", "tokens_per_s", "peak_memory_gib", "peak_above_state_gib")
+    report = dict(
+        command="mmldlm bench",
+        date="2026-11-25T15:00:00",
+        machine=dict(cpus=2, torch_threads=1, torch="2"),
+        model_parameters=1000,
+        options=dict(processes=2, steps=3, warmup=1, round_steps=1, baseline="ddp", optimized="fsdp2"),
+        wall_time_s=10.0,
+        configs={"ddp": ddp, "fsdp2": fsdp2},
+        ratios={key: fsdp2[key] / ddp[key] for key in keys},
+        order=["ddp", "fsdp2"],
+    )
+    md = markdown(report)
+    assert "peak RSS above runtime GiB per process" in md and "each config as 2 processes" in md
+    assert "| ddp | 4 x 1 | 16.00 | 100 | 0.500 | 0.250, 0.300-0.900 | 2.00 |" in md
+    assert "fsdp2 / ddp: samples/s **1.00x** (from the fastest steps 0.50x)" in md
+    assert "peak memory at equal batch **0.50x**" in md
+
+
 def test_ladder_adds_one_group_at_a_time_and_ends_at_optimized():
     rungs = bench_configs(BenchOptions(ladder=True, overrides=["model=tiny"]))
     assert rungs[0]["name"] == "baseline" and rungs[-1]["name"].endswith("(= optimized)")
@@ -87,6 +131,7 @@ def test_ladder_adds_one_group_at_a_time_and_ends_at_optimized():
     assert {k for k in last if last[k] != optimized[k]} == {"train.run_dir"}
 
 
+@pytest.mark.slow  # two spawned configs of two gloo ranks each
 def test_two_process_bench_reports_memory_per_process_and_fsdp2_shards_the_state(tmp_path_factory, tmp_path):
     """Each config runs as two gloo ranks; the training-state split is per process: whole under DDP,
     halved under FSDP2, and both ranks' peaks are reported."""

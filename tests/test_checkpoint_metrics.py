@@ -10,11 +10,11 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from process_support import first_line
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
@@ -88,11 +88,11 @@ def test_async_snapshot_is_not_affected_by_later_updates(tmp_path, monkeypatch):
     holds those of the step saved, although its copy was still running when save returned."""
     from torch.distributed.checkpoint.staging import StateDictStager
 
-    copying, real_stage = threading.Event(), StateDictStager.stage
+    copying, released, real_stage = threading.Event(), threading.Event(), StateDictStager.stage
 
     def slow_stage(self, state_dict, **kwargs):
         copying.set()
-        time.sleep(0.3)  # a large state: the copy outlasts save()
+        released.wait(60)  # a large state: the copy outlasts save() and the next rate's setting
         return real_stage(self, state_dict, **kwargs)
 
     monkeypatch.setattr(StateDictStager, "stage", slow_stage)
@@ -102,8 +102,9 @@ def test_async_snapshot_is_not_affected_by_later_updates(tmp_path, monkeypatch):
     expected_moments = [s["exp_avg"].clone() for s in opt.state.values()]
     lr = opt.param_groups[0]["lr"]
     _save(manager, 1, model, opt)
-    assert copying.wait(5) and manager._staging is not None and not manager._staging.done()
+    assert copying.wait(60) and manager._staging is not None and not manager._staging.done()
     opt.param_groups[0]["lr"] = lr * 7  # the next step's schedule sets the rate before the snapshot is done
+    released.set()
     manager.wait_for_snapshot()
     with torch.no_grad():  # the next update
         for p in model.parameters():
@@ -125,7 +126,7 @@ def test_kill_during_write_leaves_latest_on_a_complete_checkpoint(tmp_path):
     which loads; the next manager removes the partial directory."""
     script = textwrap.dedent(f"""
         import sys, time, torch
-        sys.path.insert(0, {str(REPO)!r})
+        sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
         from tests.test_checkpoint_metrics import _trained_pair, _save
         from mmldlm.config import CheckpointConfig
         from mmldlm.training.checkpoint import CheckpointManager
@@ -145,7 +146,7 @@ def test_kill_during_write_leaves_latest_on_a_complete_checkpoint(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}
     )
-    assert proc.stdout.readline().strip() == "WRITING"
+    assert first_line(proc) == "WRITING"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     ckpt_dir = tmp_path / "checkpoints"
@@ -405,14 +406,14 @@ def test_a_run_directory_in_use_by_another_process_is_refused_and_its_partial_ch
             sys.executable,
             "-c",
             "import sys, time; from pathlib import Path; from mmldlm.training.storage import "
-            "lock_run_dir; lock_run_dir(Path(sys.argv[1])); print('locked', flush=True); time.sleep(60)",
+            "lock_run_dir; lock_run_dir(Path(sys.argv[1])); print('locked', flush=True); time.sleep(600)",
             str(tmp_path),
         ],
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
-        assert holder.stdout.readline().strip() == "locked"
+        assert first_line(holder) == "locked"
         with pytest.raises(CheckpointError, match="another process is training in this run directory"):
             CheckpointManager(CheckpointConfig(), tmp_path, DistInfo()).claim()
         assert partial.is_dir()
@@ -439,7 +440,7 @@ def test_the_run_directory_lock_dies_with_its_process_though_a_forked_child_live
         stdout=subprocess.PIPE,
         text=True,
     )
-    child = int(holder.stdout.readline())
+    child = int(first_line(holder))
     holder.kill()
     holder.wait()
     try:

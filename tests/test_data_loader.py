@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -275,6 +276,13 @@ def test_damaged_or_foreign_datasets(data_dir, tmp_path):
         open_dataset(data_dir, "test")
 
 
+def pending_signals(pid: int) -> int:
+    """The mask of signals sent to `pid` and not yet delivered, from /proc (its thread's and its
+    process's)."""
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return int(status["SigPnd"], 16) | int(status["ShdPnd"], 16)
+
+
 def test_loader_workers_leave_stop_signals_to_the_main_process(train):
     """A SIGTERM or SIGINT to the whole process group (a scheduler's stop, Ctrl-C) also reaches the
     workers: they go on serving batches, so the trainer can finish its step and checkpoint."""
@@ -284,8 +292,10 @@ def test_loader_workers_leave_stop_signals_to_the_main_process(train):
     (worker,) = loader.dataloader._iterator._workers
     for sig in (signal.SIGTERM, signal.SIGINT):
         os.kill(worker.pid, sig)
-    time.sleep(0.5)
-    assert worker.is_alive()
+    deadline = time.monotonic() + 60  # until the signals are delivered (or discarded): then they have acted
+    while worker.is_alive() and pending_signals(worker.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert worker.is_alive() and not pending_signals(worker.pid)
     assert next(batches)["tokens"].shape[0] == 4
 
 

@@ -176,6 +176,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # torchrun on 2 processes
 def test_torchrun_two_processes_write_the_same_dataset(data_dir, tmp_path):
     script = tmp_path / "prepare_cmd.py"
     script.write_text(

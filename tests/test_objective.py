@@ -25,16 +25,6 @@ PAD, MASK, VOCAB = 0, 1, 64
 B, L, D = 8, 16, 16
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Ops this small gain nothing from intra-op threads, and on a busy 2-core machine the thread
-    hand-offs made the model runs several times slower; the thread count is restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def make_batch(seed: int = 0) -> dict:
     """8 texts of random words (ids 2..63) with ragged lengths and random raw latents (mean 3, std 2)."""
     g = torch.Generator().manual_seed(seed)

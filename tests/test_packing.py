@@ -208,6 +208,7 @@ def test_a_pack_length_shorter_than_the_longest_text_is_refused(tmp_path_factory
         resolve_for_model(cfg.data, dataclasses.replace(cfg.model, max_seq_len=128), dataset)
 
 
+@pytest.mark.slow  # torchrun on 2 processes and a reference run in a subprocess
 def test_ddp_trains_packed_batches_as_one_process_does(tmp_path_factory, tmp_path):
     """Two DDP processes of one text each match one process accumulating the same two micro-batches
     (the loader strides samples over ranks); the packed layout passes through DDP's forward."""

@@ -126,6 +126,7 @@ def test_checkpointing_modes_recompute_what_they_promise():
     assert selective["mm"] == none["mm"]
 
 
+@pytest.mark.slow  # inductor from a cold cache: tens of seconds each
 @pytest.mark.parametrize("checkpointing", ["none", "selective"])
 def test_compiled_block_keeps_loss_and_gradients(checkpointing):
     """Inductor on this machine's C++ compiler: one tiny block, one shape (tens of seconds cold).
@@ -478,6 +479,7 @@ def test_lean_preset_is_the_optimized_one_with_the_step_in_backward():
     assert lean["train.micro_batch_size"] == lean["train.global_batch_size"]
 
 
+@pytest.mark.slow  # torchao compiles its 8-bit AdamW step: inductor from a cold cache
 def test_int8_optimizer_state_resumes_exactly_through_a_checkpoint(tmp_path):
     """torchao's 8-bit AdamW moments go through the checkpoint (sharded-state API, torch.save with
     weights_only loading) and a resumed run repeats the uninterrupted one bit for bit. The tiny
@@ -517,6 +519,7 @@ def test_int8_optimizer_state_resumes_exactly_through_a_checkpoint(tmp_path):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.slow  # torchao compiles its 8-bit AdamW step: inductor from a cold cache
 def test_low_bit_state_follows_the_fp32_state_over_a_short_run(tmp_path):
     """int8 moments change the updates by their rounding only: 12 steps track the fp32 state's losses."""
     fp32, _ = run_losses(tmp_path / "fp32", ["train.precision=fp32"], steps=12)

@@ -483,6 +483,7 @@ def test_evaluation_leaves_the_training_trajectory_unchanged(run_dir, tmp_path):
     assert plain == [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
 
 
+@pytest.mark.slow  # torchrun on 2 processes
 def test_fsdp2_ranks_gather_for_rank0_evaluation_and_wait(run_dir, tmp_path):
     import os
     import subprocess

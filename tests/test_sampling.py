@@ -18,15 +18,6 @@ PAD, MASK, VOCAB, D = 0, 1, 24, 8
 LENGTHS = [5, 7, 6, 4, 7, 5]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small ops gain nothing from intra-op threads on a busy 2-core machine (see test_objective.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def sentences() -> dict:
     """Six sequences of words 2..23 of ragged lengths and six random raw latents (mean 1, std 3)."""
     g = torch.Generator().manual_seed(0)

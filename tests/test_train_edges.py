@@ -14,6 +14,7 @@ import pytest
 import torch
 import yaml
 from data_support import prepared
+from process_support import first_line
 from torch.distributed.checkpoint import FileSystemReader
 
 from mmldlm import cli
@@ -137,14 +138,14 @@ def test_a_second_training_in_a_run_directory_in_use_is_refused_before_it_touche
             sys.executable,
             "-c",
             "import sys, time; from pathlib import Path; from mmldlm.training.storage import "
-            "lock_run_dir; lock_run_dir(Path(sys.argv[1])); print('locked', flush=True); time.sleep(60)",
+            "lock_run_dir; lock_run_dir(Path(sys.argv[1])); print('locked', flush=True); time.sleep(600)",
             str(run_dir),
         ],
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
-        assert holder.stdout.readline().strip() == "locked"
+        assert first_line(holder) == "locked"
         status, err = train()
     finally:
         holder.kill()
@@ -203,6 +204,7 @@ def test_a_run_with_dropout_resumed_midway_ends_with_the_weights_of_the_straight
     assert all(torch.equal(straight[name], resumed[name]) for name in straight)
 
 
+@pytest.mark.slow  # a trainer and its loader worker started as processes: about 18 s
 def test_a_trainer_killed_with_sigkill_leaves_its_run_directory_free_at_once(train, tmp_path):
     """A trainer SIGKILLed while its loader workers run (an OOM kill, a rank restarted by the launcher):
     the workers it forked must not keep the run directory locked after it, so the restart right after
@@ -225,8 +227,10 @@ def test_a_trainer_killed_with_sigkill_leaves_its_run_directory_free_at_once(tra
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     try:
+        deadline = time.monotonic() + 180
         while not (run_dir / "checkpoints" / "step-0000002").is_dir():
             assert trainer.poll() is None, "the trainer ended before its first checkpoint"
+            assert time.monotonic() < deadline, "no checkpoint of step 2 within 180 s"
             time.sleep(0.05)
         workers = children(trainer.pid)
     finally:

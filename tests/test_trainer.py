@@ -5,7 +5,7 @@ import errno
 import json
 import os
 import signal
-import time
+import threading
 
 import pytest
 import torch
@@ -15,10 +15,11 @@ from loader_support import SyntheticLoader
 
 from mmldlm.config import ModelConfig, load_config
 from mmldlm.model.mmdit import MultimodalMMDiT
+from mmldlm.training.checkpoint import CheckpointManager, read_weights
 from mmldlm.training.distributed import DistInfo
 from mmldlm.training.run import train
 from mmldlm.training.storage import WriteError
-from mmldlm.training.trainer import Trainer
+from mmldlm.training.trainer import Trainer, TrainingStopped
 
 VOCAB, LEN, DIM = 40, 8, 16
 
@@ -50,7 +51,7 @@ def SequentialLoader(micro):
     return SyntheticLoader(micro, VOCAB, LEN, DIM)
 
 
-def make_trainer(tmp_path, overrides, mode="joint"):
+def make_trainer(tmp_path, overrides, mode="joint", objective=None):
     cfg = load_config(
         None,
         [
@@ -68,7 +69,8 @@ def make_trainer(tmp_path, overrides, mode="joint"):
         hidden_size=32, num_blocks=2, num_heads=2, max_seq_len=LEN, latent_dim=DIM, timestep_embed_dim=16
     )
     model = MultimodalMMDiT(model_cfg, vocab_size=VOCAB)
-    return Trainer(cfg, model, FixedNoiseObjective(mode), SequentialLoader(cfg.train.micro_batch_size), DistInfo())
+    objective = objective or FixedNoiseObjective(mode)
+    return Trainer(cfg, model, objective, SequentialLoader(cfg.train.micro_batch_size), DistInfo())
 
 
 def records(path):
@@ -174,25 +176,37 @@ def test_failed_background_save_is_reported_at_the_next_step(tmp_path, monkeypat
 
 
 def test_asynchronous_checkpoints_hold_the_step_they_save(tmp_path, monkeypatch):
-    """The state is copied during the next step, which waits for the copy before its update: with a
-    copy that outlasts a forward and backward, the asynchronous checkpoints still equal blocking ones."""
+    """The state is copied during the next step, which waits for the copy before its update. Here the
+    copy starts only once the trainer is about to change the state (it waits for the copy, or has
+    stepped the optimizer): the asynchronous checkpoints still equal blocking ones."""
     from torch.distributed.checkpoint.staging import StateDictStager
 
-    from mmldlm.training.checkpoint import read_weights
+    changing = threading.Event()  # set once the trainer is about to change what a save copies
+    real_stage, real_save = StateDictStager.stage, CheckpointManager.save
+    real_wait_for_snapshot = CheckpointManager.wait_for_snapshot
 
-    real_stage = StateDictStager.stage
+    def save(self, *args, **kwargs):
+        changing.clear()
+        real_save(self, *args, **kwargs)
 
-    def slow_stage(self, state_dict, **kwargs):
-        time.sleep(0.5)
+    def wait_for_snapshot(self):
+        changing.set()
+        real_wait_for_snapshot(self)
+
+    def stage_once_the_state_changes(self, state_dict, **kwargs):
+        assert changing.wait(60), "the step after the save never came to its update"
         return real_stage(self, state_dict, **kwargs)
 
-    monkeypatch.setattr(StateDictStager, "stage", slow_stage)
-    common = ["train.steps=4", "checkpoint.every=2", "train.precision=fp32", "train.micro_batch_size=2"]
+    monkeypatch.setattr(CheckpointManager, "save", save)
+    monkeypatch.setattr(CheckpointManager, "wait_for_snapshot", wait_for_snapshot)
+    monkeypatch.setattr(StateDictStager, "stage", stage_once_the_state_changes)
+    # Asynchronous saves at steps 2 and 4, each with a step after it; the last save (5) blocks.
+    common = ["train.steps=5", "checkpoint.every=2", "train.precision=fp32", "train.micro_batch_size=2"]
     runs = {}
     for name in ("async", "blocking"):
-        trainer = make_trainer(
-            tmp_path / name, [*common, f"checkpoint.async_save={name == 'async'}", "train.ema_decay=0.9"]
-        )
+        overrides = [*common, f"checkpoint.async_save={name == 'async'}", "train.ema_decay=0.9"]
+        trainer = make_trainer(tmp_path / name, overrides)
+        trainer.optimizer.register_step_post_hook(lambda *args: changing.set())
         assert trainer.fit() == 0
         runs[name] = tmp_path / name / "checkpoints"
     for step in ("step-0000002", "step-0000004"):
@@ -200,6 +214,35 @@ def test_asynchronous_checkpoints_hold_the_step_they_save(tmp_path, monkeypatch)
             saved, reference = read_weights(runs["async"] / step, which), read_weights(runs["blocking"] / step, which)
             assert saved.keys() == reference.keys()
             assert all(torch.equal(saved[k], reference[k]) for k in saved), (step, which)
+
+
+class NonFiniteObjective(FixedNoiseObjective):
+    """FixedNoiseObjective whose loss is NaN at the given (0-based) steps."""
+
+    def __init__(self, steps):
+        super().__init__()
+        self.steps = set(steps)
+
+    def __call__(self, model, batch, step, generator=None):
+        loss, metrics = super().__call__(model, batch, step, generator)
+        return (loss * float("nan"), metrics) if step in self.steps else (loss, metrics)
+
+
+def test_consecutive_nonfinite_updates_are_skipped_then_stop_the_run_with_checkpoints_untouched(tmp_path):
+    overrides = ["train.steps=10", "train.micro_batch_size=2", "train.global_batch_size=2", "checkpoint.every=4"]
+    trainer = make_trainer(
+        tmp_path, [*overrides, "train.max_consecutive_skips=3"], objective=NonFiniteObjective({4, 5, 6})
+    )
+    with pytest.raises(
+        TrainingStopped, match="^3 consecutive updates were skipped .* stopping at step 7. The checkpoints"
+    ):
+        trainer.fit()
+    recs = records(tmp_path)
+    assert [r["skipped"] for r in recs] == [False] * 4 + [True] * 3 and recs[-1]["num_skipped"] == 3
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step-0000004"]  # nothing written at 7
+    saved = read_weights(checkpoints / "step-0000004")
+    assert all(torch.equal(p.detach(), saved[name]) for name, p in trainer.raw_model.named_parameters())
 
 
 def test_auto_precision_is_bf16_only_where_bf16_matmuls_are_native(monkeypatch):
