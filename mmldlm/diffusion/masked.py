@@ -237,38 +237,13 @@ class MaskedDiffusion:
         step are drawn independently, which with few steps per token loses their correlation).
         Draws use float64 Gumbel-max.
         """
-        B, L, V = logits.shape
         masked = x_t == self.mask_token_id  # (B, L)
         where = masked.nonzero()  # (N, 2) (sequence, position) of each masked position
-        row_of = where[:, 0]
 
         if strategy == "ancestral":
-            _, one_minus_t = self.alpha(_per_row(t, B, x_t.device))  # (B,)
-            _, one_minus_s = self.alpha(_per_row(s, B, x_t.device))
-            stay_prob = one_minus_s / one_minus_t  # (B,) P(still masked at s | masked at t)
-            # eq. 7: (alpha_s - alpha_t)/(1 - alpha_t) * x_theta + (1 - alpha_s)/(1 - alpha_t) * m, drawn in
-            # two stages with the same law: reveal with prob 1 - stay_prob, then a token from x_theta.
-            # Only revealed positions pay for a draw over the vocabulary, so over a whole trajectory each
-            # position is drawn about once rather than once per step.
-            reveal = rng.uniform(row_of.shape, x_t.device, generator, dtype=torch.float64) >= stay_prob[row_of]
-            new = torch.full_like(row_of, self.mask_token_id)
-            chosen = where[reveal]
-            new[reveal] = _gumbel_argmax(self.log_x0(logits[chosen[:, 0], chosen[:, 1]]), generator)
+            new = self._ancestral_reveals(logits, x_t, t, s, where, generator)
         elif strategy in ("confidence", "margin", "left_to_right"):
-            log_x0 = self.log_x0(logits[masked])  # (N, V)
-            draw = _gumbel_argmax(log_x0, generator)  # (N,)
-            confidence = torch.full((B, L), float("-inf"), dtype=torch.float64, device=x_t.device)
-            if strategy == "confidence":
-                confidence[masked] = log_x0.gather(-1, draw[:, None])[:, 0].double()
-            elif strategy == "margin":
-                top2 = log_x0.topk(2, dim=-1).values.exp()  # (N, 2) the two highest probabilities
-                confidence[masked] = (top2[:, 0] - top2[:, 1]).double()
-            else:
-                confidence[masked] = -where[:, 1].double()  # leftmost first
-            num_unmask = self.num_to_reveal(x_t, s)  # (B,)
-            rank = confidence.argsort(dim=1, descending=True).argsort(dim=1)  # (B, L) 0 = most confident
-            keep = rank < num_unmask[:, None]
-            new = torch.where(keep[masked], draw, self.mask_token_id)
+            new = self._ranked_reveals(logits, x_t, s, masked, where, strategy, generator)
         else:
             raise ValueError(
                 f"MaskedDiffusion.step: strategy {strategy!r}; expected 'ancestral', 'confidence', 'margin' "
@@ -278,6 +253,55 @@ class MaskedDiffusion:
         out = x_t.clone()
         out[masked] = new.to(x_t.dtype)
         return out
+
+    def _ancestral_reveals(
+        self, logits: torch.Tensor, x_t: torch.Tensor, t, s, where: torch.Tensor, generator: torch.Generator | None
+    ) -> torch.Tensor:
+        """(N,) the new value of each masked position `where` (N, 2) under the "ancestral" step: a token
+        drawn from x_theta, or the mask token where the position stays masked."""
+        B = logits.shape[0]
+        row_of = where[:, 0]
+        _, one_minus_t = self.alpha(_per_row(t, B, x_t.device))  # (B,)
+        _, one_minus_s = self.alpha(_per_row(s, B, x_t.device))
+        stay_prob = one_minus_s / one_minus_t  # (B,) P(still masked at s | masked at t)
+        # eq. 7: (alpha_s - alpha_t)/(1 - alpha_t) * x_theta + (1 - alpha_s)/(1 - alpha_t) * m, drawn in
+        # two stages with the same law: reveal with prob 1 - stay_prob, then a token from x_theta.
+        # Only revealed positions pay for a draw over the vocabulary, so over a whole trajectory each
+        # position is drawn about once rather than once per step.
+        reveal = rng.uniform(row_of.shape, x_t.device, generator, dtype=torch.float64) >= stay_prob[row_of]
+        new = torch.full_like(row_of, self.mask_token_id)
+        chosen = where[reveal]
+        new[reveal] = _gumbel_argmax(self.log_x0(logits[chosen[:, 0], chosen[:, 1]]), generator)
+        return new
+
+    def _ranked_reveals(
+        self,
+        logits: torch.Tensor,
+        x_t: torch.Tensor,
+        s,
+        masked: torch.Tensor,
+        where: torch.Tensor,
+        strategy: str,
+        generator: torch.Generator | None,
+    ) -> torch.Tensor:
+        """(N,) the new value of each masked position under the "confidence", "margin" and
+        "left_to_right" steps: a token drawn at every masked position, kept at the `num_to_reveal`
+        best-ranked positions of each row, the mask token elsewhere."""
+        B, L, _ = logits.shape
+        log_x0 = self.log_x0(logits[masked])  # (N, V)
+        draw = _gumbel_argmax(log_x0, generator)  # (N,)
+        confidence = torch.full((B, L), float("-inf"), dtype=torch.float64, device=x_t.device)
+        if strategy == "confidence":
+            confidence[masked] = log_x0.gather(-1, draw[:, None])[:, 0].double()
+        elif strategy == "margin":
+            top2 = log_x0.topk(2, dim=-1).values.exp()  # (N, 2) the two highest probabilities
+            confidence[masked] = (top2[:, 0] - top2[:, 1]).double()
+        else:
+            confidence[masked] = -where[:, 1].double()  # leftmost first
+        num_unmask = self.num_to_reveal(x_t, s)  # (B,)
+        rank = confidence.argsort(dim=1, descending=True).argsort(dim=1)  # (B, L) 0 = most confident
+        keep = rank < num_unmask[:, None]
+        return torch.where(keep[masked], draw, self.mask_token_id)
 
     def remasking_step(
         self, logits: torch.Tensor, x_t: torch.Tensor, t, s, max_sigma: float, generator: torch.Generator | None = None
