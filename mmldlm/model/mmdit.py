@@ -477,44 +477,15 @@ class MultimodalMMDiT(nn.Module):
         whose text lengths the length head predicts (training passes them so that the head is part of
         the one forward that DDP and FSDP2 see). packing: the blocks run on packed rows of the B texts
         (data.packing; inputs and outputs keep the padded layout, and equal those without packing)."""
-        B, L = tokens.shape
-        K, D = self.cfg.num_latents, self.cfg.latent_dim
-        if L > self.cfg.max_seq_len:
-            raise ValueError(f"text length {L} exceeds model.max_seq_len={self.cfg.max_seq_len}")
-        if tuple(latents.shape) != (B, K, D):
-            raise ValueError(
-                f"latents have shape {tuple(latents.shape)}; expected (B, K, D) = ({B}, {K}, {D}) "
-                "from model.num_latents and model.latent_dim"
-            )
-        if not (text_head or latent_head):
-            raise ValueError("forward needs at least one of text_head, latent_head")
-        if packing is not None and self.cfg.num_prefix_tokens:
-            raise ValueError("packed rows take no prefix tokens (model.num_prefix_tokens); set data.packing=false")
+        L = tokens.shape[1]
+        self.check_inputs(tokens, latents, text_head, latent_head, packing)
 
         # Conditioning: both timesteps, separate MLPs, summed into one vector.
         t_latent_emb = self.t_latent_embed(t_latent)  # (B, H)
         c = self.t_text_embed(t_text) + t_latent_emb  # (B, H)
         latents = self.latent_input(latents, latent_null)  # (B, K, D): the null latent where dropped
-        x_latent = self.latent_proj(latents) + self.latent_pos  # (B, K, H)
-        if self.latent_self_cond_proj is not None:
-            # Zeros rather than a skipped branch when there is no estimate: the weight is in every graph,
-            # so DDP never waits for its gradient in vain (as with the null latent).
-            if latent_self_cond is None:
-                latent_self_cond = torch.zeros_like(latents)
-            x_latent = x_latent + self.latent_self_cond_proj(latent_self_cond.to(latents.dtype))
-        elif latent_self_cond is not None:
-            raise ValueError("latent_self_cond was given but model.self_condition is false")
-
-        if packing is None:
-            x_text, rope = self.embed_text(tokens, torch.arange(L, device=tokens.device), L)  # (B, L, H)
-            x_text, rope, attn_mask = self.with_prefix(x_text, rope, text_pad_mask, latents)
-            text_doc = latent_rows = None
-        else:
-            x_text, rope = self.embed_text(
-                tokens.reshape(-1)[packing.text_slots(L).clamp_min(0)], packing.text_position, L
-            )
-            attn_mask = packing.attention_mask(K)  # (R, 1, S, S)
-            text_doc, latent_rows = packing.text_doc.clamp_min(0), packing.latent_rows(B, K)
+        x_latent = self.latent_stream(latents, latent_self_cond)  # (B, K, H)
+        x_text, rope, attn_mask, text_doc, latent_rows = self.text_stream(tokens, text_pad_mask, latents, packing)
 
         last = len(self.blocks) - 1
         for i, block in enumerate(self.blocks):
@@ -536,6 +507,52 @@ class MultimodalMMDiT(nn.Module):
         latent_out = self.latent_final(x_latent, c) if latent_head else None  # (B, K, D)
         lengths = self.length_logits(length_from) if length_from is not None else None  # (B, max_seq_len)
         return ModelOutput(logits, latent_out, lengths)
+
+    def check_inputs(
+        self, tokens: Tensor, latents: Tensor, text_head: bool, latent_head: bool, packing: Packing | None
+    ) -> None:
+        """Refuse inputs the model cannot run: one line naming the input and what was expected."""
+        B, L = tokens.shape
+        K, D = self.cfg.num_latents, self.cfg.latent_dim
+        if L > self.cfg.max_seq_len:
+            raise ValueError(f"text length {L} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        if tuple(latents.shape) != (B, K, D):
+            raise ValueError(
+                f"latents have shape {tuple(latents.shape)}; expected (B, K, D) = ({B}, {K}, {D}) "
+                "from model.num_latents and model.latent_dim"
+            )
+        if not (text_head or latent_head):
+            raise ValueError("forward needs at least one of text_head, latent_head")
+        if packing is not None and self.cfg.num_prefix_tokens:
+            raise ValueError("packed rows take no prefix tokens (model.num_prefix_tokens); set data.packing=false")
+
+    def latent_stream(self, latents: Tensor, latent_self_cond: Tensor | None) -> Tensor:
+        """The latent stream's input (B, K, H) from the latent input (B, K, D), its slot positions and
+        the self-conditioning estimate (model.self_condition)."""
+        x_latent = self.latent_proj(latents) + self.latent_pos  # (B, K, H)
+        if self.latent_self_cond_proj is not None:
+            # Zeros rather than a skipped branch when there is no estimate: the weight is in every graph,
+            # so DDP never waits for its gradient in vain (as with the null latent).
+            if latent_self_cond is None:
+                latent_self_cond = torch.zeros_like(latents)
+            x_latent = x_latent + self.latent_self_cond_proj(latent_self_cond.to(latents.dtype))
+        elif latent_self_cond is not None:
+            raise ValueError("latent_self_cond was given but model.self_condition is false")
+        return x_latent
+
+    def text_stream(
+        self, tokens: Tensor, text_pad_mask: Tensor | None, latents: Tensor, packing: Packing | None
+    ) -> tuple[Tensor, tuple[Tensor, Tensor] | None, Tensor | None, Tensor | None, LatentRows | None]:
+        """The text stream's input, its RoPE angles, the attention mask, and for packed rows
+        (data.packing) the text each position belongs to and the latents' rows; None where unused."""
+        B, L = tokens.shape
+        if packing is None:
+            x_text, rope = self.embed_text(tokens, torch.arange(L, device=tokens.device), L)  # (B, L, H)
+            x_text, rope, attn_mask = self.with_prefix(x_text, rope, text_pad_mask, latents)
+            return x_text, rope, attn_mask, None, None
+        x_text, rope = self.embed_text(tokens.reshape(-1)[packing.text_slots(L).clamp_min(0)], packing.text_position, L)
+        attn_mask = packing.attention_mask(self.cfg.num_latents)  # (R, 1, S, S)
+        return x_text, rope, attn_mask, packing.text_doc.clamp_min(0), packing.latent_rows(B, self.cfg.num_latents)
 
     def latent_input(self, latents: Tensor, latent_null: Tensor | None) -> Tensor:
         """The latent input (B, K, D) with the null latent in the rows latent_null (B,) marks."""
