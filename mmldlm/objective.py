@@ -27,13 +27,26 @@ of the step before.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from mmldlm.config import MODES, ObjectiveConfig
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion, rng
-from mmldlm.model.mmdit import Packing
+from mmldlm.model.mmdit import ModelOutput, Packing
+
+
+class NoisedInputs(NamedTuple):
+    """What the model reads in one training step (`Objective._noised_inputs`)."""
+
+    text: torch.Tensor  # (B, L) tokens, masked where the text is generated or its condition dropped
+    latent: torch.Tensor  # (B, K, D) standardised latents, noised where the latent is generated
+    t_text: torch.Tensor  # (B,)
+    t_latent: torch.Tensor  # (B,)
+    latent_null: torch.Tensor | None  # (B,) bool: rows whose latent condition is dropped (l2t)
+    noise: torch.Tensor | None  # (B, K, D): the Gaussian noise of the latent, where it is generated
 
 
 class Objective:
@@ -111,13 +124,54 @@ class Objective:
         mode = self.mode_at(step)
         tokens, pad_mask, packing = batch["tokens"], batch.get("pad_mask"), Packing.from_batch(batch)
         latents = self.latent.standardize(batch["latents"])  # (B, K, D)
-        B, device = tokens.shape[0], tokens.device
         text_on, latent_on = mode in ("l2t", "joint"), mode in ("t2l", "joint")
-        drop_prob = self.cfg.cond_drop_prob
+        x = self._noised_inputs(mode, text_on, latent_on, tokens, pad_mask, latents, generator)
 
+        layout = {"packing": packing} if packing is not None else {}  # a padded batch's call is the plain one
+        self_cond = None
+        if (
+            self.self_condition
+            and latent_on
+            and rng.uniform(1, tokens.device, generator).item() < self.cfg.self_condition_prob
+        ):
+            self_cond = self._self_condition_estimate(model, x, pad_mask, layout)
+
+        # The text head runs only where the loss reads it: the masked non-pad positions.
+        rows = self.text.loss_positions(x.text, pad_mask) if text_on else None
+        extra = {"latent_self_cond": self_cond} if self.self_condition else {}
+        if self.length_head:
+            extra["length_from"] = latents  # every step, from the clean latents
+        out = model(
+            x.text,
+            x.latent,
+            x.t_text,
+            x.t_latent,
+            text_pad_mask=pad_mask,
+            latent_null=x.latent_null,
+            text_head=text_on,
+            latent_head=latent_on,
+            text_rows=rows,
+            **layout,
+            **extra,
+        )
+        return self._loss_and_metrics(mode, text_on, latent_on, out, tokens, pad_mask, latents, x)
+
+    def _noised_inputs(
+        self,
+        mode: str,
+        text_on: bool,
+        latent_on: bool,
+        tokens: torch.Tensor,
+        pad_mask: torch.Tensor | None,
+        latents: torch.Tensor,
+        generator: torch.Generator | None,
+    ) -> NoisedInputs:
+        """The model's inputs in `mode`: each generated stream noised at times drawn by cfg.t_sampling,
+        the other clean at time 0, and the condition dropped as cond_drop_prob says."""
+        B, device = tokens.shape[0], tokens.device
         t_text = torch.zeros(B, device=device)
         t_latent = torch.zeros(B, device=device)
-        text_in, latent_in, latent_null = tokens, latents, None
+        text_in, latent_in, noise = tokens, latents, None
         if text_on:
             t_text = self.text.bound_time(self.sample_t(B, device, generator))
             text_in = self.text.add_noise(tokens, t_text, pad_mask, generator)  # (B, L)
@@ -125,6 +179,23 @@ class Objective:
             t_latent = self.sample_t(B, device, generator)
             noise = self.latent.sample_noise(latents, generator)  # (B, K, D)
             latent_in = self.latent.add_noise(latents, t_latent, noise)
+        text_in, t_text, latent_null = self._drop_condition(mode, tokens, pad_mask, text_in, t_text, generator)
+        return NoisedInputs(text_in, latent_in, t_text, t_latent, latent_null, noise)
+
+    def _drop_condition(
+        self,
+        mode: str,
+        tokens: torch.Tensor,
+        pad_mask: torch.Tensor | None,
+        text_in: torch.Tensor,
+        t_text: torch.Tensor,
+        generator: torch.Generator | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Classifier-free guidance: (text_in, t_text, latent_null) with each row's condition replaced by
+        "no condition" with prob cond_drop_prob (l2t: the null latent; t2l: all text masked at time 1)."""
+        B, device = tokens.shape[0], tokens.device
+        drop_prob = self.cfg.cond_drop_prob
+        latent_null = None
         if mode == "l2t" and drop_prob > 0:
             latent_null = rng.uniform(B, device, generator) < drop_prob  # (B,)
         if mode == "t2l" and drop_prob > 0:
@@ -132,75 +203,69 @@ class Objective:
             hide = drop[:, None] if pad_mask is None else drop[:, None] & pad_mask  # (B, L)
             text_in = tokens.masked_fill(hide, self.text.mask_token_id)
             t_text = drop.float()  # all masked = time 1
+        return text_in, t_text, latent_null
 
-        layout = {"packing": packing} if packing is not None else {}  # a padded batch's call is the plain one
-        self_cond = None
-        if (
-            self.self_condition
-            and latent_on
-            and rng.uniform(1, device, generator).item() < self.cfg.self_condition_prob
-        ):
-            with torch.no_grad():
-                first = model(
-                    text_in,
-                    latent_in,
-                    t_text,
-                    t_latent,
-                    text_pad_mask=pad_mask,
-                    latent_null=latent_null,
-                    text_head=False,
-                    latent_head=True,
-                    **layout,
-                ).latent
-                self_cond, _ = self.latent.predict_x0_eps(first.float(), latent_in, t_latent)
+    def _self_condition_estimate(
+        self, model, x: NoisedInputs, pad_mask: torch.Tensor | None, layout: dict
+    ) -> torch.Tensor:
+        """(B, K, D) the x0 estimate of a first pass without gradient, which the trained pass reads beside x_t."""
+        with torch.no_grad():
+            first = model(
+                x.text,
+                x.latent,
+                x.t_text,
+                x.t_latent,
+                text_pad_mask=pad_mask,
+                latent_null=x.latent_null,
+                text_head=False,
+                latent_head=True,
+                **layout,
+            ).latent
+            self_cond, _ = self.latent.predict_x0_eps(first.float(), x.latent, x.t_latent)
+        return self_cond
 
-        # The text head runs only where the loss reads it: the masked non-pad positions.
-        rows = self.text.loss_positions(text_in, pad_mask) if text_on else None
-        extra = {"latent_self_cond": self_cond} if self.self_condition else {}
-        if self.length_head:
-            extra["length_from"] = latents  # every step, from the clean latents
-        out = model(
-            text_in,
-            latent_in,
-            t_text,
-            t_latent,
-            text_pad_mask=pad_mask,
-            latent_null=latent_null,
-            text_head=text_on,
-            latent_head=latent_on,
-            text_rows=rows,
-            **layout,
-            **extra,
-        )
-
+    def _loss_and_metrics(
+        self,
+        mode: str,
+        text_on: bool,
+        latent_on: bool,
+        out: ModelOutput,
+        tokens: torch.Tensor,
+        pad_mask: torch.Tensor | None,
+        latents: torch.Tensor,
+        x: NoisedInputs,
+    ) -> tuple[torch.Tensor, dict]:
+        """The weighted sum of the active heads' losses, and the metrics `__call__` documents."""
         metrics: dict = {"mode": mode}
         loss = 0.0
         if text_on:
             text_loss, text_metrics = self.text.loss(
-                out.text_logits, tokens, text_in, t_text, pad_mask, per_sample=self.per_sample
+                out.text_logits, tokens, x.text, x.t_text, pad_mask, per_sample=self.per_sample
             )
             loss = loss + self.cfg.text_loss_weight * text_loss
             metrics["text_loss"] = text_loss.detach()
             metrics.update(text_metrics)
         if latent_on:
-            latent_loss = self.latent.loss(out.latent, latents, noise, t_latent)
+            latent_loss = self.latent.loss(out.latent, latents, x.noise, x.t_latent)
             loss = loss + self.cfg.latent_loss_weight * latent_loss
             metrics["latent_loss"] = latent_loss.detach()
-            if self.per_sample:  # each sample's loss on its own: B small calls, no model forward
-                metrics["latent_loss_per_sample"] = torch.stack(
-                    [
-                        self.latent.loss(
-                            out.latent[i : i + 1], latents[i : i + 1], noise[i : i + 1], t_latent[i : i + 1]
-                        )
-                        for i in range(B)
-                    ]
-                ).detach()
+            if self.per_sample:
+                metrics["latent_loss_per_sample"] = self._latent_loss_per_sample(out.latent, latents, x)
         if self.length_head:
             length_loss, length_accuracy = length_loss_and_accuracy(out.length_logits, tokens, pad_mask)
             loss = loss + self.cfg.length_loss_weight * length_loss
             metrics.update(length_loss=length_loss.detach(), length_accuracy=length_accuracy)
         metrics["loss"] = loss.detach()
         return loss, metrics
+
+    def _latent_loss_per_sample(self, prediction: torch.Tensor, latents: torch.Tensor, x: NoisedInputs) -> torch.Tensor:
+        """(B,) each sample's latent loss on its own: B small calls, no model forward."""
+        return torch.stack(
+            [
+                self.latent.loss(prediction[i : i + 1], latents[i : i + 1], x.noise[i : i + 1], x.t_latent[i : i + 1])
+                for i in range(latents.shape[0])
+            ]
+        ).detach()
 
 
 def text_lengths(tokens: torch.Tensor, pad_mask: torch.Tensor | None) -> torch.Tensor:
