@@ -610,28 +610,14 @@ def _machine(device: str) -> dict:
 # -------------------------------------------------------------------------------- the report
 
 
-def markdown(report: dict) -> str:
-    """The report as markdown: the configs side by side, the ratios, and the ladder when there is one."""
+def _table_header(report: dict) -> list[str]:
+    """The columns of the configs' table: the memory column named by what was measured, the largest
+    micro-batch where it was searched, the steps of a ladder."""
     configs, order = report["configs"], report["order"]
-    m = report["machine"]
-    device = m.get("gpu", f"CPU ({m['cpus']} cores, {m['torch_threads']} torch threads)")
-    processes = report["options"].get("processes", 1)
-    lines = [
-        f"# mmldlm bench ({report['date']})",
-        "",
-        f"`{report['command']}`" if report["command"] else "",
-        "",
-        f"{device}, torch {m['torch']}; model {report['model_parameters']:,} parameters; "
-        + (f"each config as {processes} processes (ranks of one process group); " if processes > 1 else "")
-        + f"{report['options']['steps']} measured steps per config after {report['options']['warmup']} "
-        f"warm-up, {report['options']['round_steps']} per turn; wall time {report['wall_time_s']:.0f} s.",
-        "",
-    ]
     memory_kind = configs[order[0]]["peak_memory_kind"]
     memory_label = "peak CUDA alloc GiB" if memory_kind == "cuda_max_allocated" else "peak RSS above runtime GiB"
-    if processes > 1:
+    if report["options"].get("processes", 1) > 1:
         memory_label += " per process"
-    fit = "largest_micro_batch" in configs[order[0]]
     header = [
         "config",
         "micro x accum",
@@ -643,38 +629,41 @@ def markdown(report: dict) -> str:
         "weights / grads / AdamW / rest GiB",
         "MFU",
     ]
-    if fit:
+    if "largest_micro_batch" in configs[order[0]]:
         header.append(f"largest micro-batch @ {report['options']['memory_cap_gib']:g} GiB")
     if len(order) > 2:
         header += ["vs previous", "vs baseline"]
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    first = configs[order[0]]
-    previous = None
-    for name in order:
-        c = configs[name]
-        row = [
-            name,
-            f"{c['micro_batch_size']} x {c['accumulation_steps']}",
-            f"{c['samples_per_s']:.2f}",
-            f"{c['tokens_per_s']:.0f}",
-            f"{c['step_time_s']['median']:.3f}",
-            f"{c['step_time_s']['min']:.3f}, {c['step_time_s']['p10']:.3f}-{c['step_time_s']['p90']:.3f}",
-            f"{c['peak_memory_gib']:.2f}",
-            " / ".join(f"{c.get(k, 0.0):.2f}" for k in ("weights_gib", "gradients_gib", "optimizer_state_gib"))
-            + f" / {c['peak_above_state_gib']:.2f}",
-            f"{c['mfu']:.1%}" if c["mfu"] is not None else "n/a",
+    return header
+
+
+def _table_row(name: str, c: dict, fit: bool, ladder: bool, first: dict, previous: dict | None) -> list[str]:
+    """One config's cells; on a ladder, its samples/s over the rung before and over the baseline."""
+    row = [
+        name,
+        f"{c['micro_batch_size']} x {c['accumulation_steps']}",
+        f"{c['samples_per_s']:.2f}",
+        f"{c['tokens_per_s']:.0f}",
+        f"{c['step_time_s']['median']:.3f}",
+        f"{c['step_time_s']['min']:.3f}, {c['step_time_s']['p10']:.3f}-{c['step_time_s']['p90']:.3f}",
+        f"{c['peak_memory_gib']:.2f}",
+        " / ".join(f"{c.get(k, 0.0):.2f}" for k in ("weights_gib", "gradients_gib", "optimizer_state_gib"))
+        + f" / {c['peak_above_state_gib']:.2f}",
+        f"{c['mfu']:.1%}" if c["mfu"] is not None else "n/a",
+    ]
+    if fit:
+        row.append(str(c["largest_micro_batch"]) if "largest_micro_batch" in c else "")
+    if ladder:
+        row += [
+            f"{c['samples_per_s'] / previous['samples_per_s']:.2f}x" if previous else "",
+            f"{c['samples_per_s'] / first['samples_per_s']:.2f}x",
         ]
-        if fit:
-            row.append(str(c["largest_micro_batch"]) if "largest_micro_batch" in c else "")
-        if len(order) > 2:
-            row += [
-                f"{c['samples_per_s'] / previous['samples_per_s']:.2f}x" if previous else "",
-                f"{c['samples_per_s'] / first['samples_per_s']:.2f}x",
-            ]
-        lines.append("| " + " | ".join(row) + " |")
-        previous = c
+    return row
+
+
+def _ratio_lines(report: dict) -> list[str]:
+    """What the training state is, and the optimized config's figures over the baseline's."""
     r = report["ratios"]
-    lines += [
+    return [
         "",
         "Training state: fp32 weights 4 bytes per parameter, gradients 4 (none held all at once "
         "with optim.step_in_backward), AdamW moments 8 (about 2 with optim.state_dtype=int8, 1 with "
@@ -692,7 +681,34 @@ def markdown(report: dict) -> str:
         + ".",
         "",
     ]
-    if len(order) > 2:
+
+
+def markdown(report: dict) -> str:
+    """The report as markdown: the configs side by side, the ratios, and the ladder when there is one."""
+    configs, order = report["configs"], report["order"]
+    m = report["machine"]
+    device = m.get("gpu", f"CPU ({m['cpus']} cores, {m['torch_threads']} torch threads)")
+    processes = report["options"].get("processes", 1)
+    lines = [
+        f"# mmldlm bench ({report['date']})",
+        "",
+        f"`{report['command']}`" if report["command"] else "",
+        "",
+        f"{device}, torch {m['torch']}; model {report['model_parameters']:,} parameters; "
+        + (f"each config as {processes} processes (ranks of one process group); " if processes > 1 else "")
+        + f"{report['options']['steps']} measured steps per config after {report['options']['warmup']} "
+        f"warm-up, {report['options']['round_steps']} per turn; wall time {report['wall_time_s']:.0f} s.",
+        "",
+    ]
+    header = _table_header(report)
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    fit, ladder = "largest_micro_batch" in configs[order[0]], len(order) > 2
+    first, previous = configs[order[0]], None
+    for name in order:
+        lines.append("| " + " | ".join(_table_row(name, configs[name], fit, ladder, first, previous)) + " |")
+        previous = configs[name]
+    lines += _ratio_lines(report)
+    if ladder:
         lines += ["Ladder rungs (keys each one sets to the optimized value):", ""]
         lines += [f"- {name}: {', '.join(configs[name]['changes'])}" for name in order[1:]]
         lines.append("")
