@@ -202,17 +202,8 @@ def _eval_section(run_dir: Path, run: TrainedRun) -> list[str]:
     return lines
 
 
-def model_card(run: TrainedRun, run_dir: Path) -> str:
-    """README.md of the exported model of `run`, trained in `run_dir`."""
-    cfg = run.cfg
-    m = cfg.model
-    num_params = sum(p.numel() for p in run.model.parameters())
-    weights = (
-        f"the EMA of the weights (train.ema_decay {cfg.train.ema_decay})"
-        if run.weights == "ema"
-        else "the trained weights (no EMA)"
-    )
-    data_lines, licence = _data_section(run)
+def _compute_line(run: TrainedRun, run_dir: Path) -> str:
+    """Steps, samples, time and device of the training, from metrics.jsonl and the checkpoint's meta.json."""
     facts = _compute(run_dir, run.step)
     meta = _read_json(run.checkpoint / "meta.json") or {}
     processes = meta.get("world_size", "?")
@@ -222,9 +213,54 @@ def model_card(run: TrainedRun, run_dir: Path) -> str:
     timing = f"{_duration(facts['seconds'])} in training steps (evaluation and checkpoints not counted)"
     if wall is not None:
         timing = f"{_duration(wall)} of training wall-clock time, {timing}"
-    front = ModelCardData(
-        library_name="mmldlm", tags=["mmldlm", "masked-diffusion", "latent-diffusion", "sentence-embeddings"], **licence
+    return (
+        f"{facts['steps']} optimizer steps, {facts['samples']:,} samples seen, "
+        f"{timing}, on {facts['device']}, {processes} process(es)"
+        if facts["logged"]
+        else f"{facts['steps']} optimizer steps; metrics.jsonl not found, so no further figures"
     )
+
+
+def _description(run: TrainedRun) -> str:
+    """The paragraph under the title: what the model is, its size, what it does, which weights."""
+    cfg, m = run.cfg, run.cfg.model
+    num_params = sum(p.numel() for p in run.model.parameters())
+    weights = (
+        f"the EMA of the weights (train.ema_decay {cfg.train.ema_decay})"
+        if run.weights == "ema"
+        else "the trained weights (no EMA)"
+    )
+    return (
+        "A multimodal latent diffusion language model (mmldlm): one dual-stream MMDiT transformer "
+        f"({num_params / 1e6:.1f}M parameters: hidden size {m.hidden_size}, {m.num_blocks} blocks, {m.num_heads} "
+        f"heads, vocabulary {run.model.vocab_size}) that learns masked diffusion over text tokens (MDLM) jointly "
+        f"with Gaussian diffusion over the text's sentence embedding from `{run.encoder_name}` ({m.num_latents} x "
+        f"{m.latent_dim} latents). It turns text into latents (t2l), latents into text (l2t), and generates both "
+        f"together (joint). Texts are at most {run.max_length} tokens; there is no end-of-text token, so a text's "
+        f"length is given, predicted by the length head{'' if m.length_head else ' (absent in this model)'}, or "
+        f"drawn from the training lengths. These weights are {weights}."
+    )
+
+
+USE_SECTION = [
+    "## Use",
+    "",
+    "```python",
+    "from mmldlm import MMLDLM",
+    'm = MMLDLM.from_pretrained("path/to/this/folder")   # local folders only',
+    'z = m.encode(["a small dog that barks"])             # t2l: latents (N, K, D), encoder space',
+    "texts = m.decode(z)                                   # l2t",
+    "texts, z = m.generate(4)                              # joint",
+    'm.embed(["a small dog that barks"])                  # the sentence encoder itself',
+    "```",
+    "",
+    'or `mmldlm sample --run path/to/this/folder --mode l2t --text "a small dog"`.',
+]
+
+
+def _training_section(run: TrainedRun, run_dir: Path) -> list[str]:
+    """Objective, optimizer, compute and the resolved config of the training."""
+    cfg = run.cfg
     mode = cfg.objective.mode
     modes = (
         f"{mode} with weights {cfg.objective.mode_weights}"
@@ -233,45 +269,7 @@ def model_card(run: TrainedRun, run_dir: Path) -> str:
         if mode == "sequential"
         else mode
     )
-    compute_line = (
-        f"{facts['steps']} optimizer steps, {facts['samples']:,} samples seen, "
-        f"{timing}, on {facts['device']}, {processes} process(es)"
-        if facts["logged"]
-        else f"{facts['steps']} optimizer steps; metrics.jsonl not found, so no further figures"
-    )
-    lines = [
-        "---",
-        front.to_yaml(),
-        "---",
-        "",
-        f"# MM-LDLM: {run_dir.resolve().name}, step {run.step}",
-        "",
-        "A multimodal latent diffusion language model (mmldlm): one dual-stream MMDiT transformer "
-        f"({num_params / 1e6:.1f}M parameters: hidden size {m.hidden_size}, {m.num_blocks} blocks, {m.num_heads} "
-        f"heads, vocabulary {run.model.vocab_size}) that learns masked diffusion over text tokens (MDLM) jointly "
-        f"with Gaussian diffusion over the text's sentence embedding from `{run.encoder_name}` ({m.num_latents} x "
-        f"{m.latent_dim} latents). It turns text into latents (t2l), latents into text (l2t), and generates both "
-        f"together (joint). Texts are at most {run.max_length} tokens; there is no end-of-text token, so a text's "
-        f"length is given, predicted by the length head{'' if m.length_head else ' (absent in this model)'}, or "
-        f"drawn from the training lengths. These weights are {weights}.",
-        "",
-        "## Use",
-        "",
-        "```python",
-        "from mmldlm import MMLDLM",
-        'm = MMLDLM.from_pretrained("path/to/this/folder")   # local folders only',
-        'z = m.encode(["a small dog that barks"])             # t2l: latents (N, K, D), encoder space',
-        "texts = m.decode(z)                                   # l2t",
-        "texts, z = m.generate(4)                              # joint",
-        'm.embed(["a small dog that barks"])                  # the sentence encoder itself',
-        "```",
-        "",
-        'or `mmldlm sample --run path/to/this/folder --mode l2t --text "a small dog"`.',
-        "",
-        "## Training data",
-        "",
-        *data_lines,
-        "",
+    return [
         "## Training",
         "",
         f"Objective: mode {modes}; text loss {cfg.text_diffusion.loss}, latent prediction "
@@ -279,7 +277,7 @@ def model_card(run: TrainedRun, run_dir: Path) -> str:
         f"global batch {cfg.train.global_batch_size}, precision {cfg.train.precision}."
         + (f" Fine-tuned: started from the weights of `{cfg.train.init_from}`." if cfg.train.init_from else ""),
         "",
-        f"Compute: {compute_line}.",
+        f"Compute: {_compute_line(run, run_dir)}.",
         "",
         "<details><summary>The resolved training config (config.yaml)</summary>",
         "",
@@ -288,6 +286,42 @@ def model_card(run: TrainedRun, run_dir: Path) -> str:
         "```",
         "",
         "</details>",
+    ]
+
+
+def _limits(run: TrainedRun) -> str:
+    return (
+        "For research on latent diffusion language models: encoding short texts into the sentence encoder's "
+        "latent space, decoding latents (from this or another model) back into text, generating text-latent "
+        "pairs. Limits: texts longer than the cut length are truncated; the decoded text of a small model is on "
+        "topic rather than fluent (the figures above say how close); latents mean something only in the "
+        f"space of `{run.encoder_name}`; the model knows only what its training texts hold, with their biases, "
+        "and is not meant for factual, safety-critical or user-facing generation."
+    )
+
+
+def model_card(run: TrainedRun, run_dir: Path) -> str:
+    """README.md of the exported model of `run`, trained in `run_dir`."""
+    data_lines, licence = _data_section(run)
+    front = ModelCardData(
+        library_name="mmldlm", tags=["mmldlm", "masked-diffusion", "latent-diffusion", "sentence-embeddings"], **licence
+    )
+    lines = [
+        "---",
+        front.to_yaml(),
+        "---",
+        "",
+        f"# MM-LDLM: {run_dir.resolve().name}, step {run.step}",
+        "",
+        _description(run),
+        "",
+        *USE_SECTION,
+        "",
+        "## Training data",
+        "",
+        *data_lines,
+        "",
+        *_training_section(run, run_dir),
         "",
         "## Evaluation",
         "",
@@ -295,11 +329,6 @@ def model_card(run: TrainedRun, run_dir: Path) -> str:
         "",
         "## Intended use and limits",
         "",
-        "For research on latent diffusion language models: encoding short texts into the sentence encoder's "
-        "latent space, decoding latents (from this or another model) back into text, generating text-latent "
-        "pairs. Limits: texts longer than the cut length are truncated; the decoded text of a small model is on "
-        "topic rather than fluent (the figures above say how close); latents mean something only in the "
-        f"space of `{run.encoder_name}`; the model knows only what its training texts hold, with their biases, "
-        "and is not meant for factual, safety-critical or user-facing generation.",
+        _limits(run),
     ]
     return "\n".join(lines) + "\n"

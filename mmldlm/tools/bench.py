@@ -190,6 +190,57 @@ def _join_ranks(job: dict) -> None:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
 
 
+# The figures of a training step that the report reads.
+RECORD_KEYS = (
+    "step",
+    "mode",
+    "loss",
+    "step_time_s",
+    "samples_per_s",
+    "tokens_per_s",
+    "global_batch_size",
+    "micro_batch_size",
+    "accumulation_steps",
+    "data_wait_share",
+    "mfu",
+)
+
+
+def _setup_reply(cfg, info, trainer) -> dict:
+    """What the parent learns of a config once it is built: device, batch sizes, ranks, parameters."""
+    return {
+        "ok": True,
+        "device": str(info.device),
+        "micro_batch_size": trainer.micro_batch_size,
+        "step_in_backward": trainer.step_in_backward,
+        "state_dtype": cfg.optim.state_dtype,
+        "global_batch_size": cfg.train.global_batch_size,
+        "world_size": info.world_size,
+        "strategy": cfg.distributed.strategy,
+        "num_shards": cfg.distributed.num_shards(info.world_size, info.local_world_size),
+        "parameters": parameter_counts(trainer.raw_model)["total"],
+    }
+
+
+def _train_steps(trainer, device: torch.device, num_steps: int, release_memory: bool) -> list[dict]:
+    """`num_steps` optimizer steps, their records cut to RECORD_KEYS; then the config hands back
+    what a waiting config need not hold."""
+    records = []
+    for _ in range(num_steps):
+        record = trainer.train_step()
+        records.append({k: record.get(k) for k in RECORD_KEYS})
+    if release_memory and device.type == "cpu":
+        # Ladder: waiting configs give back what the step freed, so N configs fit in
+        # memory at once (the next step then faults its pages in again, a cost every rung
+        # pays per byte it uses). The peak already recorded stays.
+        release_free_memory()
+    if device.type == "cuda":
+        # The configs share one GPU and take turns: a waiting config's cached blocks
+        # would otherwise stay reserved and starve the running one.
+        torch.cuda.empty_cache()
+    return records
+
+
 def _train_worker(conn, job: dict, run_dir: str) -> None:
     """Serve ("steps", n) / ("reset_memory",) / ("memory",) / ("stop",) for one config (one rank of
     it when job["world_size"] > 1)."""
@@ -204,53 +255,11 @@ def _train_worker(conn, job: dict, run_dir: str) -> None:
         if info.device.type == "cuda":
             runtime = 0  # CUDA's allocated counter starts at zero for this process
             torch.cuda.empty_cache()  # what set-up probed is not held while the other configs run
-        conn.send(
-            {
-                "ok": True,
-                "device": str(info.device),
-                "micro_batch_size": trainer.micro_batch_size,
-                "step_in_backward": trainer.step_in_backward,
-                "state_dtype": cfg.optim.state_dtype,
-                "global_batch_size": cfg.train.global_batch_size,
-                "world_size": info.world_size,
-                "strategy": cfg.distributed.strategy,
-                "num_shards": cfg.distributed.num_shards(info.world_size, info.local_world_size),
-                "parameters": parameter_counts(trainer.raw_model)["total"],
-            }
-        )
+        conn.send(_setup_reply(cfg, info, trainer))
         while True:
             command = conn.recv()
             if command[0] == "steps":
-                records = []
-                for _ in range(command[1]):
-                    record = trainer.train_step()
-                    records.append(
-                        {
-                            k: record.get(k)
-                            for k in (
-                                "step",
-                                "mode",
-                                "loss",
-                                "step_time_s",
-                                "samples_per_s",
-                                "tokens_per_s",
-                                "global_batch_size",
-                                "micro_batch_size",
-                                "accumulation_steps",
-                                "data_wait_share",
-                                "mfu",
-                            )
-                        }
-                    )
-                if job["release_memory"] and info.device.type == "cpu":
-                    # Ladder: waiting configs give back what the step freed, so N configs fit in
-                    # memory at once (the next step then faults its pages in again, a cost every rung
-                    # pays per byte it uses). The peak already recorded stays.
-                    release_free_memory()
-                if info.device.type == "cuda":
-                    # The configs share one GPU and take turns: a waiting config's cached blocks
-                    # would otherwise stay reserved and starve the running one.
-                    torch.cuda.empty_cache()
+                records = _train_steps(trainer, info.device, command[1], job["release_memory"])
                 conn.send({"ok": True, "records": records})
             elif command[0] == "reset_memory":
                 reset_peak_memory(info.device)
@@ -454,6 +463,87 @@ def _summary(setup: dict, records: list[dict], memory: list[dict]) -> dict:
     }
 
 
+def _start_configs(ctx, jobs: list[dict], scratch: str, processes: int) -> list[_Ranks]:
+    """Build every config in its workers; each job gets its setup reply. On a failure the configs
+    already started are ended."""
+    groups = []
+    try:
+        for i, job in enumerate(jobs):  # one at a time: setups do not compete for the cores
+            job["release_memory"] = len(jobs) > 2
+            groups.append(_Ranks(ctx, job, os.path.join(scratch, f"run{i}"), processes))
+            job["setup"] = groups[-1].call()[0]
+            log.info(
+                "bench: %s ready (%s%s, micro-batch %d)",
+                job["name"],
+                job["setup"]["device"],
+                f" x {processes} processes" if processes > 1 else "",
+                job["setup"]["micro_batch_size"],
+            )
+    except BaseException:
+        for group in groups:
+            group.close()
+        raise
+    return groups
+
+
+def _measure(groups: list[_Ranks], opts: BenchOptions) -> tuple[dict, dict]:
+    """({name: step records}, {name: every rank's memory}): warm-up rounds, then the measured rounds,
+    the configs taking turns."""
+    records = {group.job["name"]: [] for group in groups}
+    for _ in range(math.ceil(opts.warmup / opts.round_steps)):
+        for group in groups:
+            group.call("steps", opts.round_steps)
+    for group in groups:
+        group.call("reset_memory")
+    for r in range(math.ceil(opts.steps / opts.round_steps)):
+        for group in groups:  # every rank records the same global step figures; rank 0's are kept
+            records[group.job["name"]] += group.call("steps", opts.round_steps)[0]["records"]
+        log.info("bench: round %d/%d done", r + 1, math.ceil(opts.steps / opts.round_steps))
+    memory = {group.job["name"]: group.call("memory") for group in groups}
+    return records, memory
+
+
+def _largest_micro_batches(ctx, jobs: list[dict], scratch: str, opts: BenchOptions) -> dict:
+    """{name: the fit worker's reply} of the first and the last config, each in a fresh process."""
+    fits = {}
+    for job in (jobs[0], jobs[-1]):
+        worker = _Worker(
+            ctx,
+            _fit_worker,
+            job,
+            os.path.join(scratch, "fit"),
+            opts.memory_cap_gib * 2**30,
+            opts.max_micro_batch,
+        )
+        try:
+            fits[job["name"]] = worker.call()
+        finally:
+            worker.close()
+    return fits
+
+
+def _ratios(results: dict, first: str, last: str, fitted: bool) -> dict:
+    """The last config's figures over the first's."""
+    ratios = {
+        key: results[last][key] / results[first][key]
+        for key in (
+            "samples_per_s",
+            "best_samples_per_s",
+            "tokens_per_s",
+            "total_tokens_per_s",
+            "peak_memory_gib",
+            "peak_above_state_gib",
+        )
+    }
+    if fitted:
+        ratios["largest_micro_batch"] = (
+            results[last]["largest_micro_batch"] / results[first]["largest_micro_batch"]
+            if results[first]["largest_micro_batch"]
+            else None
+        )
+    return ratios
+
+
 def run_bench(opts: BenchOptions, command: str = "") -> dict:
     """Run the benchmark; write bench.json and bench.md into opts.out; return the report."""
     jobs = bench_configs(opts)
@@ -461,31 +551,11 @@ def run_bench(opts: BenchOptions, command: str = "") -> dict:
     out.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     started = time.time()
+    fitted = opts.fit and opts.processes == 1
     with tempfile.TemporaryDirectory(prefix="bench-", dir=out) as scratch:
-        groups = []
+        groups = _start_configs(ctx, jobs, scratch, opts.processes)
         try:
-            for i, job in enumerate(jobs):  # one at a time: setups do not compete for the cores
-                job["release_memory"] = len(jobs) > 2
-                groups.append(_Ranks(ctx, job, os.path.join(scratch, f"run{i}"), opts.processes))
-                job["setup"] = groups[-1].call()[0]
-                log.info(
-                    "bench: %s ready (%s%s, micro-batch %d)",
-                    job["name"],
-                    job["setup"]["device"],
-                    f" x {opts.processes} processes" if opts.processes > 1 else "",
-                    job["setup"]["micro_batch_size"],
-                )
-            records = {job["name"]: [] for job in jobs}
-            for _ in range(math.ceil(opts.warmup / opts.round_steps)):
-                for group in groups:
-                    group.call("steps", opts.round_steps)
-            for group in groups:
-                group.call("reset_memory")
-            for r in range(math.ceil(opts.steps / opts.round_steps)):
-                for group in groups:  # every rank records the same global step figures; rank 0's are kept
-                    records[group.job["name"]] += group.call("steps", opts.round_steps)[0]["records"]
-                log.info("bench: round %d/%d done", r + 1, math.ceil(opts.steps / opts.round_steps))
-            memory = {group.job["name"]: group.call("memory") for group in groups}
+            records, memory = _measure(groups, opts)
         finally:
             for group in groups:
                 group.close()
@@ -498,44 +568,12 @@ def run_bench(opts: BenchOptions, command: str = "") -> dict:
             }
             for job in jobs
         }
-        fits = {}
-        if opts.fit and opts.processes == 1:
-            for job in (jobs[0], jobs[-1]):
-                worker = _Worker(
-                    ctx,
-                    _fit_worker,
-                    job,
-                    os.path.join(scratch, "fit"),
-                    opts.memory_cap_gib * 2**30,
-                    opts.max_micro_batch,
-                )
-                try:
-                    fits[job["name"]] = worker.call()
-                finally:
-                    worker.close()
-                results[job["name"]]["largest_micro_batch"] = fits[job["name"]]["largest"]
-                results[job["name"]]["largest_micro_batch_probe"] = {
-                    k: v for k, v in fits[job["name"]].items() if k != "ok"
-                }
+        if fitted:
+            for name, fit in _largest_micro_batches(ctx, jobs, scratch, opts).items():
+                results[name]["largest_micro_batch"] = fit["largest"]
+                results[name]["largest_micro_batch_probe"] = {k: v for k, v in fit.items() if k != "ok"}
 
     first, last = jobs[0]["name"], jobs[-1]["name"]
-    ratios = {
-        key: results[last][key] / results[first][key]
-        for key in (
-            "samples_per_s",
-            "best_samples_per_s",
-            "tokens_per_s",
-            "total_tokens_per_s",
-            "peak_memory_gib",
-            "peak_above_state_gib",
-        )
-    }
-    if opts.fit and opts.processes == 1:
-        ratios["largest_micro_batch"] = (
-            results[last]["largest_micro_batch"] / results[first]["largest_micro_batch"]
-            if results[first]["largest_micro_batch"]
-            else None
-        )
     setup = jobs[0]["setup"]
     report = {
         "command": command,
@@ -547,7 +585,7 @@ def run_bench(opts: BenchOptions, command: str = "") -> dict:
         "baseline": first,
         "optimized": last,
         "configs": results,
-        "ratios": ratios,
+        "ratios": _ratios(results, first, last, fitted),
         "order": [job["name"] for job in jobs],
     }
     (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -572,28 +610,14 @@ def _machine(device: str) -> dict:
 # -------------------------------------------------------------------------------- the report
 
 
-def markdown(report: dict) -> str:
-    """The report as markdown: the configs side by side, the ratios, and the ladder when there is one."""
+def _table_header(report: dict) -> list[str]:
+    """The columns of the configs' table: the memory column named by what was measured, the largest
+    micro-batch where it was searched, the steps of a ladder."""
     configs, order = report["configs"], report["order"]
-    m = report["machine"]
-    device = m.get("gpu", f"CPU ({m['cpus']} cores, {m['torch_threads']} torch threads)")
-    processes = report["options"].get("processes", 1)
-    lines = [
-        f"# mmldlm bench ({report['date']})",
-        "",
-        f"`{report['command']}`" if report["command"] else "",
-        "",
-        f"{device}, torch {m['torch']}; model {report['model_parameters']:,} parameters; "
-        + (f"each config as {processes} processes (ranks of one process group); " if processes > 1 else "")
-        + f"{report['options']['steps']} measured steps per config after {report['options']['warmup']} "
-        f"warm-up, {report['options']['round_steps']} per turn; wall time {report['wall_time_s']:.0f} s.",
-        "",
-    ]
     memory_kind = configs[order[0]]["peak_memory_kind"]
     memory_label = "peak CUDA alloc GiB" if memory_kind == "cuda_max_allocated" else "peak RSS above runtime GiB"
-    if processes > 1:
+    if report["options"].get("processes", 1) > 1:
         memory_label += " per process"
-    fit = "largest_micro_batch" in configs[order[0]]
     header = [
         "config",
         "micro x accum",
@@ -605,38 +629,41 @@ def markdown(report: dict) -> str:
         "weights / grads / AdamW / rest GiB",
         "MFU",
     ]
-    if fit:
+    if "largest_micro_batch" in configs[order[0]]:
         header.append(f"largest micro-batch @ {report['options']['memory_cap_gib']:g} GiB")
     if len(order) > 2:
         header += ["vs previous", "vs baseline"]
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    first = configs[order[0]]
-    previous = None
-    for name in order:
-        c = configs[name]
-        row = [
-            name,
-            f"{c['micro_batch_size']} x {c['accumulation_steps']}",
-            f"{c['samples_per_s']:.2f}",
-            f"{c['tokens_per_s']:.0f}",
-            f"{c['step_time_s']['median']:.3f}",
-            f"{c['step_time_s']['min']:.3f}, {c['step_time_s']['p10']:.3f}-{c['step_time_s']['p90']:.3f}",
-            f"{c['peak_memory_gib']:.2f}",
-            " / ".join(f"{c.get(k, 0.0):.2f}" for k in ("weights_gib", "gradients_gib", "optimizer_state_gib"))
-            + f" / {c['peak_above_state_gib']:.2f}",
-            f"{c['mfu']:.1%}" if c["mfu"] is not None else "n/a",
+    return header
+
+
+def _table_row(name: str, c: dict, fit: bool, ladder: bool, first: dict, previous: dict | None) -> list[str]:
+    """One config's cells; on a ladder, its samples/s over the rung before and over the baseline."""
+    row = [
+        name,
+        f"{c['micro_batch_size']} x {c['accumulation_steps']}",
+        f"{c['samples_per_s']:.2f}",
+        f"{c['tokens_per_s']:.0f}",
+        f"{c['step_time_s']['median']:.3f}",
+        f"{c['step_time_s']['min']:.3f}, {c['step_time_s']['p10']:.3f}-{c['step_time_s']['p90']:.3f}",
+        f"{c['peak_memory_gib']:.2f}",
+        " / ".join(f"{c.get(k, 0.0):.2f}" for k in ("weights_gib", "gradients_gib", "optimizer_state_gib"))
+        + f" / {c['peak_above_state_gib']:.2f}",
+        f"{c['mfu']:.1%}" if c["mfu"] is not None else "n/a",
+    ]
+    if fit:
+        row.append(str(c["largest_micro_batch"]) if "largest_micro_batch" in c else "")
+    if ladder:
+        row += [
+            f"{c['samples_per_s'] / previous['samples_per_s']:.2f}x" if previous else "",
+            f"{c['samples_per_s'] / first['samples_per_s']:.2f}x",
         ]
-        if fit:
-            row.append(str(c["largest_micro_batch"]) if "largest_micro_batch" in c else "")
-        if len(order) > 2:
-            row += [
-                f"{c['samples_per_s'] / previous['samples_per_s']:.2f}x" if previous else "",
-                f"{c['samples_per_s'] / first['samples_per_s']:.2f}x",
-            ]
-        lines.append("| " + " | ".join(row) + " |")
-        previous = c
+    return row
+
+
+def _ratio_lines(report: dict) -> list[str]:
+    """What the training state is, and the optimized config's figures over the baseline's."""
     r = report["ratios"]
-    lines += [
+    return [
         "",
         "Training state: fp32 weights 4 bytes per parameter, gradients 4 (none held all at once "
         "with optim.step_in_backward), AdamW moments 8 (about 2 with optim.state_dtype=int8, 1 with "
@@ -654,7 +681,34 @@ def markdown(report: dict) -> str:
         + ".",
         "",
     ]
-    if len(order) > 2:
+
+
+def markdown(report: dict) -> str:
+    """The report as markdown: the configs side by side, the ratios, and the ladder when there is one."""
+    configs, order = report["configs"], report["order"]
+    m = report["machine"]
+    device = m.get("gpu", f"CPU ({m['cpus']} cores, {m['torch_threads']} torch threads)")
+    processes = report["options"].get("processes", 1)
+    lines = [
+        f"# mmldlm bench ({report['date']})",
+        "",
+        f"`{report['command']}`" if report["command"] else "",
+        "",
+        f"{device}, torch {m['torch']}; model {report['model_parameters']:,} parameters; "
+        + (f"each config as {processes} processes (ranks of one process group); " if processes > 1 else "")
+        + f"{report['options']['steps']} measured steps per config after {report['options']['warmup']} "
+        f"warm-up, {report['options']['round_steps']} per turn; wall time {report['wall_time_s']:.0f} s.",
+        "",
+    ]
+    header = _table_header(report)
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    fit, ladder = "largest_micro_batch" in configs[order[0]], len(order) > 2
+    first, previous = configs[order[0]], None
+    for name in order:
+        lines.append("| " + " | ".join(_table_row(name, configs[name], fit, ladder, first, previous)) + " |")
+        previous = configs[name]
+    lines += _ratio_lines(report)
+    if ladder:
         lines += ["Ladder rungs (keys each one sets to the optimized value):", ""]
         lines += [f"- {name}: {', '.join(configs[name]['changes'])}" for name in order[1:]]
         lines.append("")
