@@ -41,6 +41,25 @@ def add_model_arguments(parser, what: str) -> None:
 
 def add_sampler_arguments(group) -> None:
     """--steps, --latent-steps, --temperature, --strategy: the samplers' options (sample and eval)."""
+    _add_step_options(group)
+    _add_remask_options(group)
+    _add_reencoding_options(group)
+    group.add_argument(
+        "--joint-order",
+        choices=["together", "latent_first"],
+        help="joint: text and latent side by side, or the latent first and then its text as l2t decodes it "
+        "(default: together)",
+    )
+    group.add_argument(
+        "--length-candidates",
+        type=int,
+        help="l2t without a given length: decode at the length head's N most likely lengths and keep the "
+        "text the sentence encoder puts closest (default 1: the most likely length only)",
+    )
+
+
+def _add_step_options(group) -> None:
+    """How many reverse steps, and how each text step picks and scores its tokens."""
     group.add_argument(
         "--steps",
         type=int,
@@ -76,6 +95,10 @@ def add_sampler_arguments(group) -> None:
         help="text: lower the logit of every token already in the text by this much (default: the run's "
         "text_diffusion.sampling_repetition_penalty; 0 = off)",
     )
+
+
+def _add_remask_options(group) -> None:
+    """Masking revealed text tokens again: in rounds after the text, or at every ancestral step."""
     group.add_argument(
         "--remask-rounds",
         type=int,
@@ -100,6 +123,10 @@ def add_sampler_arguments(group) -> None:
         type=float,
         help="the share of a text's tokens re-sampled per remasking or correction round (default 0.25)",
     )
+
+
+def _add_reencoding_options(group) -> None:
+    """Keeping the texts whose re-encoding by the sentence encoder is closest to their latent."""
     group.add_argument(
         "--best-of",
         type=int,
@@ -115,18 +142,6 @@ def add_sampler_arguments(group) -> None:
         "text_diffusion.sampling_correction_rounds",
     )
     group.add_argument("--correction-proposals", type=int, help="variants per correction round (default 4)")
-    group.add_argument(
-        "--joint-order",
-        choices=["together", "latent_first"],
-        help="joint: text and latent side by side, or the latent first and then its text as l2t decodes it "
-        "(default: together)",
-    )
-    group.add_argument(
-        "--length-candidates",
-        type=int,
-        help="l2t without a given length: decode at the length head's N most likely lengths and keep the "
-        "text the sentence encoder puts closest (default 1: the most likely length only)",
-    )
 
 
 def add_device_arguments(group) -> None:
