@@ -10,6 +10,16 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_input_options(parser)
+    _add_output_options(parser)
+    _add_tokenizer_options(parser)
+    _add_latent_options(parser)
+    _add_legacy_options(parser)
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _add_input_options(parser: argparse.ArgumentParser) -> None:
+    """Which corpus to read, and which of its texts become samples."""
     src = parser.add_argument_group("input")
     src.add_argument(
         "--input",
@@ -66,6 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep exact repeats (by default only the first stays: a repeat could land in train and val)",
     )
+
+
+def _add_output_options(parser: argparse.ArgumentParser) -> None:
+    """Where the dataset goes and how it is split into val and shards."""
     out = parser.add_argument_group("output")
     out.add_argument("--out", required=True, metavar="DIR", help="the dataset directory to create")
     out.add_argument(
@@ -77,6 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
     out.add_argument("--shard-size", type=int, default=16384, help="samples per shard file")
     out.add_argument("--latent-dtype", choices=["float16", "float32"], default="float16")
+
+
+def _add_tokenizer_options(parser: argparse.ArgumentParser) -> None:
+    """The tokenizer: a run's (--like), a given one, or a new BPE."""
     tk = parser.add_argument_group("tokenizer")
     tk.add_argument(
         "--like",
@@ -94,6 +112,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="use this tokenizer.json (or a Hugging Face tokenizer folder) instead of training one",
     )
+
+
+def _add_latent_options(parser: argparse.ArgumentParser) -> None:
+    """The sentence encoder that makes the latents, and where it runs."""
     enc = parser.add_argument_group("latents")
     enc.add_argument(
         "--encoder",
@@ -108,10 +130,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     enc.add_argument("--encode-batch-size", type=int, default=128)
     enc.add_argument("--device", default="auto", help="auto: cuda:LOCAL_RANK when CUDA is available, else cpu")
+
+
+def _add_legacy_options(parser: argparse.ArgumentParser) -> None:
     leg = parser.add_argument_group("legacy import (a per-sample .npz/.npy layout)")
     leg.add_argument("--legacy-tokens", metavar="DIR", help="folder of <stem>_tokens.npz (input_ids, attention_mask)")
     leg.add_argument("--legacy-latents", metavar="DIR", help="folder of <stem>.npy latents, float32 [D] or [1, D]")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def tokenizer_and_encoder(args: argparse.Namespace) -> dict:

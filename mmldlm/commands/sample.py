@@ -41,6 +41,25 @@ def add_model_arguments(parser, what: str) -> None:
 
 def add_sampler_arguments(group) -> None:
     """--steps, --latent-steps, --temperature, --strategy: the samplers' options (sample and eval)."""
+    _add_step_options(group)
+    _add_remask_options(group)
+    _add_reencoding_options(group)
+    group.add_argument(
+        "--joint-order",
+        choices=["together", "latent_first"],
+        help="joint: text and latent side by side, or the latent first and then its text as l2t decodes it "
+        "(default: together)",
+    )
+    group.add_argument(
+        "--length-candidates",
+        type=int,
+        help="l2t without a given length: decode at the length head's N most likely lengths and keep the "
+        "text the sentence encoder puts closest (default 1: the most likely length only)",
+    )
+
+
+def _add_step_options(group) -> None:
+    """How many reverse steps, and how each text step picks and scores its tokens."""
     group.add_argument(
         "--steps",
         type=int,
@@ -76,6 +95,10 @@ def add_sampler_arguments(group) -> None:
         help="text: lower the logit of every token already in the text by this much (default: the run's "
         "text_diffusion.sampling_repetition_penalty; 0 = off)",
     )
+
+
+def _add_remask_options(group) -> None:
+    """Masking revealed text tokens again: in rounds after the text, or at every ancestral step."""
     group.add_argument(
         "--remask-rounds",
         type=int,
@@ -100,6 +123,10 @@ def add_sampler_arguments(group) -> None:
         type=float,
         help="the share of a text's tokens re-sampled per remasking or correction round (default 0.25)",
     )
+
+
+def _add_reencoding_options(group) -> None:
+    """Keeping the texts whose re-encoding by the sentence encoder is closest to their latent."""
     group.add_argument(
         "--best-of",
         type=int,
@@ -115,18 +142,6 @@ def add_sampler_arguments(group) -> None:
         "text_diffusion.sampling_correction_rounds",
     )
     group.add_argument("--correction-proposals", type=int, help="variants per correction round (default 4)")
-    group.add_argument(
-        "--joint-order",
-        choices=["together", "latent_first"],
-        help="joint: text and latent side by side, or the latent first and then its text as l2t decodes it "
-        "(default: together)",
-    )
-    group.add_argument(
-        "--length-candidates",
-        type=int,
-        help="l2t without a given length: decode at the length head's N most likely lengths and keep the "
-        "text the sentence encoder puts closest (default 1: the most likely length only)",
-    )
 
 
 def add_device_arguments(group) -> None:
@@ -361,24 +376,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _sample(args: argparse.Namespace) -> int:
     import dataclasses
-    import json
-    import os
 
-    import numpy as np
     import torch
 
     from mmldlm.device import pick_device
-    from mmldlm.errors import OptionError, require_positive
-    from mmldlm.progress import note
+    from mmldlm.errors import OptionError
     from mmldlm.sampling import MMLDLM
 
-    require_positive({"--num": args.num, "--length": args.length, "--batch-size": args.batch_size})
-    if args.threads < 0:
-        raise OptionError("--threads", args.threads, "0 (torch's default) or a positive integer")
-    for option, path in (("--out", args.out), ("--latents-out", args.latents_out)):
-        # Checked before sampling: a run of many samples must not be lost to a typo in the path.
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            raise OptionError(option, path, "a file in an existing directory")
+    _check_arguments(args)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     device = str(pick_device(args.device, key="--device"))
@@ -399,8 +404,36 @@ def _sample(args: argparse.Namespace) -> int:
         progress=False if args.quiet else "auto",
     )
     texts, latents, index = _sources(args, run)
+    texts, latents, ids, cuts = _inputs(args, run, texts, latents)
+    records, z = _records(args, model, options, texts, latents, ids, cuts)
+    _write(args, records, z, index)
+    return 0
 
-    # The inputs of every sample: token ids (when there is a source text) and latents (l2t).
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """OptionError for a count that is not positive or an output path whose directory does not exist,
+    before the model loads."""
+    import os
+
+    from mmldlm.errors import OptionError, require_positive
+
+    require_positive({"--num": args.num, "--length": args.length, "--batch-size": args.batch_size})
+    if args.threads < 0:
+        raise OptionError("--threads", args.threads, "0 (torch's default) or a positive integer")
+    for option, path in (("--out", args.out), ("--latents-out", args.latents_out)):
+        # Checked before sampling: a run of many samples must not be lost to a typo in the path.
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise OptionError(option, path, "a file in an existing directory")
+
+
+def _inputs(args, run, texts, latents) -> tuple:
+    """The inputs of every sample: (texts, latents, token ids, cuts); token ids and cuts when there is a
+    source text, latents for l2t (encoded from the source texts, or the first --num validation samples)."""
+    import numpy as np
+    import torch
+
+    from mmldlm.progress import note
+
     ids = run.tokenize(texts) if texts is not None else None
     cuts = _note_cuts(run, run.tokens_cut(texts)) if texts is not None else None
     if args.mode == "l2t" and latents is None:
@@ -417,6 +450,11 @@ def _sample(args: argparse.Namespace) -> int:
             cuts = _note_cuts(run, [max(len(s[1]) - run.max_length, 0) for s in samples])
             texts = run.decode(*run.batch_of(ids))
             latents = torch.stack([torch.from_numpy(s[2].astype(np.float32)) for s in samples])
+    return texts, latents, ids, cuts
+
+
+def _records(args, model, options: dict, texts, latents, ids, cuts) -> tuple[list[dict], torch.Tensor | None]:  # noqa: F821
+    """The samples of --mode as JSON records, and the latents (t2l, joint; else None)."""
     num = len(ids) if ids is not None else (len(latents) if latents is not None else args.num)
     given = [max(len(x), 1) for x in ids] if ids is not None else args.length
     lengths = model.text_lengths(num, given, latents if args.mode == "l2t" else None, args.seed)
@@ -442,6 +480,15 @@ def _sample(args: argparse.Namespace) -> int:
             {"index": i, "text": t, "length": lengths[i], "latent_norm": round(z[i].norm().item(), 4)}
             for i, t in enumerate(out)
         ]
+    return records, z
+
+
+def _write(args, records: list[dict], z, index: list[int] | None) -> None:
+    """The records to --out (or stdout), each indexed by its source text's place in the input, and the
+    latents to --latents-out."""
+    import json
+
+    import numpy as np
 
     for record in records if index else []:  # a record's index is its source text's place in the input
         record["index"] = index[record["index"]]
@@ -456,4 +503,3 @@ def _sample(args: argparse.Namespace) -> int:
             out.close()
     if args.mode in ("t2l", "joint") and not args.latents_out:
         print("mmldlm sample: latents not written (give --latents-out FILE.npy to keep them)", file=sys.stderr)
-    return 0

@@ -461,45 +461,70 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
         say(f"{out}: already complete with these options; nothing to do (pass --overwrite to rebuild)")
         return {"status": "exists", "path": str(out), "meta": fmt.read_meta(out)}
 
-    if opts.legacy_tokens is not None:
-        tokenizer_json = ranks.on_rank0(lambda: tok.load_tokenizer(opts.tokenizer).to_str())
-        source = ranks.on_all(
-            lambda: LegacySource(
-                opts.legacy_tokens, opts.legacy_latents, tok.vocab_size(tok.from_json(tokenizer_json)), opts.tokenizer
-            )
+    read = _legacy_source if opts.legacy_tokens is not None else _text_source
+    tokenizer_json, source, counts, splits, extra = read(opts, ranks, say)
+    meta = _write_dataset(opts, ranks, out, tokenizer_json, source, counts, splits, extra)
+    if meta.get("lengths"):
+        say(long_texts.report_outcome(meta["lengths"]))
+    say(
+        f"{out}: {meta['splits']['train']} train + {meta['splits']['val']} val samples, "
+        f"{meta['num_tokens']['train'] + meta['num_tokens']['val']} tokens, "
+        f"latents {meta['num_latents']}x{meta['latent_dim']}"
+    )
+    return {"status": "created", "path": str(out), "meta": meta}
+
+
+def _legacy_source(opts: PrepareOptions, ranks: Ranks, say: Callable[[str], None]) -> tuple:
+    """(tokenizer json, source, counts, splits, extra meta) of a legacy .npz/.npy folder: its samples
+    as they are, with the given tokenizer."""
+    tokenizer_json = ranks.on_rank0(lambda: tok.load_tokenizer(opts.tokenizer).to_str())
+    source = ranks.on_all(
+        lambda: LegacySource(
+            opts.legacy_tokens, opts.legacy_latents, tok.vocab_size(tok.from_json(tokenizer_json)), opts.tokenizer
         )
-        counts = {"read": len(source), "kept": len(source)}
-        splits = split_indices(len(source), opts.val_fraction, opts.seed)
-        extra = {"encoder_normalize": None, "lengths": None}  # not known: the legacy data were made elsewhere
-    else:
-        texts, counts = ranks.on_all(lambda: _read_corpus(opts))
-        say(
-            f"read {counts['read']} samples: kept {counts['kept']}, dropped {counts['too_short']} shorter than "
-            f"{opts.min_chars} chars, {counts['too_long']} longer than {opts.max_chars}, "
-            f"{counts['duplicates']} duplicates, "
-            f"{counts.get('over_max_samples', 0)} over --max-samples"
-        )
-        splits = split_indices(len(texts), opts.val_fraction, opts.seed)
+    )
+    counts = {"read": len(source), "kept": len(source)}
+    splits = split_indices(len(source), opts.val_fraction, opts.seed)
+    extra = {"encoder_normalize": None, "lengths": None}  # not known: the legacy data were made elsewhere
+    return tokenizer_json, source, counts, splits, extra
 
-        def make_tokenizer() -> str:
-            if opts.tokenizer is not None:
-                return tok.load_tokenizer(opts.tokenizer).to_str()
-            say(
-                f"training a byte-level BPE tokenizer (vocab {opts.vocab_size}) on {len(splits['train'])} train samples"
-            )
-            return tok.train_bpe([texts[i] for i in splits["train"]], opts.vocab_size).to_str()
 
-        tokenizer_json = ranks.on_rank0(make_tokenizer)
-        encoder = ranks.on_all(lambda: load_encoder(opts.encoder, _device(opts.device), opts.normalize))
-        if ranks.rank == 0 and (warning := unknown_pieces_warning(texts, encoder)):
-            say(warning)
-        limits = long_texts.Limits(tok.from_json(tokenizer_json), encoder, opts.max_tokens)
-        source = TextSource(texts, limits, opts.long_texts, opts.encode_batch_size)
-        extra = {"encoder": encoder.name, "encoder_normalize": opts.normalize}
-        extra["lengths"] = ranks.on_rank0(lambda: long_texts.measure(texts, limits))
-        for line in long_texts.report(extra["lengths"], encoder.name):
-            say(line)
+def _text_source(opts: PrepareOptions, ranks: Ranks, say: Callable[[str], None]) -> tuple:
+    """(tokenizer json, source, counts, splits, extra meta) of a text corpus: read and filtered, split,
+    its tokenizer trained or loaded, its sentence encoder loaded, and what the limits would cut reported."""
+    texts, counts = ranks.on_all(lambda: _read_corpus(opts))
+    say(
+        f"read {counts['read']} samples: kept {counts['kept']}, dropped {counts['too_short']} shorter than "
+        f"{opts.min_chars} chars, {counts['too_long']} longer than {opts.max_chars}, "
+        f"{counts['duplicates']} duplicates, "
+        f"{counts.get('over_max_samples', 0)} over --max-samples"
+    )
+    splits = split_indices(len(texts), opts.val_fraction, opts.seed)
 
+    def make_tokenizer() -> str:
+        if opts.tokenizer is not None:
+            return tok.load_tokenizer(opts.tokenizer).to_str()
+        say(f"training a byte-level BPE tokenizer (vocab {opts.vocab_size}) on {len(splits['train'])} train samples")
+        return tok.train_bpe([texts[i] for i in splits["train"]], opts.vocab_size).to_str()
+
+    tokenizer_json = ranks.on_rank0(make_tokenizer)
+    encoder = ranks.on_all(lambda: load_encoder(opts.encoder, _device(opts.device), opts.normalize))
+    if ranks.rank == 0 and (warning := unknown_pieces_warning(texts, encoder)):
+        say(warning)
+    limits = long_texts.Limits(tok.from_json(tokenizer_json), encoder, opts.max_tokens)
+    source = TextSource(texts, limits, opts.long_texts, opts.encode_batch_size)
+    extra = {"encoder": encoder.name, "encoder_normalize": opts.normalize}
+    extra["lengths"] = ranks.on_rank0(lambda: long_texts.measure(texts, limits))
+    for line in long_texts.report(extra["lengths"], encoder.name):
+        say(line)
+    return tokenizer_json, source, counts, splits, extra
+
+
+def _write_dataset(
+    opts: PrepareOptions, ranks: Ranks, out: Path, tokenizer_json, source, counts, splits, extra
+) -> dict:
+    """Every rank writes its shards into a fresh temporary directory beside `out`, and rank 0 merges them
+    onto `out`; returns the meta. On any failure rank 0 removes the temporary directory."""
     partial = Path(ranks.on_rank0(lambda: _fresh_partial(out)))
     completed = False
     try:
@@ -525,14 +550,7 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
     finally:
         if ranks.rank == 0 and not completed and partial.exists():
             shutil.rmtree(partial)
-    if meta.get("lengths"):
-        say(long_texts.report_outcome(meta["lengths"]))
-    say(
-        f"{out}: {meta['splits']['train']} train + {meta['splits']['val']} val samples, "
-        f"{meta['num_tokens']['train'] + meta['num_tokens']['val']} tokens, "
-        f"latents {meta['num_latents']}x{meta['latent_dim']}"
-    )
-    return {"status": "created", "path": str(out), "meta": meta}
+    return meta
 
 
 def unknown_pieces_warning(texts: list[str], encoder) -> str | None:

@@ -219,6 +219,40 @@ class Trainer:
         self.run_dir = Path(cfg.train.run_dir)
         self.device = info.device
         self.precision = resolve_precision(cfg.train.precision, self.device)
+        self._set_up_model(model, objective, max_seq_len, heaviest_batch)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.schedule = LRSchedule(cfg.schedule, cfg.optim.lr, cfg.train.steps)
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
+        self.loader = loader(self.micro_batch_size) if callable(loader) else loader
+        self._batches = iter(self.loader)
+        self.checkpoints = CheckpointManager(cfg.checkpoint, self.run_dir, info)
+        self.generator = torch.Generator(device=self.device)
+        self.anchor_idle = uses_anchor(cfg.distributed, info)
+        self.peak_flops = peak_flops(self.device)
+        self.step = 0  # optimizer steps done
+        self.num_skipped = 0
+        self.consecutive_skips = 0
+        # (mode, micro-batch, padded length, text-head rows) met so far in this process. Caches grow
+        # with each new one (oneDNN keeps its kernels per shape), so the monitor reads memory growth
+        # while the count still rises as warm-up, and growth after it stopped as a leak.
+        self._input_shapes: set[tuple] = set()
+        # Wall-clock seconds of training (all starts of this run together; start-up not counted): the
+        # compute a model card reports. fit() starts the clock.
+        self.wall_seconds: float | None = 0.0
+        self._clock_started = None
+        self.metrics: MetricsLogger | None = None
+        self._last_saved = -1
+        self.resumed_from: Path | None = None  # the checkpoint `resume` loaded
+        self.stopped_by: str | None = None  # the signal's name when a signal ended fit() early
+        self._check_batch_sizes()
+        self.step_in_backward = cfg.optim.step_in_backward
+        if self.step_in_backward:
+            self._setup_step_in_backward()
+
+    def _set_up_model(self, model: nn.Module, objective, max_seq_len: int | None, heaviest_batch) -> None:
+        """The model on the device with its EMA copy, activation checkpointing resolved, parallelized, and
+        the micro-batch size (probed on the set-up model under "auto")."""
+        cfg, info = self.cfg, self.info
         self.raw_model = model.to(self.device)
         # The EMA copy is taken from the plain model, before checkpointing, compile or wrapping.
         self.ema = WeightEMA(self.raw_model, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
@@ -247,39 +281,15 @@ class Trainer:
         self.objective = objective
         if self.micro_batch_size == "auto":
             self.micro_batch_size = self._find_micro_batch()
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.schedule = LRSchedule(cfg.schedule, cfg.optim.lr, cfg.train.steps)
-        self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
-        self.loader = loader(self.micro_batch_size) if callable(loader) else loader
-        self._batches = iter(self.loader)
-        self.checkpoints = CheckpointManager(cfg.checkpoint, self.run_dir, info)
-        self.generator = torch.Generator(device=self.device)
-        self.anchor_idle = uses_anchor(cfg.distributed, info)
-        self.peak_flops = peak_flops(self.device)
-        self.step = 0  # optimizer steps done
-        self.num_skipped = 0
-        self.consecutive_skips = 0
-        # (mode, micro-batch, padded length, text-head rows) met so far in this process. Caches grow
-        # with each new one (oneDNN keeps its kernels per shape), so the monitor reads memory growth
-        # while the count still rises as warm-up, and growth after it stopped as a leak.
-        self._input_shapes: set[tuple] = set()
-        # Wall-clock seconds of training (all starts of this run together; start-up not counted): the
-        # compute a model card reports. fit() starts the clock.
-        self.wall_seconds: float | None = 0.0
-        self._clock_started = None
-        self.metrics: MetricsLogger | None = None
-        self._last_saved = -1
-        self.resumed_from: Path | None = None  # the checkpoint `resume` loaded
-        self.stopped_by: str | None = None  # the signal's name when a signal ended fit() early
-        # Every accumulation split of every scheduled batch size must be valid before step 0.
+
+    def _check_batch_sizes(self) -> None:
+        """Every accumulation split of every scheduled batch size must be valid before step 0."""
+        cfg, info = self.cfg, self.info
         for i, (_, size) in enumerate(cfg.train.batch_schedule):
             accumulation_steps(size, self.micro_batch_size, info.world_size, f"train.batch_schedule[{i}]")
         accumulation_steps(
             cfg.train.global_batch_size, self.micro_batch_size, info.world_size, "train.global_batch_size"
         )
-        self.step_in_backward = cfg.optim.step_in_backward
-        if self.step_in_backward:
-            self._setup_step_in_backward()
 
     def _may_accumulate(self, cfg: RunConfig, info: DistInfo) -> bool:
         """Whether a step may run several micro-batches: a scheduled global batch above micro-batch x
