@@ -62,3 +62,16 @@ def test_recipes_pair_the_draws_of_two_reports_and_weigh_each_text_by_its_tokens
     assert same.difference == same.low == same.high == 0.0  # the same texts and the same draws of each
     corpus = Corpus(("nats",), lambda p: lambda idx: float(np.asarray(p["nats"])[idx].max()))
     assert corpus.difference(per_text, per_text).high == 0.0
+
+
+def test_a_figure_that_resampling_biases_gets_no_interval_and_no_paired_difference():
+    # distinct-n of texts drawn with replacement: every duplicate reads as repetition, so each
+    # resample falls below the figure; such a figure is reported alone.
+    from mmldlm.sampling.evaluate import _distinct
+
+    texts = [f"text {'ab' * (i + 1)} says something new" for i in range(20)]
+    recipe = _distinct(1)
+    est = recipe.estimate({"texts": texts})
+    assert est.value == pytest.approx((20 + 4) / (20 * 5))
+    assert np.isnan(est.low) and np.isnan(est.high)
+    assert recipe.difference({"texts": texts}, {"texts": texts}) is None

@@ -40,12 +40,13 @@ def check_comparable(a: dict, b: dict, names: tuple[str, str]) -> None:
 
 def compare_reports(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> dict:
     """{"a", "b", "level", "num_resamples", "rows": [{section, figure, a, b, difference, low, high, n,
-    significant}], "not_compared": [sections in one report only]}; the figures of the model, not of the
-    data (`DATA_ONLY`)."""
+    significant}], "not_compared": [sections in one report only], "without_interval": [figures no
+    resampling can bound, intervals.Corpus.resampled]}; the figures of the model, not of the data
+    (`DATA_ONLY`)."""
     check_comparable(a, b, names)
     of_a = [(name, section, figures) for name, section, figures in sections(a) if name not in DATA_ONLY]
     of_b = {name: section for name, section, _ in sections(b) if name not in DATA_ONLY}
-    rows, not_compared = [], []
+    rows, not_compared, without_interval = [], [], []
     for name, section_a, figures in of_a:
         if name not in of_b:
             not_compared.append(name)
@@ -59,7 +60,11 @@ def compare_reports(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> di
                     f"{name} {figure}: {names[0]} has {len(per_a[recipe.keys[0]])} texts and {names[1]} "
                     f"{len(per_b[recipe.keys[0]])}; expected the same texts (the same --num-samples)"
                 )
-            rows.append({"section": name, "figure": figure, **recipe.difference(per_a, per_b).to_dict()})
+            difference = recipe.difference(per_a, per_b)
+            if difference is None:  # no interval for this figure (intervals.Corpus.resampled)
+                without_interval.append(f"{name} {figure}")
+                continue
+            rows.append({"section": name, "figure": figure, **difference.to_dict()})
     not_compared += [name for name in of_b if name not in {n for n, *_ in of_a}]
     return {
         "a": names[0],
@@ -68,6 +73,7 @@ def compare_reports(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> di
         "num_resamples": NUM_RESAMPLES,
         "rows": rows,
         "not_compared": not_compared,
+        "without_interval": without_interval,
     }
 
 
@@ -87,4 +93,7 @@ def markdown(result: dict) -> str:
         )
     if result["not_compared"]:
         lines += ["", f"In one report only, not compared: {', '.join(result['not_compared'])}"]
+    if result.get("without_interval"):
+        no_interval = ", ".join(result["without_interval"])
+        lines += ["", f"No interval (resampling texts biases them), not compared: {no_interval}"]
     return "\n".join(lines) + "\n"

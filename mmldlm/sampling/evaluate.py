@@ -119,7 +119,7 @@ def _distinct(n: int) -> Corpus:
         grams = [tm.word_ngrams(text, n) for text in per_text["texts"]]
         return lambda idx: tm.distinct_of([grams[i] for i in idx]) or 0.0
 
-    return Corpus(("texts",), statistic)
+    return Corpus(("texts",), statistic, resampled=False)
 
 
 ELBO = {
@@ -187,7 +187,8 @@ def summarise(figures: dict, per_text: dict, **fixed) -> dict:
         if all(key in per_text for key in recipe.keys):
             estimate = recipe.estimate(per_text)
             out[name] = estimate.value
-            out[f"{name}_interval"] = [estimate.low, estimate.high]
+            if math.isfinite(estimate.low) and math.isfinite(estimate.high):
+                out[f"{name}_interval"] = [estimate.low, estimate.high]
     out["per_text"] = {key: np.asarray(v).tolist() if not _is_texts(v) else list(v) for key, v in per_text.items()}
     return out
 

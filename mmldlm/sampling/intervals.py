@@ -21,6 +21,7 @@ generator of their own (`seed`): the same inputs give the same interval.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -225,15 +226,24 @@ class Mean:
 class Corpus:
     """A figure of the texts as a whole (corpus BLEU, distinct-n, a perplexity over all words):
     `statistic(per_text)` returns the figure of the texts at indices `idx`, fn(idx) -> float, doing once
-    whatever does not depend on idx."""
+    whatever does not depend on idx. `resampled` False: a figure that resampling texts with replacement
+    biases, so it gets no interval and no paired difference (distinct-n reads a text drawn twice as
+    repetition: its resamples fall below the figure itself)."""
 
     keys: tuple[str, ...]
     statistic: Callable[[dict], Callable[[np.ndarray], float]]
+    resampled: bool = True
 
     def estimate(self, per_text: dict, **kwargs) -> Estimate:
-        return bootstrap_statistic(self.statistic(per_text), len(per_text[self.keys[0]]), **kwargs)
+        n = len(per_text[self.keys[0]])
+        if not self.resampled:
+            return Estimate(float(self.statistic(per_text)(np.arange(n))), math.nan, math.nan, n)
+        return bootstrap_statistic(self.statistic(per_text), n, **kwargs)
 
-    def difference(self, per_text_a: dict, per_text_b: dict, **kwargs) -> Difference:
+    def difference(self, per_text_a: dict, per_text_b: dict, **kwargs) -> Difference | None:
+        """A - B with its paired interval; None where the figure is not `resampled`."""
+        if not self.resampled:
+            return None
         n_a, n_b = len(per_text_a[self.keys[0]]), len(per_text_b[self.keys[0]])
         if n_a != n_b:
             raise ValueError(f"paired_statistic_difference: the two runs have {n_a} and {n_b} texts; expected the same")
