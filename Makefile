@@ -34,7 +34,7 @@ test-all: lint
 # A run stopped by a signal exits 128 + its number, so the evaluation below does not run on it.
 # Then a quick evaluation of the last checkpoint (about a minute): what the model writes alone (one
 # text per latent, no encoder in the loop) next to the sources, and the figures; the whole report with
-# the default decoder is `mmldlm eval --run runs/default` (about 9 minutes).
+# the default decoder is `mmldlm eval --run runs/default` (9-17 minutes on one thread).
 # One thread: on a 2-core machine shared with other jobs, two torch threads ran 6-8x slower.
 train: install
 	$(PY) -m mmldlm.cli train --config configs/default.yaml --resume auto
