@@ -293,26 +293,32 @@ def elbo(
         n = len(next(iter(per_text.values())))
         result = summarise(ELBO, per_text, num_samples=n)
         if "text_nats_per_token" in result:
-            nats, (low, high) = result["text_nats_per_token"], result["text_nats_per_token_interval"]
-            paid, (paid_low, paid_high) = (
-                result["nats_per_token_with_length"],
-                result["nats_per_token_with_length_interval"],
-            )
-            result.update(
-                text_nats_per_token_given_length=nats,
-                text_nats_per_token_given_length_interval=[low, high],
-                text_bits_per_token=nats / math.log(2),
-                text_bits_per_token_interval=[low / math.log(2), high / math.log(2)],
-                text_ppl_bound=math.exp(min(nats, 700.0)),
-                text_ppl_bound_interval=[math.exp(min(low, 700.0)), math.exp(min(high, 700.0))],
-                bits_per_token_with_length=paid / math.log(2),
-                ppl_bound_with_length=math.exp(min(paid, 700.0)),
-                ppl_bound_with_length_interval=[math.exp(min(paid_low, 700.0)), math.exp(min(paid_high, 700.0))],
-                prior_nats_per_token=_prior_nats_per_token(run),
-                num_tokens=int(per_text["num_tokens"].sum()),
-                num_texts=n,
-            )
+            result.update(_bound_figures(result))
+            result.update(prior_nats_per_token=_prior_nats_per_token(run), num_tokens=int(per_text["num_tokens"].sum()))
+            result["num_texts"] = n
         out[mode] = result
+    return out
+
+
+def _bound_figures(result: dict) -> dict:
+    """The bound in bits and as a perplexity, given the length and with the length paid, from the nats per
+    token of `result` (and their intervals where it has them: a resample that was not finite has none)."""
+    nats, paid = result["text_nats_per_token"], result["nats_per_token_with_length"]
+    out = {
+        "text_nats_per_token_given_length": nats,
+        "text_bits_per_token": nats / math.log(2),
+        "text_ppl_bound": math.exp(min(nats, 700.0)),
+        "bits_per_token_with_length": paid / math.log(2),
+        "ppl_bound_with_length": math.exp(min(paid, 700.0)),
+    }
+    if "text_nats_per_token_interval" in result:
+        low, high = result["text_nats_per_token_interval"]
+        out["text_nats_per_token_given_length_interval"] = [low, high]
+        out["text_bits_per_token_interval"] = [low / math.log(2), high / math.log(2)]
+        out["text_ppl_bound_interval"] = [math.exp(min(low, 700.0)), math.exp(min(high, 700.0))]
+    if "nats_per_token_with_length_interval" in result:
+        low, high = result["nats_per_token_with_length_interval"]
+        out["ppl_bound_with_length_interval"] = [math.exp(min(low, 700.0)), math.exp(min(high, 700.0))]
     return out
 
 
@@ -323,7 +329,10 @@ def length_cost(run: TrainedRun, mode: str, batch: dict) -> torch.Tensor:
     if mode == "l2t" and getattr(run.model, "length_head", None) is not None:
         logits = run.model.length_logits(run.latent.standardize(batch["latents"].float()))[:, : run.max_length]
         return -torch.log_softmax(logits.double(), dim=1).cpu().gather(1, lengths[:, None])[:, 0]
-    counts = run.length_counts.double()
+    # Add-one smoothed: a length the validation split lacks (other data, --data) costs log(N + max_length)
+    # nats, not infinity; on the run's own split every length drawn has a count, and the smoothing moves
+    # each cost by at most log(1 + max_length / N).
+    counts = run.length_counts.double() + 1.0
     return -torch.log(counts / counts.sum())[lengths]
 
 
