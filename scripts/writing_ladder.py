@@ -5,7 +5,7 @@ each trained and evaluated with the same figures, as one markdown table and one 
     python scripts/writing_ladder.py --minutes 6 --out /tmp/ladder data.path=DIR      # a CPU smoke ladder
 
 1. Speed: each rung's preset trains a few steps (`--timing-steps`) on this device and is evaluated once;
-   the median step time (after the first steps), the start-up and the evaluation seconds are measured,
+   the mean step time (after the first steps), the start-up and the evaluation seconds are measured,
    not assumed.
 2. Budgets: a rung `PRESET:M` trains M units of samples (tiny:1, tiny:4, tiny:16 and small:16 by
    default); one unit is sized so that all rungs together, with their start-ups and evaluations (as
@@ -93,8 +93,9 @@ def train_args(config: str, preset: str, steps: int, run_dir: Path, extra: list[
 
 
 def measure_speed(preset: str, args, out: Path) -> dict:
-    """Seconds per training step (median after the first quarter), the run's fixed start-up seconds and
-    the seconds of one evaluation (`--eval-args`), measured on a short run of `preset`."""
+    """Seconds per training step (the mean after the first quarter: bucketed batches vary in length, and
+    the total is what matters), the run's fixed start-up seconds and the seconds of one evaluation
+    (`--eval-args`), measured on a short run of `preset`."""
     run_dir = out / f"timing-{preset}"
     steps = args.timing_steps
     wall = mmldlm(
@@ -103,7 +104,7 @@ def measure_speed(preset: str, args, out: Path) -> dict:
     times = [r["step_time_s"] for r in records(run_dir)]
     eval_s = mmldlm(evaluate_args(run_dir, args.eval_args), out / "log.txt")
     return {
-        "step_s": statistics.median(times[len(times) // 4 :]),
+        "step_s": statistics.mean(times[len(times) // 4 :]),
         "startup_s": max(0.0, wall - sum(times)),
         "eval_s": eval_s,
         "global_batch_size": records(run_dir)[-1]["global_batch_size"],
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         "--rungs", default="tiny:1,tiny:4,tiny:16,small:16", help="PRESET:UNITS,... (default: %(default)s)"
     )
     parser.add_argument("--eval-args", default="--num-samples 128 --best-of 1", help="options of each `mmldlm eval`")
-    parser.add_argument("--timing-steps", type=int, default=12, help="steps of each preset's speed measurement")
+    parser.add_argument("--timing-steps", type=int, default=32, help="steps of each preset's speed measurement")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="overrides of every rung's training")
     args = parser.parse_args(argv)
     if args.minutes <= 0 or args.timing_steps < 4:
