@@ -46,6 +46,46 @@ def test_a_run_compared_with_itself_is_not_significant_and_a_shift_is():
     assert shifted.significant and shifted.low > 0
 
 
+def _seeded_arm(rng, texts, runs, shift=0.0, seed_sd=0.1):
+    """Per-text values of `runs` runs of one recipe: the texts' own difficulty, each seed's offset (a
+    model trained with another seed is another model), and each run's per-text noise."""
+    return [
+        {"v": texts + shift + rng.normal(scale=seed_sd) + rng.normal(scale=0.3, size=texts.size)} for _ in range(runs)
+    ]
+
+
+def test_two_seeds_per_arm_flag_about_5_percent_of_same_recipe_comparisons_where_one_seed_flags_most():
+    # Two arms of the same recipe: every difference between them is the seeds'. The paired bootstrap of
+    # one run per arm sees only the texts and calls most such pairs different; the arms' interval,
+    # which adds the seeds' variance, flags about the 5% it promises (t with ~2 df is conservative).
+    rng = np.random.default_rng(4)
+    trials, flagged_arms, flagged_single = 100, 0, 0
+    for trial in range(trials):
+        texts = rng.normal(size=128)
+        a, b = _seeded_arm(rng, texts, 2), _seeded_arm(rng, texts, 2)
+        flagged_arms += Mean("v").arms_difference(a, b, num_resamples=200, seed=trial).significant
+        flagged_single += Mean("v").difference(a[0], b[0], num_resamples=200, seed=trial).significant
+    assert flagged_arms <= 10, flagged_arms  # Binomial(100, 0.05) exceeds 10 with probability ~0.01
+    assert flagged_single >= 50, flagged_single
+
+
+def test_a_recipe_better_by_far_more_than_its_seeds_differ_is_found_with_two_seeds_per_arm():
+    rng = np.random.default_rng(5)
+    texts = rng.normal(size=128)
+    a, b = _seeded_arm(rng, texts, 2, shift=1.0, seed_sd=0.05), _seeded_arm(rng, texts, 2, seed_sd=0.05)
+    diff = Mean("v").arms_difference(a, b)
+    assert diff.significant and diff.low > 0.5 and diff.runs_a == diff.runs_b == 2
+    assert diff.a == pytest.approx(np.mean([r["v"].mean() for r in a]))
+    assert diff.seed_sd > 0 and 0 < diff.df < 100  # few seeds: few degrees of freedom, a wide t
+    # An arm of one run borrows the other arm's spread between seeds (pooled, 1 degree of freedom).
+    one = Mean("v").arms_difference(a[:1], b)
+    assert one.runs_a == 1 and one.high - one.low > diff.high - diff.low
+    corpus = Corpus(("v",), lambda p: lambda idx: float(np.median(np.asarray(p["v"])[idx])))
+    assert corpus.arms_difference(a, b).significant
+    with pytest.raises(ValueError, match="two or more"):
+        Mean("v").arms_difference(a[:1], b[:1])
+
+
 def test_unequal_numbers_of_texts_are_refused():
     with pytest.raises(ValueError, match="same"):
         paired_difference([1.0, 2.0], [1.0])

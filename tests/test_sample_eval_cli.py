@@ -559,6 +559,17 @@ def test_compare_of_two_reports_gives_each_figure_its_paired_difference(run_dir,
         "| figure | n | A | B | A - B | interval | significant |" in table
         and "| elbo l2t text_nats_per_token | 4 |" in table
     )
+    # Several runs per arm (here the EMA and raw weights stand for two seeds of a recipe): the arms' mean
+    # figures, with the spread between the runs in the interval.
+    assert main(["compare", "--a", str(ema), str(raw), "--b", str(ema), "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    arms = {(r["section"], r["figure"]): r for r in json.loads(out.read_text())["rows"]}
+    nats = arms[("elbo l2t", "text_nats_per_token")]
+    assert nats["a"] == pytest.approx((a + b) / 2) and nats["runs_a"] == 2 and nats["runs_b"] == 1
+    assert nats["seed_sd"] == pytest.approx(abs(a - b) / 2**0.5) and nats["low"] < nats["difference"] < nats["high"]
+    assert "A = mean of 2 runs" in table and "| sd between seeds |" in table
+    assert main(["compare", str(ema), "--a", str(raw), "--b", str(ema)]) == 2
+    assert "expected either two runs A B, or --a RUN [RUN ...] and --b RUN [RUN ...]" in capsys.readouterr().err
     # Reports of other texts are refused: the i-th values must belong to the same text.
     args = ["eval", "--run", str(run_dir), *SMALL_EVAL, *quick, "--num-samples", "3", "--out", str(fewer)]
     assert main(args) == 0

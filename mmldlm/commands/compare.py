@@ -5,7 +5,8 @@ whether it excludes 0, printed, and the same as JSON with --out.
 
 A and B are training run directories or exported model folders, evaluated here with the same options
 (those of `mmldlm eval`), or JSON reports `mmldlm eval` wrote, read as they are; reports of different
-texts or seeds are refused."""
+texts or seeds are refused. `mmldlm compare --a A1 A2 ... --b B1 B2 ...` compares two recipes, each
+trained with several seeds: the arms' mean figures, with the variance between seeds in the interval."""
 
 from __future__ import annotations
 
@@ -15,11 +16,20 @@ from mmldlm.commands.evaluate import add_evaluation_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    for name in ("a", "b"):
+    parser.add_argument(
+        "runs",
+        nargs="*",
+        metavar="RUN",
+        help="A and B: two training run directories, exported model folders or JSON reports of `mmldlm eval`",
+    )
+    for arm in ("a", "b"):
         parser.add_argument(
-            name,
-            metavar=f"RUN_{name.upper()}",
-            help="a training run directory, an exported model folder, or a JSON report of `mmldlm eval`",
+            f"--{arm}",
+            nargs="+",
+            dest=f"arm_{arm}",
+            metavar="RUN",
+            help=f"instead of A and B: arm {arm.upper()} as several runs of one recipe (other training seeds), "
+            "each a run, an export or a report; the interval then adds the variance between seeds",
         )
     parser.add_argument(
         "--no-ema",
@@ -36,17 +46,18 @@ def run(args: argparse.Namespace) -> int:
 
     from mmldlm.commands.evaluate import check_options, evaluation
     from mmldlm.errors import UserError
-    from mmldlm.sampling.compare import compare_reports, markdown
+    from mmldlm.sampling.compare import compare_arms, markdown
 
     check_options(args)
-    for path in (args.a, args.b):  # both refused before either is evaluated
+    arm_a, arm_b = arms(args)
+    for path in (*arm_a, *arm_b):  # every path refused before any is evaluated
         if not Path(path).exists():
             raise UserError(f"{path}: no such file or directory; expected a run, an exported model or an eval report")
-    reports = {path: read_report(Path(path)) for path in (args.a, args.b) if Path(path).is_file()}
-    for path in (args.a, args.b):
+    reports = {path: read_report(Path(path)) for path in (*arm_a, *arm_b) if Path(path).is_file()}
+    for path in (*arm_a, *arm_b):
         if path not in reports:
             reports[path] = evaluation(args, path)[1]
-    result = compare_reports(reports[args.a], reports[args.b], names=(args.a, args.b))
+    result = compare_arms([reports[p] for p in arm_a], [reports[p] for p in arm_b], arm_a, arm_b)
     print(markdown(result), end="")
     if args.out:
         out = Path(args.out)
@@ -54,6 +65,25 @@ def run(args: argparse.Namespace) -> int:
         out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
         print(f"mmldlm compare: wrote {out}")
     return 0
+
+
+def arms(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The runs of arm A and of arm B: `A B`, or `--a ... --b ...`; UserError for anything else."""
+    from mmldlm.errors import UserError
+
+    if args.arm_a or args.arm_b:
+        if args.runs or not (args.arm_a and args.arm_b):
+            raise UserError(
+                f"compare: got {len(args.runs)} positional runs, --a {args.arm_a or []} and --b {args.arm_b or []}; "
+                "expected either two runs A B, or --a RUN [RUN ...] and --b RUN [RUN ...]"
+            )
+        return list(args.arm_a), list(args.arm_b)
+    if len(args.runs) != 2:
+        raise UserError(
+            f"compare: got {len(args.runs)} runs ({' '.join(args.runs) or 'none'}); expected two, A and B, "
+            "or --a RUN [RUN ...] and --b RUN [RUN ...]"
+        )
+    return [args.runs[0]], [args.runs[1]]
 
 
 def read_report(path) -> dict:

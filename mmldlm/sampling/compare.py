@@ -2,6 +2,11 @@
 difference from a paired bootstrap (the same resampled texts for both; Dror et al. 2018), and whether
 that interval excludes 0. `mmldlm compare` prints `markdown(compare_reports(a, b))`.
 
+One run per side compares two models: the interval covers other texts, not other training seeds, and
+two seeds of one recipe differ on many figures (docs/quality.md, "Two seeds of the main job"). To
+compare two recipes, `compare_arms` takes several runs per arm (each recipe trained with other seeds) and
+adds the variance between seeds to the interval (intervals.arms_difference).
+
 The reports must have scored the same validation texts (`texts_sha256`) with the same seed, so that the
 i-th per-text value of A and of B belong to the same text (and, for sampled figures, to the same draws
 of the generators where the two models agree). Each figure's recipe is the one `mmldlm eval` made it
@@ -39,36 +44,42 @@ def check_comparable(a: dict, b: dict, names: tuple[str, str]) -> None:
 
 
 def compare_reports(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> dict:
-    """{"a", "b", "level", "num_resamples", "rows": [{section, figure, a, b, difference, low, high, n,
-    significant}], "not_compared": [sections in one report only], "without_interval": [figures no
-    resampling can bound, intervals.Corpus.resampled]}; the figures of the model, not of the data
-    (`DATA_ONLY`)."""
-    check_comparable(a, b, names)
-    of_a = [(name, section, figures) for name, section, figures in sections(a) if name not in DATA_ONLY]
-    of_b = {name: section for name, section, _ in sections(b) if name not in DATA_ONLY}
-    rows, not_compared, without_interval = [], [], []
-    for name, section_a, figures in of_a:
-        if name not in of_b:
-            not_compared.append(name)
-            continue
-        per_a, per_b = section_a["per_text"], of_b[name]["per_text"]
+    """{"a", "b", "runs_a", "runs_b", "level", "num_resamples", "rows": [{section, figure, a, b,
+    difference, low, high, n, significant}], "not_compared": [sections in one report only],
+    "without_interval": [figures no resampling can bound, intervals.Corpus.resampled]}; the figures of
+    the model, not of the data (`DATA_ONLY`)."""
+    return compare_arms([a], [b], [names[0]], [names[1]])
+
+
+def compare_arms(arm_a: list[dict], arm_b: list[dict], names_a: list[str], names_b: list[str]) -> dict:
+    """`compare_reports` for several runs per arm, all on the same texts with the same seed: A and B are
+    the arms' mean figures; with one run per arm the interval is the paired bootstrap over texts, with
+    more it adds the seeds' variance (rows then carry runs_a, runs_b, seed_sd, text_se and df)."""
+    reports, names = [*arm_a, *arm_b], [*names_a, *names_b]
+    for report, name in zip(reports[1:], names[1:]):
+        check_comparable(reports[0], report, (names[0], name))
+    of_each = [
+        {name: (section, figures) for name, section, figures in sections(r) if name not in DATA_ONLY} for r in reports
+    ]
+    common = [name for name in of_each[0] if all(name in of for of in of_each[1:])]
+    rows, without_interval = [], []
+    for name in common:
+        figures = of_each[0][name][1]
+        per_text = [of[name][0]["per_text"] for of in of_each]
         for figure, recipe in figures.items():
-            if not all(key in per_a and key in per_b for key in recipe.keys):
+            if not all(key in p for p in per_text for key in recipe.keys):
                 continue
-            if len(per_a[recipe.keys[0]]) != len(per_b[recipe.keys[0]]):
-                raise UserError(
-                    f"{name} {figure}: {names[0]} has {len(per_a[recipe.keys[0]])} texts and {names[1]} "
-                    f"{len(per_b[recipe.keys[0]])}; expected the same texts (the same --num-samples)"
-                )
-            difference = recipe.difference(per_a, per_b)
+            difference = _difference(recipe, per_text[: len(arm_a)], per_text[len(arm_a) :], f"{name} {figure}", names)
             if difference is None:  # no interval for this figure (intervals.Corpus.resampled)
                 without_interval.append(f"{name} {figure}")
                 continue
             rows.append({"section": name, "figure": figure, **difference.to_dict()})
-    not_compared += [name for name in of_b if name not in {n for n, *_ in of_a}]
+    not_compared = sorted({name for of in of_each for name in of} - set(common))
     return {
-        "a": names[0],
-        "b": names[1],
+        "a": " + ".join(names_a),
+        "b": " + ".join(names_b),
+        "runs_a": list(names_a),
+        "runs_b": list(names_b),
         "level": LEVEL,
         "num_resamples": NUM_RESAMPLES,
         "rows": rows,
@@ -77,22 +88,55 @@ def compare_reports(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> di
     }
 
 
+def _difference(recipe, per_a: list[dict], per_b: list[dict], figure: str, names: list[str]):
+    sizes = [len(p[recipe.keys[0]]) for p in (*per_a, *per_b)]
+    if len(set(sizes)) > 1:
+        counts = ", ".join(f"{name}: {size}" for name, size in zip(names, sizes))
+        raise UserError(
+            f"{figure}: the runs scored different numbers of texts ({counts}); "
+            "expected the same texts (the same --num-samples)"
+        )
+    if len(per_a) == len(per_b) == 1:
+        return recipe.difference(per_a[0], per_b[0])
+    try:
+        return recipe.arms_difference(per_a, per_b)
+    except ValueError as err:
+        raise UserError(f"{figure}: {err}") from None
+
+
 def markdown(result: dict) -> str:
     """The comparison as a markdown table, one row per figure."""
-    lines = [
-        f"A = {result['a']}, B = {result['b']}; interval: {result['level']:.0%} paired bootstrap over the texts "
-        f"({result['num_resamples']} resamples); significant: the interval excludes 0",
-        "",
-        "| figure | n | A | B | A - B | interval | significant |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    several = len(result.get("runs_a", [1])) + len(result.get("runs_b", [1])) > 2
+    if several:
+        lines = [
+            f"A = mean of {len(result['runs_a'])} runs ({', '.join(result['runs_a'])}), B = mean of "
+            f"{len(result['runs_b'])} runs ({', '.join(result['runs_b'])}); interval: {result['level']:.0%} t interval "
+            "from the variance between seeds (pooled over both arms) plus the texts' paired bootstrap variance "
+            f"({result['num_resamples']} resamples); significant: the interval excludes 0",
+            "",
+            "| figure | n | A | B | A - B | interval | sd between seeds | significant |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+    else:
+        lines = [
+            f"A = {result['a']}, B = {result['b']}; interval: {result['level']:.0%} paired bootstrap over the texts "
+            f"({result['num_resamples']} resamples); significant: the interval excludes 0. One run per side: the "
+            "interval covers other texts for these two models, not other training seeds (give each side several "
+            "seeds with --a/--b to compare recipes)",
+            "",
+            "| figure | n | A | B | A - B | interval | significant |",
+            "|---|---|---|---|---|---|---|",
+        ]
     for r in result["rows"]:
+        seed_sd = f" {r['seed_sd']:.3g} |" if several else ""
         lines.append(
             f"| {r['section']} {r['figure']} | {r['n']} | {r['a']:.4g} | {r['b']:.4g} | {r['difference']:+.4g} | "
-            f"[{r['low']:+.4g}, {r['high']:+.4g}] | {'yes' if r['significant'] else 'no'} |"
+            f"[{r['low']:+.4g}, {r['high']:+.4g}] |{seed_sd} {'yes' if r['significant'] else 'no'} |"
         )
+    flagged = sum(r["significant"] for r in result["rows"])
+    lines += ["", f"{flagged} of {len(result['rows'])} figures differ at {result['level']:.0%}"]
     if result["not_compared"]:
-        lines += ["", f"In one report only, not compared: {', '.join(result['not_compared'])}"]
+        lines += ["", f"Not in every report, not compared: {', '.join(result['not_compared'])}"]
     if result.get("without_interval"):
         no_interval = ", ".join(result["without_interval"])
         lines += ["", f"No interval (resampling texts biases them), not compared: {no_interval}"]

@@ -9,10 +9,18 @@ each metric:
     est = bootstrap(per_text_nats, weights=num_tokens)     # a ratio: sum(x w) / sum(w), per token
     est = bootstrap_statistic(lambda idx: bleu(gen[idx], src[idx]), n=len(gen))  # corpus-level figures
     diff = paired_difference(values_a, values_b)           # run A - run B on the same texts (Dror et al. 2018)
+    diff = recipe.arms_difference(runs_a, runs_b)          # several training seeds per arm: seeds and texts
 
 A report keeps each figure's per-text values, and a recipe (`Mean`, `Corpus`) says how the figure is made
 from them, so one recipe gives both the figure's interval (`estimate`) and the paired difference of two
 reports on the same texts (`difference`, what `mmldlm compare` prints).
+
+One run per arm measures two models: the interval covers other texts for these two models, not other
+training seeds. With several runs per arm (the same recipe trained with other seeds, all scored on the
+same texts), `arms_difference` adds the variance between seeds (pooled over both arms, Student) to the
+texts' bootstrap variance of the difference of the arm means, and takes a t interval with the
+Welch-Satterthwaite degrees of freedom: with two seeds per arm, about 2 (t = 4.3), as wide as two seeds
+can tell.
 
 Two-level data: a `(n_texts, n_draws)` array resamples texts, then draws within each resampled text,
 so the interval covers both the choice of texts and the sampler's randomness. Resamples come from a
@@ -68,6 +76,23 @@ class Difference:
             "n": self.n,
             "significant": self.significant,
         }
+
+
+@dataclass(frozen=True)
+class ArmsDifference(Difference):
+    """The difference of two arms' mean figures over several training runs each (`runs_a`, `runs_b`),
+    its t interval, the standard deviation between seeds (pooled over both arms) and the texts' standard
+    error of the difference, and the degrees of freedom of the interval."""
+
+    runs_a: int = 1
+    runs_b: int = 1
+    seed_sd: float = math.nan
+    text_se: float = math.nan
+    df: float = math.inf
+
+    def to_dict(self) -> dict:
+        extra = {"runs_a": self.runs_a, "runs_b": self.runs_b, "seed_sd": self.seed_sd, "text_se": self.text_se}
+        return {**super().to_dict(), **extra, "df": self.df if math.isfinite(self.df) else None}
 
 
 def _bounds(resampled: np.ndarray, level: float) -> tuple[float, float]:
@@ -197,6 +222,62 @@ def paired_statistic_difference(
     return Difference(va, vb, va - vb, *_bounds(np.array(resampled), level), n=n, level=level)
 
 
+def arms_difference(
+    runs_a: list[Callable[..., float]],
+    runs_b: list[Callable[..., float]],
+    n: int,
+    *,
+    draws: int | None = None,
+    num_resamples: int = NUM_RESAMPLES,
+    level: float = LEVEL,
+    seed: int = 0,
+) -> ArmsDifference:
+    """mean(A runs) - mean(B runs) for one figure, each run's figure `fn(idx, cols)` of texts `idx` (and
+    draws `cols` per text where `draws`), all runs on the same n texts. Its variance: the seeds' (the
+    runs' figures about their arm's mean on these texts, pooled over both arms: s^2 (1/k_A + 1/k_B)) plus
+    the texts' (the paired bootstrap of the difference of the arm means); the interval is Student's t with
+    the Welch-Satterthwaite degrees of freedom (the texts' part counts as known). Needs two runs in at
+    least one arm."""
+    from scipy import stats
+
+    k_a, k_b = len(runs_a), len(runs_b)
+    if k_a + k_b < 3:
+        raise ValueError(f"arms_difference: got {k_a} and {k_b} runs; expected two or more in at least one arm")
+    full = np.arange(n)
+    figures_a = np.array([fn(full) for fn in runs_a])
+    figures_b = np.array([fn(full) for fn in runs_b])
+    mean_a, mean_b = float(figures_a.mean()), float(figures_b.mean())
+    rng = np.random.default_rng(seed)
+    resampled = np.empty(num_resamples)
+    for r in range(num_resamples):
+        idx = rng.integers(0, n, size=n)
+        cols = rng.integers(0, draws, size=(n, draws)) if draws else None
+        resampled[r] = np.mean([fn(idx, cols) for fn in runs_a]) - np.mean([fn(idx, cols) for fn in runs_b])
+    resampled = resampled[np.isfinite(resampled)]
+    var_text = float(resampled.var(ddof=1)) if resampled.size > 1 else 0.0
+    df_seed = k_a + k_b - 2
+    pooled = (((figures_a - mean_a) ** 2).sum() + ((figures_b - mean_b) ** 2).sum()) / df_seed
+    var_seed = float(pooled) * (1.0 / k_a + 1.0 / k_b)
+    variance = var_text + var_seed
+    df = math.inf if var_seed == 0.0 else variance**2 / (var_seed**2 / df_seed)
+    half = float(stats.t.ppf(0.5 + level / 2.0, df)) * math.sqrt(variance)
+    difference = mean_a - mean_b
+    return ArmsDifference(
+        mean_a,
+        mean_b,
+        difference,
+        difference - half,
+        difference + half,
+        n=n,
+        level=level,
+        runs_a=k_a,
+        runs_b=k_b,
+        seed_sd=math.sqrt(float(pooled)),
+        text_se=math.sqrt(var_text),
+        df=df,
+    )
+
+
 @dataclass(frozen=True)
 class Mean:
     """A figure that is the mean of one per-text value, per_text[values] ((n,) or (n, draws)), or with
@@ -220,6 +301,19 @@ class Mean:
     def difference(self, per_text_a: dict, per_text_b: dict, **kwargs) -> Difference:
         (a, wa), (b, wb) = self._arrays(per_text_a), self._arrays(per_text_b)
         return paired_difference(a, b, weights_a=wa, weights_b=wb, **kwargs)
+
+    def arms_difference(self, runs_a: list[dict], runs_b: list[dict], **kwargs) -> ArmsDifference:
+        """Several runs per arm (their per-text values on the same texts, the same draws per text)."""
+        arrays = [_as_arrays(*self._arrays(per_text)) for per_text in (*runs_a, *runs_b)]
+        shapes = {v.shape for v, _ in arrays}
+        if len(shapes) != 1:
+            raise ValueError(
+                f"arms_difference: {self.values} has shapes {sorted(shapes)}; expected the same texts and draws"
+            )
+        stats_ = [_mean_of(v, w) for v, w in arrays]
+        (shape,) = shapes
+        draws = shape[1] if len(shape) == 2 else None
+        return arms_difference(stats_[: len(runs_a)], stats_[len(runs_a) :], shape[0], draws=draws, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -248,3 +342,18 @@ class Corpus:
         if n_a != n_b:
             raise ValueError(f"paired_statistic_difference: the two runs have {n_a} and {n_b} texts; expected the same")
         return paired_statistic_difference(self.statistic(per_text_a), self.statistic(per_text_b), n_a, **kwargs)
+
+    def arms_difference(self, runs_a: list[dict], runs_b: list[dict], **kwargs) -> ArmsDifference | None:
+        """Several runs per arm on the same texts; None where the figure is not `resampled`."""
+        if not self.resampled:
+            return None
+        sizes = {len(per_text[self.keys[0]]) for per_text in (*runs_a, *runs_b)}
+        if len(sizes) != 1:
+            raise ValueError(f"arms_difference: the runs have {sorted(sizes)} texts; expected the same")
+
+        def of_texts(per_text: dict) -> Callable[..., float]:
+            statistic = self.statistic(per_text)
+            return lambda idx, cols=None: float(statistic(idx))
+
+        fns = [of_texts(per_text) for per_text in (*runs_a, *runs_b)]
+        return arms_difference(fns[: len(runs_a)], fns[len(runs_a) :], sizes.pop(), **kwargs)
