@@ -4,6 +4,7 @@ both refuse data the run cannot read."""
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,6 +34,7 @@ RUN = [
     "checkpoint.every=1000",
     "eval.every=0",
 ]
+ROOT = Path(__file__).resolve().parent.parent
 FAST = ["--steps", "2", "--device", "cpu", "--batch-size", "4", "--retrieval-pool", "8", "--num-t-draws", "1"]
 # Text the run never saw: plain words, a number, punctuation and non-ASCII the byte-level BPE must split alike.
 TEXTS = [
@@ -172,7 +174,7 @@ def test_eval_data_evaluates_the_new_text_and_names_it(run_dir, like_dir, capsys
     assert main("eval", "--run", run_dir, "--data", like_dir, "--num-samples", "10", *FAST) == 0
     out = run_dir / "eval" / "step-0000004-new-text.json"  # the run's own step-0000004.json stays untouched
     report = json.loads(out.read_text())
-    assert report["data"] == {"path": str(like_dir.resolve()), "split": "all"}
+    assert report["data"] == {"path": str(like_dir.resolve()), "split": "all", "in_training": 0}
     assert report["l2t"]["num_samples"] == report["t2l"]["num_samples"] == 10  # more than either split holds
     assert report["t2l"]["pool_size"] == 10
     assert {e["source"] for e in report["l2t"]["examples"]} <= set(TEXTS)
@@ -182,6 +184,16 @@ def test_eval_data_evaluates_the_new_text_and_names_it(run_dir, like_dir, capsys
     report = json.loads(out.read_text())
     assert report["data"]["split"] == "val" and report["l2t"]["num_samples"] == 3  # the 3 val samples
     capsys.readouterr()
+
+
+def test_eval_data_counts_and_warns_about_texts_the_run_trained_on(run_dir, tmp_path, caplog):
+    # The run's own training split given as other data: every text evaluated is one it trained on.
+    own = run_data(run_dir).path
+    out = tmp_path / "own.json"
+    args = ["--run", run_dir, "--data", own, "--split", "train", "--num-samples", "6", "--no-writing", *FAST]
+    assert main("eval", *args, "--out", out) == 0
+    assert json.loads(out.read_text())["data"]["in_training"] == 8  # the first max(6, pool 8) texts
+    assert "8 of the 8 texts evaluated" in caplog.text and "texts this run trained on" in caplog.text
 
 
 def test_use_eval_data_reads_all_samples_and_keeps_the_runs_latent_statistics(run_dir, like_dir):
@@ -200,3 +212,26 @@ def test_use_eval_data_reads_all_samples_and_keeps_the_runs_latent_statistics(ru
     assert torch.equal(mean, run_data(run_dir).latent_stats()[0])
     assert not np.allclose(train.meta["latent_mean"], mean.numpy())
     assert run.max_length == max_length and run.encoder_name == run_data(run_dir).meta["encoder"]
+
+
+def test_held_out_texts_keeps_the_validation_texts_no_given_run_trained_on(run_dir, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from held_out_texts import main as held_out_main
+
+    out = tmp_path / "held.jsonl"
+    assert held_out_main([str(run_dir), str(run_dir), "--out", str(out)]) == 0
+    texts = [json.loads(line)["text"] for line in out.read_text().splitlines()]
+    val = run_data(run_dir)
+    decode = load_tokenizer(val.path / fmt.TOKENIZER).decode
+    assert texts == [decode(val[i][1].tolist()) for i in range(len(val))]  # a run's val split is held out
+    assert held_out_main([str(run_dir), "--out", str(out), "--limit", "2"]) == 0
+    assert len(out.read_text().splitlines()) == 2
+    # A run that trained on the first validation text (as another run's split would): it is dropped.
+    import mmldlm.sampling.run as run_module
+
+    real = run_module.dataset_texts
+    monkeypatch.setattr(
+        run_module, "dataset_texts", lambda d, split: real(d, split) + ((texts[0],) if split == "train" else ())
+    )
+    assert held_out_main([str(run_dir), "--out", str(out)]) == 0
+    assert [json.loads(line)["text"] for line in out.read_text().splitlines()] == texts[1:]

@@ -153,4 +153,31 @@ def evaluation(args: argparse.Namespace, model_path: str):
         run, cfg, options, num_t_draws=args.num_t_draws, seed=args.seed, guidance_scales=args.guidance_scale
     )
     report["data"] = {"path": str(data.resolve()), "split": split}
+    if args.data and run.dataset_dir is not None:
+        report["data"]["in_training"] = texts_in_training(
+            run, model_path, data, split, max(args.num_samples, args.retrieval_pool)
+        )
     return run, report
+
+
+def texts_in_training(run, model_path: str, data, split: str, num: int) -> int:
+    """How many of the first `num` texts evaluated from `data` (`split`) the run trained on, as decoded:
+    a warning names them, since their figures measure recall of training texts, not generalisation."""
+    import logging
+
+    from mmldlm.sampling.run import dataset_texts
+
+    evaluated = dataset_texts(str(data), split)[:num]
+    trained = set(dataset_texts(str(run.dataset_dir), "train"))
+    seen = sum(text in trained for text in evaluated)
+    if seen:
+        logging.getLogger(__name__).warning(
+            "%s: %d of the %d texts evaluated from %s (%s) are texts this run trained on: their figures measure "
+            "recall, not generalisation; `python scripts/held_out_texts.py` writes texts no given run trained on",
+            model_path,
+            seen,
+            len(evaluated),
+            data,
+            split,
+        )
+    return seen
