@@ -16,6 +16,7 @@ Presets are YAML files:
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -169,6 +170,9 @@ class LatentDiffusionConfig:
     min_snr_gamma: float = 5.0
     num_sampling_steps: int = 50  # default reverse steps of the latent sampler (t2l)
     sampler: Literal["ddim", "ddpm"] = "ddim"
+    # The latent sampler's time grid: null, equal steps of t; a number s', the SNRs of equal steps under
+    # shift s' (below `shift`: more of the steps at high SNR, where few steps shrink the samples).
+    sampling_shift: float | None = None
 
     def check(self, prefix: str = "latent_diffusion") -> None:
         if not 0.0 < self.min_alpha < 0.1:
@@ -185,6 +189,8 @@ class LatentDiffusionConfig:
             )
         if self.num_sampling_steps < 1:
             _fail(f"{prefix}.num_sampling_steps", self.num_sampling_steps, "an integer >= 1")
+        if self.sampling_shift is not None and not (math.isfinite(self.sampling_shift) and self.sampling_shift > 0):
+            _fail(f"{prefix}.sampling_shift", self.sampling_shift, "a number > 0, or null (equal steps of t)")
 
 
 @dataclass

@@ -40,6 +40,10 @@ REFUSED = {
         "--memory-cap-gib: got -1.0; expected a number of GiB > 0",
     ),
     "train-config-key": (["train", "train.steps=-5"], "config key 'train.steps': got -5; expected an integer >= 1"),
+    "train-sampling-shift": (
+        ["train", "latent_diffusion.sampling_shift=0"],
+        "config key 'latent_diffusion.sampling_shift': got 0.0; expected a number > 0, or null (equal steps of t)",
+    ),
 }
 
 

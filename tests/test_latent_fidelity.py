@@ -59,6 +59,26 @@ def test_exact_denoiser_shows_the_few_step_latent_sampler_collapse():
     assert (many_steps > 0.9).all() and (many_steps < 1.05).all()
 
 
+def test_a_sampling_shift_grid_gives_a_shifted_model_the_plain_schedules_few_step_spread():
+    data_std = torch.tensor([0.5, 1.0], dtype=torch.float64)
+    shifted = GaussianDiffusion(LatentDiffusionConfig(prediction="x0", shift=8.0))
+    plain = GaussianDiffusion(LatentDiffusionConfig(prediction="x0", shift=1.0))
+    assert shifted.time_grid(8) == shifted.time_grid(8, 8.0) == plain.time_grid(8)  # equal steps of t
+    grid = shifted.time_grid(8, 1.0)
+    assert grid[0][0] == 1.0 and grid[-1][1] == 0.0 and all(t > s for t, s in grid)
+    like = torch.zeros(1, 1)
+    for (t, _), (u, _) in zip(grid[1:], plain.time_grid(8)[1:]):  # the plain schedule's SNRs, equal steps
+        assert shifted.snr(t, like).item() == pytest.approx(plain.snr(u, like).item(), rel=1e-9)
+    samples = {}
+    for name, diffusion, grid_shift in (("equal", shifted, None), ("grid", shifted, 1.0), ("plain", plain, None)):
+        g = torch.Generator().manual_seed(0)
+        x = exact_gaussian_samples(diffusion, data_std, 8, 4000, "ddim", g, sampling_shift=grid_shift)
+        samples[name] = x.std(dim=0) / data_std
+    # DDIM sees only the grid's SNRs (t = 1 differs: alpha_1 is min_alpha / 8 under shift 8)
+    assert torch.allclose(samples["grid"], samples["plain"], atol=1e-3)
+    assert (samples["grid"] > 0.8).all() and (samples["equal"][0] < 0.35)  # 0.83 / 0.86 against 0.30 / 0.51
+
+
 def test_sets_smaller_than_k_plus_one_use_every_other_sample_as_the_neighbourhood(sets):
     real, reference, generated = (x[:3] for x in sets)
     out = fidelity(generated, real, reference, k=5)

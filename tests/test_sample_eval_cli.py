@@ -215,6 +215,11 @@ def test_sample_t2l_and_joint_write_latents_and_a_text_files_records_keep_its_li
     )
     joint = read_jsonl(tmp_path / "joint.jsonl")
     assert len(joint) == 2 and all(1 <= r["length"] <= 64 for r in joint) and np.load(z_file).shape == (2, 1, 384)
+    # The latent's own time grid (--latent-shift): the same seed, other times for the latent stream.
+    z_grid = tmp_path / "z-grid.npy"
+    args = ["sample", "--run", str(run_dir), "--mode", "joint", "--num", "2", "--latent-sampler", "ddpm", *FAST]
+    assert main([*args, "--latent-shift", "4", "--latents-out", str(z_grid), "--out", str(tmp_path / "g.jsonl")]) == 0
+    assert np.isfinite(np.load(z_grid)).all() and not np.allclose(np.load(z_grid), np.load(z_file))
 
 
 def test_sample_errors_name_the_problem(run_dir, tmp_path, capsys):
@@ -276,6 +281,10 @@ REFUSED = {
     "latent-steps-zero": (
         ["sample", "--mode", "t2l", "--text", "a dog", "--latent-steps", "0"],
         "--latent-steps: got 0; expected an integer >= 1",
+    ),
+    "latent-shift-negative": (
+        ["sample", "--mode", "joint", "--num", "1", "--latent-shift", "-1"],
+        "--latent-shift: got -1.0; expected a number > 0, or None (equal steps of t)",
     ),
     "temperature-zero": (
         ["sample", "--mode", "l2t", "--num", "1", "--temperature", "0"],

@@ -72,6 +72,13 @@ def _add_step_options(group) -> None:
         help="reverse steps of t2l (default: --steps, else the run's latent_diffusion.num_sampling_steps)",
     )
     group.add_argument(
+        "--latent-shift",
+        type=float,
+        help="the latent sampler's time grid (t2l, joint): the SNRs of equal steps under this shift, e.g. 1 "
+        "for the plain cosine schedule's (default: the run's latent_diffusion.sampling_shift; none: equal "
+        "steps of the trained schedule's t)",
+    )
+    group.add_argument(
         "--temperature",
         type=float,
         help="text logits are divided by it (default: the run's text_diffusion.sampling_temperature)",
@@ -228,6 +235,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 SAMPLING_FLAGS = {
     "num_steps": "--steps",
     "latent_steps": "--latent-steps",
+    "latent_shift": "--latent-shift",
     "temperature": "--temperature",
     "guidance_scale": "--guidance-scale",
     "repetition_penalty": "--repetition-penalty",
@@ -253,6 +261,7 @@ def sampling_options(args: argparse.Namespace, run, guidance_scale: float, **opt
         run.cfg.latent_diffusion,
         args.steps,
         latent_steps=args.latent_steps,
+        latent_shift=args.latent_shift,
         temperature=args.temperature,
         strategy=args.strategy,
         guidance_scale=guidance_scale,

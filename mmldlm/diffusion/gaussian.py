@@ -27,6 +27,12 @@ Sampling (`step`) from t to s < t uses the network's (x0, eps) estimate:
     c^2 = eta^2 sigma_s^2 (1 - (alpha_t sigma_s / (alpha_s sigma_t))^2)
 (DDIM, Song et al. 2021 eq. 12 and 16): eta = 0 is DDIM, eta = 1 the DDPM ancestral step, whose mean
 and variance are those of the posterior q(x_s | x_t, x0) (Kingma et al. 2021, VDM eq. 26).
+
+The sampler's time grid (`time_grid`): N equal steps of t, or, with a `sampling_shift` s', the times of
+the trained schedule whose SNRs are those of N equal steps under shift s' (s' = 1: the plain cosine
+schedule's SNRs). DDIM's update depends on the grid's SNRs only, so with the exact denoiser a shift-8
+model sampled on the s' = 1 grid is the shift-1 sampler: its last step starts from a far higher SNR,
+whose posterior mean is shrunk far less (docs/quality.md, "Do sampled latents cover the data?").
 """
 
 from __future__ import annotations
@@ -123,6 +129,18 @@ class GaussianDiffusion:
         if self.cfg.shift != 1.0:
             angle = torch.atan(self.cfg.shift * torch.tan(angle))
         return angle
+
+    def time_grid(self, num_steps: int, sampling_shift: float | None = None) -> list[tuple[float, float]]:
+        """The (t, s) pairs of `num_steps` reverse steps from t = 1 to 0: equal steps of t, or with
+        `sampling_shift` s' the trained schedule's t of the SNRs of equal steps under shift s'
+        (tan(phi t) = (s' / shift) tan(phi u), u in equal steps); float64 values, 1.0 and 0.0 exact."""
+        u = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
+        if sampling_shift is not None and sampling_shift != self.cfg.shift:
+            ratio = sampling_shift / self.cfg.shift
+            u = torch.atan(ratio * torch.tan(self.max_angle * u)) / self.max_angle
+        times = u.tolist()
+        times[0], times[-1] = 1.0, 0.0
+        return list(zip(times[:-1], times[1:]))
 
     def snr(self, t, like: torch.Tensor) -> torch.Tensor:
         """alpha_t^2 / sigma_t^2 (inf at t = 0), float64, shaped (B, 1, ..., 1) like alpha_sigma."""

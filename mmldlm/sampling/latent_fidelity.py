@@ -29,7 +29,6 @@ import scipy.linalg
 import torch
 
 from mmldlm.diffusion import GaussianDiffusion, rng
-from mmldlm.sampling.sampler import time_grid
 
 
 def frechet_distance(a: np.ndarray, b: np.ndarray) -> float:
@@ -110,13 +109,14 @@ def exact_gaussian_samples(
     num_samples: int,
     sampler: str | None = None,
     generator: torch.Generator | None = None,
+    sampling_shift: float | None = None,
 ) -> torch.Tensor:
-    """(num_samples, D) float64 samples of the latent sampler (`GaussianDiffusion.step` on the
-    sampler's time grid) for data N(0, diag(data_std^2)), with the exact denoiser
+    """(num_samples, D) float64 samples of the latent sampler (`GaussianDiffusion.step` on its time
+    grid, `GaussianDiffusion.time_grid` with `sampling_shift`) for data N(0, diag(data_std^2)), with the exact denoiser
     E[x0 | x_t] = alpha s^2 / (alpha^2 s^2 + sigma^2) x_t handed to it as the configured prediction."""
     data_std = torch.as_tensor(data_std, dtype=torch.float64)
     x = rng.normal((num_samples, 1, data_std.numel()), "cpu", generator, dtype=torch.float64)  # (N, 1, D) at t = 1
-    for t, s in time_grid(num_steps):
+    for t, s in diffusion.time_grid(num_steps, sampling_shift):
         alpha, sigma = diffusion.alpha_sigma(t, x)
         x0 = alpha * data_std**2 / (alpha**2 * data_std**2 + sigma**2) * x
         eps = (x - alpha * x0) / sigma

@@ -86,6 +86,9 @@ class SamplingOptions:
     # signal (alpha_1 = latent_diffusion.min_alpha) is the regression answer. Samples of few DDIM steps at a
     # shifted schedule are close to it too: too narrow to stand for the latent distribution (docs/quality.md).
     latent_sampler: Literal["ddim", "ddpm", "mean"] = "ddim"
+    # The latent sampler's time grid (GaussianDiffusion.time_grid): None, equal steps of t; s', the SNRs of
+    # equal steps under shift s'. t2l, joint and the latent prior; the text keeps equal steps of t.
+    latent_shift: float | None = None
     reuse_output: bool = True  # l2t: skip the model call when the last step unmasked nothing
     # Each revealed text position's logit of every token already revealed in its text is lowered by this
     # much (0 = off): a small model otherwise writes the latent's keyword at several positions.
@@ -135,6 +138,8 @@ class SamplingOptions:
             fail("strategy", " or ".join(repr(name) for name in STRATEGIES))
         if self.latent_sampler not in LATENT_SAMPLERS:
             fail("latent_sampler", " or ".join(repr(name) for name in LATENT_SAMPLERS))
+        if self.latent_shift is not None and not (math.isfinite(self.latent_shift) and self.latent_shift > 0):
+            fail("latent_shift", "a number > 0, or None (equal steps of t)")
         if not math.isfinite(self.guidance_scale):
             fail("guidance_scale", "a finite number (0 = off)")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty >= 0):
@@ -188,6 +193,7 @@ class SamplingOptions:
                 "num_steps": text.num_sampling_steps if steps is None else steps,
                 "latent_steps": latent.num_sampling_steps if steps is None else steps,
                 "latent_sampler": latent.sampler,
+                "latent_shift": latent.sampling_shift,
                 "temperature": text.sampling_temperature,
                 "repetition_penalty": text.sampling_repetition_penalty,
                 "best_of": text.sampling_best_of,
@@ -460,7 +466,7 @@ class Sampler:
         posterior_mean = self.options.latent_sampler == "mean"
         steps = 1 if posterior_mean else self.options.latent_steps or self.options.num_steps
         with progress.share(tokens.shape[0], self.planned_steps(pad_mask, "t2l")):
-            for t, s in time_grid(steps):
+            for t, s in self.latent.time_grid(steps, self.options.latent_shift):
                 pred = self._t2l_prediction(tokens, x, t, pad_mask, x0)
                 x0 = self._self_cond(pred, x, t)
                 x = self.latent.step(
@@ -490,7 +496,7 @@ class Sampler:
         hidden = self._start_text(pad_mask)
         x = self._start_latent(pad_mask.shape[0], generator)
         x0 = None
-        for t, s in time_grid(self.options.num_steps):
+        for t, s in self.latent.time_grid(self.options.num_steps, self.options.latent_shift):
             pred = self._model(hidden, x, 1.0, t, pad_mask, text_head=False, latent_head=True, self_cond=x0).latent
             x0 = self._self_cond(pred.float(), x, t)
             x = self.latent.step(pred.float(), x, t, s, sampler, generator)
@@ -503,14 +509,17 @@ class Sampler:
         confidence = self._start_confidence(pad_mask)
         x = self._start_latent(tokens.shape[0], generator)
         x0 = None
-        for t, s in time_grid(self.options.num_steps):
-            logits, pred, _ = self._model(tokens, x, t, t, pad_mask, text_head=True, latent_head=True, self_cond=x0)
+        # The text and the latent take the same number of steps, each on its own grid (training noises
+        # them at independent times in joint mode).
+        latent_grid = self.latent.time_grid(self.options.num_steps, self.options.latent_shift)
+        for (t, s), (t_lat, s_lat) in zip(time_grid(self.options.num_steps), latent_grid):
+            logits, pred, _ = self._model(tokens, x, t, t_lat, pad_mask, text_head=True, latent_head=True, self_cond=x0)
             scores = self._penalize_repeats(self._text_scores(logits), tokens)
             new = self._text_step(scores, tokens, t, s, generator)
             self._record_confidence(confidence, scores, tokens, new)
             tokens = new
-            x0 = self._self_cond(pred.float(), x, t)
-            x = self.latent.step(pred.float(), x, t, s, sampler, generator)
+            x0 = self._self_cond(pred.float(), x, t_lat)
+            x = self.latent.step(pred.float(), x, t_lat, s_lat, sampler, generator)
             progress.step()
         return Draft(tokens, confidence), self.latent.destandardize(x)
 
