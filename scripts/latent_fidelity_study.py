@@ -66,6 +66,7 @@ def trained(
     guidance: list[float],
     samplers: list[str],
     shifts: list[float | None],
+    orders: tuple[str, ...] = ("together",),
 ) -> None:
     run = load_trained(run_dir, device="cpu")
     run.model.eval()
@@ -87,8 +88,10 @@ def trained(
     print(f"\nthe posterior mean: {mean}")
     print(f"\njoint generation, n = {num_samples}\n\n| steps, sampler {header}\n|---|---|---|---|---|")
     lengths = run.sample_lengths(num_samples, _generator(0, 3))
-    for num, sampler, shift in itertools.product(steps["joint"], samplers, shifts):
-        options = dataclasses.replace(base, num_steps=num, latent_sampler=sampler, latent_shift=shift)
+    for num, sampler, shift, order in itertools.product(steps["joint"], samplers, shifts, orders):
+        options = dataclasses.replace(
+            base, num_steps=num, latent_sampler=sampler, latent_shift=shift, joint_order=order
+        )
         sampler_ = run.sampler(options)
         latents = torch.cat(
             [
@@ -96,7 +99,8 @@ def trained(
                 for b in range(0, num_samples, batch_size)
             ]
         )
-        print(row(f"{num} {sampler}{grid_name(shift)}", latent_fidelity(run, latents)))
+        order_name = "" if order == "together" else f", {order}"
+        print(row(f"{num} {sampler}{grid_name(shift)}{order_name}", latent_fidelity(run, latents)))
 
 
 def grid_name(shift: float | None) -> str:
@@ -113,6 +117,7 @@ def main() -> None:
     parser.add_argument("--joint-steps", type=int, nargs="*", default=[8, 32, 64], help="none: no joint rows")
     parser.add_argument("--t2l-guidance", type=float, nargs="+", default=[0.0], help="t2l guidance scales")
     parser.add_argument("--samplers", nargs="+", choices=["ddim", "ddpm"], default=["ddim", "ddpm"])
+    parser.add_argument("--joint-orders", nargs="+", choices=["together", "latent_first"], default=["together"])
     parser.add_argument(
         "--latent-shifts",
         nargs="+",
@@ -127,7 +132,16 @@ def main() -> None:
     else:
         steps = {"t2l": args.t2l_steps, "joint": args.joint_steps}
         shifts = [parse_shift(value) for value in args.latent_shifts]
-        trained(args.run_dir, args.num_samples, args.batch_size, steps, args.t2l_guidance, args.samplers, shifts)
+        trained(
+            args.run_dir,
+            args.num_samples,
+            args.batch_size,
+            steps,
+            args.t2l_guidance,
+            args.samplers,
+            shifts,
+            tuple(args.joint_orders),
+        )
 
 
 def parse_shift(value: str):
