@@ -115,3 +115,28 @@ def test_a_figure_that_resampling_biases_gets_no_interval_and_no_paired_differen
     assert est.value == pytest.approx((20 + 4) / (20 * 5))
     assert np.isnan(est.low) and np.isnan(est.high)
     assert recipe.difference({"texts": texts}, {"texts": texts}) is None
+
+
+def test_seed_spread_reads_each_runs_evaluation_and_gives_the_one_run_yardstick(tmp_path, capsys, monkeypatch):
+    import json
+    import math
+    from pathlib import Path
+
+    from scipy import stats
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))
+    from seed_spread import main as seed_spread
+
+    values = [0.30, 0.34, 0.32]
+    for i, value in enumerate(values):
+        run = tmp_path / f"seed{i}"
+        run.mkdir()
+        records = [{"step": 5, "loss": 1.0}, {"step": 10, "eval_l2t_word_f1": 0.1, "eval_l2t_num_samples": 32}]
+        records.append({"step": 20, "eval_l2t_word_f1": value, "eval_l2t_num_samples": 32})
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert seed_spread([str(tmp_path / f"seed{i}") for i in range(3)]) == 0
+    out = capsys.readouterr().out
+    sd = float(np.std(values, ddof=1))
+    half = stats.t.ppf(0.975, 2) * math.sqrt(2) * sd
+    assert "step 20, n = 32 texts" in out  # the last step every run evaluated
+    assert f"| l2t_word_f1 | 0.3 | 0.34 | 0.32 | 0.32 | {sd:.3g} | {half:.3g} |" in out
