@@ -30,15 +30,19 @@ from mmldlm.errors import UserError
 def held_out(runs: list[str], limit: int | None = None) -> tuple[list[str], dict[str, int]]:
     """The first run's validation texts that no run in `runs` trained on (at most `limit`), and how many
     each run's training split removed."""
-    from mmldlm.sampling import load_trained
+    from mmldlm.config import load_config
     from mmldlm.sampling.run import dataset_texts
+    from mmldlm.tools.check import prepared_data_path
 
     dirs = []
     for path in runs:
-        run = load_trained(path, device="cpu")
-        if run.dataset_dir is None:
-            raise UserError(f"{path}: an exported model carries no training texts; give the training run directory")
-        dirs.append(str(run.dataset_dir))
+        config = Path(path) / "config.yaml"
+        if not config.is_file():
+            raise UserError(f"{path}: no config.yaml; expected a training run directory (an export carries no texts)")
+        data = prepared_data_path(load_config(config))
+        if data is None:
+            raise UserError(f"{path}: its prepared dataset is not on disk; prepare it again as the run did")
+        dirs.append(str(data))
     candidates = dataset_texts(dirs[0], "val")
     removed, kept = {}, list(candidates)
     for path, data in zip(runs, dirs):
