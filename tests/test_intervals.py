@@ -86,6 +86,20 @@ def test_a_recipe_better_by_far_more_than_its_seeds_differ_is_found_with_two_see
         Mean("v").arms_difference(a[:1], b[:1])
 
 
+def test_runs_on_their_own_texts_compare_unpaired_with_a_wider_interval_than_shared_texts_give():
+    rng = np.random.default_rng(6)
+    texts = rng.normal(size=200)  # the texts' own difficulty dominates each text's value
+    a, b = {"v": texts + 0.2 + rng.normal(scale=0.1, size=200)}, {"v": texts + rng.normal(scale=0.1, size=200)}
+    paired = Mean("v").difference(a, b)
+    other_texts = {"v": rng.normal(size=150) + rng.normal(scale=0.1, size=150)}  # B on texts of its own
+    unpaired = Mean("v").unpaired_difference(a, other_texts)
+    assert paired.significant and paired.low > 0.15
+    assert unpaired.high - unpaired.low > 5 * (paired.high - paired.low) and unpaired.n == 150
+    assert unpaired.low < unpaired.difference < unpaired.high
+    corpus = Corpus(("v",), lambda p: lambda idx: float(np.mean(np.asarray(p["v"])[idx])))
+    assert corpus.unpaired_difference(a, other_texts).difference == pytest.approx(unpaired.difference)
+
+
 def test_unequal_numbers_of_texts_are_refused():
     with pytest.raises(ValueError, match="same"):
         paired_difference([1.0, 2.0], [1.0])

@@ -586,6 +586,12 @@ def test_compare_of_two_reports_gives_each_figure_its_paired_difference(run_dir,
     assert main(["compare", str(ema), str(fewer)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "scored different validation texts" in err and str(fewer) in err
+    # Runs on different data compare each on its own texts: resampled independently, no pairing.
+    assert main(["compare", str(ema), str(fewer), "--unpaired", "--out", str(out)]) == 0
+    unpaired = json.loads(out.read_text())
+    rows = {(r["section"], r["figure"]): r for r in unpaired["rows"]}
+    assert unpaired["paired"] is False and rows[("l2t", "word_f1")]["n"] == 3  # the smaller of 4 and 3 texts
+    assert "each on its own texts" in capsys.readouterr().out
 
 
 def test_a_figure_the_decoder_selects_on_is_labelled_and_measured_without_selection(run_dir, tmp_path, capsys):

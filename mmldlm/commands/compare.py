@@ -36,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the raw trained weights of both runs instead of their EMA (where a run kept one)",
     )
+    parser.add_argument(
+        "--unpaired",
+        action="store_true",
+        help="A and B each scored on its own validation texts (runs trained on different data of one corpus): "
+        "each run's texts resampled on their own; without it both must have scored the same texts",
+    )
     add_evaluation_arguments(parser)
     parser.add_argument("--out", metavar="FILE.json", help="write the comparison here as JSON too")
 
@@ -57,7 +63,9 @@ def run(args: argparse.Namespace) -> int:
     for path in (*arm_a, *arm_b):
         if path not in reports:
             reports[path] = evaluation(args, path)[1]
-    result = compare_arms([reports[p] for p in arm_a], [reports[p] for p in arm_b], arm_a, arm_b)
+    result = compare_arms(
+        [reports[p] for p in arm_a], [reports[p] for p in arm_b], arm_a, arm_b, unpaired=args.unpaired
+    )
     print(markdown(result), end="")
     if args.out:
         out = Path(args.out)

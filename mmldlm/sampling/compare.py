@@ -35,7 +35,8 @@ def check_comparable(a: dict, b: dict, names: tuple[str, str]) -> None:
         raise UserError(
             f"{names[0]} and {names[1]} scored different validation texts (texts_sha256 {a['texts_sha256'][:12]} "
             f"vs {b['texts_sha256'][:12]}); expected the same texts: evaluate both with the same --data, --split, "
-            "--num-samples and --retrieval-pool, on runs of the same prepared dataset"
+            "--num-samples and --retrieval-pool, on runs of the same prepared dataset; runs trained on different "
+            "data compare each on its own validation texts with --unpaired"
         )
     if a.get("seed") != b.get("seed"):
         raise UserError(
@@ -43,21 +44,29 @@ def check_comparable(a: dict, b: dict, names: tuple[str, str]) -> None:
         )
 
 
-def compare_reports(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> dict:
+def compare_reports(a: dict, b: dict, names: tuple[str, str] = ("A", "B"), unpaired: bool = False) -> dict:
     """{"a", "b", "runs_a", "runs_b", "level", "num_resamples", "rows": [{section, figure, a, b,
     difference, low, high, n, significant}], "not_compared": [sections in one report only],
     "without_interval": [figures no resampling can bound, intervals.Corpus.resampled]}; the figures of
-    the model, not of the data (`DATA_ONLY`)."""
-    return compare_arms([a], [b], [names[0]], [names[1]])
+    the model, not of the data (`DATA_ONLY`). `unpaired`: each report scored its own texts (runs on
+    different data, each on its own validation split), resampled independently."""
+    return compare_arms([a], [b], [names[0]], [names[1]], unpaired=unpaired)
 
 
-def compare_arms(arm_a: list[dict], arm_b: list[dict], names_a: list[str], names_b: list[str]) -> dict:
+def compare_arms(
+    arm_a: list[dict], arm_b: list[dict], names_a: list[str], names_b: list[str], unpaired: bool = False
+) -> dict:
     """`compare_reports` for several runs per arm, all on the same texts with the same seed: A and B are
     the arms' mean figures; with one run per arm the interval is the paired bootstrap over texts, with
     more it adds the seeds' variance (rows then carry runs_a, runs_b, seed_sd, text_se and df)."""
     reports, names = [*arm_a, *arm_b], [*names_a, *names_b]
+    if unpaired and len(reports) > 2:
+        raise UserError(
+            f"compare: --unpaired takes one run per side, got {len(arm_a)} and {len(arm_b)}; expected A and B"
+        )
     for report, name in zip(reports[1:], names[1:]):
-        check_comparable(reports[0], report, (names[0], name))
+        if not unpaired:
+            check_comparable(reports[0], report, (names[0], name))
     of_each = [
         {name: (section, figures) for name, section, figures in sections(r) if name not in DATA_ONLY} for r in reports
     ]
@@ -69,7 +78,12 @@ def compare_arms(arm_a: list[dict], arm_b: list[dict], names_a: list[str], names
         for figure, recipe in figures.items():
             if not all(key in p for p in per_text for key in recipe.keys):
                 continue
-            difference = _difference(recipe, per_text[: len(arm_a)], per_text[len(arm_a) :], f"{name} {figure}", names)
+            if unpaired:
+                difference = recipe.unpaired_difference(per_text[0], per_text[1])
+            else:
+                difference = _difference(
+                    recipe, per_text[: len(arm_a)], per_text[len(arm_a) :], f"{name} {figure}", names
+                )
             if difference is None:  # no interval for this figure (intervals.Corpus.resampled)
                 without_interval.append(f"{name} {figure}")
                 continue
@@ -80,6 +94,7 @@ def compare_arms(arm_a: list[dict], arm_b: list[dict], names_a: list[str], names
         "b": " + ".join(names_b),
         "runs_a": list(names_a),
         "runs_b": list(names_b),
+        "paired": not unpaired,
         "level": LEVEL,
         "num_resamples": NUM_RESAMPLES,
         "rows": rows,
@@ -116,6 +131,16 @@ def markdown(result: dict) -> str:
             "",
             "| figure | n | A | B | A - B | interval | sd between seeds | significant |",
             "|---|---|---|---|---|---|---|---|",
+        ]
+    elif not result.get("paired", True):
+        lines = [
+            f"A = {result['a']}, B = {result['b']}, each on its own texts; interval: {result['level']:.0%} "
+            f"bootstrap of each run's texts resampled independently ({result['num_resamples']} resamples; "
+            "unpaired, so wider than a paired comparison on shared texts); significant: the interval excludes 0. "
+            "One run per side: the interval covers other texts for these two models, not other training seeds",
+            "",
+            "| figure | n | A | B | A - B | interval | significant |",
+            "|---|---|---|---|---|---|---|",
         ]
     else:
         lines = [

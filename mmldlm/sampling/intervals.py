@@ -10,6 +10,7 @@ each metric:
     est = bootstrap_statistic(lambda idx: bleu(gen[idx], src[idx]), n=len(gen))  # corpus-level figures
     diff = paired_difference(values_a, values_b)           # run A - run B on the same texts (Dror et al. 2018)
     diff = recipe.arms_difference(runs_a, runs_b)          # several training seeds per arm: seeds and texts
+    diff = recipe.unpaired_difference(per_text_a, per_text_b)  # each run on its own texts (other data)
 
 A report keeps each figure's per-text values, and a recipe (`Mean`, `Corpus`) says how the figure is made
 from them, so one recipe gives both the figure's interval (`estimate`) and the paired difference of two
@@ -278,6 +279,31 @@ def arms_difference(
     )
 
 
+def unpaired_difference(
+    statistic_a: Callable[..., float],
+    shape_a: tuple[int, ...],
+    statistic_b: Callable[..., float],
+    shape_b: tuple[int, ...],
+    *,
+    num_resamples: int = NUM_RESAMPLES,
+    level: float = LEVEL,
+    seed: int = 0,
+) -> Difference:
+    """A - B for two runs each scored on its own texts (independent samples of one distribution, e.g.
+    the validation splits of two datasets of one corpus): each run's texts (and draws, for (n, draws)
+    shapes) resampled on their own, `statistic(idx, cols)` the figure of texts idx. Wider than the
+    paired interval, which cancels what shared texts have in common."""
+    rng = np.random.default_rng(seed)
+    resampled = np.array(
+        [
+            statistic_a(*_draw_indices(rng, shape_a)) - statistic_b(*_draw_indices(rng, shape_b))
+            for _ in range(num_resamples)
+        ]
+    )
+    va, vb = float(statistic_a(np.arange(shape_a[0]))), float(statistic_b(np.arange(shape_b[0])))
+    return Difference(va, vb, va - vb, *_bounds(resampled, level), n=min(shape_a[0], shape_b[0]), level=level)
+
+
 @dataclass(frozen=True)
 class Mean:
     """A figure that is the mean of one per-text value, per_text[values] ((n,) or (n, draws)), or with
@@ -301,6 +327,11 @@ class Mean:
     def difference(self, per_text_a: dict, per_text_b: dict, **kwargs) -> Difference:
         (a, wa), (b, wb) = self._arrays(per_text_a), self._arrays(per_text_b)
         return paired_difference(a, b, weights_a=wa, weights_b=wb, **kwargs)
+
+    def unpaired_difference(self, per_text_a: dict, per_text_b: dict, **kwargs) -> Difference:
+        """A - B, each run on its own texts (`unpaired_difference`)."""
+        (a, wa), (b, wb) = (_as_arrays(*self._arrays(p)) for p in (per_text_a, per_text_b))
+        return unpaired_difference(_mean_of(a, wa), a.shape, _mean_of(b, wb), b.shape, **kwargs)
 
     def arms_difference(self, runs_a: list[dict], runs_b: list[dict], **kwargs) -> ArmsDifference:
         """Several runs per arm (their per-text values on the same texts, the same draws per text)."""
@@ -342,6 +373,16 @@ class Corpus:
         if n_a != n_b:
             raise ValueError(f"paired_statistic_difference: the two runs have {n_a} and {n_b} texts; expected the same")
         return paired_statistic_difference(self.statistic(per_text_a), self.statistic(per_text_b), n_a, **kwargs)
+
+    def unpaired_difference(self, per_text_a: dict, per_text_b: dict, **kwargs) -> Difference | None:
+        """A - B, each run on its own texts (`unpaired_difference`); None where not `resampled`."""
+        if not self.resampled:
+            return None
+        fn_a, fn_b = self.statistic(per_text_a), self.statistic(per_text_b)
+        n_a, n_b = len(per_text_a[self.keys[0]]), len(per_text_b[self.keys[0]])
+        return unpaired_difference(
+            lambda idx, cols=None: fn_a(idx), (n_a,), lambda idx, cols=None: fn_b(idx), (n_b,), **kwargs
+        )
 
     def arms_difference(self, runs_a: list[dict], runs_b: list[dict], **kwargs) -> ArmsDifference | None:
         """Several runs per arm on the same texts; None where the figure is not `resampled`."""
