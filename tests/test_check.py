@@ -30,7 +30,9 @@ CLEAN = ["model=tiny", "train.steps=600", "train.global_batch_size=32", "train.m
 
 
 def findings_of(tmp_path, overrides, env=ENV):
-    cfg = load_config(None, [*CLEAN, f"train.run_dir={tmp_path / 'run'}", *overrides])
+    # A cache of its own: the bundled corpus prepared in the user's cache would add its data findings.
+    isolated = [f"train.run_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"]
+    cfg = load_config(None, [*CLEAN, *isolated, *overrides])
     return cfg, audit(cfg, env)[0]
 
 
