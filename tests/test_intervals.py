@@ -154,3 +154,28 @@ def test_seed_spread_reads_each_runs_evaluation_and_gives_the_one_run_yardstick(
     half = stats.t.ppf(0.975, 2) * math.sqrt(2) * sd
     assert "step 20, n = 32 texts" in out  # the last step every run evaluated
     assert f"| l2t_word_f1 | 0.3 | 0.34 | 0.32 | 0.32 | {sd:.3g} | {half:.3g} |" in out
+
+
+def test_decoding_table_rows_after_the_first_carry_their_paired_difference_from_it(monkeypatch):
+    from pathlib import Path
+
+    from mmldlm.sampling.evaluate import L2T, figure_text, summarise
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))
+    from decoding_table import cell
+
+    rng = np.random.default_rng(0)
+    shared = rng.uniform(0.0, 1.0, 400)  # what the texts share: cancels in the paired difference
+    first = summarise(L2T, {"word_f1": shared})
+    better = summarise(L2T, {"word_f1": shared + 0.02 + rng.normal(0.0, 0.01, 400)})
+    # the first row has nothing to differ from: its figure and interval alone
+    assert cell(first, None, L2T, "word_f1", "{:.3f}") == figure_text(first, "word_f1", ".3f")
+    same = cell(first, first, L2T, "word_f1", "{:.3f}")
+    assert same.endswith("; +0.000 [+0.000, +0.000]")  # a row against itself: exactly 0
+    text = cell(better, first, L2T, "word_f1", "{:.3f}")
+    difference, bounds = text.split("; ")[1].split(" ", 1)
+    low, high = (float(b) for b in bounds.strip("[]").split(", "))
+    assert abs(float(difference) - 0.02) < 0.003 and 0.0 < low < 0.02 < high
+    # unpaired, the texts' own spread (sd 0.29 over 400) would give a half-width near 0.04, spanning 0
+    assert high - low < 0.01
+    assert cell(better, first, L2T, "model_calls_per_batch", "{:.0f}") == "-"
