@@ -1,15 +1,16 @@
 """Quality of decoding against its cost, one row per set of sampler options, on one trained run. l2t (the
-same validation latents for every row): word F1, exact match, BLEU, repetition, re-encoded cosine, model
-calls, encoder calls and seconds per sample. `--mode joint` (the same lengths, drawn from the validation
-split): consistency of each text with its own latent, repetition, distinct-2, seconds per sample. Each
-figure has its 95% bootstrap interval over the texts, and every row after the first its difference from the
-first row with the 95% interval of a paired bootstrap (every row decodes the same latents with the same
-seed, so the texts pair up; `mmldlm compare`'s test): "0.395 [0.37, 0.42]; +0.036 [+0.010, +0.062]" says
-the row beats the first by 0.036, and the difference is real where its interval excludes 0. The
-re-encoded cosine (and the joint consistency)
-is what best_of and correction rounds select on, so in their rows it is a maximum over candidates:
-compare such rows by word F1, exact match and BLEU. Each row names its options as SamplingOptions
-fields; `default` is the run's own sampler.
+same validation latents for every row): word F1, exact match, BLEU, repetition, word 3-gram perplexity
+(fitted on the run's training texts), re-encoded cosine, model calls, encoder calls and seconds per
+sample. `--mode joint` (the same lengths, drawn from the validation split): consistency of each text
+with its own latent, repetition, n-gram perplexity, distinct-2, seconds per sample.
+
+Each figure has its 95% bootstrap interval over the texts, and every row after the first its difference
+from the first row with the 95% interval of a paired bootstrap (every row decodes the same latents with
+the same seed, so the texts pair up): "0.395 [0.37, 0.42]; +0.036 [+0.010, +0.062]" says the row beats
+the first by 0.036, and the difference is real where its interval excludes 0. The re-encoded cosine (and
+the joint consistency) is what best_of and correction rounds select on, so in their rows it is a
+maximum over candidates: compare such rows by word F1, exact match, BLEU and the perplexity. Each row
+names its options as SamplingOptions fields; `default` is the run's own sampler.
 
     python scripts/decoding_table.py --run runs/default --num-samples 128 \\
         default "best_of=4" "best_of=4 correction_rounds=4" "remask_rounds=2 repetition_penalty=1"
@@ -28,7 +29,7 @@ import torch
 import yaml
 
 from mmldlm.sampling import SamplingOptions, load_trained
-from mmldlm.sampling.evaluate import JOINT, L2T, figure_text, joint_generation, l2t_reconstruction
+from mmldlm.sampling.evaluate import JOINT, L2T, figure_text, fluency_reference, joint_generation, l2t_reconstruction
 
 COLUMNS = {
     "l2t": (
@@ -36,6 +37,7 @@ COLUMNS = {
         ("exact", "exact_match", "{:.1%}"),
         ("BLEU", "bleu", "{:.1f}"),
         ("repetition", "repetition", "{:.3f}"),
+        ("n-gram perplexity", "ngram_perplexity", "{:.0f}"),
         ("cosine (selected on, where best_of > 1 or correction_rounds > 0)", "cosine_mean", "{:.3f}"),
         ("model calls / batch", "model_calls_per_batch", "{:.0f}"),
         ("encoded / sample", "encoded_per_sample", "{:.0f}"),
@@ -43,6 +45,7 @@ COLUMNS = {
     "joint": (
         ("consistency (selected on, where best_of > 1 or correction_rounds > 0)", "consistency", "{:.3f}"),
         ("repetition", "repetition", "{:.3f}"),
+        ("n-gram perplexity", "ngram_perplexity", "{:.0f}"),
         ("distinct-2", "distinct_2", "{:.3f}"),
     ),
 }
@@ -88,6 +91,7 @@ def main() -> None:
     run = load_trained(args.run)
     run.model.eval()
     run.encode_latents(["warm the encoder up"])
+    fluency = fluency_reference(run)  # the word 3-gram model of the run's training texts (about 11 s)
     columns = COLUMNS[args.mode]
     head = [name for name, *_ in columns] + ["s / sample"]
     what = "validation latents at their source lengths" if args.mode == "l2t" else "joint samples"
@@ -99,7 +103,7 @@ def main() -> None:
     for row in args.rows:
         options = options_of(run, row)
         start = time.perf_counter()
-        result = DECODE[args.mode](run, options, args.num_samples, args.batch_size, args.seed)
+        result = DECODE[args.mode](run, options, args.num_samples, args.batch_size, args.seed, fluency=fluency)
         seconds = time.perf_counter() - start
         cells = [cell(result, first, FIGURES[args.mode], key, fmt) for _, key, fmt in columns]
         cells.append(f"{seconds / result['num_samples']:.3f}")

@@ -13,7 +13,7 @@ from data_support import trained_run
 
 from mmldlm.cli import main
 from mmldlm.config import load_config
-from mmldlm.sampling import evaluate, load_run, load_trained
+from mmldlm.sampling import evaluate, load_run, load_trained, text_metrics
 from mmldlm.sampling.evaluate import elbo, val_batches
 from mmldlm.training.run import train
 
@@ -424,6 +424,10 @@ def test_eval_writes_report_and_summary(run_dir, tmp_path, capsys):
     joint = report["joint"]
     assert joint["num_samples"] == 4 and 0 <= joint["copy_rate"] <= 1 and 0 <= joint["distinct_2"] <= 1
     assert joint["reference"]["real_pairs"] > joint["reference"]["shuffled_pairs"]
+    # joint's distinct-n beside real text's at the same n (distinct-n falls as n grows)
+    assert ref["num_samples"] == joint["num_samples"] and len(ref["per_text"]["real_texts"]) == 4
+    real = text_metrics.distinct_of([text_metrics.word_ngrams(t, 2) for t in ref["per_text"]["real_texts"]])
+    assert ref["real_distinct_2"] == pytest.approx(real) and f"(real text {ref['real_distinct_1']:.3f}/" in summary
     assert 0 <= report["nearest_training_text"]["word_f1"] <= 1
     assert (
         "joint (4 samples): repetition" in summary

@@ -114,12 +114,12 @@ def _perplexity(bits: str, counts: str) -> Corpus:
     return Corpus((bits, counts), statistic)
 
 
-def _distinct(n: int) -> Corpus:
+def _distinct(n: int, key: str = "texts") -> Corpus:
     def statistic(per_text: dict):
-        grams = [tm.word_ngrams(text, n) for text in per_text["texts"]]
+        grams = [tm.word_ngrams(text, n) for text in per_text[key]]
         return lambda idx: tm.distinct_of([grams[i] for i in idx]) or 0.0
 
-    return Corpus(("texts",), statistic, resampled=False)
+    return Corpus((key,), statistic, resampled=False)
 
 
 ELBO = {
@@ -158,6 +158,8 @@ NEAREST = {
 REFERENCES = {
     "mean_latent_cosine": Mean("mean_latent_cosine"),
     "real_repetition": Mean("real_repetition", "real_has_bigram"),
+    "real_distinct_1": _distinct(1, "real_texts"),  # distinct-n grows as n falls: joint's at the same n
+    "real_distinct_2": _distinct(2, "real_texts"),
     "other_sentence_cosine": Mean("other_sentence_cosine"),
     "other_sentence_word_f1": Mean("other_sentence_word_f1"),
     "other_sentence_bleu": _bleu("other_sentence_bleu_statistics"),
@@ -610,6 +612,7 @@ def references(run: TrainedRun, num_samples: int, pool_size: int, fluency: tm.Ng
     repetition = tm.repetition_per_text(texts, 2)
     per_text["real_repetition"] = np.array([r or 0.0 for r in repetition])
     per_text["real_has_bigram"] = np.array([r is not None for r in repetition], dtype=np.float64)
+    per_text["real_texts"] = texts
     if len(targets) > 1:
         others = texts[1:] + texts[:1]
         per_text["other_sentence_cosine"] = F.cosine_similarity(targets.roll(-1, dims=0), targets, dim=-1).numpy()
@@ -848,7 +851,7 @@ def _joint_lines(report: dict) -> list[str]:
     return [
         "",
         f"joint ({j['num_samples']} samples): repetition {figure_text(j, 'repetition')}, distinct-1/2 "
-        f"{figure_text(j, 'distinct_1')}/{figure_text(j, 'distinct_2')}"
+        f"{figure_text(j, 'distinct_1')}/{figure_text(j, 'distinct_2')}{_real_distinct(report)}"
         + (f", copy rate {figure_text(j, 'copy_rate', '.1%')}" if "copy_rate" in j else "")
         + (f", n-gram perplexity {figure_text(j, 'ngram_perplexity', '.1f')}" if "ngram_perplexity" in j else "")
         + f"; {consistency} (real pairs {figure_text(pairs, 'real_pairs', '.4f')}, shuffled pairs "
@@ -858,6 +861,14 @@ def _joint_lines(report: dict) -> list[str]:
         "|---|---|",
         *[f"| {table_cell(e['generated'])} | {e['consistency']:.3f} |" for e in j["examples"]],
     ]
+
+
+def _real_distinct(report: dict) -> str:
+    """Real validation text's distinct-1/2 at the joint samples' n, where the report has it."""
+    ref = report.get("references", {})
+    if "real_distinct_1" not in ref or ref.get("num_samples") != report["joint"]["num_samples"]:
+        return ""
+    return f" (real text {ref['real_distinct_1']:.3f}/{ref['real_distinct_2']:.3f})"
 
 
 def writing_lines(report: dict) -> list[str]:
