@@ -179,3 +179,27 @@ def test_decoding_table_rows_after_the_first_carry_their_paired_difference_from_
     # unpaired, the texts' own spread (sd 0.29 over 400) would give a half-width near 0.04, spanning 0
     assert high - low < 0.01
     assert cell(better, first, L2T, "model_calls_per_batch", "{:.0f}") == "-"
+
+
+def test_compare_leaves_out_perplexities_scored_by_different_n_gram_references():
+    from mmldlm.sampling.compare import compare_reports, markdown
+    from mmldlm.sampling.evaluate import L2T, summarise
+    from mmldlm.sampling.text_metrics import NgramReference
+
+    rng = np.random.default_rng(0)
+    corpus = ["the cat sat on the mat", "a dog ran in the park", "the dog sat on a mat"]
+    same, other = NgramReference.fit(corpus), NgramReference.fit(corpus[:2])
+    assert same.sha256 == NgramReference.fit(list(corpus)).sha256 != other.sha256
+
+    def report(reference: NgramReference, texts: list[str]) -> dict:
+        bits, counts = reference.bits_per_text(texts)
+        per_text = {"word_f1": rng.uniform(0, 1, len(texts)), "ngram_bits": bits, "ngram_words": counts}
+        section = summarise(L2T, per_text, num_samples=len(texts))
+        return {"texts_sha256": "t", "seed": 0, "l2t": section, "fluency_reference": {"sha256": reference.sha256}}
+
+    texts = ["the cat ran on the mat", "a dog sat in the park"] * 4
+    one = compare_reports(report(same, texts), report(same, texts))
+    assert {r["figure"] for r in one["rows"]} == {"word_f1", "ngram_perplexity"} and not one["other_reference"]
+    two = compare_reports(report(same, texts), report(other, texts), unpaired=True)
+    assert [r["figure"] for r in two["rows"]] == ["word_f1"] and two["other_reference"] == ["l2t ngram_perplexity"]
+    assert "Scored by different n-gram references" in markdown(two)

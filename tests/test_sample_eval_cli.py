@@ -421,6 +421,7 @@ def test_eval_writes_report_and_summary(run_dir, tmp_path, capsys):
         assert 0 <= entry["bleu"] <= 100 and 0 <= entry["repetition"] <= 1 and entry["ngram_perplexity"] > 1
     ref = report["references"]
     assert ref["real_ngram_perplexity"] < ref["shuffled_ngram_perplexity"] and 0 <= ref["real_repetition"] <= 1
+    assert report["fluency_reference"]["num_texts"] > 0 and len(report["fluency_reference"]["sha256"]) == 64
     joint = report["joint"]
     assert joint["num_samples"] == 4 and 0 <= joint["copy_rate"] <= 1 and 0 <= joint["distinct_2"] <= 1
     assert joint["reference"]["real_pairs"] > joint["reference"]["shuffled_pairs"]

@@ -21,6 +21,9 @@ from mmldlm.sampling.intervals import LEVEL, NUM_RESAMPLES
 
 # Sections that score the validation data and the training texts, not the model: the same in both.
 DATA_ONLY = ("references", "nearest_training_text", "joint reference")
+# Figures scored by a reference model of the run's own training texts (the word 3-gram model): two
+# reports compare on them only where both were scored by the same one (`fluency_reference`).
+REFERENCE_SCORED = ("ngram_perplexity",)
 
 
 def check_comparable(a: dict, b: dict, names: tuple[str, str]) -> None:
@@ -46,7 +49,8 @@ def check_comparable(a: dict, b: dict, names: tuple[str, str]) -> None:
 
 def compare_reports(a: dict, b: dict, names: tuple[str, str] = ("A", "B"), unpaired: bool = False) -> dict:
     """{"a", "b", "runs_a", "runs_b", "level", "num_resamples", "rows": [{section, figure, a, b,
-    difference, low, high, n, significant}], "not_compared": [sections in one report only],
+    difference, low, high, n, significant}], "other_reference": [n-gram perplexities scored by different
+    references, REFERENCE_SCORED], "not_compared": [sections in one report only],
     "without_interval": [figures no resampling can bound, intervals.Corpus.resampled]}; the figures of
     the model, not of the data (`DATA_ONLY`). `unpaired`: each report scored its own texts (runs on
     different data, each on its own validation split), resampled independently."""
@@ -71,12 +75,16 @@ def compare_arms(
         {name: (section, figures) for name, section, figures in sections(r) if name not in DATA_ONLY} for r in reports
     ]
     common = [name for name in of_each[0] if all(name in of for of in of_each[1:])]
-    rows, without_interval = [], []
+    one_reference = len({(r.get("fluency_reference") or {}).get("sha256") for r in reports}) == 1
+    rows, without_interval, other_reference = [], [], []
     for name in common:
         figures = of_each[0][name][1]
         per_text = [of[name][0]["per_text"] for of in of_each]
         for figure, recipe in figures.items():
             if not all(key in p for p in per_text for key in recipe.keys):
+                continue
+            if figure in REFERENCE_SCORED and not one_reference:
+                other_reference.append(f"{name} {figure}")
                 continue
             if unpaired:
                 difference = recipe.unpaired_difference(per_text[0], per_text[1])
@@ -98,6 +106,7 @@ def compare_arms(
         "level": LEVEL,
         "num_resamples": NUM_RESAMPLES,
         "rows": rows,
+        "other_reference": other_reference,
         "not_compared": not_compared,
         "without_interval": without_interval,
     }
@@ -162,6 +171,12 @@ def markdown(result: dict) -> str:
     lines += ["", f"{flagged} of {len(result['rows'])} figures differ at {result['level']:.0%}"]
     if result["not_compared"]:
         lines += ["", f"Not in every report, not compared: {', '.join(result['not_compared'])}"]
+    if result.get("other_reference"):
+        lines += [
+            "",
+            "Scored by different n-gram references (each run's model of its own training texts), not compared: "
+            + ", ".join(result["other_reference"]),
+        ]
     if result.get("without_interval"):
         no_interval = ", ".join(result["without_interval"])
         lines += ["", f"No interval (resampling texts biases them), not compared: {no_interval}"]

@@ -699,6 +699,8 @@ def evaluate(
         report["references"] = references(run, cfg.num_samples, cfg.retrieval_pool, fluency)
         if cfg.writing and fluency is None:
             report["references"]["ngram_perplexity"] = "not measured: no training texts at hand"
+        if fluency is not None:  # what the n-gram perplexities were scored by (compare checks it)
+            report["fluency_reference"] = {"num_texts": fluency.num_texts, "sha256": fluency.sha256}
     finally:
         run.model.train(was_training)
     return report

@@ -23,6 +23,7 @@ Words are the lowercase letter runs of a text (`words`): digits and punctuation 
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import re
@@ -137,6 +138,8 @@ class NgramReference:
     model: Any  # nltk InterpolatedLanguageModel (mmldlm/sampling/kneser_ney.py)
     num_texts: int  # texts it was fitted on
     num_unknown_types: int  # word types of those texts that <UNK> stands for
+    # SHA-256 of the fitted texts and the settings: perplexities of two reports compare only under one reference
+    sha256: str = ""
 
     @classmethod
     def fit(cls, texts: list[str], order: int = 3, unk_cutoff: int = 2, discount: float = 0.75) -> NgramReference:
@@ -145,7 +148,10 @@ class NgramReference:
         from mmldlm.sampling.kneser_ney import fit_kneser_ney, num_unknown_types
 
         model = fit_kneser_ney([words(t) for t in texts], order, unk_cutoff, discount)
-        return cls(model, len(texts), num_unknown_types(model))
+        digest = hashlib.sha256(f"order {order}, unk_cutoff {unk_cutoff}, discount {discount}\n".encode())
+        for text in texts:
+            digest.update(text.encode("utf-8") + b"\n")
+        return cls(model, len(texts), num_unknown_types(model), digest.hexdigest())
 
     @property
     def order(self) -> int:
