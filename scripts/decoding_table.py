@@ -28,6 +28,7 @@ import time
 import torch
 import yaml
 
+from mmldlm.device import keep_freed_memory
 from mmldlm.sampling import SamplingOptions, load_trained
 from mmldlm.sampling.evaluate import JOINT, L2T, figure_text, fluency_reference, joint_generation, l2t_reconstruction
 
@@ -88,6 +89,7 @@ def main() -> None:
     parser.add_argument("rows", nargs="+", help='one per table row: "default" or "field=value field=value ..."')
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    keep_freed_memory()
     run = load_trained(args.run)
     run.model.eval()
     run.encode_latents(["warm the encoder up"])

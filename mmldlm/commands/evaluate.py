@@ -123,13 +123,14 @@ def evaluation(args: argparse.Namespace, model_path: str):
 
     from mmldlm.commands.sample import sampling_options
     from mmldlm.config import EvalConfig
-    from mmldlm.device import pick_device
+    from mmldlm.device import keep_freed_memory, pick_device
     from mmldlm.sampling import load_trained
     from mmldlm.sampling.evaluate import evaluate
 
     check_options(args)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()  # the samplers' vocabulary-wide tensors, reused instead of faulted in at every step
     device = str(pick_device(args.device, key="--device"))
     run = load_trained(model_path, getattr(args, "checkpoint", None), device, use_ema=not args.no_ema)
     if run.dataset_dir is None and not args.data:

@@ -388,13 +388,14 @@ def _sample(args: argparse.Namespace) -> int:
 
     import torch
 
-    from mmldlm.device import pick_device
+    from mmldlm.device import keep_freed_memory, pick_device
     from mmldlm.errors import OptionError
     from mmldlm.sampling import MMLDLM
 
     _check_arguments(args)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()  # the samplers' vocabulary-wide tensors, reused instead of faulted in at every step
     device = str(pick_device(args.device, key="--device"))
     model = MMLDLM.from_pretrained(args.run, checkpoint=args.checkpoint, device=device, use_ema=not args.no_ema)
     run = model.run
