@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import platform
 
@@ -64,9 +63,8 @@ def keep_freed_memory() -> bool:
     that stays with the process (docs/benchmarks.md, "Sampling and the C allocator"). For the sampling
     commands; training allocates blocks small enough for the heap already. PyTorch's CPU tuning guide
     gets the same from jemalloc or tcmalloc; this needs no library beyond glibc."""
-    name = ctypes.util.find_library("c")
-    if platform.system() != "Linux" or name is None or platform.libc_ver()[0] != "glibc":
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
-    libc = ctypes.CDLL(name)
+    libc = ctypes.CDLL(None)  # the C library this process already runs on
     m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
     return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
