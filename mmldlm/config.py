@@ -50,6 +50,10 @@ def _fail(key: str, value: Any, allowed: str) -> typing.NoReturn:
 # Component configs. Each `check(prefix)` validates values that the type alone cannot.
 
 
+# ModelConfig keys that a null value leaves to the prepared dataset (mmldlm/data/dataset.py, model_for_dataset).
+FROM_DATASET = ("vocab_size", "latent_dim", "num_latents")
+
+
 @dataclass
 class ModelConfig:
     """The MultimodalMMDiT network (see mmldlm/model/mmdit.py)."""
@@ -60,8 +64,8 @@ class ModelConfig:
     mlp_ratio: float = 4.0
     vocab_size: int | None = None  # None: taken from the prepared dataset's tokenizer
     max_seq_len: int = 128  # longest text (in tokens) the model accepts
-    latent_dim: int = 384  # D: must equal the dataset's sentence-encoder dimension
-    num_latents: int = 1  # K latent vectors per sample (K = 1: one sentence embedding)
+    latent_dim: int | None = None  # D; None: the prepared dataset's (its sentence encoder's width)
+    num_latents: int | None = None  # K latent vectors per sample; None: the prepared dataset's (1 per text)
     pos_embedding: Literal["rope", "learned"] = "rope"
     qk_norm: bool = True  # RMSNorm on queries and keys, per head
     attention: Literal["sdpa", "explicit"] = "sdpa"  # explicit: comparison recipe (mmldlm/comparison.py)
@@ -94,8 +98,12 @@ class ModelConfig:
             "num_latents",
             "timestep_embed_dim",
         ):
-            if getattr(self, key) < 1:
-                _fail(f"{prefix}.{key}", getattr(self, key), "an integer >= 1")
+            value = getattr(self, key)
+            if value is None and key in FROM_DATASET:
+                continue
+            if value < 1:
+                allowed = "null (from the dataset) or an integer >= 1" if key in FROM_DATASET else "an integer >= 1"
+                _fail(f"{prefix}.{key}", value, allowed)
         if self.hidden_size % self.num_heads:
             _fail(f"{prefix}.hidden_size", self.hidden_size, f"a multiple of {prefix}.num_heads={self.num_heads}")
         head_dim = self.hidden_size // self.num_heads

@@ -14,6 +14,7 @@ Run one method per launch: peak RSS only ever grows within a process.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import resource
 import sys
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(None, ["train.device=cpu", *args.overrides])
     info = init_distributed(cfg.distributed, "cpu")
     torch.manual_seed(0)
-    model = MultimodalMMDiT(cfg.model, vocab_size=cfg.model.vocab_size or 8192)
+    shape = {"latent_dim": cfg.model.latent_dim or 384, "num_latents": cfg.model.num_latents or 1}  # no dataset here
+    model = MultimodalMMDiT(dataclasses.replace(cfg.model, **shape), vocab_size=cfg.model.vocab_size or 8192)
     ema = WeightEMA(model, 0.999)
     wrapped = parallelize(model, cfg.perf, cfg.distributed, info)
     if info.distributed and cfg.distributed.strategy == "fsdp2":

@@ -1,17 +1,26 @@
 """Import of the per-sample .npz/.npy layout, and that a failure leaves nothing behind."""
 
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 from data_support import corpus_texts
+from test_data_prepare import free_port
 
-from mmldlm.config import DataConfig
+from mmldlm.config import ConfigError, DataConfig, ModelConfig
 from mmldlm.data import DataError
-from mmldlm.data.dataset import build_loader, open_dataset
+from mmldlm.data.dataset import build_loader, model_for_dataset, open_dataset, resolve_for_model
+from mmldlm.data.legacy import LegacySource
 from mmldlm.data.prepare import PrepareOptions, prepare
 from mmldlm.data.tokenizer import train_bpe
 
+REPO = Path(__file__).resolve().parent.parent
 PAD_ID = 7  # whatever the old tokenizer padded with; attention_mask says what is real
 
 
@@ -75,6 +84,19 @@ def test_legacy_import_round_trips(tmp_path):
     assert sorted(found) == stems
 
 
+def test_the_model_takes_the_imported_latent_width_and_a_mismatch_names_the_import(tmp_path):
+    make_legacy(tmp_path, 12, dim=32)
+    prepare(legacy_options(tmp_path, tmp_path / "out"), log=lambda _m: None)
+    dataset = open_dataset(tmp_path / "out")
+    assert (model_for_dataset(ModelConfig(), dataset).latent_dim, dataset.latent_dim) == (32, 32)
+    with pytest.raises(
+        ConfigError,
+        match=rf"'model.latent_dim': got 384; expected null or 32, the latent dim of the dataset .*out "
+        rf"\(latents imported from {re.escape(str(tmp_path / 'latents'))}\)",
+    ):
+        resolve_for_model(DataConfig(), ModelConfig(latent_dim=384), dataset)
+
+
 def test_legacy_errors_name_the_file(tmp_path):
     tokens_dir, latents_dir, _ = make_legacy(tmp_path, 4)
     (latents_dir / "doc0002.npy").unlink()
@@ -89,18 +111,53 @@ def test_legacy_errors_name_the_file(tmp_path):
         DataError, match=r"doc0001_tokens.npz: token id 900 outside the vocabulary of .*tokenizer.json \(size 300\)"
     ):
         prepare(legacy_options(tmp_path, tmp_path / "out"))
+    np.savez(tokens_dir / "doc0001_tokens.npz", input_ids=np.array([5, 6]), attention_mask=np.array([1, 2]))
+    with pytest.raises(DataError, match=r"doc0001_tokens.npz: attention_mask holds 2; expected only 0 .* and 1"):
+        prepare(legacy_options(tmp_path, tmp_path / "out"))
+    np.savez(tokens_dir / "doc0001_tokens.npz", input_ids=np.array([5, 6, 7]), attention_mask=np.array([1, 1]))
+    with pytest.raises(DataError, match=r"doc0001_tokens.npz: input_ids has 3 entries, attention_mask 2"):
+        prepare(legacy_options(tmp_path, tmp_path / "out"))
     np.savez(tokens_dir / "doc0001_tokens.npz", ids=np.array([5]))
     with pytest.raises(DataError, match=r"doc0001_tokens.npz: no key input_ids, attention_mask \(keys: ids\)"):
         prepare(legacy_options(tmp_path, tmp_path / "out"))
     assert not (tmp_path / "out").exists()
 
 
-def test_a_failure_midway_leaves_no_output(tmp_path):
-    _, latents_dir, _ = make_legacy(tmp_path, 40)
+def test_a_failure_midway_keeps_the_finished_shards_and_a_rerun_continues_from_them(tmp_path, monkeypatch):
+    _, latents_dir, samples = make_legacy(tmp_path, 40)
+    good = (latents_dir / "doc0035.npy").read_bytes()
     (latents_dir / "doc0035.npy").write_bytes(b"\x93NUMPY garbage")  # read only after earlier shards are written
     with pytest.raises(DataError, match=r"doc0035.npy: not a readable .npy"):
         prepare(legacy_options(tmp_path, tmp_path / "out", val_fraction=0.0))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latents", "tokenizer.json", "tokens"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.partial", "latents", "tokenizer.json", "tokens"]
+
+    (latents_dir / "doc0035.npy").write_bytes(good)  # the user mends the file and runs the same command
+    read = []
+    original = LegacySource._tokens
+    monkeypatch.setattr(LegacySource, "_tokens", lambda self, stem: read.append(stem) or original(self, stem))
+    lines = []
+    meta = prepare(legacy_options(tmp_path, tmp_path / "out", val_fraction=0.0), log=lines.append)["meta"]
+    assert read == [f"doc{i:04d}" for i in range(32, 40)]  # only the shard that failed is read again
+    assert any("continuing an interrupted prepare; 4 finished shard(s) kept" in line for line in lines)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latents", "out", "tokenizer.json", "tokens"]
+    assert not list((tmp_path / "out").rglob("*.json*"))[2:]  # meta.json and tokenizer.json only: no records
+
+    fresh = prepare(legacy_options(tmp_path, tmp_path / "fresh", val_fraction=0.0), log=lambda _m: None)["meta"]
+    continued = {k: v for k, v in meta.items() if k != "prepare"}
+    assert continued == {k: v for k, v in fresh.items() if k != "prepare"}  # the same dataset, stats included
+    assert meta["splits"]["train"] == len(samples)
+
+
+def test_a_partial_of_other_options_is_not_continued(tmp_path):
+    _, latents_dir, _ = make_legacy(tmp_path, 24)
+    good = (latents_dir / "doc0020.npy").read_bytes()
+    (latents_dir / "doc0020.npy").write_bytes(b"broken")
+    with pytest.raises(DataError):
+        prepare(legacy_options(tmp_path, tmp_path / "out", val_fraction=0.0))
+    (latents_dir / "doc0020.npy").write_bytes(good)
+    lines = []
+    meta = prepare(legacy_options(tmp_path, tmp_path / "out", val_fraction=0.0, seed=1), log=lines.append)["meta"]
+    assert not any("continuing" in line for line in lines) and meta["splits"]["train"] == 24
 
 
 def test_legacy_and_corpus_input_are_exclusive(tmp_path):
@@ -121,3 +178,70 @@ def test_several_latents_per_sample_flow_through(tmp_path):
     assert batch["latents"].shape == (4, 3, 8)
     first = sorted(samples)[int(batch["index"][0])]
     np.testing.assert_array_equal(batch["latents"][0].numpy(), samples[first][1])
+
+
+def legacy_command(root, out, *extra):
+    return [
+        "prepare",
+        "--legacy-tokens",
+        str(root / "tokens"),
+        "--legacy-latents",
+        str(root / "latents"),
+        "--tokenizer",
+        str(root / "tokenizer.json"),
+        "--out",
+        str(out),
+        "--shard-size",
+        "8",
+        "--val-fraction",
+        "0.25",
+        "--latent-dtype",
+        "float32",
+        "--quiet",
+        *extra,
+    ]
+
+
+@pytest.mark.slow  # a killed process, then torchrun on 2 processes
+def test_an_import_killed_midway_continues_on_two_processes_to_the_same_dataset(tmp_path):
+    """SIGKILL while a sample cannot be read (a FIFO that nobody writes blocks its read), after the shards
+    before it were written: torchrun on 2 processes then continues from the finished shards, and the
+    result is byte for byte the dataset of one uninterrupted process."""
+    tokens_dir, _, _ = make_legacy(tmp_path, 64)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cli = [sys.executable, "-m", "mmldlm.cli"]
+    reference = subprocess.run([*cli, *legacy_command(tmp_path, tmp_path / "reference")], env=env, timeout=300)
+    assert reference.returncode == 0
+
+    blocked = tokens_dir / "doc0040_tokens.npz"
+    content = blocked.read_bytes()
+    blocked.unlink()
+    os.mkfifo(blocked)
+    partial = tmp_path / ".out.partial"
+    first = subprocess.Popen([*cli, *legacy_command(tmp_path, tmp_path / "out")], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(partial.glob("*/done-*.json"))) < 3 and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        finished = len(list(partial.glob("*/done-*.json")))
+        assert finished >= 3, "the shards before the blocked sample were not written"
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=60)
+    blocked.unlink()
+    blocked.write_bytes(content)
+    assert not (tmp_path / "out").exists()
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2"]
+    torchrun += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "mmldlm.cli"]
+    result = subprocess.run(
+        [*torchrun, *legacy_command(tmp_path, tmp_path / "out")], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"continuing an interrupted prepare; {finished} finished shard(s) kept" in result.stdout + result.stderr
+    files = sorted(p.relative_to(tmp_path / "reference") for p in (tmp_path / "reference").rglob("*") if p.is_file())
+    assert sorted(p.relative_to(tmp_path / "out") for p in (tmp_path / "out").rglob("*") if p.is_file()) == files
+    for rel in files:
+        if rel.name != "meta.json":  # it records --out
+            assert (tmp_path / "out" / rel).read_bytes() == (tmp_path / "reference" / rel).read_bytes(), rel
+    assert not partial.exists()

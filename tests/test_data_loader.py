@@ -18,7 +18,14 @@ from torch.utils.data import DistributedSampler
 
 from mmldlm.config import ConfigError, DataConfig, ModelConfig, load_config
 from mmldlm.data import DataError
-from mmldlm.data.dataset import PreparedDataset, build_loader, default_num_workers, open_dataset, resolve_for_model
+from mmldlm.data.dataset import (
+    PreparedDataset,
+    build_loader,
+    default_num_workers,
+    model_for_dataset,
+    open_dataset,
+    resolve_for_model,
+)
 
 
 @pytest.fixture(scope="module")
@@ -240,10 +247,12 @@ def test_data_config_checks():
 
 def test_model_must_match_the_dataset(train, data_dir):
     with pytest.raises(
-        ConfigError, match=rf"'model.latent_dim': got 512; expected 384, the latent dim of the dataset {data_dir}"
+        ConfigError,
+        match=rf"'model.latent_dim': got 512; expected null or 384, the latent dim of the dataset {data_dir} "
+        rf"\(encoder all-MiniLM-L6-v2\)",
     ):
         resolve_for_model(DataConfig(), ModelConfig(latent_dim=512), train)
-    with pytest.raises(ConfigError, match=r"'model.num_latents': got 2; expected 1"):
+    with pytest.raises(ConfigError, match=r"'model.num_latents': got 2; expected null or 1"):
         resolve_for_model(DataConfig(), ModelConfig(num_latents=2), train)
     with pytest.raises(ConfigError, match=r"'model.vocab_size': got 300; expected null or >= 400"):
         resolve_for_model(DataConfig(), ModelConfig(vocab_size=300), train)
@@ -251,6 +260,14 @@ def test_model_must_match_the_dataset(train, data_dir):
         resolve_for_model(DataConfig(max_length=256), ModelConfig(), train)
     resolved = resolve_for_model(DataConfig(pad_to_multiple=64), ModelConfig(max_seq_len=100), train)
     assert resolved.max_length == 64
+
+
+def test_a_null_latent_shape_is_the_datasets(train):
+    """model.latent_dim and model.num_latents left null take the dataset's, as vocab_size does; set ones stay."""
+    assert (ModelConfig().latent_dim, ModelConfig().num_latents) == (None, None)
+    model = model_for_dataset(ModelConfig(), train)
+    assert (model.latent_dim, model.num_latents) == (train.latent_dim, train.num_latents) == (384, 1)
+    assert model_for_dataset(ModelConfig(latent_dim=32, num_latents=2), train).latent_dim == 32
 
 
 def test_damaged_or_foreign_datasets(data_dir, tmp_path):

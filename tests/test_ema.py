@@ -67,7 +67,15 @@ def make_trainer(tmp_path, steps, ema_decay=0.9, resume=None):
     )
     torch.manual_seed(0)
     model = MultimodalMMDiT(
-        ModelConfig(hidden_size=32, num_blocks=2, num_heads=2, max_seq_len=LEN, latent_dim=DIM, timestep_embed_dim=16),
+        ModelConfig(
+            hidden_size=32,
+            num_blocks=2,
+            num_heads=2,
+            max_seq_len=LEN,
+            latent_dim=DIM,
+            num_latents=1,
+            timestep_embed_dim=16,
+        ),
         vocab_size=VOCAB,
     )
     objective = Objective(

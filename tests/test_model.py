@@ -12,10 +12,11 @@ from mmldlm.model import MultimodalMMDiT, parameter_counts, training_flops_per_s
 from mmldlm.model.mmdit import padded_row_count
 
 VOCAB = 512
+SHAPE = {"latent_dim": 384, "num_latents": 1}  # no dataset here: the default encoder's latent
 
 
 def tiny(**overrides):
-    return dataclasses.replace(load_model_preset("tiny"), **overrides)
+    return dataclasses.replace(load_model_preset("tiny"), **{**SHAPE, **overrides})
 
 
 def randomised(cfg, seed=0):
@@ -300,7 +301,7 @@ def test_training_flops_match_torch_flop_counter(heads, prefix):
 def test_model_info_prints_counts_and_tiny_is_under_5m(capsys):
     assert main(["model-info", "tiny", "--vocab-size", "8192", "--seq-len", "32"]) == 0
     out = capsys.readouterr().out
-    model = MultimodalMMDiT(load_model_preset("tiny"), 8192)
+    model = MultimodalMMDiT(tiny(), 8192)
     counts = parameter_counts(model)
     total = sum(p.numel() for p in model.parameters())
     assert counts["total"] == total == counts["text"] + counts["latent"] + counts["shared"]
@@ -309,7 +310,7 @@ def test_model_info_prints_counts_and_tiny_is_under_5m(capsys):
         assert f"{counts[part]:,}" in out
     assert "text length 32" in out and f"{training_flops_per_sample(model, 32):.4e}" in out
     # The vocabulary only grows the text stream.
-    bigger = parameter_counts(MultimodalMMDiT(load_model_preset("tiny"), 16384))
+    bigger = parameter_counts(MultimodalMMDiT(tiny(), 16384))
     assert bigger["text"] - counts["text"] == 2 * 8192 * 128 and bigger["latent"] == counts["latent"]
 
 

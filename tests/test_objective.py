@@ -59,7 +59,7 @@ def make_objective(
 
 def tiny_model(seed: int = 0) -> MultimodalMMDiT:
     torch.manual_seed(seed)
-    cfg = dataclasses.replace(load_model_preset("tiny"), latent_dim=D, max_seq_len=L)
+    cfg = dataclasses.replace(load_model_preset("tiny"), latent_dim=D, num_latents=1, max_seq_len=L)
     return MultimodalMMDiT(cfg, vocab_size=VOCAB)
 
 
@@ -383,7 +383,7 @@ def test_without_self_conditioning_the_model_is_called_once_and_gets_no_estimate
     names = [n for n, _ in tiny_model().named_parameters()]
     assert not any("self_cond" in n for n in names)
     # A self-conditioned model starts equal to the plain one (its input projection is zero).
-    cfg = dataclasses.replace(load_model_preset("tiny"), latent_dim=D, max_seq_len=L)
+    cfg = dataclasses.replace(load_model_preset("tiny"), latent_dim=D, num_latents=1, max_seq_len=L)
     torch.manual_seed(0)
     plain = MultimodalMMDiT(cfg, vocab_size=VOCAB)
     torch.manual_seed(0)

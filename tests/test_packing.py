@@ -39,7 +39,7 @@ def tiny_model(**overrides):
         max_seq_len=16,
         latent_dim=DIM,
         timestep_embed_dim=16,
-        **overrides,
+        **{"num_latents": 1, **overrides},
     )
     model = MultimodalMMDiT(cfg, vocab_size=VOCAB)
     with torch.no_grad():  # adaLN-Zero starts every block as the identity: give the blocks work to do

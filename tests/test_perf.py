@@ -40,6 +40,7 @@ def tiny_model(num_blocks=3, attention="sdpa", seed=0):
         num_heads=2,
         max_seq_len=LEN,
         latent_dim=DIM,
+        num_latents=1,
         timestep_embed_dim=16,
         attention=attention,
     )

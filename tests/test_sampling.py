@@ -37,7 +37,9 @@ def diffusions(data: dict, prediction: str = "v") -> tuple[MaskedDiffusion, Gaus
 
 def small_model(seed: int = 0) -> MultimodalMMDiT:
     torch.manual_seed(seed)
-    cfg = ModelConfig(hidden_size=64, num_blocks=2, num_heads=2, max_seq_len=8, latent_dim=D, timestep_embed_dim=32)
+    cfg = ModelConfig(
+        hidden_size=64, num_blocks=2, num_heads=2, max_seq_len=8, latent_dim=D, num_latents=1, timestep_embed_dim=32
+    )
     return MultimodalMMDiT(cfg, vocab_size=VOCAB)
 
 
@@ -218,6 +220,7 @@ def test_self_conditioned_sampler_feeds_each_step_the_previous_x0_estimate():
         num_heads=2,
         max_seq_len=8,
         latent_dim=D,
+        num_latents=1,
         timestep_embed_dim=16,
         self_condition=True,
     )

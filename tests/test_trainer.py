@@ -66,7 +66,7 @@ def make_trainer(tmp_path, overrides, mode="joint", objective=None):
     )
     torch.manual_seed(0)
     model_cfg = ModelConfig(
-        hidden_size=32, num_blocks=2, num_heads=2, max_seq_len=LEN, latent_dim=DIM, timestep_embed_dim=16
+        hidden_size=32, num_blocks=2, num_heads=2, max_seq_len=LEN, latent_dim=DIM, num_latents=1, timestep_embed_dim=16
     )
     model = MultimodalMMDiT(model_cfg, vocab_size=VOCAB)
     objective = objective or FixedNoiseObjective(mode)

@@ -22,16 +22,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"vocabulary size (default: the preset's, else {DEFAULT_VOCAB_SIZE})",
     )
     parser.add_argument(
+        "--latent-dim",
+        type=int,
+        default=None,
+        help="latent width D (default: the preset's, else the default sentence encoder's)",
+    )
+    parser.add_argument(
         "--seq-len", type=int, default=None, help="text length for the FLOPs (default: the preset's max_seq_len)"
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    import dataclasses
     from pathlib import Path
 
     import torch
 
     from mmldlm.config import ModelConfig, from_dict, load_model_config
+    from mmldlm.data.encoders import DEFAULT_ENCODER, ENCODER_WIDTHS
     from mmldlm.errors import OptionError
     from mmldlm.model import MultimodalMMDiT, parameter_counts, training_flops_per_sample
     from mmldlm.sampling.pretrained import is_exported, read_config
@@ -43,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_model_config(args.preset)
     vocab_size = args.vocab_size or cfg.vocab_size or DEFAULT_VOCAB_SIZE
     vocab_note = "" if args.vocab_size or cfg.vocab_size else " (assumed: pass --vocab-size)"
+    latent_dim = args.latent_dim or cfg.latent_dim or ENCODER_WIDTHS[DEFAULT_ENCODER]
+    latent_note = "" if args.latent_dim or cfg.latent_dim else f" (assumed, {DEFAULT_ENCODER}'s: pass --latent-dim)"
+    cfg = dataclasses.replace(cfg, latent_dim=latent_dim, num_latents=cfg.num_latents or 1)
     seq_len = cfg.max_seq_len if args.seq_len is None else args.seq_len
     if not 1 <= seq_len <= cfg.max_seq_len:
         raise OptionError(
@@ -50,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if vocab_size < 3:
         raise OptionError("--vocab-size", vocab_size, "an integer >= 3")
+    if latent_dim < 1:
+        raise OptionError("--latent-dim", latent_dim, "an integer >= 1")
 
     with torch.device("meta"):  # shapes only: even the largest preset costs no memory
         model = MultimodalMMDiT(cfg, vocab_size)
@@ -59,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"model '{args.preset}': hidden_size {cfg.hidden_size}, num_blocks {cfg.num_blocks}, "
         f"num_heads {cfg.num_heads} (head dim {head_dim}), mlp_ratio {cfg.mlp_ratio}, "
-        f"latents {cfg.num_latents} x {cfg.latent_dim}, vocab_size {vocab_size}{vocab_note}"
+        f"latents {cfg.num_latents} x {cfg.latent_dim}{latent_note}, vocab_size {vocab_size}{vocab_note}"
     )
     print()
     rows = [

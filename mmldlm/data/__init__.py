@@ -22,6 +22,7 @@ _EXPORTS = {
     "open_dataset": "dataset",
     "build_loader": "dataset",
     "resolve_for_model": "dataset",
+    "model_for_dataset": "dataset",
     "dataset_path": "dataset",
     "heaviest_batch": "dataset",
     "PreparedDataset": "dataset",

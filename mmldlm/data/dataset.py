@@ -559,19 +559,42 @@ def heaviest_batch(
 # Model <-> data.
 
 
+def latent_source(meta: dict) -> str:
+    """Where a prepared dataset's latents came from, as a message names it."""
+    imported = meta.get("prepare", {}).get("legacy_latents")
+    if imported:
+        return f"latents imported from {imported}"
+    return f"encoder {meta['encoder']}"
+
+
+def model_for_dataset(model: ModelConfig, dataset: PreparedDataset) -> ModelConfig:
+    """`model` with the keys it leaves null (latent_dim, num_latents) set to the dataset's; vocab_size
+    stays null here, since the model takes it from the tokenizer when it is built."""
+    return dataclasses.replace(
+        model,
+        latent_dim=dataset.latent_dim if model.latent_dim is None else model.latent_dim,
+        num_latents=dataset.num_latents if model.num_latents is None else model.num_latents,
+    )
+
+
 def resolve_for_model(data: DataConfig, model: ModelConfig, dataset: PreparedDataset) -> DataConfig:
     """Check that `model` can be trained on `dataset` (ConfigError naming the key, the value and the
-    dataset's value and path) and return `data` with max_length resolved: null becomes the longest
-    multiple of pad_to_multiple that fits model.max_seq_len."""
+    dataset's value and path; a null latent_dim, num_latents or vocab_size is the dataset's) and return
+    `data` with max_length resolved: null becomes the longest multiple of pad_to_multiple that fits
+    model.max_seq_len."""
     where = f"the dataset {dataset.path}"
-    if model.latent_dim != dataset.latent_dim:
+    if model.latent_dim is not None and model.latent_dim != dataset.latent_dim:
         _fail(
             "model.latent_dim",
             model.latent_dim,
-            f"{dataset.latent_dim}, the latent dim of {where} (encoder {dataset.meta['encoder']})",
+            f"null or {dataset.latent_dim}, the latent dim of {where} ({latent_source(dataset.meta)})",
         )
-    if model.num_latents != dataset.num_latents:
-        _fail("model.num_latents", model.num_latents, f"{dataset.num_latents}, the latents per sample of {where}")
+    if model.num_latents is not None and model.num_latents != dataset.num_latents:
+        _fail(
+            "model.num_latents",
+            model.num_latents,
+            f"null or {dataset.num_latents}, the latents per sample of {where}",
+        )
     if model.vocab_size is not None and model.vocab_size < dataset.vocab_size:
         _fail(
             "model.vocab_size",

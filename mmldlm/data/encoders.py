@@ -39,6 +39,8 @@ def _load_local(path: Path, device: str):
 
 
 REGISTRY: dict[str, Callable] = {DEFAULT_ENCODER: _load_minilm}
+# The latent width of each registered encoder, known without loading it (`mmldlm check` on unprepared data).
+ENCODER_WIDTHS: dict[str, int] = {DEFAULT_ENCODER: 384}
 
 
 @functools.cache

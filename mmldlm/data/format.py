@@ -30,6 +30,10 @@ FORMAT_VERSION = 1
 META = "meta.json"
 TOKENIZER = "tokenizer.json"
 TOKEN_LATENTS = "token_latents.npy"
+# Only in the partial directory `prepare` writes before publishing: the options and tokenizer it was
+# started with, and one record per finished shard, so an interrupted prepare continues where it stopped.
+PARTIAL = "partial.json"
+SHARD_RECORD = re.compile(r"(train|val)/done-\d{5}\.json")
 SPLITS = ("train", "val")
 REQUIRED_KEYS = (
     "format_version",
@@ -54,7 +58,8 @@ PREPARED = FolderKind(
     META,
     re.compile(
         r"(meta\.json|tokenizer\.json|token_latents\.npy|\.(meta\.json|token_latents\.npy)\.tmp"
-        r"|(train|val)/(tokens|offsets|latents)-\d{5}\.(bin|npy))"
+        r"|(train|val)/(tokens|offsets|latents)-\d{5}\.(bin|npy)"
+        r"|partial\.json|(train|val)/\.?done-\d{5}\.json(\.tmp)?)"
     ),
 )
 
@@ -64,6 +69,16 @@ def shard_files(split: str, index: int) -> dict[str, str]:
         kind: f"{split}/{kind}-{index:05d}.{ext}"
         for kind, ext in (("tokens", "bin"), ("offsets", "npy"), ("latents", "npy"))
     }
+
+
+def shard_record(split: str, index: int) -> str:
+    return f"{split}/done-{index:05d}.json"
+
+
+def files_of_partial(root: Path) -> list[str]:
+    """The records of an unfinished prepare in `root` (relative paths): PARTIAL and the shard records."""
+    records = [f"{split}/{p.name}" for split in SPLITS for p in sorted((root / split).glob("done-*.json"))]
+    return ([PARTIAL] if (root / PARTIAL).is_file() else []) + [r for r in records if SHARD_RECORD.fullmatch(r)]
 
 
 def write_shard(

@@ -9,6 +9,7 @@ store each sample unpadded and the loader pads per batch.
 
 from __future__ import annotations
 
+import hashlib
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -59,6 +60,21 @@ class LegacySource:
     def __len__(self) -> int:
         return len(self.stems)
 
+    def fingerprint(self, indices: np.ndarray) -> str:
+        """The names, sizes and modification times of the files of `indices`: a finished shard is reused
+        only while none of its files changed (one stat per file, no read)."""
+        digest = hashlib.sha256()
+        for i in indices:
+            stem = self.stems[i]
+            for path in (self.tokens_dir / f"{stem}{SUFFIX}", self.latents_dir / f"{stem}.npy"):
+                try:
+                    stat = path.stat()
+                except OSError:  # gone since: the shard is redone, and its read names the file
+                    digest.update(f"{path}:missing".encode())
+                    continue
+                digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}\0".encode())
+        return digest.hexdigest()
+
     def _tokens(self, stem: str) -> list[int]:
         path = self.tokens_dir / f"{stem}{SUFFIX}"
         archive = _load(path, ".npz")
@@ -71,6 +87,9 @@ class LegacySource:
             ids, mask = npz["input_ids"].reshape(-1), npz["attention_mask"].reshape(-1)
         if ids.shape != mask.shape:
             raise DataError(f"{path}: input_ids has {ids.size} entries, attention_mask {mask.size}")
+        if not np.isin(mask, (0, 1)).all():
+            bad = mask[~np.isin(mask, (0, 1))][0]
+            raise DataError(f"{path}: attention_mask holds {bad.item()}; expected only 0 (padding) and 1 (a token)")
         ids = ids[mask.astype(bool)]
         if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
             bad = int(ids.max() if ids.max() >= self.vocab_size else ids.min())

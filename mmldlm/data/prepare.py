@@ -22,9 +22,11 @@ peer), and rank 0 removes the temporary directory: no half-written output is eve
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -236,6 +238,13 @@ class TextSource:
     def __len__(self) -> int:
         return len(self.texts)
 
+    def fingerprint(self, indices: np.ndarray) -> str:
+        """What the shard of `indices` is made from: a finished shard is reused only while this holds."""
+        digest = hashlib.sha256()
+        for i in indices:
+            digest.update(self.texts[i].encode() + b"\0")
+        return digest.hexdigest()
+
     def shard(self, indices: np.ndarray, progress: Callable[[int], None]) -> tuple[list, np.ndarray, dict]:
         """(token ids and latents (n, K, D) of the samples stored, counts of what became of the long
         texts). A split text adds samples: n may differ from len(indices)."""
@@ -277,27 +286,53 @@ def _write_shards(
     latent_dtype: np.dtype,
     bar: tqdm,
 ) -> list[dict]:
-    """Write this rank's shards; returns each one's meta entry plus its latent sums for the stats."""
+    """Write this rank's shards; returns each one's meta entry plus its latent sums for the stats. A shard
+    finished by an earlier, interrupted run into the same partial directory is read back, not redone,
+    unless what it is made from changed since (`source.fingerprint`)."""
     done = []
     for split, index, indices in work:
+        record = root / fmt.shard_record(split, index)
+        fingerprint = source.fingerprint(indices)
+        if record.is_file() and (entry := _read_record(record))["source"] == fingerprint:
+            done.append(entry)
+            bar.update(len(indices))
+            continue
         token_lists, latents, long_counts = source.shard(indices, bar.update)
         stored = latents.astype(latent_dtype)
         info = fmt.write_shard(root, split, index, token_lists, stored, token_dtype, latent_dtype)
         values = stored.astype(np.float64).reshape(-1, stored.shape[-1])  # statistics of what the loader will read
-        done.append(
-            {
-                "split": split,
-                "index": index,
-                "info": info,
-                "shape": list(stored.shape[1:]),
-                "max_tokens": max((len(ids) for ids in token_lists), default=0),
-                "sum": values.sum(0),
-                "sumsq": np.square(values).sum(0),
-                "count": len(values),
-                "long_counts": long_counts,
-            }
-        )
+        entry = {
+            "split": split,
+            "index": index,
+            "info": info,
+            "shape": list(stored.shape[1:]),
+            "max_tokens": max((len(ids) for ids in token_lists), default=0),
+            "sum": values.sum(0),
+            "sumsq": np.square(values).sum(0),
+            "count": len(values),
+            "long_counts": long_counts,
+            "source": fingerprint,
+        }
+        _write_record(record, entry)
+        done.append(entry)
     return done
+
+
+def _write_record(path: Path, entry: dict) -> None:
+    """The finished shard's entry, written after its files (and renamed into place): its presence says the
+    shard is whole. Python floats print exactly, so the sums read back bit for bit."""
+    plain = {**entry, "sum": entry["sum"].tolist(), "sumsq": entry["sumsq"].tolist()}
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(plain))
+    os.replace(tmp, path)
+
+
+def _read_record(path: Path) -> dict:
+    entry = json.loads(path.read_text())
+    entry["sum"], entry["sumsq"] = np.asarray(entry["sum"]), np.asarray(entry["sumsq"])
+    if entry["long_counts"] is not None:
+        entry["long_counts"] = Counter(entry["long_counts"])
+    return entry
 
 
 # --------------------------------------------------------------------------------------------------
@@ -328,13 +363,28 @@ def output_state(opts: PrepareOptions) -> str:
     return "complete"
 
 
-def _fresh_partial(out: Path) -> str:
+def _open_partial(out: Path, opts: PrepareOptions, tokenizer_json: str, say: Callable[[str], None]) -> str:
+    """The directory the shards are written into before they are published as `out`. One left by an
+    interrupted run with the same options and tokenizer is continued (its finished shards are kept);
+    any other is removed first."""
     partial = _partial_dir(out)
-    if partial.exists():  # left by a run that was killed
+    started = {"prepare": opts.recorded(), "tokenizer_sha256": hashlib.sha256(tokenizer_json.encode()).hexdigest()}
+    if partial.exists():  # left by a run that was killed or failed
         refuse_foreign(partial, fmt.PREPARED, "remove it or choose another --out", marked=False)
+        record = partial / fmt.PARTIAL
+        if record.is_file() and json.loads(record.read_text()) == started:
+            say(
+                f"{partial}: continuing an interrupted prepare; {len(_finished_shards(partial))} finished shard(s) kept"
+            )
+            return str(partial)
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
+    (partial / fmt.PARTIAL).write_text(json.dumps(started))
     return str(partial)
+
+
+def _finished_shards(partial: Path) -> list[Path]:
+    return [partial / name for name in fmt.files_of_partial(partial) if name != fmt.PARTIAL]
 
 
 def token_latents(tokenizer, encoder, batch_size: int = 256) -> np.ndarray:
@@ -439,6 +489,8 @@ def _merge(
         meta["token_latents"] = fmt.TOKEN_LATENTS
     (partial / fmt.TOKENIZER).write_text(tokenizer_json)
     (partial / fmt.META).write_text(json.dumps(meta, indent=1) + "\n")
+    for name in fmt.files_of_partial(partial):  # the record of the work, not part of the dataset
+        (partial / name).unlink()
     publish(partial, Path(opts.out), fmt.PREPARED)
     return meta
 
@@ -463,7 +515,7 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
 
     read = _legacy_source if opts.legacy_tokens is not None else _text_source
     tokenizer_json, source, counts, splits, extra = read(opts, ranks, say)
-    meta = _write_dataset(opts, ranks, out, tokenizer_json, source, counts, splits, extra)
+    meta = _write_dataset(opts, ranks, out, tokenizer_json, source, counts, splits, extra, say)
     if meta.get("lengths"):
         say(long_texts.report_outcome(meta["lengths"]))
     say(
@@ -521,11 +573,12 @@ def _text_source(opts: PrepareOptions, ranks: Ranks, say: Callable[[str], None])
 
 
 def _write_dataset(
-    opts: PrepareOptions, ranks: Ranks, out: Path, tokenizer_json, source, counts, splits, extra
+    opts: PrepareOptions, ranks: Ranks, out: Path, tokenizer_json, source, counts, splits, extra, say
 ) -> dict:
-    """Every rank writes its shards into a fresh temporary directory beside `out`, and rank 0 merges them
-    onto `out`; returns the meta. On any failure rank 0 removes the temporary directory."""
-    partial = Path(ranks.on_rank0(lambda: _fresh_partial(out)))
+    """Every rank writes its shards into a temporary directory beside `out` (`_open_partial`), and rank 0
+    merges them onto `out`; returns the meta. On a failure the shards finished so far stay there for a
+    rerun of the same command to continue from (an empty temporary directory is removed)."""
+    partial = Path(ranks.on_rank0(lambda: _open_partial(out, opts, tokenizer_json, say)))
     completed = False
     try:
         mine = plan_shards(splits, opts.shard_size)[ranks.rank :: ranks.world_size]
@@ -549,7 +602,11 @@ def _write_dataset(
         completed = True
     finally:
         if ranks.rank == 0 and not completed and partial.exists():
-            shutil.rmtree(partial)
+            kept = len(_finished_shards(partial))
+            if kept:  # a rerun of the same command continues from them
+                say(f"{partial}: {kept} finished shard(s) kept; the same command continues from them")
+            else:
+                shutil.rmtree(partial)
     return meta
 
 

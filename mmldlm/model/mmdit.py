@@ -364,6 +364,12 @@ class MultimodalMMDiT(nn.Module):
                 "config key 'model.vocab_size': got None and no vocab_size was given; "
                 "expected the vocabulary size of the prepared dataset's tokenizer"
             )
+        for key in ("latent_dim", "num_latents"):
+            if getattr(cfg, key) is None:
+                raise ConfigError(
+                    f"config key 'model.{key}': got None; expected an integer, the prepared dataset's "
+                    f"(mmldlm.data.model_for_dataset fills it in)"
+                )
         cfg.check()
         self.cfg = cfg
         self.vocab_size = vocab_size

@@ -14,6 +14,7 @@ evaluation during training and `mmldlm eval` share every line; an exported model
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from safetensors.torch import load_file
 
 from mmldlm.config import RunConfig, load_config
 from mmldlm.data import format as fmt
-from mmldlm.data.dataset import PreparedDataset, dataset_path, resolve_for_model
+from mmldlm.data.dataset import PreparedDataset, dataset_path, model_for_dataset, resolve_for_model
 from mmldlm.data.errors import DataError
 from mmldlm.data.tokenizer import encode_texts, load_tokenizer
 from mmldlm.device import pick_device
@@ -379,6 +380,7 @@ def load_run(
     cfg = load_config(config_file)
     data_dir = dataset_path(cfg.data, log=lambda _msg: None)
     val = PreparedDataset(data_dir, "val")
+    cfg = dataclasses.replace(cfg, model=model_for_dataset(cfg.model, val))
     model = MultimodalMMDiT(cfg.model, vocab_size=cfg.model.vocab_size or val.vocab_size)
     weights = "ema" if use_ema and has_ema(path) else "raw"
     # In this one process, whatever the number of processes that wrote the checkpoint.

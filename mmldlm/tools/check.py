@@ -27,9 +27,10 @@ from typing import Any
 import torch
 import yaml
 
-from mmldlm.config import MODES, RunConfig, from_dict, to_dict
+from mmldlm.config import MODES, ConfigError, ModelConfig, RunConfig, from_dict, to_dict
 from mmldlm.data import DataError, long_texts
 from mmldlm.data.dataset import default_num_workers, default_prepare_options, heaviest_batch, open_dataset
+from mmldlm.data.encoders import ENCODER_WIDTHS
 from mmldlm.model.mmdit import MultimodalMMDiT
 from mmldlm.training.batch_size import batch_shape, global_batch_sizes, per_process_micro_batch
 from mmldlm.training.checkpoint import find_latest, is_full_state
@@ -164,10 +165,34 @@ def vocab_size_of(cfg: RunConfig) -> int:
     return cfg.data.vocab_size
 
 
-def count_parameters(cfg: RunConfig, vocab_size: int) -> int:
+def model_of(cfg: RunConfig) -> ModelConfig:
+    """cfg.model with a null latent_dim and num_latents set as training would set them: the prepared
+    dataset's where it exists, else the sentence encoder's width (one latent per text)."""
+    m = cfg.model
+    if m.latent_dim is not None and m.num_latents is not None:
+        return m
+    path = prepared_data_path(cfg)
+    if path is not None:
+        meta = json.loads((path / "meta.json").read_text())
+        shape = meta["num_latents"], meta["latent_dim"]
+    elif cfg.data.encoder in ENCODER_WIDTHS:
+        shape = 1, ENCODER_WIDTHS[cfg.data.encoder]
+    else:
+        raise ConfigError(
+            f"config key 'model.latent_dim': null, and neither a prepared dataset at data.path nor a known "
+            f"width of the encoder {cfg.data.encoder!r} gives it; set model.latent_dim (and model.num_latents)"
+        )
+    return dataclasses.replace(
+        m,
+        num_latents=shape[0] if m.num_latents is None else m.num_latents,
+        latent_dim=shape[1] if m.latent_dim is None else m.latent_dim,
+    )
+
+
+def count_parameters(model: ModelConfig, vocab_size: int) -> int:
     with torch.device("meta"):  # shapes only
-        model = MultimodalMMDiT(cfg.model, vocab_size=vocab_size)
-    return sum(p.numel() for p in model.parameters())
+        network = MultimodalMMDiT(model, vocab_size=vocab_size)
+    return sum(p.numel() for p in network.parameters())
 
 
 def prepared_data_path(cfg: RunConfig) -> Path | None:
@@ -216,9 +241,9 @@ def estimate(cfg: RunConfig, env: Environment) -> Estimate:
     Checkpoint: model.safetensors 4P + optimizer.pt 8P (fp32 weights and the two AdamW moments; about
     2P or 1P for the moments in int8 or int4).
     """
-    m = cfg.model
+    m = model_of(cfg)
     vocab = vocab_size_of(cfg)
-    params = count_parameters(cfg, vocab)
+    params = count_parameters(m, vocab)
     seq_len, seq_len_source = text_positions_per_sample(cfg, env)
     tokens = seq_len + m.num_latents
     low_precision = cfg.train.precision in ("bf16", "fp16") or (cfg.train.precision == "auto" and env.native_bf16)

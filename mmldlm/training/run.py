@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from mmldlm.config import RunConfig
-from mmldlm.data import build_loader, dataset_path, heaviest_batch, open_dataset, resolve_for_model
+from mmldlm.data import build_loader, dataset_path, heaviest_batch, model_for_dataset, open_dataset, resolve_for_model
 from mmldlm.data.long_texts import cut_warning
 from mmldlm.data.prepare import Ranks, ensure_token_latents
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
@@ -69,7 +69,9 @@ def dataset_token_latents(dataset) -> torch.Tensor:
 def build_model_and_objective(cfg: RunConfig, dataset):
     """The network and the objective for a prepared dataset's vocabulary, special ids and latent stats."""
 
-    model = MultimodalMMDiT(cfg.model, vocab_size=cfg.model.vocab_size or dataset.vocab_size)
+    model = MultimodalMMDiT(
+        model_for_dataset(cfg.model, dataset), vocab_size=cfg.model.vocab_size or dataset.vocab_size
+    )
     text = MaskedDiffusion(cfg.text_diffusion, mask_token_id=dataset.mask_id, pad_token_id=dataset.pad_id)
     mean, std = dataset.latent_stats()
     latent = GaussianDiffusion(cfg.latent_diffusion, mean=mean, std=std)
@@ -101,6 +103,7 @@ def build_trainer(cfg: RunConfig, info: DistInfo) -> Trainer:
     """The data, model, objective and trainer of `cfg` on this rank; the memory probes run the
     heaviest batch of the real data (mmldlm.data.dataset.heaviest_batch)."""
     dataset, make_loader, data_cfg = open_train_data(cfg, info)
+    cfg = dataclasses.replace(cfg, model=model_for_dataset(cfg.model, dataset))
     seed_everything(cfg.train.seed)  # the same initial weights on every rank (FSDP2 relies on it)
     model, objective = build_model_and_objective(cfg, dataset)
     seed_everything(cfg.train.seed + info.rank)  # rank-local randomness (dropout) differs per rank
@@ -108,7 +111,8 @@ def build_trainer(cfg: RunConfig, info: DistInfo) -> Trainer:
         heaviest_batch, dataset, data_cfg, rank=info.rank, world_size=info.world_size, vocab_size=model.vocab_size
     )
     # The trainer's config holds the values used where `cfg` left them to the data (null: the dataset's
-    # vocabulary, the model's length), so the run's config.yaml and every checkpoint's record them.
+    # vocabulary and latent shape, the model's length), so the run's config.yaml and every checkpoint's
+    # record them.
     resolved = dataclasses.replace(
         cfg, data=data_cfg, model=dataclasses.replace(cfg.model, vocab_size=model.vocab_size)
     )
