@@ -67,6 +67,7 @@ class Environment:
     fused_adamw: bool = True  # torch's fused AdamW kernel works on `device`
     native_bf16: bool = False  # bf16 matmuls in hardware (a CUDA GPU, or a CPU with AVX512-BF16/AMX)
     environ: dict[str, str] = field(default_factory=dict)  # the NCCL / torch variables that matter
+    environ_source: str = "the environment"  # where `environ` was read, as findings name it
     resume: str | None = None  # what `mmldlm train --resume` would be given: "auto", a checkpoint path, or none
 
     @property
@@ -79,6 +80,8 @@ NCCL_VARIABLES = (
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "NCCL_ASYNC_ERROR_HANDLING",
     "TORCH_NCCL_ENABLE_MONITORING",
+    "TORCH_NCCL_BLOCKING_WAIT",
+    "NCCL_BLOCKING_WAIT",
 )
 
 
@@ -336,19 +339,19 @@ RULES = {
         *TIMEOUT_FIX,
     ),
     "heartbeat_absurd": Rule(
-        "nccl_env", "error", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC={value} in the environment", HEARTBEAT_WHY, HEARTBEAT_FIX
+        "nccl_env", "error", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC={value} in {source}", HEARTBEAT_WHY, HEARTBEAT_FIX
     ),
     "heartbeat_short": Rule(
         "nccl_env",
         "warning",
-        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC={value} is below distributed.timeout_minutes ({timeout_s:g} s)",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC={value} in {source} is below distributed.timeout_minutes ({timeout_s:g} s)",
         HEARTBEAT_WHY,
         HEARTBEAT_FIX,
     ),
     "async_errors_off": Rule(
         "nccl_env",
         "error",
-        "{name}=0 in the environment",
+        "{name}=0 in {source}",
         "a collective that times out then leaves the process hanging instead of tearing it "
         "down, so torchrun never sees a failure and never restarts",
         "unset {name} (the trainer and scripts/launch.sh set it to 1)",
@@ -356,9 +359,18 @@ RULES = {
     "monitoring_off": Rule(
         "nccl_env",
         "warning",
-        "TORCH_NCCL_ENABLE_MONITORING=0 in the environment",
+        "TORCH_NCCL_ENABLE_MONITORING=0 in {source}",
         "without the heartbeat monitor a rank whose NCCL watchdog is stuck is never killed",
         "unset TORCH_NCCL_ENABLE_MONITORING",
+    ),
+    "blocking_wait": Rule(
+        "nccl_env",
+        "warning",
+        "{name}=1 in {source}",
+        "the training thread then blocks on every collective until it finishes, so the CPU no longer "
+        "queues the next kernels while gradients are reduced; a hung collective is already torn down by "
+        "asynchronous error handling (TORCH_NCCL_ASYNC_ERROR_HANDLING=1) within the collective timeout",
+        "unset {name} (or set it to 0)",
     ),
     # The data loader.
     "too_many_workers": Rule(
@@ -722,20 +734,27 @@ def check_timeout(cfg: RunConfig, env: Environment, est: Estimate) -> list[Findi
 
 
 def check_nccl_environment(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
-    findings = []
+    findings, source = [], env.environ_source
     timeout_s = cfg.distributed.timeout_minutes * 60
     heartbeat = env.environ.get("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC")
     if heartbeat is not None:
         seconds = float(heartbeat) if heartbeat.replace(".", "", 1).isdigit() else None
         if seconds is None or seconds > 86400:
-            findings.append(finding("heartbeat_absurd", value=heartbeat, heartbeat=timeout_s + 60))
+            findings.append(finding("heartbeat_absurd", value=heartbeat, heartbeat=timeout_s + 60, source=source))
         elif seconds < timeout_s:
-            findings.append(finding("heartbeat_short", value=heartbeat, timeout_s=timeout_s, heartbeat=timeout_s + 60))
+            findings.append(
+                finding(
+                    "heartbeat_short", value=heartbeat, timeout_s=timeout_s, heartbeat=timeout_s + 60, source=source
+                )
+            )
     for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):
         if env.environ.get(name) == "0":
-            findings.append(finding("async_errors_off", name=name))
+            findings.append(finding("async_errors_off", name=name, source=source))
     if env.environ.get("TORCH_NCCL_ENABLE_MONITORING") == "0":
-        findings.append(finding("monitoring_off"))
+        findings.append(finding("monitoring_off", source=source))
+    for name in ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"):
+        if env.environ.get(name) == "1":
+            findings.append(finding("blocking_wait", name=name, source=source))
     return findings
 
 
