@@ -208,6 +208,7 @@ class Launcher:
 
 _VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)")
 _ASSIGNMENT = re.compile(r"^(\w+)=(.*)$", re.S)
+_ASSIGNED = re.compile(r"(?:^|[\s;&|(])(\w+)=")  # names assigned anywhere in a line
 _OPENERS, _CLOSERS = {"if", "for", "while", "until", "case", "{"}, {"fi", "done", "esac", "}"}
 _RECOGNISED = {"set", "cd", "echo", "mkdir", "source", ".", "exit", "wait"}  # no effect on the settings
 
@@ -263,18 +264,25 @@ def read_launcher(path: Path, cluster: Cluster) -> Launcher:
     variables = {"NNODES": str(cluster.nnodes), "NPROC_PER_NODE": str(cluster.gpus_per_node)}
     launcher = Launcher(path, variables, {}, None, {}, [], [])
     skipped: list[tuple[int, str]] = []  # lines not evaluated, grouped into runs when named
+
+    def skip(number: int, line: str) -> None:
+        skipped.append((number, line))
+        for name in _ASSIGNED.findall(line):  # a value set there is no longer known here
+            if name not in ("NNODES", "NPROC_PER_NODE"):
+                launcher.variables.pop(name, None)
+
     depth, found_command = 0, False
     for number, line in _logical_lines(text):
         try:
             tokens = [t.rstrip(";") for t in shlex.split(line, comments=True)]
         except ValueError:  # unbalanced quotes
-            skipped.append((number, line))
+            skip(number, line)
             continue
         tokens = [t for t in tokens if t]
         opened = sum(t in _OPENERS for t in tokens) - sum(t in _CLOSERS for t in tokens)
         if depth or opened or (tokens and tokens[0] in ("then", "else", "elif", "function")) or "()" in line:
             depth = max(0, depth + opened)
-            skipped.append((number, line))
+            skip(number, line)
             continue
         if not tokens or tokens[0] in _RECOGNISED:
             continue
@@ -284,7 +292,7 @@ def read_launcher(path: Path, cluster: Cluster) -> Launcher:
         elif tokens[0] == "export" or all(_ASSIGNMENT.match(t) for t in tokens):
             _read_assignments(launcher, number, line, tokens)
         else:
-            skipped.append((number, line))
+            skip(number, line)
     if not found_command:
         raise MigrateError(
             f"launcher {path}: not a launcher of the older trainer: no torchrun (or python -m torch.distributed.run) "
@@ -746,6 +754,10 @@ def migrate(config_path: Path, launcher_path: Path | None, cluster: Cluster, out
             base = flatten(compose_older_config(config_path, overrides)[0])
             base_world = _base_world_size(launcher, cluster, notes)
             computed = launcher_values(base, cluster, base_world)
+            notes.append(
+                f"{launcher.path}: {', '.join(launcher.computed)} computed by the launcher: taken from the older "
+                f"launcher's rules for this cluster (docs/migrating.md), BASE_WORLD_SIZE={base_world}"
+            )
             overrides.update({key: computed[key] for key in launcher.computed if key in computed})
     composed, unread_overrides = compose_older_config(config_path, overrides)
     old = flatten(composed)
