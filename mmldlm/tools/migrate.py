@@ -34,7 +34,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mmldlm.config import ConfigError, RunConfig, from_dict, load_config
+from mmldlm.config import ConfigError, RunConfig, flat_keys, from_dict, load_config, to_dict
 from mmldlm.data.tokenizer import load_tokenizer, vocab_size
 from mmldlm.errors import UserError
 from mmldlm.tools.check import (
@@ -210,7 +210,7 @@ _VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)")
 _ASSIGNMENT = re.compile(r"^(\w+)=(.*)$", re.S)
 _ASSIGNED = re.compile(r"(?:^|[\s;&|(])(\w+)=")  # names assigned anywhere in a line
 _OPENERS, _CLOSERS = {"if", "for", "while", "until", "case", "{"}, {"fi", "done", "esac", "}"}
-_RECOGNISED = {"set", "cd", "echo", "mkdir", "source", ".", "exit", "wait"}  # no effect on the settings
+_RECOGNISED = {"set", "cd", "echo", "mkdir", "exit", "wait"}  # no effect on the settings
 
 
 def _logical_lines(text: str) -> list[tuple[int, str]]:
@@ -436,6 +436,7 @@ def _one_line(err: Exception) -> str:
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """{"section.key": value} of the older config; an empty mapping stays a value, so it is named too."""
     out = {}
     for key, value in tree.items():
         if isinstance(value, dict) and value:
@@ -719,15 +720,9 @@ def what_the_written_config_does(f: Finding, cfg: RunConfig, out: Path) -> str:
         return "not a config key: scripts/launch.sh does not export it; leave it out of the environment"
     if not f.changes:
         return f"{out} follows the fix"
-    written = dict(_flat(cfg))
+    written = flat_keys(to_dict(cfg))
     applied = ", ".join(f"{key}={_yaml_value(written[key])}" for key in f.changes)
     return f"{out} has {applied}"
-
-
-def _flat(cfg: RunConfig):
-    for section in dataclasses.fields(cfg):
-        for name, value in dataclasses.asdict(getattr(cfg, section.name)).items():
-            yield f"{section.name}.{name}", value
 
 
 # --------------------------------------------------------------------------------------------------
