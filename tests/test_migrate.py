@@ -250,20 +250,26 @@ def test_the_audit_names_the_critical_issues_of_the_older_files_and_what_the_wri
 
 def test_settings_not_carried_over_unknown_keys_and_unevaluated_shell_lines_are_named(older):
     conf = older / "conf" / "stable_l2t.yaml"
-    conf.write_text(MAIN_CONFIG.replace("  cluster_size: 0\n", "  cluster_size: 0\n  router_temperature: 0.7\n"))
+    changed = MAIN_CONFIG.replace("  cluster_size: 0\n", "  cluster_size: 0\n  router_temperature: 0.7\n")
+    conf.write_text(changed.replace("p_uniform: 0.0", "p_uniform: 0.1").replace("loss_type: l2t", "loss_type: mixed"))
     launcher = older / "launch.sh"
     launcher.write_text(
         LAUNCHER.replace("    training.dtype=bf16 \\\n", "    training.dtype=bf16 \\\n    data.shard=$(hostname) \\\n")
     )
-    report = run(older, nnodes=2)[0].report
+    migration = run(older, nnodes=2)[0]
+    report = migration.report
     assert "model.router_temperature=0.7: unknown key; not read" in report
+    assert "model.p_uniform=0.1 (on in the older run): uniform-token noise" in report
+    assert "loss.loss_type='mixed': no counterpart (known: l2t, t2l, joint); not carried, our default kept" in report
+    assert "loss.loss_type" not in report.split("carried over (older key -> ours):")[1].split("not carried over:")[0]
+    assert migration.config.objective.mode == "random"
     assert "override data.shard=$(hostname) not evaluated; not applied" in report
     assert re.search(r"launch\.sh:9: `WORLD_SIZE=\$\(\(NNODES \* NPROC_PER_NODE\)\)` not evaluated", report)
     assert re.search(r"launch\.sh:19-24: `GPU_MEM=\$\(nvidia-smi .*` not evaluated", report)
     assert re.search(r"launch\.sh:26-30: `while \[ .* \]; do` not evaluated", report)
     assert "training.train_batch_size, training.num_train_steps, optimizer.lr" in report  # the rules that stand in
     not_carried = report.split("not carried over:\n")[1].split("\n\n")[0]
-    for key in ("num_residual_streams=2", "latent_timesteps=1000", "p_uniform=0.0", "cluster_size=0", "save_dir="):
+    for key in ("num_residual_streams=2", "latent_timesteps=1000", "t_eps=0.0001", "cluster_size=0", "save_dir="):
         assert key in not_carried
     assert (
         "NCCL_ASYNC_ERROR_HANDLING=1: not carried (scripts/launch.sh sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in report

@@ -457,9 +457,14 @@ class Translation:
     carried: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     unread: list[str] = field(default_factory=list)
+    refused: set[str] = field(default_factory=set)  # older keys named in `unread`, not listed again
 
     def put(self, key: str, value: Any, source: str) -> None:
         self.values[key] = (value, source)
+
+    def refuse(self, key: str, line: str) -> None:
+        self.unread.append(line)
+        self.refused.add(key)
 
 
 def heads_dividing(width: int, heads: int) -> int:
@@ -483,7 +488,8 @@ def translate(old: dict[str, Any], cluster: Cluster, launcher_keys: set[str]) ->
         value = old[key]
         if table is not None:
             if value not in table:
-                out.unread.append(f"{key}={value!r}: no counterpart (known: {', '.join(map(str, table))}); not carried")
+                known = ", ".join(map(str, table))
+                out.refuse(key, f"{key}={value!r}: no counterpart (known: {known}); not carried, our default kept")
                 return
             value = table[value]
         out.put(ours, convert(value), source(key))
@@ -537,13 +543,11 @@ def _translate_model(old: dict, out: Translation, source, carry) -> None:
         )
         out.put("model.num_heads", fitted, source("model.n_heads") + why)
     if "model.cond_dim" in old and old["model.cond_dim"] != width:
-        out.unread.append(
-            f"model.cond_dim={old['model.cond_dim']!r}: our conditioning vector is model.hidden_size={width} wide; "
-            f"not carried"
-        )
-    for key, value in (("model.p_uniform", 0.0), ("model.cluster_size", 0)):
-        if key in old and old[key] != value:
-            out.unread.append(f"{key}={old[key]!r}: on in the older run, no counterpart here (see below); not carried")
+        line = f"model.cond_dim={old['model.cond_dim']!r}: our conditioning vector is model.hidden_size={width} wide"
+        out.refuse("model.cond_dim", line + "; not carried")
+    for key, off in (("model.p_uniform", 0.0), ("model.cluster_size", 0)):
+        if key in old and old[key] != off:  # on in the older run: a change of recipe, not only a dropped key
+            out.refuse(key, f"{key}={old[key]!r} (on in the older run): {OLDER_KEYS[key][len(NOT_CARRIED) :]}")
 
 
 def _translate_batch(old: dict, out: Translation, cluster: Cluster, source) -> None:
@@ -589,6 +593,8 @@ def _translate_run(old: dict, out: Translation, source, carry) -> None:
 def _name_the_rest(old: dict, out: Translation) -> None:
     for key, value in old.items():
         where = OLDER_KEYS.get(key)
+        if key in out.refused:
+            continue
         if where is None:
             out.unread.append(f"{key}={value!r}: unknown key; not read")
         elif where.startswith(NOT_CARRIED):
@@ -736,36 +742,15 @@ class Migration:
 
 
 def migrate(config_path: Path, launcher_path: Path | None, cluster: Cluster, out: Path) -> Migration:
-    raw_old = flatten(compose_older_config(config_path, {})[0])
     launcher = read_launcher(launcher_path, cluster) if launcher_path is not None else None
-    overrides, notes = {}, []
-    if launcher is not None:
-        overrides = dict(launcher.overrides)
-        if launcher.config_name not in (None, config_path.stem):
-            notes.append(
-                f"{launcher.path}: --config-name {launcher.config_name}, not {config_path.stem}: read {config_path}"
-            )
-        if launcher.computed:
-            base = flatten(compose_older_config(config_path, overrides)[0])
-            base_world = _base_world_size(launcher, cluster, notes)
-            computed = launcher_values(base, cluster, base_world)
-            notes.append(
-                f"{launcher.path}: {', '.join(launcher.computed)} computed by the launcher: taken from the older "
-                f"launcher's rules for this cluster (docs/migrating.md), BASE_WORLD_SIZE={base_world}"
-            )
-            overrides.update({key: computed[key] for key in launcher.computed if key in computed})
-    composed, unread_overrides = compose_older_config(config_path, overrides)
-    old = flatten(composed)
-    notes += [f"{launcher_path}: {line}" for line in unread_overrides]
-    launcher_keys = set(launcher.computed) if launcher is not None else set()
-    translation = translate(old, cluster, launcher_keys)
+    raw_old, old, notes = read_older_run(config_path, launcher, cluster)
+    translation = translate(old, cluster, set(launcher.computed) if launcher is not None else set())
     cfg = our_config(translation)
     env = _environment(cluster, launcher)
     sized = _with_vocab_of(cfg, translation.prepare.get("--tokenizer"))  # for the memory estimates
     generic = [f for f in audit(older_as_ours(sized, old), env)[0] if f.severity != "info"]
-    findings = sorted(
-        generic + older_findings(sized, old, raw_old, launcher, env), key=lambda f: SEVERITY_ORDER[f.severity]
-    )
+    findings = generic + older_findings(sized, old, raw_old, launcher, env)
+    findings.sort(key=lambda f: SEVERITY_ORDER[f.severity])
     header = [
         f"Imported by `mmldlm migrate` from {config_path}" + (f" and {launcher_path}" if launcher_path else ""),
         f"for {_cluster_words(cluster)}; each key's comment names the older setting it comes from.",
@@ -777,6 +762,31 @@ def migrate(config_path: Path, launcher_path: Path | None, cluster: Cluster, out
     remaining = audit(_with_vocab_of(written, translation.prepare.get("--tokenizer")), _environment(cluster, None))[0]
     report = _report(config_path, launcher, cluster, out, translation, notes, findings, remaining, env, sized)
     return Migration(report, written)
+
+
+def read_older_run(config_path: Path, launcher: Launcher | None, cluster: Cluster) -> tuple[dict, dict, list[str]]:
+    """(the config as written, the config as the launcher runs it on `cluster`, notes on what was not read),
+    both flat. The launcher's literal overrides apply as they are; those it computes follow its rules."""
+    raw_old = flatten(compose_older_config(config_path, {})[0])
+    if launcher is None:
+        return raw_old, raw_old, []
+    overrides, notes = dict(launcher.overrides), []
+    if launcher.config_name not in (None, config_path.stem):
+        notes.append(
+            f"{launcher.path}: --config-name {launcher.config_name}, not {config_path.stem}: read {config_path}"
+        )
+    if launcher.computed:
+        base = flatten(compose_older_config(config_path, overrides)[0])
+        base_world = _base_world_size(launcher, cluster, notes)
+        computed = launcher_values(base, cluster, base_world)
+        notes.append(
+            f"{launcher.path}: {', '.join(launcher.computed)} computed by the launcher: taken from the older "
+            f"launcher's rules for this cluster (docs/migrating.md), BASE_WORLD_SIZE={base_world}"
+        )
+        overrides.update({key: computed[key] for key in launcher.computed if key in computed})
+    composed, unread_overrides = compose_older_config(config_path, overrides)
+    notes += [f"{launcher.path}: {line}" for line in unread_overrides]
+    return raw_old, flatten(composed), notes
 
 
 def _base_world_size(launcher: Launcher, cluster: Cluster, notes: list[str]) -> int:
