@@ -737,8 +737,56 @@ def what_the_written_config_does(f: Finding, cfg: RunConfig, out: Path) -> str:
 
 @dataclass
 class Migration:
-    report: str  # what to print
+    """What `migrate` read, wrote and found; `report` is what the command prints."""
+
+    config_path: Path
+    launcher: Launcher | None
+    cluster: Cluster
+    out: Path
+    translation: Translation
+    notes: list[str]  # what was not read, besides the translation's and the launcher's own
+    findings: list[Finding]  # the audit of the older run
+    remaining: list[Finding]  # `mmldlm check` on the written config
+    env: Environment
+    sized: RunConfig  # the written config with the older tokenizer's vocabulary, for the estimates
     config: RunConfig  # the written config
+
+    @property
+    def report(self) -> str:
+        launcher, out = self.launcher, self.out
+        lines = [f"migrate: {self.config_path}" + (f" + {launcher.path}" if launcher else "")]
+        lines[0] += f" for {_cluster_words(self.cluster)}"
+        lines.append(describe(self.env, estimate(self.sized, self.env), self.sized))
+        lines.append(f"\nwrote {out}; carried over (older key -> ours):")
+        lines += [f"  {line}" for line in self.translation.carried]
+        lines.append("\nnot carried over:")
+        lines += [f"  {line}" for line in self.translation.dropped]
+        unread = self.unread()
+        lines.append("\nnot read or not evaluated (named, not applied):" if unread else "\nnothing left unread")
+        lines += [f"  {line}" for line in unread]
+        lines.append(f"\naudit of the older run ({len(self.findings)} finding(s)):")
+        for f in self.findings:
+            lines.append(format_finding(f) + f"\n    written: {what_the_written_config_does(f, self.sized, out)}")
+        lines.append("\nwhat the older training code got wrong, which our trainer does right by construction:")
+        lines += [f"  - {line}" for line in FIXED_BY_CONSTRUCTION]
+        serious = [f for f in self.remaining if f.severity in ("error", "warning")]
+        verdict = f"{len(serious)} to look at" if serious else "clean"
+        lines.append(f"\n`mmldlm check` on {out} for this cluster: {verdict}")
+        lines += [format_finding(f) for f in serious]
+        lines.append("\nnext:")
+        lines += [f"  {line}" for line in next_commands(self.translation, launcher, self.cluster, out)]
+        return "\n".join(lines)
+
+    def unread(self) -> list[str]:
+        lines = self.translation.unread + self.notes
+        if self.launcher is not None:
+            lines += self.launcher.unread
+            lines += [
+                f"{self.launcher.path}: exports {name}={value}: not carried ({EXPORTS_HANDLED[name]})"
+                for name, value in self.launcher.exports.items()
+                if name in EXPORTS_HANDLED
+            ]
+        return lines
 
 
 def migrate(config_path: Path, launcher_path: Path | None, cluster: Cluster, out: Path) -> Migration:
@@ -760,8 +808,7 @@ def migrate(config_path: Path, launcher_path: Path | None, cluster: Cluster, out
     out.write_text(config_text(translation, header))
     written = load_config(out)
     remaining = audit(_with_vocab_of(written, translation.prepare.get("--tokenizer")), _environment(cluster, None))[0]
-    report = _report(config_path, launcher, cluster, out, translation, notes, findings, remaining, env, sized)
-    return Migration(report, written)
+    return Migration(config_path, launcher, cluster, out, translation, notes, findings, remaining, env, sized, written)
 
 
 def read_older_run(config_path: Path, launcher: Launcher | None, cluster: Cluster) -> tuple[dict, dict, list[str]]:
@@ -829,39 +876,6 @@ def _cluster_words(cluster: Cluster) -> str:
         f"{cluster.nnodes} node(s) x {cluster.gpus_per_node} GPU(s) of {cluster.gpu_memory_gib:g} GiB, "
         f"{cluster.cpus_per_node} CPUs per node"
     )
-
-
-def _report(config_path, launcher, cluster, out, translation, notes, findings, remaining, env, cfg) -> str:
-    lines = [
-        f"migrate: {config_path}" + (f" + {launcher.path}" if launcher else "") + f" for {_cluster_words(cluster)}"
-    ]
-    lines.append(describe(env, estimate(cfg, env), cfg))
-    lines.append(f"\nwrote {out}; carried over (older key -> ours):")
-    lines += [f"  {line}" for line in translation.carried]
-    lines.append("\nnot carried over:")
-    lines += [f"  {line}" for line in translation.dropped]
-    unread = translation.unread + notes + (launcher.unread if launcher else [])
-    if launcher is not None:
-        unread += [
-            f"{launcher.path}: exports {name}={value}: not carried ({EXPORTS_HANDLED[name]})"
-            for name, value in launcher.exports.items()
-            if name in EXPORTS_HANDLED
-        ]
-    lines.append("\nnot read or not evaluated (named, not applied):" if unread else "\nnothing left unread")
-    lines += [f"  {line}" for line in unread]
-    lines.append(f"\naudit of the older run ({len(findings)} finding(s)):")
-    for f in findings:
-        lines.append(format_finding(f) + f"\n    written: {what_the_written_config_does(f, cfg, out)}")
-    lines.append("\nwhat the older training code got wrong, which our trainer does right by construction:")
-    lines += [f"  - {line}" for line in FIXED_BY_CONSTRUCTION]
-    serious = [f for f in remaining if f.severity in ("error", "warning")]
-    lines.append(
-        f"\n`mmldlm check` on {out} for this cluster: " + (f"{len(serious)} to look at" if serious else "clean")
-    )
-    lines += [format_finding(f) for f in serious]
-    lines.append("\nnext:")
-    lines += [f"  {line}" for line in next_commands(translation, launcher, cluster, out)]
-    return "\n".join(lines)
 
 
 def next_commands(translation: Translation, launcher: Launcher | None, cluster: Cluster, out: Path) -> list[str]:
