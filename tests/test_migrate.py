@@ -9,6 +9,8 @@ import re
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
 
 from mmldlm import cli
 from mmldlm.config import load_config
@@ -341,3 +343,15 @@ def test_the_head_count_is_rounded_to_the_nearest_divisor_with_an_even_head_dim(
 def test_every_older_key_has_a_row_in_the_docs_table():
     rows = set(re.findall(r"^\| `([\w.]+)` \|", DOCS.read_text(), re.M))
     assert set(OLDER_KEYS) <= rows, sorted(set(OLDER_KEYS) - rows)
+
+
+def test_the_memory_estimates_read_the_older_tokenizers_vocabulary_where_it_is_here(older):
+    folder = older / "bert-base-uncased"
+    folder.mkdir()
+    Tokenizer(WordLevel({f"w{i}": i for i in range(30522)}, unk_token="w0")).save(str(folder / "tokenizer.json"))
+    conf = older / "conf" / "stable_l2t.yaml"
+    conf.write_text(MAIN_CONFIG.replace("/store/models/bert-base-uncased", str(folder)))
+    migration = run(older)[0]
+    assert "(vocab 30524)" in migration.report  # + [PAD] and [MASK], as prepare adds them
+    assert "not readable here" not in migration.report
+    assert migration.config.model.vocab_size is None  # the written config takes it from the prepared data

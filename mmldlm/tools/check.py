@@ -1310,10 +1310,10 @@ def format_finding(f: Finding) -> str:
 
 def describe(env: Environment, est: Estimate, cfg: RunConfig) -> str:
     where = "GPU" if env.device == "cuda" else "RAM"
+    disk = "free disk not known" if math.isinf(env.free_disk_gib) else f"{env.free_disk_gib:.1f} GiB free disk"
     return (
         f"environment: {env.device}, {env.cpus} CPU(s) (load {env.load:.1f}), {env.nproc_per_node} process(es) x "
-        f"{env.nnodes} node(s), {env.device_memory_gib:.1f} GiB {where} per process, {env.free_disk_gib:.1f} GiB "
-        f"free disk\n"
+        f"{env.nnodes} node(s), {env.device_memory_gib:.1f} GiB {where} per process, {disk}\n"
         f"model: {est.num_params / 1e6:.2f}M parameters (vocab {est.vocab_size}); estimated "
         f"{est.memory_gib(_micro_for_estimate(cfg, env)):.2f} GiB per process at micro-batch "
         f"{_micro_for_estimate(cfg, env)} ({est.seq_len:.1f} text positions per sample: {est.seq_len_source}); "

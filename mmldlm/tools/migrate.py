@@ -796,6 +796,11 @@ def migrate(config_path: Path, launcher_path: Path | None, cluster: Cluster, out
     cfg = our_config(translation)
     env = _environment(cluster, launcher)
     sized = _with_vocab_of(cfg, translation.prepare.get("--tokenizer"))  # for the memory estimates
+    if sized.model.vocab_size is None:
+        notes.append(
+            f"tokenizer {translation.prepare.get('--tokenizer')}: not readable here; the memory estimates take a "
+            f"vocabulary of {sized.data.vocab_size} (prepare reads the real one)"
+        )
     generic = [f for f in audit(older_as_ours(sized, old), env)[0] if f.severity != "info"]
     findings = generic + older_findings(sized, old, raw_old, launcher, env)
     findings.sort(key=lambda f: SEVERITY_ORDER[f.severity])
