@@ -355,3 +355,12 @@ def test_the_memory_estimates_read_the_older_tokenizers_vocabulary_where_it_is_h
     assert "(vocab 30524)" in migration.report  # + [PAD] and [MASK], as prepare adds them
     assert "not readable here" not in migration.report
     assert migration.config.model.vocab_size is None  # the written config takes it from the prepared data
+
+
+def test_launcher_values_are_evaluated_only_where_every_part_is_known(older):
+    text = LAUNCHER.replace("    training.dtype=bf16 \\\n", "    training.dtype=${DTYPE:-$PRECISION} \\\n")
+    (older / "launch.sh").write_text(text.replace("BASE_WORLD_SIZE=8\n", "BASE_WORLD_SIZE=${BASE:-8}\n"))
+    migration = run(older, nnodes=2)[0]
+    assert "override training.dtype=${DTYPE:-$PRECISION} not evaluated; not applied" in migration.report
+    assert migration.config.train.steps == 500_000  # ${BASE:-8}: the default, 8 / 16 GPUs
+    assert migration.launcher.variables["MASTER_PORT"] == "29600"

@@ -239,9 +239,10 @@ def _evaluate(value: str, variables: dict[str, str]) -> str | None:
         name = match.group(1) or match.group(3)
         if name in variables:
             return variables[name]
-        if match.group(2) is not None:
-            return _evaluate(match.group(2), variables) or ""
-        raise KeyError(name)
+        default = None if match.group(2) is None else _evaluate(match.group(2), variables)
+        if default is None:
+            raise KeyError(name)
+        return default
 
     try:
         result = _VARIABLE.sub(substitute, value)
