@@ -5,9 +5,10 @@ resolved, both by hydra-core and OmegaConf) and, optionally, the bash launcher t
 1. writes our run config: every older setting with a counterpart (OLDER_KEYS says where each goes), with
    batch, learning rate, warmup, steps and frequencies as the older launcher computes them for the
    cluster given (`launcher_values`); one line for each setting not carried over and why;
-2. audits the older files for the critical issues of the optimization plan, each as a `mmldlm check`
-   finding (the rules are in mmldlm/tools/check.py; the older run is audited as our config with the
-   older values, plus the rules only an older file can break), and says what the written config does;
+2. audits the older files for the critical issues (timeouts, NCCL variables, loader, memory, retention),
+   each as a `mmldlm check` finding (the rules are in mmldlm/tools/check.py; the older run is audited as
+   our config with the older values, plus the rules only an older file can break), and says what the
+   written config does;
 3. prints the `mmldlm prepare --legacy-*` and `mmldlm train` / `scripts/launch.sh` lines to run next.
 
 Nothing is dropped silently: an older key without an entry in OLDER_KEYS, a value without a counterpart
