@@ -41,6 +41,7 @@ from mmldlm.errors import UserError
 from mmldlm.tools.check import (
     SEVERITY_ORDER,
     Environment,
+    Estimate,
     Finding,
     apply_changes,
     audit,
@@ -658,27 +659,21 @@ def older_as_ours(cfg: RunConfig, old: dict[str, Any]) -> RunConfig:
 
 
 def older_findings(cfg: RunConfig, old: dict, raw_old: dict, launcher: Launcher | None, env: Environment) -> list:
-    """The findings only the older files can give, as `mmldlm check` findings (rules in check.py)."""
-    theirs = older_as_ours(cfg, old)
-    est = estimate(theirs, env)
+    """The findings only the older files can give, as `mmldlm check` findings (rules in check.py): of the
+    launcher (its collective timeout, its LR and warmup rules), then of the config."""
+    est = estimate(older_as_ours(cfg, old), env)
+    return _launcher_findings(cfg, raw_old, launcher, env) + _config_findings(cfg, old, est, env)
+
+
+def _launcher_findings(cfg: RunConfig, raw_old: dict, launcher: Launcher | None, env: Environment) -> list:
+    if launcher is None:
+        return []
     findings = []
-    if launcher is not None and "NCCL_TIMEOUT" in launcher.exports:
+    if "NCCL_TIMEOUT" in launcher.exports:
         value = launcher.exports["NCCL_TIMEOUT"]
         hours = float(value) / 3600 if value.isdigit() else float("nan")
         findings.append(finding("older_collective_timeout", value=value, hours=hours, source=env.environ_source))
-    if cfg.model.max_seq_len >= LONG_TEXTS:
-        micro = cfg.train.micro_batch_size
-        findings.append(
-            finding(
-                "older_no_checkpointing",
-                length=cfg.model.max_seq_len,
-                micro=micro,
-                need=est.memory_gib(micro),
-                activations=est.activations_gib_per_sample * 1024,
-                memory=env.device_memory_gib,
-            )
-        )
-    if launcher is not None and launcher.computed:
+    if launcher.computed:
         findings.append(
             finding(
                 "older_lr_rules",
@@ -692,33 +687,28 @@ def older_findings(cfg: RunConfig, old: dict, raw_old: dict, launcher: Launcher 
                 steps=cfg.train.steps,
             )
         )
+    return findings
+
+
+def _config_findings(cfg: RunConfig, old: dict, est: Estimate, env: Environment) -> list:
+    findings = []
+    if cfg.model.max_seq_len >= LONG_TEXTS:
+        micro = cfg.train.micro_batch_size
+        values = dict(length=cfg.model.max_seq_len, micro=micro, memory=env.device_memory_gib)
+        activations = est.activations_gib_per_sample * 1024
+        findings.append(
+            finding("older_no_checkpointing", need=est.memory_gib(micro), activations=activations, **values)
+        )
     if "logging.save_freq" in old:
         saved = math.ceil(cfg.train.steps / cfg.checkpoint.every)
-        findings.append(
-            finding(
-                "older_retention",
-                key="logging.save_freq",
-                every=old["logging.save_freq"],
-                saved=saved,
-                each=est.checkpoint_gib,
-                total=saved * est.checkpoint_gib,
-                steps=cfg.train.steps,
-            )
-        )
+        values = dict(every=old["logging.save_freq"], saved=saved, each=est.checkpoint_gib, steps=cfg.train.steps)
+        findings.append(finding("older_retention", key="logging.save_freq", total=saved * est.checkpoint_gib, **values))
     if "optimizer.use_fused" in old:
         findings.append(finding("older_fused", value=str(old["optimizer.use_fused"]).lower()))
-    heads = old.get("model.n_heads")
-    if heads is not None and heads != cfg.model.num_heads:
-        findings.append(
-            finding(
-                "older_heads",
-                {"model.num_heads": cfg.model.num_heads},
-                heads=heads,
-                width=cfg.model.hidden_size,
-                fitted=cfg.model.num_heads,
-                head_dim=cfg.model.hidden_size // cfg.model.num_heads,
-            )
-        )
+    heads, width, fitted = old.get("model.n_heads"), cfg.model.hidden_size, cfg.model.num_heads
+    if heads is not None and heads != fitted:
+        values = dict(heads=heads, width=width, fitted=fitted, head_dim=width // fitted)
+        findings.append(finding("older_heads", {"model.num_heads": fitted}, **values))
     return findings
 
 
