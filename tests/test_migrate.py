@@ -364,3 +364,15 @@ def test_launcher_values_are_evaluated_only_where_every_part_is_known(older):
     assert "override training.dtype=${DTYPE:-$PRECISION} not evaluated; not applied" in migration.report
     assert migration.config.train.steps == 500_000  # ${BASE:-8}: the default, 8 / 16 GPUs
     assert migration.launcher.variables["MASTER_PORT"] == "29600"
+
+
+def test_the_command_writes_the_config_and_prints_the_report(older, capsys):
+    out = older / "configs" / "imported.yaml"
+    argv = ["migrate", str(older / "conf" / "stable_l2t.yaml"), "--launcher", str(older / "launch.sh")]
+    assert cli.main([*argv, "--nnodes", "2", "--cpus-per-node", "32", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"migrate: {older / 'conf' / 'stable_l2t.yaml'} + {older / 'launch.sh'} for 2 node(s)")
+    assert "\nnext:\n  mmldlm prepare --legacy-tokens" in printed
+    text = out.read_text()
+    assert "  num_heads: 16  # model.n_heads=24; 24 does not divide 1024" in text
+    assert "  global_batch_size: 64  # 4 per GPU x accumulation 1 x 16 GPUs" in text
