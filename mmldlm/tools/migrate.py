@@ -66,11 +66,11 @@ OLDER_KEYS = {
     "data.val_ratio": "prepare --val-fraction",
     "data.max_val_samples": NOT_CARRIED + "the validation split is the whole disjoint val split prepare writes "
     "(--val-fraction); evaluation reads eval.num_elbo_batches x eval.batch_size of it",
-    "data.num_workers": "data.num_workers",
+    "data.num_workers": "data.num_workers, written null (min(8, CPUs // GPUs per node); see the audit)",
     "data.max_length": "data.max_length",
     "model.hidden_size": "model.hidden_size",
     "model.n_blocks": "model.num_blocks",
-    "model.n_heads": "model.num_heads",
+    "model.n_heads": "model.num_heads, rounded to a divisor of the width (see the audit)",
     "model.cond_dim": "model.hidden_size (the conditioning vector is as wide as the blocks)",
     "model.max_seq_len": "model.max_seq_len",
     "model.dropout": "model.dropout",
@@ -108,13 +108,13 @@ OLDER_KEYS = {
     "optimizer.beta2": "optim.betas",
     "optimizer.eps": "optim.eps",
     "optimizer.grad_clip_norm": "optim.grad_clip",
-    "optimizer.use_fused": "optim.fused",
+    "optimizer.use_fused": "optim.fused, written auto (see the audit)",
     "logging.run_name": "train.run_dir (runs/RUN_NAME) and data.path (data/prepared/RUN_NAME)",
     "logging.save_dir": NOT_CARRIED + "it holds the older checkpoints, which our trainer does not read; "
     "checkpoints go to train.run_dir/checkpoints",
     "logging.log_freq": "train.log_every",
     "logging.eval_freq": "eval.every",
-    "logging.save_freq": "checkpoint.every",
+    "logging.save_freq": "checkpoint.every, with checkpoint.keep_last 3 (see the audit)",
     "logging.wandb_project": "logging.wandb_project (logging.wandb=true after `pip install wandb`: offline "
     "into RUN/wandb/)",
 }
