@@ -24,6 +24,11 @@ COMMANDS = {
     "train": ("train", "train a model (under torchrun for many processes/nodes); --resume auto continues a run"),
     "monitor": ("monitor", "follow a run's metrics.jsonl: status, alerts, health report (JSON), plot (PNG)"),
     "check": ("check", "audit a config and its environment for critical issues; --fix writes a corrected config"),
+    "migrate": (
+        "migrate",
+        "take a run of the older codebase over: its Hydra config and launcher -> our run config, an audit, "
+        "the next commands",
+    ),
     "sample": ("sample", "text from latents (l2t), latents from text (t2l) or both (joint) from a trained run"),
     "eval": (
         "evaluate",

@@ -55,6 +55,9 @@ def test_a_clean_config_has_no_error_or_warning(tmp_path):
         (["distributed.timeout_minutes=1"], {}, [("timeout", "warning")]),
         ([], {"environ": {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "11923200"}}, [("nccl_env", "error")]),
         ([], {"environ": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}}, [("nccl_env", "error")]),
+        ([], {"environ": {"NCCL_BLOCKING_WAIT": "1"}}, [("nccl_env", "warning")]),
+        ([], {"environ": {"TORCH_NCCL_BLOCKING_WAIT": "1"}}, [("nccl_env", "warning")]),
+        ([], {"environ": {"TORCH_NCCL_ENABLE_MONITORING": "0"}}, [("nccl_env", "warning")]),
         (["data.num_workers=16"], {}, [("loader_workers", "warning")]),
         (["data.prefetch_factor=null"], {}, [("loader_prefetch", "warning")]),
         (["data.persistent_workers=false"], {}, [("loader_persistence", "warning")]),
@@ -276,3 +279,17 @@ def test_the_load_is_read_from_the_machine_unless_given(tmp_path, monkeypatch):
     env = detect_environment(cfg)  # the machine's load, on the share of its CPUs that this process may use
     assert env.load == pytest.approx(1.5 * env.cpus / os.cpu_count())
     assert detect_environment(cfg, load=0.25).load == 0.25
+
+
+def test_blocking_wait_and_monitoring_off_in_this_shell_are_read_and_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("NCCL_BLOCKING_WAIT", "1")
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
+    monkeypatch.setenv("TORCH_NCCL_ENABLE_MONITORING", "0")
+    cfg = load_config(None, [*CLEAN, f"train.run_dir={tmp_path / 'run'}"])
+    env = detect_environment(cfg)
+    messages = [f.message for f in audit(cfg, env)[0] if f.rule == "nccl_env"]
+    assert messages == [
+        "TORCH_NCCL_ENABLE_MONITORING=0 in the environment",
+        "TORCH_NCCL_BLOCKING_WAIT=1 in the environment",
+        "NCCL_BLOCKING_WAIT=1 in the environment",
+    ]

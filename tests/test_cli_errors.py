@@ -35,6 +35,14 @@ REFUSED = {
         "--seq-len: got 0; expected an integer in [1, 64] (model.max_seq_len of 'tiny')",
     ),
     "bench-steps": (["bench", "--steps", "0"], "--steps: got 0; expected an integer >= 1"),
+    "migrate-nnodes": (
+        ["migrate", "old.yaml", "--out", "OUT", "--nnodes", "0"],
+        "--nnodes: got 0; expected an integer >= 1",
+    ),
+    "migrate-gpu-memory": (
+        ["migrate", "old.yaml", "--out", "OUT", "--gpu-memory-gib", "0"],
+        "--gpu-memory-gib: got 0.0; expected a number of GiB > 0",
+    ),
     "bench-memory-cap": (
         ["bench", "--memory-cap-gib", "-1"],
         "--memory-cap-gib: got -1.0; expected a number of GiB > 0",

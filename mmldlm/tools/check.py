@@ -68,6 +68,7 @@ class Environment:
     fused_adamw: bool = True  # torch's fused AdamW kernel works on `device`
     native_bf16: bool = False  # bf16 matmuls in hardware (a CUDA GPU, or a CPU with AVX512-BF16/AMX)
     environ: dict[str, str] = field(default_factory=dict)  # the NCCL / torch variables that matter
+    environ_source: str = "the environment"  # where `environ` was read, as findings name it
     resume: str | None = None  # what `mmldlm train --resume` would be given: "auto", a checkpoint path, or none
 
     @property
@@ -80,6 +81,8 @@ NCCL_VARIABLES = (
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "NCCL_ASYNC_ERROR_HANDLING",
     "TORCH_NCCL_ENABLE_MONITORING",
+    "TORCH_NCCL_BLOCKING_WAIT",
+    "NCCL_BLOCKING_WAIT",
 )
 
 
@@ -361,19 +364,19 @@ RULES = {
         *TIMEOUT_FIX,
     ),
     "heartbeat_absurd": Rule(
-        "nccl_env", "error", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC={value} in the environment", HEARTBEAT_WHY, HEARTBEAT_FIX
+        "nccl_env", "error", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC={value} in {source}", HEARTBEAT_WHY, HEARTBEAT_FIX
     ),
     "heartbeat_short": Rule(
         "nccl_env",
         "warning",
-        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC={value} is below distributed.timeout_minutes ({timeout_s:g} s)",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC={value} in {source} is below distributed.timeout_minutes ({timeout_s:g} s)",
         HEARTBEAT_WHY,
         HEARTBEAT_FIX,
     ),
     "async_errors_off": Rule(
         "nccl_env",
         "error",
-        "{name}=0 in the environment",
+        "{name}=0 in {source}",
         "a collective that times out then leaves the process hanging instead of tearing it "
         "down, so torchrun never sees a failure and never restarts",
         "unset {name} (the trainer and scripts/launch.sh set it to 1)",
@@ -381,9 +384,18 @@ RULES = {
     "monitoring_off": Rule(
         "nccl_env",
         "warning",
-        "TORCH_NCCL_ENABLE_MONITORING=0 in the environment",
+        "TORCH_NCCL_ENABLE_MONITORING=0 in {source}",
         "without the heartbeat monitor a rank whose NCCL watchdog is stuck is never killed",
         "unset TORCH_NCCL_ENABLE_MONITORING",
+    ),
+    "blocking_wait": Rule(
+        "nccl_env",
+        "warning",
+        "{name}=1 in {source}",
+        "the training thread then blocks on every collective until it finishes, so the CPU no longer "
+        "queues the next kernels while gradients are reduced; a hung collective is already torn down by "
+        "asynchronous error handling (TORCH_NCCL_ASYNC_ERROR_HANDLING=1) within the collective timeout",
+        "unset {name} (or set it to 0)",
     ),
     # The data loader.
     "too_many_workers": Rule(
@@ -712,6 +724,62 @@ RULES = {
         "data.pad_to_multiple=64",
         {"data.pad_to_multiple": 64},
     ),
+    # A run of the older codebase, as `mmldlm migrate` reads its config and launcher (mmldlm/tools/migrate.py):
+    # settings that only the older files can hold.
+    "older_collective_timeout": Rule(
+        "timeout",
+        "warning",
+        "NCCL_TIMEOUT={value} in {source}: the older trainer's collective timeout, {hours:.1f} hours",
+        TIMEOUT_WHY + "; neither torch nor NCCL reads NCCL_TIMEOUT itself",
+        *TIMEOUT_FIX,
+    ),
+    "older_no_checkpointing": Rule(
+        "activation_checkpointing",
+        "warning",
+        "model.max_seq_len={length} with no activation checkpointing: estimated {need:.1f} GiB per GPU at "
+        "micro-batch {micro} ({activations:.0f} MiB of activations per sample) of {memory:g} GiB",
+        "every block keeps its activations for backward, so at this length activations, not weights, decide "
+        "the micro-batch; checkpointing recomputes them in backward and frees room for a larger micro-batch "
+        "(fewer accumulation steps for the same global batch)",
+        "perf.activation_checkpointing=auto (the least of none, selective, full under which the micro-batch "
+        "fits, probed at start-up)",
+        {"perf.activation_checkpointing": "auto"},
+    ),
+    "older_lr_rules": Rule(
+        "lr_schedule",
+        "info",
+        "the launcher computes optimizer.lr={lr:.3g} (from {base_lr}) and training.warmup_steps={warmup} "
+        "(config: {config_warmup}) for an effective batch of {batch} on {world} GPUs and {steps} steps",
+        "the LR follows the square root of effective batch / 32 and warmup 2% of the steps within "
+        "[1000, 5000], both from the cluster's size: the same config is another recipe on another cluster",
+        "optim.lr={lr:.3g}, schedule.warmup_steps={warmup} fixed, with train.global_batch_size={batch}; "
+        "our trainer derives accumulation from the global batch on any cluster, so the recipe stays",
+    ),
+    "older_retention": Rule(
+        "checkpoint_retention",
+        "warning",
+        "{key}={every}: the older trainer keeps every checkpoint, {saved} of about {each:.1f} GiB "
+        "({total:.0f} GiB) over {steps} steps",
+        "the disk fills while the run goes on; a checkpoint write that runs out of space fails the run",
+        "checkpoint.keep_last=3 (and checkpoint.milestone_every=N for checkpoints to keep for good)",
+        {"checkpoint.keep_last": 3},
+    ),
+    "older_fused": Rule(
+        "fused_optimizer",
+        "info",
+        "optimizer.use_fused={value}",
+        "the older trainer stepped AdamW one parameter at a time (the comparison recipe's optim.foreach=false); "
+        "optim.fused=true would fail on a device without the fused kernel",
+        "optim.fused=auto (the fused kernel where the device has it, else foreach)",
+        {"optim.fused": "auto"},
+    ),
+    "older_heads": Rule(
+        "num_heads",
+        "warning",
+        "model.n_heads={heads} does not divide model.hidden_size={width}",
+        "the older block ignored the head count; ours honours it and needs whole heads of an even dim (RoPE)",
+        "model.num_heads={fitted} (head dim {head_dim}: the nearest such head count, ties to fewer heads)",
+    ),
 }
 
 
@@ -747,20 +815,27 @@ def check_timeout(cfg: RunConfig, env: Environment, est: Estimate) -> list[Findi
 
 
 def check_nccl_environment(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
-    findings = []
+    findings, source = [], env.environ_source
     timeout_s = cfg.distributed.timeout_minutes * 60
     heartbeat = env.environ.get("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC")
     if heartbeat is not None:
         seconds = float(heartbeat) if heartbeat.replace(".", "", 1).isdigit() else None
         if seconds is None or seconds > 86400:
-            findings.append(finding("heartbeat_absurd", value=heartbeat, heartbeat=timeout_s + 60))
+            findings.append(finding("heartbeat_absurd", value=heartbeat, heartbeat=timeout_s + 60, source=source))
         elif seconds < timeout_s:
-            findings.append(finding("heartbeat_short", value=heartbeat, timeout_s=timeout_s, heartbeat=timeout_s + 60))
+            findings.append(
+                finding(
+                    "heartbeat_short", value=heartbeat, timeout_s=timeout_s, heartbeat=timeout_s + 60, source=source
+                )
+            )
     for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):
         if env.environ.get(name) == "0":
-            findings.append(finding("async_errors_off", name=name))
+            findings.append(finding("async_errors_off", name=name, source=source))
     if env.environ.get("TORCH_NCCL_ENABLE_MONITORING") == "0":
-        findings.append(finding("monitoring_off"))
+        findings.append(finding("monitoring_off", source=source))
+    for name in ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"):
+        if env.environ.get(name) == "1":
+            findings.append(finding("blocking_wait", name=name, source=source))
     return findings
 
 
@@ -1260,10 +1335,10 @@ def format_finding(f: Finding) -> str:
 
 def describe(env: Environment, est: Estimate, cfg: RunConfig) -> str:
     where = "GPU" if env.device == "cuda" else "RAM"
+    disk = "free disk not known" if math.isinf(env.free_disk_gib) else f"{env.free_disk_gib:.1f} GiB free disk"
     return (
         f"environment: {env.device}, {env.cpus} CPU(s) (load {env.load:.1f}), {env.nproc_per_node} process(es) x "
-        f"{env.nnodes} node(s), {env.device_memory_gib:.1f} GiB {where} per process, {env.free_disk_gib:.1f} GiB "
-        f"free disk\n"
+        f"{env.nnodes} node(s), {env.device_memory_gib:.1f} GiB {where} per process, {disk}\n"
         f"model: {est.num_params / 1e6:.2f}M parameters (vocab {est.vocab_size}); estimated "
         f"{est.memory_gib(_micro_for_estimate(cfg, env)):.2f} GiB per process at micro-batch "
         f"{_micro_for_estimate(cfg, env)} ({est.seq_len:.1f} text positions per sample: {est.seq_len_source}); "
