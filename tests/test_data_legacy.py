@@ -97,6 +97,18 @@ def test_the_model_takes_the_imported_latent_width_and_a_mismatch_names_the_impo
         resolve_for_model(DataConfig(), ModelConfig(latent_dim=384), dataset)
 
 
+def test_max_samples_imports_a_seeded_subset(tmp_path):
+    _, _, samples = make_legacy(tmp_path, 30)
+    meta = prepare(legacy_options(tmp_path, tmp_path / "out", max_samples=12), log=lambda _m: None)["meta"]
+    assert meta["counts"] == {"read": 30, "kept": 12, "over_max_samples": 18}
+    assert meta["splits"]["train"] + meta["splits"]["val"] == 12
+    again = prepare(legacy_options(tmp_path, tmp_path / "again", max_samples=12), log=lambda _m: None)["meta"]
+    assert again["latent_mean"] == meta["latent_mean"]  # the same seeded subset
+    datasets = [open_dataset(tmp_path / "out", split) for split in ("train", "val")]
+    imported = {tuple(d[i][1].tolist()) for d in datasets for i in range(len(d))}
+    assert len(imported) == 12 and imported <= {tuple(ids) for ids, _ in samples.values()}
+
+
 def test_legacy_errors_name_the_file(tmp_path):
     tokens_dir, latents_dir, _ = make_legacy(tmp_path, 4)
     (latents_dir / "doc0002.npy").unlink()

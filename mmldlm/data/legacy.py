@@ -60,6 +60,10 @@ class LegacySource:
     def __len__(self) -> int:
         return len(self.stems)
 
+    def keep(self, indices: np.ndarray) -> None:
+        """Only the samples at `indices` (sorted) from now on: a --max-samples subset."""
+        self.stems = [self.stems[i] for i in indices]
+
     def fingerprint(self, indices: np.ndarray) -> str:
         """The names, sizes and modification times of the files of `indices`: a finished shard is reused
         only while none of its files changed (one stat per file, no read)."""

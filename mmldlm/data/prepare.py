@@ -536,6 +536,10 @@ def _legacy_source(opts: PrepareOptions, ranks: Ranks, say: Callable[[str], None
         )
     )
     counts = {"read": len(source), "kept": len(source)}
+    if opts.max_samples is not None and len(source) > opts.max_samples:
+        source.keep(seeded_subset(len(source), opts.max_samples, opts.seed))
+        counts.update(kept=len(source), over_max_samples=counts["read"] - len(source))
+        say(f"read {counts['read']} samples: kept a seeded {len(source)} (--max-samples)")
     splits = split_indices(len(source), opts.val_fraction, opts.seed)
     extra = {"encoder_normalize": None, "lengths": None}  # not known: the legacy data were made elsewhere
     return tokenizer_json, source, counts, splits, extra
@@ -637,9 +641,13 @@ def _read_corpus(opts: PrepareOptions) -> tuple[list[str], dict]:
             f"{counts['too_long']} longer than {opts.max_chars})"
         )
     if opts.max_samples is not None and len(kept) > opts.max_samples:
-        # A seeded subset in corpus order: the same N samples for a given seed on every rank.
-        chosen = np.sort(np.random.default_rng(opts.seed).permutation(len(kept))[: opts.max_samples])
+        chosen = seeded_subset(len(kept), opts.max_samples, opts.seed)
         counts["over_max_samples"] = len(kept) - opts.max_samples
         kept = [kept[i] for i in chosen]
         counts["kept"] = len(kept)
     return kept, counts
+
+
+def seeded_subset(num_samples: int, max_samples: int, seed: int) -> np.ndarray:
+    """--max-samples: a seeded subset in the input's order, the same N samples for a seed on every rank."""
+    return np.sort(np.random.default_rng(seed).permutation(num_samples)[:max_samples])
