@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from mmldlm.errors import UserError
 from mmldlm.sampling.evaluate import sections
-from mmldlm.sampling.intervals import LEVEL, NUM_RESAMPLES
+from mmldlm.sampling.intervals import LEVEL, NUM_RESAMPLES, POWER
 
 # Sections that score the validation data and the training texts, not the model: the same in both.
 DATA_ONLY = ("references", "nearest_training_text", "joint reference")
@@ -128,6 +128,19 @@ def _difference(recipe, per_a: list[dict], per_b: list[dict], figure: str, names
         raise UserError(f"{figure}: {err}") from None
 
 
+def flags_line(result: dict) -> str:
+    """How many figures differ, beside how many a comparison with no difference at all would flag."""
+    flagged, total = sum(r["significant"] for r in result["rows"]), len(result["rows"])
+    chance = (1.0 - result["level"]) * total
+    return (
+        f"{flagged} of {total} figures differ at {result['level']:.0%}. Where A and B do not differ at all, "
+        f"each figure is flagged with probability {1.0 - result['level']:.0%}, about {chance:.1f} of {total} on "
+        "average (fewer with --a/--b, whose interval is conservative; docs/quality.md, 'Comparing two runs'); "
+        "the figures are dependent (several sections score the same texts, the likelihood appears "
+        "in four forms), so the count varies more than a binomial one"
+    )
+
+
 def markdown(result: dict) -> str:
     """The comparison as a markdown table, one row per figure."""
     several = len(result.get("runs_a", [1])) + len(result.get("runs_b", [1])) > 2
@@ -136,10 +149,13 @@ def markdown(result: dict) -> str:
             f"A = mean of {len(result['runs_a'])} runs ({', '.join(result['runs_a'])}), B = mean of "
             f"{len(result['runs_b'])} runs ({', '.join(result['runs_b'])}); interval: {result['level']:.0%} t interval "
             "from the variance between seeds (pooled over both arms) plus the texts' paired bootstrap variance "
-            f"({result['num_resamples']} resamples); significant: the interval excludes 0",
+            f"({result['num_resamples']} resamples), with the seeds' k_A + k_B - 2 degrees of freedom; significant: "
+            f"the interval excludes 0; detectable: the true difference this interval finds {POWER:.0%} of the time "
+            "(from the estimated spread, itself uncertain with few seeds: a difference below it is not evidence of "
+            "no difference)",
             "",
-            "| figure | n | A | B | A - B | interval | sd between seeds | significant |",
-            "|---|---|---|---|---|---|---|---|",
+            f"| figure | n | A | B | A - B | interval | sd between seeds | detectable at {POWER:.0%} | significant |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
     elif not result.get("paired", True):
         lines = [
@@ -162,13 +178,12 @@ def markdown(result: dict) -> str:
             "|---|---|---|---|---|---|---|",
         ]
     for r in result["rows"]:
-        seed_sd = f" {r['seed_sd']:.3g} |" if several else ""
+        seed_sd = f" {r['seed_sd']:.3g} | {r['detectable']:.3g} |" if several else ""
         lines.append(
             f"| {r['section']} {r['figure']} | {r['n']} | {r['a']:.4g} | {r['b']:.4g} | {r['difference']:+.4g} | "
             f"[{r['low']:+.4g}, {r['high']:+.4g}] |{seed_sd} {'yes' if r['significant'] else 'no'} |"
         )
-    flagged = sum(r["significant"] for r in result["rows"])
-    lines += ["", f"{flagged} of {len(result['rows'])} figures differ at {result['level']:.0%}"]
+    lines += ["", flags_line(result)]
     if result["not_compared"]:
         lines += ["", f"Not in every report, not compared: {', '.join(result['not_compared'])}"]
     if result.get("other_reference"):

@@ -71,7 +71,7 @@ from mmldlm.diffusion import MaskedDiffusion
 from mmldlm.objective import Objective
 from mmldlm.sampling import latent_fidelity as lf
 from mmldlm.sampling import text_metrics as tm
-from mmldlm.sampling.intervals import Corpus, Mean
+from mmldlm.sampling.intervals import Corpus, Mean, Rate
 from mmldlm.sampling.run import TrainedRun, dataset_texts
 from mmldlm.sampling.sampler import SamplingOptions, length_masks
 from mmldlm.sampling.text_metrics import word_f1, words
@@ -130,7 +130,7 @@ ELBO = {
     "latent_loss": Mean("latent_loss"),
 }
 L2T = {
-    "exact_match": Mean("exact"),
+    "exact_match": Rate("exact"),
     "word_f1": Mean("word_f1"),
     "bleu": _bleu("bleu_statistics"),
     "repetition": Mean("repetition", "has_bigram"),
@@ -138,21 +138,21 @@ L2T = {
     "ngram_perplexity": _perplexity("ngram_bits", "ngram_words"),
     "cosine_mean": Mean("cosine"),
 }
-T2L = {"cosine_mean": Mean("cosine"), "retrieval_at_1": Mean("hit")}
-LENGTH = {"accuracy": Mean("correct"), "mean_abs_error": Mean("abs_error")}
+T2L = {"cosine_mean": Mean("cosine"), "retrieval_at_1": Rate("hit")}
+LENGTH = {"accuracy": Rate("correct"), "mean_abs_error": Mean("abs_error")}
 JOINT = {
     "consistency": Mean("consistency"),
     "repetition": Mean("repetition", "has_bigram"),
     "distinct_1": _distinct(1),
     "distinct_2": _distinct(2),
-    "copy_rate": Mean("copied"),
+    "copy_rate": Rate("copied"),
     "ngram_perplexity": _perplexity("ngram_bits", "ngram_words"),
 }
 PAIRS = {"real_pairs": Mean("real_pairs"), "shuffled_pairs": Mean("shuffled_pairs")}
 NEAREST = {
     "word_f1": Mean("word_f1"),
     "bleu": _bleu("bleu_statistics"),
-    "exact_match": Mean("exact"),
+    "exact_match": Rate("exact"),
     "cosine_mean": Mean("cosine"),
 }
 REFERENCES = {
