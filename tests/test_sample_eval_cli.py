@@ -14,8 +14,8 @@ from data_support import trained_run
 from mmldlm.cli import main
 from mmldlm.config import load_config
 from mmldlm.sampling import evaluate, load_run, load_trained, text_metrics
-from mmldlm.sampling.intervals import Rate
 from mmldlm.sampling.evaluate import elbo, val_batches
+from mmldlm.sampling.intervals import Rate
 from mmldlm.training.run import train
 
 RUN = [
