@@ -13,7 +13,7 @@ from mmldlm.sampling.intervals import (
 
 # Coverage: the share of simulated samples whose 95% interval holds the true figure. With 1000 trials a
 # 95% interval covers 93.5-95% here and a 90% one 88-91% (each figure measured at both levels); the
-# band [92.5%, 97%] passes the first and fails the second, and fails an interval 20% too wide (98.5%).
+# band [92.5%, 97%] passes the first and fails the second, and fails an interval 20% too wide (about 98%).
 COVERAGE_BAND = (0.925, 0.97)
 
 
