@@ -615,3 +615,24 @@ def test_a_figure_the_decoder_selects_on_is_labelled_and_measured_without_select
     assert "re-encoded cosine" in summary and "(selected on: max over 2 candidates)" in summary
     assert f"without selection (best of 1) {evaluate.figure_text(plain, 'cosine_mean', '.4f')}" in summary
     assert "eval_l2t_without_selection_cosine_mean_low" in evaluate.flat(report)
+
+
+def test_eval_scores_num_samples_texts_for_the_elbo_and_notes_a_retrieval_pool_of_one(run_dir, tmp_path, capsys):
+    out = tmp_path / "one.json"
+    # one text, as in a run prepared with a single validation text: its retrieval pool holds only itself
+    args = ["eval", "--run", str(run_dir), "--num-samples", "1", "--batch-size", "64", "--retrieval-pool", "1"]
+    assert main([*args, "--no-writing", "--num-t-draws", "2", *FAST, "--out", str(out)]) == 0
+    report, summary = json.loads(out.read_text()), capsys.readouterr().out
+    l2t = report["elbo"]["l2t"]
+    assert l2t["num_samples"] == 1  # not the 64 of one batch
+    assert "t2l retrieval@1 among 1 is 100% by construction: it measures nothing here" in summary
+    assert "Texts: validation" in summary and "(1 validation latents)" in summary
+    # per T + 1 tokens, as an autoregressive model paying for its end of text
+    per_text = l2t["per_text"]
+    tokens = np.asarray(per_text["num_tokens"])
+    assert l2t["nats_per_token_with_end"] == pytest.approx(np.sum(per_text["nats_per_text"]) / (2 * np.sum(tokens + 1)))
+    assert l2t["nats_per_token_with_end"] < l2t["nats_per_token_with_length"]
+    assert l2t["largest_draw_share"] == pytest.approx(
+        np.max(per_text["nats_per_text"]) / np.sum(per_text["nats_per_text"])
+    )
+    assert "bounds no marginal -log p(text)" in summary and "not of the decoder" in summary
