@@ -476,7 +476,13 @@ def test_elbo_is_the_mdlm_training_loss_formula_on_the_same_batch(run_dir):
     logits[..., run.text.mask_token_id] = float("-inf")
     nll = F.cross_entropy(logits, tokens[masked], reduction="none")  # (N,)
     weight = 1.0 / seen["t_text"].clamp_min(run.text.cfg.eps)  # (B,)
-    expected = (nll * weight[:, None].expand_as(masked)[masked]).sum() / pad_mask.sum()
+    # importance-sampled times t = u^2 (none here below eps), each text's nats weighted 2u = 2 sqrt(t)
+    importance = 2.0 * seen["t_text"].double().sqrt()
+    assert (seen["t_text"] > run.text.cfg.eps).all()
+    nats = torch.zeros(masked.shape, dtype=torch.float64).masked_scatter_(
+        masked, (nll * weight[:, None].expand_as(masked)[masked]).double()
+    )
+    expected = (nats.sum(dim=1) * importance).sum() / pad_mask.sum()
     prior = run.text.cfg.eps * math.log(run.val.vocab_size - 1)  # the t = 1 term (masked.py)
     assert report["text_nats_per_token_given_length"] == pytest.approx(expected.item() + prior, rel=1e-5)
     assert report["text_nats_per_token"] == report["text_nats_per_token_given_length"]

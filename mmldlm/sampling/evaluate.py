@@ -1,7 +1,8 @@
 """Evaluation of a trained run on its validation split: likelihood bounds, reconstructions, retrieval.
 
 1. ELBO per mode: the training objective itself (`Objective`, forced to one mode, no condition
-   dropping) on validation batches, averaged over `num_t_draws` draws of t and noise per batch.
+   dropping) on validation batches, averaged over `num_t_draws` draws of t and noise per batch; the
+   text's times importance-sampled and stratified by draw (`importance_times`).
    The text term is MDLM's NELBO (whatever text_diffusion.loss trained with) with its prior and
    reconstruction terms (masked.py), per text. Given the true length it bounds -log p(x | L, latent)
    (`text_nats_per_token_given_length`, also under the older key `text_nats_per_token`). The length
@@ -259,12 +260,16 @@ def _elbo_per_text(run: TrainedRun, objective: Objective, m: int, num_samples, b
     prior = _prior_nats_per_token(run)
     for b, batch in enumerate(val_batches(run, num_samples, batch_size)):
         batch = {k: v.to(run.device) for k, v in batch.items()}
-        draws = [
-            objective(run.model, batch, step=0, generator=_generator(seed, m, b, d))[1] for d in range(num_t_draws)
-        ]
+        draws, weights = [], []
+        for d in range(num_t_draws):
+            generator = _generator(seed, m, b, d)
+            t_text, weight = importance_times(batch["tokens"].shape[0], d, num_t_draws, generator)
+            draws.append(objective(run.model, batch, step=0, generator=generator, t_text=t_text)[1])
+            weights.append(weight)
         if "nats_per_sample" in draws[0]:
-            count = draws[0]["num_tokens_per_sample"].float().clamp_min(1)
-            text.append(torch.stack([d["nats_per_sample"] / count for d in draws], dim=1).cpu() + prior)  # (B, draws)
+            count = draws[0]["num_tokens_per_sample"].float().clamp_min(1).cpu()
+            nats = [d["nats_per_sample"].cpu() * w / count for d, w in zip(draws, weights)]
+            text.append(torch.stack(nats, dim=1) + prior)  # (B, draws)
             tokens.append(count.cpu())
             lengths.append(length_cost(run, objective.cfg.mode, batch))
         if "latent_loss_per_sample" in draws[0]:
@@ -286,6 +291,17 @@ def _elbo_per_text(run: TrainedRun, objective: Objective, m: int, num_samples, b
     if latent:
         per_text["latent_loss"] = torch.cat(latent).numpy()
     return per_text
+
+
+def importance_times(batch_size: int, draw: int, num_draws: int, generator: torch.Generator):
+    """(t (B,) float32, weight (B,) float64): the text's times of draw `draw` of `num_draws` per text, and
+    the weight that keeps the bound's estimate unbiased. The bound integrates f(t) over t in [0, 1], f
+    weighted 1/t: a uniform t rarely lands near 0, and when it does with a masked token one draw holds
+    a large share of the total. Drawn as t = u^2, density q(t) = 1 / (2 sqrt(t)), weight 1 / q(t) = 2u
+    (E_q[f(t) 2u] = the integral of f), u stratified by draw (draw d of D in [d/D, (d+1)/D)): more
+    draws where the weight 1/t is large, each worth less."""
+    u = (draw + torch.rand(batch_size, generator=generator, dtype=torch.float64)) / num_draws
+    return (u**2).float(), 2.0 * u
 
 
 @torch.no_grad()
