@@ -557,7 +557,10 @@ def test_compare_of_a_run_with_itself_finds_no_difference_on_any_figure(run_dir,
         assert row["difference"] == 0.0 and not row["significant"], row
         # a rate that no text (or every text) reaches keeps its exact interval; every other figure is 0
         assert row["low"] == -row["high"] and (row["high"] == 0.0 or row["figure"] in RATES), row
-    assert "| l2t word_f1 | 4 |" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "| l2t word_f1 | 4 |" in table
+    total = len(result["rows"])
+    assert f"0 of {total} figures differ at 95%" in table and f"about {0.05 * total:.1f} of {total} on average" in table
 
 
 def test_compare_of_two_reports_gives_each_figure_its_paired_difference(run_dir, tmp_path, capsys):
@@ -591,7 +594,9 @@ def test_compare_of_two_reports_gives_each_figure_its_paired_difference(run_dir,
     nats = arms[("elbo l2t", "text_nats_per_token")]
     assert nats["a"] == pytest.approx((a + b) / 2) and nats["runs_a"] == 2 and nats["runs_b"] == 1
     assert nats["seed_sd"] == pytest.approx(abs(a - b) / 2**0.5) and nats["low"] < nats["difference"] < nats["high"]
-    assert "A = mean of 2 runs" in table and "| sd between seeds |" in table
+    assert "A = mean of 2 runs" in table and "| sd between seeds | detectable at 80% |" in table
+    # 1 + 2 runs: 1 degree of freedom, the smallest difference found 80% of the time 16.3 standard errors
+    assert nats["df"] == 1 and nats["detectable"] > 16 * (nats["high"] - nats["low"]) / (2 * 12.7)
     assert main(["compare", str(ema), "--a", str(raw), "--b", str(ema)]) == 2
     assert "expected either two runs A B, or --a RUN [RUN ...] and --b RUN [RUN ...]" in capsys.readouterr().err
     # Reports of other texts are refused: the i-th values must belong to the same text.
