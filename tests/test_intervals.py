@@ -332,3 +332,30 @@ def test_a_rate_no_text_reaches_gets_the_exact_upper_bound_not_zero_width():
     same = Rate("exact").difference(none, none)
     assert same.difference == 0.0 and same.low == -same.high == pytest.approx(-est.high) and not same.significant
     assert Rate("exact").unpaired_difference(none, {"exact": np.zeros(64)}).high == pytest.approx(est.high)
+
+
+def test_exchanging_each_texts_values_gives_comparisons_with_no_difference_that_flag_few_figures():
+    from mmldlm.sampling.compare import compare_reports, markdown, null_flags
+    from mmldlm.sampling.evaluate import L2T, T2L, summarise
+
+    rng = np.random.default_rng(11)
+    texts = rng.uniform(0.0, 1.0, 200)
+
+    def report(shift: float) -> dict:
+        noisy = lambda: np.clip(texts + shift + rng.normal(0.0, 0.05, 200), 0, 1)  # noqa: E731
+        return {
+            "texts_sha256": "t",
+            "seed": 0,
+            "l2t": summarise(L2T, {"word_f1": noisy(), "cosine": noisy()}, num_samples=200),
+            "t2l": summarise(T2L, {"cosine": noisy()}, num_samples=200),
+        }
+
+    a, b = report(0.05), report(0.0)
+    result = compare_reports(a, b)
+    assert sum(r["significant"] for r in result["rows"]) == 3  # a true difference on every figure
+    counts = null_flags(a, b, 20)
+    assert len(counts) == 20 and max(counts) <= 1 and null_flags(a, b, 20) == counts  # the same seed, the same
+    result["null_flags"] = counts
+    text = markdown(result)
+    assert "20 comparisons with each text's A and B values exchanged at random (no difference by construction)" in text
+    assert f"flagged {min(counts)} to {max(counts)} of 3" in text

@@ -586,6 +586,7 @@ def test_compare_of_two_reports_gives_each_figure_its_paired_difference(run_dir,
         "| figure | n | A | B | A - B | interval | significant |" in table
         and "| elbo l2t text_nats_per_token | 4 |" in table
     )
+    assert len(result["null_flags"]) == 20 and "Measured on these texts: 20 comparisons" in table
     # Several runs per arm (here the EMA and raw weights stand for two seeds of a recipe): the arms' mean
     # figures, with the spread between the runs in the interval.
     assert main(["compare", "--a", str(ema), str(raw), "--b", str(ema), "--out", str(out)]) == 0
