@@ -49,7 +49,7 @@ hold the first scale's figures.
 7. Intervals: every figure is a statistic of per-text values (a mean, a ratio such as nats per token, or
    a figure of the texts as a whole such as corpus BLEU); each section keeps those values (`per_text`),
    and each figure `name` has `name_interval` [low, high], the 95% percentile bootstrap over the section's
-   `num_samples` texts (intervals.py; the ELBO's also over its `num_t_draws` draws per text). `SECTIONS`
+   `num_samples` texts, each with its `num_t_draws` draws for the ELBO (intervals.py). `SECTIONS`
    names the recipe of every figure; `mmldlm compare` applies the same recipes to two reports, paired.
 8. Selection: a decoder that keeps the candidate whose re-encoding is closest to the target (best_of > 1,
    correction rounds) maximises the l2t cosine and the joint consistency over its candidates. Those
@@ -190,8 +190,8 @@ SECTIONS = {
 
 def summarise(figures: dict, per_text: dict, **fixed) -> dict:
     """A report section: `fixed` entries, then each figure of `figures` whose per-text values are at
-    hand as `name` and `name_interval` [low, high] (95% bootstrap over the texts, and over the draws of
-    2-D values), and the per-text values themselves under `per_text` (`mmldlm compare` reads them)."""
+    hand as `name` and `name_interval` [low, high] (95% bootstrap over the texts, each with its draws
+    for 2-D values; intervals.py), and the per-text values themselves under `per_text` (`mmldlm compare` reads them)."""
     out = dict(fixed)
     for name, recipe in figures.items():
         if all(key in per_text for key in recipe.keys):
