@@ -101,3 +101,16 @@ def test_importance_sampled_times_keep_the_bound_unbiased_and_tame_its_largest_d
     assert uniform.mean().item() == pytest.approx(80.0, rel=0.01)
     assert weighted.mean(dim=1).std() < 0.75 * uniform.mean(dim=1).std()  # each text's estimate: 28 against 42
     assert weighted.max() < 0.2 * uniform.max()  # the largest draw: 525 nats against 5000
+
+
+def test_the_times_study_prints_both_schemes(capsys, monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))
+    from elbo_times_study import main as study
+
+    assert study(["--evaluations", "3", "--texts", "16"]) == 0
+    rows = [
+        line for line in capsys.readouterr().out.splitlines() if line.startswith("| uniform") or "stratified" in line
+    ]
+    assert len(rows) == 2 and all(row.count("|") == 5 for row in rows)
