@@ -27,7 +27,8 @@ as two seeds can tell, and the smallest difference it finds 80% of the time is 5
 Two-level data: a `(n_texts, n_draws)` array resamples texts, each with all its draws: a text's mean
 over its draws carries the sampler's randomness, so the interval covers both the choice of texts and
 the draws (resampling draws within texts as well counts the draws' variance twice: 21% too wide at two
-draws that vary three times as much as the texts, an outside review found). Resamples come from a generator of their own (`seed`): the same inputs give the same interval.
+draws that vary three times as much as the texts, an outside review found). Resamples come from a
+generator of their own (`seed`): the same inputs give the same interval.
 """
 
 from __future__ import annotations
