@@ -109,8 +109,16 @@ class Objective:
 
     # --- loss ------------------------------------------------------------------------------------
 
-    def __call__(self, model, batch: dict, step: int, generator: torch.Generator | None = None):
-        """(loss, metrics) for one micro-batch at training step `step`.
+    def __call__(
+        self,
+        model,
+        batch: dict,
+        step: int,
+        generator: torch.Generator | None = None,
+        t_text: torch.Tensor | None = None,
+    ):
+        """(loss, metrics) for one micro-batch at training step `step`; `t_text` (B,) the text's times in
+        [0, 1] instead of drawing them by cfg.t_sampling (evaluation's importance-sampled times).
 
         batch: tokens (B, L) int64, pad_mask (B, L) bool (True = real), latents (B, K, D) raw encoder space;
         with data.packing also the packed layout the model's blocks run on (mmldlm/model/mmdit.py
@@ -125,7 +133,7 @@ class Objective:
         tokens, pad_mask, packing = batch["tokens"], batch.get("pad_mask"), Packing.from_batch(batch)
         latents = self.latent.standardize(batch["latents"])  # (B, K, D)
         text_on, latent_on = mode in ("l2t", "joint"), mode in ("t2l", "joint")
-        x = self._noised_inputs(mode, text_on, latent_on, tokens, pad_mask, latents, generator)
+        x = self._noised_inputs(mode, text_on, latent_on, tokens, pad_mask, latents, generator, t_text)
 
         layout = {"packing": packing} if packing is not None else {}  # a padded batch's call is the plain one
         self_cond = None
@@ -165,15 +173,18 @@ class Objective:
         pad_mask: torch.Tensor | None,
         latents: torch.Tensor,
         generator: torch.Generator | None,
+        given_t_text: torch.Tensor | None = None,
     ) -> NoisedInputs:
-        """The model's inputs in `mode`: each generated stream noised at times drawn by cfg.t_sampling,
-        the other clean at time 0, and the condition dropped as cond_drop_prob says."""
+        """The model's inputs in `mode`: each generated stream noised at times drawn by cfg.t_sampling
+        (the text's at `given_t_text` where given), the other clean at time 0, and the condition dropped
+        as cond_drop_prob says."""
         B, device = tokens.shape[0], tokens.device
         t_text = torch.zeros(B, device=device)
         t_latent = torch.zeros(B, device=device)
         text_in, latent_in, noise = tokens, latents, None
         if text_on:
-            t_text = self.text.bound_time(self.sample_t(B, device, generator))
+            drawn = self.sample_t(B, device, generator) if given_t_text is None else given_t_text.to(device)
+            t_text = self.text.bound_time(drawn)
             text_in = self.text.add_noise(tokens, t_text, pad_mask, generator)  # (B, L)
         if latent_on:
             t_latent = self.sample_t(B, device, generator)

@@ -170,20 +170,24 @@ def test_eval_data_refuses_a_dataset_with_another_tokenizer(run_dir, text_file, 
     assert sorted(run_dir.glob("eval/*")) == reports  # refused before evaluating: no report
 
 
-def test_eval_data_evaluates_the_new_text_and_names_it(run_dir, like_dir, capsys):
+def test_eval_data_evaluates_the_new_texts_validation_split_and_names_it(run_dir, like_dir, capsys):
     assert main("eval", "--run", run_dir, "--data", like_dir, "--num-samples", "10", *FAST) == 0
     out = run_dir / "eval" / "step-0000004-new-text.json"  # the run's own step-0000004.json stays untouched
     report = json.loads(out.read_text())
-    assert report["data"] == {"path": str(like_dir.resolve()), "split": "all", "in_training": 0}
-    assert report["l2t"]["num_samples"] == report["t2l"]["num_samples"] == 10  # more than either split holds
-    assert report["t2l"]["pool_size"] == 10
-    assert {e["source"] for e in report["l2t"]["examples"]} <= set(TEXTS)
+    expected = {"path": str(like_dir.resolve()), "split": "val", "own_dataset": False, "in_training": 0}
+    assert report["data"] == expected and report["l2t"]["num_samples"] == 3  # its 3 validation samples
+    assert report["elbo"]["l2t"]["num_samples"] == 3
+    summary = capsys.readouterr().out
+    assert "Texts: new-text validation" in summary and "(3 new-text validation latents)" in summary
+    assert "Too few texts to mean much (ELBO 3, l2t 3, t2l 3, joint 10; below 30)" in summary  # joint: unconditional
     assert [p.name for p in (run_dir / "eval").glob("*.json")] == [out.name]
 
-    assert main("eval", "--run", run_dir, "--data", like_dir, "--split", "val", "--num-samples", "10", *FAST) == 0
+    assert main("eval", "--run", run_dir, "--data", like_dir, "--split", "all", "--num-samples", "10", *FAST) == 0
     report = json.loads(out.read_text())
-    assert report["data"]["split"] == "val" and report["l2t"]["num_samples"] == 3  # the 3 val samples
-    capsys.readouterr()
+    assert report["data"]["split"] == "all" and report["l2t"]["num_samples"] == 10  # more than either split holds
+    assert report["t2l"]["pool_size"] == 10
+    assert {e["source"] for e in report["l2t"]["examples"]} <= set(TEXTS)
+    assert "Texts: new-text training + validation" in capsys.readouterr().out
 
 
 def test_eval_data_counts_and_warns_about_texts_the_run_trained_on(run_dir, tmp_path, caplog):

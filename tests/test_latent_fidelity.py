@@ -83,3 +83,15 @@ def test_sets_smaller_than_k_plus_one_use_every_other_sample_as_the_neighbourhoo
     real, reference, generated = (x[:3] for x in sets)
     out = fidelity(generated, real, reference, k=5)
     assert out["k"] == 2 and 0 <= out["precision"] <= 1 and 0 <= out["recall"] <= 1
+
+
+def test_paired_latents_read_against_a_perfect_encoder_another_real_set_and_the_mean(sets):
+    real, reference, _ = sets
+    centred = real - real.mean(axis=0)  # standardised space: the training mean at the origin
+    perfect = fidelity(centred, centred, reference - real.mean(axis=0), paired=True)
+    assert perfect["frechet_distance"] == pytest.approx(0.0, abs=1e-6) and perfect["recall"] == 1.0
+    assert 0 < perfect["frechet_distance_real_vs_real"] < perfect["frechet_distance_mean_latent"]
+    assert perfect["recall_mean_latent"] == 0.0  # one point covers no real latent's neighbourhood
+    # two real sets of the same n already spread about 1: the std ratio's [min, max] is read beside theirs
+    assert perfect["std_ratio_real_vs_real_min"] < 0.95 < 1.05 < perfect["std_ratio_real_vs_real_max"]
+    assert "frechet_distance_mean_latent" not in fidelity(reference, real, reference)

@@ -8,6 +8,7 @@ import torch
 
 from mmldlm.config import TextDiffusionConfig
 from mmldlm.diffusion import MaskedDiffusion
+from mmldlm.sampling.evaluate import importance_times
 
 # Toy texts over words 0..3 (4 = mask, 5 = pad: V = 6), of lengths 2 to 4, with their probabilities; the
 # words within a text are correlated (texts share prefixes), so the denoiser's marginals matter.
@@ -80,3 +81,36 @@ def test_bound_stays_above_the_entropy_when_a_token_often_survives_to_t_1():
 def test_prior_term_is_eps_log_of_the_tokens_a_position_can_show():
     diffusion = MaskedDiffusion(TextDiffusionConfig(eps=0.01), MASK, PAD)
     assert diffusion.prior_nats_per_token(V) == pytest.approx(0.01 * math.log(V - 1))
+
+
+def test_importance_sampled_times_keep_the_bound_unbiased_and_tame_its_largest_draw():
+    # A text of 16 tokens, each masked with prob t and costing 5 nats, weighted 1/t: f(t) has mean 80 at
+    # every t, and a uniform t near 0 with one masked token gives one draw worth 5 / t nats.
+    num_texts, num_draws, eps = 20000, 2, 1e-3
+    g = torch.Generator().manual_seed(0)
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        t = t.double().clamp_min(eps)
+        return torch.binomial(torch.full_like(t, 16.0), t, generator=g) * 5.0 / t
+
+    uniform = torch.stack([f(torch.rand(num_texts, generator=g)) for _ in range(num_draws)], dim=1)
+    weighted = torch.stack(
+        [f(t) * w for t, w in (importance_times(num_texts, d, num_draws, g) for d in range(num_draws))], dim=1
+    )
+    assert weighted.mean().item() == pytest.approx(80.0, rel=0.01)  # unbiased, as the uniform times are
+    assert uniform.mean().item() == pytest.approx(80.0, rel=0.01)
+    assert weighted.mean(dim=1).std() < 0.75 * uniform.mean(dim=1).std()  # each text's estimate: 28 against 42
+    assert weighted.max() < 0.2 * uniform.max()  # the largest draw: 525 nats against 5000
+
+
+def test_the_times_study_prints_both_schemes(capsys, monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))
+    from elbo_times_study import main as study
+
+    assert study(["--evaluations", "3", "--texts", "16"]) == 0
+    rows = [
+        line for line in capsys.readouterr().out.splitlines() if line.startswith("| uniform") or "stratified" in line
+    ]
+    assert len(rows) == 2 and all(row.count("|") == 5 for row in rows)

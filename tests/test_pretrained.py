@@ -271,6 +271,8 @@ def test_validation_data_of_an_exported_model_comes_from_data_and_its_report_goe
             exported,
             "--data",
             like,
+            "--split",
+            "all",  # its 6 texts: the default, its validation split, holds 1
             "--num-samples",
             "4",
             "--batch-size",
@@ -292,7 +294,7 @@ def test_validation_data_of_an_exported_model_comes_from_data_and_its_report_goe
     assert sorted(p.name for p in exported.iterdir()) == before
     report = json.loads(out.read_text())
     assert report["step"] == 6 and report["weights"] == "ema" and report["t2l"]["pool_size"] == 6
-    assert report["data"] == {"path": str(like.resolve()), "split": "all"}
+    assert report["data"] == {"path": str(like.resolve()), "split": "all", "own_dataset": False}
     capsys.readouterr()
 
 

@@ -15,6 +15,7 @@ from mmldlm.cli import main
 from mmldlm.config import load_config
 from mmldlm.sampling import evaluate, load_run, load_trained, text_metrics
 from mmldlm.sampling.evaluate import elbo, val_batches
+from mmldlm.sampling.intervals import Rate
 from mmldlm.training.run import train
 
 RUN = [
@@ -475,7 +476,13 @@ def test_elbo_is_the_mdlm_training_loss_formula_on_the_same_batch(run_dir):
     logits[..., run.text.mask_token_id] = float("-inf")
     nll = F.cross_entropy(logits, tokens[masked], reduction="none")  # (N,)
     weight = 1.0 / seen["t_text"].clamp_min(run.text.cfg.eps)  # (B,)
-    expected = (nll * weight[:, None].expand_as(masked)[masked]).sum() / pad_mask.sum()
+    # importance-sampled times t = u^2 (none here below eps), each text's nats weighted 2u = 2 sqrt(t)
+    importance = 2.0 * seen["t_text"].double().sqrt()
+    assert (seen["t_text"] > run.text.cfg.eps).all()
+    nats = torch.zeros(masked.shape, dtype=torch.float64).masked_scatter_(
+        masked, (nll * weight[:, None].expand_as(masked)[masked]).double()
+    )
+    expected = (nats.sum(dim=1) * importance).sum() / pad_mask.sum()
     prior = run.text.cfg.eps * math.log(run.val.vocab_size - 1)  # the t = 1 term (masked.py)
     assert report["text_nats_per_token_given_length"] == pytest.approx(expected.item() + prior, rel=1e-5)
     assert report["text_nats_per_token"] == report["text_nats_per_token_given_length"]
@@ -531,6 +538,7 @@ def test_fsdp2_ranks_gather_for_rank0_evaluation_and_wait(run_dir, tmp_path):
 
 
 SMALL_EVAL = ["--num-samples", "4", "--batch-size", "4", "--retrieval-pool", "12", *FAST]
+RATES = {name for figures in evaluate.SECTIONS.values() for name, r in figures.items() if isinstance(r, Rate)}
 
 
 def test_compare_of_a_run_with_itself_finds_no_difference_on_any_figure(run_dir, tmp_path, capsys):
@@ -546,8 +554,13 @@ def test_compare_of_a_run_with_itself_finds_no_difference_on_any_figure(run_dir,
     } <= figures
     assert "joint distinct_2" in result["without_interval"]  # no resampling interval, so not compared
     for row in result["rows"]:
-        assert row["difference"] == row["low"] == row["high"] == 0.0 and not row["significant"], row
-    assert "| l2t word_f1 | 4 |" in capsys.readouterr().out
+        assert row["difference"] == 0.0 and not row["significant"], row
+        # a rate that no text (or every text) reaches keeps its exact interval; every other figure is 0
+        assert row["low"] == -row["high"] and (row["high"] == 0.0 or row["figure"] in RATES), row
+    table = capsys.readouterr().out
+    assert "| l2t word_f1 | 4 |" in table
+    total = len(result["rows"])
+    assert f"0 of {total} figures differ at 95%" in table and f"about {0.05 * total:.1f} of {total} on average" in table
 
 
 def test_compare_of_two_reports_gives_each_figure_its_paired_difference(run_dir, tmp_path, capsys):
@@ -573,6 +586,7 @@ def test_compare_of_two_reports_gives_each_figure_its_paired_difference(run_dir,
         "| figure | n | A | B | A - B | interval | significant |" in table
         and "| elbo l2t text_nats_per_token | 4 |" in table
     )
+    assert len(result["null_flags"]) == 20 and "Measured on these texts: 20 comparisons" in table
     # Several runs per arm (here the EMA and raw weights stand for two seeds of a recipe): the arms' mean
     # figures, with the spread between the runs in the interval.
     assert main(["compare", "--a", str(ema), str(raw), "--b", str(ema), "--out", str(out)]) == 0
@@ -581,7 +595,9 @@ def test_compare_of_two_reports_gives_each_figure_its_paired_difference(run_dir,
     nats = arms[("elbo l2t", "text_nats_per_token")]
     assert nats["a"] == pytest.approx((a + b) / 2) and nats["runs_a"] == 2 and nats["runs_b"] == 1
     assert nats["seed_sd"] == pytest.approx(abs(a - b) / 2**0.5) and nats["low"] < nats["difference"] < nats["high"]
-    assert "A = mean of 2 runs" in table and "| sd between seeds |" in table
+    assert "A = mean of 2 runs" in table and "| sd between seeds | detectable at 80% |" in table
+    # 1 + 2 runs: 1 degree of freedom, the smallest difference found 80% of the time 16.3 standard errors
+    assert nats["df"] == 1 and nats["detectable"] > 16 * (nats["high"] - nats["low"]) / (2 * 12.7)
     assert main(["compare", str(ema), "--a", str(raw), "--b", str(ema)]) == 2
     assert "expected either two runs A B, or --a RUN [RUN ...] and --b RUN [RUN ...]" in capsys.readouterr().err
     # Reports of other texts are refused: the i-th values must belong to the same text.
@@ -611,3 +627,24 @@ def test_a_figure_the_decoder_selects_on_is_labelled_and_measured_without_select
     assert "re-encoded cosine" in summary and "(selected on: max over 2 candidates)" in summary
     assert f"without selection (best of 1) {evaluate.figure_text(plain, 'cosine_mean', '.4f')}" in summary
     assert "eval_l2t_without_selection_cosine_mean_low" in evaluate.flat(report)
+
+
+def test_eval_scores_num_samples_texts_for_the_elbo_and_notes_a_retrieval_pool_of_one(run_dir, tmp_path, capsys):
+    out = tmp_path / "one.json"
+    # one text, as in a run prepared with a single validation text: its retrieval pool holds only itself
+    args = ["eval", "--run", str(run_dir), "--num-samples", "1", "--batch-size", "64", "--retrieval-pool", "1"]
+    assert main([*args, "--no-writing", "--num-t-draws", "2", *FAST, "--out", str(out)]) == 0
+    report, summary = json.loads(out.read_text()), capsys.readouterr().out
+    l2t = report["elbo"]["l2t"]
+    assert l2t["num_samples"] == 1  # not the 64 of one batch
+    assert "t2l retrieval@1 among 1 is 100% by construction: it measures nothing here" in summary
+    assert "Texts: validation" in summary and "(1 validation latents)" in summary
+    # per T + 1 tokens, as an autoregressive model paying for its end of text
+    per_text = l2t["per_text"]
+    tokens = np.asarray(per_text["num_tokens"])
+    assert l2t["nats_per_token_with_end"] == pytest.approx(np.sum(per_text["nats_per_text"]) / (2 * np.sum(tokens + 1)))
+    assert l2t["nats_per_token_with_end"] < l2t["nats_per_token_with_length"]
+    assert l2t["largest_draw_share"] == pytest.approx(
+        np.max(per_text["nats_per_text"]) / np.sum(per_text["nats_per_text"])
+    )
+    assert "bounds no marginal -log p(text)" in summary and "not of the decoder" in summary

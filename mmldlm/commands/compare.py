@@ -42,6 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="A and B each scored on its own validation texts (runs trained on different data of one corpus): "
         "each run's texts resampled on their own; without it both must have scored the same texts",
     )
+    parser.add_argument(
+        "--null-comparisons",
+        type=int,
+        default=20,
+        metavar="N",
+        help="A against B with each text's values exchanged at random, N times: how many figures a comparison "
+        "with no difference flags on these texts (one run per side, paired; 0: skip)",
+    )
     add_evaluation_arguments(parser)
     parser.add_argument("--out", metavar="FILE.json", help="write the comparison here as JSON too")
 
@@ -51,10 +59,12 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from mmldlm.commands.evaluate import check_options, evaluation
-    from mmldlm.errors import UserError
-    from mmldlm.sampling.compare import compare_arms, markdown
+    from mmldlm.errors import OptionError, UserError
+    from mmldlm.sampling.compare import compare_arms, markdown, null_flags
 
     check_options(args)
+    if args.null_comparisons < 0:
+        raise OptionError("--null-comparisons", args.null_comparisons, "0 (skip) or a positive integer")
     arm_a, arm_b = arms(args)
     for path in (*arm_a, *arm_b):  # every path refused before any is evaluated
         if not Path(path).exists():
@@ -66,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
     result = compare_arms(
         [reports[p] for p in arm_a], [reports[p] for p in arm_b], arm_a, arm_b, unpaired=args.unpaired
     )
+    if len(arm_a) == len(arm_b) == 1 and not args.unpaired and args.null_comparisons > 0:
+        result["null_flags"] = null_flags(reports[arm_a[0]], reports[arm_b[0]], args.null_comparisons)
     print(markdown(result), end="")
     if args.out:
         out = Path(args.out)

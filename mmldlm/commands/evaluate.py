@@ -2,8 +2,9 @@
 mode, l2t reconstruction and t2l retrieval of a trained run (mmldlm/sampling/evaluate.py). Writes
 a JSON report (default RUN/eval/step-NNNNNNN.json) and its markdown summary beside it (.md), and
 prints the summary. `--data DIR` evaluates on another prepared dataset (made with `mmldlm prepare
---like RUN_DIR`), by default all of it; its report goes to RUN/eval/step-NNNNNNN-<DIR name>.json.
-An exported model folder (`mmldlm export`) carries no dataset, so with one `--data` is required."""
+--like RUN_DIR`), by default its validation split (all of it where it has none); its report goes to
+RUN/eval/step-NNNNNNN-<DIR name>.json. An exported model folder (`mmldlm export`) carries no dataset,
+so with one `--data` is required."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def add_evaluation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--split",
         choices=["val", "train", "all"],
-        help="the split evaluated (all: train then val); default all with --data, else val",
+        help="the split evaluated (all: train then val); default val, or all with a --data set that has no "
+        "validation split",
     )
     parser.add_argument(
         "--num-samples",
@@ -135,8 +137,8 @@ def evaluation(args: argparse.Namespace, model_path: str):
     run = load_trained(model_path, getattr(args, "checkpoint", None), device, use_ema=not args.no_ema)
     if run.dataset_dir is None and not args.data:
         raise run.no_dataset()
-    split = args.split or ("all" if args.data else "val")
     data = Path(args.data) if args.data else run.dataset_dir
+    split = args.split or default_split(data)
     if args.data or split != "val":
         run.use_eval_data(data, split)
     options = sampling_options(args, run, args.guidance_scale[0])
@@ -151,14 +153,28 @@ def evaluation(args: argparse.Namespace, model_path: str):
     )
     cfg.check()
     report = evaluate(
-        run, cfg, options, num_t_draws=args.num_t_draws, seed=args.seed, guidance_scales=args.guidance_scale
+        run,
+        cfg,
+        options,
+        num_t_draws=args.num_t_draws,
+        seed=args.seed,
+        guidance_scales=args.guidance_scale,
+        num_elbo=args.num_samples,
     )
-    report["data"] = {"path": str(data.resolve()), "split": split}
+    report["data"] = {"path": str(data.resolve()), "split": split, "own_dataset": not args.data}
     if args.data and run.dataset_dir is not None:
         report["data"]["in_training"] = texts_in_training(
             run, model_path, data, split, max(args.num_samples, args.retrieval_pool)
         )
     return run, report
+
+
+def default_split(data) -> str:
+    """ "val" where the prepared dataset at `data` has validation samples, else "all" (train then val)."""
+    from mmldlm.data import format as fmt
+
+    shards = fmt.read_meta(data)["shards"].get("val", [])
+    return "val" if sum(shard["num_samples"] for shard in shards) else "all"
 
 
 def texts_in_training(run, model_path: str, data, split: str, num: int) -> int:

@@ -168,10 +168,15 @@ def _eval_rows(report: dict) -> list[tuple[str, str, str]]:
     rows += _cosine_rows(report, ref)
     l2t_elbo = elbo.get("l2t", {})
     if "text_nats_per_token" in l2t_elbo:
-        given = "upper bound on -log p(text | length, latent)"
+        given = "upper bound on -log p(text | length, latent), of the model at temperature 1, not of the decoder above"
         rows.append(("l2t NELBO given the length (nats/token)", figure_text(l2t_elbo, "text_nats_per_token"), given))
     if "nats_per_token_with_length" in l2t_elbo:
-        paid = "upper bound on -log p(text | latent)"
+        paid = (
+            "upper bound on -log p(text | latent) per T tokens (per T + 1, as an autoregressive model paying for "
+            f"its end of text: {figure_text(l2t_elbo, 'nats_per_token_with_end')})"
+            if "nats_per_token_with_end" in l2t_elbo
+            else "upper bound on -log p(text | latent)"
+        )
         rows.append(("l2t NELBO, length paid (nats/token)", figure_text(l2t_elbo, "nats_per_token_with_length"), paid))
     if "length" in report:
         length = report["length"]

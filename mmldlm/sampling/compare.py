@@ -15,9 +15,11 @@ with (evaluate.py `sections`).
 
 from __future__ import annotations
 
+import numpy as np
+
 from mmldlm.errors import UserError
 from mmldlm.sampling.evaluate import sections
-from mmldlm.sampling.intervals import LEVEL, NUM_RESAMPLES
+from mmldlm.sampling.intervals import LEVEL, NUM_RESAMPLES, POWER
 
 # Sections that score the validation data and the training texts, not the model: the same in both.
 DATA_ONLY = ("references", "nearest_training_text", "joint reference")
@@ -55,6 +57,50 @@ def compare_reports(a: dict, b: dict, names: tuple[str, str] = ("A", "B"), unpai
     the model, not of the data (`DATA_ONLY`). `unpaired`: each report scored its own texts (runs on
     different data, each on its own validation split), resampled independently."""
     return compare_arms([a], [b], [names[0]], [names[1]], unpaired=unpaired)
+
+
+def null_flags(a: dict, b: dict, num: int, seed: int = 0) -> list[int]:
+    """How many figures each of `num` comparisons of A and B with no difference flags: each text's values
+    of A and B exchanged with probability 1/2, section by section (under no difference the two are
+    exchangeable text by text). The counts carry the figures' dependence (three l2t sections score the
+    same texts, the likelihood appears in four forms), which a binomial count of 5% does not."""
+    rng = np.random.default_rng(seed)
+    counts = []
+    for _ in range(num):
+        swapped_a, swapped_b = _swapped(a, b, rng)
+        rows = compare_arms([swapped_a], [swapped_b], ["A"], ["B"])["rows"]
+        counts.append(sum(row["significant"] for row in rows))
+    return counts
+
+
+def _swapped(a: dict, b: dict, rng: np.random.Generator) -> tuple[dict, dict]:
+    """Copies of reports (or sections) a and b whose `per_text` rows are exchanged at random."""
+    out_a, out_b = dict(a), dict(b)
+    for key, node in a.items():
+        other = b.get(key)
+        if not (isinstance(node, dict) and isinstance(other, dict)):
+            continue
+        if key == "per_text":
+            out_a[key], out_b[key] = _swap_rows(node, other, rng)
+        else:
+            out_a[key], out_b[key] = _swapped(node, other, rng)
+    return out_a, out_b
+
+
+def _swap_rows(per_text_a: dict, per_text_b: dict, rng: np.random.Generator) -> tuple[dict, dict]:
+    arrays = {
+        key: (np.asarray(per_text_a[key]), np.asarray(per_text_b[key])) for key in per_text_a.keys() & per_text_b.keys()
+    }
+    sizes = {a.shape[0] for a, b in arrays.values() if a.shape == b.shape and a.ndim}
+    if len(sizes) != 1:  # other texts or draws in A and B: nothing to exchange row by row
+        return per_text_a, per_text_b
+    swap = rng.random(sizes.pop()) < 0.5
+    out_a, out_b = dict(per_text_a), dict(per_text_b)
+    for key, (a, b) in arrays.items():
+        if a.shape == b.shape and a.ndim:
+            rows = swap.reshape(-1, *[1] * (a.ndim - 1))
+            out_a[key], out_b[key] = np.where(rows, b, a), np.where(rows, a, b)
+    return out_a, out_b
 
 
 def compare_arms(
@@ -128,6 +174,27 @@ def _difference(recipe, per_a: list[dict], per_b: list[dict], figure: str, names
         raise UserError(f"{figure}: {err}") from None
 
 
+def flags_line(result: dict) -> str:
+    """How many figures differ, beside how many a comparison with no difference at all would flag."""
+    flagged, total = sum(r["significant"] for r in result["rows"]), len(result["rows"])
+    chance = (1.0 - result["level"]) * total
+    line = (
+        f"{flagged} of {total} figures differ at {result['level']:.0%}. Where A and B do not differ at all, "
+        f"each figure is flagged with probability {1.0 - result['level']:.0%}, about {chance:.1f} of {total} on "
+        "average (fewer with --a/--b, whose interval is conservative; docs/quality.md, 'Comparing two runs'); "
+        "the figures are dependent (several sections score the same texts, the likelihood appears "
+        "in four forms), so the count varies more than a binomial one"
+    )
+    counts = result.get("null_flags")
+    if counts:
+        line += (
+            f". Measured on these texts: {len(counts)} comparisons with each text's A and B values exchanged at "
+            f"random (no difference by construction) flagged {min(counts)} to {max(counts)} of {total} "
+            f"(median {float(np.median(counts)):g})"
+        )
+    return line
+
+
 def markdown(result: dict) -> str:
     """The comparison as a markdown table, one row per figure."""
     several = len(result.get("runs_a", [1])) + len(result.get("runs_b", [1])) > 2
@@ -136,10 +203,13 @@ def markdown(result: dict) -> str:
             f"A = mean of {len(result['runs_a'])} runs ({', '.join(result['runs_a'])}), B = mean of "
             f"{len(result['runs_b'])} runs ({', '.join(result['runs_b'])}); interval: {result['level']:.0%} t interval "
             "from the variance between seeds (pooled over both arms) plus the texts' paired bootstrap variance "
-            f"({result['num_resamples']} resamples); significant: the interval excludes 0",
+            f"({result['num_resamples']} resamples), with the seeds' k_A + k_B - 2 degrees of freedom; significant: "
+            f"the interval excludes 0; detectable: the true difference this interval finds {POWER:.0%} of the time "
+            "(from the estimated spread, itself uncertain with few seeds: a difference below it is not evidence of "
+            "no difference)",
             "",
-            "| figure | n | A | B | A - B | interval | sd between seeds | significant |",
-            "|---|---|---|---|---|---|---|---|",
+            f"| figure | n | A | B | A - B | interval | sd between seeds | detectable at {POWER:.0%} | significant |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
     elif not result.get("paired", True):
         lines = [
@@ -162,13 +232,12 @@ def markdown(result: dict) -> str:
             "|---|---|---|---|---|---|---|",
         ]
     for r in result["rows"]:
-        seed_sd = f" {r['seed_sd']:.3g} |" if several else ""
+        seed_sd = f" {r['seed_sd']:.3g} | {r['detectable']:.3g} |" if several else ""
         lines.append(
             f"| {r['section']} {r['figure']} | {r['n']} | {r['a']:.4g} | {r['b']:.4g} | {r['difference']:+.4g} | "
             f"[{r['low']:+.4g}, {r['high']:+.4g}] |{seed_sd} {'yes' if r['significant'] else 'no'} |"
         )
-    flagged = sum(r["significant"] for r in result["rows"])
-    lines += ["", f"{flagged} of {len(result['rows'])} figures differ at {result['level']:.0%}"]
+    lines += ["", flags_line(result)]
     if result["not_compared"]:
         lines += ["", f"Not in every report, not compared: {', '.join(result['not_compared'])}"]
     if result.get("other_reference"):
