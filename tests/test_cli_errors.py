@@ -10,6 +10,10 @@ from mmldlm.config import ConfigError, load_config
 from mmldlm.errors import OptionError
 
 REFUSED = {
+    "compare-one-run": (
+        ["compare", "A"],
+        "got 1 run (A); expected two, A and B, or --a RUN [RUN ...] and --b RUN [RUN ...]",
+    ),
     "compare-num-samples": (
         ["compare", "A", "B", "--num-samples", "0"],
         "--num-samples: got 0; expected an integer >= 1",

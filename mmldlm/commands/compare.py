@@ -88,8 +88,8 @@ def arms(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         return list(args.arm_a), list(args.arm_b)
     if len(args.runs) != 2:
         raise UserError(
-            f"got {len(args.runs)} runs ({' '.join(args.runs) or 'none'}); expected two, A and B, "
-            "or --a RUN [RUN ...] and --b RUN [RUN ...]"
+            f"got {len(args.runs)} run{'' if len(args.runs) == 1 else 's'} ({' '.join(args.runs) or 'none'}); "
+            "expected two, A and B, or --a RUN [RUN ...] and --b RUN [RUN ...]"
         )
     return [args.runs[0]], [args.runs[1]]
 
