@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from mmldlm.config import RunConfig
 from mmldlm.data import build_loader, dataset_path, heaviest_batch, open_dataset, resolve_for_model
-from mmldlm.data.long_texts import cut_warning
+from mmldlm.data.long_texts import cut_is_worth_a_warning, cut_line
 from mmldlm.data.prepare import Ranks, ensure_token_latents
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.errors import UserError
@@ -88,9 +88,10 @@ def open_train_data(cfg: RunConfig, info: DistInfo):
 
     dataset = open_dataset(dataset_path(cfg.data, log=log.info), "train")
     data_cfg = resolve_for_model(cfg.data, cfg.model, dataset)
-    warning = cut_warning(dataset.lengths(), data_cfg.max_length, str(dataset.path))
-    if warning is not None:  # logged on rank 0 only (setup_logging)
-        log.warning(warning)
+    line = cut_line(dataset.lengths(), data_cfg.max_length, str(dataset.path))
+    if line is not None:  # logged on rank 0 only (setup_logging)
+        worth_a_warning = cut_is_worth_a_warning(dataset.lengths(), data_cfg.max_length)
+        log.log(logging.WARNING if worth_a_warning else logging.INFO, line)
 
     def make_loader(micro_batch_size: int):
         return build_loader(dataset, data_cfg, micro_batch_size, info.rank, info.world_size)
