@@ -224,9 +224,13 @@ def test_null_data_path_prepares_the_default_corpus_once_into_the_cache(data_dir
     # The bundled corpus stands in for a small one here; the full one takes minutes to encode on CPU.
     monkeypatch.setattr("mmldlm.data.corpus.DEFAULT_CORPUS", data_dir.parent / "corpus.txt")
     cfg = DataConfig(cache_dir=str(tmp_path), vocab_size=400, val_fraction=0.1)
-    messages = []
-    path = dataset_path(cfg, log=messages.append)
+    messages, details = [], []
+    path = dataset_path(cfg, log=messages.append, detail=details.append)
     assert path.parent == tmp_path and path.name.startswith("default-")
+    # The main job's first screen: progress and the result; the counts and length statistics apart.
+    assert any(m.startswith("lengths of the") for m in details) and any(m.startswith("read ") for m in details)
+    assert not any(m.startswith(("lengths of the", "read ", "--long-texts", "a model of")) for m in messages)
+    assert messages[-1].startswith(f"{path}: ")
     assert open_dataset(path, "val").meta["splits"] == json.loads((data_dir / "meta.json").read_text())["splits"]
     assert dataset_path(cfg, log=messages.append) == path and "already complete" in messages[-1]
     assert default_prepare_options(DataConfig(cache_dir=str(tmp_path), vocab_size=512)).out != str(path)

@@ -609,11 +609,12 @@ def default_prepare_options(cfg: DataConfig):
     return opts
 
 
-def dataset_path(cfg: DataConfig, log=print) -> Path:
+def dataset_path(cfg: DataConfig, log=print, detail=None) -> Path:
     """The dataset directory of a run: `cfg.path`, or for a null path the bundled default corpus,
-    prepared on first use into the cache (every rank must call this; the work is shared)."""
+    prepared on first use into the cache (every rank must call this; the work is shared); `log` and
+    `detail` as for prepare."""
     if cfg.path is not None:
         return Path(cfg.path)
     from mmldlm.data.prepare import prepare  # here: prepare.py imports this module
 
-    return Path(prepare(default_prepare_options(cfg), log)["path"])
+    return Path(prepare(default_prepare_options(cfg), log, detail)["path"])

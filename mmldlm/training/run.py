@@ -86,7 +86,9 @@ def open_train_data(cfg: RunConfig, info: DistInfo):
     builds this rank's loader. With data.path null the bundled corpus is prepared first (once,
     into the cache; every rank takes part)."""
 
-    dataset = open_dataset(dataset_path(cfg.data, log=log.info), "train")
+    # The counts and length statistics of the bundled corpus go to the debug log: the first screen of the
+    # main job shows progress; `mmldlm check` reports what the lengths cut.
+    dataset = open_dataset(dataset_path(cfg.data, log=log.info, detail=log.debug), "train")
     data_cfg = resolve_for_model(cfg.data, cfg.model, dataset)
     line = cut_line(dataset.lengths(), data_cfg.max_length, str(dataset.path))
     if line is not None:  # logged on rank 0 only (setup_logging)
