@@ -278,3 +278,20 @@ def test_token_latents_are_the_encoders_latents_of_each_vocabulary_entry(data_di
     np.testing.assert_allclose(added, stored, atol=1e-5)
     assert json.loads((old / "meta.json").read_text())["token_latents"] == "token_latents.npy"
     assert np.array_equal(ensure_token_latents(old, log=lambda _msg: None), added)  # now read, not made again
+
+
+def test_the_bar_counts_whole_texts_read_also_when_long_texts_are_split(tmp_path, capsys):
+    texts = [
+        f"text {i}: " + ("long enough that it is split into passages, " * 4 if i % 3 else "short") for i in range(18)
+    ]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    options = {**SMALL, "progress": True, "vocab_size": 300}
+    prepare(
+        PrepareOptions(inputs=[str(corpus)], out=str(tmp_path / "out"), long_texts="split", max_tokens=16, **options),
+        log=lambda _msg: None,
+    )
+    bar = capsys.readouterr().err
+    assert "prepare: 100%" in bar and "18/18" in bar and ".0/" not in bar
+    splits = open_dataset(tmp_path / "out", "train").meta["splits"]
+    assert splits["train"] + splits["val"] > 18  # more samples stored than texts read: the bar counts the texts

@@ -243,8 +243,17 @@ class TextSource:
         token_ids = tok.encode_texts(self.limits.tokenizer, texts)
         wordpieces = self.encoder.count_wordpieces(texts)
         stored, stored_ids, counts = long_texts.resolve(texts, token_ids, wordpieces, self.limits, self.mode)
-        per_sample = len(texts) / max(len(stored), 1)  # the bar counts texts read, the encoder samples stored
-        latents = self.encoder.encode(stored, self.batch_size, lambda n: progress(n * per_sample))
+        # The bar counts texts read, in whole texts; the encoder counts the samples stored.
+        encoded, counted = 0, 0
+
+        def advance(num_encoded: int) -> None:
+            nonlocal encoded, counted
+            encoded += num_encoded
+            read = len(texts) * encoded // max(len(stored), 1)
+            progress(read - counted)
+            counted = read
+
+        latents = self.encoder.encode(stored, self.batch_size, advance)
         return stored_ids, latents, counts
 
 
