@@ -850,6 +850,8 @@ class Trainer:
                             samples_s=f"{record['samples_per_s']:.1f}",
                             refresh=False,
                         )
+                        if self.step == total:  # done: the last checkpoint's and evaluation's lines come after it
+                            bar.close()
                     if record["stop_requested"] and self.step < total:  # at the last step: the run is done
                         self.save(blocking=True)
                         # A rank that did not receive the signal itself stops as for the usual SIGTERM.
