@@ -64,7 +64,7 @@ COMMANDS = {
         *TINY_RUN,
         *TINY_BATCH,
         "perf.profiler.skip=0",
-        "perf.profiler.warmup=0",
+        "perf.profiler.warmup=1",
         "perf.profiler.active=1",
         "train.run_dir=runs/profiled",
     ],
@@ -82,7 +82,8 @@ COMMANDS = {
         "1",
     ],
     "bash scripts/gpu_suite.sh": "needs a GPU; tests/test_gpu_suite.py checks what it runs and writes",
-    "mmldlm check configs/default.yaml model=base --nproc-per-node 8 --fix fixed.yaml": [],
+    # The machine it audits for: 8 GPUs of 80 GiB (this one's memory would refuse the base model).
+    "mmldlm check configs/default.yaml model=base --nproc-per-node 8 --fix fixed.yaml": ["--device-memory-gib", "80"],
     "mmldlm monitor runs/default --report health.json --plot curves.png": [],
     "mmldlm model-info runs/default": [],
     'mmldlm sample --run runs/default --mode l2t --text "a small dog that barks"': TINY_SAMPLING,
