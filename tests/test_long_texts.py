@@ -171,6 +171,7 @@ def test_a_cut_that_loses_under_a_thousandth_of_the_tokens_or_one_text_in_a_hund
     assert not long_texts.cut_is_worth_a_warning(default_job, 64)
     line = long_texts.cut_line(default_job, 64, "data")
     assert line.startswith("data: 9 of 49000 texts (under 0.1%) are longer than data.max_length=64 tokens; under 0.1%")
+    assert line.endswith("(99% of the texts are at most 12 tokens)")  # a note: nothing to do
     assert long_texts.cut_is_worth_a_warning(np.array([12] * 90 + [65] * 10), 64)  # 10% of the texts, 0.6% of tokens
     assert not long_texts.cut_is_worth_a_warning(np.array([60] * 9800 + [65] * 200), 64)  # 2%, but 0.03% of tokens
     assert long_texts.cut_is_worth_a_warning(np.array([12] * 90 + [200] * 10), 64)

@@ -150,18 +150,22 @@ def percent(share: float) -> str:
 
 
 def cut_line(lengths: np.ndarray, max_length: int, where: str) -> str | None:
-    """One line saying how much of the texts at `where` a model reading `max_length` tokens never sees;
-    None when every text fits."""
+    """One line saying how much of the texts at `where` a model reading `max_length` tokens never sees,
+    and what to do where it is worth a warning (cut_is_worth_a_warning); None when every text fits."""
     cut_off = over(lengths, max_length)
     if not cut_off["texts"]:
         return None
     p99 = distribution(lengths)["p99"]
-    return (
+    line = (
         f"{where}: {cut_off['texts']} of {len(lengths)} texts ({percent(cut_off['texts'] / len(lengths))}) are "
         f"longer than data.max_length={max_length} tokens; {percent(cut_off['share'])} of all training tokens are "
-        "never trained on "
-        f"(99% of the texts are at most {p99} tokens). Raise model.max_seq_len (`mmldlm check --fix` proposes one), "
-        f"or prepare with `mmldlm prepare --long-texts split --max-tokens {max_length}`"
+        f"never trained on (99% of the texts are at most {p99} tokens)"
+    )
+    if not cut_is_worth_a_warning(lengths, max_length):
+        return line
+    return (
+        f"{line}. Raise model.max_seq_len (`mmldlm check --fix` proposes one), or prepare with "
+        f"`mmldlm prepare --long-texts split --max-tokens {max_length}`"
     )
 
 
