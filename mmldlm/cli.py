@@ -66,14 +66,29 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(f"mmldlm.commands.{module_name}")
-        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=DefaultsHelpFormatter)
+        # argparse %-formats the help of the command list, never a description: "95%" must read "95%%" there
+        p = sub.add_parser(
+            name, help=help_text.replace("%", "%%"), description=help_text, formatter_class=DefaultsHelpFormatter
+        )
         module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        p.set_defaults(_run=module.run, _parser=p)
     return parser
 
 
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The top level (--debug, the command) as argparse reads it; then the command's own arguments with
+    its options and positionals intermixed, so that an override may stand anywhere among the options
+    (`mmldlm train --init-from runs/default train.steps=500`): argparse alone reads a command's
+    positionals in one run and refuses the ones after an option."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    top, _ = build_parser().parse_known_args(argv)
+    command_args = argv[argv.index(top.command) + 1 :]  # only --debug may stand before the command
+    namespace = argparse.Namespace(debug=top.debug, command=top.command)
+    return top._parser.parse_intermixed_args(command_args, namespace=namespace)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_arguments(argv)
     try:
         return int(args._run(args) or 0)
     except UserError as err:

@@ -482,7 +482,9 @@ class TrainConfig:
             _fail(
                 f"{prefix}.global_batch_size",
                 self.global_batch_size,
-                f"a multiple of {prefix}.micro_batch_size={self.micro_batch_size}",
+                f"a multiple of {prefix}.micro_batch_size={self.micro_batch_size}; for a smaller global batch set "
+                f"both, e.g. {prefix}.global_batch_size={self.global_batch_size} "
+                f"{prefix}.micro_batch_size={math.gcd(self.global_batch_size, self.micro_batch_size)}",
             )
         last = -1
         for i, entry in enumerate(self.batch_schedule):

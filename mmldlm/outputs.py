@@ -8,6 +8,7 @@ failure before the swap leaves the old one as it was."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -72,6 +73,15 @@ def refuse_foreign(out: Path, kind: FolderKind, alternative: str = ELSEWHERE, ma
             f"refusing to replace {out}:{what} it holds {shown}{more} ({count}) that mmldlm did not write; "
             f"{alternative}"
         )
+
+
+def as_umask_allows(path: Path) -> None:
+    """Give the file or folder `path` the permissions open() or mkdir() give under this process's umask.
+    tempfile's folders (0700) and safetensors' files (0600) are private whatever the umask says, and a model
+    meant to be shared must be readable by others wherever the umask lets it be."""
+    umask = os.umask(0)  # reading the umask sets it: put it back at once
+    os.umask(umask)
+    path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def publish(partial: Path, out: Path, kind: FolderKind) -> None:

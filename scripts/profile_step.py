@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "profile.txt").write_text(text + "\n")
     prof.export_chrome_trace(str(out / "trace.json"))
     print(text)
+    print(f"wrote {out / 'profile.txt'} and {out / 'trace.json'} (open it in chrome://tracing or ui.perfetto.dev)")
     return 0
 
 

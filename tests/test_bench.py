@@ -4,13 +4,15 @@ from given step records; the ladder goes from baseline to exactly the optimized 
 keys at a time."""
 
 import json
+from pathlib import Path
 
 import pytest
 from data_support import prepared
 
 from mmldlm.cli import main
 from mmldlm.config import flat_keys, load_config, to_dict
-from mmldlm.tools.bench import BenchOptions, _summary, bench_configs, markdown
+from mmldlm.data.dataset import default_prepare_options
+from mmldlm.tools.bench import BenchOptions, _summary, bench_configs, main_job_data, markdown
 
 # The tiny model made smaller still, no compile and no loader workers: this checks the report, not
 # the speed, and must stay fast.
@@ -79,6 +81,19 @@ def test_bench_three_steps_writes_a_well_formed_report(tmp_path_factory, tmp_pat
     assert "optimized / baseline" in capsys.readouterr().out
 
 
+def test_bench_measures_on_the_main_jobs_data_prepared_once_where_no_config_names_one(
+    tmp_path_factory, tmp_path, monkeypatch
+):
+    # The small corpus stands in for the bundled one, whose 50k texts take minutes to encode on a CPU.
+    corpus = prepared(tmp_path_factory).parent / "corpus.txt"
+    monkeypatch.setattr("mmldlm.data.corpus.DEFAULT_CORPUS", corpus)
+    monkeypatch.setenv("MMLDLM_CACHE", str(tmp_path))
+    (override,) = main_job_data(BenchOptions(overrides=["model=tiny"]))
+    expected = default_prepare_options(load_config("default", []).data).out  # what `make train` prepares
+    assert override == f"data.path={expected}" and (Path(expected) / "meta.json").is_file()
+    assert main_job_data(BenchOptions(overrides=["model=tiny", "data.path=/some/dir"])) == []
+
+
 def summary_of(step_times, peaks_gib, num_shards):
     """bench's figures of a config of 1000 parameters, global batch 8, over steps of the given times
     (tokens/s 100, 200, 50, ...) with the given per-rank peaks above the runtime."""
@@ -118,6 +133,31 @@ def test_a_configs_figures_come_from_its_steps_and_its_largest_rank_and_the_repo
     assert "| ddp | 4 x 1 | 16.00 | 100 | 0.500 | 0.250, 0.300-0.900 | 2.00 |" in md
     assert "fsdp2 / ddp: samples/s **1.00x** (from the fastest steps 0.50x)" in md
     assert "peak memory at equal batch **0.50x**" in md
+    assert "**Too few steps to decide**: 3 measured steps per config, time per sample p10..p90 " in md
+
+
+def test_the_report_says_when_its_steps_cannot_tell_the_configs_apart():
+    def report(steps, times_a, times_b):
+        configs = {name: summary_of(times, [1.0, 1.0], 1) for name, times in (("a", times_a), ("b", times_b))}
+        return dict(
+            command="",
+            date="2026-11-26T10:00:00",
+            machine=dict(cpus=2, torch_threads=1, torch="2"),
+            model_parameters=1000,
+            options=dict(steps=steps, warmup=1, round_steps=1, baseline="a", optimized="b"),
+            wall_time_s=1.0,
+            configs=configs,
+            ratios={key: 1.0 for key in ("samples_per_s", "best_samples_per_s", "tokens_per_s", "peak_memory_gib")}
+            | {"peak_above_state_gib": 1.0},
+            order=["a", "b"],
+        )
+
+    undecided = "**Too few steps to decide**"
+    assert undecided not in markdown(report(10, [1.0, 1.1, 1.05], [0.5, 0.55, 0.52]))  # apart: decided
+    overlapping = markdown(report(10, [1.0, 0.5, 0.7], [0.6, 0.9, 0.8]))
+    assert f"{undecided}: 10 measured steps per config" in overlapping and "(overlapping)" in overlapping
+    assert "--steps 30" in overlapping
+    assert undecided in markdown(report(2, [1.0, 1.1, 1.05], [0.5, 0.55, 0.52]))  # 2 steps: apart by chance
 
 
 def test_ladder_adds_one_group_at_a_time_and_ends_at_optimized():

@@ -10,6 +10,10 @@ from mmldlm.config import ConfigError, load_config
 from mmldlm.errors import OptionError
 
 REFUSED = {
+    "compare-one-run": (
+        ["compare", "A"],
+        "got 1 run (A); expected two, A and B, or --a RUN [RUN ...] and --b RUN [RUN ...]",
+    ),
     "compare-num-samples": (
         ["compare", "A", "B", "--num-samples", "0"],
         "--num-samples: got 0; expected an integer >= 1",
@@ -48,6 +52,11 @@ REFUSED = {
         "--memory-cap-gib: got -1.0; expected a number of GiB > 0",
     ),
     "train-config-key": (["train", "train.steps=-5"], "config key 'train.steps': got -5; expected an integer >= 1"),
+    "train-global-batch-below-micro": (
+        ["train", "train.global_batch_size=16", "train.micro_batch_size=64"],
+        "config key 'train.global_batch_size': got 16; expected a multiple of train.micro_batch_size=64; for a "
+        "smaller global batch set both, e.g. train.global_batch_size=16 train.micro_batch_size=16",
+    ),
     "train-sampling-shift": (
         ["train", "latent_diffusion.sampling_shift=0"],
         "config key 'latent_diffusion.sampling_shift': got 0.0; expected a number > 0, or null (equal steps of t)",

@@ -224,9 +224,13 @@ def test_null_data_path_prepares_the_default_corpus_once_into_the_cache(data_dir
     # The bundled corpus stands in for a small one here; the full one takes minutes to encode on CPU.
     monkeypatch.setattr("mmldlm.data.corpus.DEFAULT_CORPUS", data_dir.parent / "corpus.txt")
     cfg = DataConfig(cache_dir=str(tmp_path), vocab_size=400, val_fraction=0.1)
-    messages = []
-    path = dataset_path(cfg, log=messages.append)
+    messages, details = [], []
+    path = dataset_path(cfg, log=messages.append, detail=details.append)
     assert path.parent == tmp_path and path.name.startswith("default-")
+    # The main job's first screen: progress and the result; the counts and length statistics apart.
+    assert any(m.startswith("lengths of the") for m in details) and any(m.startswith("read ") for m in details)
+    assert not any(m.startswith(("lengths of the", "read ", "--long-texts", "a model of")) for m in messages)
+    assert messages[-1].startswith(f"{path}: ")
     assert open_dataset(path, "val").meta["splits"] == json.loads((data_dir / "meta.json").read_text())["splits"]
     assert dataset_path(cfg, log=messages.append) == path and "already complete" in messages[-1]
     assert default_prepare_options(DataConfig(cache_dir=str(tmp_path), vocab_size=512)).out != str(path)
@@ -274,3 +278,20 @@ def test_token_latents_are_the_encoders_latents_of_each_vocabulary_entry(data_di
     np.testing.assert_allclose(added, stored, atol=1e-5)
     assert json.loads((old / "meta.json").read_text())["token_latents"] == "token_latents.npy"
     assert np.array_equal(ensure_token_latents(old, log=lambda _msg: None), added)  # now read, not made again
+
+
+def test_the_bar_counts_whole_texts_read_also_when_long_texts_are_split(tmp_path, capsys):
+    texts = [
+        f"text {i}: " + ("long enough that it is split into passages, " * 4 if i % 3 else "short") for i in range(18)
+    ]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    options = {**SMALL, "progress": True, "vocab_size": 300}
+    prepare(
+        PrepareOptions(inputs=[str(corpus)], out=str(tmp_path / "out"), long_texts="split", max_tokens=16, **options),
+        log=lambda _msg: None,
+    )
+    bar = capsys.readouterr().err
+    assert "prepare: 100%" in bar and "18/18" in bar and ".0/" not in bar
+    splits = open_dataset(tmp_path / "out", "train").meta["splits"]
+    assert splits["train"] + splits["val"] > 18  # more samples stored than texts read: the bar counts the texts

@@ -2,7 +2,10 @@
 directory, a checkpoint and an exported folder; what is refused; and `--resume` of what it cannot
 continue pointing to it."""
 
+import contextlib
 import re
+import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,6 +146,37 @@ def test_resume_of_an_export_or_onto_other_data_says_to_use_init_from(source, ex
     (line,) = refusals(capsys)
     assert "loader state: saved with num_samples" in line
     assert line.endswith(f"start a new run with --init-from {checkpoint}")
+
+
+def test_the_readme_fine_tuning_example_runs_on_50_sentences_under_a_config_of_a_larger_batch(
+    tmp_path_factory, tmp_path, capsys
+):
+    """The README's commands as written, on 49 training texts, from a source that kept no EMA and trained
+    with a global batch of 64: the batch is fitted to the data and said once, and nothing warns."""
+    big_batch = [o for o in SOURCE if not o.startswith(("train.ema_decay", "train.micro", "train.global"))]
+    source = trained_run(
+        tmp_path_factory, [*big_batch, "train.steps=1", "train.micro_batch_size=64", "train.global_batch_size=64"]
+    )
+    (tmp_path / "my_texts.txt").write_text("\n".join(NEW_TEXTS[:50]) + "\n", encoding="utf-8")
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    block = readme.split("### Fine-tune on your own data", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [shlex.split(line) for line in block.replace("\\\n", " ").splitlines()]
+    assert [c[:2] for c in commands] == [["mmldlm", "prepare"], ["mmldlm", "train"], ["mmldlm", "eval"]]
+    names = {"runs/default": source, "train.steps=500": "train.steps=2"}
+    local = [[str(names.get(a, a)).replace("runs/default/", f"{source}/") for a in c[1:]] for c in commands[:2]]
+    with contextlib.chdir(tmp_path):
+        assert main(*local[0], "--quiet") == 0
+        capsys.readouterr()
+        assert main(*local[1]) == 0
+    log = capsys.readouterr().err.splitlines()
+    assert [line for line in log if "global batch" in line] == [
+        "INFO mmldlm.training.run: batch: the training split holds 49 samples, fewer than a global batch of 64; "
+        "training with train.global_batch_size=49 train.micro_batch_size=49 (set both to choose)"
+    ]
+    assert not [line for line in log if line.startswith(("WARNING", "ERROR"))]
+    config = yaml.safe_load((tmp_path / "runs" / "my-texts" / "config.yaml").read_text())
+    assert (config["train"]["global_batch_size"], config["train"]["micro_batch_size"]) == (49, 49)
+    assert find_latest(tmp_path / "runs" / "my-texts" / "checkpoints").name == "step-0000002"
 
 
 def refusals(capsys) -> list[str]:

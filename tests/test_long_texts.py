@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mmldlm.config import load_config
+from mmldlm.data import long_texts
 from mmldlm.data.corpus import DEFAULT_CORPUS
 from mmldlm.data.dataset import open_dataset
 from mmldlm.data.encoders import load_encoder
@@ -163,6 +164,17 @@ def test_train_warns_once_when_its_data_are_longer_than_the_model(whole, caplog)
         open_train_data(config_on(path, "data.num_workers=0"), DistInfo())
     [record] = [r for r in caplog.records if "never trained on" in r.getMessage()]
     assert f"{(lengths > 32).sum()} of {len(lengths)} texts" in record.getMessage()
+
+
+def test_a_cut_that_loses_under_a_thousandth_of_the_tokens_or_one_text_in_a_hundred_is_a_note():
+    default_job = np.array([12] * 48991 + [70] * 9)  # the bundled corpus's 50k subset under the tiny preset
+    assert not long_texts.cut_is_worth_a_warning(default_job, 64)
+    line = long_texts.cut_line(default_job, 64, "data")
+    assert line.startswith("data: 9 of 49000 texts (under 0.1%) are longer than data.max_length=64 tokens; under 0.1%")
+    assert line.endswith("(99% of the texts are at most 12 tokens)")  # a note: nothing to do
+    assert long_texts.cut_is_worth_a_warning(np.array([12] * 90 + [65] * 10), 64)  # 10% of the texts, 0.6% of tokens
+    assert not long_texts.cut_is_worth_a_warning(np.array([60] * 9800 + [65] * 200), 64)  # 2%, but 0.03% of tokens
+    assert long_texts.cut_is_worth_a_warning(np.array([12] * 90 + [200] * 10), 64)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 from mmldlm import cli
 from mmldlm.errors import OptionError
 from mmldlm.tools import faults
-from mmldlm.tools.health import HealthConfig
+from mmldlm.tools.health import Alert, HealthConfig
 from mmldlm.tools.monitor import PANELS, Monitor, follow, plot
 
 MODE_SCALE = {"l2t": 5.0, "t2l": 1.0, "joint": 6.0}  # each mode its own loss scale, as in a real run
@@ -380,6 +380,31 @@ def test_plot_is_a_png_with_every_curve(tmp_path):
         "memory (GiB)",
         "step time / what its work predicts",
     ]
+
+
+def test_the_status_line_gives_the_loss_and_its_trend_of_every_mode(tmp_path, capsys):
+    run = write_run(tmp_path, make_records(240, ("l2t", "t2l", "joint")))
+    assert cli.main(["monitor", str(run), "--once"]) == 0
+    (status,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step 240/240")]
+    losses = status.split(" | ")[1]
+    assert re.fullmatch(r"loss joint [\d.]+ \(-\d+\.\d%\), l2t [\d.]+ \(-\d+\.\d%\), t2l [\d.]+ \(-\d+\.\d%\)", losses)
+
+
+def test_the_plots_alert_lines_are_labelled_with_their_kind_and_severity(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    drawn = {}
+
+    def keep(fig, path, **_kwargs):
+        loss = fig.axes[0]
+        drawn["legend"] = loss.get_legend_handles_labels()[1]
+        drawn["texts"] = [t.get_text() for t in loss.texts]
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    alerts = [Alert("loss_spike", "warning", 150, "spike", "fix"), Alert("nonfinite", "critical", 200, "nan", "fix")]
+    plot(make_records(240, ("l2t", "t2l")), tmp_path / "curves.png", alerts)
+    assert drawn["legend"] == ["l2t", "t2l", "critical alert", "warning alert"]
+    assert drawn["texts"] == ["loss_spike", "nonfinite"]
 
 
 def test_cli_report_plot_and_exit_codes(tmp_path, capsys):

@@ -18,6 +18,7 @@ from mmldlm.model.mmdit import MultimodalMMDiT
 from mmldlm.objective import Objective
 from mmldlm.training.batch_size import (
     candidate_sizes,
+    fit_to_data,
     full_length_batch,
     largest_fitting,
     per_process_micro_batch,
@@ -268,6 +269,16 @@ def test_a_micro_batch_too_large_for_the_world_size_becomes_each_process_share_o
     assert per_process_micro_batch(4, [12, 20], world_size=4) == 4  # a share of 3 does not divide 20 / 4
     with pytest.raises(ConfigError, match=r"= 64 x 3 = 192 \(or, smaller than that, a multiple of the world size"):
         accumulation_steps(64, 64, 3, "train.global_batch_size")
+
+
+def test_a_global_batch_larger_than_the_training_split_is_lowered_to_what_it_fills():
+    assert fit_to_data(64, [64], num_samples=49, world_size=1) == (49, [49])  # the README's fine-tuning example
+    assert fit_to_data(64, [64], num_samples=49, world_size=2) == (24, [48])  # whole micro-batches on each process
+    assert fit_to_data(16, [64], num_samples=49, world_size=1) == (16, [48])  # the micro-batch fits: kept
+    assert fit_to_data(8, [16, 64], num_samples=49, world_size=2) == (8, [16, 48])  # only the sizes too large
+    assert fit_to_data("auto", [64], num_samples=49, world_size=2) == ("auto", [48])
+    assert fit_to_data(64, [64], num_samples=64, world_size=1) == (64, [64])  # filled: unchanged
+    assert fit_to_data(64, [64], num_samples=1, world_size=2) == (64, [64])  # the loader refuses it, naming the keys
 
 
 def test_auto_micro_batch_search_is_the_largest_divisor_that_fits():

@@ -3,7 +3,9 @@ loads it (or a run directory) with no dataset, and it samples exactly what the r
 folders and missing runs fail with one line naming the file."""
 
 import json
+import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -69,7 +71,11 @@ def test_export_writes_a_self_contained_folder_with_its_model_card(run_dir, expo
     # The checkpoint records what trained it and for how long; the card says so.
     meta = json.loads((run_dir / "checkpoints" / "step-0000006" / "meta.json").read_text())
     assert meta["device"] == describe_device(torch.device("cpu")) and meta["wall_seconds"] > 0
-    assert "of training wall-clock time" in card and f"on {meta['device']}, 1 process(es)" in card
+    assert (
+        "of training wall-clock time" in card
+        and f"on {meta['device']}, 1 process" in card
+        and "process(es)" not in card
+    )
     assert "Not evaluated" in card and "licences of the inputs above apply" in card
     assert "the EMA of the weights (train.ema_decay 0.9)" in card and "ema_decay: 0.9" in card
 
@@ -177,6 +183,20 @@ def test_a_model_saves_into_the_folder_it_was_loaded_from(exported, tmp_path):
     model.save_pretrained(copy)
     again = MMLDLM.from_pretrained(copy, device="cpu")
     assert torch.equal(again.encode(["blue"], seed=1, **FAST), model.encode(["blue"], seed=1, **FAST))
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_an_export_and_a_saved_copy_have_the_permissions_the_umask_gives(run_dir, exported, tmp_path, umask):
+    before = os.umask(umask)
+    try:
+        assert main("export", "--run", run_dir, "--out", tmp_path / "model") == 0
+        MMLDLM.from_pretrained(exported, device="cpu").save_pretrained(tmp_path / "copy")
+    finally:
+        os.umask(before)
+    for folder in (tmp_path / "model", tmp_path / "copy"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o777 & ~umask
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()}
+        assert modes == dict.fromkeys(modes, 0o666 & ~umask) and WEIGHTS in modes
 
 
 def test_exported_model_samples_what_the_run_samples(run_dir, exported, tmp_path, capsys):
@@ -415,6 +435,7 @@ def test_the_api_names_its_own_arguments_in_its_errors(exported, monkeypatch, ca
         (lambda: model.generate(2, 0), "lengths: got 0; expected an integer >= 1"),
         (lambda: model.generate(2, [3, 0]), r"lengths: got \[3, 0\]; expected text lengths in tokens, each >= 1"),
         (lambda: model.encode("a dog", batch_size=0), "batch_size: got 0; expected an integer >= 1"),
+        (lambda: model.generate(2, steps=0), "sampling option 'steps': got 0; expected an integer >= 1"),
     ):
         with pytest.raises(OptionError, match=f"^{message}$"):
             call()
@@ -423,6 +444,9 @@ def test_the_api_names_its_own_arguments_in_its_errors(exported, monkeypatch, ca
         MMLDLM.from_pretrained(exported, device="cuda")
     assert main("sample", "--run", exported, "--mode", "joint", "--device", "cuda") == 2
     assert capsys.readouterr().err.startswith("mmldlm sample: --device: got 'cuda'; expected auto or cpu")
+    for command in (["sample", "--mode", "joint"], ["eval"]):  # cuda:N is read, as the README lists it
+        assert main(*command, "--run", exported, "--device", "cuda:1") == 2
+        assert capsys.readouterr().err.startswith(f"mmldlm {command[0]}: --device: got 'cuda:1'; expected auto or cpu")
 
 
 def test_a_runs_config_records_the_values_it_trained_with_and_model_info_reads_it(run_dir, exported, capsys):

@@ -417,6 +417,10 @@ def test_eval_writes_report_and_summary(run_dir, tmp_path, capsys):
     assert f"word F1 {evaluate.figure_text(report['l2t'], 'word_f1')}" in summary
     assert "(chance 8.3%)" in summary and "| 1.5 |" in summary and "length head" in summary
     assert out.with_suffix(".md").read_text(encoding="utf-8") in summary
+    # The figures a reader looks for come first, beside their references; the options read as keywords.
+    retrieval = f"- t2l retrieval@1 among 12: {evaluate.figure_text(report['t2l'], 'retrieval_at_1', '.1%')} (chance"
+    assert summary.index(retrieval) < summary.index("Likelihood bounds") < summary.index("l2t reconstruction")
+    assert "Sampling options: num_steps=" in summary and "{'num_steps'" not in summary
     # The writing figures beside their references.
     for entry in (report["l2t"], report["l2t_predicted_length"]):
         assert 0 <= entry["bleu"] <= 100 and 0 <= entry["repetition"] <= 1 and entry["ngram_perplexity"] > 1

@@ -54,6 +54,15 @@ def steps_in(config_file):
     return yaml.safe_load(config_file.read_text())["train"]["steps"]
 
 
+def test_the_progress_bar_ends_once_before_the_last_checkpoints_line(train, tmp_path):
+    status, err = train("logging.progress_bar=true", steps=3)
+    last = f"checkpoint: wrote {tmp_path / 'run' / 'checkpoints' / 'step-0000003'}"
+    assert status == 0 and any(line.endswith(last) for line in err)
+    after = err[[i for i, line in enumerate(err) if line.endswith(last)][0] + 1 :]
+    assert not [line for line in after if "train:" in line]  # no bar drawn again after the run is done
+    assert "3/3" in "\n".join(err)
+
+
 def test_a_failed_start_leaves_no_trace_and_each_resume_keeps_its_config(train, tmp_path):
     run_dir = tmp_path / "run"
     status, err = train("--resume", str(tmp_path / "nope"))

@@ -94,14 +94,14 @@ def arms(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     if args.arm_a or args.arm_b:
         if args.runs or not (args.arm_a and args.arm_b):
             raise UserError(
-                f"compare: got {len(args.runs)} positional runs, --a {args.arm_a or []} and --b {args.arm_b or []}; "
+                f"got {len(args.runs)} positional runs, --a {args.arm_a or []} and --b {args.arm_b or []}; "
                 "expected either two runs A B, or --a RUN [RUN ...] and --b RUN [RUN ...]"
             )
         return list(args.arm_a), list(args.arm_b)
     if len(args.runs) != 2:
         raise UserError(
-            f"compare: got {len(args.runs)} runs ({' '.join(args.runs) or 'none'}); expected two, A and B, "
-            "or --a RUN [RUN ...] and --b RUN [RUN ...]"
+            f"got {len(args.runs)} run{'' if len(args.runs) == 1 else 's'} ({' '.join(args.runs) or 'none'}); "
+            "expected two, A and B, or --a RUN [RUN ...] and --b RUN [RUN ...]"
         )
     return [args.runs[0]], [args.runs[1]]
 

@@ -95,7 +95,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     summary = markdown(report)
     out.with_suffix(".md").write_text(summary, encoding="utf-8")
     print(summary, end="")
-    print(f"mmldlm eval: wrote {out} and {out.with_suffix('.md')}")
+    print(f"mmldlm eval: wrote {out} and {out.with_suffix('.md')} (the whole report)")
     return 0
 
 

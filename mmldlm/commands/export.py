@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from mmldlm.data.errors import DataError
-    from mmldlm.outputs import publish, refuse_foreign
+    from mmldlm.outputs import as_umask_allows, publish, refuse_foreign
     from mmldlm.sampling.pretrained import EXPORTED, MMLDLM
 
     out = Path(args.out)
@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     model = MMLDLM.from_pretrained(args.run, checkpoint=args.checkpoint, device="cpu", use_ema=not args.no_ema)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    as_umask_allows(partial)
     try:
         model.save_pretrained(partial)
     except BaseException:

@@ -155,9 +155,9 @@ def add_device_arguments(group) -> None:
     """--device, --threads, --quiet (sample and eval)."""
     group.add_argument(
         "--device",
-        choices=["auto", "cpu", "cuda"],
         default="auto",
-        help="auto: the GPU when there is one, else the CPU",
+        metavar="auto|cpu|cuda|cuda:N",
+        help="auto: the GPU when there is one, else the CPU; cuda:N the N-th visible GPU",
     )
     group.add_argument(
         "--threads",

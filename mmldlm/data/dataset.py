@@ -170,8 +170,9 @@ class BatchOrder:
         self.num_batches = whole + (partial > 0 and not drop_last)  # of an epoch read in one layout
         if self.num_batches == 0:
             raise DataError(
-                f"{num_samples} samples do not fill one batch of {batch_size} on each of "
-                f"{world_size} rank(s); lower the batch size or set data.drop_last=false"
+                f"{num_samples} samples do not fill one micro-batch of {batch_size} on each of {world_size} "
+                f"{'process' if world_size == 1 else 'processes'}; lower train.global_batch_size and "
+                "train.micro_batch_size together, or set data.drop_last=false"
             )
 
     def permutation(self, epoch: int) -> np.ndarray:
@@ -631,11 +632,12 @@ def default_prepare_options(cfg: DataConfig):
     return opts
 
 
-def dataset_path(cfg: DataConfig, log=print) -> Path:
+def dataset_path(cfg: DataConfig, log=print, detail=None) -> Path:
     """The dataset directory of a run: `cfg.path`, or for a null path the bundled default corpus,
-    prepared on first use into the cache (every rank must call this; the work is shared)."""
+    prepared on first use into the cache (every rank must call this; the work is shared); `log` and
+    `detail` as for prepare."""
     if cfg.path is not None:
         return Path(cfg.path)
     from mmldlm.data.prepare import prepare  # here: prepare.py imports this module
 
-    return Path(prepare(default_prepare_options(cfg), log)["path"])
+    return Path(prepare(default_prepare_options(cfg), log, detail)["path"])

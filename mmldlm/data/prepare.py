@@ -252,8 +252,17 @@ class TextSource:
         token_ids = tok.encode_texts(self.limits.tokenizer, texts)
         wordpieces = self.encoder.count_wordpieces(texts)
         stored, stored_ids, counts = long_texts.resolve(texts, token_ids, wordpieces, self.limits, self.mode)
-        per_sample = len(texts) / max(len(stored), 1)  # the bar counts texts read, the encoder samples stored
-        latents = self.encoder.encode(stored, self.batch_size, lambda n: progress(n * per_sample))
+        # The bar counts texts read, in whole texts; the encoder counts the samples stored.
+        encoded, counted = 0, 0
+
+        def advance(num_encoded: int) -> None:
+            nonlocal encoded, counted
+            encoded += num_encoded
+            read = len(texts) * encoded // max(len(stored), 1)
+            progress(read - counted)
+            counted = read
+
+        latents = self.encoder.encode(stored, self.batch_size, advance)
         return stored_ids, latents, counts
 
 
@@ -502,22 +511,27 @@ def _device(requested: str) -> str:
     return str(pick_device(requested, key="--device"))
 
 
-def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
+def prepare(
+    opts: PrepareOptions, log: Callable[[str], None] = print, detail: Callable[[str], None] | None = None
+) -> dict:
     """Prepare the dataset described by `opts` (on every rank of an initialised process group).
-    Returns {"status": "created" | "exists", "path": str, "meta": dict}; `log` is called on rank 0 only."""
+    Returns {"status": "created" | "exists", "path": str, "meta": dict}; `log` is called on rank 0 only,
+    and `detail` (default: `log`) for the counts and length statistics of the texts read, which meta.json
+    keeps ("lengths") and `mmldlm check` reads."""
     opts.check()
     ranks = Ranks()
     say = log if ranks.rank == 0 else (lambda _msg: None)
+    say_detail = (detail or log) if ranks.rank == 0 else (lambda _msg: None)
     out = Path(opts.out)
     if ranks.on_rank0(lambda: output_state(opts)) == "complete":
         say(f"{out}: already complete with these options; nothing to do (pass --overwrite to rebuild)")
         return {"status": "exists", "path": str(out), "meta": fmt.read_meta(out)}
 
     read = _legacy_source if opts.legacy_tokens is not None else _text_source
-    tokenizer_json, source, counts, splits, extra = read(opts, ranks, say)
+    tokenizer_json, source, counts, splits, extra = read(opts, ranks, say, say_detail)
     meta = _write_dataset(opts, ranks, out, tokenizer_json, source, counts, splits, extra, say)
     if meta.get("lengths"):
-        say(long_texts.report_outcome(meta["lengths"]))
+        say_detail(long_texts.report_outcome(meta["lengths"]))
     say(
         f"{out}: {meta['splits']['train']} train + {meta['splits']['val']} val samples, "
         f"{meta['num_tokens']['train'] + meta['num_tokens']['val']} tokens, "
@@ -526,7 +540,7 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
     return {"status": "created", "path": str(out), "meta": meta}
 
 
-def _legacy_source(opts: PrepareOptions, ranks: Ranks, say: Callable[[str], None]) -> tuple:
+def _legacy_source(opts: PrepareOptions, ranks: Ranks, say: Callable[[str], None], detail: Callable) -> tuple:
     """(tokenizer json, source, counts, splits, extra meta) of a legacy .npz/.npy folder: its samples
     as they are, with the given tokenizer."""
     tokenizer_json = ranks.on_rank0(lambda: tok.load_tokenizer(opts.tokenizer).to_str())
@@ -545,11 +559,11 @@ def _legacy_source(opts: PrepareOptions, ranks: Ranks, say: Callable[[str], None
     return tokenizer_json, source, counts, splits, extra
 
 
-def _text_source(opts: PrepareOptions, ranks: Ranks, say: Callable[[str], None]) -> tuple:
+def _text_source(opts: PrepareOptions, ranks: Ranks, say: Callable[[str], None], detail: Callable) -> tuple:
     """(tokenizer json, source, counts, splits, extra meta) of a text corpus: read and filtered, split,
     its tokenizer trained or loaded, its sentence encoder loaded, and what the limits would cut reported."""
     texts, counts = ranks.on_all(lambda: _read_corpus(opts))
-    say(
+    detail(
         f"read {counts['read']} samples: kept {counts['kept']}, dropped {counts['too_short']} shorter than "
         f"{opts.min_chars} chars, {counts['too_long']} longer than {opts.max_chars}, "
         f"{counts['duplicates']} duplicates, "
@@ -572,7 +586,7 @@ def _text_source(opts: PrepareOptions, ranks: Ranks, say: Callable[[str], None])
     extra = {"encoder": encoder.name, "encoder_normalize": opts.normalize}
     extra["lengths"] = ranks.on_rank0(lambda: long_texts.measure(texts, limits))
     for line in long_texts.report(extra["lengths"], encoder.name):
-        say(line)
+        detail(line)
     return tokenizer_json, source, counts, splits, extra
 
 

@@ -220,7 +220,7 @@ def _compute_line(run: TrainedRun, run_dir: Path) -> str:
         timing = f"{_duration(wall)} of training wall-clock time, {timing}"
     return (
         f"{facts['steps']} optimizer steps, {facts['samples']:,} samples seen, "
-        f"{timing}, on {facts['device']}, {processes} process(es)"
+        f"{timing}, on {facts['device']}, {processes} {'process' if processes == 1 else 'processes'}"
         if facts["logged"]
         else f"{facts['steps']} optimizer steps; metrics.jsonl not found, so no further figures"
     )

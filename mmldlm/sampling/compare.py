@@ -111,9 +111,7 @@ def compare_arms(
     more it adds the seeds' variance (rows then carry runs_a, runs_b, seed_sd, text_se and df)."""
     reports, names = [*arm_a, *arm_b], [*names_a, *names_b]
     if unpaired and len(reports) > 2:
-        raise UserError(
-            f"compare: --unpaired takes one run per side, got {len(arm_a)} and {len(arm_b)}; expected A and B"
-        )
+        raise UserError(f"--unpaired takes one run per side, got {len(arm_a)} and {len(arm_b)}; expected A and B")
     for report, name in zip(reports[1:], names[1:]):
         if not unpaired:
             check_comparable(reports[0], report, (names[0], name))

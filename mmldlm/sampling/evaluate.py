@@ -1100,8 +1100,38 @@ def small_n_notes(report: dict) -> list[str]:
     return [f"**Note:** {note}." for note in notes]
 
 
+def headline_lines(report: dict) -> list[str]:
+    """The few figures a reader looks for first, each beside its reference: t2l retrieval and cosine, l2t
+    word F1 and BLEU (BLEU where the writing figures were measured)."""
+    l2t, t2l, ref = report["l2t"], report["t2l"], report.get("references", {})
+
+    def beside(key: str, text: str, spec: str = ".3f") -> str:
+        return f" ({text} {figure_text(ref, key, spec)})" if key in ref else ""
+
+    lines = [
+        f"- t2l retrieval@1 among {t2l['pool_size']}: {figure_text(t2l, 'retrieval_at_1', '.1%')}"
+        + beside("chance_retrieval_at_1", "chance", ".1%"),
+        f"- t2l cosine to the true latent: {figure_text(t2l, 'cosine_mean')}"
+        + beside("mean_latent_cosine", "the constant training-mean latent"),
+        f"- l2t word F1 against the source: {figure_text(l2t, 'word_f1')}"
+        + beside("other_sentence_word_f1", "an unrelated sentence"),
+    ]
+    if "bleu" in l2t:
+        lines.append(
+            f"- l2t BLEU: {figure_text(l2t, 'bleu', '.1f')}"
+            + beside("other_sentence_bleu", "an unrelated sentence", ".1f")
+        )
+    texts = f"{l2t['num_samples']} {texts_label(report)} text{'' if l2t['num_samples'] == 1 else 's'}"
+    return [
+        f"{texts}, each figure with its 95% interval (its reference in parentheses):",
+        "",
+        *lines,
+    ]
+
+
 def markdown(report: dict) -> str:
-    """A short human summary of the report: each figure with its 95% interval in brackets."""
+    """A short human summary of the report: the headline figures, then every figure with its 95% interval
+    in brackets."""
     l2t, t2l, ref = report["l2t"], report["t2l"], report.get("references", {})
     reference = lambda key, text: f" ({text} {figure_text(ref, key, '.4f')})" if key in ref else ""  # noqa: E731
     chance = f" (chance {ref['chance_retrieval_at_1']:.1%})" if "chance_retrieval_at_1" in ref else ""
@@ -1110,7 +1140,11 @@ def markdown(report: dict) -> str:
     lines = [
         f"# Evaluation of {report['checkpoint']} (step {report['step']}, {report['weights']} weights)",
         "",
-        f"Sampling: {report['sampling']}",
+        *headline_lines(report),
+        "",
+        "## Every figure",
+        "",
+        "Sampling options: " + ", ".join(f"{key}={value}" for key, value in report["sampling"].items()),
         "",
         f"Texts: {split} (every figure below is of these texts). Each figure: its value [95% interval] "
         "(percentile bootstrap over the n texts, each with its draws of t for the ELBO; a rate no text reaches "

@@ -55,7 +55,7 @@ from mmldlm.device import pick_device
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.errors import OptionError, require_positive
 from mmldlm.model import MultimodalMMDiT
-from mmldlm.outputs import FolderKind
+from mmldlm.outputs import FolderKind, as_umask_allows
 from mmldlm.progress import reporting, stage
 from mmldlm.sampling.card import model_card
 from mmldlm.sampling.run import TrainedRun, load_run, load_weights
@@ -147,6 +147,8 @@ def write_folder(run: TrainedRun, directory: Path) -> None:
         {"mean": run.latent.mean.float().cpu().contiguous(), "std": run.latent.std.float().cpu().contiguous()},
         str(directory / LATENT_STATS),
     )
+    for name in (WEIGHTS, LATENT_STATS):
+        as_umask_allows(directory / name)
 
 
 def read_config(directory: Path) -> dict:
@@ -337,7 +339,7 @@ class MMLDLM:
         )
         if latent_steps is not None:
             sampling.latent_steps = latent_steps
-        sampling.check()
+        sampling.check({"num_steps": "sampling option 'steps'"})  # the API's name of the field
         return sampling
 
     def text_lengths(

@@ -49,8 +49,10 @@ import shlex
 import signal
 import socket
 import statistics
+import sys
 import tempfile
 import time
+import warnings
 from multiprocessing.connection import wait as wait_for_replies
 from pathlib import Path
 
@@ -58,6 +60,8 @@ import torch
 import yaml
 
 from mmldlm.config import flat_keys, load_config, to_dict
+from mmldlm.data.dataset import default_prepare_options
+from mmldlm.data.prepare import prepare
 from mmldlm.device import describe_device
 from mmldlm.model.info import parameter_counts
 from mmldlm.training.batch_size import batch_shape, largest_fitting, probe_or_none, spaced_sizes
@@ -157,12 +161,17 @@ def bench_configs(opts: BenchOptions) -> list[dict]:
 
 
 def _setup_worker_logging(name: str) -> None:
+    """A worker says what its config does (optimizer, checkpointing) under its name. The notes on the
+    data, the same for every config, are the parent's to give once (main_job_data); torch's advice to
+    run fewer loader workers is the baseline recipe's 16 workers, which is what is measured."""
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter(f"[bench {name}] %(message)s"))
     root = logging.getLogger("mmldlm")
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
     root.propagate = False
+    logging.getLogger("mmldlm.training.run").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
 
 
 def build_trainer(config: str, overrides: list[str], run_dir: str, extra: list[str] = ()):
@@ -544,8 +553,26 @@ def _ratios(results: dict, first: str, last: str, fitted: bool) -> dict:
     return ratios
 
 
+def main_job_data(opts: BenchOptions) -> list[str]:
+    """The override that gives every config the main job's data, where no config names data.path: the
+    presets leave it null, which would prepare the whole bundled corpus (154k texts, minutes of encoding)
+    in each worker. The main job's (configs/default.yaml: a seeded 50k subset) is what `make train`
+    prepared into the cache; it is prepared here, once, where it is not there yet."""
+    configs = [split_config(opts.baseline), split_config(opts.optimized)]
+    if any(load_config(name, [*opts.overrides, *own]).data.path is not None for name, own in configs):
+        return []
+    main_job = load_config("default", []).data
+    prepare_options = dataclasses.replace(default_prepare_options(main_job), progress=sys.stderr.isatty())
+    log.info(
+        "bench: data: the main job's dataset (configs/default.yaml; no config names data.path): %s", prepare_options.out
+    )
+    path = prepare(prepare_options, log=lambda _line: None)["path"]
+    return [f"data.path={path}"]
+
+
 def run_bench(opts: BenchOptions, command: str = "") -> dict:
     """Run the benchmark; write bench.json and bench.md into opts.out; return the report."""
+    opts = dataclasses.replace(opts, overrides=[*main_job_data(opts), *opts.overrides])
     jobs = bench_configs(opts)
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -683,6 +710,34 @@ def _ratio_lines(report: dict) -> list[str]:
     ]
 
 
+# Below this many measured steps per config a step-time spread says nothing: the ratios are not read.
+MIN_DECIDING_STEPS = 5
+
+
+def _decision_lines(report: dict) -> list[str]:
+    """A line where the measured steps cannot tell the first config from the last: too few of them, or
+    times per sample whose spreads (p10..p90) overlap; none where they do not."""
+    steps = report["options"]["steps"]
+    (low_a, high_a), (low_b, high_b) = (
+        [
+            report["configs"][name]["step_time_s"][q] / report["configs"][name]["global_batch_size"]
+            for q in ("p10", "p90")
+        ]
+        for name in (report["order"][0], report["order"][-1])
+    )
+    apart = high_a < low_b or high_b < low_a
+    if steps >= MIN_DECIDING_STEPS and apart:
+        return []
+    return [
+        f"**Too few steps to decide**: {steps} measured steps per config, time per sample p10..p90 "
+        f"{low_a * 1e3:.3g}..{high_a * 1e3:.3g} ms against {low_b * 1e3:.3g}..{high_b * 1e3:.3g} ms"
+        + ("" if apart else " (overlapping)")
+        + f": the ratios above may be noise. Measure again with --steps {max(30, 2 * steps)}, or the two do "
+        "not differ in speed.",
+        "",
+    ]
+
+
 def markdown(report: dict) -> str:
     """The report as markdown: the configs side by side, the ratios, and the ladder when there is one."""
     configs, order = report["configs"], report["order"]
@@ -708,6 +763,7 @@ def markdown(report: dict) -> str:
         lines.append("| " + " | ".join(_table_row(name, configs[name], fit, ladder, first, previous)) + " |")
         previous = configs[name]
     lines += _ratio_lines(report)
+    lines += _decision_lines(report)
     if ladder:
         lines += ["Ladder rungs (keys each one sets to the optimized value):", ""]
         lines += [f"- {name}: {', '.join(configs[name]['changes'])}" for name in order[1:]]

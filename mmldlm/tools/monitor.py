@@ -231,16 +231,27 @@ def eta_seconds(history: RunHistory, total: int | None) -> float | None:
     return max(0, total - history.records[-1]["step"]) * step_time
 
 
+def losses_per_mode(history: RunHistory) -> str:
+    """'loss joint 7.411 (-3.1%), l2t 6.2 (-0.8%), t2l 1.41': each mode's last loss, with the trend of its
+    rolling median where there are records enough (each mode has its own scale)."""
+    last = {}
+    for record in history.records:
+        last[record.get("mode", "all")] = record.get("loss")
+    parts = []
+    for mode, loss in sorted(last.items()):
+        trend = history.tracker.trend(mode)
+        value = f"{loss:.4g}" if finite(loss) else str(loss)
+        parts.append(f"{mode} {value}" + (f" ({trend:+.1%})" if trend is not None else ""))
+    return "loss " + ", ".join(parts)
+
+
 def status_line(history: RunHistory, total: int | None) -> str:
-    """One line: step, loss and its trend, lr, grad norm, throughput, memory, skipped steps, ETA."""
+    """One line: step, loss and its trend per mode, lr, grad norm, throughput, memory, skipped steps, ETA."""
     if not history.records:
         return "waiting for the first record"
     r = history.records[-1]
     parts = [f"step {r['step']}" + (f"/{total} ({r['step'] / total:.0%})" if total else "")]
-    mode = r.get("mode", "all")
-    trend = history.tracker.trend(mode)
-    loss = f"loss {r['loss']:.4g}" if finite(r.get("loss")) else f"loss {r.get('loss')}"
-    parts.append(f"{loss} [{mode}" + (f", {trend:+.1%}" if trend is not None else "") + "]")
+    parts.append(losses_per_mode(history))
     for key, fmt in (
         ("lr", "lr {:.3g}"),
         ("grad_norm", "gnorm {:.3g}"),
@@ -460,6 +471,9 @@ PANELS = (
 )
 
 
+ALERT_COLOURS = {"critical": "red", "warning": "orange"}
+
+
 def plot(
     records: list[dict], path: str | Path, alerts: list[Alert] = (), slowdowns: list[tuple[int, float]] = ()
 ) -> list[str]:
@@ -495,11 +509,23 @@ def plot(
                 steps, values = zip(*points)
                 color = f"C{modes.index(mode)}" if mode is not None else "C0"  # a mode keeps its colour
                 ax.plot(steps, values, marker="." if len(points) < 50 else None, linewidth=1, label=mode, color=color)
-        if per_mode and ax.lines:
-            ax.legend(fontsize=8)
         if key == "loss":
             for alert in alerts:
-                ax.axvline(alert.step, color="red" if alert.severity == "critical" else "orange", alpha=0.5)
+                ax.axvline(alert.step, color=ALERT_COLOURS[alert.severity], alpha=0.5)
+                ax.annotate(
+                    alert.kind,
+                    (alert.step, 1),
+                    xycoords=("data", "axes fraction"),
+                    rotation=90,
+                    fontsize=7,
+                    va="top",
+                    ha="right",
+                    color=ALERT_COLOURS[alert.severity],
+                )
+            for severity in sorted({alert.severity for alert in alerts}):  # one legend entry per severity
+                ax.plot([], [], color=ALERT_COLOURS[severity], alpha=0.5, label=f"{severity} alert")
+        if per_mode and ax.lines:
+            ax.legend(fontsize=8)
     for ax in axes[3]:  # the lowest panel of each column
         ax.set_xlabel("step")
         ax.xaxis.set_tick_params(labelbottom=True)

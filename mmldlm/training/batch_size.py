@@ -42,6 +42,25 @@ def global_batch_sizes(global_batch_size: int, batch_schedule: list[list[int]]) 
     return [global_batch_size] + [size for _, size in batch_schedule]
 
 
+def fit_to_data(
+    micro_batch: int | str, global_batches: list[int], num_samples: int, world_size: int
+) -> tuple[int | str, list[int]]:
+    """(micro-batch, global batches) for a training split of `num_samples` that holds fewer samples than a
+    global batch (a small corpus under a config written for a large one): each such global batch lowered
+    to the most samples the split fills in whole micro-batches on every process, and the micro-batch to
+    that size where it was larger. Sizes the split fills are returned as they are; a split smaller than
+    the world size is left to the loader's refusal."""
+    if max(global_batches) <= num_samples or num_samples < world_size:
+        return micro_batch, global_batches
+    unit = world_size  # "auto" or a micro-batch the split cannot fill: one micro-batch of the share
+    if micro_batch != "auto" and micro_batch * world_size <= num_samples:
+        unit = micro_batch * world_size
+    most = num_samples // unit * unit
+    if micro_batch != "auto" and micro_batch * world_size > most:
+        micro_batch = most // world_size
+    return micro_batch, [min(size, most) for size in global_batches]
+
+
 def per_process_micro_batch(micro_batch: int, global_batches: list[int], world_size: int) -> int:
     """The micro-batch each process runs for a fixed train.micro_batch_size: that size, unless that many
     on every process is more than the smallest global batch (configs/default.yaml, a global batch of 64

@@ -19,7 +19,6 @@ full state on every rank: each rank keeps the slices of its own shards.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from pathlib import Path
 
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -28,8 +27,6 @@ from mmldlm.config import ConfigError
 from mmldlm.data.errors import DataError
 from mmldlm.sampling.pretrained import is_exported, load_trained, read_config
 from mmldlm.sampling.run import TrainedRun, check_compatible, weight_mismatches
-
-log = logging.getLogger(__name__)
 
 KEY = "train.init_from"
 FULL_STATE = StateDictOptions(full_state_dict=True)
@@ -87,6 +84,4 @@ def init_weights(trainer, source: str, weights: str) -> TrainedRun:
     set_model_state_dict(trainer.model, state, options=FULL_STATE)
     if trainer.ema is not None:
         set_model_state_dict(trainer.ema.module, state, options=FULL_STATE)
-    if weights == "ema" and run.weights == "raw" and trainer.info.is_main:
-        log.warning("%s %s: the source kept no EMA of its weights; starting from its trained weights", KEY, source)
     return run

@@ -17,12 +17,13 @@ from tqdm import tqdm
 
 from mmldlm.config import RunConfig
 from mmldlm.data import build_loader, dataset_path, heaviest_batch, model_for_dataset, open_dataset, resolve_for_model
-from mmldlm.data.long_texts import cut_warning
+from mmldlm.data.long_texts import cut_is_worth_a_warning, cut_line
 from mmldlm.data.prepare import Ranks, ensure_token_latents
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.errors import UserError
 from mmldlm.model.mmdit import MultimodalMMDiT
 from mmldlm.objective import Objective
+from mmldlm.training.batch_size import fit_to_data, global_batch_sizes
 from mmldlm.training.checkpoint import step_dir_name
 from mmldlm.training.distributed import DistInfo, RankTimeout, init_distributed, leave
 from mmldlm.training.storage import save_run_config
@@ -87,11 +88,14 @@ def open_train_data(cfg: RunConfig, info: DistInfo):
     builds this rank's loader. With data.path null the bundled corpus is prepared first (once,
     into the cache; every rank takes part)."""
 
-    dataset = open_dataset(dataset_path(cfg.data, log=log.info), "train")
+    # The counts and length statistics of the bundled corpus go to the debug log: the first screen of the
+    # main job shows progress; `mmldlm check` reports what the lengths cut.
+    dataset = open_dataset(dataset_path(cfg.data, log=log.info, detail=log.debug), "train")
     data_cfg = resolve_for_model(cfg.data, cfg.model, dataset)
-    warning = cut_warning(dataset.lengths(), data_cfg.max_length, str(dataset.path))
-    if warning is not None:  # logged on rank 0 only (setup_logging)
-        log.warning(warning)
+    line = cut_line(dataset.lengths(), data_cfg.max_length, str(dataset.path))
+    if line is not None:  # logged on rank 0 only (setup_logging)
+        worth_a_warning = cut_is_worth_a_warning(dataset.lengths(), data_cfg.max_length)
+        log.log(logging.WARNING if worth_a_warning else logging.INFO, line)
 
     def make_loader(micro_batch_size: int):
         return build_loader(dataset, data_cfg, micro_batch_size, info.rank, info.world_size)
@@ -99,11 +103,37 @@ def open_train_data(cfg: RunConfig, info: DistInfo):
     return dataset, make_loader, data_cfg
 
 
+def fit_batches_to_data(cfg: RunConfig, num_samples: int, info: DistInfo) -> RunConfig:
+    """`cfg` with global batches of more samples than the training split holds lowered to what it holds
+    (fit_to_data), said once in the log: a config written for a large corpus, fine-tuned on a small one.
+    With data.drop_last=false such a batch is filled by reading samples twice, and kept."""
+    train = cfg.train
+    sizes = global_batch_sizes(train.global_batch_size, train.batch_schedule)
+    micro, fitted = fit_to_data(train.micro_batch_size, sizes, num_samples, info.world_size)
+    if not cfg.data.drop_last or fitted == sizes:
+        return cfg
+    if info.is_main:
+        log.info(
+            "batch: the training split holds %d samples, fewer than a global batch of %d; training with "
+            "train.global_batch_size=%d train.micro_batch_size=%s (set both to choose)",
+            num_samples,
+            max(sizes),
+            fitted[0],
+            micro,
+        )
+    schedule = [[step, size] for (step, _), size in zip(train.batch_schedule, fitted[1:])]
+    fitted_train = dataclasses.replace(
+        train, global_batch_size=fitted[0], micro_batch_size=micro, batch_schedule=schedule
+    )
+    return dataclasses.replace(cfg, train=fitted_train)
+
+
 def build_trainer(cfg: RunConfig, info: DistInfo) -> Trainer:
     """The data, model, objective and trainer of `cfg` on this rank; the memory probes run the
     heaviest batch of the real data (mmldlm.data.dataset.heaviest_batch)."""
     dataset, make_loader, data_cfg = open_train_data(cfg, info)
     cfg = dataclasses.replace(cfg, model=model_for_dataset(cfg.model, dataset))
+    cfg = fit_batches_to_data(cfg, len(dataset), info)
     seed_everything(cfg.train.seed)  # the same initial weights on every rank (FSDP2 relies on it)
     model, objective = build_model_and_objective(cfg, dataset)
     seed_everything(cfg.train.seed + info.rank)  # rank-local randomness (dropout) differs per rank

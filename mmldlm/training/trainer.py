@@ -527,12 +527,14 @@ class Trainer:
         records the checkpoint or exported folder they came from."""
         run = init_weights(self, source, self.cfg.train.init_weights)
         self.cfg.train.init_from = str(run.checkpoint.resolve())
-        if self.info.is_main:
+        if self.info.is_main:  # the source's trained weights where it kept no EMA (the default asks for the EMA)
+            kept = "" if run.weights == self.cfg.train.init_weights else ": the source kept no EMA"
             log.info(
-                "initialized from %s (step %s, %s weights); optimizer, schedule, data position and step start afresh",
+                "initialized from %s (step %s, %s weights%s); optimizer, schedule, data position and step start afresh",
                 self.cfg.train.init_from,
                 run.step,
                 run.weights,
+                kept,
             )
 
     def _restore_rng(self, rank_state: dict | None, meta: dict) -> None:
@@ -848,6 +850,8 @@ class Trainer:
                             samples_s=f"{record['samples_per_s']:.1f}",
                             refresh=False,
                         )
+                        if self.step == total:  # done: the last checkpoint's and evaluation's lines come after it
+                            bar.close()
                     if record["stop_requested"] and self.step < total:  # at the last step: the run is done
                         self.save(blocking=True)
                         # A rank that did not receive the signal itself stops as for the usual SIGTERM.
