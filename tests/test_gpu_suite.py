@@ -47,6 +47,7 @@ def test_gpu_report_replaces_only_the_text_between_its_markers(tmp_path):
         "accumulation_steps": 1,
         "samples_per_s": 10.0,
         "tokens_per_s": 100.0,
+        "global_batch_size": 8,
         "step_time_s": {"median": 0.4, "min": 0.3, "p10": 0.3, "p90": 0.5},
         "peak_memory_gib": 2.0,
         "peak_above_state_gib": 1.0,
