@@ -1,6 +1,8 @@
 """`mmldlm bench`: two training configs (default configs/baseline.yaml vs configs/optimized.yaml) on
 the same model and data, measured in one run; with `ladder`, every step from the first to the
-second adding one group of performance keys at a time.
+second adding one group of performance keys at a time; with `variants`, further rows set against
+the baseline (e.g. the optimized config with checkpointing forced where `auto` chose none). The data
+is data.path, or with `synthetic` random tokens of a stated shape (mmldlm/data/synthetic.py).
 
 How it measures, and why:
 1. Each config trains in its own worker process (spawned). Peak memory is a per-process quantity
@@ -58,7 +60,9 @@ import torch
 import yaml
 
 from mmldlm.config import flat_keys, load_config, to_dict
+from mmldlm.data.synthetic import SyntheticSpec, write_synthetic
 from mmldlm.device import describe_device
+from mmldlm.errors import UserError
 from mmldlm.model.info import parameter_counts
 from mmldlm.training.batch_size import batch_shape, largest_fitting, probe_or_none, spaced_sizes
 from mmldlm.training.distributed import init_distributed
@@ -100,6 +104,11 @@ class BenchOptions:
     warmup: int = 3
     round_steps: int = 2  # steps per config per round
     ladder: bool = False
+    # Further rows, each "NAME [section.key=value ...]" like baseline and optimized, measured with
+    # them and set against the baseline: e.g. the optimized config with checkpointing forced.
+    variants: list[str] = dataclasses.field(default_factory=list)
+    # Random tokens and latents of this shape instead of data.path (mmldlm/data/synthetic.py).
+    synthetic: SyntheticSpec | None = None
     fit: bool = True
     memory_cap_gib: float = 8.0
     max_micro_batch: int = 512
@@ -121,36 +130,56 @@ def split_config(text: str) -> tuple[str, list[str]]:
     return name, overrides
 
 
+def _unique(names: list[str]) -> list[str]:
+    """Row names, a repeated one numbered: two runs of one config are "NAME" and "NAME (2)"."""
+    seen: dict[str, int] = {}
+    unique = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        unique.append(name if seen[name] == 1 else f"{name} ({seen[name]})")
+    return unique
+
+
 def bench_configs(opts: BenchOptions) -> list[dict]:
-    """[{name, changes, overrides}] to run: baseline and optimized, or with opts.ladder every rung.
-    The shared overrides come first, then the row's own (see split_config)."""
+    """[{name, role, config, changes, overrides}] to run: baseline and optimized, or with opts.ladder
+    every rung between them; then each of opts.variants. The shared overrides come first, then the
+    row's own (see split_config); `changes` are the keys where the row differs from the baseline."""
     first_name, first_own = split_config(opts.baseline)
-    last_name, last_own = split_config(opts.optimized)
     base = [*opts.overrides]
     first = flat_keys(to_dict(load_config(first_name, [*base, *first_own])))
-    last = flat_keys(to_dict(load_config(last_name, [*base, *last_own])))
-    differ = [key for key in first if first[key] != last[key] and key not in IGNORED]
+
+    def row(role: str, text: str) -> dict:
+        name, own = split_config(text)
+        keys = flat_keys(to_dict(load_config(name, [*base, *own])))
+        differ = [key for key in first if first[key] != keys[key] and key not in IGNORED]
+        return {"name": text, "role": role, "config": name, "changes": differ, "overrides": [*base, *own]}
+
+    variants = [row("variant", text) for text in opts.variants]
     if not opts.ladder:
-        # Each row is named by its config (two runs of one config: "NAME" and "NAME (2)").
-        second = opts.optimized if opts.optimized != opts.baseline else f"{opts.optimized} (2)"
-        return [
-            {"name": opts.baseline, "config": first_name, "changes": [], "overrides": [*base, *first_own]},
-            {"name": second, "config": last_name, "changes": differ, "overrides": [*base, *last_own]},
-        ]
-    base = [*base, *first_own]
-    rungs, covered, applied = [], set(), list(base)
-    rungs.append({"name": "baseline", "config": first_name, "changes": [], "overrides": list(applied)})
-    groups = LADDER + [("other differences", [k for k in differ if not any(k in keys for _, keys in LADDER)])]
+        rows = [row("baseline", opts.baseline), row("optimized", opts.optimized), *variants]
+        for r, name in zip(rows, _unique([r["name"] for r in rows])):
+            r["name"] = name
+        return rows
+    last = row("optimized", opts.optimized)
+    last_keys = flat_keys(to_dict(load_config(last["config"], last["overrides"])))
+    rungs, covered, applied = [], set(), [*base, *first_own]
+    rungs.append(
+        {"name": "baseline", "role": "baseline", "config": first_name, "changes": [], "overrides": list(applied)}
+    )
+    groups = LADDER + [("other differences", [k for k in last["changes"] if not any(k in keys for _, keys in LADDER)])]
     for label, keys in groups:
-        changes = [k for k in keys if k in differ and k not in covered]
+        changes = [k for k in keys if k in last["changes"] and k not in covered]
         if not changes:
             continue
         covered.update(changes)
-        applied += [_override(k, last[k]) for k in changes]
-        rungs.append({"name": f"+ {label}", "config": first_name, "changes": changes, "overrides": list(applied)})
+        applied += [_override(k, last_keys[k]) for k in changes]
+        rungs.append(
+            {"name": f"+ {label}", "role": "rung", "config": first_name, "changes": changes, "overrides": list(applied)}
+        )
     if len(rungs) > 1:
         rungs[-1]["name"] += " (= optimized)"
-    return rungs
+        rungs[-1]["role"] = "optimized"
+    return [*rungs, *variants]
 
 
 # -------------------------------------------------------------------------------- workers
@@ -270,6 +299,8 @@ def _train_worker(conn, job: dict, run_dir: str) -> None:
             else:
                 conn.send({"ok": True})
                 return
+    except UserError as err:  # a bad config or dataset: one line from the parent, which names the config
+        conn.send({"ok": False, "user_error": True, "error": str(err)})
     except Exception as err:  # reported to the parent, which names the config
         conn.send({"ok": False, "error": f"{type(err).__name__}: {err}"})
 
@@ -306,6 +337,8 @@ def _fit_worker(conn, job: dict, run_dir: str, cap_bytes: float, max_size: int) 
                 },
             }
         )
+    except UserError as err:
+        conn.send({"ok": False, "user_error": True, "error": str(err)})
     except Exception as err:
         conn.send({"ok": False, "error": f"{type(err).__name__}: {err}"})
 
@@ -335,6 +368,8 @@ class _Worker:
                 f"bench: {who} ({self.job['config']} {' '.join(self.job['overrides'])}) "
                 f"exited with status {self.process.exitcode} without a reply"
             ) from None
+        if not reply["ok"] and reply.get("user_error"):
+            raise UserError(f"config '{self.job['name']}': {reply['error']}")
         if not reply["ok"]:
             raise RuntimeError(
                 f"bench: {who} ({self.job['config']} {' '.join(self.job['overrides'])}) failed: {reply['error']}"
@@ -503,10 +538,15 @@ def _measure(groups: list[_Ranks], opts: BenchOptions) -> tuple[dict, dict]:
     return records, memory
 
 
+def _fitted_jobs(jobs: list[dict]) -> list[dict]:
+    """The rows whose largest micro-batch is searched: all but a ladder's intermediate rungs."""
+    return [job for job in jobs if job["role"] != "rung"]
+
+
 def _largest_micro_batches(ctx, jobs: list[dict], scratch: str, opts: BenchOptions) -> dict:
-    """{name: the fit worker's reply} of the first and the last config, each in a fresh process."""
+    """{name: the fit worker's reply} of each of `jobs`, each in a fresh process."""
     fits = {}
-    for job in (jobs[0], jobs[-1]):
+    for job in jobs:
         worker = _Worker(
             ctx,
             _fit_worker,
@@ -544,48 +584,73 @@ def _ratios(results: dict, first: str, last: str, fitted: bool) -> dict:
     return ratios
 
 
+SYNTHETIC_DATA = "synthetic-data"  # under opts.out: the dataset of --synthetic-*, rewritten by each run
+
+
+def with_synthetic_data(opts: BenchOptions) -> BenchOptions:
+    """`opts` reading the dataset of opts.synthetic, written under opts.out: every row's data.path and
+    model.latent_dim set ahead of the shared overrides. Without opts.synthetic, `opts` itself."""
+    if opts.synthetic is None:
+        return opts
+    path = write_synthetic(opts.synthetic, Path(opts.out) / SYNTHETIC_DATA)
+    own = [f"data.path={path}", f"model.latent_dim={opts.synthetic.latent_dim}"]
+    return dataclasses.replace(opts, overrides=[*own, *opts.overrides])
+
+
+def _measure_all(ctx, jobs: list[dict], opts: BenchOptions, scratch: str, fitted: bool) -> dict:
+    """{name: figures} of every row: the measured steps, then the largest micro-batches."""
+    groups = _start_configs(ctx, jobs, scratch, opts.processes)
+    try:
+        records, memory = _measure(groups, opts)
+    finally:
+        for group in groups:
+            group.close()
+    results = {
+        job["name"]: {
+            "config": job["config"],
+            "changes": job["changes"],
+            "overrides": job["overrides"],
+            **_summary(job["setup"], records[job["name"]], memory[job["name"]]),
+        }
+        for job in jobs
+    }
+    if fitted:
+        for name, fit in _largest_micro_batches(ctx, _fitted_jobs(jobs), scratch, opts).items():
+            results[name]["largest_micro_batch"] = fit["largest"]
+            results[name]["largest_micro_batch_probe"] = {k: v for k, v in fit.items() if k != "ok"}
+    return results
+
+
 def run_bench(opts: BenchOptions, command: str = "") -> dict:
     """Run the benchmark; write bench.json and bench.md into opts.out; return the report."""
-    jobs = bench_configs(opts)
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
     started = time.time()
+    opts = with_synthetic_data(opts)
+    jobs = bench_configs(opts)
     fitted = opts.fit and opts.processes == 1
     with tempfile.TemporaryDirectory(prefix="bench-", dir=out) as scratch:
-        groups = _start_configs(ctx, jobs, scratch, opts.processes)
-        try:
-            records, memory = _measure(groups, opts)
-        finally:
-            for group in groups:
-                group.close()
-        results = {
-            job["name"]: {
-                "config": job["config"],
-                "changes": job["changes"],
-                "overrides": job["overrides"],
-                **_summary(job["setup"], records[job["name"]], memory[job["name"]]),
-            }
-            for job in jobs
-        }
-        if fitted:
-            for name, fit in _largest_micro_batches(ctx, jobs, scratch, opts).items():
-                results[name]["largest_micro_batch"] = fit["largest"]
-                results[name]["largest_micro_batch_probe"] = {k: v for k, v in fit.items() if k != "ok"}
+        results = _measure_all(mp.get_context("spawn"), jobs, opts, scratch, fitted)
 
-    first, last = jobs[0]["name"], jobs[-1]["name"]
+    first = jobs[0]["name"]
+    optimized = next((job["name"] for job in jobs if job["role"] == "optimized"), first)
     setup = jobs[0]["setup"]
     report = {
         "command": command,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": _machine(setup["device"]),
         "model_parameters": setup["parameters"],
+        "data": opts.synthetic.describe() if opts.synthetic else None,
         "options": dataclasses.asdict(opts),
         "wall_time_s": round(time.time() - started, 1),
         "baseline": first,
-        "optimized": last,
+        "optimized": optimized,
         "configs": results,
-        "ratios": _ratios(results, first, last, fitted),
+        "ratios": _ratios(results, first, optimized, fitted),
+        # Each further row's figures over the baseline's.
+        "variant_ratios": {
+            job["name"]: _ratios(results, first, job["name"], fitted) for job in jobs if job["role"] == "variant"
+        },
         "order": [job["name"] for job in jobs],
     }
     (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -660,27 +725,36 @@ def _table_row(name: str, c: dict, fit: bool, ladder: bool, first: dict, previou
     return row
 
 
-def _ratio_lines(report: dict) -> list[str]:
-    """What the training state is, and the optimized config's figures over the baseline's."""
-    r = report["ratios"]
-    return [
-        "",
-        "Training state: fp32 weights 4 bytes per parameter, gradients 4 (none held all at once "
-        "with optim.step_in_backward), AdamW moments 8 (about 2 with optim.state_dtype=int8, 1 with "
-        "int4); rest = activations, low-precision copies, temporaries.",
-        "",
-        f"{report['options']['optimized']} / {report['options']['baseline']}: "
-        f"samples/s **{r['samples_per_s']:.2f}x** (from the fastest steps "
-        f"{r['best_samples_per_s']:.2f}x), tokens/s "
-        f"{r['tokens_per_s']:.2f}x"
+def _ratio_line(label: str, r: dict) -> str:
+    """One config's figures over the baseline's, `label` naming both."""
+    return (
+        f"{label}: samples/s **{r['samples_per_s']:.2f}x** (from the fastest steps "
+        f"{r['best_samples_per_s']:.2f}x), tokens/s {r['tokens_per_s']:.2f}x"
         # Absent from reports written before it was measured (scripts/gpu_report.py reads old ones).
         + (f" (all steps' tokens over their time {r['total_tokens_per_s']:.2f}x)" if "total_tokens_per_s" in r else "")
         + f", peak memory at equal batch **{r['peak_memory_gib']:.2f}x** "
         f"(the rest, above the training state: {r['peak_above_state_gib']:.2f}x)"
         + (f", largest micro-batch **{r['largest_micro_batch']:.2f}x**" if r.get("largest_micro_batch") else "")
-        + ".",
+        + "."
+    )
+
+
+def _ratio_lines(report: dict) -> list[str]:
+    """What the training state is, and the optimized config's (and each further row's) figures over
+    the baseline's."""
+    options = report["options"]
+    lines = [
+        "",
+        "Training state: fp32 weights 4 bytes per parameter, gradients 4 (none held all at once "
+        "with optim.step_in_backward), AdamW moments 8 (about 2 with optim.state_dtype=int8, 1 with "
+        "int4); rest = activations, low-precision copies, temporaries.",
+        "",
+        _ratio_line(f"{options['optimized']} / {options['baseline']}", report["ratios"]),
         "",
     ]
+    for name, ratios in report.get("variant_ratios", {}).items():
+        lines += [_ratio_line(f"{name} / {report['baseline']}", ratios), ""]
+    return lines
 
 
 def markdown(report: dict) -> str:
@@ -700,16 +774,19 @@ def markdown(report: dict) -> str:
         f"warm-up, {report['options']['round_steps']} per turn; wall time {report['wall_time_s']:.0f} s.",
         "",
     ]
+    if report.get("data"):
+        lines += [f"Data: {report['data']}.", ""]
     header = _table_header(report)
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     fit, ladder = "largest_micro_batch" in configs[order[0]], len(order) > 2
+    variants = report.get("variant_ratios", {})
     first, previous = configs[order[0]], None
     for name in order:
         lines.append("| " + " | ".join(_table_row(name, configs[name], fit, ladder, first, previous)) + " |")
         previous = configs[name]
     lines += _ratio_lines(report)
-    if ladder:
+    if report["options"].get("ladder"):
         lines += ["Ladder rungs (keys each one sets to the optimized value):", ""]
-        lines += [f"- {name}: {', '.join(configs[name]['changes'])}" for name in order[1:]]
+        lines += [f"- {name}: {', '.join(configs[name]['changes'])}" for name in order[1:] if name not in variants]
         lines.append("")
     return "\n".join(lines)
