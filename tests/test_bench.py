@@ -10,7 +10,7 @@ from data_support import prepared
 
 from mmldlm.cli import main
 from mmldlm.config import flat_keys, load_config, to_dict
-from mmldlm.tools.bench import BenchOptions, _summary, bench_configs, markdown
+from mmldlm.tools.bench import BenchOptions, OutOfMemory, _measure, _summary, bench_configs, markdown
 
 # The tiny model made smaller still, no compile and no loader workers: this checks the report, not
 # the speed, and must stay fast.
@@ -247,3 +247,53 @@ def test_a_bad_config_found_in_a_bench_worker_is_one_line_naming_the_row(tmp_pat
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Traceback" not in err[0]
     assert err[0].startswith("mmldlm bench: config 'baseline': config key 'model.latent_dim': got 16; expected 8")
+
+
+class Row:
+    """A bench row's workers as _measure sees them: each "steps" call returns one record per step;
+    with `out_of_memory_at`, that call (counting from 1) runs out of memory instead."""
+
+    def __init__(self, name: str, out_of_memory_at: int | None = None):
+        self.job, self.out_of_memory_at, self.steps_calls, self.closed = {"name": name}, out_of_memory_at, 0, False
+
+    def call(self, *command):
+        if command[0] == "steps":
+            self.steps_calls += 1
+            if self.steps_calls == self.out_of_memory_at:
+                raise OutOfMemory("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return [{"records": [{"step": self.steps_calls}] * command[1]}]
+        if command[0] == "memory":
+            return [{"peak_bytes": 2**30, "runtime_bytes": 0}]
+        return [{"ok": True}]
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_row_out_of_memory_is_dropped_and_said_so_while_the_others_are_measured():
+    baseline, optimized = Row("baseline", out_of_memory_at=2), Row("optimized")
+    live = [baseline, optimized]
+    records, memory = _measure(live, BenchOptions(steps=2, warmup=1, round_steps=1))
+    assert live == [optimized] and baseline.closed and not optimized.closed
+    assert baseline.job["out_of_memory"] == "CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert set(records) == set(memory) == {"optimized"} and len(records["optimized"]) == 2
+    assert optimized.steps_calls == 3  # one warm-up and two measured steps, after the baseline was gone
+    measured = summary_of([0.5, 0.25, 1.0], [2.0], 1)
+    report = dict(
+        command="mmldlm bench",
+        date="2026-11-26T10:00:00",
+        machine=dict(gpu="H100", torch="2", cpus=16, torch_threads=16),
+        model_parameters=1000,
+        options=dict(steps=2, warmup=1, round_steps=1, baseline="baseline", optimized="optimized", memory_cap_gib=70),
+        wall_time_s=10.0,
+        baseline="baseline",
+        configs={
+            "baseline": {"out_of_memory": baseline.job["out_of_memory"], "largest_micro_batch": 2},
+            "optimized": {**measured, "largest_micro_batch": 16},
+        },
+        ratios=None,
+        order=["baseline", "optimized"],
+    )
+    md = markdown(report)
+    assert "| baseline | out of memory |  |  |  |  |  |  |  | 2 |" in md and "| optimized | 4 x 1 | 16.00 |" in md
+    assert "optimized / baseline: no ratios, one of them ran out of memory at this micro-batch." in md

@@ -299,6 +299,8 @@ def _train_worker(conn, job: dict, run_dir: str) -> None:
             else:
                 conn.send({"ok": True})
                 return
+    except torch.OutOfMemoryError as err:  # the row is reported as such; exiting frees its memory for the others
+        conn.send({"ok": False, "out_of_memory": True, "error": str(err).splitlines()[0]})
     except UserError as err:  # a bad config or dataset: one line from the parent, which names the config
         conn.send({"ok": False, "user_error": True, "error": str(err)})
     except Exception as err:  # reported to the parent, which names the config
@@ -343,6 +345,11 @@ def _fit_worker(conn, job: dict, run_dir: str, cap_bytes: float, max_size: int) 
         conn.send({"ok": False, "error": f"{type(err).__name__}: {err}"})
 
 
+class OutOfMemory(Exception):
+    """A row's worker ran out of device memory at its micro-batch (and exited, freeing what it held):
+    the row is reported as out of memory and the others go on."""
+
+
 class _Worker:
     def __init__(self, ctx, target, job: dict, *args):
         self.job = job
@@ -368,6 +375,8 @@ class _Worker:
                 f"bench: {who} ({self.job['config']} {' '.join(self.job['overrides'])}) "
                 f"exited with status {self.process.exitcode} without a reply"
             ) from None
+        if not reply["ok"] and reply.get("out_of_memory"):
+            raise OutOfMemory(reply["error"])
         if not reply["ok"] and reply.get("user_error"):
             raise UserError(f"config '{self.job['name']}': {reply['error']}")
         if not reply["ok"]:
@@ -498,15 +507,38 @@ def _summary(setup: dict, records: list[dict], memory: list[dict]) -> dict:
     }
 
 
+def _drop(group: _Ranks, live: list[_Ranks], err: OutOfMemory) -> None:
+    """Mark `group`'s row as out of memory, end its workers and take it out of `live`."""
+    group.job["out_of_memory"] = str(err)
+    group.close()
+    live.remove(group)
+    log.info("bench: %s ran out of memory: %s", group.job["name"], err)
+
+
+def _turn(live: list[_Ranks], *command) -> dict:
+    """{name: the replies of its ranks} of each live row in turn; a row out of memory is dropped."""
+    replies = {}
+    for group in list(live):
+        try:
+            replies[group.job["name"]] = group.call(*command)
+        except OutOfMemory as err:
+            _drop(group, live, err)
+    return replies
+
+
 def _start_configs(ctx, jobs: list[dict], scratch: str, processes: int) -> list[_Ranks]:
-    """Build every config in its workers; each job gets its setup reply. On a failure the configs
-    already started are ended."""
+    """Build every config in its workers; each job gets its setup reply (a row that cannot even be
+    built in memory is dropped). On any other failure the configs already started are ended."""
     groups = []
     try:
         for i, job in enumerate(jobs):  # one at a time: setups do not compete for the cores
             job["release_memory"] = len(jobs) > 2
             groups.append(_Ranks(ctx, job, os.path.join(scratch, f"run{i}"), processes))
-            job["setup"] = groups[-1].call()[0]
+            replies = _turn(groups[-1:])
+            if not replies:
+                groups.pop()
+                continue
+            job["setup"] = replies[job["name"]][0]
             log.info(
                 "bench: %s ready (%s%s, micro-batch %d)",
                 job["name"],
@@ -522,20 +554,19 @@ def _start_configs(ctx, jobs: list[dict], scratch: str, processes: int) -> list[
 
 
 def _measure(groups: list[_Ranks], opts: BenchOptions) -> tuple[dict, dict]:
-    """({name: step records}, {name: every rank's memory}): warm-up rounds, then the measured rounds,
-    the configs taking turns."""
+    """({name: step records}, {name: every rank's memory}) of the rows that ran to the end: warm-up
+    rounds, then the measured rounds, the configs taking turns. `groups` keeps the rows still live."""
     records = {group.job["name"]: [] for group in groups}
     for _ in range(math.ceil(opts.warmup / opts.round_steps)):
-        for group in groups:
-            group.call("steps", opts.round_steps)
-    for group in groups:
-        group.call("reset_memory")
+        _turn(groups, "steps", opts.round_steps)
+    _turn(groups, "reset_memory")
     for r in range(math.ceil(opts.steps / opts.round_steps)):
-        for group in groups:  # every rank records the same global step figures; rank 0's are kept
-            records[group.job["name"]] += group.call("steps", opts.round_steps)[0]["records"]
+        # every rank records the same global step figures; rank 0's are kept
+        for name, replies in _turn(groups, "steps", opts.round_steps).items():
+            records[name] += replies[0]["records"]
         log.info("bench: round %d/%d done", r + 1, math.ceil(opts.steps / opts.round_steps))
-    memory = {group.job["name"]: group.call("memory") for group in groups}
-    return records, memory
+    memory = _turn(groups, "memory")
+    return {name: records[name] for name in memory}, memory
 
 
 def _fitted_jobs(jobs: list[dict]) -> list[dict]:
@@ -562,8 +593,10 @@ def _largest_micro_batches(ctx, jobs: list[dict], scratch: str, opts: BenchOptio
     return fits
 
 
-def _ratios(results: dict, first: str, last: str, fitted: bool) -> dict:
-    """The last config's figures over the first's."""
+def _ratios(results: dict, first: str, last: str, fitted: bool) -> dict | None:
+    """The last config's figures over the first's; None where either ran out of memory."""
+    if "out_of_memory" in results[first] or "out_of_memory" in results[last]:
+        return None
     ratios = {
         key: results[last][key] / results[first][key]
         for key in (
@@ -610,7 +643,11 @@ def _measure_all(ctx, jobs: list[dict], opts: BenchOptions, scratch: str, fitted
             "config": job["config"],
             "changes": job["changes"],
             "overrides": job["overrides"],
-            **_summary(job["setup"], records[job["name"]], memory[job["name"]]),
+            **(
+                _summary(job["setup"], records[job["name"]], memory[job["name"]])
+                if job["name"] in records
+                else {"out_of_memory": job["out_of_memory"]}
+            ),
         }
         for job in jobs
     }
@@ -634,7 +671,12 @@ def run_bench(opts: BenchOptions, command: str = "") -> dict:
 
     first = jobs[0]["name"]
     optimized = next((job["name"] for job in jobs if job["role"] == "optimized"), first)
-    setup = jobs[0]["setup"]
+    setup = next((job["setup"] for job in jobs if "out_of_memory" not in job), None)
+    if setup is None:
+        raise UserError(
+            f"bench: every config ran out of memory ({jobs[0]['out_of_memory']}); "
+            "lower train.micro_batch_size or the text length"
+        )
     report = {
         "command": command,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -679,7 +721,7 @@ def _table_header(report: dict) -> list[str]:
     """The columns of the configs' table: the memory column named by what was measured, the largest
     micro-batch where it was searched, the steps of a ladder."""
     configs, order = report["configs"], report["order"]
-    memory_kind = configs[order[0]]["peak_memory_kind"]
+    memory_kind = next(configs[n]["peak_memory_kind"] for n in order if "out_of_memory" not in configs[n])
     memory_label = "peak CUDA alloc GiB" if memory_kind == "cuda_max_allocated" else "peak RSS above runtime GiB"
     if report["options"].get("processes", 1) > 1:
         memory_label += " per process"
@@ -701,9 +743,26 @@ def _table_header(report: dict) -> list[str]:
     return header
 
 
+def _speed_ratio(c: dict, other: dict | None) -> str:
+    """c's samples/s over other's, blank where either has none (out of memory, or no other)."""
+    if other is None or "samples_per_s" not in c or "samples_per_s" not in other:
+        return ""
+    return f"{c['samples_per_s'] / other['samples_per_s']:.2f}x"
+
+
 def _table_row(name: str, c: dict, fit: bool, ladder: bool, first: dict, previous: dict | None) -> list[str]:
-    """One config's cells; on a ladder, its samples/s over the rung before and over the baseline."""
-    row = [
+    """One config's cells; on a ladder, its samples/s over the rung before and over the baseline. A
+    row out of memory at the micro-batch says so (and shows the largest that fits, where searched)."""
+    row = [name, "out of memory", *[""] * 7] if "out_of_memory" in c else _measured_cells(name, c)
+    if fit:
+        row.append(str(c["largest_micro_batch"]) if "largest_micro_batch" in c else "")
+    if ladder:
+        row += [_speed_ratio(c, previous), _speed_ratio(c, first)]
+    return row
+
+
+def _measured_cells(name: str, c: dict) -> list[str]:
+    return [
         name,
         f"{c['micro_batch_size']} x {c['accumulation_steps']}",
         f"{c['samples_per_s']:.2f}",
@@ -715,18 +774,12 @@ def _table_row(name: str, c: dict, fit: bool, ladder: bool, first: dict, previou
         + f" / {c['peak_above_state_gib']:.2f}",
         f"{c['mfu']:.1%}" if c["mfu"] is not None else "n/a",
     ]
-    if fit:
-        row.append(str(c["largest_micro_batch"]) if "largest_micro_batch" in c else "")
-    if ladder:
-        row += [
-            f"{c['samples_per_s'] / previous['samples_per_s']:.2f}x" if previous else "",
-            f"{c['samples_per_s'] / first['samples_per_s']:.2f}x",
-        ]
-    return row
 
 
-def _ratio_line(label: str, r: dict) -> str:
+def _ratio_line(label: str, r: dict | None) -> str:
     """One config's figures over the baseline's, `label` naming both."""
+    if r is None:
+        return f"{label}: no ratios, one of them ran out of memory at this micro-batch."
     return (
         f"{label}: samples/s **{r['samples_per_s']:.2f}x** (from the fastest steps "
         f"{r['best_samples_per_s']:.2f}x), tokens/s {r['tokens_per_s']:.2f}x"
