@@ -228,12 +228,16 @@ def test_bench_on_synthetic_tokens_needs_no_dataset_and_sets_each_row_against_th
     for c in report["configs"].values():
         assert c["measured_steps"] == 2 and c["largest_micro_batch"] == 4
         assert 0 < c["tokens_per_s"] / c["samples_per_s"] <= 64  # real tokens per text, at most 64
+    assert report["configs"]["baseline"]["activation_checkpointing"] == "none"
+    assert report["configs"][variant]["activation_checkpointing"] == "full"  # as forced; optimized's auto resolved
+    assert report["configs"]["optimized"]["activation_checkpointing"] in ("none", "selective", "full")
     assert report["optimized"] == "optimized" and set(report["variant_ratios"]) == {variant}
     assert report["variant_ratios"][variant]["samples_per_s"] == pytest.approx(
         report["configs"][variant]["samples_per_s"] / report["configs"]["baseline"]["samples_per_s"]
     )
     md = (tmp_path / "bench.md").read_text()
     assert f"Data: {report['data']}." in md and f"{variant} / baseline: samples/s **" in md
+    assert f"| {variant} | 4 x 1, AC full |" in md
     assert " ".join(synthetic) in report["command"] and f"--variant '{variant}'" in report["command"]
 
 

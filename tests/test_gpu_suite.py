@@ -154,7 +154,7 @@ def test_a_part_cut_off_is_said_so_and_the_parts_before_it_stay_in_the_report(tm
     assert "### 4. rung" in text and "**cut off** at its limit of 60 s" in text and "the rung did not finish" in text
 
 
-@pytest.mark.slow  # every part of the session at tiny shapes: about 4 minutes on 2 shared cores
+@pytest.mark.slow  # every part of the session at tiny shapes: 6.6 minutes on 2 cores shared with others
 def test_gpu_session_rehearsal_on_a_cpu_runs_every_part_and_reports_each(tmp_path_factory, tmp_path):
     result = session(tmp_path, "--cpu", DATA=str(prepared(tmp_path_factory)))
     assert result.returncode == 0, result.stdout + result.stderr

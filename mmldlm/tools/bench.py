@@ -241,6 +241,7 @@ def _setup_reply(cfg, info, trainer) -> dict:
         "ok": True,
         "device": str(info.device),
         "micro_batch_size": trainer.micro_batch_size,
+        "activation_checkpointing": trainer.activation_checkpointing,  # what runs: auto resolved
         "step_in_backward": trainer.step_in_backward,
         "state_dtype": cfg.optim.state_dtype,
         "global_batch_size": cfg.train.global_batch_size,
@@ -480,6 +481,7 @@ def _summary(setup: dict, records: list[dict], memory: list[dict]) -> dict:
     device_is_cuda = setup["device"].startswith("cuda")
     return {
         "micro_batch_size": setup["micro_batch_size"],
+        "activation_checkpointing": setup.get("activation_checkpointing"),
         "global_batch_size": setup["global_batch_size"],
         "accumulation_steps": records[0]["accumulation_steps"],
         "measured_steps": len(records),
@@ -764,7 +766,9 @@ def _table_row(name: str, c: dict, fit: bool, ladder: bool, first: dict, previou
 def _measured_cells(name: str, c: dict) -> list[str]:
     return [
         name,
-        f"{c['micro_batch_size']} x {c['accumulation_steps']}",
+        f"{c['micro_batch_size']} x {c['accumulation_steps']}"
+        # Absent from reports written before it was recorded (scripts/gpu_report.py reads old ones).
+        + (f", AC {c['activation_checkpointing']}" if c.get("activation_checkpointing") else ""),
         f"{c['samples_per_s']:.2f}",
         f"{c['tokens_per_s']:.0f}",
         f"{c['step_time_s']['median']:.3f}",
@@ -800,7 +804,8 @@ def _ratio_lines(report: dict) -> list[str]:
         "",
         "Training state: fp32 weights 4 bytes per parameter, gradients 4 (none held all at once "
         "with optim.step_in_backward), AdamW moments 8 (about 2 with optim.state_dtype=int8, 1 with "
-        "int4); rest = activations, low-precision copies, temporaries.",
+        "int4); rest = activations, low-precision copies, temporaries. AC: the activation checkpointing "
+        "that ran (auto resolved).",
         "",
         _ratio_line(f"{options['optimized']} / {options['baseline']}", report["ratios"]),
         "",
