@@ -237,7 +237,7 @@ def test_bench_on_synthetic_tokens_needs_no_dataset_and_sets_each_row_against_th
     )
     md = (tmp_path / "bench.md").read_text()
     assert f"Data: {report['data']}." in md and f"{variant} / baseline: samples/s **" in md
-    assert f"| {variant} | 4 x 1, AC full |" in md
+    assert f"| {variant} | 4 x 2, AC full |" in md
     assert " ".join(synthetic) in report["command"] and f"--variant '{variant}'" in report["command"]
 
 
