@@ -60,6 +60,7 @@ import torch
 import yaml
 
 from mmldlm.config import flat_keys, load_config, to_dict
+from mmldlm.data.dataset import die_with_the_main_process
 from mmldlm.data.synthetic import SyntheticSpec, write_synthetic
 from mmldlm.device import describe_device
 from mmldlm.errors import UserError
@@ -276,6 +277,7 @@ def _train_worker(conn, job: dict, run_dir: str) -> None:
     it when job["world_size"] > 1)."""
     _setup_worker_logging(job["name"] if job["world_size"] == 1 else f"{job['name']} rank {job['rank']}")
     os.setpgrp()  # its own process group: the parent can end it with its loader workers (_Worker.close)
+    die_with_the_main_process(job["parent_pid"])
     try:
         if job["world_size"] > 1:
             _join_ranks(job)
@@ -312,6 +314,7 @@ def _fit_worker(conn, job: dict, run_dir: str, cap_bytes: float, max_size: int) 
     """The largest micro-batch under `cap_bytes`, to within 1/8 (batch_size.largest_fitting over spaced_sizes)."""
     _setup_worker_logging(job["name"] + " fit")
     os.setpgrp()
+    die_with_the_main_process(job["parent_pid"])
     try:
         extra = ["perf.compile=false", "train.micro_batch_size=1", "train.global_batch_size=1", "data.num_workers=0"]
         if load_config(job["config"], job["overrides"]).perf.activation_checkpointing == "auto":
@@ -355,6 +358,7 @@ class _Worker:
     def __init__(self, ctx, target, job: dict, *args):
         self.job = job
         self.conn, child = ctx.Pipe()
+        job = {**job, "parent_pid": os.getpid()}  # the worker dies with this process
         # Not a daemon: a daemon process may not start the DataLoader's worker processes.
         self.process = ctx.Process(target=target, args=(child, job, *args), daemon=False)
         self.process.start()
