@@ -22,9 +22,10 @@
 #
 # DATA=DIR names another prepared dataset. Each part runs under its own timeout and appends its
 # section to the report as soon as it ends (done, failed or cut off), so a lease that ends early
-# still leaves every finished part: REPORT (default docs/benchmarks-gpu.md) between the markers
-# `gpu_session report` (--cpu: OUT_DIR/report.md), raw outputs in OUT_DIR (default runs/gpu_session). Exit status 1 if a part
-# failed or was cut off. Without CUDA and without --cpu it says so in one line and exits 0.
+# still leaves every finished part: REPORT (default docs/benchmarks-gpu.md; --cpu: OUT_DIR/report.md)
+# between the markers `gpu_session report`, raw outputs in OUT_DIR (default runs/gpu_session). Exit
+# status 1 if a part failed or was cut off. Without CUDA and without --cpu it says so in one line
+# and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
