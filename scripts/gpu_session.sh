@@ -71,7 +71,7 @@ if [ "$MODE" = gpu ]; then
     # margin of its own); 15 s of the part's limit are left for its start-up and its table.
     RUNG="--minutes $("$PY" -c "print(round(($T_RUNG - 15) / 60, 2))") --rungs small:1 --timing-steps 16"
     RUNG_KEYS=""
-    EVAL="--num-samples 128 --best-of 1"
+    EVAL="--num-samples 128 --best-of 1 --no-encoder"  # the figures read need no sentence encoder on the device
     export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 else
     # Tiny shapes and no compile (torch.compile's own CPU tests are in tests/test_perf.py): every
@@ -84,7 +84,7 @@ else
     BASE="$TINY perf.compile=false train.micro_batch_size=auto train.global_batch_size=16"
     RUNG="--minutes 0.5 --rungs tiny:1 --timing-steps 4"  # less than its timing run: one training step
     RUNG_KEYS="$TINY train.global_batch_size=8 train.micro_batch_size=8"
-    EVAL="--num-samples 8 --best-of 1"
+    EVAL="--num-samples 8 --best-of 1 --no-encoder"
 fi
 mkdir -p "$OUT"
 REPORTER=("$PY" scripts/gpu_session_report.py --report "$REPORT" --section "$OUT/session.md")
