@@ -154,7 +154,7 @@ def test_a_part_cut_off_is_said_so_and_the_parts_before_it_stay_in_the_report(tm
     assert "### 4. rung" in text and "**cut off** at its limit of 60 s" in text and "the rung did not finish" in text
 
 
-@pytest.mark.slow  # every part of the session at tiny shapes: 6.6 minutes on 2 cores shared with others
+@pytest.mark.slow  # every part of the session at tiny shapes: 1.5 to 7 minutes on 2 shared cores
 def test_gpu_session_rehearsal_on_a_cpu_runs_every_part_and_reports_each(tmp_path_factory, tmp_path):
     result = session(tmp_path, "--cpu", DATA=str(prepared(tmp_path_factory)))
     assert result.returncode == 0, result.stdout + result.stderr
@@ -162,7 +162,8 @@ def test_gpu_session_rehearsal_on_a_cpu_runs_every_part_and_reports_each(tmp_pat
     assert text.count("done in ") == 5 and "failed" not in text and "cut off" not in text
     for title in ("1. CUDA-only tests", "2a. The older", "2b. The older", "3. Base preset", "4. A first writing"):
         assert f"### {title}" in text
-    assert "| baseline | 4 x 1 |" in text and "| compiled | 4 x 1 |" in text and "| compiled | 8 x 1 |" in text
+    assert "| baseline | 4 x 1, AC none |" in text and "| compiled | 4 x 1, AC " in text
+    assert "| compiled | 8 x 1, AC " in text
     assert "Data: synthetic tokens: 64 texts of uniformly random length 20-64 tokens" in text
-    assert "| tiny:1 | 1 |" in text and "l2t word F1" in text
+    assert "| tiny:1 | " in text and "l2t word F1" in text
     assert "Session ended" in text
