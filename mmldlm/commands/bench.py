@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _synthetic_spec(args: argparse.Namespace):
     """The SyntheticSpec of the --synthetic-* options, None where none is given."""
-    from mmldlm.data.synthetic import SyntheticSpec, parse_lengths
+    from mmldlm.data.synthetic import SyntheticSpec, parse_lengths  # here: the CLI imports no library at start-up
 
     given = {
         "vocab_size": args.synthetic_vocab,
