@@ -1,6 +1,8 @@
 """Write the GPU suite's report (scripts/gpu_suite.sh): the device, the CUDA tests' summary and each
 bench's table, as markdown. Where OUT already holds the markers START and END, only the text between
-them is replaced (the hand-written analysis around it stays); otherwise OUT is written whole.
+them is replaced (the hand-written analysis around it stays); otherwise the report is appended to
+OUT between them. scripts/gpu_session_report.py writes scripts/gpu_session.sh's report with the
+same pieces.
 
     python scripts/gpu_report.py --out docs/benchmarks-gpu.md --tests TESTS_LOG BENCH_DIR [BENCH_DIR ...]
 """
@@ -38,6 +40,29 @@ def device_line() -> str:
     )
 
 
+def bench_section(directory: str | Path) -> str:
+    """The markdown of one bench's report (its title one level down), or a line saying it has none."""
+    from mmldlm.tools.bench import markdown
+
+    path = Path(directory) / "bench.json"
+    if not path.exists():
+        return f"### {directory}\n\n(no bench.json: that bench failed; see its output)\n"
+    report = json.loads(path.read_text())
+    return markdown(report).replace("# mmldlm bench", "### mmldlm bench", 1).strip() + "\n"
+
+
+def splice(out: Path, start: str, end: str, body: str) -> None:
+    """Write `body` into `out` between the markers `start` and `end`, keeping the text around them; a
+    file without them gets them appended (a new file: under a "# GPU benchmarks" title)."""
+    text = out.read_text() if out.exists() else "# GPU benchmarks\n"
+    if start in text and end in text:
+        text = text[: text.index(start) + len(start)] + "\n" + body + text[text.index(end) :]
+    else:
+        text = f"{text.rstrip()}\n\n{start}\n{body}{end}\n"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("benches", nargs="+", metavar="BENCH_DIR", help="directories holding bench.json")
@@ -45,8 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tests", help="the log of `pytest -m cuda`")
     parser.add_argument("--seconds", type=int, help="the suite's wall time")
     args = parser.parse_args(argv)
-
-    from mmldlm.tools.bench import markdown
 
     lines = [
         f"## Report of `scripts/gpu_suite.sh` ({datetime.date.today().isoformat()})",
@@ -61,22 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.tests:
         log = Path(args.tests).read_text().strip().splitlines()
         lines += ["### CUDA tests (`pytest -m cuda`)", "", "```", log[-1] if log else "(no output)", "```", ""]
-    for directory in args.benches:
-        path = Path(directory) / "bench.json"
-        if not path.exists():
-            lines += [f"### {directory}", "", "(no bench.json: that bench failed; see its output)", ""]
-            continue
-        report = json.loads(path.read_text())
-        lines += [markdown(report).replace("# mmldlm bench", "### mmldlm bench", 1).strip(), ""]
-    body = "\n".join(lines)
-    out = Path(args.out)
-    text = out.read_text() if out.exists() else ""
-    if START in text and END in text:
-        text = text[: text.index(START) + len(START)] + "\n" + body + text[text.index(END) :]
-    else:
-        text = f"# GPU benchmarks\n\n{START}\n{body}{END}\n"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    lines += [bench_section(directory) for directory in args.benches]
+    splice(Path(args.out), START, END, "\n".join(lines))
     return 0
 
 

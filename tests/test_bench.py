@@ -12,7 +12,15 @@ from data_support import prepared
 from mmldlm.cli import main
 from mmldlm.config import flat_keys, load_config, to_dict
 from mmldlm.data.dataset import default_prepare_options
-from mmldlm.tools.bench import BenchOptions, _summary, bench_configs, main_job_data, markdown
+from mmldlm.tools.bench import (
+    BenchOptions,
+    OutOfMemory,
+    _measure,
+    _summary,
+    bench_configs,
+    main_job_data,
+    markdown,
+)
 
 # The tiny model made smaller still, no compile and no loader workers: this checks the report, not
 # the speed, and must stay fast.
@@ -214,3 +222,130 @@ def test_two_process_bench_reports_memory_per_process_and_fsdp2_shards_the_state
     assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-4)
     md = (tmp_path / "bench.md").read_text()
     assert "per process" in md and "2 processes" in md
+
+
+def test_a_variant_row_comes_after_optimized_and_names_its_changes_against_the_baseline():
+    rows = bench_configs(
+        BenchOptions(overrides=["model=tiny"], variants=["optimized perf.activation_checkpointing=full"])
+    )
+    assert [r["name"] for r in rows] == ["baseline", "optimized", "optimized perf.activation_checkpointing=full"]
+    assert [r["role"] for r in rows] == ["baseline", "optimized", "variant"]
+    optimized, variant = rows[1], rows[2]
+    assert set(variant["changes"]) == set(optimized["changes"])  # both leave the baseline's none
+    assert variant["overrides"] == ["model=tiny", "perf.activation_checkpointing=full"]
+    ladder = bench_configs(BenchOptions(ladder=True, overrides=["model=tiny"], variants=["optimized"]))
+    assert [r["role"] for r in ladder[-2:]] == ["optimized", "variant"]
+    assert ladder[-1]["name"] == "optimized"
+
+
+@pytest.mark.slow  # each config trains in a spawned worker process
+def test_bench_on_synthetic_tokens_needs_no_dataset_and_sets_each_row_against_the_baseline(tmp_path, capsys):
+    """No data.path: the rows read random texts of 20-64 tokens; the report states that distribution,
+    and the checkpointed row has its own figures and ratios beside auto's."""
+    variant = "optimized perf.activation_checkpointing=full"
+    synthetic = ["--synthetic-vocab", "300", "--synthetic-lengths", "20:64", "--synthetic-latent-dim", "8"]
+    status = main(
+        [
+            "bench",
+            *TINY,
+            "model.max_seq_len=64",
+            *synthetic,
+            "--synthetic-samples",
+            "64",
+            "--variant",
+            variant,
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--round-steps",
+            "1",
+            "--memory-cap-gib",
+            "2",
+            "--max-micro-batch",
+            "4",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert status == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["order"] == ["baseline", "optimized", variant]
+    assert report["data"].startswith("synthetic tokens: 64 texts of uniformly random length 20-64 tokens")
+    assert "300-entry vocabulary" in report["data"] and "one 8-d" in report["data"]
+    for c in report["configs"].values():
+        assert c["measured_steps"] == 2 and c["largest_micro_batch"] == 4
+        assert 0 < c["tokens_per_s"] / c["samples_per_s"] <= 64  # real tokens per text, at most 64
+    assert report["configs"]["baseline"]["activation_checkpointing"] == "none"
+    assert report["configs"][variant]["activation_checkpointing"] == "full"  # as forced; optimized's auto resolved
+    assert report["configs"]["optimized"]["activation_checkpointing"] in ("none", "selective", "full")
+    assert report["optimized"] == "optimized" and set(report["variant_ratios"]) == {variant}
+    assert report["variant_ratios"][variant]["samples_per_s"] == pytest.approx(
+        report["configs"][variant]["samples_per_s"] / report["configs"]["baseline"]["samples_per_s"]
+    )
+    md = (tmp_path / "bench.md").read_text()
+    assert f"Data: {report['data']}." in md and f"{variant} / baseline: samples/s **" in md
+    assert f"| {variant} | 4 x 2, AC full |" in md
+    assert " ".join(synthetic) in report["command"] and f"--variant '{variant}'" in report["command"]
+
+
+@pytest.mark.slow  # the config fails in its spawned worker
+def test_a_bad_config_found_in_a_bench_worker_is_one_line_naming_the_row(tmp_path, capsys):
+    """The data's latents are 8-d and model.latent_dim says 16: the worker that builds the row
+    finds it, and bench says so as every command does, in one line with exit status 2."""
+    synthetic = ["--synthetic-vocab", "300", "--synthetic-lengths", "20:64", "--synthetic-latent-dim", "8"]
+    status = main(["bench", *TINY, "model.max_seq_len=64", "model.latent_dim=16", *synthetic, "--out", str(tmp_path)])
+    assert status == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0]
+    assert err[0].startswith("mmldlm bench: config 'baseline': config key 'model.latent_dim': got 16; expected 8")
+
+
+class Row:
+    """A bench row's workers as _measure sees them: each "steps" call returns one record per step;
+    with `out_of_memory_at`, that call (counting from 1) runs out of memory instead."""
+
+    def __init__(self, name: str, out_of_memory_at: int | None = None):
+        self.job, self.out_of_memory_at, self.steps_calls, self.closed = {"name": name}, out_of_memory_at, 0, False
+
+    def call(self, *command):
+        if command[0] == "steps":
+            self.steps_calls += 1
+            if self.steps_calls == self.out_of_memory_at:
+                raise OutOfMemory("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return [{"records": [{"step": self.steps_calls}] * command[1]}]
+        if command[0] == "memory":
+            return [{"peak_bytes": 2**30, "runtime_bytes": 0}]
+        return [{"ok": True}]
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_row_out_of_memory_is_dropped_and_said_so_while_the_others_are_measured():
+    baseline, optimized = Row("baseline", out_of_memory_at=2), Row("optimized")
+    live = [baseline, optimized]
+    records, memory = _measure(live, BenchOptions(steps=2, warmup=1, round_steps=1))
+    assert live == [optimized] and baseline.closed and not optimized.closed
+    assert baseline.job["out_of_memory"] == "CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert set(records) == set(memory) == {"optimized"} and len(records["optimized"]) == 2
+    assert optimized.steps_calls == 3  # one warm-up and two measured steps, after the baseline was gone
+    measured = summary_of([0.5, 0.25, 1.0], [2.0], 1)
+    report = dict(
+        command="mmldlm bench",
+        date="2026-11-26T10:00:00",
+        machine=dict(gpu="H100", torch="2", cpus=16, torch_threads=16),
+        model_parameters=1000,
+        options=dict(steps=2, warmup=1, round_steps=1, baseline="baseline", optimized="optimized", memory_cap_gib=70),
+        wall_time_s=10.0,
+        baseline="baseline",
+        configs={
+            "baseline": {"out_of_memory": baseline.job["out_of_memory"], "largest_micro_batch": 2},
+            "optimized": {**measured, "largest_micro_batch": 16},
+        },
+        ratios=None,
+        order=["baseline", "optimized"],
+    )
+    md = markdown(report)
+    assert "| baseline | out of memory |  |  |  |  |  |  |  | 2 |" in md and "| optimized | 4 x 1 | 16.00 |" in md
+    assert "optimized / baseline: no ratios, one of them ran out of memory at this micro-batch." in md

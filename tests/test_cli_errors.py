@@ -51,6 +51,18 @@ REFUSED = {
         ["bench", "--memory-cap-gib", "-1"],
         "--memory-cap-gib: got -1.0; expected a number of GiB > 0",
     ),
+    "bench-synthetic-lengths": (
+        ["bench", "--synthetic-lengths", "2048:600"],
+        "--synthetic-lengths: got '2048:600'; expected MIN:MAX with 1 <= MIN <= MAX",
+    ),
+    "bench-synthetic-lengths-not-numbers": (
+        ["bench", "--synthetic-lengths", "long"],
+        "--synthetic-lengths: got 'long'; expected MIN:MAX token counts, e.g. 600:2048",
+    ),
+    "bench-synthetic-vocab": (
+        ["bench", "--synthetic-vocab", "2"],
+        "--synthetic-vocab: got 2; expected an integer >= 3 ([PAD], [MASK] and one word)",
+    ),
     "train-config-key": (["train", "train.steps=-5"], "config key 'train.steps': got -5; expected an integer >= 1"),
     "train-global-batch-below-micro": (
         ["train", "train.global_batch_size=16", "train.micro_batch_size=64"],

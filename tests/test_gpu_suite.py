@@ -1,5 +1,7 @@
-"""The GPU suite's two CPU-side promises: without CUDA it says so in one line and exits 0; its
-report replaces only its own part of docs/benchmarks-gpu.md."""
+"""The GPU scripts' CPU-side promises: without CUDA the suite says so in one line and exits 0; its
+report replaces only its own part of docs/benchmarks-gpu.md. The session script keeps to its ten
+minutes by its parts' limits, names the data it needs, reports a part cut off without losing the
+ones before, and its CPU rehearsal runs every part the device run takes."""
 
 import json
 import os
@@ -9,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from data_support import prepared
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,3 +89,82 @@ def test_gpu_report_replaces_only_the_text_between_its_markers(tmp_path):
     assert text.startswith("# GPU benchmarks\n\nintro\n\n") and text.endswith("## analysis\nkept\n")
     assert "old report" not in text and "7 passed in 1.0s" in text and "| optimized | 4 x 1 | 20.00 |" in text
     assert "(no bench.json: that bench failed" in text
+
+
+def session(tmp_path, *args, **env):
+    """`bash scripts/gpu_session.sh ARGS` with outputs under tmp_path and the given variables."""
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_session.sh"), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable, "OUT_DIR": str(tmp_path / "out"), **env},
+        timeout=900,
+    )
+
+
+def test_gpu_session_refuses_limits_that_add_up_past_its_ten_minutes(tmp_path):
+    result = session(tmp_path, "--cpu", T_RUNG="300")
+    assert result.returncode == 2
+    assert result.stdout.strip() == (
+        "gpu_session: the parts' limits add up to 680 s; expected at most 590 (10 minutes less the report)"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_gpu_session_without_its_prepared_data_names_the_command_that_makes_it(tmp_path):
+    result = session(tmp_path, "--cpu", DATA=str(tmp_path / "none"))
+    assert result.returncode == 2
+    assert result.stdout.strip().endswith(f"--max-samples 50000 --out {tmp_path / 'none'}")
+
+
+def test_a_part_cut_off_is_said_so_and_the_parts_before_it_stay_in_the_report(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_session_report
+    finally:
+        sys.path.pop(0)
+    data = tmp_path / "data"
+    data.mkdir()
+    meta = dict(splits={"train": 90, "val": 10}, vocab_size=400, num_latents=1, latent_dim=384, encoder="E")
+    (data / "meta.json").write_text(json.dumps(meta))
+    report, section = tmp_path / "benchmarks-gpu.md", tmp_path / "session.md"
+    report.write_text("# GPU benchmarks\n\nintro\n")
+    common = ["--report", str(report), "--section", str(section)]
+    assert gpu_session_report.main([*common, "start", "--mode", "gpu", "--data", str(data)]) == 0
+    (tmp_path / "tests.log").write_text("..\n7 passed in 40.0s\n")
+    (tmp_path / "rung.log").write_text("training\n")
+    part = ["part", "--budget", "60", "--command", "CMD"]
+    assert (
+        gpu_session_report.main(
+            [*common, *part, "--title", "1. tests", "--status", "0", "--seconds", "41"]
+            + ["--log", str(tmp_path / "tests.log"), "--tests"]
+        )
+        == 0
+    )
+    assert (
+        gpu_session_report.main(
+            [*common, *part, "--title", "4. rung", "--status", "124", "--seconds", "60"]
+            + ["--log", str(tmp_path / "rung.log"), "--ladder", str(tmp_path / "rung")]
+        )
+        == 0
+    )
+    text = report.read_text()
+    assert text.startswith("# GPU benchmarks\n\nintro\n") and text.count(gpu_session_report.START) == 1
+    assert "90 train + 10 val texts, vocabulary 400, latents 1x384 from E" in text
+    assert "### 1. tests" in text and "done in 41 s of its 60 s" in text and "7 passed in 40.0s" in text
+    assert "### 4. rung" in text and "**cut off** at its limit of 60 s" in text and "the rung did not finish" in text
+
+
+@pytest.mark.slow  # every part of the session at tiny shapes: 1.5 to 7 minutes on 2 shared cores
+def test_gpu_session_rehearsal_on_a_cpu_runs_every_part_and_reports_each(tmp_path_factory, tmp_path):
+    result = session(tmp_path, "--cpu", DATA=str(prepared(tmp_path_factory)))
+    assert result.returncode == 0, result.stdout + result.stderr
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert text.count("done in ") == 5 and "failed" not in text and "cut off" not in text
+    for title in ("1. CUDA-only tests", "2a. The older", "2b. The older", "3. Base preset", "4. A first writing"):
+        assert f"### {title}" in text
+    assert "| baseline | 4 x 1, AC none |" in text and "| compiled | 4 x 1, AC " in text
+    assert "| compiled | 8 x 1, AC " in text
+    assert "Data: synthetic tokens: 64 texts of uniformly random length 20-64 tokens" in text
+    assert "| tiny:1 | " in text and "l2t word F1" in text
+    assert "Session ended" in text

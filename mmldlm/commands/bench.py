@@ -38,6 +38,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also every step between: baseline, then one group of performance keys at a time",
     )
     parser.add_argument(
+        "--variant",
+        dest="variants",
+        action="append",
+        default=[],
+        metavar="'NAME [section.key=value ...]'",
+        help="a further row, set against the baseline like the optimized one; repeatable, e.g. "
+        "--variant 'optimized perf.activation_checkpointing=full'",
+    )
+    synthetic = parser.add_argument_group(
+        "synthetic data",
+        "any of these replaces data.path by random tokens and latents of the given shape, written to "
+        "OUT/synthetic-data (no corpus, tokenizer or encoder needed; the report states the distribution); "
+        "an option left out takes the older codebase's shape (mmldlm/data/synthetic.py)",
+    )
+    synthetic.add_argument("--synthetic-vocab", type=int, help="vocabulary entries, [PAD] and [MASK] included")
+    synthetic.add_argument(
+        "--synthetic-lengths", metavar="MIN:MAX", help="tokens per text, drawn uniformly from MIN..MAX"
+    )
+    synthetic.add_argument("--synthetic-latent-dim", type=int, help="latent width D (one latent per text)")
+    synthetic.add_argument("--synthetic-samples", type=int, help="train texts")
+    parser.add_argument(
         "--no-fit",
         dest="fit",
         action="store_false",
@@ -62,9 +83,59 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _synthetic_spec(args: argparse.Namespace):
+    """The SyntheticSpec of the --synthetic-* options, None where none is given."""
+    from mmldlm.data.synthetic import SyntheticSpec, parse_lengths  # here: the CLI imports no library at start-up
+
+    given = {
+        "vocab_size": args.synthetic_vocab,
+        "latent_dim": args.synthetic_latent_dim,
+        "num_samples": args.synthetic_samples,
+    }
+    if args.synthetic_lengths is not None:
+        given["min_length"], given["max_length"] = parse_lengths(args.synthetic_lengths)
+    given = {key: value for key, value in given.items() if value is not None}
+    if not given:
+        return None
+    spec = SyntheticSpec(**given)
+    spec.check()
+    return spec
+
+
+def _command_line(args: argparse.Namespace, fit: bool) -> str:
+    """The bench command as run, every option spelled out."""
+    synthetic = {
+        "--synthetic-vocab": args.synthetic_vocab,
+        "--synthetic-lengths": args.synthetic_lengths,
+        "--synthetic-latent-dim": args.synthetic_latent_dim,
+        "--synthetic-samples": args.synthetic_samples,
+    }
+    return " ".join(
+        [
+            "mmldlm bench",
+            *map(shlex.quote, args.overrides),
+            *(f"{key} {shlex.quote(str(value))}" for key, value in synthetic.items() if value is not None),
+            f"--baseline {shlex.quote(args.baseline)}",
+            f"--optimized {shlex.quote(args.optimized)}",
+            *(f"--variant {shlex.quote(variant)}" for variant in args.variants),
+            *([f"--processes {args.processes}"] if args.processes > 1 else []),
+            f"--steps {args.steps}",
+            f"--warmup {args.warmup}",
+            f"--round-steps {args.round_steps}",
+            *(["--ladder"] if args.ladder else []),
+            *(
+                [f"--memory-cap-gib {args.memory_cap_gib:g}", f"--max-micro-batch {args.max_micro_batch}"]
+                if fit
+                else ["--no-fit"]
+            ),
+            f"--out {shlex.quote(args.out)}",
+        ]
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from mmldlm.errors import OptionError, require_positive
-    from mmldlm.tools.bench import BenchOptions, run_bench
+    from mmldlm.tools.bench import BenchOptions, markdown, run_bench
 
     require_positive(
         {
@@ -86,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         round_steps=args.round_steps,
         ladder=args.ladder,
+        variants=args.variants,
+        synthetic=_synthetic_spec(args),
         fit=args.fit and args.processes == 1,
         memory_cap_gib=args.memory_cap_gib,
         max_micro_batch=args.max_micro_batch,
@@ -95,28 +168,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    command = " ".join(
-        [
-            "mmldlm bench",
-            *map(shlex.quote, args.overrides),
-            f"--baseline {shlex.quote(args.baseline)}",
-            f"--optimized {shlex.quote(args.optimized)}",
-            *([f"--processes {args.processes}"] if args.processes > 1 else []),
-            f"--steps {args.steps}",
-            f"--warmup {args.warmup}",
-            f"--round-steps {args.round_steps}",
-            *(["--ladder"] if args.ladder else []),
-            *(
-                [f"--memory-cap-gib {args.memory_cap_gib:g}", f"--max-micro-batch {args.max_micro_batch}"]
-                if opts.fit
-                else ["--no-fit"]
-            ),
-            f"--out {shlex.quote(args.out)}",
-        ]
-    )
-    report = run_bench(opts, command=command)
-    from mmldlm.tools.bench import markdown
-
+    report = run_bench(opts, command=_command_line(args, opts.fit))
     print(markdown(report))
     print(f"wrote {args.out}/bench.json and {args.out}/bench.md")
     return 0

@@ -6,6 +6,7 @@
     format.py     the on-disk format: meta.json, token/offset/latent shards, their checks
     prepare.py    corpus -> prepared dataset directory, sharded across torchrun ranks
     legacy.py     import of a per-sample .npz/.npy layout
+    synthetic.py  a prepared dataset of random tokens and latents of a given shape (bench)
     dataset.py    memory-mapped dataset, resumable distributed batch order, padding collate, loader
 
 The names below load their module on first use (PEP 562), so `from mmldlm.data import DataError`

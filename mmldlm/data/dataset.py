@@ -345,15 +345,17 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 def _start_worker(parent_pid: int, worker_id: int) -> None:
     """The loader's worker_init_fn: each worker dies with the process it serves and leaves the stop
     signals to it."""
-    _die_with_the_main_process(parent_pid)
+    die_with_the_main_process(parent_pid)
     _leave_stop_signals_to_the_main_process()
 
 
-def _die_with_the_main_process(parent_pid: int) -> None:
+def die_with_the_main_process(parent_pid: int) -> None:
     """A worker of a SIGKILLed trainer would live on for seconds (torch's watchdog looks for its parent
     every 5 s) with its memory and open files. On Linux the kernel sends it SIGKILL as soon as the
     trainer's thread that started it ends (the trainer iterates its loaders on the main thread);
-    elsewhere torch's watchdog stays the only guard. SIGKILL, as the worker ignores SIGTERM (below)."""
+    elsewhere torch's watchdog stays the only guard. SIGKILL, as the worker ignores SIGTERM (below).
+    `mmldlm bench`'s config workers call it too: a bench stopped by a signal leaves no worker holding
+    memory (a GPU's, above all) for whatever runs next."""
     if sys.platform != "linux":
         return
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))

@@ -1,6 +1,8 @@
 """`mmldlm bench`: two training configs (default configs/baseline.yaml vs configs/optimized.yaml) on
 the same model and data, measured in one run; with `ladder`, every step from the first to the
-second adding one group of performance keys at a time.
+second adding one group of performance keys at a time; with `variants`, further rows set against
+the baseline (e.g. the optimized config with checkpointing forced where `auto` chose none). The data
+is data.path, or with `synthetic` random tokens of a stated shape (mmldlm/data/synthetic.py).
 
 How it measures, and why:
 1. Each config trains in its own worker process (spawned). Peak memory is a per-process quantity
@@ -60,9 +62,11 @@ import torch
 import yaml
 
 from mmldlm.config import flat_keys, load_config, to_dict
-from mmldlm.data.dataset import default_prepare_options
+from mmldlm.data.dataset import default_prepare_options, die_with_the_main_process
 from mmldlm.data.prepare import prepare
+from mmldlm.data.synthetic import SyntheticSpec, write_synthetic
 from mmldlm.device import describe_device
+from mmldlm.errors import UserError
 from mmldlm.model.info import parameter_counts
 from mmldlm.training.batch_size import batch_shape, largest_fitting, probe_or_none, spaced_sizes
 from mmldlm.training.distributed import init_distributed
@@ -104,6 +108,11 @@ class BenchOptions:
     warmup: int = 3
     round_steps: int = 2  # steps per config per round
     ladder: bool = False
+    # Further rows, each "NAME [section.key=value ...]" like baseline and optimized, measured with
+    # them and set against the baseline: e.g. the optimized config with checkpointing forced.
+    variants: list[str] = dataclasses.field(default_factory=list)
+    # Random tokens and latents of this shape instead of data.path (mmldlm/data/synthetic.py).
+    synthetic: SyntheticSpec | None = None
     fit: bool = True
     memory_cap_gib: float = 8.0
     max_micro_batch: int = 512
@@ -125,36 +134,56 @@ def split_config(text: str) -> tuple[str, list[str]]:
     return name, overrides
 
 
+def _unique(names: list[str]) -> list[str]:
+    """Row names, a repeated one numbered: two runs of one config are "NAME" and "NAME (2)"."""
+    seen: dict[str, int] = {}
+    unique = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        unique.append(name if seen[name] == 1 else f"{name} ({seen[name]})")
+    return unique
+
+
 def bench_configs(opts: BenchOptions) -> list[dict]:
-    """[{name, changes, overrides}] to run: baseline and optimized, or with opts.ladder every rung.
-    The shared overrides come first, then the row's own (see split_config)."""
+    """[{name, role, config, changes, overrides}] to run: baseline and optimized, or with opts.ladder
+    every rung between them; then each of opts.variants. The shared overrides come first, then the
+    row's own (see split_config); `changes` are the keys where the row differs from the baseline."""
     first_name, first_own = split_config(opts.baseline)
-    last_name, last_own = split_config(opts.optimized)
     base = [*opts.overrides]
     first = flat_keys(to_dict(load_config(first_name, [*base, *first_own])))
-    last = flat_keys(to_dict(load_config(last_name, [*base, *last_own])))
-    differ = [key for key in first if first[key] != last[key] and key not in IGNORED]
+
+    def row(role: str, text: str) -> dict:
+        name, own = split_config(text)
+        keys = flat_keys(to_dict(load_config(name, [*base, *own])))
+        differ = [key for key in first if first[key] != keys[key] and key not in IGNORED]
+        return {"name": text, "role": role, "config": name, "changes": differ, "overrides": [*base, *own]}
+
+    variants = [row("variant", text) for text in opts.variants]
     if not opts.ladder:
-        # Each row is named by its config (two runs of one config: "NAME" and "NAME (2)").
-        second = opts.optimized if opts.optimized != opts.baseline else f"{opts.optimized} (2)"
-        return [
-            {"name": opts.baseline, "config": first_name, "changes": [], "overrides": [*base, *first_own]},
-            {"name": second, "config": last_name, "changes": differ, "overrides": [*base, *last_own]},
-        ]
-    base = [*base, *first_own]
-    rungs, covered, applied = [], set(), list(base)
-    rungs.append({"name": "baseline", "config": first_name, "changes": [], "overrides": list(applied)})
-    groups = LADDER + [("other differences", [k for k in differ if not any(k in keys for _, keys in LADDER)])]
+        rows = [row("baseline", opts.baseline), row("optimized", opts.optimized), *variants]
+        for r, name in zip(rows, _unique([r["name"] for r in rows])):
+            r["name"] = name
+        return rows
+    last = row("optimized", opts.optimized)
+    last_keys = flat_keys(to_dict(load_config(last["config"], last["overrides"])))
+    rungs, covered, applied = [], set(), [*base, *first_own]
+    rungs.append(
+        {"name": "baseline", "role": "baseline", "config": first_name, "changes": [], "overrides": list(applied)}
+    )
+    groups = LADDER + [("other differences", [k for k in last["changes"] if not any(k in keys for _, keys in LADDER)])]
     for label, keys in groups:
-        changes = [k for k in keys if k in differ and k not in covered]
+        changes = [k for k in keys if k in last["changes"] and k not in covered]
         if not changes:
             continue
         covered.update(changes)
-        applied += [_override(k, last[k]) for k in changes]
-        rungs.append({"name": f"+ {label}", "config": first_name, "changes": changes, "overrides": list(applied)})
+        applied += [_override(k, last_keys[k]) for k in changes]
+        rungs.append(
+            {"name": f"+ {label}", "role": "rung", "config": first_name, "changes": changes, "overrides": list(applied)}
+        )
     if len(rungs) > 1:
         rungs[-1]["name"] += " (= optimized)"
-    return rungs
+        rungs[-1]["role"] = "optimized"
+    return [*rungs, *variants]
 
 
 # -------------------------------------------------------------------------------- workers
@@ -221,6 +250,7 @@ def _setup_reply(cfg, info, trainer) -> dict:
         "ok": True,
         "device": str(info.device),
         "micro_batch_size": trainer.micro_batch_size,
+        "activation_checkpointing": trainer.activation_checkpointing,  # what runs: auto resolved
         "step_in_backward": trainer.step_in_backward,
         "state_dtype": cfg.optim.state_dtype,
         "global_batch_size": cfg.train.global_batch_size,
@@ -255,6 +285,7 @@ def _train_worker(conn, job: dict, run_dir: str) -> None:
     it when job["world_size"] > 1)."""
     _setup_worker_logging(job["name"] if job["world_size"] == 1 else f"{job['name']} rank {job['rank']}")
     os.setpgrp()  # its own process group: the parent can end it with its loader workers (_Worker.close)
+    die_with_the_main_process(job["parent_pid"])
     try:
         if job["world_size"] > 1:
             _join_ranks(job)
@@ -279,6 +310,10 @@ def _train_worker(conn, job: dict, run_dir: str) -> None:
             else:
                 conn.send({"ok": True})
                 return
+    except torch.OutOfMemoryError as err:  # the row is reported as such; exiting frees its memory for the others
+        conn.send({"ok": False, "out_of_memory": True, "error": str(err).splitlines()[0]})
+    except UserError as err:  # a bad config or dataset: one line from the parent, which names the config
+        conn.send({"ok": False, "user_error": True, "error": str(err)})
     except Exception as err:  # reported to the parent, which names the config
         conn.send({"ok": False, "error": f"{type(err).__name__}: {err}"})
 
@@ -287,6 +322,7 @@ def _fit_worker(conn, job: dict, run_dir: str, cap_bytes: float, max_size: int) 
     """The largest micro-batch under `cap_bytes`, to within 1/8 (batch_size.largest_fitting over spaced_sizes)."""
     _setup_worker_logging(job["name"] + " fit")
     os.setpgrp()
+    die_with_the_main_process(job["parent_pid"])
     try:
         extra = ["perf.compile=false", "train.micro_batch_size=1", "train.global_batch_size=1", "data.num_workers=0"]
         if load_config(job["config"], job["overrides"]).perf.activation_checkpointing == "auto":
@@ -315,14 +351,22 @@ def _fit_worker(conn, job: dict, run_dir: str, cap_bytes: float, max_size: int) 
                 },
             }
         )
+    except UserError as err:
+        conn.send({"ok": False, "user_error": True, "error": str(err)})
     except Exception as err:
         conn.send({"ok": False, "error": f"{type(err).__name__}: {err}"})
+
+
+class OutOfMemory(Exception):
+    """A row's worker ran out of device memory at its micro-batch (and exited, freeing what it held):
+    the row is reported as out of memory and the others go on."""
 
 
 class _Worker:
     def __init__(self, ctx, target, job: dict, *args):
         self.job = job
         self.conn, child = ctx.Pipe()
+        job = {**job, "parent_pid": os.getpid()}  # the worker dies with this process
         # Not a daemon: a daemon process may not start the DataLoader's worker processes.
         self.process = ctx.Process(target=target, args=(child, job, *args), daemon=False)
         self.process.start()
@@ -344,6 +388,10 @@ class _Worker:
                 f"bench: {who} ({self.job['config']} {' '.join(self.job['overrides'])}) "
                 f"exited with status {self.process.exitcode} without a reply"
             ) from None
+        if not reply["ok"] and reply.get("out_of_memory"):
+            raise OutOfMemory(reply["error"])
+        if not reply["ok"] and reply.get("user_error"):
+            raise UserError(f"config '{self.job['name']}': {reply['error']}")
         if not reply["ok"]:
             raise RuntimeError(
                 f"bench: {who} ({self.job['config']} {' '.join(self.job['overrides'])}) failed: {reply['error']}"
@@ -445,6 +493,7 @@ def _summary(setup: dict, records: list[dict], memory: list[dict]) -> dict:
     device_is_cuda = setup["device"].startswith("cuda")
     return {
         "micro_batch_size": setup["micro_batch_size"],
+        "activation_checkpointing": setup.get("activation_checkpointing"),
         "global_batch_size": setup["global_batch_size"],
         "accumulation_steps": records[0]["accumulation_steps"],
         "measured_steps": len(records),
@@ -472,15 +521,38 @@ def _summary(setup: dict, records: list[dict], memory: list[dict]) -> dict:
     }
 
 
+def _drop(group: _Ranks, live: list[_Ranks], err: OutOfMemory) -> None:
+    """Mark `group`'s row as out of memory, end its workers and take it out of `live`."""
+    group.job["out_of_memory"] = str(err)
+    group.close()
+    live.remove(group)
+    log.info("bench: %s ran out of memory: %s", group.job["name"], err)
+
+
+def _turn(live: list[_Ranks], *command) -> dict:
+    """{name: the replies of its ranks} of each live row in turn; a row out of memory is dropped."""
+    replies = {}
+    for group in list(live):
+        try:
+            replies[group.job["name"]] = group.call(*command)
+        except OutOfMemory as err:
+            _drop(group, live, err)
+    return replies
+
+
 def _start_configs(ctx, jobs: list[dict], scratch: str, processes: int) -> list[_Ranks]:
-    """Build every config in its workers; each job gets its setup reply. On a failure the configs
-    already started are ended."""
+    """Build every config in its workers; each job gets its setup reply (a row that cannot even be
+    built in memory is dropped). On any other failure the configs already started are ended."""
     groups = []
     try:
         for i, job in enumerate(jobs):  # one at a time: setups do not compete for the cores
             job["release_memory"] = len(jobs) > 2
             groups.append(_Ranks(ctx, job, os.path.join(scratch, f"run{i}"), processes))
-            job["setup"] = groups[-1].call()[0]
+            replies = _turn(groups[-1:])
+            if not replies:
+                groups.pop()
+                continue
+            job["setup"] = replies[job["name"]][0]
             log.info(
                 "bench: %s ready (%s%s, micro-batch %d)",
                 job["name"],
@@ -496,26 +568,30 @@ def _start_configs(ctx, jobs: list[dict], scratch: str, processes: int) -> list[
 
 
 def _measure(groups: list[_Ranks], opts: BenchOptions) -> tuple[dict, dict]:
-    """({name: step records}, {name: every rank's memory}): warm-up rounds, then the measured rounds,
-    the configs taking turns."""
+    """({name: step records}, {name: every rank's memory}) of the rows that ran to the end: warm-up
+    rounds, then the measured rounds, the configs taking turns. `groups` keeps the rows still live."""
     records = {group.job["name"]: [] for group in groups}
     for _ in range(math.ceil(opts.warmup / opts.round_steps)):
-        for group in groups:
-            group.call("steps", opts.round_steps)
-    for group in groups:
-        group.call("reset_memory")
+        _turn(groups, "steps", opts.round_steps)
+    _turn(groups, "reset_memory")
     for r in range(math.ceil(opts.steps / opts.round_steps)):
-        for group in groups:  # every rank records the same global step figures; rank 0's are kept
-            records[group.job["name"]] += group.call("steps", opts.round_steps)[0]["records"]
+        # every rank records the same global step figures; rank 0's are kept
+        for name, replies in _turn(groups, "steps", opts.round_steps).items():
+            records[name] += replies[0]["records"]
         log.info("bench: round %d/%d done", r + 1, math.ceil(opts.steps / opts.round_steps))
-    memory = {group.job["name"]: group.call("memory") for group in groups}
-    return records, memory
+    memory = _turn(groups, "memory")
+    return {name: records[name] for name in memory}, memory
+
+
+def _fitted_jobs(jobs: list[dict]) -> list[dict]:
+    """The rows whose largest micro-batch is searched: all but a ladder's intermediate rungs."""
+    return [job for job in jobs if job["role"] != "rung"]
 
 
 def _largest_micro_batches(ctx, jobs: list[dict], scratch: str, opts: BenchOptions) -> dict:
-    """{name: the fit worker's reply} of the first and the last config, each in a fresh process."""
+    """{name: the fit worker's reply} of each of `jobs`, each in a fresh process."""
     fits = {}
-    for job in (jobs[0], jobs[-1]):
+    for job in jobs:
         worker = _Worker(
             ctx,
             _fit_worker,
@@ -531,8 +607,10 @@ def _largest_micro_batches(ctx, jobs: list[dict], scratch: str, opts: BenchOptio
     return fits
 
 
-def _ratios(results: dict, first: str, last: str, fitted: bool) -> dict:
-    """The last config's figures over the first's."""
+def _ratios(results: dict, first: str, last: str, fitted: bool) -> dict | None:
+    """The last config's figures over the first's; None where either ran out of memory."""
+    if "out_of_memory" in results[first] or "out_of_memory" in results[last]:
+        return None
     ratios = {
         key: results[last][key] / results[first][key]
         for key in (
@@ -570,49 +648,83 @@ def main_job_data(opts: BenchOptions) -> list[str]:
     return [f"data.path={path}"]
 
 
+SYNTHETIC_DATA = "synthetic-data"  # under opts.out: the dataset of --synthetic-*, rewritten by each run
+
+
+def with_synthetic_data(opts: BenchOptions) -> BenchOptions:
+    """`opts` reading the dataset of opts.synthetic, written under opts.out: every row's data.path and
+    model.latent_dim set ahead of the shared overrides. Without opts.synthetic, `opts` itself."""
+    if opts.synthetic is None:
+        return opts
+    path = write_synthetic(opts.synthetic, Path(opts.out) / SYNTHETIC_DATA)
+    own = [f"data.path={path}", f"model.latent_dim={opts.synthetic.latent_dim}"]
+    return dataclasses.replace(opts, overrides=[*own, *opts.overrides])
+
+
+def _measure_all(ctx, jobs: list[dict], opts: BenchOptions, scratch: str, fitted: bool) -> dict:
+    """{name: figures} of every row: the measured steps, then the largest micro-batches."""
+    groups = _start_configs(ctx, jobs, scratch, opts.processes)
+    try:
+        records, memory = _measure(groups, opts)
+    finally:
+        for group in groups:
+            group.close()
+    results = {
+        job["name"]: {
+            "config": job["config"],
+            "changes": job["changes"],
+            "overrides": job["overrides"],
+            **(
+                _summary(job["setup"], records[job["name"]], memory[job["name"]])
+                if job["name"] in records
+                else {"out_of_memory": job["out_of_memory"]}
+            ),
+        }
+        for job in jobs
+    }
+    if fitted:
+        for name, fit in _largest_micro_batches(ctx, _fitted_jobs(jobs), scratch, opts).items():
+            results[name]["largest_micro_batch"] = fit["largest"]
+            results[name]["largest_micro_batch_probe"] = {k: v for k, v in fit.items() if k != "ok"}
+    return results
+
+
 def run_bench(opts: BenchOptions, command: str = "") -> dict:
     """Run the benchmark; write bench.json and bench.md into opts.out; return the report."""
-    opts = dataclasses.replace(opts, overrides=[*main_job_data(opts), *opts.overrides])
-    jobs = bench_configs(opts)
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
     started = time.time()
+    opts = with_synthetic_data(opts)
+    opts = dataclasses.replace(opts, overrides=[*main_job_data(opts), *opts.overrides])
+    jobs = bench_configs(opts)
     fitted = opts.fit and opts.processes == 1
     with tempfile.TemporaryDirectory(prefix="bench-", dir=out) as scratch:
-        groups = _start_configs(ctx, jobs, scratch, opts.processes)
-        try:
-            records, memory = _measure(groups, opts)
-        finally:
-            for group in groups:
-                group.close()
-        results = {
-            job["name"]: {
-                "config": job["config"],
-                "changes": job["changes"],
-                "overrides": job["overrides"],
-                **_summary(job["setup"], records[job["name"]], memory[job["name"]]),
-            }
-            for job in jobs
-        }
-        if fitted:
-            for name, fit in _largest_micro_batches(ctx, jobs, scratch, opts).items():
-                results[name]["largest_micro_batch"] = fit["largest"]
-                results[name]["largest_micro_batch_probe"] = {k: v for k, v in fit.items() if k != "ok"}
+        results = _measure_all(mp.get_context("spawn"), jobs, opts, scratch, fitted)
 
-    first, last = jobs[0]["name"], jobs[-1]["name"]
-    setup = jobs[0]["setup"]
+    first = jobs[0]["name"]
+    optimized = next((job["name"] for job in jobs if job["role"] == "optimized"), first)
+    setup = next((job["setup"] for job in jobs if "out_of_memory" not in job), None)
+    if setup is None:
+        raise UserError(
+            f"bench: every config ran out of memory ({jobs[0]['out_of_memory']}); "
+            "lower train.micro_batch_size or the text length"
+        )
     report = {
         "command": command,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": _machine(setup["device"]),
         "model_parameters": setup["parameters"],
+        "data": opts.synthetic.describe() if opts.synthetic else None,
         "options": dataclasses.asdict(opts),
         "wall_time_s": round(time.time() - started, 1),
         "baseline": first,
-        "optimized": last,
+        "optimized": optimized,
         "configs": results,
-        "ratios": _ratios(results, first, last, fitted),
+        "ratios": _ratios(results, first, optimized, fitted),
+        # Each further row's figures over the baseline's.
+        "variant_ratios": {
+            job["name"]: _ratios(results, first, job["name"], fitted) for job in jobs if job["role"] == "variant"
+        },
         "order": [job["name"] for job in jobs],
     }
     (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -641,7 +753,7 @@ def _table_header(report: dict) -> list[str]:
     """The columns of the configs' table: the memory column named by what was measured, the largest
     micro-batch where it was searched, the steps of a ladder."""
     configs, order = report["configs"], report["order"]
-    memory_kind = configs[order[0]]["peak_memory_kind"]
+    memory_kind = next(configs[n]["peak_memory_kind"] for n in order if "out_of_memory" not in configs[n])
     memory_label = "peak CUDA alloc GiB" if memory_kind == "cuda_max_allocated" else "peak RSS above runtime GiB"
     if report["options"].get("processes", 1) > 1:
         memory_label += " per process"
@@ -663,11 +775,30 @@ def _table_header(report: dict) -> list[str]:
     return header
 
 
+def _speed_ratio(c: dict, other: dict | None) -> str:
+    """c's samples/s over other's, blank where either has none (out of memory, or no other)."""
+    if other is None or "samples_per_s" not in c or "samples_per_s" not in other:
+        return ""
+    return f"{c['samples_per_s'] / other['samples_per_s']:.2f}x"
+
+
 def _table_row(name: str, c: dict, fit: bool, ladder: bool, first: dict, previous: dict | None) -> list[str]:
-    """One config's cells; on a ladder, its samples/s over the rung before and over the baseline."""
-    row = [
+    """One config's cells; on a ladder, its samples/s over the rung before and over the baseline. A
+    row out of memory at the micro-batch says so (and shows the largest that fits, where searched)."""
+    row = [name, "out of memory", *[""] * 7] if "out_of_memory" in c else _measured_cells(name, c)
+    if fit:
+        row.append(str(c["largest_micro_batch"]) if "largest_micro_batch" in c else "")
+    if ladder:
+        row += [_speed_ratio(c, previous), _speed_ratio(c, first)]
+    return row
+
+
+def _measured_cells(name: str, c: dict) -> list[str]:
+    return [
         name,
-        f"{c['micro_batch_size']} x {c['accumulation_steps']}",
+        f"{c['micro_batch_size']} x {c['accumulation_steps']}"
+        # Absent from reports written before it was recorded (scripts/gpu_report.py reads old ones).
+        + (f", AC {c['activation_checkpointing']}" if c.get("activation_checkpointing") else ""),
         f"{c['samples_per_s']:.2f}",
         f"{c['tokens_per_s']:.0f}",
         f"{c['step_time_s']['median']:.3f}",
@@ -677,37 +808,41 @@ def _table_row(name: str, c: dict, fit: bool, ladder: bool, first: dict, previou
         + f" / {c['peak_above_state_gib']:.2f}",
         f"{c['mfu']:.1%}" if c["mfu"] is not None else "n/a",
     ]
-    if fit:
-        row.append(str(c["largest_micro_batch"]) if "largest_micro_batch" in c else "")
-    if ladder:
-        row += [
-            f"{c['samples_per_s'] / previous['samples_per_s']:.2f}x" if previous else "",
-            f"{c['samples_per_s'] / first['samples_per_s']:.2f}x",
-        ]
-    return row
 
 
-def _ratio_lines(report: dict) -> list[str]:
-    """What the training state is, and the optimized config's figures over the baseline's."""
-    r = report["ratios"]
-    return [
-        "",
-        "Training state: fp32 weights 4 bytes per parameter, gradients 4 (none held all at once "
-        "with optim.step_in_backward), AdamW moments 8 (about 2 with optim.state_dtype=int8, 1 with "
-        "int4); rest = activations, low-precision copies, temporaries.",
-        "",
-        f"{report['options']['optimized']} / {report['options']['baseline']}: "
-        f"samples/s **{r['samples_per_s']:.2f}x** (from the fastest steps "
-        f"{r['best_samples_per_s']:.2f}x), tokens/s "
-        f"{r['tokens_per_s']:.2f}x"
+def _ratio_line(label: str, r: dict | None) -> str:
+    """One config's figures over the baseline's, `label` naming both."""
+    if r is None:
+        return f"{label}: no ratios, one of them ran out of memory at this micro-batch."
+    return (
+        f"{label}: samples/s **{r['samples_per_s']:.2f}x** (from the fastest steps "
+        f"{r['best_samples_per_s']:.2f}x), tokens/s {r['tokens_per_s']:.2f}x"
         # Absent from reports written before it was measured (scripts/gpu_report.py reads old ones).
         + (f" (all steps' tokens over their time {r['total_tokens_per_s']:.2f}x)" if "total_tokens_per_s" in r else "")
         + f", peak memory at equal batch **{r['peak_memory_gib']:.2f}x** "
         f"(the rest, above the training state: {r['peak_above_state_gib']:.2f}x)"
         + (f", largest micro-batch **{r['largest_micro_batch']:.2f}x**" if r.get("largest_micro_batch") else "")
-        + ".",
+        + "."
+    )
+
+
+def _ratio_lines(report: dict) -> list[str]:
+    """What the training state is, and the optimized config's (and each further row's) figures over
+    the baseline's."""
+    options = report["options"]
+    lines = [
+        "",
+        "Training state: fp32 weights 4 bytes per parameter, gradients 4 (none held all at once "
+        "with optim.step_in_backward), AdamW moments 8 (about 2 with optim.state_dtype=int8, 1 with "
+        "int4); rest = activations, low-precision copies, temporaries. AC: the activation checkpointing "
+        "that ran (auto resolved).",
+        "",
+        _ratio_line(f"{options['optimized']} / {options['baseline']}", report["ratios"]),
         "",
     ]
+    for name, ratios in report.get("variant_ratios", {}).items():
+        lines += [_ratio_line(f"{name} / {report['baseline']}", ratios), ""]
+    return lines
 
 
 # Below this many measured steps per config a step-time spread says nothing: the ratios are not read.
@@ -715,15 +850,15 @@ MIN_DECIDING_STEPS = 5
 
 
 def _decision_lines(report: dict) -> list[str]:
-    """A line where the measured steps cannot tell the first config from the last: too few of them, or
-    times per sample whose spreads (p10..p90) overlap; none where they do not."""
+    """A line where the measured steps cannot tell the baseline from the optimized config: too few of them,
+    or times per sample whose spreads (p10..p90) overlap; none where they do not (or a row ran out of memory)."""
     steps = report["options"]["steps"]
+    names = report.get("baseline", report["order"][0]), report.get("optimized", report["order"][-1])
+    rows = [report["configs"][name] for name in names]
+    if any("step_time_s" not in row for row in rows):
+        return []
     (low_a, high_a), (low_b, high_b) = (
-        [
-            report["configs"][name]["step_time_s"][q] / report["configs"][name]["global_batch_size"]
-            for q in ("p10", "p90")
-        ]
-        for name in (report["order"][0], report["order"][-1])
+        [row["step_time_s"][q] / row["global_batch_size"] for q in ("p10", "p90")] for row in rows
     )
     apart = high_a < low_b or high_b < low_a
     if steps >= MIN_DECIDING_STEPS and apart:
@@ -755,17 +890,20 @@ def markdown(report: dict) -> str:
         f"warm-up, {report['options']['round_steps']} per turn; wall time {report['wall_time_s']:.0f} s.",
         "",
     ]
+    if report.get("data"):
+        lines += [f"Data: {report['data']}.", ""]
     header = _table_header(report)
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     fit, ladder = "largest_micro_batch" in configs[order[0]], len(order) > 2
+    variants = report.get("variant_ratios", {})
     first, previous = configs[order[0]], None
     for name in order:
         lines.append("| " + " | ".join(_table_row(name, configs[name], fit, ladder, first, previous)) + " |")
         previous = configs[name]
     lines += _ratio_lines(report)
     lines += _decision_lines(report)
-    if ladder:
+    if report["options"].get("ladder"):
         lines += ["Ladder rungs (keys each one sets to the optimized value):", ""]
-        lines += [f"- {name}: {', '.join(configs[name]['changes'])}" for name in order[1:]]
+        lines += [f"- {name}: {', '.join(configs[name]['changes'])}" for name in order[1:] if name not in variants]
         lines.append("")
     return "\n".join(lines)

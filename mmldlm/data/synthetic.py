@@ -1,0 +1,121 @@
+"""A prepared dataset of random tokens and latents, for measuring speed and memory at a given shape
+without a corpus, a tokenizer or a sentence encoder (`mmldlm bench --synthetic-*`).
+
+    spec = SyntheticSpec(vocab_size=30522, min_length=600, max_length=2048, latent_dim=32)
+    write_synthetic(spec, Path("runs/bench/synthetic-data"))   # an ordinary prepared dataset
+
+Every text's length is drawn uniformly from [min_length, max_length], its ids uniformly from the
+vocabulary's non-special entries, its one latent from N(0, I). A step's cost depends on the lengths,
+the vocabulary and the latent width, not on what the ids say, so these measure what real data of
+the same shape would; the losses mean nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer, models
+
+from mmldlm.data import format as fmt
+from mmldlm.data import tokenizer as tok
+from mmldlm.errors import OptionError
+from mmldlm.outputs import publish
+
+VAL_SAMPLES = 16  # a validation split must exist; nothing here evaluates on it
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticSpec:
+    vocab_size: int = 30522  # entries, [PAD] and [MASK] included
+    min_length: int = 600  # tokens per text, drawn uniformly from [min_length, max_length]
+    max_length: int = 2048
+    latent_dim: int = 32
+    num_samples: int = 1024  # train texts
+    seed: int = 0
+
+    def check(self, option: str = "--synthetic") -> None:
+        if self.vocab_size < 3:
+            raise OptionError(f"{option}-vocab", self.vocab_size, "an integer >= 3 ([PAD], [MASK] and one word)")
+        if not 1 <= self.min_length <= self.max_length:
+            raise OptionError(
+                f"{option}-lengths", f"{self.min_length}:{self.max_length}", "MIN:MAX with 1 <= MIN <= MAX"
+            )
+        if self.latent_dim < 1:
+            raise OptionError(f"{option}-latent-dim", self.latent_dim, "an integer >= 1")
+        if self.num_samples < 1:
+            raise OptionError(f"{option}-samples", self.num_samples, "an integer >= 1")
+
+    def describe(self) -> str:
+        mean = (self.min_length + self.max_length) / 2
+        return (
+            f"synthetic tokens: {self.num_samples} texts of uniformly random length {self.min_length}-"
+            f"{self.max_length} tokens (mean {mean:g}), ids uniform over a {self.vocab_size}-entry vocabulary, "
+            f"one {self.latent_dim}-d N(0, 1) latent each"
+        )
+
+
+def parse_lengths(text: str, option: str = "--synthetic-lengths") -> tuple[int, int]:
+    """ "600:2048" -> (600, 2048); "2048" -> (2048, 2048)."""
+    try:
+        low, _, high = text.partition(":")
+        return int(low), int(high or low)
+    except ValueError:
+        raise OptionError(option, text, "MIN:MAX token counts, e.g. 600:2048") from None
+
+
+def _tokenizer(vocab_size: int) -> Tokenizer:
+    """A word-level tokenizer of [PAD], [MASK] and words w2 .. w{V-1}: the dataset's ids decode."""
+    vocab = {tok.PAD: 0, tok.MASK: 1, **{f"w{i}": i for i in range(2, vocab_size)}}
+    return Tokenizer(models.WordLevel(vocab, unk_token=tok.MASK))
+
+
+def _split(rng: np.random.Generator, spec: SyntheticSpec, count: int) -> tuple[list[np.ndarray], np.ndarray]:
+    lengths = rng.integers(spec.min_length, spec.max_length + 1, size=count)
+    token_lists = [rng.integers(2, spec.vocab_size, size=n) for n in lengths]
+    latents = rng.standard_normal((count, 1, spec.latent_dim)).astype(np.float32)  # (N, K=1, D)
+    return token_lists, latents
+
+
+def write_synthetic(spec: SyntheticSpec, out: Path) -> Path:
+    """Write the dataset of `spec` as a prepared dataset at `out` (replacing one written before)."""
+    spec.check()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.parent / f".{out.name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted run
+    rng = np.random.default_rng(spec.seed)
+    token_dtype = tok.token_dtype(spec.vocab_size)
+    shards, num_tokens, longest = {}, {}, {}
+    for split, count in (("train", spec.num_samples), ("val", VAL_SAMPLES)):
+        token_lists, latents = _split(rng, spec, count)
+        shards[split] = [fmt.write_shard(partial, split, 0, token_lists, latents, token_dtype, np.dtype(np.float32))]
+        num_tokens[split] = shards[split][0]["num_tokens"]
+        longest[split] = max(map(len, token_lists))
+    tokenizer = _tokenizer(spec.vocab_size)
+    meta = {
+        "format_version": fmt.FORMAT_VERSION,
+        "tokenizer": fmt.TOKENIZER,
+        "vocab_size": spec.vocab_size,
+        **tok.special_ids(tokenizer),
+        "token_dtype": token_dtype.name,
+        "encoder": "none (synthetic N(0, 1) latents)",
+        "encoder_normalize": None,
+        "synthetic": dataclasses.asdict(spec),
+        "latent_dim": spec.latent_dim,
+        "num_latents": 1,
+        "latent_dtype": "float32",
+        "splits": {"train": spec.num_samples, "val": VAL_SAMPLES},
+        "num_tokens": num_tokens,
+        "max_sample_tokens": longest,
+        "latent_mean": [0.0] * spec.latent_dim,
+        "latent_std": [1.0] * spec.latent_dim,
+        "shards": shards,
+    }
+    (partial / fmt.TOKENIZER).write_text(tokenizer.to_str())
+    (partial / fmt.META).write_text(json.dumps(meta, indent=1) + "\n")
+    publish(partial, out, fmt.PREPARED)
+    return out

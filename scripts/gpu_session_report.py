@@ -1,0 +1,110 @@
+"""The report of scripts/gpu_session.sh, written part by part: `start` begins it (date, mode, device,
+driver, torch, data), each `part` appends one part's section (its command, exit status, seconds
+against its limit, and what it measured) the moment the part ends, `end` closes it. After every call
+the report so far stands in REPORT between the markers START and END (scripts/gpu_report.py's
+splice), so a session cut off keeps every part that ended.
+
+    python scripts/gpu_session_report.py --report REPORT --section OUT/session.md start --mode gpu --data DIR
+    python scripts/gpu_session_report.py --report ... --section ... part --title T --status 0 --seconds 50 \\
+        --budget 60 --log LOG --command 'CMD' [--tests | --bench DIR | --ladder DIR]
+    python scripts/gpu_session_report.py --report ... --section ... end
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+from gpu_report import bench_section, device_line, splice
+
+START, END = "<!-- gpu_session report: start -->", "<!-- gpu_session report: end -->"
+TIMED_OUT = (124, 137)  # timeout(1): stopped at the limit, or killed after its grace period
+
+
+def start_lines(mode: str, data: str) -> list[str]:
+    meta = json.loads((Path(data) / "meta.json").read_text())
+    rehearsal = " (the CPU rehearsal: tiny shapes, figures meaningless)" if mode == "cpu" else ""
+    return [
+        f"## Report of `scripts/gpu_session.sh` ({datetime.datetime.now().isoformat(timespec='seconds')})",
+        "",
+        f"Written by `bash scripts/gpu_session.sh{' --cpu' if mode == 'cpu' else ''}`{rehearsal}, part by part.",
+        "",
+        f"Device: {device_line()}.",
+        "",
+        f"Data of parts 3 and 4: {data} ({meta['splits']['train']:,} train + {meta['splits']['val']:,} val "
+        f"texts, vocabulary {meta['vocab_size']:,}, latents {meta['num_latents']}x{meta['latent_dim']} from "
+        f"{meta['encoder']}).",
+        "",
+    ]
+
+
+def outcome(status: int, seconds: int, budget: int) -> str:
+    if status == 0:
+        return f"done in {seconds} s of its {budget} s"
+    if status in TIMED_OUT:
+        return f"**cut off** at its limit of {budget} s (what it finished is below)"
+    return f"**failed** with exit status {status} after {seconds} s of its {budget} s"
+
+
+def last_line(path: Path) -> str:
+    lines = path.read_text(errors="replace").strip().splitlines() if path.exists() else []
+    return lines[-1] if lines else "(no output)"
+
+
+def part_lines(args: argparse.Namespace) -> list[str]:
+    lines = [
+        f"### {args.title}",
+        "",
+        f"`{args.command}`",
+        "",
+        f"{outcome(args.status, args.seconds, args.budget)}; output in {args.log}.",
+        "",
+    ]
+    if args.status != 0 or args.tests:
+        lines += ["```", last_line(Path(args.log)), "```", ""]
+    for directory in args.bench:
+        lines.append(bench_section(directory).replace("### mmldlm bench", "#### mmldlm bench", 1))
+    if args.ladder:
+        table = Path(args.ladder) / "ladder.md"
+        lines.append(table.read_text() if table.exists() else f"(no {table}: the rung did not finish)\n")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--report", type=Path, required=True, help="the markdown file to write the report into")
+    parser.add_argument("--section", type=Path, required=True, help="the session's report so far (its own file)")
+    sub = parser.add_subparsers(dest="action", required=True)
+    begin = sub.add_parser("start")
+    begin.add_argument("--mode", choices=["gpu", "cpu"], required=True)
+    begin.add_argument("--data", required=True, help="the prepared dataset of parts 3 and 4")
+    part = sub.add_parser("part")
+    part.add_argument("--title", required=True)
+    part.add_argument("--command", required=True)
+    part.add_argument("--status", type=int, required=True, help="the part's exit status")
+    part.add_argument("--seconds", type=int, required=True)
+    part.add_argument("--budget", type=int, required=True, help="the part's time limit in seconds")
+    part.add_argument("--log", required=True)
+    part.add_argument("--tests", action="store_true", help="the part ran pytest: show its summary line")
+    part.add_argument("--bench", action="append", default=[], help="a bench's output directory")
+    part.add_argument("--ladder", help="a writing_ladder.py output directory")
+    sub.add_parser("end")
+    args = parser.parse_args(argv)
+
+    if args.action == "start":
+        text = "\n".join(start_lines(args.mode, args.data)).rstrip() + "\n\n"
+    elif args.action == "part":
+        text = args.section.read_text() + "\n".join(part_lines(args)).rstrip() + "\n\n"
+    else:
+        text = args.section.read_text() + f"Session ended {datetime.datetime.now().isoformat(timespec='seconds')}.\n"
+    args.section.parent.mkdir(parents=True, exist_ok=True)
+    args.section.write_text(text)
+    splice(args.report, START, END, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
