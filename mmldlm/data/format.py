@@ -15,7 +15,6 @@ size, never on how many processes prepared the data.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import re
@@ -95,7 +94,8 @@ def write_shard(
     (root / split).mkdir(parents=True, exist_ok=True)
     offsets = np.zeros(len(token_lists) + 1, dtype=np.int64)
     np.cumsum([len(ids) for ids in token_lists], out=offsets[1:])
-    flat = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=token_dtype, count=int(offsets[-1]))
+    # Each sample's ids (a list or an array) converted on its own: no Python int per token of the shard.
+    flat = np.concatenate([np.asarray(ids, dtype=token_dtype) for ids in token_lists] or [np.zeros(0, token_dtype)])
     flat.tofile(root / files["tokens"])
     np.save(root / files["offsets"], offsets)
     np.save(root / files["latents"], np.ascontiguousarray(latents, dtype=latent_dtype))

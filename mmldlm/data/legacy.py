@@ -79,7 +79,7 @@ class LegacySource:
                 digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}\0".encode())
         return digest.hexdigest()
 
-    def _tokens(self, stem: str) -> list[int]:
+    def _tokens(self, stem: str) -> np.ndarray:
         path = self.tokens_dir / f"{stem}{SUFFIX}"
         archive = _load(path, ".npz")
         if not isinstance(archive, np.lib.npyio.NpzFile):
@@ -101,7 +101,7 @@ class LegacySource:
                 f"{path}: token id {bad} outside the vocabulary of {self.tokenizer_path} (size "
                 f"{self.vocab_size}); give the tokenizer that produced these ids"
             )
-        return ids.tolist()
+        return ids.astype(np.int32)  # an array, not a list: a shard of 2048-token texts holds no Python ints
 
     def _latent(self, stem: str) -> np.ndarray:
         path = self.latents_dir / f"{stem}.npy"
@@ -115,7 +115,8 @@ class LegacySource:
         return latent.astype(np.float32)
 
     def shard(self, indices: np.ndarray, progress: Callable[[int], None]) -> tuple[list, np.ndarray, None]:
-        """(token ids, latents (n, K, D), None: nothing is cut, the ids are kept as they are)."""
+        """(token ids, one int32 array per sample; latents (n, K, D); None: nothing is cut, the ids are kept as
+        they are)."""
         token_lists, latents = [], []
         for i in indices:
             token_lists.append(self._tokens(self.stems[i]))
