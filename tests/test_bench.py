@@ -11,7 +11,7 @@ from data_support import prepared
 
 from mmldlm.cli import main
 from mmldlm.config import flat_keys, load_config, to_dict
-from mmldlm.data.dataset import default_prepare_options
+from mmldlm.data.prepare import default_prepare_options
 from mmldlm.tools.bench import (
     BenchOptions,
     OutOfMemory,

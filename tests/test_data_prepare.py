@@ -15,11 +15,13 @@ from data_support import SMALL, corpus_texts, prepared
 from mmldlm import cli
 from mmldlm.config import DataConfig
 from mmldlm.data import format as fmt
-from mmldlm.data.dataset import dataset_path, default_prepare_options, open_dataset
+from mmldlm.data.dataset import open_dataset
 from mmldlm.data.encoders import load_encoder, sentence_transformer
 from mmldlm.data.prepare import (
     STD_FLOOR,
     PrepareOptions,
+    dataset_path,
+    default_prepare_options,
     ensure_token_latents,
     prepare,
     split_indices,

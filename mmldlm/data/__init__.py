@@ -4,7 +4,8 @@
     tokenizer.py  train a byte-level BPE or load a local tokenizer; the reserved [PAD] and [MASK]
     encoders.py   the sentence-encoder registry (default all-MiniLM-L6-v2) -> latents (N, K, D)
     format.py     the on-disk format: meta.json, token/offset/latent shards, their checks
-    prepare.py    corpus -> prepared dataset directory, sharded across torchrun ranks
+    prepare.py    corpus -> prepared dataset directory, sharded across torchrun ranks; a run's dataset
+                  directory (data.path, or the bundled corpus prepared into the cache)
     legacy.py     import of a per-sample .npz/.npy layout
     synthetic.py  a prepared dataset of random tokens and latents of a given shape (bench)
     dataset.py    memory-mapped dataset, resumable distributed batch order, padding collate, loader
@@ -24,12 +25,12 @@ _EXPORTS = {
     "build_loader": "dataset",
     "resolve_for_model": "dataset",
     "model_for_dataset": "dataset",
-    "dataset_path": "dataset",
     "heaviest_batch": "dataset",
     "PreparedDataset": "dataset",
     "Loader": "dataset",
     "prepare": "prepare",
     "PrepareOptions": "prepare",
+    "dataset_path": "prepare",
 }
 
 __all__ = ["DataError", *_EXPORTS]

@@ -19,8 +19,6 @@ import atexit
 import ctypes
 import dataclasses
 import functools
-import hashlib
-import json
 import os
 import signal
 import sys
@@ -33,7 +31,6 @@ from torch.utils.data import DataLoader, Dataset
 
 from mmldlm.config import DataConfig, ModelConfig, _fail
 from mmldlm.data import format as fmt
-from mmldlm.data.corpus import DEFAULT_CORPUS
 from mmldlm.data.errors import DataError
 from mmldlm.data.tokenizer import load_tokenizer
 
@@ -614,32 +611,3 @@ def resolve_for_model(data: DataConfig, model: ModelConfig, dataset: PreparedDat
     if data.packing and data.pack_length is not None and data.pack_length < data.max_length:
         _fail("data.pack_length", data.pack_length, f"null or >= data.max_length={data.max_length} (the longest text)")
     return data
-
-
-def default_prepare_options(cfg: DataConfig):
-    """The PrepareOptions that prepare the bundled corpus into the cache. The cache entry is named by
-    what decides its content, so a changed option never reuses a stale one."""
-    from mmldlm.data.prepare import PrepareOptions  # here: prepare.py imports this module
-
-    opts = PrepareOptions(
-        inputs=["default"],
-        vocab_size=cfg.vocab_size,
-        val_fraction=cfg.val_fraction,
-        encoder=cfg.encoder,
-        max_samples=cfg.max_samples,
-    )
-    key = json.dumps([fmt.FORMAT_VERSION, opts.recorded(), DEFAULT_CORPUS.stat().st_size], sort_keys=True)
-    cache = Path(cfg.cache_dir or os.environ.get("MMLDLM_CACHE") or Path.home() / ".cache" / "mmldlm")
-    opts.out = str(cache / f"default-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
-    return opts
-
-
-def dataset_path(cfg: DataConfig, log=print, detail=None) -> Path:
-    """The dataset directory of a run: `cfg.path`, or for a null path the bundled default corpus,
-    prepared on first use into the cache (every rank must call this; the work is shared); `log` and
-    `detail` as for prepare."""
-    if cfg.path is not None:
-        return Path(cfg.path)
-    from mmldlm.data.prepare import prepare  # here: prepare.py imports this module
-
-    return Path(prepare(default_prepare_options(cfg), log, detail)["path"])

@@ -37,11 +37,11 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from mmldlm import __version__
-from mmldlm.config import load_config
+from mmldlm.config import DataConfig, load_config
 from mmldlm.data import corpus, long_texts
 from mmldlm.data import format as fmt
 from mmldlm.data import tokenizer as tok
-from mmldlm.data.dataset import PreparedDataset, default_prepare_options, resolve_for_model
+from mmldlm.data.dataset import PreparedDataset, resolve_for_model
 from mmldlm.data.encoders import DEFAULT_ENCODER, REGISTRY, load_encoder
 from mmldlm.data.errors import DataError
 from mmldlm.data.legacy import LegacySource
@@ -125,6 +125,31 @@ class PrepareOptions:
                 self.vocab_size,
                 f"an integer >= {tok.MIN_VOCAB_SIZE} for a byte-level BPE (256 byte symbols + {tok.PAD} + {tok.MASK})",
             )
+
+
+def default_prepare_options(cfg: DataConfig) -> PrepareOptions:
+    """The PrepareOptions that prepare the bundled corpus into the cache. The cache entry is named by
+    what decides its content, so a changed option never reuses a stale one."""
+    opts = PrepareOptions(
+        inputs=["default"],
+        vocab_size=cfg.vocab_size,
+        val_fraction=cfg.val_fraction,
+        encoder=cfg.encoder,
+        max_samples=cfg.max_samples,
+    )
+    key = json.dumps([fmt.FORMAT_VERSION, opts.recorded(), corpus.DEFAULT_CORPUS.stat().st_size], sort_keys=True)
+    cache = Path(cfg.cache_dir or os.environ.get("MMLDLM_CACHE") or Path.home() / ".cache" / "mmldlm")
+    opts.out = str(cache / f"default-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
+    return opts
+
+
+def dataset_path(cfg: DataConfig, log=print, detail=None) -> Path:
+    """The dataset directory of a run: `cfg.path`, or for a null path the bundled default corpus,
+    prepared on first use into the cache (every rank must call this; the work is shared); `log` and
+    `detail` as for prepare."""
+    if cfg.path is not None:
+        return Path(cfg.path)
+    return Path(prepare(default_prepare_options(cfg), log, detail)["path"])
 
 
 def options_like_run(run_dir: str | Path) -> dict[str, Any]:

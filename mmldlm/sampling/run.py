@@ -27,8 +27,9 @@ from safetensors.torch import load_file
 
 from mmldlm.config import RunConfig, load_config
 from mmldlm.data import format as fmt
-from mmldlm.data.dataset import PreparedDataset, dataset_path, model_for_dataset, resolve_for_model
+from mmldlm.data.dataset import PreparedDataset, model_for_dataset, resolve_for_model
 from mmldlm.data.errors import DataError
+from mmldlm.data.prepare import dataset_path
 from mmldlm.data.tokenizer import encode_texts, load_tokenizer
 from mmldlm.device import pick_device
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion

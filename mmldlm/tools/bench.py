@@ -62,8 +62,8 @@ import torch
 import yaml
 
 from mmldlm.config import flat_keys, load_config, to_dict
-from mmldlm.data.dataset import default_prepare_options, die_with_the_main_process
-from mmldlm.data.prepare import prepare
+from mmldlm.data.dataset import die_with_the_main_process
+from mmldlm.data.prepare import default_prepare_options, prepare
 from mmldlm.data.synthetic import SyntheticSpec, write_synthetic
 from mmldlm.device import describe_device
 from mmldlm.errors import UserError

@@ -29,8 +29,9 @@ import yaml
 
 from mmldlm.config import MODES, ConfigError, ModelConfig, RunConfig, from_dict, to_dict
 from mmldlm.data import DataError, long_texts
-from mmldlm.data.dataset import default_num_workers, default_prepare_options, heaviest_batch, open_dataset
+from mmldlm.data.dataset import default_num_workers, heaviest_batch, open_dataset
 from mmldlm.data.encoders import ENCODER_WIDTHS
+from mmldlm.data.prepare import default_prepare_options
 from mmldlm.model.mmdit import MultimodalMMDiT
 from mmldlm.training.batch_size import batch_shape, global_batch_sizes, per_process_micro_batch
 from mmldlm.training.checkpoint import find_latest, is_full_state
