@@ -553,7 +553,7 @@ class DistributedConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Checkpoints under RUN/checkpoints/ (see mmldlm/training/checkpoint.py)."""
+    """Checkpoints under RUN/checkpoints/ (see mmldlm/runs/checkpoints.py)."""
 
     every: int = 500  # steps between checkpoints; the last step is always saved
     keep_last: int = 3

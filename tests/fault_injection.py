@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from mmldlm import objective as objective_module
+from mmldlm.runs.checkpoints import step_dir_name
 from mmldlm.training import checkpoint as checkpoint_module
 from mmldlm.training import trainer as trainer_module
 
@@ -62,7 +63,7 @@ def _install_fault(fault: str) -> None:
 
         def killing_torch_save(obj, path):
             real_torch_save(obj, path)
-            if rank == 0 and Path(path).parent.name.endswith(checkpoint_module.step_dir_name(int(args[0]))):
+            if rank == 0 and Path(path).parent.name.endswith(step_dir_name(int(args[0]))):
                 _kill_self()
 
         checkpoint_module._torch_save = killing_torch_save
@@ -71,7 +72,7 @@ def _install_fault(fault: str) -> None:
         real_torch_save = checkpoint_module._torch_save
 
         def full_disk_torch_save(obj, path):
-            step_dir = checkpoint_module.step_dir_name(int(args[1]))
+            step_dir = step_dir_name(int(args[1]))
             if rank == int(args[0]) and Path(path).parent.name.endswith(step_dir) and "rank-" in Path(path).name:
                 _fired()
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
@@ -83,7 +84,7 @@ def _install_fault(fault: str) -> None:
         real_point_latest = checkpoint_module.CheckpointManager._point_latest
 
         def killing_point_latest(self, name):
-            if name == checkpoint_module.step_dir_name(int(args[0])):
+            if name == step_dir_name(int(args[0])):
                 _kill_self()
             real_point_latest(self, name)
 

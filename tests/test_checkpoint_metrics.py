@@ -22,12 +22,14 @@ from torch.distributed.checkpoint import filesystem as dcp_filesystem
 import mmldlm.training.checkpoint as ckpt
 import mmldlm.training.storage as storage
 from mmldlm.config import CheckpointConfig, LoggingConfig, OptimConfig, RunConfig
+from mmldlm.runs.checkpoints import FULL_STATE_FILES, file_sha256, find_latest, read_weights
+from mmldlm.runs.files import CheckpointError
 from mmldlm.sampling.run import find_checkpoint
-from mmldlm.training.checkpoint import CheckpointManager, find_latest
+from mmldlm.training.checkpoint import CheckpointManager
 from mmldlm.training.distributed import DistInfo
 from mmldlm.training.metrics import MetricsLogger, truncate_lines
 from mmldlm.training.optim import build_optimizer
-from mmldlm.training.storage import CheckpointError, WriteError
+from mmldlm.training.storage import WriteError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -338,11 +340,11 @@ def test_a_full_state_checkpoint_is_read_for_its_weights_and_refused_for_resumin
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
     torch.save(opt.state_dict(), path / "optimizer.pt")
     torch.save({"trainer": {"step": 3}, "ranks": [{}]}, path / "trainer.pt")
-    files = {n: {"bytes": (path / n).stat().st_size, "sha256": ckpt._sha256(path / n)} for n in ckpt.FULL_STATE_FILES}
+    files = {n: {"bytes": (path / n).stat().st_size, "sha256": file_sha256(path / n)} for n in FULL_STATE_FILES}
     (path / "meta.json").write_text(json.dumps({"step": 3, "world_size": 1, "metrics_lines": 3, "files": files}))
     manager = CheckpointManager(CheckpointConfig(), tmp_path, DistInfo())
     assert manager.resolve("auto") == path
-    weights = ckpt.read_weights(path)
+    weights = read_weights(path)
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
     with pytest.raises(CheckpointError) as err:
         manager.load(path, *_trained_pair(seed=1))

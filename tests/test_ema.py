@@ -9,7 +9,7 @@ from mmldlm.config import ModelConfig, load_config
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.model.mmdit import MultimodalMMDiT
 from mmldlm.objective import Objective
-from mmldlm.training.checkpoint import has_ema
+from mmldlm.runs.checkpoints import has_ema
 from mmldlm.training.distributed import DistInfo
 from mmldlm.training.ema import WeightEMA, warmup_decay
 from mmldlm.training.trainer import Trainer

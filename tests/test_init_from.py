@@ -15,7 +15,7 @@ from data_support import prepared, trained_run
 from mmldlm import cli
 from mmldlm.config import ConfigError, load_config
 from mmldlm.data.errors import DataError
-from mmldlm.training.checkpoint import find_latest, read_weights
+from mmldlm.runs.checkpoints import find_latest, read_weights
 from mmldlm.training.distributed import DistInfo
 from mmldlm.training.run import build_trainer
 

@@ -18,10 +18,10 @@ from process_support import first_line
 from torch.distributed.checkpoint import FileSystemReader
 
 from mmldlm import cli
+from mmldlm.runs.checkpoints import read_weights
+from mmldlm.runs.files import current_run_config
 from mmldlm.tools.monitor import total_steps
 from mmldlm.training import run as run_module
-from mmldlm.training.checkpoint import read_weights
-from mmldlm.training.storage import current_run_config
 from mmldlm.training.trainer import Trainer
 
 TINY = [

@@ -15,7 +15,8 @@ from loader_support import SyntheticLoader
 
 from mmldlm.config import ModelConfig, load_config
 from mmldlm.model.mmdit import MultimodalMMDiT
-from mmldlm.training.checkpoint import CheckpointManager, read_weights
+from mmldlm.runs.checkpoints import read_weights
+from mmldlm.training.checkpoint import CheckpointManager
 from mmldlm.training.distributed import DistInfo
 from mmldlm.training.run import train
 from mmldlm.training.storage import WriteError

@@ -80,9 +80,9 @@ def _evaluate(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
+    from mmldlm.runs.checkpoints import step_dir_name
     from mmldlm.sampling.evaluate import markdown
     from mmldlm.sampling.pretrained import is_exported
-    from mmldlm.training.checkpoint import step_dir_name
 
     run, report = evaluation(args, args.run)
     data, split = Path(report["data"]["path"]), report["data"]["split"]

@@ -35,10 +35,10 @@ from mmldlm.device import pick_device
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.errors import OptionError
 from mmldlm.model import MultimodalMMDiT
+from mmldlm.runs.checkpoints import find_latest, has_ema, is_full_state, read_weights
+from mmldlm.runs.files import CheckpointError
 from mmldlm.sampling.sampler import Sampler, SamplingOptions, pad_mask_from_lengths
 from mmldlm.sampling.text_metrics import words
-from mmldlm.training.checkpoint import find_latest, has_ema, is_full_state, read_weights
-from mmldlm.training.storage import CheckpointError
 
 
 @dataclass
@@ -306,7 +306,7 @@ def check_compatible(run: TrainedRun, path: Path) -> None:
 
 def find_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
     """The checkpoint directory to load: `checkpoint`, else the run's newest that verifies
-    (training/checkpoint.py find_latest)."""
+    (runs/checkpoints.py find_latest)."""
     if checkpoint is not None:
         path = Path(checkpoint)
         if not (path / ".metadata").is_file() and not is_full_state(path):

@@ -33,12 +33,13 @@ from mmldlm.data.dataset import default_num_workers, heaviest_batch, open_datase
 from mmldlm.data.encoders import ENCODER_WIDTHS
 from mmldlm.data.prepare import default_prepare_options
 from mmldlm.model.mmdit import MultimodalMMDiT
+from mmldlm.runs.checkpoints import find_latest, is_full_state
+from mmldlm.runs.files import CheckpointError, current_run_config
 from mmldlm.training.batch_size import batch_shape, global_batch_sizes, per_process_micro_batch
-from mmldlm.training.checkpoint import find_latest, is_full_state
 from mmldlm.training.metrics import cpu_has_native_bf16
 from mmldlm.training.optim import STATE_BYTES
 from mmldlm.training.schedules import LRSchedule
-from mmldlm.training.storage import CheckpointError, current_run_config, free_bytes
+from mmldlm.training.storage import free_bytes
 
 GIB = 2**30
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import yaml
 
+from mmldlm.runs.files import current_run_config, is_run_dir
 from mmldlm.tools.health import REMEDIES, Alert, HealthConfig, HealthTracker, finite, memory_of, status_of
-from mmldlm.training.storage import current_run_config, is_run_dir
 
 EXIT_HEALTHY, EXIT_WARNING, EXIT_CRITICAL = 0, 1, 2
 STAT_KEYS = (
@@ -418,7 +418,7 @@ def _warn(message: str) -> None:
 
 
 def may_become_run(path: Path) -> bool:
-    """A directory `mmldlm train` writes in (storage.is_run_dir), or an empty one: the trainer creates the
+    """A directory `mmldlm train` writes in (runs.files.is_run_dir), or an empty one: the trainer creates the
     run directory first, and a job script may make it before the trainer starts."""
     return is_run_dir(path) or (path.is_dir() and not any(path.iterdir()))
 

@@ -1,20 +1,6 @@
-"""One checkpoint manager: save, find, load, rotate, optionally in the background.
-
-Layout of `RUN/checkpoints/` (one format whatever the number of processes; one process is world size 1):
-    step-0000500/
-        .metadata           torch.distributed.checkpoint's index: every tensor's global shape and
-                            where each of its pieces lies in the shard files (relative names)
-        __0_0.distcp ...    rank r's shard __r_0.distcp: under FSDP2 its slices of the weights, AdamW
-                            moments and EMA; under DDP the replicated tensors are written once
-                            ("model.*", "optim.state.*", "optim.param_groups.*", "ema.*" in .metadata)
-        rank-00000.pt ...   rank r's own state: its RNG states
-        trainer.pt          {"trainer": step, schedule, skip counters, data position (samples seen), ...,
-                             "ema_num_averaged": updates in the EMA (when the run keeps one)}
-        config.yaml         the resolved run config
-        meta.json           step, world size, strategy, metrics line count, and "files": the size and
-                            SHA-256 of every other file, each rank's taken by that rank at save time
-    latest                  text file naming the newest complete step directory
-    abandoned-<time>/       checkpoints newer than the step a run was resumed from (see `continue_from`)
+"""One checkpoint manager: save, find, load, rotate, optionally in the background. The layout of
+`RUN/checkpoints/`, finding the checkpoint to continue from and reading weights outside training are
+mmldlm/runs/checkpoints.py's.
 
 Writing: every rank writes its own shard with `torch.distributed.checkpoint` (DCP) into
 `.tmp-step-0000500/`, then its own small file, and hashes the files it wrote; the lists are gathered
@@ -35,43 +21,33 @@ collectives), and the rest (small files, checksums, meta.json, rename, `latest`,
 thread when the write completes. The next save and the end of the run wait for it; its failure is
 raised on the training thread after the step it is noticed in.
 
-Trust: `latest` is a record of the last save, not the truth. `find_latest` takes the newest
-complete checkpoint that verifies (every file of the manifest has its size, and on resume its
-checksum) and says which it skipped and why, and where `latest` disagreed. A kill between the
-rename and the pointer, a deleted `latest` or a truncated file therefore never stops a run from
-continuing, nor sends it back to an older step.
-
 Loading: `dcp.load` into the state dicts of the model and optimizer of the *current* run, then
 `set_state_dict`: DCP reads for each rank the pieces its own shards need, so a checkpoint written by
 2 processes resumes on 1 or 4, and DDP on FSDP2 and back. The per-rank RNG states are restored only
 on the same number of processes (the trainer derives them otherwise). Sampling, evaluation and
-export read the weights in one process (`read_weights`). Checkpoints of the earlier full-state format
-(model.safetensors, optimizer.pt) are still read for sampling and export, not for resuming training.
+export read the weights in one process (`read_weights` in mmldlm/runs/checkpoints.py). Checkpoints of
+the earlier full-state format (model.safetensors, optimizer.pt) are still read for sampling and
+export, not for resuming training.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import threading
 import time
-import warnings
 from concurrent import futures
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -84,25 +60,27 @@ from torch.distributed.checkpoint.state_dict import (
 
 from mmldlm.config import CheckpointConfig, save_config
 from mmldlm.device import describe_device
+from mmldlm.runs.checkpoints import (
+    REQUIRED_FILES,
+    complete_steps,
+    file_sha256,
+    find_latest,
+    is_full_state,
+    quiet_single_process_warning,
+    read_pointer,
+    saved_keys,
+    step_dir_name,
+    verify,
+)
+from mmldlm.runs.files import CheckpointError
 from mmldlm.training.distributed import DistInfo, collective_guard
-from mmldlm.training.storage import CheckpointError, WriteError, free_bytes, lock_run_dir, write_failure
+from mmldlm.training.storage import WriteError, free_bytes, lock_run_dir, write_failure
 
 log = logging.getLogger(__name__)
 
-STEP_DIR = re.compile(r"^step-(\d{7})$")
-# What every checkpoint holds; a checkpoint without a manifest (written before meta.json listed its
-# files) is of the full-state format and is checked for those.
-REQUIRED_FILES = ("meta.json", ".metadata", "trainer.pt")
-FULL_STATE_FILES = ("model.safetensors", "optimizer.pt", "trainer.pt")
 # The flat optimizer state dict ("state.NAME.exp_avg", "param_groups.NAME.lr"): DCP stores each entry
 # under its own key, so a parameter the checkpoint holds no state for is told by a missing key.
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-# DCP warns at every save and load in one process, where no_dist=True is what is asked for.
-SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
-
-
-def _quiet_single_process_warning() -> None:
-    warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING, category=UserWarning)
 
 
 def _background_stager(device: torch.device) -> DefaultStager:
@@ -117,17 +95,8 @@ def _background_stager(device: torch.device) -> DefaultStager:
     )
 
 
-def step_dir_name(step: int) -> str:
-    return f"step-{step:07d}"
-
-
 def rank_file_name(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
-
-
-def is_full_state(path: Path) -> bool:
-    """A checkpoint of the earlier format: rank 0 wrote the gathered state (model.safetensors)."""
-    return not (path / ".metadata").is_file() and (path / "model.safetensors").is_file()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -136,11 +105,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _tensor_bytes(tree) -> int:
@@ -153,79 +117,6 @@ def _tensor_bytes(tree) -> int:
     if isinstance(tree, (list, tuple)):
         return sum(_tensor_bytes(v) for v in tree)
     return 0
-
-
-def complete_steps(checkpoint_dir: Path) -> list[int]:
-    """Steps of the renamed (complete) checkpoint directories in `checkpoint_dir`, ascending."""
-    if not checkpoint_dir.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in checkpoint_dir.iterdir() if (m := STEP_DIR.match(p.name)))
-
-
-def verify(path: Path, checksums: bool) -> str | None:
-    """Why the checkpoint at `path` cannot be trusted, or None when it is whole: its meta.json reads,
-    and every file its manifest lists has the size (with `checksums`, also the SHA-256) written at
-    save time. A checkpoint from before the manifest is checked for its files only."""
-    meta_file = path / "meta.json"
-    if not meta_file.is_file():
-        return f"{meta_file} is missing"
-    try:
-        meta = json.loads(meta_file.read_text())
-    except (OSError, ValueError) as err:  # ValueError: not JSON, or not text at all
-        return f"{meta_file} is not readable JSON ({err})"
-    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
-        return f"{meta_file} is not a checkpoint's meta.json (no integer 'step')"
-    manifest = meta.get("files") or {name: None for name in FULL_STATE_FILES}
-    for name, expected in manifest.items():
-        file = path / name
-        if not file.is_file():
-            return f"{file} is missing"
-        if expected is None:
-            continue
-        size = file.stat().st_size
-        if size != expected["bytes"]:
-            return f"{file} has {size} bytes, {expected['bytes']} were written (truncated or replaced)"
-        if checksums and _sha256(file) != expected["sha256"]:
-            return f"{file} does not match the SHA-256 written in {meta_file} (corrupted)"
-    return None
-
-
-def _read_pointer(checkpoint_dir: Path) -> str | None:
-    pointer = checkpoint_dir / "latest"
-    return pointer.read_text().strip() if pointer.is_file() else None
-
-
-RESUME_HINT = "start elsewhere (another train.run_dir) or resume from a checkpoint you trust with --resume PATH"
-
-
-def find_latest(checkpoint_dir: Path, checksums: bool = False, hint: str = RESUME_HINT) -> Path | None:
-    """The checkpoint to continue from in `checkpoint_dir`: the newest complete one that verifies.
-    `latest` is only a record of the last save: a kill between a checkpoint's rename and the pointer's
-    update leaves it one save behind, and after a resume from an older step the newer checkpoints were
-    moved aside (CheckpointManager.continue_from). A warning names what was skipped and why, and a
-    pointer that disagrees. None when there is no checkpoint at all; CheckpointError (ending with
-    `hint`) when there are some and none verifies."""
-    named = _read_pointer(checkpoint_dir)
-    skipped = []
-    for step in reversed(complete_steps(checkpoint_dir)):
-        path = checkpoint_dir / step_dir_name(step)
-        reason = verify(path, checksums)
-        if reason is not None:
-            skipped.append(f"skipped {path.name}: {reason}")
-            continue
-        if path.name != named or skipped:
-            pointer = f"latest names {named}" if named else "latest is missing"
-            log.warning(
-                "%s: %s; using the newest checkpoint that verifies, %s%s",
-                checkpoint_dir,
-                pointer,
-                path.name,
-                "".join(f"; {s}" for s in skipped),
-            )
-        return path
-    if skipped:
-        raise CheckpointError(f"{checkpoint_dir}: no checkpoint verifies ({'; '.join(skipped)}); {hint}")
-    return None
 
 
 def _torch_save(obj, path: Path) -> None:
@@ -251,10 +142,6 @@ def training_state_dict(model, optimizer, ema=None) -> dict:
     return state
 
 
-def _saved_keys(path: Path) -> set[str]:
-    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-
-
 def _drop_unsaved_optimizer_state(model, optimizer, saved: set[str]) -> None:
     """AdamW makes a parameter's state at its first gradient, so a checkpoint of the first steps lacks
     those that no mode has trained yet (the text head after t2l steps). Loading kept the zero state
@@ -265,32 +152,6 @@ def _drop_unsaved_optimizer_state(model, optimizer, saved: set[str]) -> None:
         for param, name in zip(group["params"], names, strict=True):
             if f"optim.state.{name}.step" not in saved:
                 optimizer.state.pop(param, None)
-
-
-def read_weights(path: Path, which: str = "model") -> dict[str, torch.Tensor]:
-    """The whole weights ("model" or "ema") of the checkpoint at `path`, in this one process,
-    whatever the number of processes that wrote it (sampling, evaluation, export). A checkpoint of
-    the full-state format is read from its safetensors file."""
-    if is_full_state(path):
-        return load_file(str(path / f"{which}.safetensors"))
-    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    prefix = f"{which}."
-    state = {
-        key[len(prefix) :]: torch.empty(item.size, dtype=item.properties.dtype)
-        for key, item in metadata.items()
-        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
-    }
-    if not state:
-        raise CheckpointError(f"{path}: holds no {which} weights")
-    _quiet_single_process_warning()
-    dcp.load({which: state}, checkpoint_id=str(path), no_dist=True)
-    return state
-
-
-def has_ema(path: Path) -> bool:
-    if is_full_state(path):
-        return (path / "ema.safetensors").is_file()
-    return any(key.startswith("ema.") for key in _saved_keys(path))
 
 
 class CheckpointManager:
@@ -305,7 +166,7 @@ class CheckpointManager:
         # share the training group's queue); made now, as every rank builds its manager at the same point.
         self._group = dist.new_group(backend="gloo") if info.distributed else None
         if not info.distributed:
-            _quiet_single_process_warning()
+            quiet_single_process_warning()
 
     def claim(self) -> None:
         """Take the run directory for this process, on the main rank, before anything of the run is
@@ -395,12 +256,12 @@ class CheckpointManager:
                 ", ".join(map(str, newer)),
                 abandoned,
             )
-        if path.resolve().parent == self.dir.resolve() and _read_pointer(self.dir) != path.name:
+        if path.resolve().parent == self.dir.resolve() and read_pointer(self.dir) != path.name:
             self._point_latest(path.name)
 
     def last_good(self) -> str:
         """The checkpoint a run would continue from now, in words (for error messages)."""
-        named = _read_pointer(self.dir)
+        named = read_pointer(self.dir)
         if named is None or not (self.dir / named).is_dir():
             return "no checkpoint was written yet"
         return f"the last good checkpoint is {self.dir / named}"
@@ -558,7 +419,7 @@ class CheckpointManager:
             for file in own:
                 with open(file, "rb") as f:
                     os.fsync(f.fileno())
-                files[file.name] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
+                files[file.name] = {"bytes": file.stat().st_size, "sha256": file_sha256(file)}
         except OSError as err:
             failure = write_failure(err, file)
         # Every rank hears every rank's failure: all stop at the same step, none waits on a dead peer.
@@ -649,7 +510,7 @@ class CheckpointManager:
         keep = {step_dir_name(s) for s in steps[-self.cfg.keep_last :]}
         if self.cfg.milestone_every:
             keep |= {step_dir_name(s) for s in steps if s % self.cfg.milestone_every == 0}
-        keep.add(_read_pointer(self.dir))
+        keep.add(read_pointer(self.dir))
         for step in steps:
             if step_dir_name(step) not in keep:
                 shutil.rmtree(self.dir / step_dir_name(step))
@@ -669,7 +530,7 @@ class CheckpointManager:
                 f"which training no longer resumes from; sample, evaluate or export it, or resume it with "
                 f"the mmldlm that wrote it"
             )
-        saved = _saved_keys(path)
+        saved = saved_keys(path)
         with collective_guard(f"checkpoint load of {path.name}", self.info):
             state = training_state_dict(model, optimizer, ema)
             saved_ema = any(key.startswith("ema.") for key in saved)

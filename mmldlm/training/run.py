@@ -23,10 +23,10 @@ from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.errors import UserError
 from mmldlm.model.mmdit import MultimodalMMDiT
 from mmldlm.objective import Objective
+from mmldlm.runs.checkpoints import step_dir_name
+from mmldlm.runs.files import save_run_config
 from mmldlm.training.batch_size import fit_to_data, global_batch_sizes
-from mmldlm.training.checkpoint import step_dir_name
 from mmldlm.training.distributed import DistInfo, RankTimeout, init_distributed, leave
-from mmldlm.training.storage import save_run_config
 from mmldlm.training.trainer import StopRequest, Trainer, TrainingStopped, seed_everything
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
-"""A run's files on disk: its config files, the errors the user acts on (`mmldlm` prints each as one
-line, exit status 2), what a failed write says, and the free space where a path is or will be.
-Imports nothing heavy, so the command line and the monitor use it without loading torch."""
+"""Writing a run's files: the error of a write that failed (`mmldlm` prints it as one line, exit
+status 2) and what it says, the free space where a path is or will be, and the lock that claims a run
+directory."""
 
 from __future__ import annotations
 
@@ -11,42 +11,14 @@ import os
 import shutil
 from pathlib import Path
 
-from mmldlm.config import RunConfig, save_config
 from mmldlm.errors import UserError
+from mmldlm.runs.files import CheckpointError
 
 log = logging.getLogger(__name__)
 
 
-class CheckpointError(UserError, RuntimeError):
-    """A checkpoint that cannot be used: not a checkpoint, incomplete, corrupt, from another world size."""
-
-
 class WriteError(UserError, RuntimeError):
     """A run file (checkpoint, metrics.jsonl) could not be written whole; what was half-written is removed."""
-
-
-def save_run_config(cfg: RunConfig, run_dir: Path, resumed_from: Path | None) -> None:
-    """RUN/config.yaml is the config the run started with and stays so: a resume from checkpoint
-    step-N that finds it writes its own beside it, config.resume-step-N.yaml. What each checkpoint
-    was trained with is never lost (every checkpoint also holds its config.yaml)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "config.yaml"
-    if resumed_from is not None and path.exists():
-        path = run_dir / f"config.resume-{resumed_from.name}.yaml"
-    save_config(cfg, path)
-
-
-def current_run_config(run_dir: Path) -> Path:
-    """The config of the run's latest start: whichever of config.yaml and the config.resume-*.yaml was
-    written last (a fresh start after the checkpoints were removed rewrites config.yaml)."""
-    written = [p for p in (run_dir / "config.yaml", *run_dir.glob("config.resume-*.yaml")) if p.is_file()]
-    return max(written, key=lambda p: p.stat().st_mtime_ns) if written else run_dir / "config.yaml"
-
-
-def is_run_dir(path: Path) -> bool:
-    """Whether `mmldlm train` writes in `path`: it opens metrics.jsonl as it claims the directory, writes
-    config.yaml when the run has started, and checkpoints/ at the first save (a resume finds it)."""
-    return any((path / name).exists() for name in ("metrics.jsonl", "config.yaml", "checkpoints"))
 
 
 def free_bytes(path: str | Path) -> int:

@@ -42,6 +42,7 @@ from mmldlm.config import ConfigError, PerfConfig, RunConfig
 from mmldlm.data.errors import DataError
 from mmldlm.model.info import training_flops_per_sample
 from mmldlm.model.mmdit import padded_row_count
+from mmldlm.runs.files import CheckpointError
 from mmldlm.training.batch_size import (
     batch_shape,
     default_memory_cap,
@@ -68,7 +69,7 @@ from mmldlm.training.parallelize import (
 )
 from mmldlm.training.profiler import profiler_window
 from mmldlm.training.schedules import LRSchedule
-from mmldlm.training.storage import CheckpointError, WriteError
+from mmldlm.training.storage import WriteError
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,6 @@
+"""A run directory as `mmldlm train` leaves it, for whoever reads it: training (resume), sampling,
+evaluation, export, check and the monitor. Imports nothing of training or sampling.
+
+    files.py        its config files, whether a directory is a run's, CheckpointError (no torch)
+    checkpoints.py  the checkpoints' layout, the newest that verifies, their weights in one process
+"""
