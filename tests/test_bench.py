@@ -298,7 +298,9 @@ def test_a_bad_config_found_in_a_bench_worker_is_one_line_naming_the_row(tmp_pat
     assert status == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Traceback" not in err[0]
-    assert err[0].startswith("mmldlm bench: config 'baseline': config key 'model.latent_dim': got 16; expected null or 8")
+    assert err[0].startswith(
+        "mmldlm bench: config 'baseline': config key 'model.latent_dim': got 16; expected null or 8"
+    )
 
 
 class Row:
