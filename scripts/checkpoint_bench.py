@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
 )
 
 from mmldlm.config import load_config  # noqa: E402
+from mmldlm.data.encoders import DEFAULT_ENCODER, ENCODER_WIDTHS  # noqa: E402
 from mmldlm.model import MultimodalMMDiT  # noqa: E402
 from mmldlm.training.checkpoint import CheckpointManager, training_state_dict  # noqa: E402
 from mmldlm.training.distributed import init_distributed  # noqa: E402
@@ -101,10 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_args(argv)
     cfg = load_config(None, ["train.device=cpu", *args.overrides])
+    # No dataset here: a null latent shape is the default encoder's one latent per text.
+    width = cfg.model.latent_dim or ENCODER_WIDTHS[DEFAULT_ENCODER]
+    model_cfg = dataclasses.replace(cfg.model, latent_dim=width, num_latents=cfg.model.num_latents or 1)
+    cfg = dataclasses.replace(cfg, model=model_cfg)
     info = init_distributed(cfg.distributed, "cpu")
     torch.manual_seed(0)
-    shape = {"latent_dim": cfg.model.latent_dim or 384, "num_latents": cfg.model.num_latents or 1}  # no dataset here
-    model = MultimodalMMDiT(dataclasses.replace(cfg.model, **shape), vocab_size=cfg.model.vocab_size or 8192)
+    model = MultimodalMMDiT(cfg.model, vocab_size=cfg.model.vocab_size or 8192)
     ema = WeightEMA(model, 0.999)
     wrapped = parallelize(model, cfg.perf, cfg.distributed, info)
     if info.distributed and cfg.distributed.strategy == "fsdp2":

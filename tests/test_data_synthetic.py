@@ -1,15 +1,15 @@
 """The synthetic dataset of `mmldlm bench --synthetic-*`: an ordinary prepared dataset whose texts
-have the stated lengths, vocabulary and latent width, the same for the same spec."""
+have the stated lengths, vocabulary and latent width, the same for the same shape."""
 
 import numpy as np
 
 from mmldlm.data.dataset import open_dataset
-from mmldlm.data.synthetic import SyntheticSpec, write_synthetic
+from mmldlm.data.synthetic import SyntheticShape, write_synthetic
 
 
 def test_synthetic_texts_have_the_stated_lengths_ids_and_latent_width(tmp_path):
-    spec = SyntheticSpec(vocab_size=50, min_length=10, max_length=30, latent_dim=6, num_samples=200)
-    dataset = open_dataset(write_synthetic(spec, tmp_path / "data"))
+    shape = SyntheticShape(vocab_size=50, min_length=10, max_length=30, latent_dim=6, num_samples=200)
+    dataset = open_dataset(write_synthetic(shape, tmp_path / "data"))
     lengths = dataset.lengths()
     assert len(dataset) == 200 and lengths.min() >= 10 and lengths.max() <= 30
     assert len(set(lengths.tolist())) > 10  # spread over the range, not one length
@@ -22,10 +22,10 @@ def test_synthetic_texts_have_the_stated_lengths_ids_and_latent_width(tmp_path):
 
 
 def test_the_same_spec_writes_the_same_texts_and_a_rewrite_replaces_the_old(tmp_path):
-    spec = SyntheticSpec(vocab_size=50, min_length=4, max_length=8, latent_dim=2, num_samples=20)
-    first = open_dataset(write_synthetic(spec, tmp_path / "a"))
-    second = open_dataset(write_synthetic(spec, tmp_path / "b"))
+    shape = SyntheticShape(vocab_size=50, min_length=4, max_length=8, latent_dim=2, num_samples=20)
+    first = open_dataset(write_synthetic(shape, tmp_path / "a"))
+    second = open_dataset(write_synthetic(shape, tmp_path / "b"))
     assert all(np.array_equal(first[i][1], second[i][1]) for i in range(20))
-    longer = SyntheticSpec(vocab_size=50, min_length=40, max_length=40, latent_dim=2, num_samples=5)
+    longer = SyntheticShape(vocab_size=50, min_length=40, max_length=40, latent_dim=2, num_samples=5)
     rewritten = open_dataset(write_synthetic(longer, tmp_path / "a"))
     assert len(rewritten) == 5 and set(rewritten.lengths().tolist()) == {40}

@@ -84,8 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _synthetic_spec(args: argparse.Namespace):
-    """The SyntheticSpec of the --synthetic-* options, None where none is given."""
-    from mmldlm.data.synthetic import SyntheticSpec, parse_lengths  # here: the CLI imports no library at start-up
+    """The SyntheticShape of the --synthetic-* options, None where none is given."""
+    from mmldlm.data.synthetic import SyntheticShape, parse_lengths  # here: the CLI imports no library at start-up
 
     given = {
         "vocab_size": args.synthetic_vocab,
@@ -97,9 +97,9 @@ def _synthetic_spec(args: argparse.Namespace):
     given = {key: value for key, value in given.items() if value is not None}
     if not given:
         return None
-    spec = SyntheticSpec(**given)
-    spec.check()
-    return spec
+    shape = SyntheticShape(**given)
+    shape.check()
+    return shape
 
 
 def _command_line(args: argparse.Namespace, fit: bool) -> str:

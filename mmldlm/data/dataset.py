@@ -564,6 +564,8 @@ def latent_source(meta: dict) -> str:
     imported = meta.get("prepare", {}).get("legacy_latents")
     if imported:
         return f"latents imported from {imported}"
+    if "synthetic" in meta:  # mmldlm/data/synthetic.py
+        return "synthetic N(0, 1) latents"
     return f"encoder {meta['encoder']}"
 
 

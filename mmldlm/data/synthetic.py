@@ -1,8 +1,8 @@
 """A prepared dataset of random tokens and latents, for measuring speed and memory at a given shape
 without a corpus, a tokenizer or a sentence encoder (`mmldlm bench --synthetic-*`).
 
-    spec = SyntheticSpec(vocab_size=30522, min_length=600, max_length=2048, latent_dim=32)
-    write_synthetic(spec, Path("runs/bench/synthetic-data"))   # an ordinary prepared dataset
+    shape = SyntheticShape(vocab_size=30522, min_length=600, max_length=2048, latent_dim=32)
+    write_synthetic(shape, Path("runs/bench/synthetic-data"))   # an ordinary prepared dataset
 
 Every text's length is drawn uniformly from [min_length, max_length], its ids uniformly from the
 vocabulary's non-special entries, its one latent from N(0, I). A step's cost depends on the lengths,
@@ -29,7 +29,7 @@ VAL_SAMPLES = 16  # a validation split must exist; nothing here evaluates on it
 
 
 @dataclasses.dataclass(frozen=True)
-class SyntheticSpec:
+class SyntheticShape:
     vocab_size: int = 30522  # entries, [PAD] and [MASK] included
     min_length: int = 600  # tokens per text, drawn uniformly from [min_length, max_length]
     max_length: int = 2048
@@ -73,46 +73,46 @@ def _tokenizer(vocab_size: int) -> Tokenizer:
     return Tokenizer(models.WordLevel(vocab, unk_token=tok.MASK))
 
 
-def _split(rng: np.random.Generator, spec: SyntheticSpec, count: int) -> tuple[list[np.ndarray], np.ndarray]:
-    lengths = rng.integers(spec.min_length, spec.max_length + 1, size=count)
-    token_lists = [rng.integers(2, spec.vocab_size, size=n) for n in lengths]
-    latents = rng.standard_normal((count, 1, spec.latent_dim)).astype(np.float32)  # (N, K=1, D)
+def _split(rng: np.random.Generator, shape: SyntheticShape, count: int) -> tuple[list[np.ndarray], np.ndarray]:
+    lengths = rng.integers(shape.min_length, shape.max_length + 1, size=count)
+    token_lists = [rng.integers(2, shape.vocab_size, size=n) for n in lengths]
+    latents = rng.standard_normal((count, 1, shape.latent_dim)).astype(np.float32)  # (N, K=1, D)
     return token_lists, latents
 
 
-def write_synthetic(spec: SyntheticSpec, out: Path) -> Path:
-    """Write the dataset of `spec` as a prepared dataset at `out` (replacing one written before)."""
-    spec.check()
+def write_synthetic(shape: SyntheticShape, out: Path) -> Path:
+    """Write the dataset of `shape` as a prepared dataset at `out` (replacing one written before)."""
+    shape.check()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.parent / f".{out.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted run
-    rng = np.random.default_rng(spec.seed)
-    token_dtype = tok.token_dtype(spec.vocab_size)
+    rng = np.random.default_rng(shape.seed)
+    token_dtype = tok.token_dtype(shape.vocab_size)
     shards, num_tokens, longest = {}, {}, {}
-    for split, count in (("train", spec.num_samples), ("val", VAL_SAMPLES)):
-        token_lists, latents = _split(rng, spec, count)
+    for split, count in (("train", shape.num_samples), ("val", VAL_SAMPLES)):
+        token_lists, latents = _split(rng, shape, count)
         shards[split] = [fmt.write_shard(partial, split, 0, token_lists, latents, token_dtype, np.dtype(np.float32))]
         num_tokens[split] = shards[split][0]["num_tokens"]
         longest[split] = max(map(len, token_lists))
-    tokenizer = _tokenizer(spec.vocab_size)
+    tokenizer = _tokenizer(shape.vocab_size)
     meta = {
         "format_version": fmt.FORMAT_VERSION,
         "tokenizer": fmt.TOKENIZER,
-        "vocab_size": spec.vocab_size,
+        "vocab_size": shape.vocab_size,
         **tok.special_ids(tokenizer),
         "token_dtype": token_dtype.name,
         "encoder": "none (synthetic N(0, 1) latents)",
         "encoder_normalize": None,
-        "synthetic": dataclasses.asdict(spec),
-        "latent_dim": spec.latent_dim,
+        "synthetic": dataclasses.asdict(shape),
+        "latent_dim": shape.latent_dim,
         "num_latents": 1,
         "latent_dtype": "float32",
-        "splits": {"train": spec.num_samples, "val": VAL_SAMPLES},
+        "splits": {"train": shape.num_samples, "val": VAL_SAMPLES},
         "num_tokens": num_tokens,
         "max_sample_tokens": longest,
-        "latent_mean": [0.0] * spec.latent_dim,
-        "latent_std": [1.0] * spec.latent_dim,
+        "latent_mean": [0.0] * shape.latent_dim,
+        "latent_std": [1.0] * shape.latent_dim,
         "shards": shards,
     }
     (partial / fmt.TOKENIZER).write_text(tokenizer.to_str())

@@ -64,7 +64,7 @@ import yaml
 from mmldlm.config import flat_keys, load_config, to_dict
 from mmldlm.data.dataset import die_with_the_main_process
 from mmldlm.data.prepare import default_prepare_options, prepare
-from mmldlm.data.synthetic import SyntheticSpec, write_synthetic
+from mmldlm.data.synthetic import SyntheticShape, write_synthetic
 from mmldlm.device import describe_device
 from mmldlm.errors import UserError
 from mmldlm.model.info import parameter_counts
@@ -112,7 +112,7 @@ class BenchOptions:
     # them and set against the baseline: e.g. the optimized config with checkpointing forced.
     variants: list[str] = dataclasses.field(default_factory=list)
     # Random tokens and latents of this shape instead of data.path (mmldlm/data/synthetic.py).
-    synthetic: SyntheticSpec | None = None
+    synthetic: SyntheticShape | None = None
     fit: bool = True
     memory_cap_gib: float = 8.0
     max_micro_batch: int = 512
