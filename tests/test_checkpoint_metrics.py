@@ -465,3 +465,16 @@ def test_a_filesystem_without_locks_trains_on_with_a_warning(tmp_path, monkeypat
     model, opt = _trained_pair()
     _save(manager, 1, model, opt)
     assert manager.steps() == [1]
+
+
+def test_the_checkpoint_benchmark_writes_a_checkpoint_that_verifies(tmp_path, capsys):
+    """scripts/checkpoint_bench.py builds its model with no dataset (a null latent shape is the default
+    encoder's) and saves with the run's manager: the checkpoint it writes is one a resume would take."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import checkpoint_bench
+    finally:
+        sys.path.pop(0)
+    assert checkpoint_bench.main(["--method", "sharded", "--dir", str(tmp_path), "model.num_blocks=1"]) == 0
+    assert "sharded (1 process(es), ddp)" in capsys.readouterr().out
+    assert find_latest(tmp_path / "checkpoints", checksums=True).name == "step-0000001"
