@@ -2,6 +2,7 @@
 preset: a failed start leaves no trace, each resume keeps its config, a signal during start-up or
 training ends with one line and a status that says the run is not done."""
 
+import json
 import os
 import shutil
 import signal
@@ -61,6 +62,18 @@ def test_the_progress_bar_ends_once_before_the_last_checkpoints_line(train, tmp_
     after = err[[i for i, line in enumerate(err) if line.endswith(last)][0] + 1 :]
     assert not [line for line in after if "train:" in line]  # no bar drawn again after the run is done
     assert "3/3" in "\n".join(err)
+
+
+def test_the_runs_config_records_the_shape_it_took_from_the_data(train, tmp_path):
+    """model.vocab_size, latent_dim and num_latents left null are the dataset's, written in config.yaml."""
+    assert train(steps=1)[0] == 0
+    model = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]
+    meta = json.loads((train.data / "meta.json").read_text())
+    assert (model["vocab_size"], model["latent_dim"], model["num_latents"]) == (
+        meta["vocab_size"],
+        meta["latent_dim"],
+        meta["num_latents"],
+    )
 
 
 def test_a_failed_start_leaves_no_trace_and_each_resume_keeps_its_config(train, tmp_path):

@@ -132,7 +132,6 @@ def build_trainer(cfg: RunConfig, info: DistInfo) -> Trainer:
     """The data, model, objective and trainer of `cfg` on this rank; the memory probes run the
     heaviest batch of the real data (mmldlm.data.dataset.heaviest_batch)."""
     dataset, make_loader, data_cfg = open_train_data(cfg, info)
-    cfg = dataclasses.replace(cfg, model=model_for_dataset(cfg.model, dataset))
     cfg = fit_batches_to_data(cfg, len(dataset), info)
     seed_everything(cfg.train.seed)  # the same initial weights on every rank (FSDP2 relies on it)
     model, objective = build_model_and_objective(cfg, dataset)
@@ -144,7 +143,7 @@ def build_trainer(cfg: RunConfig, info: DistInfo) -> Trainer:
     # vocabulary and latent shape, the model's length), so the run's config.yaml and every checkpoint's
     # record them.
     resolved = dataclasses.replace(
-        cfg, data=data_cfg, model=dataclasses.replace(cfg.model, vocab_size=model.vocab_size)
+        cfg, data=data_cfg, model=dataclasses.replace(model.cfg, vocab_size=model.vocab_size)
     )
     return Trainer(
         resolved, model, objective, make_loader, info, max_seq_len=data_cfg.max_length, heaviest_batch=heaviest
