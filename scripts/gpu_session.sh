@@ -1,31 +1,36 @@
 #!/usr/bin/env bash
 # A short GPU lease spent on measurement only: one command, at most 10 minutes on one H100, in order
 #
-#   1. the CUDA-only tests (`pytest -m cuda`);
-#   2. the older codebase's shape at full size (model=base-2k: 1024 wide, 24 blocks, texts of
+#   1. the older codebase's shape at full size (model=base-2k: 1024 wide, 24 blocks, texts of
 #      600-2048 tokens, a 30,522-entry vocabulary, 32-d latents) on synthetic tokens, no corpus:
-#      baseline vs optimized vs compiled at micro-batch 4 (with the largest micro-batch of each under
-#      90% of the GPU's memory), then optimized vs compiled at micro-batch 8 (the baseline's largest
-#      says whether it fits 8); samples/s, tokens/s, peak memory, MFU;
-#   3. the base preset on the default data, compiled, at the micro-batch `auto` picks;
-#   4. a first writing rung: the small preset trained on the default data for what the lease has
-#      left (about 2 minutes; the budget below) and evaluated on 128 validation texts (t2l
-#      retrieval@1, l2t word F1 and BLEU, with intervals), as scripts/writing_ladder.py measures it.
+#      a. baseline vs optimized at micro-batch 4, with the largest micro-batch of each under 90% of
+#         the GPU's memory; samples/s, tokens/s, peak memory, MFU;
+#      b. compiled at micro-batch 4 vs compiled at micro-batch 8;
+#   2. the base preset on the default data, optimized vs compiled at the micro-batch `auto` picks
+#      (off unless T_BASE is set: measured on 2026-11-23);
+#   3. a first writing rung: the small preset trained on the default data for what its limit leaves
+#      (about 2 minutes) and evaluated on 128 validation texts (t2l retrieval@1, l2t word F1 and
+#      BLEU, with intervals), as scripts/writing_ladder.py measures it;
+#   4. the CUDA-only tests (`pytest -m cuda`; off unless T_TESTS is set: they passed on this image
+#      on 2026-11-26, and a lease is no time to debug one that fails).
 #
 #   bash scripts/gpu_session.sh            # on the GPU machine
-#   bash scripts/gpu_session.sh --cpu      # the same parts at tiny shapes on a CPU, seconds each
+#   bash scripts/gpu_session.sh --cpu      # every part at tiny shapes on a CPU, seconds each
 #
-# The data of parts 3 and 4 is a prepared 50,000-text slice of the bundled corpus, made on a CPU
-# beforehand and carried to the device (50.5 MiB; docs/benchmarks-gpu.md, "A ten-minute lease"):
+# The data of parts 2 and 3 is a prepared 50,000-text slice of the bundled corpus, made on a CPU
+# beforehand and carried to the device (50.5 MiB; docs/benchmarks-gpu.md):
 #
 #   python -m mmldlm prepare --input default --max-samples 50000 --out runs/gpu-data
 #
 # DATA=DIR names another prepared dataset. Each part runs under its own timeout and appends its
 # section to the report as soon as it ends (done, failed or cut off), so a lease that ends early
 # still leaves every finished part: REPORT (default docs/benchmarks-gpu.md; --cpu: OUT_DIR/report.md)
-# between the markers `gpu_session report`, raw outputs in OUT_DIR (default runs/gpu_session). Exit
-# status 1 if a part failed or was cut off. Without CUDA and without --cpu it says so in one line
-# and exits 0.
+# between the markers `gpu_session report`, raw outputs in OUT_DIR (default runs/gpu_session). A
+# bench cut off still leaves, in its log and the report, every row it measured (one line per row).
+# COPY_TO=DIR copies the report so far and each part's log there as each part ends: the folder
+# that comes back from the device, so that a command stopped at the device's limit still returns
+# them. Exit status 1 if a part failed or was cut off. Without CUDA and without --cpu it says so in
+# one line and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -36,22 +41,30 @@ if [ "$MODE" = gpu ] && ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.
     echo "gpu_session: no CUDA device is visible to torch on this machine; nothing to run (--cpu runs the tiny rehearsal)"
     exit 0
 fi
-# The budget, in seconds of wall time (the lease allows 600 per command). Each part is stopped at its
-# own limit; their sum and the report's few seconds stay under 600. Times of 2026-11-23 on one H100:
-# the CUDA tests 46 s; a bench of two base-preset rows with the fit search 152 s, with compile 126 s.
-T_TESTS=${T_TESTS:-60}    # 1. pytest -m cuda
-T_SHAPE4=${T_SHAPE4:-170} # 2a. three rows of 1B parameters: build, compile, 2 + 4 steps, three fit searches
-T_SHAPE8=${T_SHAPE8:-70}  # 2b. two rows, compile again (from inductor's cache), 2 + 4 steps
-T_BASE=${T_BASE:-80}      # 3. two rows, the auto micro-batch probe, compile, 2 + 4 steps
-T_RUNG=${T_RUNG:-210}     # 4. a 16-step timing run and its eval, the training, the eval of 128 texts
-TOTAL=$(( T_TESTS + T_SHAPE4 + T_SHAPE8 + T_BASE + T_RUNG ))  # 60 + 170 + 70 + 80 + 210 = 590
-if [ "$TOTAL" -gt 590 ]; then
-    echo "gpu_session: the parts' limits add up to $TOTAL s; expected at most 590 (10 minutes less the report)"
+# The budget, in seconds of wall time. The device stops a command at 600 s: the parts' limits add up
+# to at most 540, leaving the report, the copies and a part's 10 s grace past its limit. A limit of 0
+# skips its part. Times on one H100 (2026-11-26): the CUDA tests 54 s; `mmldlm train` of the older
+# shape (optimized, eager) 64 s for 30 steps with its start-up, probe and checkpoint; a bench of
+# three 1B rows and their fit searches at 2048 tokens did not finish in 170 s (its rows then shared
+# the GPU's memory: the baseline ran out of it), hence rows one at a time and two benches.
+if [ "$MODE" = gpu ]; then
+    DEFAULTS=(200 140 0 180 0)  # 1a, 1b, 2, 3, 4
+else
+    DEFAULTS=(100 100 100 100 100)  # every part, at tiny shapes
+fi
+T_SHAPE4=${T_SHAPE4:-${DEFAULTS[0]}} # 1a. two rows of 1B parameters, 2 + 4 steps, two fit searches
+T_SHAPE8=${T_SHAPE8:-${DEFAULTS[1]}} # 1b. two compiled rows, 2 + 4 steps
+T_BASE=${T_BASE:-${DEFAULTS[2]}}     # 2. two rows, the auto micro-batch probe, compile, 2 + 4 steps
+T_RUNG=${T_RUNG:-${DEFAULTS[3]}}     # 3. a 16-step timing run and its eval, the training, the eval of 128 texts
+T_TESTS=${T_TESTS:-${DEFAULTS[4]}}   # 4. pytest -m cuda
+TOTAL=$(( T_SHAPE4 + T_SHAPE8 + T_BASE + T_RUNG + T_TESTS ))
+if [ "$TOTAL" -gt 540 ]; then
+    echo "gpu_session: the parts' limits add up to $TOTAL s; expected at most 540 (the device's 600 s less the report and copies)"
     exit 2
 fi
-OUT=${OUT_DIR:-runs/gpu_session}
+RUN_OUT=${OUT_DIR:-runs/gpu_session}
 # The rehearsal's figures mean nothing: its report stays beside its outputs unless REPORT says otherwise.
-[ "$MODE" = gpu ] && REPORT=${REPORT:-docs/benchmarks-gpu.md} || REPORT=${REPORT:-$OUT/report.md}
+[ "$MODE" = gpu ] && REPORT=${REPORT:-docs/benchmarks-gpu.md} || REPORT=${REPORT:-$RUN_OUT/report.md}
 DATA=${DATA:-runs/gpu-data}
 if [ ! -f "$DATA/meta.json" ]; then
     echo "gpu_session: $DATA: no prepared dataset; make it on a CPU first:" \
@@ -65,7 +78,8 @@ if [ "$MODE" = gpu ]; then
     SYNTHETIC="--synthetic-vocab 30522 --synthetic-lengths 600:2048 --synthetic-latent-dim 32"
     STEPS="--steps 4 --warmup 2 --round-steps 2"
     FIT="--memory-cap-gib $CAP --max-micro-batch 64"
-    # auto takes the largest divisor of 2048 that fits: 2048 (2,816 fitted under 71.3 GiB on 2026-11-23)
+    # auto takes the largest divisor of 2048 that fits: 512 on the 50k slice (68.4 GiB probed, 1,024 out of
+    # memory; 2026-11-26)
     BASE="model=base train.micro_batch_size=auto train.global_batch_size=2048"
     # writing_ladder.py fits its timing run, training and evaluations into --minutes (with a 10%
     # margin of its own); 15 s of the part's limit are left for its start-up and its table.
@@ -86,19 +100,31 @@ else
     RUNG_KEYS="$TINY train.global_batch_size=8 train.micro_batch_size=8"
     EVAL="--num-samples 8 --best-of 1 --no-encoder"
 fi
-mkdir -p "$OUT"
-REPORTER=("$PY" scripts/gpu_session_report.py --report "$REPORT" --section "$OUT/session.md")
+mkdir -p "$RUN_OUT"
+REPORTER=("$PY" scripts/gpu_session_report.py --report "$REPORT" --section "$RUN_OUT/session.md")
 "${REPORTER[@]}" start --mode "$MODE" --data "$DATA" || exit 1
 status=0
+ROWS="--rows one-at-a-time"  # what bench does on a GPU anyway; said here so that the rehearsal takes that path too
+
+# copy_out [FILE...]: the report so far and FILEs into COPY_TO, where it is set.
+copy_out() {
+    [ -n "${COPY_TO:-}" ] || return 0
+    mkdir -p "$COPY_TO" && cp "$RUN_OUT/session.md" "$@" "$COPY_TO/" 2>/dev/null
+    return 0
+}
 
 # part TITLE SECONDS LOG [--bench DIR ...|--tests|--ladder DIR] -- COMMAND...: run COMMAND under its
-# timeout with its output in LOG, then append its section to the report.
+# timeout with its output in LOG, then append its section to the report; a limit of 0 skips it.
 part() {
     local title=$1 seconds=$2 log=$3
     shift 3
     local shows=()
     while [ "$1" != "--" ]; do shows+=("$1"); shift; done
     shift
+    if [ "$seconds" -eq 0 ]; then
+        echo "gpu_session: $title: skipped (its limit is 0)"
+        return
+    fi
     local started=$(date +%s) command
     command=$(printf '%q ' "$@")
     echo "gpu_session: $title (at most $seconds s)"
@@ -107,22 +133,28 @@ part() {
     [ "$code" -eq 0 ] || status=1
     "${REPORTER[@]}" part --title "$title" --status "$code" --seconds $(( $(date +%s) - started )) \
         --budget "$seconds" --log "$log" --command "${command% }" "${shows[@]}" || status=1
+    copy_out "$log"
 }
 
-part "1. CUDA-only tests" "$T_TESTS" "$OUT/tests.log" --tests -- \
-    "$PY" -m pytest -m cuda -q -p no:cacheprovider tests
-part "2a. The older codebase's shape, micro-batch 4" "$T_SHAPE4" "$OUT/shape-4.log" --bench "$OUT/shape-4" -- \
+part "1a. The older codebase's shape, micro-batch 4: baseline vs optimized" "$T_SHAPE4" "$RUN_OUT/shape-4.log" \
+    --bench "$RUN_OUT/shape-4" -- \
     "$PY" -m mmldlm bench $SHAPE train.global_batch_size=4 train.micro_batch_size=4 $SYNTHETIC \
-    --baseline baseline --optimized optimized --variant compiled $STEPS $FIT --out "$OUT/shape-4"
-part "2b. The older codebase's shape, micro-batch 8" "$T_SHAPE8" "$OUT/shape-8.log" --bench "$OUT/shape-8" -- \
-    "$PY" -m mmldlm bench $SHAPE train.global_batch_size=8 train.micro_batch_size=8 $SYNTHETIC \
-    --baseline optimized --optimized compiled $STEPS --no-fit --out "$OUT/shape-8"
-part "3. Base preset, default data, compiled at the auto micro-batch" "$T_BASE" "$OUT/base.log" --bench "$OUT/base" -- \
-    "$PY" -m mmldlm bench $BASE data.path="$DATA" --baseline optimized --optimized compiled $STEPS --no-fit \
-    --out "$OUT/base"
-part "4. A first writing rung" "$T_RUNG" "$OUT/rung.log" --ladder "$OUT/rung" -- \
-    "$PY" scripts/writing_ladder.py $RUNG --eval-args "$EVAL" --out "$OUT/rung" $RUNG_KEYS data.path="$DATA"
+    --baseline baseline --optimized optimized $STEPS $FIT $ROWS --out "$RUN_OUT/shape-4"
+part "1b. The older codebase's shape, compiled: micro-batch 4 vs 8" "$T_SHAPE8" "$RUN_OUT/shape-8.log" \
+    --bench "$RUN_OUT/shape-8" -- \
+    "$PY" -m mmldlm bench $SHAPE train.global_batch_size=4 train.micro_batch_size=4 $SYNTHETIC \
+    --baseline compiled --optimized "compiled train.global_batch_size=8 train.micro_batch_size=8" \
+    $STEPS --no-fit $ROWS --out "$RUN_OUT/shape-8"
+part "2. Base preset, default data, compiled at the auto micro-batch" "$T_BASE" "$RUN_OUT/base.log" \
+    --bench "$RUN_OUT/base" -- \
+    "$PY" -m mmldlm bench $BASE data.path="$DATA" --baseline optimized --optimized compiled $STEPS --no-fit $ROWS \
+    --out "$RUN_OUT/base"
+part "3. A first writing rung" "$T_RUNG" "$RUN_OUT/rung.log" --ladder "$RUN_OUT/rung" -- \
+    "$PY" scripts/writing_ladder.py $RUNG --eval-args "$EVAL" --out "$RUN_OUT/rung" $RUNG_KEYS data.path="$DATA"
+part "4. CUDA-only tests" "$T_TESTS" "$RUN_OUT/tests.log" --tests -- \
+    "$PY" -m pytest -m cuda -q -p no:cacheprovider tests
 
 "${REPORTER[@]}" end || status=1
+copy_out
 echo "gpu_session: wrote $REPORT (exit status $status)"
 exit $status

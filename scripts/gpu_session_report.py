@@ -15,12 +15,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import sys
 from pathlib import Path
 
 from gpu_report import bench_section, device_line, splice
 
 START, END = "<!-- gpu_session report: start -->", "<!-- gpu_session report: end -->"
+ROW_LINE = re.compile(r"^bench: [^:]+: [0-9.]+ samples/s")
 TIMED_OUT = (124, 137)  # timeout(1): stopped at the limit, or killed after its grace period
 
 
@@ -34,7 +36,7 @@ def start_lines(mode: str, data: str) -> list[str]:
         "",
         f"Device: {device_line()}.",
         "",
-        f"Data of parts 3 and 4: {data} ({meta['splits']['train']:,} train + {meta['splits']['val']:,} val "
+        f"Data of parts 2 and 3: {data} ({meta['splits']['train']:,} train + {meta['splits']['val']:,} val "
         f"texts, vocabulary {meta['vocab_size']:,}, latents {meta['num_latents']}x{meta['latent_dim']} from "
         f"{meta['encoder']}).",
         "",
@@ -54,6 +56,13 @@ def last_line(path: Path) -> str:
     return lines[-1] if lines else "(no output)"
 
 
+def measured_rows(path: Path) -> list[str]:
+    """The lines in which bench logs each row's figures the moment it is measured (tools/bench.py's
+    `_row_line`): what a bench cut off before its report had already measured."""
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    return [line for line in lines if ROW_LINE.match(line)]
+
+
 def part_lines(args: argparse.Namespace) -> list[str]:
     lines = [
         f"### {args.title}",
@@ -65,6 +74,9 @@ def part_lines(args: argparse.Namespace) -> list[str]:
     ]
     if args.status != 0 or args.tests:
         lines += ["```", last_line(Path(args.log)), "```", ""]
+    rows = measured_rows(Path(args.log)) if args.bench and args.status != 0 else []
+    if rows:
+        lines += ["Rows it measured before it ended (its log):", "", *(f"- {row}" for row in rows), ""]
     for directory in args.bench:
         lines.append(bench_section(directory).replace("### mmldlm bench", "#### mmldlm bench", 1))
     if args.ladder:
@@ -80,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="action", required=True)
     begin = sub.add_parser("start")
     begin.add_argument("--mode", choices=["gpu", "cpu"], required=True)
-    begin.add_argument("--data", required=True, help="the prepared dataset of parts 3 and 4")
+    begin.add_argument("--data", required=True, help="the prepared dataset of parts 2 and 3")
     part = sub.add_parser("part")
     part.add_argument("--title", required=True)
     part.add_argument("--command", required=True)

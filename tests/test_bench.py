@@ -289,6 +289,28 @@ def test_bench_on_synthetic_tokens_needs_no_dataset_and_sets_each_row_against_th
     assert " ".join(synthetic) in report["command"] and f"--variant '{variant}'" in report["command"]
 
 
+@pytest.mark.slow  # each config trains in a spawned worker process
+def test_rows_one_at_a_time_each_train_alone_and_log_their_figures_as_they_finish(tmp_path, caplog):
+    """--rows one-at-a-time (auto's choice on a GPU): a config's worker is built, measured and ended
+    before the next one is built, so no waiting config holds memory beside it; each row's figures
+    are logged the moment they are measured, and the report is that of rows taken in turns."""
+    synthetic = ["--synthetic-vocab", "300", "--synthetic-lengths", "20:64", "--synthetic-latent-dim", "8"]
+    steps = ["--steps", "2", "--warmup", "1", "--round-steps", "1", "--no-fit"]
+    caplog.set_level("INFO", logger="mmldlm.tools.bench")
+    args = [*TINY, "model.max_seq_len=64", *synthetic, "--synthetic-samples", "64", *steps]
+    assert main(["bench", *args, "--rows", "one-at-a-time", "--out", str(tmp_path)]) == 0
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("bench: ")]
+    ready = [i for i, line in enumerate(lines) if " ready (" in line]
+    measured = [i for i, line in enumerate(lines) if "samples/s" in line]
+    assert len(ready) == len(measured) == 2
+    assert ready[0] < measured[0] < ready[1] < measured[1]  # the optimized row is built after the baseline ended
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert "--rows one-at-a-time" in report["command"] and report["options"]["rows"] == "one-at-a-time"
+    for name, c in report["configs"].items():
+        assert c["measured_steps"] == 2
+        assert f"bench: {name}: {c['samples_per_s']:.2f} samples/s" in lines[measured[report["order"].index(name)]]
+
+
 @pytest.mark.slow  # the config fails in its spawned worker
 def test_a_bad_config_found_in_a_bench_worker_is_one_line_naming_the_row(tmp_path, capsys):
     """The data's latents are 8-d and model.latent_dim says 16: the worker that builds the row

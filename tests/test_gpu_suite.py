@@ -106,7 +106,8 @@ def test_gpu_session_refuses_limits_that_add_up_past_its_ten_minutes(tmp_path):
     result = session(tmp_path, "--cpu", T_RUNG="300")
     assert result.returncode == 2
     assert result.stdout.strip() == (
-        "gpu_session: the parts' limits add up to 680 s; expected at most 590 (10 minutes less the report)"
+        "gpu_session: the parts' limits add up to 700 s; expected at most 540 (the device's 600 s less the report "
+        "and copies)"
     )
     assert not (tmp_path / "out").exists()
 
@@ -153,18 +154,35 @@ def test_a_part_cut_off_is_said_so_and_the_parts_before_it_stay_in_the_report(tm
     assert "90 train + 10 val texts, vocabulary 400, latents 1x384 from E" in text
     assert "### 1. tests" in text and "done in 41 s of its 60 s" in text and "7 passed in 40.0s" in text
     assert "### 4. rung" in text and "**cut off** at its limit of 60 s" in text and "the rung did not finish" in text
+    # a bench cut off before its report: the rows it had measured, from its log
+    (tmp_path / "shape.log").write_text(
+        "bench: baseline ready (cuda:0, micro-batch 4)\n"
+        "bench: baseline: 12.50 samples/s, 17,000 tokens/s, peak 51.20 GiB, MFU 6.0% (micro-batch 4)\n"
+        "bench: optimized ready (cuda:0, micro-batch 4)\n"
+    )
+    part = [*part[:3], "--command", "BENCH", "--title", "1a. shape", "--status", "124", "--seconds", "60"]
+    log = ["--log", str(tmp_path / "shape.log"), "--bench", str(tmp_path / "shape")]
+    assert gpu_session_report.main([*common, *part, *log]) == 0
+    text = report.read_text()
+    assert "Rows it measured before it ended (its log):" in text
+    assert "- bench: baseline: 12.50 samples/s, 17,000 tokens/s, peak 51.20 GiB, MFU 6.0% (micro-batch 4)" in text
+    assert "- bench: optimized ready" not in text
 
 
 @pytest.mark.slow  # every part of the session at tiny shapes: 1.5 to 7 minutes on 2 shared cores
 def test_gpu_session_rehearsal_on_a_cpu_runs_every_part_and_reports_each(tmp_path_factory, tmp_path):
-    result = session(tmp_path, "--cpu", DATA=str(prepared(tmp_path_factory)))
+    copies = tmp_path / "copies"
+    result = session(tmp_path, "--cpu", DATA=str(prepared(tmp_path_factory)), COPY_TO=str(copies))
     assert result.returncode == 0, result.stdout + result.stderr
     text = (tmp_path / "out" / "report.md").read_text()
     assert text.count("done in ") == 5 and "failed" not in text and "cut off" not in text
-    for title in ("1. CUDA-only tests", "2a. The older", "2b. The older", "3. Base preset", "4. A first writing"):
+    for title in ("1a. The older", "1b. The older", "2. Base preset", "3. A first writing", "4. CUDA-only tests"):
         assert f"### {title}" in text
-    assert "| baseline | 4 x 1, AC none |" in text and "| compiled | 4 x 1, AC " in text
-    assert "| compiled | 8 x 1, AC " in text
+    assert "| baseline | 4 x 1, AC none |" in text and "| optimized | 4 x 1, AC " in text
+    assert "| compiled | 4 x 1, AC " in text and "| compiled train.global_batch_size=8 " in text
+    # what comes back from the device: the report so far and every part's log, as each part ended
+    assert (copies / "session.md").read_text() == (tmp_path / "out" / "session.md").read_text()
+    assert {p.name for p in copies.iterdir()} >= {"shape-4.log", "shape-8.log", "base.log", "rung.log", "tests.log"}
     assert "Data: synthetic tokens: 64 texts of uniformly random length 20-64 tokens" in text
     assert "| tiny:1 | " in text and "l2t word F1" in text
     assert "Session ended" in text

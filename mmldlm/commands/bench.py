@@ -79,6 +79,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "CUDA) and report memory per process: DDP vs FSDP2 (default 1; implies --no-fit)",
     )
     parser.add_argument(
+        "--rows",
+        choices=("auto", "in-turns", "one-at-a-time"),
+        default="auto",
+        help="in-turns: the configs take turns, a few steps each, round after round (a shared machine's "
+        "slow phases hit each alike); one-at-a-time: each config alone, one after another (a waiting "
+        "config holds none of the GPU's memory); auto: in turns on a CPU, one at a time on a GPU "
+        "(default auto)",
+    )
+    parser.add_argument(
         "--out", default="runs/bench", help="directory for bench.json and bench.md (default runs/bench)"
     )
 
@@ -119,6 +128,7 @@ def _command_line(args: argparse.Namespace, fit: bool) -> str:
             f"--optimized {shlex.quote(args.optimized)}",
             *(f"--variant {shlex.quote(variant)}" for variant in args.variants),
             *([f"--processes {args.processes}"] if args.processes > 1 else []),
+            *([f"--rows {args.rows}"] if args.rows != "auto" else []),
             f"--steps {args.steps}",
             f"--warmup {args.warmup}",
             f"--round-steps {args.round_steps}",
@@ -163,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
         memory_cap_gib=args.memory_cap_gib,
         max_micro_batch=args.max_micro_batch,
         processes=args.processes,
+        rows=args.rows,
         out=args.out,
     )
     import logging

@@ -8,9 +8,13 @@ How it measures, and why:
 1. Each config trains in its own worker process (spawned). Peak memory is a per-process quantity
    (on CPU the resident set never shrinks back cleanly inside one process after a larger config
    ran), so one process per config is the honest way to give each its own peak.
-2. The workers take turns: round after round each runs `round_steps` optimizer steps while the
-   others wait, so a slow phase of a shared machine hits every config alike, and no two configs
-   compete for the cores. Warm-up steps first (compile, allocator, loader workers), not measured.
+2. On a CPU the workers take turns: round after round each runs `round_steps` optimizer steps while
+   the others wait, so a slow phase of a shared machine hits every config alike, and no two configs
+   compete for the cores. On a GPU the configs run one after another, each alone in its own process
+   (`rows`): a waiting config would hold its weights and optimizer state in the one GPU's memory
+   (12-13 GiB each at 1B parameters, where the baseline at 2048 tokens needs over 50 GiB itself),
+   and a GPU's step times do not drift as a shared CPU's do. Warm-up steps first (compile,
+   allocator, loader workers), not measured.
 3. Every config runs the same steps: same seed, data order, modes and noise; only speed differs.
 4. Step time: median and spread (p10..p90) over the measured steps; samples/s = global batch /
    median step time; tokens/s = median over steps of real (non-pad) tokens / step time, and the
@@ -65,7 +69,7 @@ from mmldlm.config import flat_keys, load_config, to_dict
 from mmldlm.data.dataset import die_with_the_main_process
 from mmldlm.data.prepare import default_prepare_options, prepare
 from mmldlm.data.synthetic import SyntheticShape, write_synthetic
-from mmldlm.device import describe_device
+from mmldlm.device import describe_device, pick_device
 from mmldlm.errors import UserError
 from mmldlm.model.info import parameter_counts
 from mmldlm.training.batch_size import batch_shape, largest_fitting, probe_or_none, spaced_sizes
@@ -117,6 +121,7 @@ class BenchOptions:
     memory_cap_gib: float = 8.0
     max_micro_batch: int = 512
     processes: int = 1  # ranks per config (one machine): per-process memory of DDP vs FSDP2
+    rows: str = "auto"  # in-turns | one-at-a-time | auto: in turns on a CPU, one at a time on a GPU
     out: str = "runs/bench"
 
 
@@ -661,27 +666,48 @@ def with_synthetic_data(opts: BenchOptions) -> BenchOptions:
     return dataclasses.replace(opts, overrides=[*own, *opts.overrides])
 
 
+def rows_one_at_a_time(opts: BenchOptions, jobs: list[dict]) -> bool:
+    """Whether the rows run one after another (opts.rows; auto: where the first row trains on a GPU)."""
+    if opts.rows != "auto":
+        return opts.rows == "one-at-a-time"
+    first = load_config(jobs[0]["config"], jobs[0]["overrides"])
+    return pick_device(first.train.device).type == "cuda"
+
+
+def _row_line(name: str, figures: dict) -> str:
+    """One row's figures in one line, logged as soon as they are measured (a run cut off later keeps them)."""
+    mfu = f", MFU {100 * figures['mfu']:.1f}%" if figures["mfu"] is not None else ""
+    return (
+        f"bench: {name}: {figures['samples_per_s']:.2f} samples/s, {figures['tokens_per_s']:,.0f} tokens/s, "
+        f"peak {figures['peak_memory_gib']:.2f} GiB{mfu} (micro-batch {figures['micro_batch_size']})"
+    )
+
+
 def _measure_all(ctx, jobs: list[dict], opts: BenchOptions, scratch: str, fitted: bool) -> dict:
     """{name: figures} of every row: the measured steps, then the largest micro-batches."""
-    groups = _start_configs(ctx, jobs, scratch, opts.processes)
-    try:
-        records, memory = _measure(groups, opts)
-    finally:
-        for group in groups:
-            group.close()
-    results = {
-        job["name"]: {
-            "config": job["config"],
-            "changes": job["changes"],
-            "overrides": job["overrides"],
-            **(
+    turns = [[job] for job in jobs] if rows_one_at_a_time(opts, jobs) else [jobs]
+    results = {}
+    for batch in turns:
+        groups = _start_configs(ctx, batch, scratch, opts.processes)
+        try:
+            records, memory = _measure(groups, opts)
+        finally:
+            for group in groups:
+                group.close()
+        for job in batch:
+            figures = (
                 _summary(job["setup"], records[job["name"]], memory[job["name"]])
                 if job["name"] in records
                 else {"out_of_memory": job["out_of_memory"]}
-            ),
-        }
-        for job in jobs
-    }
+            )
+            if job["name"] in records:
+                log.info("%s", _row_line(job["name"], figures))
+            results[job["name"]] = {
+                "config": job["config"],
+                "changes": job["changes"],
+                "overrides": job["overrides"],
+                **figures,
+            }
     if fitted:
         for name, fit in _largest_micro_batches(ctx, _fitted_jobs(jobs), scratch, opts).items():
             results[name]["largest_micro_batch"] = fit["largest"]
