@@ -16,7 +16,7 @@
 #   bash scripts/gpu_session.sh --cpu      # the same parts at tiny shapes on a CPU, seconds each
 #
 # The data of parts 3 and 4 is a prepared 50,000-text slice of the bundled corpus, made on a CPU
-# beforehand and carried to the device (50.5 MiB; docs/benchmarks-gpu.md, "A ten-minute lease"):
+# beforehand and carried to the device (50.5 MiB; docs/benchmarks-gpu.md):
 #
 #   python -m mmldlm prepare --input default --max-samples 50000 --out runs/gpu-data
 #
