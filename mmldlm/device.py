@@ -60,7 +60,7 @@ def keep_freed_memory() -> bool:
     best-of-16 batch of 64) at every step; best-of-16 decoding on the CPU spent 22 of its 54 s in those
     page faults. With mmap off (M_MMAP_MAX 0) and no trimming (M_TRIM_THRESHOLD at its largest), freed
     blocks are reused: 1.47x the texts per second, the same texts, a peak RSS 6% higher (up to 29%)
-    that stays with the process (docs/benchmarks.md, "Sampling and the C allocator"). For the sampling
+    that stays with the process (docs/benchmarks.md). For the sampling
     commands; training allocates blocks small enough for the heap already. PyTorch's CPU tuning guide
     gets the same from jemalloc or tcmalloc; this needs no library beyond glibc."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":

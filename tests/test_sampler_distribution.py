@@ -121,7 +121,7 @@ def test_revealed_count_follows_the_schedule_for_more_steps_than_tokens():
     assert revealed[2] == 1  # the first token at the third step
 
 
-# The figures of docs/quality.md ("What each sampler preserves"): PYTHONPATH=. python tests/test_sampler_distribution.py
+# The figures of docs/quality.md: PYTHONPATH=. python tests/test_sampler_distribution.py
 MEASURED = {
     "confidence, 8 steps": {"strategy": "confidence", "num_steps": 8},
     "confidence, 50 steps": {"strategy": "confidence", "num_steps": 50},

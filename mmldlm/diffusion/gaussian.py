@@ -32,7 +32,7 @@ The sampler's time grid (`time_grid`): N equal steps of t, or, with a `sampling_
 the trained schedule whose SNRs are those of N equal steps under shift s' (s' = 1: the plain cosine
 schedule's SNRs). DDIM's update depends on the grid's SNRs only, so with the exact denoiser a shift-8
 model sampled on the s' = 1 grid is the shift-1 sampler: its last step starts from a far higher SNR,
-whose posterior mean is shrunk far less (docs/quality.md, "Do sampled latents cover the data?").
+whose posterior mean is shrunk far less (docs/quality.md).
 """
 
 from __future__ import annotations

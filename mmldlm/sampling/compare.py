@@ -3,7 +3,7 @@ difference from a paired bootstrap (the same resampled texts for both; Dror et a
 that interval excludes 0. `mmldlm compare` prints `markdown(compare_reports(a, b))`.
 
 One run per side compares two models: the interval covers other texts, not other training seeds, and
-two seeds of one recipe differ on many figures (docs/quality.md, "Four seeds of the main job"). To
+two seeds of one recipe differ on many figures (docs/quality.md). To
 compare two recipes, `compare_arms` takes several runs per arm (each recipe trained with other seeds) and
 adds the variance between seeds to the interval (intervals.arms_difference).
 

@@ -70,7 +70,7 @@ LATENT_SAMPLERS = ("ddim", "ddpm", "mean")
 class SamplingOptions:
     num_steps: int = 32  # reverse steps from t = 1 to t = 0 of l2t and joint
     # Reverse steps of t2l; None: num_steps. The text nearly fixes its latent, and a few steps (whose
-    # first x0 estimate is the conditional mean) can beat many (docs/quality.md).
+    # first x0 estimate is the conditional mean) can beat many (docs/log/quality.md).
     latent_steps: int | None = None
     # Text logits are divided by it; 1 keeps the model's distribution where the strategy does.
     temperature: float = 1.0

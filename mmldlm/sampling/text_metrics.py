@@ -1,5 +1,5 @@
-"""Figures of generated writing, each read beside the same figure of real text (docs/quality.md, "How
-writing is measured"). Every function takes plain strings, so any texts can be scored:
+"""Figures of generated writing, each read beside the same figure of real text (docs/quality.md).
+Every function takes plain strings, so any texts can be scored:
 
     from mmldlm.sampling.text_metrics import NgramReference, bleu, distinct, repetition
     reference = NgramReference.fit(training_texts)          # word 3-gram Kneser-Ney, training text only

@@ -48,7 +48,7 @@ def peak_flops(device: torch.device) -> float | None:
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX), where bf16
-    autocast runs a training step about 2x faster than fp32 (docs/benchmarks.md). Without them
+    autocast runs a training step about 2x faster than fp32 (docs/log/benchmarks.md). Without them
     oneDNN emulates bf16 and autocast is no faster than fp32."""
     try:
         return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
