@@ -15,7 +15,6 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 from mmldlm.errors import UserError
 
@@ -86,7 +85,7 @@ def as_umask_allows(path: Path) -> None:
     path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
-def write_atomically(path: Path, content: str | Callable[[BinaryIO], object]) -> None:
+def write_atomically(path: Path, content: str | Callable) -> None:
     """Write `path` whole or not at all: `content` (text, or a function writing into a binary file) goes
     into `.NAME.tmp` beside it, renamed over it when written, so no reader (nor a kill) sees half a file.
     The file gets the permissions open() gives under the umask, as any other file written here."""

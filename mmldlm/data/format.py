@@ -111,28 +111,23 @@ def read_meta(root: str | Path) -> dict:
         raise DataError(f"{root}: {what}; create one with `mmldlm prepare --input PATH|default --out {root}`")
     rerun = "; re-run mmldlm prepare with --overwrite"
     refused = f", but this mmldlm reads format version {FORMAT_VERSION}{rerun} to rebuild it"
-    return read_versioned(path, range(FORMAT_VERSION, FORMAT_VERSION + 1), REQUIRED_KEYS, refused, remedy=rerun)
+    return read_format(path, range(FORMAT_VERSION, FORMAT_VERSION + 1), REQUIRED_KEYS, refused, remedy=rerun)
 
 
-def read_versioned(
-    path: Path, versions: range, required: tuple[str, ...], refused: str, newer: str = "", remedy: str = ""
-) -> dict:
-    """The JSON object in `path` (meta.json of a prepared dataset, config.json of an exported model) when
-    its format_version is an integer in `versions` and it holds every key of `required`; DataError naming
-    `path` otherwise. `refused` ends the message of a version not read, `newer` (where given) that of a
-    version above `versions`, from a newer mmldlm; `remedy` ends the others."""
+def read_format(path: Path, versions: range, required: tuple, refused: str, newer: str = "", remedy: str = "") -> dict:
+    """The JSON object in `path` (a prepared dataset's meta.json, an exported model's config.json) when its
+    format_version is an integer in `versions` and it holds every key of `required`; DataError naming `path`
+    otherwise, ending with `refused` for a version not read (`newer`, where given, for one above `versions`:
+    from a newer mmldlm) and with `remedy` for the rest."""
     try:
         content = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise DataError(f"{path}: not valid JSON ({err}){remedy}") from None
     version = content.get("format_version") if isinstance(content, dict) else None
-    integer = isinstance(version, int) and not isinstance(version, bool)
-    if newer and integer and version > versions[-1]:
-        raise DataError(
-            f"{path}: format_version {version}, newer than this mmldlm {__version__} reads ({versions[-1]}); {newer}"
-        )
-    if not integer or version not in versions:
-        raise DataError(f"{path}: format_version {version!r}{refused}")
+    if type(version) is not int or version not in versions:  # an int: true and 1.0 are no format version
+        later = newer and type(version) is int and version > versions[-1]
+        why = f", newer than this mmldlm {__version__} reads ({versions[-1]}); {newer}" if later else refused
+        raise DataError(f"{path}: format_version {version!r}{why}")
     missing = [key for key in required if key not in content]
     if missing:
         raise DataError(f"{path}: missing keys {', '.join(missing)}{remedy}")

@@ -50,7 +50,7 @@ from mmldlm.config import (
     to_dict,
 )
 from mmldlm.data.errors import DataError
-from mmldlm.data.format import read_versioned
+from mmldlm.data.format import read_format
 from mmldlm.data.tokenizer import load_tokenizer, special_ids, vocab_size
 from mmldlm.device import pick_device
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
@@ -161,10 +161,8 @@ def read_config(directory: Path) -> dict:
             f"{directory}: missing {', '.join(missing)}; an exported model folder holds {CONFIG}, "
             f"{WEIGHTS}, {TOKENIZER} and {LATENT_STATS} (export it again with `mmldlm export`)"
         )
-    refused = "; expected an integer >= 1 (is this an mmldlm export?)"
-    return read_versioned(
-        directory / CONFIG, range(1, FORMAT_VERSION + 1), REQUIRED_KEYS, refused, newer="upgrade mmldlm to load it"
-    )
+    versions, refused = range(1, FORMAT_VERSION + 1), "; expected an integer >= 1 (is this an mmldlm export?)"
+    return read_format(directory / CONFIG, versions, REQUIRED_KEYS, refused, newer="upgrade mmldlm to load it")
 
 
 def load_exported(directory: str | Path, device: str = "auto") -> TrainedRun:
