@@ -27,6 +27,7 @@ from typing import Any, Literal
 import yaml
 
 from mmldlm.errors import OptionError, UserError
+from mmldlm.outputs import write_atomically
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 MODES = ("l2t", "t2l", "joint")
@@ -928,7 +929,4 @@ def load_model_config(target: str | Path) -> ModelConfig:
 
 def save_config(cfg: Any, path: str | Path) -> None:
     """Write the resolved config as YAML (atomically: a reader never sees half a file)."""
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    tmp.replace(path)
+    write_atomically(Path(path), yaml.safe_dump(to_dict(cfg), sort_keys=False))

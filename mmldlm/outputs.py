@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +83,19 @@ def as_umask_allows(path: Path) -> None:
     umask = os.umask(0)  # reading the umask sets it: put it back at once
     os.umask(umask)
     path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def write_atomically(path: Path, content: str | Callable) -> None:
+    """Write `path` whole or not at all: `content` (text, or a function writing into a binary file) goes
+    into `.NAME.tmp` beside it, renamed over it when written, so no reader (nor a kill) sees half a file.
+    The file gets the permissions open() gives under the umask, as any other file written here."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    if isinstance(content, str):
+        tmp.write_text(content)
+    else:
+        with open(tmp, "wb") as f:
+            content(f)
+    os.replace(tmp, path)
 
 
 def publish(partial: Path, out: Path, kind: FolderKind) -> None:

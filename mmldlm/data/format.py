@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mmldlm import __version__
 from mmldlm.data.errors import DataError
 from mmldlm.outputs import FolderKind
 
@@ -108,20 +109,29 @@ def read_meta(root: str | Path) -> dict:
     if not path.is_file():
         what = "no such directory" if not root.exists() else f"not a prepared dataset (no {META})"
         raise DataError(f"{root}: {what}; create one with `mmldlm prepare --input PATH|default --out {root}`")
+    rerun = "; re-run mmldlm prepare with --overwrite"
+    refused = f", but this mmldlm reads format version {FORMAT_VERSION}{rerun} to rebuild it"
+    return read_format(path, range(FORMAT_VERSION, FORMAT_VERSION + 1), REQUIRED_KEYS, refused, remedy=rerun)
+
+
+def read_format(path: Path, versions: range, required: tuple, refused: str, newer: str = "", remedy: str = "") -> dict:
+    """The JSON object in `path` (a prepared dataset's meta.json, an exported model's config.json) when its
+    format_version is an integer in `versions` and it holds every key of `required`; DataError naming `path`
+    otherwise, ending with `refused` for a version not read (`newer`, where given, for one above `versions`:
+    from a newer mmldlm) and with `remedy` for the rest."""
     try:
-        meta = json.loads(path.read_text())
+        content = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise DataError(f"{path}: not valid JSON ({err}); re-run mmldlm prepare with --overwrite") from None
-    version = meta.get("format_version") if isinstance(meta, dict) else None
-    if version != FORMAT_VERSION:
-        raise DataError(
-            f"{path}: format_version {version!r}, but this mmldlm reads format version {FORMAT_VERSION}; "
-            f"re-run mmldlm prepare with --overwrite to rebuild it"
-        )
-    missing = [k for k in REQUIRED_KEYS if k not in meta]
+        raise DataError(f"{path}: not valid JSON ({err}){remedy}") from None
+    version = content.get("format_version") if isinstance(content, dict) else None
+    if type(version) is not int or version not in versions:  # an int: true and 1.0 are no format version
+        later = newer and type(version) is int and version > versions[-1]
+        why = f", newer than this mmldlm {__version__} reads ({versions[-1]}); {newer}" if later else refused
+        raise DataError(f"{path}: format_version {version!r}{why}")
+    missing = [key for key in required if key not in content]
     if missing:
-        raise DataError(f"{path}: missing keys {', '.join(missing)}; re-run mmldlm prepare with --overwrite")
-    return meta
+        raise DataError(f"{path}: missing keys {', '.join(missing)}{remedy}")
+    return content
 
 
 def _npy_header(path: Path) -> tuple[tuple, np.dtype, int]:

@@ -47,7 +47,7 @@ from mmldlm.data.errors import DataError
 from mmldlm.data.legacy import LegacySource
 from mmldlm.device import pick_device
 from mmldlm.errors import OptionError, UserError, require_positive
-from mmldlm.outputs import publish, refuse_foreign
+from mmldlm.outputs import publish, refuse_foreign, write_atomically
 
 LATENT_DTYPES = ("float16", "float32")
 STD_FLOOR = 1e-6  # standardising by the std never divides by zero, even for a constant dimension
@@ -356,9 +356,7 @@ def _write_record(path: Path, entry: dict) -> None:
     """The finished shard's entry, written after its files (and renamed into place): its presence says the
     shard is whole. Python floats print exactly, so the sums read back bit for bit."""
     plain = {**entry, "sum": entry["sum"].tolist(), "sumsq": entry["sumsq"].tolist()}
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(plain))
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(plain))
 
 
 def _read_record(path: Path) -> dict:
@@ -453,14 +451,9 @@ def ensure_token_latents(path: str | Path, log: Callable[[str], None] = print) -
     latents = token_latents(
         tok.load_tokenizer(path / meta["tokenizer"]), load_encoder(meta["encoder"], _device("auto"), normalize)
     )
-    tmp = path / f".{fmt.TOKEN_LATENTS}.tmp"
-    with open(tmp, "wb") as f:
-        np.save(f, latents)
-    os.replace(tmp, path / fmt.TOKEN_LATENTS)
+    write_atomically(path / fmt.TOKEN_LATENTS, lambda f: np.save(f, latents))
     meta["token_latents"] = fmt.TOKEN_LATENTS
-    tmp = path / f".{fmt.META}.tmp"
-    tmp.write_text(json.dumps(meta, indent=1) + "\n")
-    os.replace(tmp, path / fmt.META)
+    write_atomically(path / fmt.META, json.dumps(meta, indent=1) + "\n")
     return latents
 
 

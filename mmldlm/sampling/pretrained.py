@@ -50,6 +50,7 @@ from mmldlm.config import (
     to_dict,
 )
 from mmldlm.data.errors import DataError
+from mmldlm.data.format import read_format
 from mmldlm.data.tokenizer import load_tokenizer, special_ids, vocab_size
 from mmldlm.device import pick_device
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
@@ -160,23 +161,8 @@ def read_config(directory: Path) -> dict:
             f"{directory}: missing {', '.join(missing)}; an exported model folder holds {CONFIG}, "
             f"{WEIGHTS}, {TOKENIZER} and {LATENT_STATS} (export it again with `mmldlm export`)"
         )
-    path = directory / CONFIG
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise DataError(f"{path}: not valid JSON ({err})") from None
-    version = config.get("format_version") if isinstance(config, dict) else None
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise DataError(f"{path}: format_version {version!r}; expected an integer >= 1 (is this an mmldlm export?)")
-    if version > FORMAT_VERSION:
-        raise DataError(
-            f"{path}: format_version {version}, newer than this mmldlm {__version__} reads "
-            f"({FORMAT_VERSION}); upgrade mmldlm to load it"
-        )
-    absent = [key for key in REQUIRED_KEYS if key not in config]
-    if absent:
-        raise DataError(f"{path}: missing keys {', '.join(absent)}")
-    return config
+    versions, refused = range(1, FORMAT_VERSION + 1), "; expected an integer >= 1 (is this an mmldlm export?)"
+    return read_format(directory / CONFIG, versions, REQUIRED_KEYS, refused, newer="upgrade mmldlm to load it")
 
 
 def load_exported(directory: str | Path, device: str = "auto") -> TrainedRun:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import yaml
 
+from mmldlm.outputs import write_atomically
 from mmldlm.runs.files import current_run_config, is_run_dir
 from mmldlm.tools.health import REMEDIES, Alert, HealthConfig, HealthTracker, finite, memory_of, status_of
 
@@ -536,7 +537,4 @@ def plot(
 
 
 def write_report(report: dict, path: str | Path) -> None:
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    tmp.replace(path)
+    write_atomically(Path(path), json.dumps(report, indent=1) + "\n")

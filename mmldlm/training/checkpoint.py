@@ -60,6 +60,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from mmldlm.config import CheckpointConfig, save_config
 from mmldlm.device import describe_device
+from mmldlm.outputs import write_atomically
 from mmldlm.runs.checkpoints import (
     REQUIRED_FILES,
     complete_steps,
@@ -498,9 +499,7 @@ class CheckpointManager:
             )
 
     def _point_latest(self, name: str) -> None:
-        pointer_tmp = self.dir / "latest.tmp"
-        pointer_tmp.write_text(name + "\n")
-        os.replace(pointer_tmp, self.dir / "latest")
+        write_atomically(self.dir / "latest", name + "\n")
         _fsync_dir(self.dir)
 
     def _prune(self) -> None:
