@@ -68,7 +68,7 @@ class ModelConfig:
     num_latents: int | None = None  # K latent vectors per sample; None: the prepared dataset's (1 per text)
     pos_embedding: Literal["rope", "learned"] = "rope"
     qk_norm: bool = True  # RMSNorm on queries and keys, per head
-    attention: Literal["sdpa", "explicit"] = "sdpa"  # explicit: comparison recipe (mmldlm/comparison.py)
+    attention: Literal["sdpa", "explicit"] = "sdpa"  # explicit: comparison recipe (mmldlm/baseline.py)
     timestep_embed_dim: int = 256  # sinusoidal features fed to the timestep MLPs
     null_latent: bool = True  # learned "no condition" latent for classifier-free guidance
     # Latent self-conditioning (Chen et al. 2022): the latent stream also reads an earlier x0 estimate.
@@ -570,7 +570,7 @@ class CheckpointConfig:
 
 @dataclass
 class EvalConfig:
-    """Evaluation on rank 0 during training, written to metrics.jsonl (see mmldlm/sampling/evaluate.py);
+    """Evaluation on rank 0 during training, written to metrics.jsonl (see mmldlm/evaluation/evaluate.py);
     `mmldlm eval` takes the same figures with a larger budget from the command line."""
 
     every: int = 0  # steps between evaluations; 0 = never during training
@@ -636,7 +636,7 @@ class PerfConfig:
     activation_checkpointing: Literal["none", "full", "every_k", "selective", "auto"] = "none"
     checkpoint_every_k: int = 2
     compile: bool = False  # torch.compile each block (pair with data.pad_to_multiple=64: few shapes)
-    # Toggle requires_grad over every parameter at every step: comparison recipe (mmldlm/comparison.py;
+    # Toggle requires_grad over every parameter at every step: comparison recipe (mmldlm/baseline.py;
     # the idle head is otherwise handled once per mode, see parallelize.py).
     refreeze_every_step: bool = False
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)

@@ -29,8 +29,9 @@ import torch
 import yaml
 
 from mmldlm.device import keep_freed_memory
-from mmldlm.sampling import SamplingOptions, load_trained
-from mmldlm.sampling.evaluate import JOINT, L2T, figure_text, fluency_reference, joint_generation, l2t_reconstruction
+from mmldlm.evaluation.evaluate import JOINT, L2T, figure_text, fluency_reference, joint_generation, l2t_reconstruction
+from mmldlm.export.pretrained import load_trained
+from mmldlm.sampling import SamplingOptions
 
 COLUMNS = {
     "l2t": (

@@ -9,7 +9,7 @@ trained once each decides only where it exceeds that.
     python scripts/seed_spread.py runs/default runs/default-seed1 --step 2000 --figures eval_l2t_bleu
 
 Run directories are read from their metrics.jsonl (the evaluation during training, at `--step`, default
-the last step all runs evaluated); JSON files are reports of `mmldlm eval` (mmldlm/sampling/evaluate.py
+the last step all runs evaluated); JSON files are reports of `mmldlm eval` (mmldlm/evaluation/evaluate.py
 `flat`). Markdown on stdout.
 """
 
@@ -48,7 +48,7 @@ def figures_of(path: Path, step: int | None) -> tuple[dict, int | None]:
     """The eval_* figures of a run's evaluation during training at `step` (None: its last), or of a
     JSON report of `mmldlm eval`; and the step they come from (None for a report)."""
     if path.is_file():
-        from mmldlm.sampling.evaluate import flat
+        from mmldlm.evaluation.evaluate import flat
 
         return flat(json.loads(path.read_text(encoding="utf-8"))), None
     records = [json.loads(line) for line in (path / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]

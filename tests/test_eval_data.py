@@ -17,7 +17,7 @@ from mmldlm.config import load_config
 from mmldlm.data import format as fmt
 from mmldlm.data.dataset import open_dataset
 from mmldlm.data.tokenizer import encode_texts, load_tokenizer
-from mmldlm.sampling import load_run
+from mmldlm.runs.trained import load_run
 
 RUN = [
     "model=tiny",
@@ -231,7 +231,7 @@ def test_held_out_texts_keeps_the_validation_texts_no_given_run_trained_on(run_d
     assert held_out_main([str(run_dir), "--out", str(out), "--limit", "2"]) == 0
     assert len(out.read_text().splitlines()) == 2
     # A run that trained on the first validation text (as another run's split would): it is dropped.
-    import mmldlm.sampling.run as run_module
+    import mmldlm.runs.trained as run_module
 
     real = run_module.dataset_texts
     monkeypatch.setattr(

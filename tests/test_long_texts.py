@@ -18,11 +18,11 @@ from mmldlm.data.encoders import load_encoder
 from mmldlm.data.errors import DataError
 from mmldlm.data.prepare import PrepareOptions, prepare
 from mmldlm.data.tokenizer import encode_texts
-from mmldlm.sampling import evaluate
-from mmldlm.sampling.pretrained import MMLDLM
-from mmldlm.sampling.run import TrainedRun
+from mmldlm.evaluation import evaluate
+from mmldlm.evaluation.text_metrics import words
+from mmldlm.export.pretrained import MMLDLM
+from mmldlm.runs.trained import TrainedRun
 from mmldlm.sampling.sampler import SamplingOptions
-from mmldlm.sampling.text_metrics import words
 from mmldlm.tools import check
 from mmldlm.training.distributed import DistInfo
 from mmldlm.training.run import build_model_and_objective, open_train_data

@@ -13,9 +13,11 @@ from data_support import trained_run
 
 from mmldlm.cli import main
 from mmldlm.config import load_config
-from mmldlm.sampling import evaluate, load_run, load_trained, text_metrics
-from mmldlm.sampling.evaluate import elbo, val_batches
-from mmldlm.sampling.intervals import Rate
+from mmldlm.evaluation import evaluate, text_metrics
+from mmldlm.evaluation.evaluate import elbo, val_batches
+from mmldlm.evaluation.intervals import Rate
+from mmldlm.export.pretrained import load_trained
+from mmldlm.runs.trained import load_run
 from mmldlm.training.run import train
 
 RUN = [

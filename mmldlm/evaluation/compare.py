@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from mmldlm.errors import UserError
-from mmldlm.sampling.evaluate import sections
-from mmldlm.sampling.intervals import LEVEL, NUM_RESAMPLES, POWER
+from mmldlm.evaluation.evaluate import sections
+from mmldlm.evaluation.intervals import LEVEL, NUM_RESAMPLES, POWER
 
 # Sections that score the validation data and the training texts, not the model: the same in both.
 DATA_ONLY = ("references", "nearest_training_text", "joint reference")

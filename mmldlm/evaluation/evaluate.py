@@ -75,13 +75,13 @@ from mmldlm import progress
 from mmldlm.config import EvalConfig
 from mmldlm.data.dataset import PadCollate, PreparedDataset
 from mmldlm.diffusion import MaskedDiffusion
+from mmldlm.evaluation import latent_fidelity as lf
+from mmldlm.evaluation import text_metrics as tm
+from mmldlm.evaluation.intervals import MIN_TEXTS, Corpus, Mean, Rate
+from mmldlm.evaluation.text_metrics import word_f1, words
 from mmldlm.objective import Objective
-from mmldlm.sampling import latent_fidelity as lf
-from mmldlm.sampling import text_metrics as tm
-from mmldlm.sampling.intervals import MIN_TEXTS, Corpus, Mean, Rate
-from mmldlm.sampling.run import TrainedRun, dataset_texts
+from mmldlm.runs.trained import TrainedRun, dataset_texts
 from mmldlm.sampling.sampler import SamplingOptions, length_masks
-from mmldlm.sampling.text_metrics import word_f1, words
 
 MODES = ("l2t", "t2l", "joint")
 
@@ -472,10 +472,24 @@ def _stored_texts(run: TrainedRun, num: int) -> list[str]:
     return run.tokenizer.decode_batch([run.val[i][1].tolist() for i in range(min(num, len(run.val)))])
 
 
+def known_words(run: TrainedRun) -> frozenset[str]:
+    """The lowercase words of the run's training texts (the real-word rate of evaluation); for an
+    exported model, which carries no texts, the words of the data it is evaluated on."""
+    if run.dataset_dir is not None:
+        return dataset_words(str(run.dataset_dir), "train")
+    return dataset_words(str(run.val.path), run.val.split)
+
+
+@functools.lru_cache(maxsize=4)
+def dataset_words(dataset_dir: str, split: str) -> frozenset[str]:
+    """The lowercase letter runs of every text of a split ("all": both) of a prepared dataset."""
+    return frozenset(words(" ".join(dataset_texts(dataset_dir, split))))
+
+
 def writing_per_text(run: TrainedRun, generated: list[str], sources: list[str], fluency=None) -> dict:
     """Per-text values of exact match, word F1, BLEU, repetition, real-word rate and n-gram perplexity
     of texts against their sources (text_metrics.py; the figures: `L2T`)."""
-    known = run.known_words
+    known = known_words(run)
     decoded_words = [words(g) for g in generated]
     repetition = tm.repetition_per_text(generated, 2)
     out = {

@@ -7,7 +7,7 @@ training data's latent statistics, the tokenizer, the sentence encoder and (for 
 
 The training loop builds the same object around the model it is training (`TrainedRun.on_dataset`), so
 evaluation during training and `mmldlm eval` share every line; an exported model folder
-(mmldlm/sampling/pretrained.py) builds it from its own files, with no dataset. `run.use_eval_data(DIR,
+(mmldlm/export/pretrained.py) builds it from its own files, with no dataset. `run.use_eval_data(DIR,
 "all")` makes evaluation read another prepared dataset (made with `mmldlm prepare --like RUN`) in place of
 `run.val`.
 """
@@ -38,7 +38,6 @@ from mmldlm.model import MultimodalMMDiT
 from mmldlm.runs.checkpoints import find_latest, has_ema, is_full_state, read_weights
 from mmldlm.runs.files import CheckpointError
 from mmldlm.sampling.sampler import Sampler, SamplingOptions, pad_mask_from_lengths
-from mmldlm.sampling.text_metrics import words
 
 
 @dataclass
@@ -192,14 +191,6 @@ class TrainedRun:
         _ = self.length_counts if self.dataset_dir is not None else None
         self.val = AllSplits(path) if split == "all" else PreparedDataset(path, split)
 
-    @property
-    def known_words(self) -> frozenset[str]:
-        """The lowercase words of the run's training texts (the real-word rate of evaluation); for an
-        exported model, which carries no texts, the words of the data it is evaluated on."""
-        if self.dataset_dir is not None:
-            return dataset_words(str(self.dataset_dir), "train")
-        return dataset_words(str(self.val.path), self.val.split)
-
     def predict_lengths(self, latents: torch.Tensor) -> list[int]:
         """The length head's most likely text length for each latent (N, K, D) in encoder space, among
         1..the length training cut texts to."""
@@ -255,12 +246,6 @@ def dataset_texts(dataset_dir: str, split: str) -> tuple[str, ...]:
     data = AllSplits(dataset_dir) if split == "all" else PreparedDataset(dataset_dir, split)
     tokenizer = load_tokenizer(Path(dataset_dir) / data.meta["tokenizer"])
     return tuple(tokenizer.decode_batch([data[i][1].tolist() for i in range(len(data))]))
-
-
-@functools.lru_cache(maxsize=4)
-def dataset_words(dataset_dir: str, split: str) -> frozenset[str]:
-    """The lowercase letter runs of every text of a split ("all": both) of a prepared dataset."""
-    return frozenset(words(" ".join(dataset_texts(dataset_dir, split))))
 
 
 class AllSplits(torch.utils.data.ConcatDataset):
