@@ -29,7 +29,8 @@ import torch
 import yaml
 
 from mmldlm.device import keep_freed_memory
-from mmldlm.evaluation.evaluate import JOINT, L2T, figure_text, fluency_reference, joint_generation, l2t_reconstruction
+from mmldlm.evaluation.evaluate import JOINT, L2T, fluency_reference, joint_generation, l2t_reconstruction
+from mmldlm.evaluation.report import figure_text
 from mmldlm.export.pretrained import load_trained
 from mmldlm.sampling import SamplingOptions
 

@@ -48,7 +48,7 @@ def figures_of(path: Path, step: int | None) -> tuple[dict, int | None]:
     """The eval_* figures of a run's evaluation during training at `step` (None: its last), or of a
     JSON report of `mmldlm eval`; and the step they come from (None for a report)."""
     if path.is_file():
-        from mmldlm.evaluation.evaluate import flat
+        from mmldlm.evaluation.report import flat
 
         return flat(json.loads(path.read_text(encoding="utf-8"))), None
     records = [json.loads(line) for line in (path / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]

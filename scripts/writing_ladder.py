@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 from mmldlm.device import describe_device
-from mmldlm.evaluation.evaluate import flat
+from mmldlm.evaluation.report import flat
 
-# (label, eval_* key of mmldlm.evaluation.evaluate.flat, format, scale)
+# (label, eval_* key of mmldlm.evaluation.report.flat, format, scale)
 FIGURES = (
     ("t2l retrieval@1", "eval_t2l_retrieval_at_1", "{:.1f}%", 100.0),
     ("t2l cosine", "eval_t2l_cosine_mean", "{:.3f}", 1.0),

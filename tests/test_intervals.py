@@ -275,7 +275,8 @@ def test_seed_spread_reads_each_runs_evaluation_and_gives_the_one_run_yardstick(
 def test_decoding_table_rows_after_the_first_carry_their_paired_difference_from_it(monkeypatch):
     from pathlib import Path
 
-    from mmldlm.evaluation.evaluate import L2T, figure_text, summarise
+    from mmldlm.evaluation.evaluate import L2T, summarise
+    from mmldlm.evaluation.report import figure_text
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))
     from decoding_table import cell

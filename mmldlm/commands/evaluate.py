@@ -80,7 +80,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from mmldlm.evaluation.evaluate import markdown
+    from mmldlm.evaluation.report import markdown
     from mmldlm.export.pretrained import is_exported
     from mmldlm.runs.checkpoints import step_dir_name
 

@@ -19,7 +19,7 @@ from huggingface_hub import ModelCardData
 from mmldlm.config import to_dict
 from mmldlm.data import format as fmt
 from mmldlm.data.corpus import DEFAULT_CORPUS
-from mmldlm.evaluation.evaluate import figure_text, selected_label, table_cell
+from mmldlm.evaluation.report import figure_text, selected_label, table_cell
 from mmldlm.runs.trained import TrainedRun
 
 WORDNET_LICENCE = DEFAULT_CORPUS.parent / "LICENSE.wordnet"

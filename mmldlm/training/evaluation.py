@@ -18,7 +18,8 @@ import logging
 
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from mmldlm.evaluation.evaluate import evaluate, flat
+from mmldlm.evaluation.evaluate import evaluate
+from mmldlm.evaluation.report import flat
 from mmldlm.model import MultimodalMMDiT
 from mmldlm.runs.trained import TrainedRun
 from mmldlm.training.distributed import barrier, collective_guard
