@@ -73,7 +73,7 @@ def cell(result: dict, first: dict | None, recipes: dict, key: str, fmt: str) ->
     if first is None or key not in recipes:
         return text
     difference = recipes[key].difference(result["per_text"], first["per_text"])
-    if difference is None:  # no interval for this figure (intervals.Corpus.resampled)
+    if difference is None:  # no interval for this figure (intervals.CorpusStatistic.resampled)
         return text
     signed = "{:+" + fmt.strip("{:}") + "}"
     bounds = f"[{signed.format(difference.low)}, {signed.format(difference.high)}]"

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from mmldlm.evaluation.intervals import (
-    Corpus,
+    CorpusStatistic,
     Mean,
     Rate,
     bootstrap,
@@ -196,7 +196,7 @@ def test_a_recipe_better_by_far_more_than_its_seeds_differ_is_found_with_two_see
     # An arm of one run borrows the other arm's spread between seeds (pooled, 1 degree of freedom).
     one = Mean("v").arms_difference(a[:1], b)
     assert one.runs_a == 1 and one.high - one.low > diff.high - diff.low
-    corpus = Corpus(("v",), lambda p: lambda idx: float(np.median(np.asarray(p["v"])[idx])))
+    corpus = CorpusStatistic(("v",), lambda p: lambda idx: float(np.median(np.asarray(p["v"])[idx])))
     assert corpus.arms_difference(a, b).significant
     with pytest.raises(ValueError, match="two or more"):
         Mean("v").arms_difference(a[:1], b[:1])
@@ -212,7 +212,7 @@ def test_runs_on_their_own_texts_compare_unpaired_with_a_wider_interval_than_sha
     assert paired.significant and paired.low > 0.15
     assert unpaired.high - unpaired.low > 5 * (paired.high - paired.low) and unpaired.n == 150
     assert unpaired.low < unpaired.difference < unpaired.high
-    corpus = Corpus(("v",), lambda p: lambda idx: float(np.mean(np.asarray(p["v"])[idx])))
+    corpus = CorpusStatistic(("v",), lambda p: lambda idx: float(np.mean(np.asarray(p["v"])[idx])))
     assert corpus.unpaired_difference(a, other_texts).difference == pytest.approx(unpaired.difference)
 
 
@@ -230,7 +230,7 @@ def test_recipes_pair_the_draws_of_two_reports_and_weigh_each_text_by_its_tokens
     assert est.value == pytest.approx(expected) and est.low < est.value < est.high and est.n == 64
     same = recipe.difference(per_text, per_text)
     assert same.difference == same.low == same.high == 0.0  # the same texts and the same draws of each
-    corpus = Corpus(("nats",), lambda p: lambda idx: float(np.asarray(p["nats"])[idx].max()))
+    corpus = CorpusStatistic(("nats",), lambda p: lambda idx: float(np.asarray(p["nats"])[idx].max()))
     assert corpus.difference(per_text, per_text).high == 0.0
 
 

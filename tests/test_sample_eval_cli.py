@@ -16,7 +16,7 @@ from mmldlm.config import load_config
 from mmldlm.evaluation import evaluate, text_metrics
 from mmldlm.evaluation.evaluate import elbo, val_batches
 from mmldlm.evaluation.intervals import Rate
-from mmldlm.evaluation.report import figure_text, flat
+from mmldlm.evaluation.report import eval_metrics, figure_text
 from mmldlm.export.pretrained import load_trained
 from mmldlm.runs.trained import load_run
 from mmldlm.training.run import train
@@ -633,7 +633,7 @@ def test_a_figure_the_decoder_selects_on_is_labelled_and_measured_without_select
     summary = capsys.readouterr().out
     assert "re-encoded cosine" in summary and "(selected on: max over 2 candidates)" in summary
     assert f"without selection (best of 1) {figure_text(plain, 'cosine_mean', '.4f')}" in summary
-    assert "eval_l2t_without_selection_cosine_mean_low" in flat(report)
+    assert "eval_l2t_without_selection_cosine_mean_low" in eval_metrics(report)
 
 
 def test_eval_scores_num_samples_texts_for_the_elbo_and_notes_a_retrieval_pool_of_one(run_dir, tmp_path, capsys):

@@ -171,9 +171,9 @@ def evaluation(args: argparse.Namespace, model_path: str):
 
 def default_split(data) -> str:
     """ "val" where the prepared dataset at `data` has validation samples, else "all" (train then val)."""
-    from mmldlm.data import format as fmt
+    from mmldlm.data.format import read_meta
 
-    shards = fmt.read_meta(data)["shards"].get("val", [])
+    shards = read_meta(data)["shards"].get("val", [])
     return "val" if sum(shard["num_samples"] for shard in shards) else "all"
 
 

@@ -2,8 +2,8 @@
 
 evaluate.py         the report of `mmldlm eval` and of evaluation during training: ELBO per mode, l2t
                     reconstruction, t2l cosine and retrieval, length, writing, references (`evaluate`)
-report.py           the report for readers: its markdown (`markdown`), its eval_* metric keys (`flat`)
-intervals.py        bootstrap intervals of a figure (`bootstrap`, the recipes `Mean`, `Rate`, `Corpus`)
+report.py           the report for readers: its markdown (`markdown`), its eval_* metric keys (`eval_metrics`)
+intervals.py        bootstrap intervals of a figure (`bootstrap`, the recipes `Mean`, `Rate`, `CorpusStatistic`)
                     and differences of two reports or two arms of runs (`paired_difference`, ...)
 compare.py          two reports of the same texts, figure by figure (`mmldlm compare`: `compare_reports`)
 text_metrics.py     figures of writing on plain strings: word F1, BLEU, repetition, distinct-n, copies,

@@ -53,7 +53,7 @@ def compare_reports(a: dict, b: dict, names: tuple[str, str] = ("A", "B"), unpai
     """{"a", "b", "runs_a", "runs_b", "level", "num_resamples", "rows": [{section, figure, a, b,
     difference, low, high, n, significant}], "other_reference": [n-gram perplexities scored by different
     references, REFERENCE_SCORED], "not_compared": [sections in one report only],
-    "without_interval": [figures no resampling can bound, intervals.Corpus.resampled]}; the figures of
+    "without_interval": [figures no resampling can bound, intervals.CorpusStatistic.resampled]}; the figures of
     the model, not of the data (`DATA_ONLY`). `unpaired`: each report scored its own texts (runs on
     different data, each on its own validation split), resampled independently."""
     return compare_arms([a], [b], [names[0]], [names[1]], unpaired=unpaired)
@@ -136,7 +136,7 @@ def compare_arms(
                 difference = _difference(
                     recipe, per_text[: len(arm_a)], per_text[len(arm_a) :], f"{name} {figure}", names
                 )
-            if difference is None:  # no interval for this figure (intervals.Corpus.resampled)
+            if difference is None:  # no interval for this figure (intervals.CorpusStatistic.resampled)
                 without_interval.append(f"{name} {figure}")
                 continue
             rows.append({"section": name, "figure": figure, **difference.to_dict()})

@@ -56,7 +56,7 @@ hold the first scale's figures.
    figures are labelled (`selected_on`) and measured again without selection (`l2t_without_selection`,
    `joint_without_selection`); word F1, exact match, BLEU and fluency, which no decoder selects on, are
    the headline of such a decoder.
-The report is a JSON-able dict; report.py renders it (`markdown`) and turns it into eval_* metric keys (`flat`).
+The report is a JSON-able dict; report.py renders it (`markdown`) and turns it into eval_* metric keys (`eval_metrics`).
 """
 
 from __future__ import annotations
@@ -75,9 +75,9 @@ from mmldlm import progress
 from mmldlm.config import EvalConfig
 from mmldlm.data.dataset import PadCollate, PreparedDataset
 from mmldlm.diffusion import MaskedDiffusion
-from mmldlm.evaluation import latent_fidelity as lf
-from mmldlm.evaluation import text_metrics as tm
-from mmldlm.evaluation.intervals import Corpus, Mean, Rate
+from mmldlm.evaluation import text_metrics
+from mmldlm.evaluation.intervals import CorpusStatistic, Mean, Rate
+from mmldlm.evaluation.latent_fidelity import fidelity
 from mmldlm.evaluation.text_metrics import word_f1, words
 from mmldlm.objective import Objective
 from mmldlm.runs.trained import TrainedRun, dataset_texts
@@ -105,28 +105,28 @@ def val_batches(run: TrainedRun, num_samples: int, batch_size: int):
 # says how the figure is made from them.
 
 
-def _bleu(key: str) -> Corpus:
+def _bleu(key: str) -> CorpusStatistic:
     def statistic(per_text: dict):
         rows = np.asarray(per_text[key], dtype=np.float64)
-        return lambda idx: tm.bleu_of_statistics(rows[idx])
+        return lambda idx: text_metrics.bleu_of_statistics(rows[idx])
 
-    return Corpus((key,), statistic)
+    return CorpusStatistic((key,), statistic)
 
 
-def _perplexity(bits: str, counts: str) -> Corpus:
+def _perplexity(bits: str, counts: str) -> CorpusStatistic:
     def statistic(per_text: dict):
         b, c = np.asarray(per_text[bits], dtype=np.float64), np.asarray(per_text[counts], dtype=np.float64)
-        return lambda idx: tm.perplexity_of(b[idx], c[idx])
+        return lambda idx: text_metrics.perplexity_of(b[idx], c[idx])
 
-    return Corpus((bits, counts), statistic)
+    return CorpusStatistic((bits, counts), statistic)
 
 
-def _distinct(n: int, key: str = "texts") -> Corpus:
+def _distinct(n: int, key: str = "texts") -> CorpusStatistic:
     def statistic(per_text: dict):
-        grams = [tm.word_ngrams(text, n) for text in per_text[key]]
-        return lambda idx: tm.distinct_of([grams[i] for i in idx]) or 0.0
+        grams = [text_metrics.word_ngrams(text, n) for text in per_text[key]]
+        return lambda idx: text_metrics.distinct_of([grams[i] for i in idx]) or 0.0
 
-    return Corpus((key,), statistic, resampled=False)
+    return CorpusStatistic((key,), statistic, resampled=False)
 
 
 ELBO = {
@@ -216,7 +216,7 @@ def sections(report: dict) -> list[tuple[str, dict, dict]]:
     return out
 
 
-def selection(options: SamplingOptions, length_candidates: bool = False) -> str | None:
+def describe_selection(options: SamplingOptions, length_candidates: bool = False) -> str | None:
     """What a decoder with `options` selects its texts by, in words (the re-encoded cosine to the
     target, or a joint sample's consistency, is then its maximum over the candidates); None when it
     keeps the sampler's one text. `length_candidates`: the lengths are candidates too (l2t at the
@@ -425,7 +425,7 @@ def l2t_reconstruction(
     use_encoder: bool = True,
     num_examples: int = 5,
     predicted_length: bool = False,
-    fluency: tm.NgramReference | None = None,
+    fluency: text_metrics.NgramReference | None = None,
 ) -> dict:
     """Text from the first N validation latents vs. the source texts (module docstring, 2), at each
     source's own length, or with `predicted_length` at the length head's (its `length_candidates` most
@@ -456,7 +456,7 @@ def l2t_reconstruction(
         model_calls_per_batch=sampler.num_forward / math.ceil(len(ids) / batch_size),
         encoded_per_sample=sampler.num_encoded / len(ids),
     )
-    selected = selection(options, length_candidates=predicted_length)
+    selected = describe_selection(options, length_candidates=predicted_length)
     if use_encoder and selected:
         result["selected_on"] = {"cosine_mean": selected}
     result["examples"] = [
@@ -491,11 +491,11 @@ def writing_per_text(run: TrainedRun, generated: list[str], sources: list[str], 
     of texts against their sources (text_metrics.py; the figures: `L2T`)."""
     known = known_words(run)
     decoded_words = [words(g) for g in generated]
-    repetition = tm.repetition_per_text(generated, 2)
+    repetition = text_metrics.repetition_per_text(generated, 2)
     out = {
         "exact": np.array([g == s for g, s in zip(generated, sources)], dtype=np.float64),
         "word_f1": np.array([word_f1(w, words(s)) for w, s in zip(decoded_words, sources)]),
-        "bleu_statistics": tm.bleu_statistics(generated, sources),
+        "bleu_statistics": text_metrics.bleu_statistics(generated, sources),
         "repetition": np.array([r or 0.0 for r in repetition]),
         "has_bigram": np.array([r is not None for r in repetition], dtype=np.float64),
         "real_word_share": np.array([sum(w in known for w in ws) / max(1, len(ws)) for ws in decoded_words]),
@@ -512,7 +512,7 @@ def joint_generation(
     num_samples: int,
     batch_size: int,
     seed: int = 0,
-    fluency: tm.NgramReference | None = None,
+    fluency: text_metrics.NgramReference | None = None,
     num_examples: int = 5,
 ) -> dict:
     """Joint samples at lengths drawn from the validation split: consistency (cosine of each text's
@@ -529,9 +529,9 @@ def joint_generation(
             latents.append(z)
     seconds = time.perf_counter() - start
     latents = torch.cat(latents)
-    fidelity = latent_fidelity(run, latents)
+    fidelity_figures = latent_fidelity(run, latents)
     consistency = F.cosine_similarity(run.encode_latents(texts).flatten(1), latents.flatten(1), dim=-1)
-    repetition = tm.repetition_per_text(texts, 2)
+    repetition = text_metrics.repetition_per_text(texts, 2)
     per_text = {
         "consistency": consistency.numpy(),
         "repetition": np.array([r or 0.0 for r in repetition]),
@@ -539,12 +539,14 @@ def joint_generation(
         "texts": texts,
     }
     if run.dataset_dir is not None:
-        per_text["copied"] = np.array(tm.copied(texts, dataset_texts(str(run.dataset_dir), "train")), dtype=np.float64)
+        per_text["copied"] = np.array(
+            text_metrics.copied(texts, dataset_texts(str(run.dataset_dir), "train")), dtype=np.float64
+        )
     if fluency is not None:
         per_text["ngram_bits"], per_text["ngram_words"] = fluency.bits_per_text(texts)
     out = summarise(JOINT, per_text, num_samples=num_samples, samples_per_s=num_samples / seconds)
-    out["latent_fidelity"] = fidelity
-    selected = selection(options)
+    out["latent_fidelity"] = fidelity_figures
+    selected = describe_selection(options)
     if selected:
         out["selected_on"] = {"consistency": selected}
     out["examples"] = [{"generated": t, "consistency": round(c, 4)} for t, c in zip(texts, consistency.tolist())][
@@ -554,11 +556,11 @@ def joint_generation(
 
 
 @functools.lru_cache(maxsize=2)
-def _ngram_lm(dataset_dir: str, split: str) -> tm.NgramReference:
-    return tm.NgramReference.fit(list(dataset_texts(dataset_dir, split)))
+def _ngram_lm(dataset_dir: str, split: str) -> text_metrics.NgramReference:
+    return text_metrics.NgramReference.fit(list(dataset_texts(dataset_dir, split)))
 
 
-def fluency_reference(run: TrainedRun) -> tm.NgramReference | None:
+def fluency_reference(run: TrainedRun) -> text_metrics.NgramReference | None:
     """The n-gram model fitted on the training texts alone: the run's training split, or, for an exported
     model evaluated on the validation split of a prepared dataset, that dataset's training split; None
     when no training text is at hand (the evaluated texts themselves are never fitted)."""
@@ -620,7 +622,7 @@ def latent_fidelity(run: TrainedRun, generated: torch.Tensor, paired: bool = Fal
         return None
     _, real = _first_val(run, 2 * n)
     standard = lambda x: run.latent.standardize(x.float()).flatten(1).double().numpy()  # noqa: E731
-    return lf.fidelity(standard(generated[:n].cpu()), standard(real[:n]), standard(real[n : 2 * n]), paired=paired)
+    return fidelity(standard(generated[:n].cpu()), standard(real[:n]), standard(real[n : 2 * n]), paired=paired)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -654,7 +656,9 @@ def length_prediction(run: TrainedRun, num_samples: int) -> dict | None:
     return summarise(LENGTH, per_text, **fixed)
 
 
-def references(run: TrainedRun, num_samples: int, pool_size: int, fluency: tm.NgramReference | None = None) -> dict:
+def measure_references(
+    run: TrainedRun, num_samples: int, pool_size: int, fluency: text_metrics.NgramReference | None = None
+) -> dict:
     """What trivial predictors and real text score on the same samples (module docstring, 5)."""
     ids, targets = _first_val(run, num_samples)
     targets = targets.flatten(1)  # (N, K*D), encoder space
@@ -664,7 +668,7 @@ def references(run: TrainedRun, num_samples: int, pool_size: int, fluency: tm.Ng
         constant = mean.float().repeat(run.model.cfg.num_latents)[None, :]  # (1, K*D)
         per_text["mean_latent_cosine"] = F.cosine_similarity(constant, targets, dim=-1).numpy()
     texts = run.decode(*run.batch_of(ids))
-    repetition = tm.repetition_per_text(texts, 2)
+    repetition = text_metrics.repetition_per_text(texts, 2)
     per_text["real_repetition"] = np.array([r or 0.0 for r in repetition])
     per_text["real_has_bigram"] = np.array([r is not None for r in repetition], dtype=np.float64)
     per_text["real_texts"] = texts
@@ -672,10 +676,10 @@ def references(run: TrainedRun, num_samples: int, pool_size: int, fluency: tm.Ng
         others = texts[1:] + texts[:1]
         per_text["other_sentence_cosine"] = F.cosine_similarity(targets.roll(-1, dims=0), targets, dim=-1).numpy()
         per_text["other_sentence_word_f1"] = np.array([word_f1(words(a), words(b)) for a, b in zip(others, texts)])
-        per_text["other_sentence_bleu_statistics"] = tm.bleu_statistics(others, texts)
+        per_text["other_sentence_bleu_statistics"] = text_metrics.bleu_statistics(others, texts)
     if fluency is not None:
         per_text["real_ngram_bits"], per_text["real_ngram_words"] = fluency.bits_per_text(texts)
-        shuffled = fluency.bits_per_text(tm.shuffled_words(texts))
+        shuffled = fluency.bits_per_text(text_metrics.shuffled_words(texts))
         per_text["shuffled_ngram_bits"], per_text["shuffled_ngram_words"] = shuffled
     return summarise(
         REFERENCES, per_text, num_samples=len(ids), chance_retrieval_at_1=1.0 / min(pool_size, len(run.val))
@@ -698,7 +702,7 @@ def nearest_training_text(run: TrainedRun, num_samples: int) -> dict | None:
     sources = run.decode(*run.batch_of(ids))
     per_text = {
         "word_f1": np.array([word_f1(words(a), words(b)) for a, b in zip(nearest, sources)]),
-        "bleu_statistics": tm.bleu_statistics(nearest, sources),
+        "bleu_statistics": text_metrics.bleu_statistics(nearest, sources),
         "exact": np.array([a == b for a, b in zip(nearest, sources)], dtype=np.float64),
         "cosine": best.values.numpy(),
     }
@@ -720,7 +724,7 @@ def evaluate(
 ) -> dict:
     """ELBO per mode, l2t reconstruction, t2l retrieval, length prediction and the references of `run`
     with the budget of `cfg`; the samplers once per guidance scale (default: options.guidance_scale);
-    with cfg.writing also the writing figures (`writing`). A decoder that selects its texts by the
+    with cfg.writing also the writing figures (`measure_writing`). A decoder that selects its texts by the
     encoder is also run without selecting (`without_selection`). The ELBO scores `num_elbo` texts per
     mode (default cfg.num_elbo_batches batches of cfg.batch_size)."""
     if options is None:  # evaluation during training: what the model writes alone, without the encoder's help
@@ -750,10 +754,10 @@ def evaluate(
         if length is not None:
             report["length"] = length
         if cfg.writing:
-            report.update(writing(run, cfg, first, seed, fluency))
+            report.update(measure_writing(run, cfg, first, seed, fluency))
         report.update(without_selection(run, cfg, first, seed, fluency))
         progress.note("references: what trivial predictors and real text score")
-        report["references"] = references(run, cfg.num_samples, cfg.retrieval_pool, fluency)
+        report["references"] = measure_references(run, cfg.num_samples, cfg.retrieval_pool, fluency)
         if cfg.writing and fluency is None:
             report["references"]["ngram_perplexity"] = "not measured: no training texts at hand"
         if fluency is not None:  # what the n-gram perplexities were scored by (compare checks it)
@@ -767,7 +771,7 @@ def without_selection(run: TrainedRun, cfg: EvalConfig, options: SamplingOptions
     """Where the decoder selects by the encoder (best_of > 1, correction rounds), l2t (and, with
     cfg.writing, joint) once more with the sampler's one text: the cosine and consistency a selection
     did not choose (a selected figure is a maximum over candidates by construction)."""
-    if not (cfg.encoder and selection(options)):
+    if not (cfg.encoder and describe_selection(options)):
         return {}
     plain = dataclasses.replace(options, best_of=1, correction_rounds=0)
     out = {
@@ -799,7 +803,7 @@ def guidance_sweep(run: TrainedRun, cfg: EvalConfig, options, scales: list[float
     return out
 
 
-def writing(run: TrainedRun, cfg: EvalConfig, options: SamplingOptions, seed: int, fluency) -> dict:
+def measure_writing(run: TrainedRun, cfg: EvalConfig, options: SamplingOptions, seed: int, fluency) -> dict:
     """l2t at the length head's lengths (where the model has a length head), joint generation (where the
     encoder is used) and the nearest-training-text reference."""
     out = {}

@@ -1,5 +1,5 @@
 """An evaluation report (evaluate.py) for readers: the markdown `mmldlm eval` prints and writes, the
-eval_* metric keys of metrics.jsonl (`flat`), and the helpers the model card and other reports format
+eval_* metric keys of metrics.jsonl (`eval_metrics`), and the helpers the model card and other reports format
 figures with (`figure_text`, `table_cell`, `selected_label`)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 from mmldlm.evaluation.intervals import MIN_TEXTS
 
 
-def flat(report: dict) -> dict:
+def eval_metrics(report: dict) -> dict:
     """The report's numbers as eval_* keys (for metrics.jsonl): eval_elbo_l2t_text_nats_per_token, and
     each interval as _low and _high: eval_elbo_l2t_text_nats_per_token_low, ... (no per-text values)."""
     out = {}

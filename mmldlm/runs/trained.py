@@ -26,9 +26,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from mmldlm.config import RunConfig, load_config
-from mmldlm.data import format as fmt
 from mmldlm.data.dataset import PreparedDataset, model_for_dataset, resolve_for_model
 from mmldlm.data.errors import DataError
+from mmldlm.data.format import META, SPLITS, read_meta
 from mmldlm.data.prepare import dataset_path
 from mmldlm.data.tokenizer import encode_texts, load_tokenizer
 from mmldlm.device import pick_device
@@ -257,8 +257,8 @@ class AllSplits(torch.utils.data.ConcatDataset):
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.meta = fmt.read_meta(self.path)
-        super().__init__([PreparedDataset(self.path, name) for name in fmt.SPLITS if self.meta["splits"].get(name)])
+        self.meta = read_meta(self.path)
+        super().__init__([PreparedDataset(self.path, name) for name in SPLITS if self.meta["splits"].get(name)])
 
     def __getitem__(self, index: int) -> tuple[int, np.ndarray, np.ndarray]:
         """(index, token ids (n,), latents (K, D)), as PreparedDataset's, the index counted over both splits."""
@@ -270,7 +270,7 @@ def check_compatible(run: TrainedRun, path: Path) -> None:
     """DataError unless the dataset at `path` reads as the run's own data does to the model: the same
     tokenizer (the same ids for the same text), the same encoder and normalisation (latents in the
     same space), the same latent shape (K, D)."""
-    theirs = fmt.read_meta(path)
+    theirs = read_meta(path)
     theirs_tok = path / theirs["tokenizer"]
     fix = "prepare the text with `mmldlm prepare --like RUN_DIR --input FILE --out DIR`"
     if theirs_tok.read_text(encoding="utf-8") != run.tokenizer_file.read_text(encoding="utf-8"):
@@ -286,7 +286,7 @@ def check_compatible(run: TrainedRun, path: Path) -> None:
     }
     for key, value in ours.items():
         if theirs.get(key) != value:
-            raise DataError(f"{path / fmt.META}: {key} {theirs.get(key)!r}, but the run's model has {value!r}; {fix}")
+            raise DataError(f"{path / META}: {key} {theirs.get(key)!r}, but the run's model has {value!r}; {fix}")
 
 
 def find_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:

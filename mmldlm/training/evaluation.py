@@ -19,7 +19,7 @@ import logging
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from mmldlm.evaluation.evaluate import evaluate
-from mmldlm.evaluation.report import flat
+from mmldlm.evaluation.report import eval_metrics
 from mmldlm.model import MultimodalMMDiT
 from mmldlm.runs.trained import TrainedRun
 from mmldlm.training.distributed import barrier, collective_guard
@@ -58,7 +58,7 @@ def evaluate_during_training(trainer) -> dict | None:
             weights="ema" if trainer.ema is not None else "raw",
         )
         report = evaluate(run, trainer.cfg.eval, seed=trainer.cfg.train.seed)
-        record = {"step": trainer.step, **flat(report)}
+        record = {"step": trainer.step, **eval_metrics(report)}
         log.info(
             "eval at step %d: l2t exact match %.1f%%, t2l retrieval@1 %.1f%%",
             trainer.step,

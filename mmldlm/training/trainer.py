@@ -632,7 +632,7 @@ class Trainer:
         )
         mode = self.objective.mode_at(step)
         idle = self.idle_parameters(mode)
-        if self.cfg.perf.refreeze_every_step:  # comparison recipe
+        if self.cfg.perf.refreeze_every_step:  # baseline recipe
             baseline.refreeze(self.raw_model.parameters(), idle)
         lr = self.schedule.apply(self.optimizer, step)
 
