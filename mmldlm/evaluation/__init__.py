@@ -13,5 +13,6 @@ latent_fidelity.py  Fréchet distance, k-NN precision and recall, std ratio of g
 
 Each module is imported by its own name (`from mmldlm.evaluation.evaluate import evaluate`): this package
 re-exports nothing, so importing one module does not load the others (kneser_ney loads nltk).
-Evaluation during training calls `evaluate` from mmldlm/training/evaluation.py.
+Evaluation during training (mmldlm/training/evaluation.py) stays with the trainer it reads and the ranks
+it synchronises (training/distributed.py): evaluation imports nothing of training.
 """
