@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name == "MMLDLM":
-        from mmldlm.sampling.pretrained import MMLDLM
+        from mmldlm.export.pretrained import MMLDLM
 
         return MMLDLM
     raise AttributeError(f"module 'mmldlm' has no attribute '{name}'")

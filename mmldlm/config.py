@@ -69,7 +69,7 @@ class ModelConfig:
     num_latents: int | None = None  # K latent vectors per sample; None: the prepared dataset's (1 per text)
     pos_embedding: Literal["rope", "learned"] = "rope"
     qk_norm: bool = True  # RMSNorm on queries and keys, per head
-    attention: Literal["sdpa", "explicit"] = "sdpa"  # explicit: comparison recipe (mmldlm/comparison.py)
+    attention: Literal["sdpa", "explicit"] = "sdpa"  # explicit: baseline recipe (mmldlm/baseline.py)
     timestep_embed_dim: int = 256  # sinusoidal features fed to the timestep MLPs
     null_latent: bool = True  # learned "no condition" latent for classifier-free guidance
     # Latent self-conditioning (Chen et al. 2022): the latent stream also reads an earlier x0 estimate.
@@ -168,7 +168,7 @@ class LatentDiffusionConfig:
 
     schedule: Literal["cosine"] = "cosine"
     prediction: Literal["eps", "x0", "v"] = "v"
-    loss: Literal["mse", "cosine", "normalized_mse"] = "mse"  # normalized_mse: comparison recipe
+    loss: Literal["mse", "cosine", "normalized_mse"] = "mse"  # normalized_mse: baseline recipe
     min_alpha: float = 1e-4  # alpha(t=1) floor: keeps eps <-> x0 conversions finite at t = 1
     # Shifted schedule: the signal-to-noise ratio at every t divided by shift^2 (> 1: noisier, more of
     # training and sampling where the condition must supply what the noised latent no longer holds).
@@ -519,7 +519,7 @@ class DistributedConfig:
     # training/parallelize.py, which also says why static graph and no_sync() do not mix).
     static_graph: bool | Literal["auto"] = "auto"
     # true: DDP searches the autograd graph for unused parameters every step instead of the anchor
-    # (the comparison recipe's setting).
+    # (the baseline recipe's setting).
     find_unused_parameters: bool = False
 
     def check(self, prefix: str = "distributed") -> None:
@@ -571,7 +571,7 @@ class CheckpointConfig:
 
 @dataclass
 class EvalConfig:
-    """Evaluation on rank 0 during training, written to metrics.jsonl (see mmldlm/sampling/evaluate.py);
+    """Evaluation on rank 0 during training, written to metrics.jsonl (see mmldlm/evaluation/evaluate.py);
     `mmldlm eval` takes the same figures with a larger budget from the command line."""
 
     every: int = 0  # steps between evaluations; 0 = never during training
@@ -637,7 +637,7 @@ class PerfConfig:
     activation_checkpointing: Literal["none", "full", "every_k", "selective", "auto"] = "none"
     checkpoint_every_k: int = 2
     compile: bool = False  # torch.compile each block (pair with data.pad_to_multiple=64: few shapes)
-    # Toggle requires_grad over every parameter at every step: comparison recipe (mmldlm/comparison.py;
+    # Toggle requires_grad over every parameter at every step: baseline recipe (mmldlm/baseline.py;
     # the idle head is otherwise handled once per mode, see parallelize.py).
     refreeze_every_step: bool = False
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
@@ -673,7 +673,7 @@ class RunConfig:
                 section.check(f.name)
         if self.data.packing:
             refused = {
-                "model.attention": self.model.attention == "explicit",  # comparison recipe
+                "model.attention": self.model.attention == "explicit",  # baseline recipe
                 "model.num_prefix_tokens": self.model.num_prefix_tokens > 0,
                 "distributed.strategy": self.distributed.strategy == "fsdp2",
             }

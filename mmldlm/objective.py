@@ -62,7 +62,7 @@ class Objective:
         per_sample: bool = False,
     ):
         self.cfg = cfg
-        # Evaluation: the text ELBO and latent loss of each sample as metrics too (mmldlm/sampling/evaluate.py).
+        # Evaluation: the text ELBO and latent loss of each sample as metrics too (mmldlm/evaluation/evaluate.py).
         self.per_sample = per_sample
         self.text = text
         self.latent = latent

@@ -29,8 +29,10 @@ import torch
 import yaml
 
 from mmldlm.device import keep_freed_memory
-from mmldlm.sampling import SamplingOptions, load_trained
-from mmldlm.sampling.evaluate import JOINT, L2T, figure_text, fluency_reference, joint_generation, l2t_reconstruction
+from mmldlm.evaluation.evaluate import JOINT, L2T, fluency_reference, joint_generation, l2t_reconstruction
+from mmldlm.evaluation.report import figure_text
+from mmldlm.export.pretrained import load_trained
+from mmldlm.sampling import SamplingOptions
 
 COLUMNS = {
     "l2t": (
@@ -71,7 +73,7 @@ def cell(result: dict, first: dict | None, recipes: dict, key: str, fmt: str) ->
     if first is None or key not in recipes:
         return text
     difference = recipes[key].difference(result["per_text"], first["per_text"])
-    if difference is None:  # no interval for this figure (intervals.Corpus.resampled)
+    if difference is None:  # no interval for this figure (intervals.CorpusStatistic.resampled)
         return text
     signed = "{:+" + fmt.strip("{:}") + "}"
     bounds = f"[{signed.format(difference.low)}, {signed.format(difference.high)}]"

@@ -1,5 +1,5 @@
 """How the text bound's estimate behaves with uniform and with importance-sampled times of t
-(mmldlm/sampling/evaluate.py `importance_times`), on simulated evaluations: markdown on stdout.
+(mmldlm/evaluation/evaluate.py `importance_times`), on simulated evaluations: markdown on stdout.
 
     python scripts/elbo_times_study.py [--evaluations 300] [--texts 128] [--draws 2]
 
@@ -18,8 +18,8 @@ import argparse
 import numpy as np
 import torch
 
-from mmldlm.sampling.evaluate import importance_times, largest_share
-from mmldlm.sampling.intervals import bootstrap
+from mmldlm.evaluation.evaluate import importance_times, largest_share
+from mmldlm.evaluation.intervals import bootstrap
 
 EPS, MAX_TOKENS = 1e-3, 24
 

@@ -31,7 +31,7 @@ def held_out(runs: list[str], limit: int | None = None) -> tuple[list[str], dict
     """The first run's validation texts that no run in `runs` trained on (at most `limit`), and how many
     each run's training split removed."""
     from mmldlm.config import load_config
-    from mmldlm.sampling.run import dataset_texts
+    from mmldlm.runs.trained import dataset_texts
     from mmldlm.tools.check import prepared_data_path
 
     dirs = []

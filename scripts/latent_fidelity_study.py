@@ -1,6 +1,6 @@
 """Does the latent sampler collapse towards the mean? Its fidelity by step count, shift and sampler
 (DDIM or DDPM), first on Gaussian data with the exact denoiser, then on a trained run's t2l and joint
-generation (mmldlm/sampling/latent_fidelity.py). Markdown tables for docs/quality.md.
+generation (mmldlm/evaluation/latent_fidelity.py). Markdown tables for docs/quality.md.
 
     python scripts/latent_fidelity_study.py gaussian
     python scripts/latent_fidelity_study.py run /tmp/fidelity/run --num-samples 256 --t2l-steps 2 8 --joint-steps 8
@@ -25,9 +25,10 @@ import torch
 
 from mmldlm.config import LatentDiffusionConfig
 from mmldlm.diffusion import GaussianDiffusion
-from mmldlm.sampling import SamplingOptions, load_trained
-from mmldlm.sampling.evaluate import _first_val, _generator, latent_fidelity, t2l_latents, t2l_retrieval
-from mmldlm.sampling.latent_fidelity import exact_gaussian_samples
+from mmldlm.evaluation.evaluate import _first_val, _generator, latent_fidelity, t2l_latents, t2l_retrieval
+from mmldlm.evaluation.latent_fidelity import exact_gaussian_samples
+from mmldlm.export.pretrained import load_trained
+from mmldlm.sampling import SamplingOptions
 
 STEPS = (1, 2, 4, 8, 16, 32, 64, 128)
 

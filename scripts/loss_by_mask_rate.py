@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from mmldlm.sampling import load_trained
+from mmldlm.export.pretrained import load_trained
 
 SHARES = (1.0, 0.9, 0.7, 0.5, 0.3, 0.1)
 

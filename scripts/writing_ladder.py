@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 from mmldlm.device import describe_device
-from mmldlm.sampling.evaluate import flat
+from mmldlm.evaluation.report import eval_metrics
 
-# (label, eval_* key of mmldlm.sampling.evaluate.flat, format, scale)
+# (label, eval_* key of mmldlm.evaluation.report.eval_metrics, format, scale)
 FIGURES = (
     ("t2l retrieval@1", "eval_t2l_retrieval_at_1", "{:.1f}%", 100.0),
     ("t2l cosine", "eval_t2l_cosine_mean", "{:.3f}", 1.0),
@@ -136,12 +136,12 @@ def plan(rungs, speeds: dict, seconds_left: float, safety: float = 0.9) -> list[
     return out
 
 
-def estimate(flat: dict, key: str) -> tuple[float, float | None, float | None] | None:
+def estimate(metrics: dict, key: str) -> tuple[float, float | None, float | None] | None:
     """(value, low, high) of an eval_* figure; low/high from its interval keys where the report has them."""
-    if key not in flat or not isinstance(flat[key], int | float):
+    if key not in metrics or not isinstance(metrics[key], int | float):
         return None
-    low, high = flat.get(f"{key}_low"), flat.get(f"{key}_high")
-    return float(flat[key]), low, high
+    low, high = metrics.get(f"{key}_low"), metrics.get(f"{key}_high")
+    return float(metrics[key]), low, high
 
 
 def cell(est, fmt: str, scale: float) -> str:
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             ["eval", "--run", str(run_dir), "--out", str(report), *shlex.split(args.eval_args)], args.out / "log.txt"
         )
         flops = [r["train_flops"] for r in records(run_dir)]
-        figures = flat(json.loads((run_dir / "eval.json").read_text(encoding="utf-8")))
+        figures = eval_metrics(json.loads((run_dir / "eval.json").read_text(encoding="utf-8")))
         rows.append(
             {
                 **rung,

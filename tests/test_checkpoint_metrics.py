@@ -24,7 +24,7 @@ import mmldlm.training.storage as storage
 from mmldlm.config import CheckpointConfig, LoggingConfig, OptimConfig, RunConfig
 from mmldlm.runs.checkpoints import FULL_STATE_FILES, file_sha256, find_latest, read_weights
 from mmldlm.runs.files import CheckpointError
-from mmldlm.sampling.run import find_checkpoint
+from mmldlm.runs.trained import find_checkpoint
 from mmldlm.training.checkpoint import CheckpointManager
 from mmldlm.training.distributed import DistInfo
 from mmldlm.training.metrics import MetricsLogger, truncate_lines

@@ -14,10 +14,10 @@ from data_support import trained_run
 
 from mmldlm import cli
 from mmldlm.config import load_config
-from mmldlm.data import format as fmt
 from mmldlm.data.dataset import open_dataset
+from mmldlm.data.format import META, TOKENIZER
 from mmldlm.data.tokenizer import encode_texts, load_tokenizer
-from mmldlm.sampling import load_run
+from mmldlm.runs.trained import load_run
 
 RUN = [
     "model=tiny",
@@ -86,8 +86,8 @@ def fake_run(run_dir, tmp_path, **meta_changes):
     """A run directory whose config names a copy of the run's dataset with `meta_changes` in its meta.json."""
     data = tmp_path / "data"
     shutil.copytree(run_data(run_dir).path, data)
-    meta = json.loads((data / fmt.META).read_text())
-    (data / fmt.META).write_text(json.dumps({**meta, **meta_changes}))
+    meta = json.loads((data / META).read_text())
+    (data / META).write_text(json.dumps({**meta, **meta_changes}))
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     config["data"]["path"] = str(data)
     (tmp_path / "run").mkdir()
@@ -97,12 +97,12 @@ def fake_run(run_dir, tmp_path, **meta_changes):
 
 def test_prepare_like_reuses_the_runs_tokenizer_and_encoder(run_dir, like_dir):
     ours = run_data(run_dir)
-    assert (like_dir / fmt.TOKENIZER).read_text() == (ours.path / fmt.TOKENIZER).read_text()
-    meta = json.loads((like_dir / fmt.META).read_text())
+    assert (like_dir / TOKENIZER).read_text() == (ours.path / TOKENIZER).read_text()
+    meta = json.loads((like_dir / META).read_text())
     assert (meta["encoder"], meta["encoder_normalize"]) == (ours.meta["encoder"], ours.meta["encoder_normalize"])
     assert (meta["vocab_size"], meta["pad_id"], meta["mask_id"]) == (ours.vocab_size, ours.pad_id, ours.mask_id)
     # The same ids for the same text: every stored sample is the run's tokenizer applied to one of the texts.
-    expected = sorted(map(tuple, encode_texts(load_tokenizer(ours.path / fmt.TOKENIZER), TEXTS)))
+    expected = sorted(map(tuple, encode_texts(load_tokenizer(ours.path / TOKENIZER), TEXTS)))
     stored = [
         tuple(split[i][1].tolist())
         for split in (open_dataset(like_dir, "train"), open_dataset(like_dir, "val"))
@@ -166,7 +166,7 @@ def test_eval_data_refuses_a_dataset_with_another_tokenizer(run_dir, text_file, 
     reports = sorted(run_dir.glob("eval/*"))
     assert main("eval", "--run", run_dir, "--data", other, "--num-samples", "4", *FAST) == 2
     err = capsys.readouterr().err
-    assert str(other / fmt.TOKENIZER) in err and str(run_data(run_dir).path / fmt.TOKENIZER) in err
+    assert str(other / TOKENIZER) in err and str(run_data(run_dir).path / TOKENIZER) in err
     assert sorted(run_dir.glob("eval/*")) == reports  # refused before evaluating: no report
 
 
@@ -226,12 +226,12 @@ def test_held_out_texts_keeps_the_validation_texts_no_given_run_trained_on(run_d
     assert held_out_main([str(run_dir), str(run_dir), "--out", str(out)]) == 0
     texts = [json.loads(line)["text"] for line in out.read_text().splitlines()]
     val = run_data(run_dir)
-    decode = load_tokenizer(val.path / fmt.TOKENIZER).decode
+    decode = load_tokenizer(val.path / TOKENIZER).decode
     assert texts == [decode(val[i][1].tolist()) for i in range(len(val))]  # a run's val split is held out
     assert held_out_main([str(run_dir), "--out", str(out), "--limit", "2"]) == 0
     assert len(out.read_text().splitlines()) == 2
     # A run that trained on the first validation text (as another run's split would): it is dropped.
-    import mmldlm.sampling.run as run_module
+    import mmldlm.runs.trained as run_module
 
     real = run_module.dataset_texts
     monkeypatch.setattr(

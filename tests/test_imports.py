@@ -126,3 +126,12 @@ def test_the_reader_sees_lazy_relative_and_from_package_imports():
         "mmldlm.training.checkpoint",
         "mmldlm.model.mmdit",
     }
+
+
+def test_training_and_sampling_meet_only_in_runs():
+    """Training and sampling both read run directories through runs/ and never import each other; runs/
+    imports neither training nor what reports on a run (evaluation, export), and those import no training."""
+    edges = graph(package_of)
+    assert "sampling" not in edges["training"] and "training" not in edges["sampling"]
+    assert not edges["runs"] & {"training", "evaluation", "export"}
+    assert "training" not in edges["evaluation"] | edges["export"]

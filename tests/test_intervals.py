@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from mmldlm.sampling.intervals import (
-    Corpus,
+from mmldlm.evaluation.intervals import (
+    CorpusStatistic,
     Mean,
     Rate,
     bootstrap,
@@ -83,7 +83,7 @@ def _bleu_rows(rng, n: int) -> np.ndarray:
 
 
 def test_the_interval_of_corpus_bleu_covers_the_corpus_figure_95_percent_of_the_time():
-    from mmldlm.sampling.text_metrics import bleu_of_statistics
+    from mmldlm.evaluation.text_metrics import bleu_of_statistics
 
     truth = bleu_of_statistics(_bleu_rows(np.random.default_rng(1), 2_000_000))  # the population's BLEU
 
@@ -196,7 +196,7 @@ def test_a_recipe_better_by_far_more_than_its_seeds_differ_is_found_with_two_see
     # An arm of one run borrows the other arm's spread between seeds (pooled, 1 degree of freedom).
     one = Mean("v").arms_difference(a[:1], b)
     assert one.runs_a == 1 and one.high - one.low > diff.high - diff.low
-    corpus = Corpus(("v",), lambda p: lambda idx: float(np.median(np.asarray(p["v"])[idx])))
+    corpus = CorpusStatistic(("v",), lambda p: lambda idx: float(np.median(np.asarray(p["v"])[idx])))
     assert corpus.arms_difference(a, b).significant
     with pytest.raises(ValueError, match="two or more"):
         Mean("v").arms_difference(a[:1], b[:1])
@@ -212,7 +212,7 @@ def test_runs_on_their_own_texts_compare_unpaired_with_a_wider_interval_than_sha
     assert paired.significant and paired.low > 0.15
     assert unpaired.high - unpaired.low > 5 * (paired.high - paired.low) and unpaired.n == 150
     assert unpaired.low < unpaired.difference < unpaired.high
-    corpus = Corpus(("v",), lambda p: lambda idx: float(np.mean(np.asarray(p["v"])[idx])))
+    corpus = CorpusStatistic(("v",), lambda p: lambda idx: float(np.mean(np.asarray(p["v"])[idx])))
     assert corpus.unpaired_difference(a, other_texts).difference == pytest.approx(unpaired.difference)
 
 
@@ -230,14 +230,14 @@ def test_recipes_pair_the_draws_of_two_reports_and_weigh_each_text_by_its_tokens
     assert est.value == pytest.approx(expected) and est.low < est.value < est.high and est.n == 64
     same = recipe.difference(per_text, per_text)
     assert same.difference == same.low == same.high == 0.0  # the same texts and the same draws of each
-    corpus = Corpus(("nats",), lambda p: lambda idx: float(np.asarray(p["nats"])[idx].max()))
+    corpus = CorpusStatistic(("nats",), lambda p: lambda idx: float(np.asarray(p["nats"])[idx].max()))
     assert corpus.difference(per_text, per_text).high == 0.0
 
 
 def test_a_figure_that_resampling_biases_gets_no_interval_and_no_paired_difference():
     # distinct-n of texts drawn with replacement: every duplicate reads as repetition, so each
     # resample falls below the figure; such a figure is reported alone.
-    from mmldlm.sampling.evaluate import _distinct
+    from mmldlm.evaluation.evaluate import _distinct
 
     texts = [f"text {'ab' * (i + 1)} says something new" for i in range(20)]
     recipe = _distinct(1)
@@ -275,7 +275,8 @@ def test_seed_spread_reads_each_runs_evaluation_and_gives_the_one_run_yardstick(
 def test_decoding_table_rows_after_the_first_carry_their_paired_difference_from_it(monkeypatch):
     from pathlib import Path
 
-    from mmldlm.sampling.evaluate import L2T, figure_text, summarise
+    from mmldlm.evaluation.evaluate import L2T, summarise
+    from mmldlm.evaluation.report import figure_text
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))
     from decoding_table import cell
@@ -298,9 +299,9 @@ def test_decoding_table_rows_after_the_first_carry_their_paired_difference_from_
 
 
 def test_compare_leaves_out_perplexities_scored_by_different_n_gram_references():
-    from mmldlm.sampling.compare import compare_reports, markdown
-    from mmldlm.sampling.evaluate import L2T, summarise
-    from mmldlm.sampling.text_metrics import NgramReference
+    from mmldlm.evaluation.compare import compare_reports, markdown
+    from mmldlm.evaluation.evaluate import L2T, summarise
+    from mmldlm.evaluation.text_metrics import NgramReference
 
     rng = np.random.default_rng(0)
     corpus = ["the cat sat on the mat", "a dog ran in the park", "the dog sat on a mat"]
@@ -335,8 +336,8 @@ def test_a_rate_no_text_reaches_gets_the_exact_upper_bound_not_zero_width():
 
 
 def test_exchanging_each_texts_values_gives_comparisons_with_no_difference_that_flag_few_figures():
-    from mmldlm.sampling.compare import compare_reports, markdown, null_flags
-    from mmldlm.sampling.evaluate import L2T, T2L, summarise
+    from mmldlm.evaluation.compare import compare_reports, markdown, null_flags
+    from mmldlm.evaluation.evaluate import L2T, T2L, summarise
 
     rng = np.random.default_rng(11)
     texts = rng.uniform(0.0, 1.0, 200)

@@ -7,7 +7,7 @@ import torch
 
 from mmldlm.config import LatentDiffusionConfig
 from mmldlm.diffusion import GaussianDiffusion
-from mmldlm.sampling.latent_fidelity import exact_gaussian_samples, fidelity, frechet_distance
+from mmldlm.evaluation.latent_fidelity import exact_gaussian_samples, fidelity, frechet_distance
 
 N, D = 300, 16
 

@@ -8,7 +8,7 @@ import torch
 
 from mmldlm.config import TextDiffusionConfig
 from mmldlm.diffusion import MaskedDiffusion
-from mmldlm.sampling.evaluate import importance_times
+from mmldlm.evaluation.evaluate import importance_times
 
 # Toy texts over words 0..3 (4 = mask, 5 = pad: V = 6), of lengths 2 to 4, with their probabilities; the
 # words within a text are correlated (texts share prefixes), so the denoiser's marginals matter.

@@ -18,11 +18,11 @@ from mmldlm.data.encoders import load_encoder
 from mmldlm.data.errors import DataError
 from mmldlm.data.prepare import PrepareOptions, prepare
 from mmldlm.data.tokenizer import encode_texts
-from mmldlm.sampling import evaluate
-from mmldlm.sampling.pretrained import MMLDLM
-from mmldlm.sampling.run import TrainedRun
+from mmldlm.evaluation import evaluate, report
+from mmldlm.evaluation.text_metrics import words
+from mmldlm.export.pretrained import MMLDLM
+from mmldlm.runs.trained import TrainedRun
 from mmldlm.sampling.sampler import SamplingOptions
-from mmldlm.sampling.text_metrics import words
 from mmldlm.tools import check
 from mmldlm.training.distributed import DistInfo
 from mmldlm.training.run import build_model_and_objective, open_train_data
@@ -204,7 +204,7 @@ def test_eval_scores_the_length_head_only_on_lengths_it_can_name_and_shows_the_s
     figures = evaluate.length_prediction(untrained, len(lengths))
     assert figures["num_over_max_length"] == sum(n > 32 for n in lengths) > 0
     assert figures["num_scored"] == sum(n <= 32 for n in lengths)
-    assert "not scored" in evaluate.length_line(figures)
+    assert "not scored" in report.length_line(figures)
     options = SamplingOptions.defaults(untrained.cfg.text_diffusion, untrained.cfg.latent_diffusion, 2)
     l2t = evaluate.l2t_reconstruction(untrained, options, 2, 2, use_encoder=False, num_examples=2)
     assert [e["source"] for e in l2t["examples"]] == stored(untrained.dataset_dir, "val")[0][:2]

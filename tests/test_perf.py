@@ -354,7 +354,7 @@ PERFORMANCE_KEYS = {
     "train.micro_batch_size",
     "train.run_dir",
     "train.precision",
-    # the comparison recipe's latent loss: part of what the baseline reproduces
+    # the baseline recipe's latent loss: part of what the baseline reproduces
     "latent_diffusion.loss",
 }
 

@@ -19,8 +19,8 @@ from mmldlm import MMLDLM, cli
 from mmldlm.data.errors import DataError
 from mmldlm.device import describe_device
 from mmldlm.errors import OptionError
-from mmldlm.sampling.card import model_card, writing_rows
-from mmldlm.sampling.pretrained import CONFIG, TOKENIZER, WEIGHTS
+from mmldlm.export.card import model_card, writing_rows
+from mmldlm.export.pretrained import CONFIG, TOKENIZER, WEIGHTS
 from mmldlm.sampling.sampler import length_masks
 
 RUN = [

@@ -9,9 +9,8 @@ import pytest
 import torch
 from data_support import trained_run
 
-from mmldlm import cli, progress
+from mmldlm import MMLDLM, cli, progress
 from mmldlm.errors import OptionError
-from mmldlm.sampling import MMLDLM
 
 RUN = [
     "model=tiny",

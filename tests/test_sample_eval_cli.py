@@ -13,9 +13,12 @@ from data_support import trained_run
 
 from mmldlm.cli import main
 from mmldlm.config import load_config
-from mmldlm.sampling import evaluate, load_run, load_trained, text_metrics
-from mmldlm.sampling.evaluate import elbo, val_batches
-from mmldlm.sampling.intervals import Rate
+from mmldlm.evaluation import evaluate, text_metrics
+from mmldlm.evaluation.evaluate import elbo, val_batches
+from mmldlm.evaluation.intervals import Rate
+from mmldlm.evaluation.report import eval_metrics, figure_text
+from mmldlm.export.pretrained import load_trained
+from mmldlm.runs.trained import load_run
 from mmldlm.training.run import train
 
 RUN = [
@@ -414,11 +417,11 @@ def test_eval_writes_report_and_summary(run_dir, tmp_path, capsys):
     assert report["t2l"]["pool_size"] == 12 and len(report["l2t"]["examples"]) == 4
     summary = capsys.readouterr().out
     assert "retrieval@1 among 12" in summary and report["l2t"]["examples"][0]["source"] in summary
-    assert f"word F1 {evaluate.figure_text(report['l2t'], 'word_f1')}" in summary
+    assert f"word F1 {figure_text(report['l2t'], 'word_f1')}" in summary
     assert "(chance 8.3%)" in summary and "| 1.5 |" in summary and "length head" in summary
     assert out.with_suffix(".md").read_text(encoding="utf-8") in summary
     # The figures a reader looks for come first, beside their references; the options read as keywords.
-    retrieval = f"- t2l retrieval@1 among 12: {evaluate.figure_text(report['t2l'], 'retrieval_at_1', '.1%')} (chance"
+    retrieval = f"- t2l retrieval@1 among 12: {figure_text(report['t2l'], 'retrieval_at_1', '.1%')} (chance"
     assert summary.index(retrieval) < summary.index("Likelihood bounds") < summary.index("l2t reconstruction")
     assert "Sampling options: num_steps=" in summary and "{'num_steps'" not in summary
     # The writing figures beside their references.
@@ -629,8 +632,8 @@ def test_a_figure_the_decoder_selects_on_is_labelled_and_measured_without_select
     assert "selected_on" not in plain and plain["num_samples"] == 4 and plain["encoded_per_sample"] == 0
     summary = capsys.readouterr().out
     assert "re-encoded cosine" in summary and "(selected on: max over 2 candidates)" in summary
-    assert f"without selection (best of 1) {evaluate.figure_text(plain, 'cosine_mean', '.4f')}" in summary
-    assert "eval_l2t_without_selection_cosine_mean_low" in evaluate.flat(report)
+    assert f"without selection (best of 1) {figure_text(plain, 'cosine_mean', '.4f')}" in summary
+    assert "eval_l2t_without_selection_cosine_mean_low" in eval_metrics(report)
 
 
 def test_eval_scores_num_samples_texts_for_the_elbo_and_notes_a_retrieval_pool_of_one(run_dir, tmp_path, capsys):

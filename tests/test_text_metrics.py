@@ -6,8 +6,8 @@ import pytest
 from nltk.lm import KneserNeyInterpolated, Vocabulary
 from nltk.lm.preprocessing import padded_everygram_pipeline
 
-from mmldlm.sampling.kneser_ney import fit_kneser_ney
-from mmldlm.sampling.text_metrics import (
+from mmldlm.evaluation.kneser_ney import fit_kneser_ney
+from mmldlm.evaluation.text_metrics import (
     NgramReference,
     bleu,
     bleu_of_statistics,

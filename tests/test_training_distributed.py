@@ -17,8 +17,8 @@ from data_support import distributed_corpus_texts, prepared
 
 from mmldlm import cli
 from mmldlm.config import ConfigValueError, DistributedConfig
+from mmldlm.export.pretrained import MMLDLM
 from mmldlm.runs.checkpoints import read_weights, verify
-from mmldlm.sampling.pretrained import MMLDLM
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "train_worker.py"

@@ -1,6 +1,6 @@
 """`mmldlm compare A B [--data DIR] [--num-samples N] [--seed S] [--out FILE.json]`: two runs (or two
 checkpoints, exported models, decoders) on the same validation texts with the same sampling seeds, and a
-paired bootstrap per figure (mmldlm/sampling/compare.py): a table of A, B, A - B, its 95% interval and
+paired bootstrap per figure (mmldlm/evaluation/compare.py): a table of A, B, A - B, its 95% interval and
 whether it excludes 0, printed, and the same as JSON with --out.
 
 A and B are training run directories or exported model folders, evaluated here with the same options
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
     from mmldlm.commands.evaluate import check_options, evaluation
     from mmldlm.errors import OptionError, UserError
-    from mmldlm.sampling.compare import compare_arms, markdown, null_flags
+    from mmldlm.evaluation.compare import compare_arms, markdown, null_flags
 
     check_options(args)
     if args.null_comparisons < 0:

@@ -1,5 +1,5 @@
 """`mmldlm eval --run RUN_DIR [--num-samples N] [--out PATH]`: validation ELBO and latent loss per
-mode, l2t reconstruction and t2l retrieval of a trained run (mmldlm/sampling/evaluate.py). Writes
+mode, l2t reconstruction and t2l retrieval of a trained run (mmldlm/evaluation/evaluate.py). Writes
 a JSON report (default RUN/eval/step-NNNNNNN.json) and its markdown summary beside it (.md), and
 prints the summary. `--data DIR` evaluates on another prepared dataset (made with `mmldlm prepare
 --like RUN_DIR`), by default its validation split (all of it where it has none); its report goes to
@@ -80,9 +80,9 @@ def _evaluate(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
+    from mmldlm.evaluation.report import markdown
+    from mmldlm.export.pretrained import is_exported
     from mmldlm.runs.checkpoints import step_dir_name
-    from mmldlm.sampling.evaluate import markdown
-    from mmldlm.sampling.pretrained import is_exported
 
     run, report = evaluation(args, args.run)
     data, split = Path(report["data"]["path"]), report["data"]["split"]
@@ -126,8 +126,8 @@ def evaluation(args: argparse.Namespace, model_path: str):
     from mmldlm.commands.sample import sampling_options
     from mmldlm.config import EvalConfig
     from mmldlm.device import keep_freed_memory, pick_device
-    from mmldlm.sampling import load_trained
-    from mmldlm.sampling.evaluate import evaluate
+    from mmldlm.evaluation.evaluate import evaluate
+    from mmldlm.export.pretrained import load_trained
 
     check_options(args)
     if args.threads > 0:
@@ -171,9 +171,9 @@ def evaluation(args: argparse.Namespace, model_path: str):
 
 def default_split(data) -> str:
     """ "val" where the prepared dataset at `data` has validation samples, else "all" (train then val)."""
-    from mmldlm.data import format as fmt
+    from mmldlm.data.format import read_meta
 
-    shards = fmt.read_meta(data)["shards"].get("val", [])
+    shards = read_meta(data)["shards"].get("val", [])
     return "val" if sum(shard["num_samples"] for shard in shards) else "all"
 
 
@@ -182,7 +182,7 @@ def texts_in_training(run, model_path: str, data, split: str, num: int) -> int:
     a warning names them, since their figures measure recall of training texts, not generalisation."""
     import logging
 
-    from mmldlm.sampling.run import dataset_texts
+    from mmldlm.runs.trained import dataset_texts
 
     evaluated = dataset_texts(str(data), split)[:num]
     trained = set(dataset_texts(str(run.dataset_dir), "train"))

@@ -1,7 +1,7 @@
 """`mmldlm export --run RUN_DIR [--checkpoint PATH] --out DIR`: a trained model as a self-contained
 folder that `MMLDLM.from_pretrained(DIR)`, `mmldlm sample --run DIR` and `mmldlm eval --run DIR --data
-PATH` load with no run directory or dataset (layout: mmldlm/sampling/pretrained.py; model card:
-mmldlm/sampling/card.py). The folder is written beside DIR under a temporary name and renamed into
+PATH` load with no run directory or dataset (layout: mmldlm/export/pretrained.py; model card:
+mmldlm/export/card.py). The folder is written beside DIR under a temporary name and renamed into
 place when complete, so DIR never holds half an export; an existing export is replaced only with --force,
 and a folder holding anything mmldlm did not write never is (mmldlm/outputs.py)."""
 
@@ -32,8 +32,8 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from mmldlm.data.errors import DataError
+    from mmldlm.export.pretrained import EXPORTED, MMLDLM
     from mmldlm.outputs import as_umask_allows, publish, refuse_foreign
-    from mmldlm.sampling.pretrained import EXPORTED, MMLDLM
 
     out = Path(args.out)
     source = Path(args.run).resolve()

@@ -41,8 +41,8 @@ def run(args: argparse.Namespace) -> int:
     from mmldlm.config import ModelConfig, from_dict, load_model_config
     from mmldlm.data.encoders import DEFAULT_ENCODER, ENCODER_WIDTHS
     from mmldlm.errors import OptionError
+    from mmldlm.export.pretrained import is_exported, read_config
     from mmldlm.model import MultimodalMMDiT, parameter_counts, training_flops_per_sample
-    from mmldlm.sampling.pretrained import is_exported, read_config
 
     path = Path(args.preset)
     if is_exported(path):

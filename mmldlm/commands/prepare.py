@@ -166,7 +166,7 @@ def tokenizer_and_encoder(args: argparse.Namespace) -> dict:
         )
     from pathlib import Path
 
-    from mmldlm.sampling.pretrained import is_exported, options_like_exported
+    from mmldlm.export.pretrained import is_exported, options_like_exported
 
     return options_like_exported(args.like) if is_exported(Path(args.like)) else options_like_run(args.like)
 

@@ -1,6 +1,6 @@
 """`mmldlm sample --run RUN_DIR --mode l2t|t2l|joint ...`: text from latents, latents from text, or
 both together, from a trained run (its newest checkpoint unless --checkpoint) or an exported model
-folder (`mmldlm export`). The samplers are the Python API's (MMLDLM in mmldlm/sampling/pretrained.py):
+folder (`mmldlm export`). The samplers are the Python API's (MMLDLM in mmldlm/export/pretrained.py):
 the same seed gives the same samples here and there.
 
     mmldlm sample --run runs/default --mode l2t --text "a small dog"        # encode, then decode back
@@ -390,7 +390,7 @@ def _sample(args: argparse.Namespace) -> int:
 
     from mmldlm.device import keep_freed_memory, pick_device
     from mmldlm.errors import OptionError
-    from mmldlm.sampling import MMLDLM
+    from mmldlm.export.pretrained import MMLDLM
 
     _check_arguments(args)
     if args.threads > 0:

@@ -43,7 +43,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from mmldlm import comparison
+from mmldlm import baseline
 from mmldlm.config import LatentDiffusionConfig
 from mmldlm.diffusion import rng
 
@@ -216,7 +216,7 @@ class GaussianDiffusion:
         mse: mean squared error to `target` (the configured prediction), over all elements, weighted
             over t by `loss_weighting` (module docstring).
         cosine: mean over vectors of 1 - cos(x0_hat, x0) along the last dim (in [0, 2], no clamp).
-        normalized_mse: the comparison recipe's (mmldlm/comparison.py).
+        normalized_mse: the baseline recipe's (mmldlm/baseline.py).
         """
         pred, x0, noise = pred.float(), x0.float(), noise.float()
         if self.cfg.loss == "mse":
@@ -227,7 +227,7 @@ class GaussianDiffusion:
         x0_hat, _ = self.predict_x0_eps(pred, self.add_noise(x0, t, noise), t)
         if self.cfg.loss == "cosine":
             return (1.0 - F.cosine_similarity(x0_hat, x0, dim=-1)).mean()
-        return comparison.normalized_mse(x0_hat, x0)  # comparison recipe
+        return baseline.normalized_mse(x0_hat, x0)  # baseline recipe
 
     # --- reverse process -------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from mmldlm import comparison
+from mmldlm import baseline
 from mmldlm.config import ConfigError, ModelConfig
 
 # --------------------------------------------------------------------------------------------------
@@ -222,7 +222,7 @@ class MMDiTBlock(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         if self.attention == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
-        return comparison.explicit_attention(q, k, v, attn_mask, dropout_p)  # comparison recipe
+        return baseline.explicit_attention(q, k, v, attn_mask, dropout_p)  # baseline recipe
 
 
 def padded_row_count(num_rows: int) -> int:

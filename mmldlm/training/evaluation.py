@@ -1,4 +1,4 @@
-"""Evaluation during training: every `eval.every` steps rank 0 runs mmldlm/sampling/evaluate.py with
+"""Evaluation during training: every `eval.every` steps rank 0 runs mmldlm/evaluation/evaluate.py with
 the small budget of the `eval` config section and returns a metrics record
 
     {"step": 200, "eval_elbo_l2t_text_nats_per_token": ..., "eval_elbo_l2t_text_nats_per_token_low": ...,
@@ -18,9 +18,10 @@ import logging
 
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from mmldlm.evaluation.evaluate import evaluate
+from mmldlm.evaluation.report import eval_metrics
 from mmldlm.model import MultimodalMMDiT
-from mmldlm.sampling.evaluate import evaluate, flat
-from mmldlm.sampling.run import TrainedRun
+from mmldlm.runs.trained import TrainedRun
 from mmldlm.training.distributed import barrier, collective_guard
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ def evaluate_during_training(trainer) -> dict | None:
             weights="ema" if trainer.ema is not None else "raw",
         )
         report = evaluate(run, trainer.cfg.eval, seed=trainer.cfg.train.seed)
-        record = {"step": trainer.step, **flat(report)}
+        record = {"step": trainer.step, **eval_metrics(report)}
         log.info(
             "eval at step %d: l2t exact match %.1f%%, t2l retrieval@1 %.1f%%",
             trainer.step,

@@ -3,7 +3,7 @@ fine-tuning a trained model on new data.
 
 The source is a run directory (its newest checkpoint that verifies), one of its checkpoints, or an
 exported model folder (`mmldlm export`); it is read whole in every process, as sampling reads it
-(mmldlm/sampling/run.py `load_trained`), before anything of the new run is trained. Only the weights
+(mmldlm/runs/trained.py `load_trained`), before anything of the new run is trained. Only the weights
 come over (the EMA where the source kept one, unless train.init_weights is "raw"): the optimizer's
 moments, the LR schedule, the data position and the step counter start afresh, and the new run writes
 its own run directory. Two things must agree, else the start is refused naming what differs:
@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from mmldlm.config import ConfigError
 from mmldlm.data.errors import DataError
-from mmldlm.sampling.pretrained import is_exported, load_trained, read_config
-from mmldlm.sampling.run import TrainedRun, check_compatible, weight_mismatches
+from mmldlm.export.pretrained import is_exported, load_trained, read_config
+from mmldlm.runs.trained import TrainedRun, check_compatible, weight_mismatches
 
 KEY = "train.init_from"
 FULL_STATE = StateDictOptions(full_state_dict=True)

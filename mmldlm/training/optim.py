@@ -33,7 +33,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     """AdamW over `param_groups`: the fused kernel when asked for or (auto) when the device has one,
     else the foreach kernel (one launch over all tensors), or with optim.foreach=false the
-    per-parameter loop (comparison recipe: mmldlm/comparison.py). The choice and any fallback reason
+    per-parameter loop (baseline recipe: mmldlm/baseline.py). The choice and any fallback reason
     are logged."""
     groups = param_groups(model, cfg.weight_decay)
     kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)

@@ -122,7 +122,7 @@ def parallelize(
     return DistributedDataParallel(
         model,
         device_ids=[info.device.index] if info.device.type == "cuda" else None,
-        # Off: the idle head is anchored instead (see the module doc); on: comparison recipe.
+        # Off: the idle head is anchored instead (see the module doc); on: baseline recipe.
         find_unused_parameters=cfg.find_unused_parameters,
         gradient_as_bucket_view=True,  # grads live in the all-reduce buckets: no copy, less memory
         # broadcast_buffers=False under its current name: no buffer broadcast before every forward

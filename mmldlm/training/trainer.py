@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from mmldlm import comparison
+from mmldlm import baseline
 from mmldlm.config import ConfigError, PerfConfig, RunConfig
 from mmldlm.data.errors import DataError
 from mmldlm.model.info import training_flops_per_sample
@@ -632,8 +632,8 @@ class Trainer:
         )
         mode = self.objective.mode_at(step)
         idle = self.idle_parameters(mode)
-        if self.cfg.perf.refreeze_every_step:  # comparison recipe
-            comparison.refreeze(self.raw_model.parameters(), idle)
+        if self.cfg.perf.refreeze_every_step:  # baseline recipe
+            baseline.refreeze(self.raw_model.parameters(), idle)
         lr = self.schedule.apply(self.optimizer, step)
 
         totals = self._forward_backward(mode, idle, num_accum)

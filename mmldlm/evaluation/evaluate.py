@@ -56,7 +56,7 @@ hold the first scale's figures.
    figures are labelled (`selected_on`) and measured again without selection (`l2t_without_selection`,
    `joint_without_selection`); word F1, exact match, BLEU and fluency, which no decoder selects on, are
    the headline of such a decoder.
-The report is a JSON-able dict; `markdown` renders it, `flat` turns it into eval_* metric keys.
+The report is a JSON-able dict; report.py renders it (`markdown`) and turns it into eval_* metric keys (`eval_metrics`).
 """
 
 from __future__ import annotations
@@ -75,13 +75,13 @@ from mmldlm import progress
 from mmldlm.config import EvalConfig
 from mmldlm.data.dataset import PadCollate, PreparedDataset
 from mmldlm.diffusion import MaskedDiffusion
+from mmldlm.evaluation import text_metrics
+from mmldlm.evaluation.intervals import CorpusStatistic, Mean, Rate
+from mmldlm.evaluation.latent_fidelity import fidelity
+from mmldlm.evaluation.text_metrics import word_f1, words
 from mmldlm.objective import Objective
-from mmldlm.sampling import latent_fidelity as lf
-from mmldlm.sampling import text_metrics as tm
-from mmldlm.sampling.intervals import MIN_TEXTS, Corpus, Mean, Rate
-from mmldlm.sampling.run import TrainedRun, dataset_texts
+from mmldlm.runs.trained import TrainedRun, dataset_texts
 from mmldlm.sampling.sampler import SamplingOptions, length_masks
-from mmldlm.sampling.text_metrics import word_f1, words
 
 MODES = ("l2t", "t2l", "joint")
 
@@ -105,28 +105,28 @@ def val_batches(run: TrainedRun, num_samples: int, batch_size: int):
 # says how the figure is made from them.
 
 
-def _bleu(key: str) -> Corpus:
+def _bleu(key: str) -> CorpusStatistic:
     def statistic(per_text: dict):
         rows = np.asarray(per_text[key], dtype=np.float64)
-        return lambda idx: tm.bleu_of_statistics(rows[idx])
+        return lambda idx: text_metrics.bleu_of_statistics(rows[idx])
 
-    return Corpus((key,), statistic)
+    return CorpusStatistic((key,), statistic)
 
 
-def _perplexity(bits: str, counts: str) -> Corpus:
+def _perplexity(bits: str, counts: str) -> CorpusStatistic:
     def statistic(per_text: dict):
         b, c = np.asarray(per_text[bits], dtype=np.float64), np.asarray(per_text[counts], dtype=np.float64)
-        return lambda idx: tm.perplexity_of(b[idx], c[idx])
+        return lambda idx: text_metrics.perplexity_of(b[idx], c[idx])
 
-    return Corpus((bits, counts), statistic)
+    return CorpusStatistic((bits, counts), statistic)
 
 
-def _distinct(n: int, key: str = "texts") -> Corpus:
+def _distinct(n: int, key: str = "texts") -> CorpusStatistic:
     def statistic(per_text: dict):
-        grams = [tm.word_ngrams(text, n) for text in per_text[key]]
-        return lambda idx: tm.distinct_of([grams[i] for i in idx]) or 0.0
+        grams = [text_metrics.word_ngrams(text, n) for text in per_text[key]]
+        return lambda idx: text_metrics.distinct_of([grams[i] for i in idx]) or 0.0
 
-    return Corpus((key,), statistic, resampled=False)
+    return CorpusStatistic((key,), statistic, resampled=False)
 
 
 ELBO = {
@@ -216,7 +216,7 @@ def sections(report: dict) -> list[tuple[str, dict, dict]]:
     return out
 
 
-def selection(options: SamplingOptions, length_candidates: bool = False) -> str | None:
+def describe_selection(options: SamplingOptions, length_candidates: bool = False) -> str | None:
     """What a decoder with `options` selects its texts by, in words (the re-encoded cosine to the
     target, or a joint sample's consistency, is then its maximum over the candidates); None when it
     keeps the sampler's one text. `length_candidates`: the lengths are candidates too (l2t at the
@@ -425,7 +425,7 @@ def l2t_reconstruction(
     use_encoder: bool = True,
     num_examples: int = 5,
     predicted_length: bool = False,
-    fluency: tm.NgramReference | None = None,
+    fluency: text_metrics.NgramReference | None = None,
 ) -> dict:
     """Text from the first N validation latents vs. the source texts (module docstring, 2), at each
     source's own length, or with `predicted_length` at the length head's (its `length_candidates` most
@@ -456,7 +456,7 @@ def l2t_reconstruction(
         model_calls_per_batch=sampler.num_forward / math.ceil(len(ids) / batch_size),
         encoded_per_sample=sampler.num_encoded / len(ids),
     )
-    selected = selection(options, length_candidates=predicted_length)
+    selected = describe_selection(options, length_candidates=predicted_length)
     if use_encoder and selected:
         result["selected_on"] = {"cosine_mean": selected}
     result["examples"] = [
@@ -472,16 +472,30 @@ def _stored_texts(run: TrainedRun, num: int) -> list[str]:
     return run.tokenizer.decode_batch([run.val[i][1].tolist() for i in range(min(num, len(run.val)))])
 
 
+def known_words(run: TrainedRun) -> frozenset[str]:
+    """The lowercase words of the run's training texts (the real-word rate of evaluation); for an
+    exported model, which carries no texts, the words of the data it is evaluated on."""
+    if run.dataset_dir is not None:
+        return dataset_words(str(run.dataset_dir), "train")
+    return dataset_words(str(run.val.path), run.val.split)
+
+
+@functools.lru_cache(maxsize=4)
+def dataset_words(dataset_dir: str, split: str) -> frozenset[str]:
+    """The lowercase letter runs of every text of a split ("all": both) of a prepared dataset."""
+    return frozenset(words(" ".join(dataset_texts(dataset_dir, split))))
+
+
 def writing_per_text(run: TrainedRun, generated: list[str], sources: list[str], fluency=None) -> dict:
     """Per-text values of exact match, word F1, BLEU, repetition, real-word rate and n-gram perplexity
     of texts against their sources (text_metrics.py; the figures: `L2T`)."""
-    known = run.known_words
+    known = known_words(run)
     decoded_words = [words(g) for g in generated]
-    repetition = tm.repetition_per_text(generated, 2)
+    repetition = text_metrics.repetition_per_text(generated, 2)
     out = {
         "exact": np.array([g == s for g, s in zip(generated, sources)], dtype=np.float64),
         "word_f1": np.array([word_f1(w, words(s)) for w, s in zip(decoded_words, sources)]),
-        "bleu_statistics": tm.bleu_statistics(generated, sources),
+        "bleu_statistics": text_metrics.bleu_statistics(generated, sources),
         "repetition": np.array([r or 0.0 for r in repetition]),
         "has_bigram": np.array([r is not None for r in repetition], dtype=np.float64),
         "real_word_share": np.array([sum(w in known for w in ws) / max(1, len(ws)) for ws in decoded_words]),
@@ -498,7 +512,7 @@ def joint_generation(
     num_samples: int,
     batch_size: int,
     seed: int = 0,
-    fluency: tm.NgramReference | None = None,
+    fluency: text_metrics.NgramReference | None = None,
     num_examples: int = 5,
 ) -> dict:
     """Joint samples at lengths drawn from the validation split: consistency (cosine of each text's
@@ -515,9 +529,9 @@ def joint_generation(
             latents.append(z)
     seconds = time.perf_counter() - start
     latents = torch.cat(latents)
-    fidelity = latent_fidelity(run, latents)
+    fidelity_figures = latent_fidelity(run, latents)
     consistency = F.cosine_similarity(run.encode_latents(texts).flatten(1), latents.flatten(1), dim=-1)
-    repetition = tm.repetition_per_text(texts, 2)
+    repetition = text_metrics.repetition_per_text(texts, 2)
     per_text = {
         "consistency": consistency.numpy(),
         "repetition": np.array([r or 0.0 for r in repetition]),
@@ -525,12 +539,14 @@ def joint_generation(
         "texts": texts,
     }
     if run.dataset_dir is not None:
-        per_text["copied"] = np.array(tm.copied(texts, dataset_texts(str(run.dataset_dir), "train")), dtype=np.float64)
+        per_text["copied"] = np.array(
+            text_metrics.copied(texts, dataset_texts(str(run.dataset_dir), "train")), dtype=np.float64
+        )
     if fluency is not None:
         per_text["ngram_bits"], per_text["ngram_words"] = fluency.bits_per_text(texts)
     out = summarise(JOINT, per_text, num_samples=num_samples, samples_per_s=num_samples / seconds)
-    out["latent_fidelity"] = fidelity
-    selected = selection(options)
+    out["latent_fidelity"] = fidelity_figures
+    selected = describe_selection(options)
     if selected:
         out["selected_on"] = {"consistency": selected}
     out["examples"] = [{"generated": t, "consistency": round(c, 4)} for t, c in zip(texts, consistency.tolist())][
@@ -540,11 +556,11 @@ def joint_generation(
 
 
 @functools.lru_cache(maxsize=2)
-def _ngram_lm(dataset_dir: str, split: str) -> tm.NgramReference:
-    return tm.NgramReference.fit(list(dataset_texts(dataset_dir, split)))
+def _ngram_lm(dataset_dir: str, split: str) -> text_metrics.NgramReference:
+    return text_metrics.NgramReference.fit(list(dataset_texts(dataset_dir, split)))
 
 
-def fluency_reference(run: TrainedRun) -> tm.NgramReference | None:
+def fluency_reference(run: TrainedRun) -> text_metrics.NgramReference | None:
     """The n-gram model fitted on the training texts alone: the run's training split, or, for an exported
     model evaluated on the validation split of a prepared dataset, that dataset's training split; None
     when no training text is at hand (the evaluated texts themselves are never fitted)."""
@@ -606,7 +622,7 @@ def latent_fidelity(run: TrainedRun, generated: torch.Tensor, paired: bool = Fal
         return None
     _, real = _first_val(run, 2 * n)
     standard = lambda x: run.latent.standardize(x.float()).flatten(1).double().numpy()  # noqa: E731
-    return lf.fidelity(standard(generated[:n].cpu()), standard(real[:n]), standard(real[n : 2 * n]), paired=paired)
+    return fidelity(standard(generated[:n].cpu()), standard(real[:n]), standard(real[n : 2 * n]), paired=paired)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -640,7 +656,9 @@ def length_prediction(run: TrainedRun, num_samples: int) -> dict | None:
     return summarise(LENGTH, per_text, **fixed)
 
 
-def references(run: TrainedRun, num_samples: int, pool_size: int, fluency: tm.NgramReference | None = None) -> dict:
+def measure_references(
+    run: TrainedRun, num_samples: int, pool_size: int, fluency: text_metrics.NgramReference | None = None
+) -> dict:
     """What trivial predictors and real text score on the same samples (module docstring, 5)."""
     ids, targets = _first_val(run, num_samples)
     targets = targets.flatten(1)  # (N, K*D), encoder space
@@ -650,7 +668,7 @@ def references(run: TrainedRun, num_samples: int, pool_size: int, fluency: tm.Ng
         constant = mean.float().repeat(run.model.cfg.num_latents)[None, :]  # (1, K*D)
         per_text["mean_latent_cosine"] = F.cosine_similarity(constant, targets, dim=-1).numpy()
     texts = run.decode(*run.batch_of(ids))
-    repetition = tm.repetition_per_text(texts, 2)
+    repetition = text_metrics.repetition_per_text(texts, 2)
     per_text["real_repetition"] = np.array([r or 0.0 for r in repetition])
     per_text["real_has_bigram"] = np.array([r is not None for r in repetition], dtype=np.float64)
     per_text["real_texts"] = texts
@@ -658,10 +676,10 @@ def references(run: TrainedRun, num_samples: int, pool_size: int, fluency: tm.Ng
         others = texts[1:] + texts[:1]
         per_text["other_sentence_cosine"] = F.cosine_similarity(targets.roll(-1, dims=0), targets, dim=-1).numpy()
         per_text["other_sentence_word_f1"] = np.array([word_f1(words(a), words(b)) for a, b in zip(others, texts)])
-        per_text["other_sentence_bleu_statistics"] = tm.bleu_statistics(others, texts)
+        per_text["other_sentence_bleu_statistics"] = text_metrics.bleu_statistics(others, texts)
     if fluency is not None:
         per_text["real_ngram_bits"], per_text["real_ngram_words"] = fluency.bits_per_text(texts)
-        shuffled = fluency.bits_per_text(tm.shuffled_words(texts))
+        shuffled = fluency.bits_per_text(text_metrics.shuffled_words(texts))
         per_text["shuffled_ngram_bits"], per_text["shuffled_ngram_words"] = shuffled
     return summarise(
         REFERENCES, per_text, num_samples=len(ids), chance_retrieval_at_1=1.0 / min(pool_size, len(run.val))
@@ -684,7 +702,7 @@ def nearest_training_text(run: TrainedRun, num_samples: int) -> dict | None:
     sources = run.decode(*run.batch_of(ids))
     per_text = {
         "word_f1": np.array([word_f1(words(a), words(b)) for a, b in zip(nearest, sources)]),
-        "bleu_statistics": tm.bleu_statistics(nearest, sources),
+        "bleu_statistics": text_metrics.bleu_statistics(nearest, sources),
         "exact": np.array([a == b for a, b in zip(nearest, sources)], dtype=np.float64),
         "cosine": best.values.numpy(),
     }
@@ -706,7 +724,7 @@ def evaluate(
 ) -> dict:
     """ELBO per mode, l2t reconstruction, t2l retrieval, length prediction and the references of `run`
     with the budget of `cfg`; the samplers once per guidance scale (default: options.guidance_scale);
-    with cfg.writing also the writing figures (`writing`). A decoder that selects its texts by the
+    with cfg.writing also the writing figures (`measure_writing`). A decoder that selects its texts by the
     encoder is also run without selecting (`without_selection`). The ELBO scores `num_elbo` texts per
     mode (default cfg.num_elbo_batches batches of cfg.batch_size)."""
     if options is None:  # evaluation during training: what the model writes alone, without the encoder's help
@@ -736,10 +754,10 @@ def evaluate(
         if length is not None:
             report["length"] = length
         if cfg.writing:
-            report.update(writing(run, cfg, first, seed, fluency))
+            report.update(measure_writing(run, cfg, first, seed, fluency))
         report.update(without_selection(run, cfg, first, seed, fluency))
         progress.note("references: what trivial predictors and real text score")
-        report["references"] = references(run, cfg.num_samples, cfg.retrieval_pool, fluency)
+        report["references"] = measure_references(run, cfg.num_samples, cfg.retrieval_pool, fluency)
         if cfg.writing and fluency is None:
             report["references"]["ngram_perplexity"] = "not measured: no training texts at hand"
         if fluency is not None:  # what the n-gram perplexities were scored by (compare checks it)
@@ -753,7 +771,7 @@ def without_selection(run: TrainedRun, cfg: EvalConfig, options: SamplingOptions
     """Where the decoder selects by the encoder (best_of > 1, correction rounds), l2t (and, with
     cfg.writing, joint) once more with the sampler's one text: the cosine and consistency a selection
     did not choose (a selected figure is a maximum over candidates by construction)."""
-    if not (cfg.encoder and selection(options)):
+    if not (cfg.encoder and describe_selection(options)):
         return {}
     plain = dataclasses.replace(options, best_of=1, correction_rounds=0)
     out = {
@@ -785,7 +803,7 @@ def guidance_sweep(run: TrainedRun, cfg: EvalConfig, options, scales: list[float
     return out
 
 
-def writing(run: TrainedRun, cfg: EvalConfig, options: SamplingOptions, seed: int, fluency) -> dict:
+def measure_writing(run: TrainedRun, cfg: EvalConfig, options: SamplingOptions, seed: int, fluency) -> dict:
     """l2t at the length head's lengths (where the model has a length head), joint generation (where the
     encoder is used) and the nearest-training-text reference."""
     out = {}
@@ -813,364 +831,3 @@ def pair_consistency(run: TrainedRun, num_samples: int) -> dict:
         "shuffled_pairs": F.cosine_similarity(encoded, latents.roll(-1, dims=0), dim=-1).numpy(),
     }
     return summarise(PAIRS, per_text, num_samples=len(ids))
-
-
-def flat(report: dict) -> dict:
-    """The report's numbers as eval_* keys (for metrics.jsonl): eval_elbo_l2t_text_nats_per_token, and
-    each interval as _low and _high: eval_elbo_l2t_text_nats_per_token_low, ... (no per-text values)."""
-    out = {}
-
-    def walk(prefix: str, node) -> None:
-        for key, value in node.items():
-            if key in ("per_text", "examples"):
-                continue
-            if isinstance(value, dict):
-                walk(f"{prefix}_{key}", value)
-            elif key.endswith("_interval") and isinstance(value, list):
-                name = f"{prefix}_{key.removesuffix('_interval')}"
-                out[f"{name}_low"], out[f"{name}_high"] = value
-            elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                out[f"{prefix}_{key}"] = value
-
-    parts = (
-        "elbo",
-        "l2t",
-        "t2l",
-        "length",
-        "references",
-        "l2t_predicted_length",
-        "l2t_without_selection",
-        "joint",
-        "joint_without_selection",
-        "nearest_training_text",
-    )
-    walk("eval", {k: report[k] for k in parts if k in report})
-    return out
-
-
-def figure_text(section: dict, key: str, spec: str = ".3f") -> str:
-    """`section[key]` with its 95% interval, '0.589 [0.561, 0.617]' ('.1%': '41.0% [35.2%, 46.9%]')."""
-    value, interval = section[key], section.get(f"{key}_interval")
-    if interval is None or not all(math.isfinite(x) for x in interval):
-        return format(value, spec)
-    return f"{value:{spec}} [{interval[0]:{spec}}, {interval[1]:{spec}}]"
-
-
-def table_cell(text: str) -> str:
-    """`text` as one markdown table cell: no line breaks, no bare column separator."""
-    return " ".join(text.split()).replace("|", "\\|")
-
-
-def selected_label(section: dict, key: str) -> str:
-    """' (selected on: max over 4 candidates)' where the decoder chose its texts by figure `key`, else ''."""
-    how = section.get("selected_on", {}).get(key)
-    return f" (selected on: {how})" if how else ""
-
-
-def _figures(r: dict) -> str:
-    """BLEU, repetition and n-gram perplexity of one l2t entry, as a clause."""
-    text = f"BLEU {figure_text(r, 'bleu', '.1f')}, repetition {figure_text(r, 'repetition')}" if "bleu" in r else ""
-    if "ngram_perplexity" in r:
-        text += f", n-gram perplexity {figure_text(r, 'ngram_perplexity', '.1f')}"
-    return text
-
-
-def _cosine_clause(report: dict, key: str) -> str:
-    """The re-encoded cosine of l2t entry `key`, labelled when the decoder selected on it, beside the
-    same decoder's cosine without selection."""
-    r = report[key]
-    if "cosine_mean" not in r:
-        return "re-encoded cosine not measured"
-    text = f"re-encoded cosine {figure_text(r, 'cosine_mean', '.4f')}{selected_label(r, 'cosine_mean')}"
-    plain = report.get("l2t_without_selection", {}) if key == "l2t" else {}  # measured at the source lengths
-    if "selected_on" in r and "cosine_mean" in plain:
-        text += f"; without selection (best of 1) {figure_text(plain, 'cosine_mean', '.4f')}"
-    return text
-
-
-def _joint_lines(report: dict) -> list[str]:
-    j, pairs = report["joint"], report["joint"]["reference"]
-    consistency = f"consistency {figure_text(j, 'consistency', '.4f')}{selected_label(j, 'consistency')}"
-    if "selected_on" in j and "joint_without_selection" in report:
-        consistency += f"; without selection {figure_text(report['joint_without_selection'], 'consistency', '.4f')}"
-    return [
-        "",
-        f"joint ({j['num_samples']} samples): repetition {figure_text(j, 'repetition')}, distinct-1/2 "
-        f"{figure_text(j, 'distinct_1')}/{figure_text(j, 'distinct_2')}{_real_distinct(report)}"
-        + (f", copy rate {figure_text(j, 'copy_rate', '.1%')}" if "copy_rate" in j else "")
-        + (f", n-gram perplexity {figure_text(j, 'ngram_perplexity', '.1f')}" if "ngram_perplexity" in j else "")
-        + f"; {consistency} (real pairs {figure_text(pairs, 'real_pairs', '.4f')}, shuffled pairs "
-        f"{figure_text(pairs, 'shuffled_pairs', '.4f')})",
-        "",
-        "| joint sample | consistency |",
-        "|---|---|",
-        *[f"| {table_cell(e['generated'])} | {e['consistency']:.3f} |" for e in j["examples"]],
-    ]
-
-
-def _real_distinct(report: dict) -> str:
-    """Real validation text's distinct-1/2 at the joint samples' n, where the report has it."""
-    ref = report.get("references", {})
-    if "real_distinct_1" not in ref or ref.get("num_samples") != report["joint"]["num_samples"]:
-        return ""
-    return f" (real text {ref['real_distinct_1']:.3f}/{ref['real_distinct_2']:.3f})"
-
-
-def writing_lines(report: dict) -> list[str]:
-    """The writing figures beside their references, in a few lines of markdown."""
-    ref, l2t = report.get("references", {}), report["l2t"]
-    lines = ["", f"l2t writing at the source lengths: {_figures(l2t)}"]
-    if "real_repetition" in ref:
-        real = f"real {texts_label(report)} texts: repetition {figure_text(ref, 'real_repetition')}"
-        if "real_ngram_perplexity" in ref:
-            real += (
-                f", n-gram perplexity {figure_text(ref, 'real_ngram_perplexity', '.1f')} "
-                f"(their words shuffled: {figure_text(ref, 'shuffled_ngram_perplexity', '.1f')})"
-            )
-        if "other_sentence_bleu" in ref:
-            real += f"; an unrelated sentence: BLEU {figure_text(ref, 'other_sentence_bleu', '.1f')}"
-        lines += ["", real]
-    if "l2t_predicted_length" in report:
-        r = report["l2t_predicted_length"]
-        lines += [
-            "",
-            "l2t at the length head's lengths (what `decode` gives): exact match "
-            + f"{figure_text(r, 'exact_match', '.1%')}, word F1 {figure_text(r, 'word_f1')}, {_figures(r)}, "
-            + _cosine_clause(report, "l2t_predicted_length"),
-        ]
-    if "nearest_training_text" in report:
-        r = report["nearest_training_text"]
-        lines += [
-            "",
-            f"reference, the training text with the nearest latent: word F1 {figure_text(r, 'word_f1')}, BLEU "
-            f"{figure_text(r, 'bleu', '.1f')}, exact match {figure_text(r, 'exact_match', '.1%')}, cosine "
-            f"{figure_text(r, 'cosine_mean', '.4f')}",
-        ]
-    if "joint" in report:
-        lines += _joint_lines(report)
-    return lines
-
-
-ELBO_LABELS = {
-    "l2t": "-log p(text | its latent), the length paid by the length head: comparable only with a decoder "
-    "given the same sentence embedding",
-    "t2l": "the latent loss of encoding each text (the text is given clean)",
-    "joint": "the text term of the joint loss: the text given a noised copy of its own latent, averaged over the "
-    "latent's time, the length paid by the validation lengths; it bounds no marginal -log p(text)",
-}
-
-
-def _elbo_table(report: dict) -> list[str]:
-    sampling = report.get("sampling", {})
-    decoder = ", ".join(
-        f"{key} {sampling[key]}"
-        for key in ("num_steps", "temperature", "repetition_penalty", "best_of")
-        if key in sampling
-    )
-    lines = [
-        "Likelihood bounds: upper bounds of the continuous-time model at temperature 1, not of the decoder whose "
-        f"texts fill the rest of this report ({decoder}). Per mode, what each bounds: "
-        + "; ".join(f"{mode}: {label}" for mode, label in ELBO_LABELS.items() if mode in report["elbo"])
-        + '. Per token divides by the T tokens of a text; "per T + 1" divides by T + 1, as an autoregressive model '
-        "that pays for its end-of-text token does (the length term plays that token's role). Largest share: of the "
-        "total, held by one text and draw of t (a bound weighted 1/t can rest on one draw at a small t).",
-        "",
-        f"| mode (n texts, {report.get('num_t_draws', 1)} draws of t each) | text nats/token given length "
-        "| nats/token with length | nats per T + 1 with length | nats/text with length | length nats/text "
-        "| perplexity bound with length (per T + 1) | largest share | latent loss |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for mode, r in report["elbo"].items():
-        cell = lambda k, f, r=r: figure_text(r, k, f) if k in r else "-"  # noqa: E731
-        share = f"{r['largest_draw_share']:.1%}" if "largest_draw_share" in r else "-"
-        lines.append(
-            f"| {mode} ({r.get('num_samples', '?')}) | {cell('text_nats_per_token_given_length', '.4f')} | "
-            f"{cell('nats_per_token_with_length', '.4f')} | {cell('nats_per_token_with_end', '.4f')} | "
-            f"{cell('nats_per_text', '.2f')} | {cell('length_nats_per_text', '.2f')} | "
-            f"{cell('ppl_bound_with_length', '.2f')} ({cell('ppl_bound_with_end', '.2f')}) | {share} | "
-            f"{cell('latent_loss', '.4f')} |"
-        )
-    return lines
-
-
-def _guidance_table(report: dict) -> list[str]:
-    lines = [
-        "",
-        "| guidance scale | l2t word F1 | l2t real words | l2t exact match | l2t cosine | t2l cosine "
-        "| t2l retrieval@1 |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for entry in report["guidance"]:
-        g2, g1 = entry["l2t"], entry["t2l"]
-        cosine = figure_text(g2, "cosine_mean", ".4f") if "cosine_mean" in g2 else "-"
-        lines.append(
-            f"| {entry['guidance_scale']:g} | {figure_text(g2, 'word_f1')} | "
-            + f"{figure_text(g2, 'real_word_rate', '.1%')} | {figure_text(g2, 'exact_match', '.1%')} | {cosine} | "
-            + f"{figure_text(g1, 'cosine_mean', '.4f')} | {figure_text(g1, 'retrieval_at_1', '.1%')} |"
-        )
-    return lines
-
-
-def length_line(length: dict, split: str = "validation") -> str:
-    """The length head's figures on `split` latents, and how many texts were too long to score."""
-    line = (
-        f"length head ({length['num_samples']} {split} latents): exact "
-        f"{figure_text(length, 'accuracy', '.1%')}, mean absolute error "
-        f"{figure_text(length, 'mean_abs_error', '.2f')} tokens"
-    )
-    over = length.get("num_over_max_length", 0)
-    if over:
-        line += (
-            f" over the {length['num_scored']} texts within max_length {length['max_length']}; {over} longer "
-            f"texts not scored (the head names lengths up to {length['max_length']} only)"
-        )
-    return line
-
-
-def fidelity_lines(report: dict) -> list[str]:
-    """The "latent fidelity" section: t2l's and joint generation's latents against real ones."""
-    rows = [(mode, report[mode]["latent_fidelity"]) for mode in ("t2l", "joint") if mode in report]
-    rows = [(mode, f) for mode, f in rows if f is not None]
-    if not rows:
-        return []
-    lines = [
-        "",
-        f"Latent fidelity (standardised space, {rows[0][1]['dims']} dims; each generated set against as many "
-        f"real {texts_label(report)} latents, in brackets another disjoint real set of the same size against the "
-        "same ones; "
-        f"k-NN precision and recall at k = {rows[0][1]['k']}). t2l's latents are paired with their texts, "
-        "compared with those texts' own latents: a perfect encoder scores Fréchet distance 0, precision and "
-        "recall 1, std ratio 1 on every dimension; the other real set is an encoder that ignores its text but "
-        "samples the right distribution, and the constant training-mean latent one that ignores both. Joint "
-        "generation is unconditional: the other real set is what it should match.",
-        "",
-        "| latents | n | Fréchet distance (another real set; constant mean latent) | precision (...) | recall (...) "
-        "| std ratio median [min, max] (another real set's) | spread (real) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for name, f in rows:
-        constant = lambda key, spec, f=f: f"; {f[key]:{spec}}" if key in f else ""  # noqa: E731
-        real_ratio = (
-            f" ({f['std_ratio_real_vs_real_median']:.2f} [{f['std_ratio_real_vs_real_min']:.2f}, "
-            f"{f['std_ratio_real_vs_real_max']:.2f}])"
-            if "std_ratio_real_vs_real_min" in f
-            else ""
-        )
-        lines.append(
-            f"| {name}{' (paired)' if f.get('paired') else ''} | {f['num_samples']} | {f['frechet_distance']:.1f} "
-            f"({f['frechet_distance_real_vs_real']:.1f}{constant('frechet_distance_mean_latent', '.1f')}) "
-            f"| {f['precision']:.2f} ({f['precision_real_vs_real']:.2f}{constant('precision_mean_latent', '.2f')}) "
-            f"| {f['recall']:.2f} ({f['recall_real_vs_real']:.2f}{constant('recall_mean_latent', '.2f')}) "
-            f"| {f['std_ratio_median']:.2f} [{f['std_ratio_min']:.2f}, {f['std_ratio_max']:.2f}]{real_ratio} "
-            f"| {f['spread']:.1f} ({f['spread_real']:.1f}) |"
-        )
-    if any(f["num_samples"] <= f["dims"] for _, f in rows):
-        lines += [
-            "",
-            "With n at most the dimension the covariances are mostly estimation noise, and a narrower sample has "
-            "less of it: read the std ratio and the spread before the Fréchet distance (docs/quality.md).",
-        ]
-    return lines
-
-
-def texts_label(report: dict) -> str:
-    """The split the figures come from, in words: "validation" (the run's own validation texts),
-    "training", "training + validation", or with another dataset (--data) its folder's name first."""
-    data = report.get("data", {})
-    split = {"val": "validation", "train": "training", "all": "training + validation"}[data.get("split", "val")]
-    return split if data.get("own_dataset", True) else f"{data['path'].rstrip('/').split('/')[-1]} {split}"
-
-
-def small_n_notes(report: dict) -> list[str]:
-    """A line for each figure too few texts make meaningless: a retrieval pool of one, n below MIN_TEXTS."""
-    notes = []
-    pool = report["t2l"].get("pool_size", 2)
-    if pool < 2:
-        notes.append(f"t2l retrieval@1 among {pool} is 100% by construction: it measures nothing here")
-    counts = {"ELBO": min((r.get("num_samples", MIN_TEXTS) for r in report.get("elbo", {}).values()), default=None)}
-    counts.update({key: report[key].get("num_samples") for key in ("l2t", "t2l", "joint") if key in report})
-    small = {key: n for key, n in counts.items() if n is not None and n < MIN_TEXTS}
-    if small:
-        listed = ", ".join(f"{key} {n}" for key, n in small.items())
-        notes.append(
-            f"Too few texts to mean much ({listed}; below {MIN_TEXTS}): a 95% bootstrap interval of 10 texts holds "
-            "the true figure about 89% of the time and of 5 texts 82%; raise --num-samples, or prepare a larger "
-            "validation split"
-        )
-    return [f"**Note:** {note}." for note in notes]
-
-
-def headline_lines(report: dict) -> list[str]:
-    """The few figures a reader looks for first, each beside its reference: t2l retrieval and cosine, l2t
-    word F1 and BLEU (BLEU where the writing figures were measured)."""
-    l2t, t2l, ref = report["l2t"], report["t2l"], report.get("references", {})
-
-    def beside(key: str, text: str, spec: str = ".3f") -> str:
-        return f" ({text} {figure_text(ref, key, spec)})" if key in ref else ""
-
-    lines = [
-        f"- t2l retrieval@1 among {t2l['pool_size']}: {figure_text(t2l, 'retrieval_at_1', '.1%')}"
-        + beside("chance_retrieval_at_1", "chance", ".1%"),
-        f"- t2l cosine to the true latent: {figure_text(t2l, 'cosine_mean')}"
-        + beside("mean_latent_cosine", "the constant training-mean latent"),
-        f"- l2t word F1 against the source: {figure_text(l2t, 'word_f1')}"
-        + beside("other_sentence_word_f1", "an unrelated sentence"),
-    ]
-    if "bleu" in l2t:
-        lines.append(
-            f"- l2t BLEU: {figure_text(l2t, 'bleu', '.1f')}"
-            + beside("other_sentence_bleu", "an unrelated sentence", ".1f")
-        )
-    texts = f"{l2t['num_samples']} {texts_label(report)} text{'' if l2t['num_samples'] == 1 else 's'}"
-    return [
-        f"{texts}, each figure with its 95% interval (its reference in parentheses):",
-        "",
-        *lines,
-    ]
-
-
-def markdown(report: dict) -> str:
-    """A short human summary of the report: the headline figures, then every figure with its 95% interval
-    in brackets."""
-    l2t, t2l, ref = report["l2t"], report["t2l"], report.get("references", {})
-    reference = lambda key, text: f" ({text} {figure_text(ref, key, '.4f')})" if key in ref else ""  # noqa: E731
-    chance = f" (chance {ref['chance_retrieval_at_1']:.1%})" if "chance_retrieval_at_1" in ref else ""
-    split = texts_label(report)
-    notes = small_n_notes(report)
-    lines = [
-        f"# Evaluation of {report['checkpoint']} (step {report['step']}, {report['weights']} weights)",
-        "",
-        *headline_lines(report),
-        "",
-        "## Every figure",
-        "",
-        "Sampling options: " + ", ".join(f"{key}={value}" for key, value in report["sampling"].items()),
-        "",
-        f"Texts: {split} (every figure below is of these texts). Each figure: its value [95% interval] "
-        "(percentile bootstrap over the n texts, each with its draws of t for the ELBO; a rate no text reaches "
-        "gets the exact Clopper-Pearson interval).",
-        *(["", *notes] if notes else []),
-        "",
-        *_elbo_table(report),
-        "",
-        f"l2t reconstruction ({l2t['num_samples']} {split} latents): exact match "
-        f"{figure_text(l2t, 'exact_match', '.1%')}, word F1 {figure_text(l2t, 'word_f1')}"
-        f"{reference('other_sentence_word_f1', 'an unrelated real sentence:')}, "
-        f"real words {figure_text(l2t, 'real_word_rate', '.1%')}, {_cosine_clause(report, 'l2t')}"
-        f"{reference('other_sentence_cosine', 'an unrelated real sentence:')}, {l2t['samples_per_s']:.1f} samples/s",
-        "",
-        f"t2l ({t2l['num_samples']} {split} texts, the posterior mean): mean cosine to the true latent "
-        f"{figure_text(t2l, 'cosine_mean', '.4f')}{reference('mean_latent_cosine', 'the training-set mean latent:')}, "
-        f"retrieval@1 among {t2l['pool_size']} {figure_text(t2l, 'retrieval_at_1', '.1%')}{chance}, "
-        f"{t2l['samples_per_s']:.1f} samples/s",
-    ]
-    lines += writing_lines(report)
-    lines += fidelity_lines(report)
-    if "length" in report:
-        length = report["length"]
-        lines += ["", length_line(length, split)]
-    if "guidance" in report:
-        lines += _guidance_table(report)
-    lines += ["", "| source | generated from its latent |", "|---|---|"]
-    lines += [f"| {table_cell(e['source'])} | {table_cell(e['generated'])} |" for e in l2t["examples"]]
-    return "\n".join(lines) + "\n"

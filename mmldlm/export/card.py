@@ -17,10 +17,10 @@ import yaml
 from huggingface_hub import ModelCardData
 
 from mmldlm.config import to_dict
-from mmldlm.data import format as fmt
 from mmldlm.data.corpus import DEFAULT_CORPUS
-from mmldlm.sampling.evaluate import figure_text, selected_label, table_cell
-from mmldlm.sampling.run import TrainedRun
+from mmldlm.data.format import META
+from mmldlm.evaluation.report import figure_text, selected_label, table_cell
+from mmldlm.runs.trained import TrainedRun
 
 WORDNET_LICENCE = DEFAULT_CORPUS.parent / "LICENSE.wordnet"
 
@@ -67,7 +67,7 @@ def _duration(seconds: float) -> str:
 
 def _data_section(run: TrainedRun) -> tuple[list[str], dict]:
     """(markdown lines, front matter fields) of the training data and its licence."""
-    meta = _read_json(run.dataset_dir / fmt.META) if run.dataset_dir is not None else None
+    meta = _read_json(run.dataset_dir / META) if run.dataset_dir is not None else None
     if meta is None:
         return ["The training dataset was not found, so it is not described here."], {}
     inputs = meta.get("prepare", {}).get("inputs") or ["not recorded"]

@@ -12,7 +12,7 @@ each metric:
     diff = recipe.arms_difference(runs_a, runs_b)          # several training seeds per arm: seeds and texts
     diff = recipe.unpaired_difference(per_text_a, per_text_b)  # each run on its own texts (other data)
 
-A report keeps each figure's per-text values, and a recipe (`Mean`, `Rate`, `Corpus`) says how the
+A report keeps each figure's per-text values, and a recipe (`Mean`, `Rate`, `CorpusStatistic`) says how the
 figure is made from them, so one recipe gives both the figure's interval (`estimate`) and the paired
 difference of two reports on the same texts (`difference`, what `mmldlm compare` prints). A `Rate` that
 no text (or every text) reaches gets the exact Clopper-Pearson interval, not the bootstrap's [0, 0].
@@ -435,7 +435,7 @@ class Rate(Mean):
 
 
 @dataclass(frozen=True)
-class Corpus:
+class CorpusStatistic:
     """A figure of the texts as a whole (corpus BLEU, distinct-n, a perplexity over all words):
     `statistic(per_text)` returns the figure of the texts at indices `idx`, fn(idx) -> float, doing once
     whatever does not depend on idx. `resampled` False: a figure that resampling texts with replacement

@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from mmldlm.errors import UserError
-from mmldlm.sampling.evaluate import sections
-from mmldlm.sampling.intervals import LEVEL, NUM_RESAMPLES, POWER
+from mmldlm.evaluation.evaluate import sections
+from mmldlm.evaluation.intervals import LEVEL, NUM_RESAMPLES, POWER
 
 # Sections that score the validation data and the training texts, not the model: the same in both.
 DATA_ONLY = ("references", "nearest_training_text", "joint reference")
@@ -53,7 +53,7 @@ def compare_reports(a: dict, b: dict, names: tuple[str, str] = ("A", "B"), unpai
     """{"a", "b", "runs_a", "runs_b", "level", "num_resamples", "rows": [{section, figure, a, b,
     difference, low, high, n, significant}], "other_reference": [n-gram perplexities scored by different
     references, REFERENCE_SCORED], "not_compared": [sections in one report only],
-    "without_interval": [figures no resampling can bound, intervals.Corpus.resampled]}; the figures of
+    "without_interval": [figures no resampling can bound, intervals.CorpusStatistic.resampled]}; the figures of
     the model, not of the data (`DATA_ONLY`). `unpaired`: each report scored its own texts (runs on
     different data, each on its own validation split), resampled independently."""
     return compare_arms([a], [b], [names[0]], [names[1]], unpaired=unpaired)
@@ -136,7 +136,7 @@ def compare_arms(
                 difference = _difference(
                     recipe, per_text[: len(arm_a)], per_text[len(arm_a) :], f"{name} {figure}", names
                 )
-            if difference is None:  # no interval for this figure (intervals.Corpus.resampled)
+            if difference is None:  # no interval for this figure (intervals.CorpusStatistic.resampled)
                 without_interval.append(f"{name} {figure}")
                 continue
             rows.append({"section": name, "figure": figure, **difference.to_dict()})

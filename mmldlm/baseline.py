@@ -1,7 +1,7 @@
-"""The comparison recipe: what `mmldlm bench` measures the optimized presets against
+"""The baseline recipe: what `mmldlm bench` measures the optimized presets against
 (configs/baseline.yaml). None of it is for real runs; it is kept so the speed-ups stay measurable.
 
-Its switches, and where the core consults each (every such line says "comparison recipe"):
+Its switches, and where the core consults each (every such line says "baseline recipe"):
 
     model.attention=explicit           `explicit_attention`: the (Sq, S) score matrix materialised per head;
                                        model/mmdit.py `attend`
@@ -16,7 +16,7 @@ Its switches, and where the core consults each (every such line says "comparison
                                        DDP's autograd-graph walk every step (no code here); training/parallelize.py
     train.precision=fp32, the loader   ordinary config values (no code here)
 
-The optimized path of each lives where it is consulted; only the comparison's own code is here.
+The optimized path of each lives where it is consulted; only the baseline recipe's own code is here.
 """
 
 from __future__ import annotations

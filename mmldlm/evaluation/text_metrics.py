@@ -1,7 +1,7 @@
 """Figures of generated writing, each read beside the same figure of real text (docs/quality.md).
 Every function takes plain strings, so any texts can be scored:
 
-    from mmldlm.sampling.text_metrics import NgramReference, bleu, distinct, repetition
+    from mmldlm.evaluation.text_metrics import NgramReference, bleu, distinct, repetition
     reference = NgramReference.fit(training_texts)          # word 3-gram Kneser-Ney, training text only
     reference.perplexity(generated), reference.perplexity(real_texts)
     repetition(generated, 2), distinct(generated, 2), bleu(generated, sources)
@@ -135,7 +135,7 @@ class NgramReference:
     <UNK> itself would make a text of invented words cheap: <UNK> after <UNK> is likely.) Perplexity is
     2 ** (mean -log2 p) over every word of every text and each text's end, token-weighted over the texts."""
 
-    model: Any  # nltk InterpolatedLanguageModel (mmldlm/sampling/kneser_ney.py)
+    model: Any  # nltk InterpolatedLanguageModel (mmldlm/evaluation/kneser_ney.py)
     num_texts: int  # texts it was fitted on
     num_unknown_types: int  # word types of those texts that <UNK> stands for
     # SHA-256 of the fitted texts and the settings: perplexities of two reports compare only under one reference
@@ -145,7 +145,7 @@ class NgramReference:
     def fit(cls, texts: list[str], order: int = 3, unk_cutoff: int = 2, discount: float = 0.75) -> NgramReference:
         """The reference fitted on `texts` (training texts only: text it scores later must not be among them)."""
         # here: kneser_ney.py imports nltk, which takes a second; only the fluency figure needs it
-        from mmldlm.sampling.kneser_ney import fit_kneser_ney, num_unknown_types
+        from mmldlm.evaluation.kneser_ney import fit_kneser_ney, num_unknown_types
 
         model = fit_kneser_ney([words(t) for t in texts], order, unk_cutoff, discount)
         digest = hashlib.sha256(f"order {order}, unk_cutoff {unk_cutoff}, discount {discount}\n".encode())
@@ -160,7 +160,7 @@ class NgramReference:
     def bits_per_text(self, texts: list[str]) -> tuple[list[float], list[int]]:
         """(-log2 p summed over each text's words and its end, the number of those) per text: the
         perplexity of any set of the texts is 2 ** (sum of bits / sum of counts)."""
-        from mmldlm.sampling.kneser_ney import log2_probabilities  # here: see `fit`
+        from mmldlm.evaluation.kneser_ney import log2_probabilities  # here: see `fit`
 
         scores = [log2_probabilities(self.model, words(text), self.num_unknown_types) for text in texts]
         return [-sum(s) for s in scores], [len(s) for s in scores]

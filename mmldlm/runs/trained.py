@@ -7,7 +7,7 @@ training data's latent statistics, the tokenizer, the sentence encoder and (for 
 
 The training loop builds the same object around the model it is training (`TrainedRun.on_dataset`), so
 evaluation during training and `mmldlm eval` share every line; an exported model folder
-(mmldlm/sampling/pretrained.py) builds it from its own files, with no dataset. `run.use_eval_data(DIR,
+(mmldlm/export/pretrained.py) builds it from its own files, with no dataset. `run.use_eval_data(DIR,
 "all")` makes evaluation read another prepared dataset (made with `mmldlm prepare --like RUN`) in place of
 `run.val`.
 """
@@ -26,9 +26,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from mmldlm.config import RunConfig, load_config
-from mmldlm.data import format as fmt
 from mmldlm.data.dataset import PreparedDataset, model_for_dataset, resolve_for_model
 from mmldlm.data.errors import DataError
+from mmldlm.data.format import META, SPLITS, read_meta
 from mmldlm.data.prepare import dataset_path
 from mmldlm.data.tokenizer import encode_texts, load_tokenizer
 from mmldlm.device import pick_device
@@ -38,7 +38,6 @@ from mmldlm.model import MultimodalMMDiT
 from mmldlm.runs.checkpoints import find_latest, has_ema, is_full_state, read_weights
 from mmldlm.runs.files import CheckpointError
 from mmldlm.sampling.sampler import Sampler, SamplingOptions, pad_mask_from_lengths
-from mmldlm.sampling.text_metrics import words
 
 
 @dataclass
@@ -192,14 +191,6 @@ class TrainedRun:
         _ = self.length_counts if self.dataset_dir is not None else None
         self.val = AllSplits(path) if split == "all" else PreparedDataset(path, split)
 
-    @property
-    def known_words(self) -> frozenset[str]:
-        """The lowercase words of the run's training texts (the real-word rate of evaluation); for an
-        exported model, which carries no texts, the words of the data it is evaluated on."""
-        if self.dataset_dir is not None:
-            return dataset_words(str(self.dataset_dir), "train")
-        return dataset_words(str(self.val.path), self.val.split)
-
     def predict_lengths(self, latents: torch.Tensor) -> list[int]:
         """The length head's most likely text length for each latent (N, K, D) in encoder space, among
         1..the length training cut texts to."""
@@ -257,12 +248,6 @@ def dataset_texts(dataset_dir: str, split: str) -> tuple[str, ...]:
     return tuple(tokenizer.decode_batch([data[i][1].tolist() for i in range(len(data))]))
 
 
-@functools.lru_cache(maxsize=4)
-def dataset_words(dataset_dir: str, split: str) -> frozenset[str]:
-    """The lowercase letter runs of every text of a split ("all": both) of a prepared dataset."""
-    return frozenset(words(" ".join(dataset_texts(dataset_dir, split))))
-
-
 class AllSplits(torch.utils.data.ConcatDataset):
     """Every sample of a prepared dataset, its train split then its val split, as one sequence: the
     part of PreparedDataset that evaluation reads through `run.val` (len, [i] and meta). No
@@ -272,8 +257,8 @@ class AllSplits(torch.utils.data.ConcatDataset):
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.meta = fmt.read_meta(self.path)
-        super().__init__([PreparedDataset(self.path, name) for name in fmt.SPLITS if self.meta["splits"].get(name)])
+        self.meta = read_meta(self.path)
+        super().__init__([PreparedDataset(self.path, name) for name in SPLITS if self.meta["splits"].get(name)])
 
     def __getitem__(self, index: int) -> tuple[int, np.ndarray, np.ndarray]:
         """(index, token ids (n,), latents (K, D)), as PreparedDataset's, the index counted over both splits."""
@@ -285,7 +270,7 @@ def check_compatible(run: TrainedRun, path: Path) -> None:
     """DataError unless the dataset at `path` reads as the run's own data does to the model: the same
     tokenizer (the same ids for the same text), the same encoder and normalisation (latents in the
     same space), the same latent shape (K, D)."""
-    theirs = fmt.read_meta(path)
+    theirs = read_meta(path)
     theirs_tok = path / theirs["tokenizer"]
     fix = "prepare the text with `mmldlm prepare --like RUN_DIR --input FILE --out DIR`"
     if theirs_tok.read_text(encoding="utf-8") != run.tokenizer_file.read_text(encoding="utf-8"):
@@ -301,7 +286,7 @@ def check_compatible(run: TrainedRun, path: Path) -> None:
     }
     for key, value in ours.items():
         if theirs.get(key) != value:
-            raise DataError(f"{path / fmt.META}: {key} {theirs.get(key)!r}, but the run's model has {value!r}; {fix}")
+            raise DataError(f"{path / META}: {key} {theirs.get(key)!r}, but the run's model has {value!r}; {fix}")
 
 
 def find_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:

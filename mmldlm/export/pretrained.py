@@ -8,7 +8,7 @@ Hugging Face hub), and the Python API around a trained model.
     DIR/tokenizer.json            the tokenizer the model was trained with
     DIR/latent_stats.safetensors  "mean" and "std" (D,) of the training latents, what the latent
                                   diffusion standardises with
-    DIR/README.md                 the model card (mmldlm/sampling/card.py)
+    DIR/README.md                 the model card (mmldlm/export/card.py)
 
     m = MMLDLM.from_pretrained("exported/")        # or a run directory; local folders only
     z = m.encode(["a small dog that barks"])        # t2l: text -> latents (N, K, D), encoder space
@@ -17,7 +17,7 @@ Hugging Face hub), and the Python API around a trained model.
     m.save_pretrained("exported/")                   # the folder above (`mmldlm export` writes it atomically)
 
 Loading never touches the network. An exported folder and the run it came from give the same
-samples for the same seed: both become the same `TrainedRun` (mmldlm/sampling/run.py), sampled by
+samples for the same seed: both become the same `TrainedRun` (mmldlm/runs/trained.py), sampled by
 the same code, which `mmldlm sample` also uses. The file names and the card's metadata follow the hub
 (`hf upload ID DIR` shares a folder), but the class is not a huggingface_hub ModelHubMixin: the mixin
 loads hub ids over the network and records its config from the constructor's arguments, and here the
@@ -55,11 +55,11 @@ from mmldlm.data.tokenizer import load_tokenizer, special_ids, vocab_size
 from mmldlm.device import pick_device
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.errors import OptionError, require_positive
+from mmldlm.export.card import model_card
 from mmldlm.model import MultimodalMMDiT
 from mmldlm.outputs import FolderKind, as_umask_allows
 from mmldlm.progress import reporting, stage
-from mmldlm.sampling.card import model_card
-from mmldlm.sampling.run import TrainedRun, load_run, load_weights
+from mmldlm.runs.trained import TrainedRun, load_run, load_weights
 from mmldlm.sampling.sampler import SamplingOptions, length_masks
 
 FORMAT_VERSION = 1
