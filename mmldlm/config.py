@@ -129,6 +129,246 @@ class ModelConfig:
             _fail(f"{prefix}.{key}", getattr(self, key), "a number > 0")
 
 
+# --------------------------------------------------------------------------------------------------
+# The sampler's options (mmldlm/sampling/sampler.py). Each field states once its default, its
+# command-line help (`mmldlm sample`, `eval` and `compare` make their options from it:
+# mmldlm/commands/sample.py) and the values it takes; the run config's sampler defaults below
+# (text_diffusion.sampling_*, latent_diffusion.sampler, ...) name the field they set.
+
+
+def _option(default: Any, help: str, rule: tuple | None = None, none: str = "", flag: str | None = None) -> Any:
+    """A SamplingOptions field: its default; its command-line help (argparse's: %(default)s is the
+    default); `rule`, (valid(value), what it expects), the values it takes (a Literal's are its
+    choices); `none`, what None means, said after what it expects (a field that takes None); and its
+    flag where that is not --NAME."""
+    return field(default=default, metadata={"help": help, "rule": rule, "none": none, "flag": flag})
+
+
+_COUNT = (lambda value: value >= 1, "an integer >= 1")
+_COUNT_OR_OFF = (lambda value: value >= 0, "an integer >= 0 (0 = off)")
+_SHARE = (lambda value: 0 < value <= 1, "a number in (0, 1]")
+
+
+@dataclass
+class SamplingOptions:
+    """How the samplers sample (mmldlm/sampling/sampler.py)."""
+
+    # Reverse steps from t = 1 to t = 0 of l2t and joint.
+    num_steps: int = _option(
+        32,
+        "reverse steps of every sampler (default: the run's text_diffusion.num_sampling_steps for l2t and joint, "
+        "latent_diffusion.num_sampling_steps for t2l)",
+        _COUNT,
+        flag="--steps",
+    )
+    # Reverse steps of t2l; None: num_steps. The text nearly fixes its latent, and a few steps (whose
+    # first x0 estimate is the conditional mean) can beat many (docs/log/quality.md).
+    latent_steps: int | None = _option(
+        None,
+        "reverse steps of t2l (default: --steps, else the run's latent_diffusion.num_sampling_steps)",
+        _COUNT,
+        " (or None: num_steps)",
+    )
+    # Text logits are divided by it; 1 keeps the model's distribution where the strategy does.
+    temperature: float = _option(
+        1.0,
+        "text logits are divided by it (default: the run's text_diffusion.sampling_temperature)",
+        (lambda value: value > 0, "a number > 0"),
+    )
+    # How masked text positions are revealed (MaskedDiffusion.step). "confidence" (the most confident
+    # draws first) is mode-seeking: it keeps a draw for being likely, so it does not sample the model's
+    # distribution, and it decodes far better words than MDLM's ancestral sampler from small models
+    # (docs/quality.md). "ancestral", "margin" and "left_to_right" choose positions without looking at
+    # the drawn values and sample the model's distribution when steps reveal one token each.
+    strategy: Literal["confidence", "margin", "left_to_right", "ancestral"] = _option(
+        "confidence",
+        "text: the most confident positions first (mode-seeking), the widest gap between the two best words "
+        "first, the leftmost first, or MDLM ancestral unmasking (these three sample the model's distribution)",
+    )
+    # Classifier-free guidance w (sampler.py's docstring); 0 = off.
+    guidance_scale: float = _option(
+        0.0,
+        "classifier-free guidance w: cond + w (cond - uncond); 0 = off",
+        (math.isfinite, "a finite number (0 = off)"),
+    )
+    # "ddim" or "ddpm" (GaussianDiffusion.step) sample the latent; "mean" (t2l only) is the posterior mean
+    # E[x0 | text] for an encoder: one model call at t = 1, whose x0 estimate given noise that carries no
+    # signal (alpha_1 = latent_diffusion.min_alpha) is the regression answer. Samples of few DDIM steps at a
+    # shifted schedule are close to it too: too narrow to stand for the latent distribution (docs/quality.md).
+    latent_sampler: Literal["ddim", "ddpm", "mean"] = _option(
+        "ddim",
+        "default: the run's latent_diffusion.sampler; mean (t2l): the posterior mean E[latent | text], one "
+        "model call, for using t2l as an encoder",
+    )
+    # The latent sampler's time grid (GaussianDiffusion.time_grid): None, equal steps of t; s', the SNRs of
+    # equal steps under shift s'. t2l, joint and the latent prior; the text keeps equal steps of t.
+    latent_shift: float | None = _option(
+        None,
+        "the latent sampler's time grid (t2l, joint): the SNRs of equal steps under this shift, e.g. 1 for the "
+        "plain cosine schedule's (default: the run's latent_diffusion.sampling_shift; none: equal steps of the "
+        "trained schedule's t)",
+        (lambda value: math.isfinite(value) and value > 0, "a number > 0"),
+        ", or None (equal steps of t)",
+    )
+    # l2t: skip the model call when the last step unmasked nothing.
+    reuse_output: bool = _option(True, "l2t: call the model even when a step changed nothing", flag="--no-reuse")
+    # Each revealed text position's logit of every token already revealed in its text is lowered by this
+    # much (0 = off): a small model otherwise writes the latent's keyword at several positions.
+    repetition_penalty: float = _option(
+        0.0,
+        "text: lower the logit of every token already in the text by this much (default: the run's "
+        "text_diffusion.sampling_repetition_penalty; 0 = off)",
+        (lambda value: math.isfinite(value) and value >= 0, "a number >= 0 (0 = off)"),
+    )
+    # Remasking: "confidence" rounds after the text is complete, each masking its least confident
+    # `remask_fraction` of tokens again and re-sampling them given the rest, `remask_rounds` times (0 =
+    # off); mode-seeking, as the tokens remasked are chosen by their values. "posterior": ReMDM's
+    # remasking posterior (Wang et al. 2025) at every step of the ancestral sampler, each revealed token
+    # masked again with probability min(remask_cap, (1 - alpha_s) / alpha_t) whatever its value; it
+    # samples the model's distribution (MaskedDiffusion.remasking_step).
+    remask: Literal["confidence", "posterior"] = _option(
+        "confidence",
+        "text: how revealed tokens are masked again: the least confident share in rounds after the text "
+        "(--remask-rounds; mode-seeking; the default), or ReMDM's remasking posterior at every step of "
+        "--strategy ancestral (samples the model's distribution)",
+    )
+    remask_rounds: int = _option(
+        0,
+        "text: re-sample the least confident share of a finished text given the rest, this many times "
+        "(--remask confidence; default %(default)s)",
+        _COUNT_OR_OFF,
+    )
+    remask_fraction: float = _option(
+        0.25,
+        "the share of a text's tokens re-sampled per remasking or correction round (default %(default)s)",
+        _SHARE,
+    )
+    remask_cap: float = _option(
+        0.02,
+        "--remask posterior: the most a step masks again of the revealed tokens, "
+        "sigma_t = min(cap, (1 - alpha_s) / alpha_t) (default %(default)s)",
+        _SHARE,
+    )
+    # The sentence encoder in the loop (decoding.py): `best_of` candidates per text, the one whose
+    # re-encoding is closest to the target latent kept; then `correction_rounds` rounds, each re-sampling
+    # `correction_proposals` variants of the kept text with its least confident `remask_fraction` masked
+    # (one variant) or a confidence-weighted random share (the others), a variant kept only where its
+    # re-encoding is closer. l2t: the target is the given latent; joint: the text's own sampled latent.
+    best_of: int = _option(
+        1,
+        "text: sample N texts per latent and keep the one whose re-encoding by the sentence encoder is closest "
+        "(l2t: to the latent; joint: to its own latent); default: the run's text_diffusion.sampling_best_of",
+        (lambda value: value >= 1, "an integer >= 1 (1 = one text, no re-ranking)"),
+    )
+    correction_rounds: int = _option(
+        0,
+        "text: rounds of re-sampling variants of the kept text, each kept only where its re-encoding is closer "
+        "(uses the sentence encoder); default: the run's text_diffusion.sampling_correction_rounds",
+        _COUNT_OR_OFF,
+    )
+    correction_proposals: int = _option(4, "variants per correction round (default %(default)s)", _COUNT)
+    # joint: "together" moves text and latent down one time grid side by side; "latent_first" samples the
+    # latent given only the text's length (the text fully masked, as training drops the text) and then
+    # decodes it at that length as l2t does, with every l2t option (the latent model and l2t see far
+    # more training than text and latent noised together).
+    joint_order: Literal["together", "latent_first"] = _option(
+        "together",
+        "joint: text and latent side by side, or the latent first and then its text as l2t decodes it "
+        "(default: %(default)s)",
+    )
+    # l2t where the length comes from the length head: its `length_candidates` most likely lengths are
+    # each decoded (best_of texts each) and the encoder keeps the closest text (1 = the head's argmax).
+    length_candidates: int = _option(
+        1,
+        "l2t without a given length: decode at the length head's N most likely lengths and keep the text the "
+        "sentence encoder puts closest (default %(default)s: the most likely length only)",
+        _COUNT,
+    )
+
+    def check(self, keys: dict[str, str] | None = None) -> None:
+        """OptionError for a value that cannot be used, named by `keys` (field -> the command-line
+        option it came from), else as "sampling option 'FIELD'"."""
+
+        def fail(name: str, expected: str):
+            key = (keys or {}).get(name, f"sampling option '{name}'")
+            raise OptionError(key, getattr(self, name), expected)
+
+        for f in dataclasses.fields(self):
+            expected = _sampling_option_expects(f.name, getattr(self, f.name), takes_none=bool(f.metadata["none"]))
+            if expected is not None:
+                fail(f.name, expected)
+        if self.remask == "posterior" and self.strategy != "ancestral":
+            fail(
+                "strategy",
+                "'ancestral' with remask 'posterior' (the posterior reveals each masked token by its own probability)",
+            )
+        if self.remask == "posterior" and self.remask_rounds:
+            fail(
+                "remask_rounds",
+                "0 with remask 'posterior' (it remasks during the trajectory; the rounds are confidence remasking)",
+            )
+
+    @property
+    def uses_encoder(self) -> bool:
+        """Whether decoding re-encodes its candidates with the sentence encoder."""
+        return self.best_of > 1 or self.correction_rounds > 0 or self.length_candidates > 1
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def defaults(
+        cls, text: TextDiffusionConfig, latent: LatentDiffusionConfig, steps: int | None = None, **options
+    ) -> SamplingOptions:
+        """A run's sampler defaults: the keys of its text_diffusion and latent_diffusion that hold one
+        (`_sampler_default`; both num_sampling_steps `steps` when given); `options` that are not None set
+        the rest."""
+        run = {
+            f.metadata["option"]: getattr(section, f.name)
+            for section in (text, latent)
+            for f in dataclasses.fields(section)
+            if "option" in f.metadata
+        }
+        if steps is not None:
+            run.update(num_steps=steps, latent_steps=steps)
+        return cls(**{**run, **{key: value for key, value in options.items() if value is not None}})
+
+
+def _sampling_option_expects(name: str, value: Any, takes_none: bool) -> str | None:
+    """What SamplingOptions field `name` expects where `value` is not one of its values, else None;
+    `takes_none`: whether None is one (what None means is then said too)."""
+    tp = typing.get_type_hints(SamplingOptions)[name]
+    if typing.get_origin(tp) is Literal:
+        return None if value in typing.get_args(tp) else " or ".join(map(repr, typing.get_args(tp)))
+    metadata = SamplingOptions.__dataclass_fields__[name].metadata
+    valid, expected = metadata["rule"] or (lambda value: True, "")
+    if takes_none if value is None else valid(value):
+        return None
+    return expected + (metadata["none"] if takes_none else "")
+
+
+def _sampler_default(option: str, default: Any = dataclasses.MISSING) -> Any:
+    """A run config key that holds the run's default of SamplingOptions field `option`
+    (SamplingOptions.defaults reads it, `_check_sampler_defaults` checks it by that field's rule): the
+    field's default unless `default` is given."""
+    if default is dataclasses.MISSING:
+        default = SamplingOptions.__dataclass_fields__[option].default
+    return field(default=default, metadata={"option": option})
+
+
+def _check_sampler_defaults(section: Any, prefix: str) -> None:
+    """The run's sampler defaults in `section` (`_sampler_default`), each by its SamplingOptions field's
+    rule; a config file spells None null."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        if "option" in f.metadata:
+            value = getattr(section, f.name)
+            takes_none = type(None) in typing.get_args(hints[f.name])
+            expected = _sampling_option_expects(f.metadata["option"], value, takes_none)
+            if expected is not None:
+                _fail(f"{prefix}.{f.name}", value, expected.replace("None", "null"))
+
+
 @dataclass
 class TextDiffusionConfig:
     """Masked (absorbing-state) diffusion over tokens, MDLM (see mmldlm/diffusion/masked.py)."""
@@ -138,28 +378,20 @@ class TextDiffusionConfig:
     # alpha_1 = eps (a sliver of signal at t = 1, as in MDLM); the ELBO weight is evaluated at t >= eps
     # so it stays finite near t = 0 (at most 1/eps for loglinear)
     eps: float = 1e-3
-    num_sampling_steps: int = 50  # default reverse steps of the text sampler (l2t, joint)
-    sampling_temperature: float = 1.0  # default temperature of the text sampler (logits / T)
-    # Default repetition penalty of the text sampler: logits of tokens already in the text lowered by it.
-    sampling_repetition_penalty: float = 0.0
-    # Default decoding with the sentence encoder in the loop (mmldlm/sampling/decoding.py): candidates per
-    # text, and correction rounds. Evaluation during training always decodes without them.
-    sampling_best_of: int = 1
-    sampling_correction_rounds: int = 0
+    # The text sampler's defaults (SamplingOptions): reverse steps of l2t and joint, temperature
+    # (logits / T), repetition penalty; decoding with the sentence encoder in the loop
+    # (mmldlm/sampling/decoding.py): candidates per text, and correction rounds. Evaluation during
+    # training always decodes without them.
+    num_sampling_steps: int = _sampler_default("num_steps", 50)
+    sampling_temperature: float = _sampler_default("temperature")
+    sampling_repetition_penalty: float = _sampler_default("repetition_penalty")
+    sampling_best_of: int = _sampler_default("best_of")
+    sampling_correction_rounds: int = _sampler_default("correction_rounds")
 
     def check(self, prefix: str = "text_diffusion") -> None:
         if not 0.0 < self.eps < 0.5:
             _fail(f"{prefix}.eps", self.eps, "a number in (0, 0.5)")
-        if self.num_sampling_steps < 1:
-            _fail(f"{prefix}.num_sampling_steps", self.num_sampling_steps, "an integer >= 1")
-        if not self.sampling_temperature > 0:
-            _fail(f"{prefix}.sampling_temperature", self.sampling_temperature, "a number > 0")
-        if self.sampling_best_of < 1:
-            _fail(f"{prefix}.sampling_best_of", self.sampling_best_of, "an integer >= 1 (1 = one text, no re-ranking)")
-        if self.sampling_correction_rounds < 0:
-            _fail(f"{prefix}.sampling_correction_rounds", self.sampling_correction_rounds, "an integer >= 0 (0 = off)")
-        if not self.sampling_repetition_penalty >= 0:
-            _fail(f"{prefix}.sampling_repetition_penalty", self.sampling_repetition_penalty, "a number >= 0 (0 = off)")
+        _check_sampler_defaults(self, prefix)
 
 
 @dataclass
@@ -177,11 +409,12 @@ class LatentDiffusionConfig:
     # parameterisation), min_snr (min(SNR, min_snr_gamma), Hang et al. 2023).
     loss_weighting: Literal["none", "min_snr"] = "none"
     min_snr_gamma: float = 5.0
-    num_sampling_steps: int = 50  # default reverse steps of the latent sampler (t2l)
-    sampler: Literal["ddim", "ddpm"] = "ddim"
-    # The latent sampler's time grid: null, equal steps of t; a number s', the SNRs of equal steps under
-    # shift s' (below `shift`: more of the steps at high SNR, where few steps shrink the samples).
-    sampling_shift: float | None = None
+    # The latent sampler's defaults (SamplingOptions): reverse steps of t2l, DDIM or DDPM, and the time
+    # grid: null, equal steps of t; a number s', the SNRs of equal steps under shift s' (below `shift`:
+    # more of the steps at high SNR, where few steps shrink the samples).
+    num_sampling_steps: int = _sampler_default("latent_steps", 50)
+    sampler: Literal["ddim", "ddpm"] = _sampler_default("latent_sampler")
+    sampling_shift: float | None = _sampler_default("latent_shift")
 
     def check(self, prefix: str = "latent_diffusion") -> None:
         if not 0.0 < self.min_alpha < 0.1:
@@ -196,10 +429,7 @@ class LatentDiffusionConfig:
                 self.loss_weighting,
                 f"'none' with {prefix}.loss={self.loss!r} (weighting over t applies to the mse loss)",
             )
-        if self.num_sampling_steps < 1:
-            _fail(f"{prefix}.num_sampling_steps", self.num_sampling_steps, "an integer >= 1")
-        if self.sampling_shift is not None and not (math.isfinite(self.sampling_shift) and self.sampling_shift > 0):
-            _fail(f"{prefix}.sampling_shift", self.sampling_shift, "a number > 0, or null (equal steps of t)")
+        _check_sampler_defaults(self, prefix)
 
 
 @dataclass

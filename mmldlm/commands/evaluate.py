@@ -141,10 +141,10 @@ def evaluation(args: argparse.Namespace, model_path: str):
     split = args.split or default_split(data)
     if args.data or split != "val":
         run.use_eval_data(data, split)
-    options = sampling_options(args, run, args.guidance_scale[0])
+    options = sampling_options(args, run, guidance_scale=args.guidance_scale[0])
     cfg = EvalConfig(
         num_samples=args.num_samples,
-        num_steps=args.steps,
+        num_steps=args.num_steps,
         batch_size=args.batch_size,
         num_elbo_batches=math.ceil(args.num_samples / args.batch_size),
         retrieval_pool=args.retrieval_pool,

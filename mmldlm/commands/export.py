@@ -9,17 +9,11 @@ from __future__ import annotations
 
 import argparse
 
+from mmldlm.commands.sample import add_model_arguments
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--run", required=True, metavar="RUN_DIR", help="a training run directory")
-    parser.add_argument(
-        "--checkpoint", metavar="PATH", help="a checkpoint directory (default: the run's newest that verifies)"
-    )
-    parser.add_argument(
-        "--no-ema",
-        action="store_true",
-        help="the raw trained weights instead of their EMA (where the run kept one, train.ema_decay)",
-    )
+    add_model_arguments(parser, "a training run directory")
     parser.add_argument("--out", required=True, metavar="DIR", help="the folder to write")
     parser.add_argument(
         "--force", action="store_true", help="replace DIR when it is an exported model (nothing else is replaced)"

@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import typing
 import warnings
+
+from mmldlm.config import SamplingOptions
 
 
 def add_model_arguments(parser, what: str) -> None:
-    """--run, --checkpoint, --no-ema: which trained weights (sample and eval)."""
+    """--run, --checkpoint, --no-ema: which trained weights (sample, eval and export)."""
     parser.add_argument("--run", required=True, metavar="RUN_DIR", help=what)
     parser.add_argument(
         "--checkpoint", metavar="PATH", help="a checkpoint directory (default: the run's newest that verifies)"
@@ -39,116 +42,51 @@ def add_model_arguments(parser, what: str) -> None:
     )
 
 
-def add_sampler_arguments(group) -> None:
-    """--steps, --latent-steps, --temperature, --strategy: the samplers' options (sample and eval)."""
-    _add_step_options(group)
-    _add_remask_options(group)
-    _add_reencoding_options(group)
-    group.add_argument(
-        "--joint-order",
-        choices=["together", "latent_first"],
-        help="joint: text and latent side by side, or the latent first and then its text as l2t decodes it "
-        "(default: together)",
-    )
-    group.add_argument(
-        "--length-candidates",
-        type=int,
-        help="l2t without a given length: decode at the length head's N most likely lengths and keep the "
-        "text the sentence encoder puts closest (default 1: the most likely length only)",
-    )
+# The SamplingOptions fields that `sample`, `eval` and `compare` take, in the order of their --help.
+SAMPLER_OPTIONS = (
+    "num_steps",
+    "latent_steps",
+    "latent_shift",
+    "temperature",
+    "strategy",
+    "repetition_penalty",
+    "remask_rounds",
+    "remask",
+    "remask_cap",
+    "remask_fraction",
+    "best_of",
+    "correction_rounds",
+    "correction_proposals",
+    "joint_order",
+    "length_candidates",
+)
 
 
-def _add_step_options(group) -> None:
-    """How many reverse steps, and how each text step picks and scores its tokens."""
-    group.add_argument(
-        "--steps",
-        type=int,
-        help="reverse steps of every sampler (default: the run's text_diffusion.num_sampling_steps for "
-        "l2t and joint, latent_diffusion.num_sampling_steps for t2l)",
-    )
-    group.add_argument(
-        "--latent-steps",
-        type=int,
-        help="reverse steps of t2l (default: --steps, else the run's latent_diffusion.num_sampling_steps)",
-    )
-    group.add_argument(
-        "--latent-shift",
-        type=float,
-        help="the latent sampler's time grid (t2l, joint): the SNRs of equal steps under this shift, e.g. 1 "
-        "for the plain cosine schedule's (default: the run's latent_diffusion.sampling_shift; none: equal "
-        "steps of the trained schedule's t)",
-    )
-    group.add_argument(
-        "--temperature",
-        type=float,
-        help="text logits are divided by it (default: the run's text_diffusion.sampling_temperature)",
-    )
-    group.add_argument(
-        "--strategy",
-        choices=[
-            "confidence",
-            "margin",
-            "left_to_right",
-            "ancestral",
-        ],  # SamplingOptions.strategy (no torch import here)
-        default="confidence",
-        help="text: the most confident positions first (mode-seeking), the widest gap between the two best "
-        "words first, the leftmost first, or MDLM ancestral unmasking (these three sample the model's "
-        "distribution)",
-    )
-    group.add_argument(
-        "--repetition-penalty",
-        type=float,
-        help="text: lower the logit of every token already in the text by this much (default: the run's "
-        "text_diffusion.sampling_repetition_penalty; 0 = off)",
-    )
+def option_flag(name: str) -> str:
+    """The command-line option of SamplingOptions field `name`: --NAME in dashes unless the field names one."""
+    return SamplingOptions.__dataclass_fields__[name].metadata["flag"] or "--" + name.replace("_", "-")
 
 
-def _add_remask_options(group) -> None:
-    """Masking revealed text tokens again: in rounds after the text, or at every ancestral step."""
-    group.add_argument(
-        "--remask-rounds",
-        type=int,
-        help="text: re-sample the least confident share of a finished text given the rest, this many times "
-        "(--remask confidence; default 0)",
-    )
-    group.add_argument(
-        "--remask",
-        choices=["confidence", "posterior"],  # SamplingOptions.remask (no torch import here)
-        help="text: how revealed tokens are masked again: the least confident share in rounds after the text "
-        "(--remask-rounds; mode-seeking; the default), or ReMDM's remasking posterior at every step of "
-        "--strategy ancestral (samples the model's distribution)",
-    )
-    group.add_argument(
-        "--remask-cap",
-        type=float,
-        help="--remask posterior: the most a step masks again of the revealed tokens, "
-        "sigma_t = min(cap, (1 - alpha_s) / alpha_t) (default 0.02)",
-    )
-    group.add_argument(
-        "--remask-fraction",
-        type=float,
-        help="the share of a text's tokens re-sampled per remasking or correction round (default 0.25)",
-    )
-
-
-def _add_reencoding_options(group) -> None:
-    """Keeping the texts whose re-encoding by the sentence encoder is closest to their latent."""
-    group.add_argument(
-        "--best-of",
-        type=int,
-        help="text: sample N texts per latent and keep the one whose re-encoding by the sentence encoder "
-        "is closest (l2t: to the latent; joint: to its own latent); default: the run's "
-        "text_diffusion.sampling_best_of",
-    )
-    group.add_argument(
-        "--correction-rounds",
-        type=int,
-        help="text: rounds of re-sampling variants of the kept text, each kept only where its "
-        "re-encoding is closer (uses the sentence encoder); default: the run's "
-        "text_diffusion.sampling_correction_rounds",
-    )
-    group.add_argument("--correction-proposals", type=int, help="variants per correction round (default 4)")
+def add_sampler_arguments(group, names: tuple[str, ...] = SAMPLER_OPTIONS) -> None:
+    """SamplingOptions fields as command-line options (sample and eval), each with its field's help, type
+    or choices, and default: the field's where the help shows it (%(default)s, or the "(default: X)"
+    argparse adds to a text that does not say it), else None, which SamplingOptions.defaults fills with
+    the run's or the field's (the text says which); a field on by default is a flag that turns it off."""
+    hints = typing.get_type_hints(SamplingOptions)
+    for name in names:
+        field, flag, tp = SamplingOptions.__dataclass_fields__[name], option_flag(name), hints[name]
+        if tp is bool:
+            action = "store_false" if field.default else "store_true"
+            group.add_argument(flag, action=action, dest=name, help=field.metadata["help"])
+            continue
+        if typing.get_origin(tp) is typing.Literal:
+            kind = {"choices": typing.get_args(tp)}
+        else:
+            value_type = next(arg for arg in typing.get_args(tp) or (tp,) if arg is not type(None))
+            kind = {"type": value_type, "metavar": flag[2:].upper().replace("-", "_")}
+        text = field.metadata["help"]
+        default = field.default if "%(default)" in text or "default" not in text else None
+        group.add_argument(flag, dest=name, default=default, help=text, **kind)
 
 
 def add_device_arguments(group) -> None:
@@ -208,20 +146,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "length head, joint draws from the validation split)",
     )
     opt = parser.add_argument_group("sampling")
-    add_sampler_arguments(opt)
-    opt.add_argument(
-        "--guidance-scale",
-        type=float,
-        default=0.0,
-        help="classifier-free guidance w: cond + w (cond - uncond); 0 = off",
-    )
-    opt.add_argument(
-        "--latent-sampler",
-        choices=["ddim", "ddpm", "mean"],
-        help="default: the run's latent_diffusion.sampler; mean (t2l): the posterior mean E[latent | text], "
-        "one model call, for using t2l as an encoder",
-    )
-    opt.add_argument("--no-reuse", action="store_true", help="l2t: call the model even when a step changed nothing")
+    add_sampler_arguments(opt, (*SAMPLER_OPTIONS, "guidance_scale", "latent_sampler", "reuse_output"))
     opt.add_argument("--seed", type=int, default=0)
     opt.add_argument("--batch-size", type=int, default=64)
     out = parser.add_argument_group("output")
@@ -230,54 +155,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_device_arguments(out)
 
 
-# The command-line option behind each SamplingOptions field (of `sample` and `eval`), so that a bad
-# value is named as it was typed.
-SAMPLING_FLAGS = {
-    "num_steps": "--steps",
-    "latent_steps": "--latent-steps",
-    "latent_shift": "--latent-shift",
-    "temperature": "--temperature",
-    "guidance_scale": "--guidance-scale",
-    "repetition_penalty": "--repetition-penalty",
-    "remask_rounds": "--remask-rounds",
-    "remask_fraction": "--remask-fraction",
-    "remask": "--remask",
-    "remask_cap": "--remask-cap",
-    "strategy": "--strategy",
-    "best_of": "--best-of",
-    "correction_rounds": "--correction-rounds",
-    "correction_proposals": "--correction-proposals",
-    "length_candidates": "--length-candidates",
-}
-
-
-def sampling_options(args: argparse.Namespace, run, guidance_scale: float, **options):
-    """The run's sampler defaults with what the command line gives, checked: OptionError naming the
-    option of a value that cannot be used."""
-    from mmldlm.sampling import SamplingOptions
-
-    sampling = SamplingOptions.defaults(
-        run.cfg.text_diffusion,
-        run.cfg.latent_diffusion,
-        args.steps,
-        latent_steps=args.latent_steps,
-        latent_shift=args.latent_shift,
-        temperature=args.temperature,
-        strategy=args.strategy,
-        guidance_scale=guidance_scale,
-        repetition_penalty=args.repetition_penalty,
-        remask_rounds=args.remask_rounds,
-        remask_fraction=args.remask_fraction,
-        remask=args.remask,
-        remask_cap=args.remask_cap,
-        best_of=args.best_of,
-        correction_rounds=args.correction_rounds,
-        correction_proposals=args.correction_proposals,
-        length_candidates=args.length_candidates,
-        joint_order=args.joint_order,
-        **options,
-    )
-    sampling.check(SAMPLING_FLAGS)
+def sampling_options(args: argparse.Namespace, run, **options) -> SamplingOptions:
+    """The run's sampler defaults with the SamplingOptions fields the command line gives and `options`,
+    checked: OptionError naming the option of a value that cannot be used."""
+    given = {name: value for name, value in vars(args).items() if name in SamplingOptions.__dataclass_fields__}
+    flags = {name: option_flag(name) for name in given}
+    given.update(options)
+    text, latent = run.cfg.text_diffusion, run.cfg.latent_diffusion
+    sampling = SamplingOptions.defaults(text, latent, given.pop("num_steps"), **given)  # --steps: both samplers'
+    sampling.check(flags)
     return sampling
 
 
@@ -404,9 +290,7 @@ def _sample(args: argparse.Namespace) -> int:
             "--length", args.length, f"an integer in [1, {run.cfg.model.max_seq_len}] (model.max_seq_len of this run)"
         )
     # Checked here, before any sampling, so that a bad value is named by its option.
-    sampling = sampling_options(
-        args, run, args.guidance_scale, reuse_output=not args.no_reuse, latent_sampler=args.latent_sampler
-    )
+    sampling = sampling_options(args, run)
     options = dict(
         dataclasses.asdict(sampling),
         batch_size=args.batch_size,

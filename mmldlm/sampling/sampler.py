@@ -39,168 +39,24 @@ MDLM's denoiser takes no time input, which makes this exact; ours sees t_text, b
 denoiser of absorbing diffusion does not depend on t given the tokens (Ou et al. 2024,
 arXiv:2406.03736), so the reuse only drops a dependence the model should not have. With many steps
 per token most steps change nothing and are skipped; `reuse_output=False` turns it off.
+
+The options are `SamplingOptions` (mmldlm/config.py), the one statement of each option's default, help
+and range, from which the run config's sampler defaults and the options of `mmldlm sample` are made.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from mmldlm import progress
-from mmldlm.config import LatentDiffusionConfig, TextDiffusionConfig
+from mmldlm.config import SamplingOptions
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion, rng
 from mmldlm.errors import OptionError
 from mmldlm.sampling import decoding
 from mmldlm.sampling.decoding import Draft
-
-# How masked text positions are revealed (MaskedDiffusion.step).
-STRATEGIES = ("ancestral", "confidence", "margin", "left_to_right")
-# How tokens once revealed are masked again (SamplingOptions.remask).
-REMASKS = ("confidence", "posterior")
-# How a latent is drawn (SamplingOptions.latent_sampler).
-LATENT_SAMPLERS = ("ddim", "ddpm", "mean")
-
-
-@dataclass
-class SamplingOptions:
-    num_steps: int = 32  # reverse steps from t = 1 to t = 0 of l2t and joint
-    # Reverse steps of t2l; None: num_steps. The text nearly fixes its latent, and a few steps (whose
-    # first x0 estimate is the conditional mean) can beat many (docs/log/quality.md).
-    latent_steps: int | None = None
-    # Text logits are divided by it; 1 keeps the model's distribution where the strategy does.
-    temperature: float = 1.0
-    # How masked text positions are revealed (MaskedDiffusion.step). "confidence" (the most confident
-    # draws first) is mode-seeking: it keeps a draw for being likely, so it does not sample the model's
-    # distribution, and it decodes far better words than MDLM's ancestral sampler from small models
-    # (docs/quality.md). "ancestral", "margin" and "left_to_right" choose positions without looking at
-    # the drawn values and sample the model's distribution when steps reveal one token each.
-    strategy: Literal["ancestral", "confidence", "margin", "left_to_right"] = "confidence"
-    guidance_scale: float = 0.0  # classifier-free guidance w (module docstring); 0 = off
-    # "ddim" or "ddpm" (GaussianDiffusion.step) sample the latent; "mean" (t2l only) is the posterior mean
-    # E[x0 | text] for an encoder: one model call at t = 1, whose x0 estimate given noise that carries no
-    # signal (alpha_1 = latent_diffusion.min_alpha) is the regression answer. Samples of few DDIM steps at a
-    # shifted schedule are close to it too: too narrow to stand for the latent distribution (docs/quality.md).
-    latent_sampler: Literal["ddim", "ddpm", "mean"] = "ddim"
-    # The latent sampler's time grid (GaussianDiffusion.time_grid): None, equal steps of t; s', the SNRs of
-    # equal steps under shift s'. t2l, joint and the latent prior; the text keeps equal steps of t.
-    latent_shift: float | None = None
-    reuse_output: bool = True  # l2t: skip the model call when the last step unmasked nothing
-    # Each revealed text position's logit of every token already revealed in its text is lowered by this
-    # much (0 = off): a small model otherwise writes the latent's keyword at several positions.
-    repetition_penalty: float = 0.0
-    # Remasking: "confidence" rounds after the text is complete, each masking its least confident
-    # `remask_fraction` of tokens again and re-sampling them given the rest, `remask_rounds` times (0 =
-    # off); mode-seeking, as the tokens remasked are chosen by their values. "posterior": ReMDM's
-    # remasking posterior (Wang et al. 2025) at every step of the ancestral sampler, each revealed token
-    # masked again with probability min(remask_cap, (1 - alpha_s) / alpha_t) whatever its value; it
-    # samples the model's distribution (MaskedDiffusion.remasking_step).
-    remask: Literal["confidence", "posterior"] = "confidence"
-    remask_rounds: int = 0
-    remask_fraction: float = 0.25
-    remask_cap: float = 0.02
-    # The sentence encoder in the loop (decoding.py): `best_of` candidates per text, the one whose
-    # re-encoding is closest to the target latent kept; then `correction_rounds` rounds, each re-sampling
-    # `correction_proposals` variants of the kept text with its least confident `remask_fraction` masked
-    # (one variant) or a confidence-weighted random share (the others), a variant kept only where its
-    # re-encoding is closer. l2t: the target is the given latent; joint: the text's own sampled latent.
-    best_of: int = 1
-    correction_rounds: int = 0
-    correction_proposals: int = 4
-    # joint: "together" moves text and latent down one time grid side by side; "latent_first" samples the
-    # latent given only the text's length (the text fully masked, as training drops the text) and then
-    # decodes it at that length as l2t does, with every l2t option (the latent model and l2t see far
-    # more training than text and latent noised together).
-    joint_order: Literal["together", "latent_first"] = "together"
-    # l2t where the length comes from the length head: its `length_candidates` most likely lengths are
-    # each decoded (best_of texts each) and the encoder keeps the closest text (1 = the head's argmax).
-    length_candidates: int = 1
-
-    def check(self, keys: dict[str, str] | None = None) -> None:
-        """OptionError for a value that cannot be used, named by `keys` (field -> the command-line
-        option it came from), else as "sampling option 'FIELD'"."""
-
-        def fail(name: str, expected: str):
-            key = (keys or {}).get(name, f"sampling option '{name}'")
-            raise OptionError(key, getattr(self, name), expected)
-
-        if self.num_steps < 1:
-            fail("num_steps", "an integer >= 1")
-        if self.latent_steps is not None and self.latent_steps < 1:
-            fail("latent_steps", "an integer >= 1 (or None: num_steps)")
-        if not self.temperature > 0:
-            fail("temperature", "a number > 0")
-        if self.strategy not in STRATEGIES:
-            fail("strategy", " or ".join(repr(name) for name in STRATEGIES))
-        if self.latent_sampler not in LATENT_SAMPLERS:
-            fail("latent_sampler", " or ".join(repr(name) for name in LATENT_SAMPLERS))
-        if self.latent_shift is not None and not (math.isfinite(self.latent_shift) and self.latent_shift > 0):
-            fail("latent_shift", "a number > 0, or None (equal steps of t)")
-        if not math.isfinite(self.guidance_scale):
-            fail("guidance_scale", "a finite number (0 = off)")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty >= 0):
-            fail("repetition_penalty", "a number >= 0 (0 = off)")
-        for name in ("remask_rounds", "correction_rounds"):
-            if getattr(self, name) < 0:
-                fail(name, "an integer >= 0 (0 = off)")
-        for name in ("best_of", "correction_proposals", "length_candidates"):
-            if getattr(self, name) < 1:
-                fail(name, "an integer >= 1")
-        if self.joint_order not in ("together", "latent_first"):
-            fail("joint_order", "'together' or 'latent_first'")
-        if not 0 < self.remask_fraction <= 1:
-            fail("remask_fraction", "a number in (0, 1]")
-        self._check_remask(fail)
-
-    def _check_remask(self, fail) -> None:
-        if self.remask not in REMASKS:
-            fail("remask", " or ".join(repr(name) for name in REMASKS))
-        if not 0 < self.remask_cap <= 1:
-            fail("remask_cap", "a number in (0, 1]")
-        if self.remask == "posterior" and self.strategy != "ancestral":
-            fail(
-                "strategy",
-                "'ancestral' with remask 'posterior' (the posterior reveals each masked token by its own probability)",
-            )
-        if self.remask == "posterior" and self.remask_rounds:
-            fail(
-                "remask_rounds",
-                "0 with remask 'posterior' (it remasks during the trajectory; the rounds are confidence remasking)",
-            )
-
-    @property
-    def uses_encoder(self) -> bool:
-        """Whether decoding re-encodes its candidates with the sentence encoder."""
-        return self.best_of > 1 or self.correction_rounds > 0 or self.length_candidates > 1
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def defaults(
-        cls, text: TextDiffusionConfig, latent: LatentDiffusionConfig, steps: int | None = None, **options
-    ) -> SamplingOptions:
-        """A run's sampler defaults: each diffusion's num_sampling_steps (both `steps` when given),
-        text_diffusion's sampling_temperature, _repetition_penalty, _best_of and _correction_rounds,
-        and latent_diffusion.sampler; `options` that are not None set the rest."""
-        given = {key: value for key, value in options.items() if value is not None}
-        return cls(
-            **{
-                "num_steps": text.num_sampling_steps if steps is None else steps,
-                "latent_steps": latent.num_sampling_steps if steps is None else steps,
-                "latent_sampler": latent.sampler,
-                "latent_shift": latent.sampling_shift,
-                "temperature": text.sampling_temperature,
-                "repetition_penalty": text.sampling_repetition_penalty,
-                "best_of": text.sampling_best_of,
-                "correction_rounds": text.sampling_correction_rounds,
-                **given,
-            }
-        )
 
 
 def time_grid(num_steps: int, start: float = 1.0) -> list[tuple[float, float]]:
