@@ -159,7 +159,8 @@ def test_the_readme_fine_tuning_example_runs_on_50_sentences_under_a_config_of_a
     )
     (tmp_path / "my_texts.txt").write_text("\n".join(NEW_TEXTS[:50]) + "\n", encoding="utf-8")
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
-    block = readme.split("### Fine-tune on your own data", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    blocks = [b.split("```", 1)[0] for b in readme.split("```bash\n")[1:]]
+    (block,) = [b for b in blocks if "--init-from" in b]  # the fine-tuning example of "Your own data"
     commands = [shlex.split(line) for line in block.replace("\\\n", " ").splitlines()]
     assert [c[:2] for c in commands] == [["mmldlm", "prepare"], ["mmldlm", "train"], ["mmldlm", "eval"]]
     names = {"runs/default": source, "train.steps=500": "train.steps=2"}
