@@ -9,6 +9,7 @@ carries it as {"section.key": value}, which `fix_config` applies (`--fix OUT`). 
 config (environment variables, free disk) are described but cannot be applied to a file.
 
 The memory and checkpoint-size numbers are estimates from the parameter count (estimates.py).
+`detect_environment` and `RULES` are imported `as` themselves: commands/check.py and tests take them from here.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from mmldlm.config import MODES, RunConfig, from_dict, to_dict
+from mmldlm.config import MODES, RunConfig, from_dict, infeasible, to_dict
 from mmldlm.data import long_texts
 from mmldlm.data.dataset import default_num_workers, open_dataset
 from mmldlm.runs.checkpoints import find_latest, is_full_state
@@ -31,35 +32,16 @@ from mmldlm.tools.check.estimates import (
     GIB,
     Environment,
     Estimate,
-    detect_environment,
     estimate,
     max_length_of,
-    micro_for_estimate,
     micro_per_process,
     prepared_data_path,
 )
-from mmldlm.tools.check.rules import RULES, SEVERITY_ORDER, Finding, finding
+from mmldlm.tools.check.estimates import detect_environment as detect_environment
+from mmldlm.tools.check.rules import RULES as RULES
+from mmldlm.tools.check.rules import SEVERITY_ORDER, Finding, finding
 from mmldlm.training.batch_size import global_batch_sizes
 from mmldlm.training.schedules import LRSchedule
-
-__all__ = [  # what commands/check.py, tools/migrate.py, scripts and tests use
-    "RULES",
-    "SEVERITY_ORDER",
-    "Environment",
-    "Estimate",
-    "Finding",
-    "apply_changes",
-    "audit",
-    "config_diff",
-    "describe",
-    "detect_environment",
-    "estimate",
-    "finding",
-    "fix_config",
-    "format_finding",
-    "prepared_data_path",
-]
-
 
 # --------------------------------------------------------------------------------------------------
 # When each rule fires.
@@ -84,14 +66,11 @@ def check_nccl_environment(cfg: RunConfig, env: Environment, est: Estimate) -> l
     heartbeat = env.environ.get("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC")
     if heartbeat is not None:
         seconds = float(heartbeat) if heartbeat.replace(".", "", 1).isdigit() else None
+        values = dict(value=heartbeat, timeout_s=timeout_s, heartbeat=timeout_s + 60, source=source)
         if seconds is None or seconds > 86400:
-            findings.append(finding("heartbeat_absurd", value=heartbeat, heartbeat=timeout_s + 60, source=source))
+            findings.append(finding("heartbeat_absurd", **values))
         elif seconds < timeout_s:
-            findings.append(
-                finding(
-                    "heartbeat_short", value=heartbeat, timeout_s=timeout_s, heartbeat=timeout_s + 60, source=source
-                )
-            )
+            findings.append(finding("heartbeat_short", **values))
     for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):
         if env.environ.get(name) == "0":
             findings.append(finding("async_errors_off", name=name, source=source))
@@ -109,16 +88,8 @@ def check_loader(cfg: RunConfig, env: Environment, est: Estimate) -> list[Findin
     auto = default_num_workers(env.cpus, env.nproc_per_node)
     workers = auto if d.num_workers is None else d.num_workers
     if d.num_workers is not None and d.num_workers > per_rank:
-        findings.append(
-            finding(
-                "too_many_workers",
-                workers=d.num_workers,
-                cpus=env.cpus,
-                nproc=env.nproc_per_node,
-                per_rank=per_rank,
-                auto=auto,
-            )
-        )
+        values = dict(workers=d.num_workers, cpus=env.cpus, nproc=env.nproc_per_node, per_rank=per_rank, auto=auto)
+        findings.append(finding("too_many_workers", **values))
         workers = auto
     if workers > 0 and d.prefetch_factor is None:
         findings.append(finding("short_prefetch"))
@@ -143,19 +114,8 @@ def check_busy_cpus(cfg: RunConfig, env: Environment, est: Estimate) -> list[Fin
     if per_process == 1 or threads <= free or free == env.cpus:
         return []
     fit = max(1, free // env.nproc_per_node)
-    return [
-        finding(
-            "busy_cpus",
-            {"train.threads": fit},
-            fit=fit,
-            load=env.load,
-            cpus=env.cpus,
-            free=free,
-            threads=threads,
-            nproc=env.nproc_per_node,
-            per_process=per_process,
-        )
-    ]
+    values = dict(load=env.load, cpus=env.cpus, free=free, threads=threads, nproc=env.nproc_per_node)
+    return [finding("busy_cpus", {"train.threads": fit}, fit=fit, per_process=per_process, **values)]
 
 
 def _largest_micro_batch(cfg: RunConfig, env: Environment, est: Estimate, limit: float) -> int | None:
@@ -169,12 +129,7 @@ def _largest_micro_batch(cfg: RunConfig, env: Environment, est: Estimate, limit:
 
 
 def check_memory(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
-    if cfg.train.micro_batch_size == "auto":
-        # The trainer picks the largest micro-batch that fits; only micro-batch 1 must fit.
-        if est.memory_gib(1) <= MEMORY_HEADROOM * env.device_memory_gib:
-            return []
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=1))
-    micro = micro_per_process(cfg, env)
+    micro = micro_per_process(cfg, env)  # 1 under auto: the trainer picks the largest that fits, so only 1 must
     need, limit = est.memory_gib(micro), MEMORY_HEADROOM * env.device_memory_gib
     if need <= limit:
         return []
@@ -197,15 +152,8 @@ def check_memory(cfg: RunConfig, env: Environment, est: Estimate) -> list[Findin
         )
         fits = _largest_micro_batch(cfg, env, sharded, limit) or (micro if sharded.memory_gib(micro) <= limit else None)
         if fits is not None:
-            return [
-                finding(
-                    "memory_shard",
-                    {"distributed.strategy": "fsdp2", "train.micro_batch_size": fits},
-                    world_size=env.world_size,
-                    fits=fits,
-                    **values,
-                )
-            ]
+            changes = {"distributed.strategy": "fsdp2", "train.micro_batch_size": fits}
+            return [finding("memory_shard", changes, world_size=env.world_size, fits=fits, **values)]
     return [finding("memory_no_fit", **values)]
 
 
@@ -265,21 +213,11 @@ def _loader_cut(cfg: RunConfig, env: Environment, est: Estimate, path: Path) -> 
     changes = {"model.max_seq_len": max(proposed, cfg.model.max_seq_len)}
     if cfg.data.max_length is not None:
         changes["data.max_length"] = proposed
-    micro = micro_for_estimate(cfg, env)
+    micro = micro_per_process(cfg, env)
     memory_then = estimate(apply_changes(cfg, changes), env).memory_gib(micro)
+    values.update(proposed=proposed, memory_now=est.memory_gib(micro), memory_then=memory_then, micro=micro)
     data_max_length = f", data.max_length={proposed}" if cfg.data.max_length is not None else ""
-    return [
-        finding(
-            "long_texts",
-            changes,
-            proposed=proposed,
-            data_max_length=data_max_length,
-            memory_now=est.memory_gib(micro),
-            memory_then=memory_then,
-            micro=micro,
-            **values,
-        )
-    ]
+    return [finding("long_texts", changes, data_max_length=data_max_length, **values)]
 
 
 def _modes_in_mix(cfg: RunConfig) -> list[str]:
@@ -341,72 +279,55 @@ def check_checkpoint_retention(cfg: RunConfig, env: Environment, est: Estimate) 
         keep = budget - milestones
         return [finding("disk_keep_fewer", {"checkpoint.keep_last": keep}, severity, keep=keep, **values)]
     if budget >= 1:
-        return [
-            finding(
-                "disk_no_milestones",
-                {"checkpoint.milestone_every": 0, "checkpoint.keep_last": budget},
-                severity,
-                keep=budget,
-                **values,
-            )
-        ]
+        changes = {"checkpoint.milestone_every": 0, "checkpoint.keep_last": budget}
+        return [finding("disk_no_milestones", changes, severity, keep=budget, **values)]
     return [finding("disk_too_small", severity=severity, **values)]
 
 
-def check_batch_divisible(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
-    if cfg.train.micro_batch_size == "auto":
-        return []  # the auto micro-batch is chosen among the divisors of the per-process batch
-    micro = micro_per_process(cfg, env)
-    if micro != cfg.train.micro_batch_size:
-        return [_micro_batch_shared_out(cfg, env, micro)]
+def check_feasibility(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
+    """What the trainer refuses on this world size (mmldlm.config.infeasible), judged at the micro-batch
+    each process runs (1 under auto, the least the trainer tries); and a configured micro-batch that each
+    process runs as its share of the global batch instead (a note)."""
+    micro, findings = micro_per_process(cfg, env), []
+    if cfg.train.micro_batch_size not in ("auto", micro):
+        findings.append(_micro_batch_shared_out(cfg, env, micro))
+    problems = infeasible(cfg, env.world_size, micro)
+    # The finding names the global batch first, then the schedule (the trainer, the schedule first).
+    unsplit = {p.key: p.value for p in problems if p.case == "batch_split" and p.key == "train.global_batch_size"}
+    unsplit.update({p.key: p.value for p in problems if p.case == "batch_split"})
+    if unsplit:
+        findings.append(_batch_not_split(cfg, env, est, unsplit, micro))
+    values = dict(world_size=env.world_size, micro=cfg.train.micro_batch_size, global_batch=cfg.train.global_batch_size)
+    return findings + [finding(p.case, **values) for p in problems if p.case.startswith("step_in_backward")]
+
+
+def _batch_not_split(cfg: RunConfig, env: Environment, est: Estimate, unsplit: dict[str, int], micro: int) -> Finding:
     per_step = micro * env.world_size
-    sizes = {"train.global_batch_size": cfg.train.global_batch_size}
-    sizes.update({f"train.batch_schedule[{i}]": size for i, (_, size) in enumerate(cfg.train.batch_schedule)})
-    bad = {key: size for key, size in sizes.items() if size % per_step}
-    if not bad:
-        return []
-    values = dict(
-        sizes=", ".join(f"{key}={size}" for key, size in bad.items()),
-        micro=cfg.train.micro_batch_size,
-        world_size=env.world_size,
-        per_step=per_step,
-    )
+    sizes = ", ".join(f"{key}={size}" for key, size in unsplit.items())
+    values = dict(sizes=sizes, micro=micro, world_size=env.world_size, per_step=per_step)
     # A smaller micro-batch keeps the global batch (the recipe the LR was tuned for); only when none
     # divides it is the global batch rounded up.
-    micro = _largest_micro_batch(cfg, env, est, limit=math.inf)
-    if micro is not None:
-        return [finding("batch_smaller_micro", {"train.micro_batch_size": micro}, micro_fix=micro, **values)]
+    auto = cfg.train.micro_batch_size == "auto"
+    smaller = None if auto else _largest_micro_batch(cfg, env, est, limit=math.inf)
+    if smaller is not None:
+        return finding("batch_smaller_micro", {"train.micro_batch_size": smaller}, micro_fix=smaller, **values)
     changes = {"train.global_batch_size": math.ceil(cfg.train.global_batch_size / per_step) * per_step}
     if cfg.train.batch_schedule:
         changes["train.batch_schedule"] = [
             [step, math.ceil(size / per_step) * per_step] for step, size in cfg.train.batch_schedule
         ]
     rounded = ", ".join(f"{key}={value}" for key, value in changes.items())
-    return [finding("batch_round_up", changes, rounded=rounded, **values)]
+    return finding("batch_share" if auto else "batch_round_up", changes, rounded=rounded, **values)
 
 
 def _micro_batch_shared_out(cfg: RunConfig, env: Environment, micro: int) -> Finding:
-    return finding(
-        "batch_micro_per_process",
-        configured=cfg.train.micro_batch_size,
-        world_size=env.world_size,
-        smallest=min(global_batch_sizes(cfg.train.global_batch_size, cfg.train.batch_schedule)),
-        micro=micro,
-        accumulation=cfg.train.global_batch_size // (micro * env.world_size),
-        global_batch=cfg.train.global_batch_size,
+    t = cfg.train
+    values = dict(
+        configured=t.micro_batch_size, world_size=env.world_size, micro=micro, global_batch=t.global_batch_size
     )
-
-
-def check_step_in_backward(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
-    if not cfg.optim.step_in_backward:
-        return []
-    if env.world_size > 1:
-        return [finding("step_in_backward_ranks", world_size=env.world_size)]
-    micro = cfg.train.micro_batch_size
-    sizes = global_batch_sizes(cfg.train.global_batch_size, cfg.train.batch_schedule)
-    if micro == "auto" or any(size != micro for size in sizes):  # one process: accumulation
-        return [finding("step_in_backward_accumulation", micro=micro, global_batch=cfg.train.global_batch_size)]
-    return []
+    smallest = min(global_batch_sizes(t.global_batch_size, t.batch_schedule))
+    accumulation = t.global_batch_size // (micro * env.world_size)
+    return finding("batch_micro_per_process", smallest=smallest, accumulation=accumulation, **values)
 
 
 def check_lr_schedule(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
@@ -420,21 +341,12 @@ def check_lr_schedule(cfg: RunConfig, env: Environment, est: Estimate) -> list[F
     if s.kind == "cosine_restarts" and after and (after - 1) % s.restart_period < s.restart_period // 2:
         cycles = max(1, round(after / s.restart_period))
         period = math.ceil(after / cycles)  # the last cycle ends at (or just before) the last step
-        findings.append(
-            finding(
-                "restart_late", {"schedule.restart_period": period}, period=s.restart_period, after=after, fitted=period
-            )
-        )
+        values = dict(period=s.restart_period, after=after, fitted=period)
+        findings.append(finding("restart_late", {"schedule.restart_period": period}, **values))
     if s.plateau.enabled and s.plateau.min_lr >= cfg.optim.lr:
-        findings.append(
-            finding(
-                "plateau_floor",
-                {"schedule.plateau.min_lr": cfg.optim.lr / 100},
-                min_lr=s.plateau.min_lr,
-                lr=cfg.optim.lr,
-                floor=cfg.optim.lr / 100,
-            )
-        )
+        floor = cfg.optim.lr / 100
+        values = dict(min_lr=s.plateau.min_lr, lr=cfg.optim.lr, floor=floor)
+        findings.append(finding("plateau_floor", {"schedule.plateau.min_lr": floor}, **values))
     late = [entry for entry in cfg.train.batch_schedule if entry[0] >= steps]
     if late:
         kept = [entry for entry in cfg.train.batch_schedule if entry[0] < steps]
@@ -480,16 +392,8 @@ def check_resume_topology(cfg: RunConfig, env: Environment, est: Estimate) -> li
     before_strategy = meta.get("strategy", "ddp" if meta["world_size"] > 1 else "single")
     if (meta["world_size"], before_strategy) == (env.world_size, strategy):
         return []
-    return [
-        finding(
-            "resume_other_topology",
-            **values,
-            before=meta["world_size"],
-            before_strategy=before_strategy,
-            now=env.world_size,
-            strategy=strategy,
-        )
-    ]
+    values.update(before=meta["world_size"], before_strategy=before_strategy, now=env.world_size, strategy=strategy)
+    return [finding("resume_other_topology", **values)]
 
 
 def check_slow_switches(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
@@ -519,8 +423,7 @@ CHECKS = (
     check_unused_parameters,
     check_fused_optimizer,
     check_checkpoint_retention,
-    check_batch_divisible,
-    check_step_in_backward,
+    check_feasibility,
     check_lr_schedule,
     check_resume_topology,
     check_slow_switches,
@@ -591,7 +494,7 @@ def describe(env: Environment, est: Estimate, cfg: RunConfig) -> str:
         f"environment: {env.device}, {env.cpus} CPU(s) (load {env.load:.1f}), {env.nproc_per_node} process(es) x "
         f"{env.nnodes} node(s), {env.device_memory_gib:.1f} GiB {where} per process, {disk}\n"
         f"model: {est.num_params / 1e6:.2f}M parameters (vocab {est.vocab_size}); estimated "
-        f"{est.memory_gib(micro_for_estimate(cfg, env)):.2f} GiB per process at micro-batch "
-        f"{micro_for_estimate(cfg, env)} ({est.seq_len:.1f} text positions per sample: {est.seq_len_source}); "
+        f"{est.memory_gib(micro_per_process(cfg, env)):.2f} GiB per process at micro-batch "
+        f"{micro_per_process(cfg, env)} ({est.seq_len:.1f} text positions per sample: {est.seq_len_source}); "
         f"{est.checkpoint_gib:.3f} GiB per checkpoint"
     )

@@ -187,7 +187,7 @@ def text_positions_per_sample(cfg: RunConfig, env: Environment) -> tuple[float, 
         return float(max_length), f"every text at the longest length, {max_length} (no prepared dataset to read)"
     dataset = open_dataset(path, "train")
     data = dataclasses.replace(cfg.data, max_length=max_length)
-    micro = micro_for_estimate(cfg, env)
+    micro = micro_per_process(cfg, env)
     try:
         batch = heaviest_batch(dataset, data, micro, world_size=env.world_size)
     except DataError as err:  # not one batch of that size in the data: the loader refuses it too
@@ -248,12 +248,9 @@ def max_length_of(cfg: RunConfig) -> int:
 
 
 def micro_per_process(cfg: RunConfig, env: Environment) -> int:
-    """The micro-batch the trainer runs on each process for a fixed train.micro_batch_size: the
-    configured one, or each process's share of the global batch (see per_process_micro_batch)."""
+    """The micro-batch the trainer runs on each process: train.micro_batch_size, or each process's share
+    of the global batch (see per_process_micro_batch); 1 for `auto` (the least the trainer will try)."""
+    if cfg.train.micro_batch_size == "auto":
+        return 1
     sizes = global_batch_sizes(cfg.train.global_batch_size, cfg.train.batch_schedule)
     return per_process_micro_batch(cfg.train.micro_batch_size, sizes, env.world_size)
-
-
-def micro_for_estimate(cfg: RunConfig, env: Environment) -> int:
-    """The micro-batch that runs on each process, or 1 for `auto` (the least the trainer will try)."""
-    return 1 if cfg.train.micro_batch_size == "auto" else micro_per_process(cfg, env)

@@ -278,6 +278,14 @@ RULES = {
         "train.micro_batch_size={micro_fix} (the global batch stays)",
     ),
     "batch_round_up": Rule("batch_divisible", "error", BATCH_MESSAGE, BATCH_WHY, "{rounded}"),
+    "batch_share": Rule(
+        "batch_divisible",
+        "error",
+        "{sizes} not a multiple of the world size {world_size}",
+        "with train.micro_batch_size=auto each process takes an equal share of every global batch and the "
+        "micro-batch is probed among the share's divisors; the trainer refuses to start otherwise",
+        "{rounded}",
+    ),
     "batch_micro_per_process": Rule(
         "batch_divisible",
         "info",
