@@ -344,7 +344,7 @@ class OptimConfig:
     # Update each parameter as soon as its gradient is ready in backward and free that gradient, so
     # the full set of gradients never exists at once (4 bytes per parameter less at the peak).
     # Needs one process, no gradient accumulation, grad_clip 0 (the global norm is known only after
-    # every update) and not fp16 (its scaler unscales all gradients at once); see trainer.py.
+    # every update) and not fp16 (its scaler unscales all gradients at once); see `infeasible` and trainer.py.
     step_in_backward: bool = False
     # AdamW's two moments: fp32 (8 bytes per parameter), or block-quantized int8 (about 2) or int4
     # (about 1) by torchao's low-bit AdamW (weights stay fp32; tensors under 4096 elements keep fp32
