@@ -575,7 +575,7 @@ class OptimConfig:
     # Update each parameter as soon as its gradient is ready in backward and free that gradient, so
     # the full set of gradients never exists at once (4 bytes per parameter less at the peak).
     # Needs one process, no gradient accumulation, grad_clip 0 (the global norm is known only after
-    # every update) and not fp16 (its scaler unscales all gradients at once); see trainer.py.
+    # every update) and not fp16 (its scaler unscales all gradients at once); see `infeasible` and trainer.py.
     step_in_backward: bool = False
     # AdamW's two moments: fp32 (8 bytes per parameter), or block-quantized int8 (about 2) or int4
     # (about 1) by torchao's low-bit AdamW (weights stay fp32; tensors under 4096 elements keep fp32
@@ -922,6 +922,67 @@ class RunConfig:
                 "false with train.precision=fp16 (the loss scaler unscales and "
                 "checks every gradient before any update); use bf16, fp32 or auto",
             )
+
+
+# --------------------------------------------------------------------------------------------------
+# Feasibility: what a valid config still needs of the number of processes it runs on.
+
+
+@dataclass(frozen=True)
+class Infeasible:
+    """One reason a valid config cannot run on a given number of processes: its case (`mmldlm check`
+    words its finding after it), the key, the key's value and what the key would need."""
+
+    case: Literal["batch_split", "batch_share", "step_in_backward_ranks", "step_in_backward_accumulation"]
+    key: str
+    value: Any
+    expected: str
+
+    def error(self) -> ConfigValueError:
+        return ConfigValueError(f"config key '{self.key}'", self.value, self.expected)
+
+
+def infeasible(cfg: RunConfig, world_size: int, micro_batch: int | None) -> list[Infeasible]:
+    """What keeps a valid `cfg` from running on `world_size` processes that each run micro-batches of
+    `micro_batch` samples (train.micro_batch_size, or each process's share of the global batch: see
+    training/batch_size.py; None: train.micro_batch_size=auto before the trainer has probed it). The
+    trainer refuses the first; `mmldlm check` reports each as a finding."""
+    train = cfg.train
+    # The scheduled sizes first: from step 0 on they are the batches the run takes.
+    sizes = {f"train.batch_schedule[{i}]": size for i, (_, size) in enumerate(train.batch_schedule)}
+    sizes["train.global_batch_size"] = train.global_batch_size
+    problems = [problem for key, size in sizes.items() if (problem := batch_split(key, size, micro_batch, world_size))]
+    # optim.step_in_backward updates each parameter as soon as its gradient of one micro-batch on one
+    # process is ready: no data-parallel reduction and no accumulation can come between.
+    if cfg.optim.step_in_backward and world_size > 1:
+        expected = (
+            f"false with more than one process (world size {world_size}): a parameter would be updated with its "
+            "local gradient before the data-parallel reduction"
+        )
+        problems.append(Infeasible("step_in_backward_ranks", "optim.step_in_backward", True, expected))
+    elif cfg.optim.step_in_backward and micro_batch is not None:  # auto: known once the micro-batch is probed
+        sizes = [train.global_batch_size] + [size for _, size in train.batch_schedule]
+        size = next((size for size in sizes if size != micro_batch), None)
+        if size is not None:
+            expected = (
+                f"false with gradient accumulation (global batch {size} = {size // micro_batch} micro-batches of "
+                f"{micro_batch}): each parameter is updated as soon as one micro-batch's gradient arrives. Set "
+                "train.micro_batch_size to the global batch size, or optim.step_in_backward=false"
+            )
+            problems.append(Infeasible("step_in_backward_accumulation", "optim.step_in_backward", True, expected))
+    return problems
+
+
+def batch_split(key: str, size: int, micro_batch: int | None, world_size: int) -> Infeasible | None:
+    """A global batch of `size` (config key `key`) that does not split into whole micro-batches on every
+    process; with micro_batch None (auto), into equal shares, among whose divisors auto chooses."""
+    if micro_batch is None:
+        expected = f"a multiple of the world size {world_size}"
+        return Infeasible("batch_share", key, size, expected) if size % world_size else None
+    per_step = micro_batch * world_size
+    share = " (or, smaller than that, a multiple of the world size: each process then takes its share)"
+    expected = f"a multiple of train.micro_batch_size x world size = {micro_batch} x {world_size} = {per_step}"
+    return Infeasible("batch_split", key, size, expected + share * (size < per_step)) if size % per_step else None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from mmldlm import cli
-from mmldlm.config import CheckpointConfig, RunConfig, load_config
+from mmldlm.config import CheckpointConfig, RunConfig, infeasible, load_config
 from mmldlm.tools.check import RULES, Environment, audit, detect_environment, estimate, fix_config
 from mmldlm.training.checkpoint import CheckpointManager
 from mmldlm.training.distributed import DistInfo
@@ -124,6 +124,18 @@ def test_a_micro_batch_larger_than_the_share_of_each_process_is_a_note_not_an_er
     assert note.why.startswith("the trainer runs micro-batches of 16 on each process instead (accumulation 1")
     _, findings = findings_of(tmp_path, ["train.micro_batch_size=33", "train.global_batch_size=33"])
     assert serious(findings) == [("batch_divisible", "error")]  # 33 does not split over 2 processes
+
+
+def test_an_auto_micro_batch_needs_global_batches_that_split_over_the_processes_as_the_trainer_does(tmp_path):
+    """check and the trainer read one rule set (mmldlm.config.infeasible): under auto each process probes
+    the divisors of its equal share, so a global batch of 33 on 2 processes is refused before the probe."""
+    cfg, findings = findings_of(tmp_path, ["train.micro_batch_size=auto", "train.global_batch_size=33"])
+    assert serious(findings) == [("batch_divisible", "error")]
+    found = next(f for f in findings if f.rule == "batch_divisible")
+    assert found.message == "train.global_batch_size=33 not a multiple of the world size 2"
+    assert found.changes == {"train.global_batch_size": 34}
+    refused = infeasible(cfg, 2, None)[0].error()
+    assert str(refused) == "config key 'train.global_batch_size': got 33; expected a multiple of the world size 2"
 
 
 def test_out_of_memory_fix_keeps_the_global_batch_and_respects_the_world_size(tmp_path):

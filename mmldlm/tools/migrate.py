@@ -6,7 +6,7 @@ resolved, both by hydra-core and OmegaConf) and, optionally, the bash launcher t
    batch, learning rate, warmup, steps and frequencies as the older launcher computes them for the
    cluster given (`launcher_values`); one line for each setting not carried over and why;
 2. audits the older files for the critical issues (timeouts, NCCL variables, loader, memory, retention),
-   each as a `mmldlm check` finding (the rules are in mmldlm/tools/check.py; the older run is audited as
+   each as a `mmldlm check` finding (the rules are in mmldlm/tools/check/rules.py; the older run is audited as
    our config with the older values, plus the rules only an older file can break), and says what the
    written config does;
 3. prints the `mmldlm prepare --legacy-*` and `mmldlm train` / `scripts/launch.sh` lines to run next.
@@ -659,7 +659,7 @@ def older_as_ours(cfg: RunConfig, old: dict[str, Any]) -> RunConfig:
 
 
 def older_findings(cfg: RunConfig, old: dict, raw_old: dict, launcher: Launcher | None, env: Environment) -> list:
-    """The findings only the older files can give, as `mmldlm check` findings (rules in check.py): of the
+    """The findings only the older files can give, as `mmldlm check` findings (rules in check/rules.py): of the
     launcher (its collective timeout, its LR and warmup rules), then of the config."""
     est = estimate(older_as_ours(cfg, old), env)
     return _launcher_findings(cfg, raw_old, launcher, env) + _config_findings(cfg, old, est, env)

@@ -38,7 +38,7 @@ from torch import nn
 from tqdm import tqdm
 
 from mmldlm import baseline
-from mmldlm.config import ConfigError, PerfConfig, RunConfig
+from mmldlm.config import ConfigError, PerfConfig, RunConfig, batch_split, infeasible
 from mmldlm.data.errors import DataError
 from mmldlm.model.info import training_flops_per_sample
 from mmldlm.model.mmdit import padded_row_count
@@ -126,18 +126,10 @@ def resolve_precision(name: str, device: torch.device) -> str:
 
 
 def accumulation_steps(global_batch: int, micro_batch: int, world_size: int, key: str) -> int:
-    per_step = micro_batch * world_size
-    if global_batch % per_step:
-        share = (
-            " (or, smaller than that, a multiple of the world size: each process then takes its share)"
-            if global_batch < per_step
-            else ""
-        )
-        raise ConfigError(
-            f"config key '{key}': got {global_batch}; expected a multiple of "
-            f"train.micro_batch_size x world size = {micro_batch} x {world_size} = {per_step}{share}"
-        )
-    return global_batch // per_step
+    problem = batch_split(key, global_batch, micro_batch, world_size)
+    if problem is not None:
+        raise problem.error()
+    return global_batch // (micro_batch * world_size)
 
 
 def micro_seed(seed: int, step: int, micro_index: int) -> int:
@@ -245,7 +237,7 @@ class Trainer:
         self._last_saved = -1
         self.resumed_from: Path | None = None  # the checkpoint `resume` loaded
         self.stopped_by: str | None = None  # the signal's name when a signal ended fit() early
-        self._check_batch_sizes()
+        self._refuse_infeasible(self.micro_batch_size)
         self.step_in_backward = cfg.optim.step_in_backward
         if self.step_in_backward:
             self._setup_step_in_backward()
@@ -283,14 +275,13 @@ class Trainer:
         if self.micro_batch_size == "auto":
             self.micro_batch_size = self._find_micro_batch()
 
-    def _check_batch_sizes(self) -> None:
-        """Every accumulation split of every scheduled batch size must be valid before step 0."""
-        cfg, info = self.cfg, self.info
-        for i, (_, size) in enumerate(cfg.train.batch_schedule):
-            accumulation_steps(size, self.micro_batch_size, info.world_size, f"train.batch_schedule[{i}]")
-        accumulation_steps(
-            cfg.train.global_batch_size, self.micro_batch_size, info.world_size, "train.global_batch_size"
-        )
+    def _refuse_infeasible(self, micro_batch: int | None) -> None:
+        """The first reason the config cannot run on this world size in micro-batches of `micro_batch`
+        (None: auto, before the probe), before step 0: every scheduled batch size must split, and
+        optim.step_in_backward needs one process without accumulation (mmldlm.config.infeasible)."""
+        problems = infeasible(self.cfg, self.info.world_size, micro_batch)
+        if problems:
+            raise problems[0].error()
 
     def _may_accumulate(self, cfg: RunConfig, info: DistInfo) -> bool:
         """Whether a step may run several micro-batches: a scheduled global batch above micro-batch x
@@ -315,22 +306,8 @@ class Trainer:
         """optim.step_in_backward: a post-accumulate-grad hook on every parameter runs AdamW on that
         parameter alone and frees its gradient, as in PyTorch's tutorial on fusing the optimizer step
         into backward. The optimizer, its state dict and the LR schedule stay those of the ordinary
-        step, so checkpoints are the same either way."""
-        cfg, info = self.cfg, self.info
-        if info.distributed:
-            raise ConfigError(
-                "config key 'optim.step_in_backward': got True; expected false with more than one "
-                f"process (world size {info.world_size}): a parameter would be updated with its local "
-                "gradient before the data-parallel reduction"
-            )
-        for size in global_batch_sizes(cfg.train.global_batch_size, cfg.train.batch_schedule):
-            if size != self.micro_batch_size:
-                raise ConfigError(
-                    f"config key 'optim.step_in_backward': got True; expected false with gradient accumulation "
-                    f"(global batch {size} = {size // self.micro_batch_size} micro-batches of "
-                    f"{self.micro_batch_size}): each parameter is updated as soon as one micro-batch's gradient "
-                    f"arrives. Set train.micro_batch_size to the global batch size, or optim.step_in_backward=false"
-                )
+        step, so checkpoints are the same either way. One process without accumulation, which the hooks
+        need, is checked before (`_refuse_infeasible`)."""
         self._in_step = False  # the hooks act only inside train_step's backward, never in a probe
         self._idle: set[int] = set()
         self._grad_sq = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -443,12 +420,7 @@ class Trainer:
 
         cfg, info = self.cfg.train, self.info
         batches = global_batch_sizes(cfg.global_batch_size, cfg.batch_schedule)
-        for size in batches:
-            if size % info.world_size:
-                raise ConfigError(
-                    f"config key 'train.global_batch_size': got {size}; expected a multiple of "
-                    f"the world size {info.world_size}"
-                )
+        self._refuse_infeasible(None)
         cap = self._memory_cap()
         size, peaks = find_micro_batch(
             self.model,
