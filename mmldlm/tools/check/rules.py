@@ -523,7 +523,7 @@ RULES = {
         "fused_optimizer",
         "info",
         "optimizer.use_fused={value}",
-        "the older trainer stepped AdamW one parameter at a time (the comparison recipe's optim.foreach=false); "
+        "the older trainer stepped AdamW one parameter at a time (the baseline recipe's optim.foreach=false); "
         "optim.fused=true would fail on a device without the fused kernel",
         "optim.fused=auto (the fused kernel where the device has it, else foreach)",
         {"optim.fused": "auto"},
