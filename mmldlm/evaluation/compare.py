@@ -10,7 +10,7 @@ adds the variance between seeds to the interval (intervals.arms_difference).
 The reports must have scored the same validation texts (`texts_sha256`) with the same seed, so that the
 i-th per-text value of A and of B belong to the same text (and, for sampled figures, to the same draws
 of the generators where the two models agree). Each figure's recipe is the one `mmldlm eval` made it
-with (evaluate.py `sections`).
+with (figures.py `sections`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from mmldlm.errors import UserError
-from mmldlm.evaluation.evaluate import sections
+from mmldlm.evaluation.figures import sections
 from mmldlm.evaluation.intervals import LEVEL, NUM_RESAMPLES, POWER
 
 # Sections that score the validation data and the training texts, not the model: the same in both.
