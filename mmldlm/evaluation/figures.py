@@ -42,7 +42,7 @@ def _distinct(n: int, key: str = "texts") -> CorpusStatistic:
 
 @dataclass(frozen=True)
 class Figure:
-    """Figure `key` of the report sections of kind `section` (`SECTIONS`), made by `recipe`; where eval's
+    """Figure `key` of the report sections of kind `section` (`MEASURED_AGAIN`), made by `recipe`; where eval's
     headline list (`HEADLINE`) or the model card shows it, its `label` (formatted with the section's fields),
     format `spec`, and `reference`: the figure of the "references" section it is read against."""
 
@@ -73,14 +73,12 @@ FIGURES = (
     Figure("t2l", "retrieval_at_1", Rate("hit"), "t2l retrieval@1 among {pool_size}", ".1%", "chance_retrieval_at_1"),
     Figure("length", "accuracy", Rate("correct")),
     Figure("length", "mean_abs_error", Mean("abs_error")),
-    Figure("joint", "consistency", Mean("consistency")),
+    Figure("joint", "consistency", Mean("consistency"), "joint: text-latent consistency"),
     Figure("joint", "repetition", Mean("repetition", "has_bigram")),
     Figure("joint", "distinct_1", _distinct(1)),
     Figure("joint", "distinct_2", _distinct(2)),
     Figure("joint", "copy_rate", Rate("copied")),
     Figure("joint", "ngram_perplexity", NGRAM, "joint: word 3-gram perplexity", ".0f", "real_ngram_perplexity"),
-    Figure("joint reference", "real_pairs", Mean("real_pairs")),
-    Figure("joint reference", "shuffled_pairs", Mean("shuffled_pairs")),
     Figure("nearest_training_text", "word_f1", Mean("word_f1")),
     Figure("nearest_training_text", "bleu", _bleu("bleu_statistics")),
     Figure("nearest_training_text", "exact_match", Rate("exact")),
@@ -95,6 +93,8 @@ FIGURES = (
     Figure("references", "other_sentence_bleu", _bleu("other_sentence_bleu_statistics")),
     Figure("references", "real_ngram_perplexity", _perplexity("real_ngram")),
     Figure("references", "shuffled_ngram_perplexity", _perplexity("shuffled_ngram")),
+    Figure("joint reference", "real_pairs", Mean("real_pairs")),
+    Figure("joint reference", "shuffled_pairs", Mean("shuffled_pairs")),
 )
 # What a figure's reference is, in the model card's table and in eval's headline list.
 REFERENCE_LABELS = {
@@ -106,19 +106,8 @@ REFERENCE_LABELS = {
     "real_repetition": ("real text", "real text"),
     "real_ngram_perplexity": ("real text", "real text"),
 }
-# The report's sections with per-text values, by key, and the kind of each (besides "elbo" per mode and
-# "joint reference", the joint section's "reference").
-SECTIONS = {
-    "l2t": "l2t",
-    "l2t_without_selection": "l2t",
-    "l2t_predicted_length": "l2t",
-    "t2l": "t2l",
-    "length": "length",
-    "joint": "joint",
-    "joint_without_selection": "joint",
-    "nearest_training_text": "nearest_training_text",
-    "references": "references",
-}
+# The sections that measure the figures of another again: without selection, or at the length head's lengths.
+MEASURED_AGAIN = {"l2t": ("l2t_without_selection", "l2t_predicted_length"), "joint": ("joint_without_selection",)}
 
 
 def recipes(section: str) -> dict:
@@ -126,22 +115,23 @@ def recipes(section: str) -> dict:
     return {f.key: f.recipe for f in FIGURES if f.section == section}
 
 
-def figure(section: str, key: str) -> Figure:
-    """The entry of figure `key` of sections of kind `section`."""
-    return next(f for f in FIGURES if (f.section, f.key) == (section, key))
-
-
+FIGURE = {(f.section, f.key): f for f in FIGURES}  # each entry by (section kind, figure key)
 # The figures a reader looks for first, each beside its reference.
 HEADLINE = tuple(
-    figure(*where) for where in (("t2l", "retrieval_at_1"), ("t2l", "cosine_mean"), ("l2t", "word_f1"), ("l2t", "bleu"))
+    FIGURE[where] for where in (("t2l", "retrieval_at_1"), ("t2l", "cosine_mean"), ("l2t", "word_f1"), ("l2t", "bleu"))
 )
 
 
 def sections(report: dict) -> list[tuple[str, dict, dict]]:
-    """(name, section, recipes) of every section of `report` that keeps per-text values."""
-    elbo = report.get("elbo", {})
-    out = [(f"elbo {mode}", entry, recipes("elbo")) for mode, entry in elbo.items() if "per_text" in entry]
-    out += [(key, report[key], recipes(kind)) for key, kind in SECTIONS.items() if "per_text" in report.get(key, {})]
-    if "per_text" in report.get("joint", {}).get("reference", {}):
-        out.append(("joint reference", report["joint"]["reference"], recipes("joint reference")))
+    """(name, section, recipes) of every section of `report` that keeps per-text values, in the order of
+    `FIGURES`: the elbo section's modes as "elbo MODE", the joint section's "reference" as "joint reference"."""
+    out = []
+    for kind in dict.fromkeys(f.section for f in FIGURES):
+        if kind == "elbo":
+            found = [(f"elbo {mode}", entry) for mode, entry in report.get("elbo", {}).items()]
+        elif kind == "joint reference":
+            found = [(kind, report.get("joint", {}).get("reference", {}))]
+        else:
+            found = [(key, report.get(key, {})) for key in (kind, *MEASURED_AGAIN.get(kind, ()))]
+        out += [(name, section, recipes(kind)) for name, section in found if "per_text" in section]
     return out

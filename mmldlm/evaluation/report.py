@@ -307,11 +307,7 @@ def headline_lines(report: dict) -> list[str]:
             if f.reference in ref:
                 lines[-1] += f" ({reference} {figure_text(ref, f.reference, f.spec)})"
     texts = f"{l2t['num_samples']} {texts_label(report)} text{'' if l2t['num_samples'] == 1 else 's'}"
-    return [
-        f"{texts}, each figure with its 95% interval (its reference in parentheses):",
-        "",
-        *lines,
-    ]
+    return [f"{texts}, each figure with its 95% interval (its reference in parentheses):", "", *lines]
 
 
 def markdown(report: dict) -> str:
@@ -352,8 +348,7 @@ def markdown(report: dict) -> str:
     lines += writing_lines(report)
     lines += fidelity_lines(report)
     if "length" in report:
-        length = report["length"]
-        lines += ["", length_line(length, split)]
+        lines += ["", length_line(report["length"], split)]
     if "guidance" in report:
         lines += _guidance_table(report)
     lines += ["", "| source | generated from its latent |", "|---|---|"]
