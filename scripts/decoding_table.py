@@ -29,7 +29,8 @@ import torch
 import yaml
 
 from mmldlm.device import keep_freed_memory
-from mmldlm.evaluation.evaluate import JOINT, L2T, fluency_reference, joint_generation, l2t_reconstruction
+from mmldlm.evaluation.evaluate import fluency_reference, joint_generation, l2t_reconstruction
+from mmldlm.evaluation.figures import recipes
 from mmldlm.evaluation.report import figure_text
 from mmldlm.export.pretrained import load_trained
 from mmldlm.sampling import SamplingOptions
@@ -53,7 +54,7 @@ COLUMNS = {
     ),
 }
 DECODE = {"l2t": l2t_reconstruction, "joint": joint_generation}
-FIGURES = {"l2t": L2T, "joint": JOINT}
+FIGURES = {"l2t": recipes("l2t"), "joint": recipes("joint")}
 
 
 def options_of(run, row: str) -> SamplingOptions:

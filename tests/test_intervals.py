@@ -237,7 +237,7 @@ def test_recipes_pair_the_draws_of_two_reports_and_weigh_each_text_by_its_tokens
 def test_a_figure_that_resampling_biases_gets_no_interval_and_no_paired_difference():
     # distinct-n of texts drawn with replacement: every duplicate reads as repetition, so each
     # resample falls below the figure; such a figure is reported alone.
-    from mmldlm.evaluation.evaluate import _distinct
+    from mmldlm.evaluation.figures import _distinct
 
     texts = [f"text {'ab' * (i + 1)} says something new" for i in range(20)]
     recipe = _distinct(1)
@@ -275,7 +275,8 @@ def test_seed_spread_reads_each_runs_evaluation_and_gives_the_one_run_yardstick(
 def test_decoding_table_rows_after_the_first_carry_their_paired_difference_from_it(monkeypatch):
     from pathlib import Path
 
-    from mmldlm.evaluation.evaluate import L2T, summarise
+    from mmldlm.evaluation.evaluate import summarise
+    from mmldlm.evaluation.figures import recipes
     from mmldlm.evaluation.report import figure_text
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))
@@ -283,24 +284,25 @@ def test_decoding_table_rows_after_the_first_carry_their_paired_difference_from_
 
     rng = np.random.default_rng(0)
     shared = rng.uniform(0.0, 1.0, 400)  # what the texts share: cancels in the paired difference
-    first = summarise(L2T, {"word_f1": shared})
-    better = summarise(L2T, {"word_f1": shared + 0.02 + rng.normal(0.0, 0.01, 400)})
+    first = summarise(recipes("l2t"), {"word_f1": shared})
+    better = summarise(recipes("l2t"), {"word_f1": shared + 0.02 + rng.normal(0.0, 0.01, 400)})
     # the first row has nothing to differ from: its figure and interval alone
-    assert cell(first, None, L2T, "word_f1", "{:.3f}") == figure_text(first, "word_f1", ".3f")
-    same = cell(first, first, L2T, "word_f1", "{:.3f}")
+    assert cell(first, None, recipes("l2t"), "word_f1", "{:.3f}") == figure_text(first, "word_f1", ".3f")
+    same = cell(first, first, recipes("l2t"), "word_f1", "{:.3f}")
     assert same.endswith("; +0.000 [+0.000, +0.000]")  # a row against itself: exactly 0
-    text = cell(better, first, L2T, "word_f1", "{:.3f}")
+    text = cell(better, first, recipes("l2t"), "word_f1", "{:.3f}")
     difference, bounds = text.split("; ")[1].split(" ", 1)
     low, high = (float(b) for b in bounds.strip("[]").split(", "))
     assert abs(float(difference) - 0.02) < 0.003 and 0.0 < low < 0.02 < high
     # unpaired, the texts' own spread (sd 0.29 over 400) would give a half-width near 0.04, spanning 0
     assert high - low < 0.01
-    assert cell(better, first, L2T, "model_calls_per_batch", "{:.0f}") == "-"
+    assert cell(better, first, recipes("l2t"), "model_calls_per_batch", "{:.0f}") == "-"
 
 
 def test_compare_leaves_out_perplexities_scored_by_different_n_gram_references():
     from mmldlm.evaluation.compare import compare_reports, markdown
-    from mmldlm.evaluation.evaluate import L2T, summarise
+    from mmldlm.evaluation.evaluate import summarise
+    from mmldlm.evaluation.figures import recipes
     from mmldlm.evaluation.text_metrics import NgramReference
 
     rng = np.random.default_rng(0)
@@ -311,7 +313,7 @@ def test_compare_leaves_out_perplexities_scored_by_different_n_gram_references()
     def report(reference: NgramReference, texts: list[str]) -> dict:
         bits, counts = reference.bits_per_text(texts)
         per_text = {"word_f1": rng.uniform(0, 1, len(texts)), "ngram_bits": bits, "ngram_words": counts}
-        section = summarise(L2T, per_text, num_samples=len(texts))
+        section = summarise(recipes("l2t"), per_text, num_samples=len(texts))
         return {"texts_sha256": "t", "seed": 0, "l2t": section, "fluency_reference": {"sha256": reference.sha256}}
 
     texts = ["the cat ran on the mat", "a dog sat in the park"] * 4
@@ -337,7 +339,8 @@ def test_a_rate_no_text_reaches_gets_the_exact_upper_bound_not_zero_width():
 
 def test_exchanging_each_texts_values_gives_comparisons_with_no_difference_that_flag_few_figures():
     from mmldlm.evaluation.compare import compare_reports, markdown, null_flags
-    from mmldlm.evaluation.evaluate import L2T, T2L, summarise
+    from mmldlm.evaluation.evaluate import summarise
+    from mmldlm.evaluation.figures import recipes
 
     rng = np.random.default_rng(11)
     texts = rng.uniform(0.0, 1.0, 200)
@@ -347,8 +350,8 @@ def test_exchanging_each_texts_values_gives_comparisons_with_no_difference_that_
         return {
             "texts_sha256": "t",
             "seed": 0,
-            "l2t": summarise(L2T, {"word_f1": noisy(), "cosine": noisy()}, num_samples=200),
-            "t2l": summarise(T2L, {"cosine": noisy()}, num_samples=200),
+            "l2t": summarise(recipes("l2t"), {"word_f1": noisy(), "cosine": noisy()}, num_samples=200),
+            "t2l": summarise(recipes("t2l"), {"cosine": noisy()}, num_samples=200),
         }
 
     a, b = report(0.05), report(0.0)

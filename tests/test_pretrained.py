@@ -127,7 +127,7 @@ def test_the_card_reports_writing_beside_its_references_and_leaves_out_what_was_
         "joint": {"consistency": 0.556, "ngram_perplexity": 158.7},
         "references": {"other_sentence_bleu": 0.51, "real_repetition": 0.0, "real_ngram_perplexity": 306.3},
     }
-    rows = {name: (value, reference) for name, value, reference in writing_rows(report, report["references"])}
+    rows = {name: (value, reference) for name, value, reference in writing_rows(report)}
     assert rows["l2t BLEU"] == ("4.6", "another sentence 0.5; the training text with the nearest latent 10.6")
     assert rows["l2t repetition (rep-2)"] == ("0.031", "real text 0.000")
     assert rows["joint: text-latent consistency"] == ("0.556", "real pairs 1.000")
@@ -136,11 +136,11 @@ def test_the_card_reports_writing_beside_its_references_and_leaves_out_what_was_
     # consistency of its plain samples stands beside it.
     report["joint"] = {"consistency": 0.688, "selected_on": {"consistency": "max over 16 candidates"}}
     report["joint_without_selection"] = {"consistency": 0.41, "consistency_interval": [0.38, 0.44]}
-    rows = {name: (value, reference) for name, value, reference in writing_rows(report, report["references"])}
+    rows = {name: (value, reference) for name, value, reference in writing_rows(report)}
     assert rows["joint: text-latent consistency (selected on: max over 16 candidates)"][0] == "0.688"
     assert rows["joint: consistency without selection (best of 1)"][0] == "0.410 [0.380, 0.440]"
     # A report taken with --no-writing has none of them, and the card says nothing it did not measure.
-    assert writing_rows({"l2t": {"word_f1": 0.3}}, {}) == []
+    assert writing_rows({"l2t": {"word_f1": 0.3}}) == []
 
 
 def test_export_replaces_only_an_export_and_that_only_with_force(run_dir, exported, tmp_path, capsys):

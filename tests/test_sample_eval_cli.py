@@ -15,6 +15,7 @@ from mmldlm.cli import main
 from mmldlm.config import load_config
 from mmldlm.evaluation import evaluate, text_metrics
 from mmldlm.evaluation.evaluate import elbo, val_batches
+from mmldlm.evaluation.figures import FIGURES
 from mmldlm.evaluation.intervals import Rate
 from mmldlm.evaluation.report import eval_metrics, figure_text
 from mmldlm.export.pretrained import load_trained
@@ -545,7 +546,7 @@ def test_fsdp2_ranks_gather_for_rank0_evaluation_and_wait(run_dir, tmp_path):
 
 
 SMALL_EVAL = ["--num-samples", "4", "--batch-size", "4", "--retrieval-pool", "12", *FAST]
-RATES = {name for figures in evaluate.SECTIONS.values() for name, r in figures.items() if isinstance(r, Rate)}
+RATES = {f.key for f in FIGURES if isinstance(f.recipe, Rate)}
 
 
 def test_compare_of_a_run_with_itself_finds_no_difference_on_any_figure(run_dir, tmp_path, capsys):

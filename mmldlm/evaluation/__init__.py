@@ -2,6 +2,7 @@
 
 evaluate.py         the report of `mmldlm eval` and of evaluation during training: ELBO per mode, l2t
                     reconstruction, t2l cosine and retrieval, length, writing, references (`evaluate`)
+figures.py          every figure of a report: its recipe, and the label, format and reference it is shown with
 report.py           the report for readers: its markdown (`markdown`), its eval_* metric keys (`eval_metrics`)
 intervals.py        bootstrap intervals of a figure (`bootstrap`, the recipes `Mean`, `Rate`, `CorpusStatistic`)
                     and differences of two reports or two arms of runs (`paired_difference`, ...)

@@ -10,7 +10,7 @@ adds the variance between seeds to the interval (intervals.arms_difference).
 The reports must have scored the same validation texts (`texts_sha256`) with the same seed, so that the
 i-th per-text value of A and of B belong to the same text (and, for sampled figures, to the same draws
 of the generators where the two models agree). Each figure's recipe is the one `mmldlm eval` made it
-with (evaluate.py `sections`).
+with (figures.py `sections`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from mmldlm.errors import UserError
-from mmldlm.evaluation.evaluate import sections
+from mmldlm.evaluation.figures import sections
 from mmldlm.evaluation.intervals import LEVEL, NUM_RESAMPLES, POWER
 
 # Sections that score the validation data and the training texts, not the model: the same in both.
@@ -197,38 +197,36 @@ def markdown(result: dict) -> str:
     """The comparison as a markdown table, one row per figure."""
     several = len(result.get("runs_a", [1])) + len(result.get("runs_b", [1])) > 2
     if several:
-        lines = [
+        intro = (
             f"A = mean of {len(result['runs_a'])} runs ({', '.join(result['runs_a'])}), B = mean of "
             f"{len(result['runs_b'])} runs ({', '.join(result['runs_b'])}); interval: {result['level']:.0%} t interval "
             "from the variance between seeds (pooled over both arms) plus the texts' paired bootstrap variance "
             f"({result['num_resamples']} resamples), with the seeds' k_A + k_B - 2 degrees of freedom; significant: "
             f"the interval excludes 0; detectable: the true difference this interval finds {POWER:.0%} of the time "
             "(from the estimated spread, itself uncertain with few seeds: a difference below it is not evidence of "
-            "no difference)",
-            "",
-            f"| figure | n | A | B | A - B | interval | sd between seeds | detectable at {POWER:.0%} | significant |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
+            "no difference)"
+        )
     elif not result.get("paired", True):
-        lines = [
+        intro = (
             f"A = {result['a']}, B = {result['b']}, each on its own texts; interval: {result['level']:.0%} "
             f"bootstrap of each run's texts resampled independently ({result['num_resamples']} resamples; "
             "unpaired, so wider than a paired comparison on shared texts); significant: the interval excludes 0. "
-            "One run per side: the interval covers other texts for these two models, not other training seeds",
-            "",
-            "| figure | n | A | B | A - B | interval | significant |",
-            "|---|---|---|---|---|---|---|",
-        ]
+            "One run per side: the interval covers other texts for these two models, not other training seeds"
+        )
     else:
-        lines = [
+        intro = (
             f"A = {result['a']}, B = {result['b']}; interval: {result['level']:.0%} paired bootstrap over the texts "
             f"({result['num_resamples']} resamples); significant: the interval excludes 0. One run per side: the "
             "interval covers other texts for these two models, not other training seeds (give each side several "
-            "seeds with --a/--b to compare recipes)",
-            "",
-            "| figure | n | A | B | A - B | interval | significant |",
-            "|---|---|---|---|---|---|---|",
-        ]
+            "seeds with --a/--b to compare recipes)"
+        )
+    seeds = f" sd between seeds | detectable at {POWER:.0%} |" if several else ""
+    lines = [
+        intro,
+        "",
+        f"| figure | n | A | B | A - B | interval |{seeds} significant |",
+        "|---" * (9 if several else 7) + "|",
+    ]
     for r in result["rows"]:
         seed_sd = f" {r['seed_sd']:.3g} | {r['detectable']:.3g} |" if several else ""
         lines.append(

@@ -49,7 +49,7 @@ hold the first scale's figures.
 7. Intervals: every figure is a statistic of per-text values (a mean, a ratio such as nats per token, or
    a figure of the texts as a whole such as corpus BLEU); each section keeps those values (`per_text`),
    and each figure `name` has `name_interval` [low, high], the 95% percentile bootstrap over the section's
-   `num_samples` texts, each with its `num_t_draws` draws for the ELBO (intervals.py). `SECTIONS`
+   `num_samples` texts, each with its `num_t_draws` draws for the ELBO (intervals.py). figures.py
    names the recipe of every figure; `mmldlm compare` applies the same recipes to two reports, paired.
 8. Selection: a decoder that keeps the candidate whose re-encoding is closest to the target (best_of > 1,
    correction rounds) maximises the l2t cosine and the joint consistency over its candidates. Those
@@ -76,7 +76,7 @@ from mmldlm.config import EvalConfig
 from mmldlm.data.dataset import PadCollate, PreparedDataset
 from mmldlm.diffusion import MaskedDiffusion
 from mmldlm.evaluation import text_metrics
-from mmldlm.evaluation.intervals import CorpusStatistic, Mean, Rate
+from mmldlm.evaluation.figures import recipes
 from mmldlm.evaluation.latent_fidelity import fidelity
 from mmldlm.evaluation.text_metrics import word_f1, words
 from mmldlm.objective import Objective
@@ -101,91 +101,8 @@ def val_batches(run: TrainedRun, num_samples: int, batch_size: int):
 
 
 # --------------------------------------------------------------------------------------------------
-# Figures with intervals: each section keeps its per-text values, and a recipe per figure (intervals.py)
-# says how the figure is made from them.
-
-
-def _bleu(key: str) -> CorpusStatistic:
-    def statistic(per_text: dict):
-        rows = np.asarray(per_text[key], dtype=np.float64)
-        return lambda idx: text_metrics.bleu_of_statistics(rows[idx])
-
-    return CorpusStatistic((key,), statistic)
-
-
-def _perplexity(bits: str, counts: str) -> CorpusStatistic:
-    def statistic(per_text: dict):
-        b, c = np.asarray(per_text[bits], dtype=np.float64), np.asarray(per_text[counts], dtype=np.float64)
-        return lambda idx: text_metrics.perplexity_of(b[idx], c[idx])
-
-    return CorpusStatistic((bits, counts), statistic)
-
-
-def _distinct(n: int, key: str = "texts") -> CorpusStatistic:
-    def statistic(per_text: dict):
-        grams = [text_metrics.word_ngrams(text, n) for text in per_text[key]]
-        return lambda idx: text_metrics.distinct_of([grams[i] for i in idx]) or 0.0
-
-    return CorpusStatistic((key,), statistic, resampled=False)
-
-
-ELBO = {
-    "text_nats_per_token": Mean("text_nats", "num_tokens"),
-    "nats_per_token_with_length": Mean("nats_with_length", "num_tokens"),
-    "nats_per_token_with_end": Mean("nats_with_end", "num_tokens_with_end"),
-    "nats_per_text": Mean("nats_per_text"),
-    "length_nats_per_text": Mean("length_nats"),
-    "latent_loss": Mean("latent_loss"),
-}
-L2T = {
-    "exact_match": Rate("exact"),
-    "word_f1": Mean("word_f1"),
-    "bleu": _bleu("bleu_statistics"),
-    "repetition": Mean("repetition", "has_bigram"),
-    "real_word_rate": Mean("real_word_share", "num_words"),
-    "ngram_perplexity": _perplexity("ngram_bits", "ngram_words"),
-    "cosine_mean": Mean("cosine"),
-}
-T2L = {"cosine_mean": Mean("cosine"), "retrieval_at_1": Rate("hit")}
-LENGTH = {"accuracy": Rate("correct"), "mean_abs_error": Mean("abs_error")}
-JOINT = {
-    "consistency": Mean("consistency"),
-    "repetition": Mean("repetition", "has_bigram"),
-    "distinct_1": _distinct(1),
-    "distinct_2": _distinct(2),
-    "copy_rate": Rate("copied"),
-    "ngram_perplexity": _perplexity("ngram_bits", "ngram_words"),
-}
-PAIRS = {"real_pairs": Mean("real_pairs"), "shuffled_pairs": Mean("shuffled_pairs")}
-NEAREST = {
-    "word_f1": Mean("word_f1"),
-    "bleu": _bleu("bleu_statistics"),
-    "exact_match": Rate("exact"),
-    "cosine_mean": Mean("cosine"),
-}
-REFERENCES = {
-    "mean_latent_cosine": Mean("mean_latent_cosine"),
-    "real_repetition": Mean("real_repetition", "real_has_bigram"),
-    "real_distinct_1": _distinct(1, "real_texts"),  # distinct-n grows as n falls: joint's at the same n
-    "real_distinct_2": _distinct(2, "real_texts"),
-    "other_sentence_cosine": Mean("other_sentence_cosine"),
-    "other_sentence_word_f1": Mean("other_sentence_word_f1"),
-    "other_sentence_bleu": _bleu("other_sentence_bleu_statistics"),
-    "real_ngram_perplexity": _perplexity("real_ngram_bits", "real_ngram_words"),
-    "shuffled_ngram_perplexity": _perplexity("shuffled_ngram_bits", "shuffled_ngram_words"),
-}
-# The report's sections with per-text values, by key, and the figures of each.
-SECTIONS = {
-    "l2t": L2T,
-    "l2t_without_selection": L2T,
-    "l2t_predicted_length": L2T,
-    "t2l": T2L,
-    "length": LENGTH,
-    "joint": JOINT,
-    "joint_without_selection": JOINT,
-    "nearest_training_text": NEAREST,
-    "references": REFERENCES,
-}
+# Figures with intervals: each section keeps its per-text values, and a recipe per figure (figures.py,
+# intervals.py) says how the figure is made from them.
 
 
 def summarise(figures: dict, per_text: dict, **fixed) -> dict:
@@ -205,15 +122,6 @@ def summarise(figures: dict, per_text: dict, **fixed) -> dict:
 
 def _is_texts(values) -> bool:
     return isinstance(values, list) and bool(values) and isinstance(values[0], str)
-
-
-def sections(report: dict) -> list[tuple[str, dict, dict]]:
-    """(name, section, figures) of every section of `report` that keeps per-text values."""
-    out = [(f"elbo {mode}", entry, ELBO) for mode, entry in report.get("elbo", {}).items() if "per_text" in entry]
-    out += [(key, report[key], figures) for key, figures in SECTIONS.items() if "per_text" in report.get(key, {})]
-    if "per_text" in report.get("joint", {}).get("reference", {}):
-        out.append(("joint reference", report["joint"]["reference"], PAIRS))
-    return out
 
 
 def describe_selection(options: SamplingOptions, length_candidates: bool = False) -> str | None:
@@ -319,7 +227,7 @@ def elbo(
     for m, mode in enumerate(modes):
         per_text = _elbo_per_text(run, eval_objective(run, mode), m, num_samples, batch_size, num_t_draws, seed)
         n = len(next(iter(per_text.values())))
-        result = summarise(ELBO, per_text, num_samples=n)
+        result = summarise(recipes("elbo"), per_text, num_samples=n)
         if "text_nats_per_token" in result:
             result.update(_bound_figures(result))
             result["largest_draw_share"] = largest_share(per_text["nats_per_text"])
@@ -449,7 +357,7 @@ def l2t_reconstruction(
         cosines = F.cosine_similarity(run.encode_latents(generated).flatten(1), latents.flatten(1), dim=-1)
         per_text["cosine"] = cosines.numpy()
     result = summarise(
-        L2T,
+        recipes("l2t"),
         per_text,
         num_samples=len(ids),
         samples_per_s=len(ids) / seconds,
@@ -488,7 +396,7 @@ def dataset_words(dataset_dir: str, split: str) -> frozenset[str]:
 
 def writing_per_text(run: TrainedRun, generated: list[str], sources: list[str], fluency=None) -> dict:
     """Per-text values of exact match, word F1, BLEU, repetition, real-word rate and n-gram perplexity
-    of texts against their sources (text_metrics.py; the figures: `L2T`)."""
+    of texts against their sources (text_metrics.py; the figures: figures.py, "l2t")."""
     known = known_words(run)
     decoded_words = [words(g) for g in generated]
     repetition = text_metrics.repetition_per_text(generated, 2)
@@ -544,7 +452,7 @@ def joint_generation(
         )
     if fluency is not None:
         per_text["ngram_bits"], per_text["ngram_words"] = fluency.bits_per_text(texts)
-    out = summarise(JOINT, per_text, num_samples=num_samples, samples_per_s=num_samples / seconds)
+    out = summarise(recipes("joint"), per_text, num_samples=num_samples, samples_per_s=num_samples / seconds)
     out["latent_fidelity"] = fidelity_figures
     selected = describe_selection(options)
     if selected:
@@ -587,7 +495,7 @@ def t2l_retrieval(
     similarity = F.normalize(means, dim=-1) @ F.normalize(pool, dim=-1).T  # (N, P)
     hits = similarity.argmax(dim=1) == torch.arange(len(ids))
     out = summarise(
-        T2L,
+        recipes("t2l"),
         {"cosine": cosine.numpy(), "hit": hits.double().numpy()},
         num_samples=len(ids),
         retrieval_latents="posterior mean",
@@ -653,7 +561,7 @@ def length_prediction(run: TrainedRun, num_samples: int) -> dict | None:
     }
     if not within.any():
         return {**fixed, "accuracy": float("nan"), "mean_abs_error": float("nan")}
-    return summarise(LENGTH, per_text, **fixed)
+    return summarise(recipes("length"), per_text, **fixed)
 
 
 def measure_references(
@@ -682,7 +590,7 @@ def measure_references(
         shuffled = fluency.bits_per_text(text_metrics.shuffled_words(texts))
         per_text["shuffled_ngram_bits"], per_text["shuffled_ngram_words"] = shuffled
     return summarise(
-        REFERENCES, per_text, num_samples=len(ids), chance_retrieval_at_1=1.0 / min(pool_size, len(run.val))
+        recipes("references"), per_text, num_samples=len(ids), chance_retrieval_at_1=1.0 / min(pool_size, len(run.val))
     )
 
 
@@ -706,7 +614,7 @@ def nearest_training_text(run: TrainedRun, num_samples: int) -> dict | None:
         "exact": np.array([a == b for a, b in zip(nearest, sources)], dtype=np.float64),
         "cosine": best.values.numpy(),
     }
-    return summarise(NEAREST, per_text, num_samples=len(ids))
+    return summarise(recipes("nearest_training_text"), per_text, num_samples=len(ids))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -830,4 +738,4 @@ def pair_consistency(run: TrainedRun, num_samples: int) -> dict:
         "real_pairs": F.cosine_similarity(encoded, latents, dim=-1).numpy(),
         "shuffled_pairs": F.cosine_similarity(encoded, latents.roll(-1, dims=0), dim=-1).numpy(),
     }
-    return summarise(PAIRS, per_text, num_samples=len(ids))
+    return summarise(recipes("joint reference"), per_text, num_samples=len(ids))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from mmldlm.evaluation.figures import HEADLINE, REFERENCE_LABELS
 from mmldlm.evaluation.intervals import MIN_TEXTS
 
 
@@ -297,30 +298,16 @@ def small_n_notes(report: dict) -> list[str]:
 def headline_lines(report: dict) -> list[str]:
     """The few figures a reader looks for first, each beside its reference: t2l retrieval and cosine, l2t
     word F1 and BLEU (BLEU where the writing figures were measured)."""
-    l2t, t2l, ref = report["l2t"], report["t2l"], report.get("references", {})
-
-    def beside(key: str, text: str, spec: str = ".3f") -> str:
-        return f" ({text} {figure_text(ref, key, spec)})" if key in ref else ""
-
-    lines = [
-        f"- t2l retrieval@1 among {t2l['pool_size']}: {figure_text(t2l, 'retrieval_at_1', '.1%')}"
-        + beside("chance_retrieval_at_1", "chance", ".1%"),
-        f"- t2l cosine to the true latent: {figure_text(t2l, 'cosine_mean')}"
-        + beside("mean_latent_cosine", "the constant training-mean latent"),
-        f"- l2t word F1 against the source: {figure_text(l2t, 'word_f1')}"
-        + beside("other_sentence_word_f1", "an unrelated sentence"),
-    ]
-    if "bleu" in l2t:
-        lines.append(
-            f"- l2t BLEU: {figure_text(l2t, 'bleu', '.1f')}"
-            + beside("other_sentence_bleu", "an unrelated sentence", ".1f")
-        )
+    l2t, ref = report["l2t"], report.get("references", {})
+    lines = []
+    for f in HEADLINE:
+        section, reference = report[f.section], REFERENCE_LABELS[f.reference][1]
+        if f.key in section:
+            lines.append(f"- {f.label.format(**section)}: {figure_text(section, f.key, f.spec)}")
+            if f.reference in ref:
+                lines[-1] += f" ({reference} {figure_text(ref, f.reference, f.spec)})"
     texts = f"{l2t['num_samples']} {texts_label(report)} text{'' if l2t['num_samples'] == 1 else 's'}"
-    return [
-        f"{texts}, each figure with its 95% interval (its reference in parentheses):",
-        "",
-        *lines,
-    ]
+    return [f"{texts}, each figure with its 95% interval (its reference in parentheses):", "", *lines]
 
 
 def markdown(report: dict) -> str:
@@ -361,8 +348,7 @@ def markdown(report: dict) -> str:
     lines += writing_lines(report)
     lines += fidelity_lines(report)
     if "length" in report:
-        length = report["length"]
-        lines += ["", length_line(length, split)]
+        lines += ["", length_line(report["length"], split)]
     if "guidance" in report:
         lines += _guidance_table(report)
     lines += ["", "| source | generated from its latent |", "|---|---|"]

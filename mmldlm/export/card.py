@@ -19,6 +19,7 @@ from huggingface_hub import ModelCardData
 from mmldlm.config import to_dict
 from mmldlm.data.corpus import DEFAULT_CORPUS
 from mmldlm.data.format import META
+from mmldlm.evaluation.figures import FIGURE, HEADLINE, REFERENCE_LABELS
 from mmldlm.evaluation.report import figure_text, selected_label, table_cell
 from mmldlm.runs.trained import TrainedRun
 
@@ -96,76 +97,43 @@ def _data_section(run: TrainedRun) -> tuple[list[str], dict]:
     return lines, {}
 
 
-def writing_rows(report: dict, ref: dict) -> list[tuple[str, str, str]]:
-    """The writing figures of a report from `mmldlm eval` (absent from one taken with --no-writing)."""
-    l2t, nearest = report["l2t"], report.get("nearest_training_text", {})
-    rows = []
-    if "bleu" in l2t:
-        references = [f"another sentence {ref['other_sentence_bleu']:.1f}" if "other_sentence_bleu" in ref else ""]
-        if "bleu" in nearest:
-            references.append(f"the training text with the nearest latent {nearest['bleu']:.1f}")
-        rows.append(("l2t BLEU", figure_text(l2t, "bleu", ".1f"), "; ".join(r for r in references if r)))
-    if "repetition" in l2t:
-        real = f"real text {ref['real_repetition']:.3f}" if "real_repetition" in ref else ""
-        rows.append(("l2t repetition (rep-2)", figure_text(l2t, "repetition"), real))
-    joint = report.get("joint", {})
-    if "consistency" in joint:
-        label = "joint: text-latent consistency" + selected_label(joint, "consistency")
-        rows.append((label, figure_text(joint, "consistency"), "real pairs 1.000"))
-    plain = report.get("joint_without_selection", {})
-    if "selected_on" in joint and "consistency" in plain:
-        rows.append(("joint: consistency without selection (best of 1)", figure_text(plain, "consistency"), ""))
-    if "ngram_perplexity" in joint:
-        real = ref.get("real_ngram_perplexity")
-        rows.append(
-            (
-                "joint: word 3-gram perplexity",
-                figure_text(joint, "ngram_perplexity", ".0f"),
-                f"real text {real:.0f}" if real is not None else "",
-            )
-        )
-    return rows
+# The figures a decoder may select its texts on, as the card names them measured again without selection.
+WITHOUT_SELECTION = {"cosine_mean": "l2t re-encoded cosine", "consistency": "joint: consistency"}
 
 
-def _cosine_rows(report: dict, ref: dict) -> list[tuple[str, str, str]]:
-    """The l2t re-encoded cosine, labelled when the decoder selected on it, and without selection."""
-    l2t, plain = report["l2t"], report.get("l2t_without_selection", {})
-    if "cosine_mean" not in l2t:
+def _rows(report: dict, section: str, key: str, *more: str) -> list[tuple[str, str, str]]:
+    """(label, value [95% interval], reference) of a figure of `FIGURES`, the label marked where the decoder
+    selected on the figure, the reference followed by `more` (those not empty); where it did select, a second
+    row: the same decoder without selection, beside the figure's reference. No rows where it was not measured."""
+    f, values, plain = FIGURE[section, key], report.get(section, {}), report.get(f"{section}_without_selection", {})
+    if key not in values:
         return []
-    other = f"another sentence {ref['other_sentence_cosine']:.3f}" if "other_sentence_cosine" in ref else ""
-    rows = [("l2t re-encoded cosine" + selected_label(l2t, "cosine_mean"), figure_text(l2t, "cosine_mean"), other)]
-    if "selected_on" in l2t and "cosine_mean" in plain:
-        rows.append(("l2t re-encoded cosine without selection (best of 1)", figure_text(plain, "cosine_mean"), other))
+    ref = report.get("references", {})
+    reference = f"{REFERENCE_LABELS[f.reference][0]} {ref[f.reference]:{f.spec}}" if f.reference in ref else ""
+    label = f.label.format(**values) + selected_label(values, key)
+    rows = [(label, figure_text(values, key, f.spec), "; ".join(r for r in (reference, *more) if r))]
+    if key in values.get("selected_on", {}) and key in plain:
+        label = f"{WITHOUT_SELECTION[key]} without selection (best of 1)"
+        rows.append((label, figure_text(plain, key, f.spec), reference))
     return rows
+
+
+def writing_rows(report: dict) -> list[tuple[str, str, str]]:
+    """The writing figures of a report from `mmldlm eval` (absent from one taken with --no-writing)."""
+    nearest = report.get("nearest_training_text", {})
+    near = f"the training text with the nearest latent {nearest['bleu']:.1f}" if "bleu" in nearest else ""
+    rows = _rows(report, "l2t", "bleu", near) + _rows(report, "l2t", "repetition")
+    return rows + _rows(report, "joint", "consistency", "real pairs 1.000") + _rows(report, "joint", "ngram_perplexity")
 
 
 def _eval_rows(report: dict) -> list[tuple[str, str, str]]:
     """(figure, value [95% interval], reference) rows: the figures no decoder selects on first."""
-    l2t, t2l, ref, elbo = report["l2t"], report["t2l"], report.get("references", {}), report.get("elbo", {})
-    rows = [
-        (
-            "t2l retrieval@1 among " + str(t2l["pool_size"]),
-            figure_text(t2l, "retrieval_at_1", ".1%"),
-            f"chance {ref['chance_retrieval_at_1']:.1%}" if "chance_retrieval_at_1" in ref else "",
-        ),
-        (
-            "t2l cosine to the true latent",
-            figure_text(t2l, "cosine_mean"),
-            f"training-mean latent {ref['mean_latent_cosine']:.3f}" if "mean_latent_cosine" in ref else "",
-        ),
-        (
-            "l2t word F1 against the source",
-            figure_text(l2t, "word_f1"),
-            f"another sentence {ref['other_sentence_word_f1']:.3f}" if "other_sentence_word_f1" in ref else "",
-        ),
-        (
-            "l2t real-word rate / exact match",
-            f"{figure_text(l2t, 'real_word_rate', '.1%')} / {figure_text(l2t, 'exact_match', '.1%')}",
-            "",
-        ),
-    ]
-    rows += writing_rows(report, ref)
-    rows += _cosine_rows(report, ref)
+    l2t, elbo = report["l2t"], report.get("elbo", {})
+    rows = [row for f in HEADLINE[:3] for row in _rows(report, f.section, f.key)]
+    words = f"{figure_text(l2t, 'real_word_rate', '.1%')} / {figure_text(l2t, 'exact_match', '.1%')}"
+    rows.append(("l2t real-word rate / exact match", words, ""))
+    rows += writing_rows(report)
+    rows += _rows(report, "l2t", "cosine_mean")
     l2t_elbo = elbo.get("l2t", {})
     if "text_nats_per_token" in l2t_elbo:
         given = "upper bound on -log p(text | length, latent), of the model at temperature 1, not of the decoder above"
