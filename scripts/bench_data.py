@@ -26,14 +26,14 @@ def default_texts() -> list[str]:
 
 
 def bench_tokenize(args) -> None:
-    from mmldlm.data import tokenizer as tok
+    from mmldlm.data.tokenizer import encode_texts, train_bpe
 
     texts = default_texts()
     start = time.perf_counter()
-    tokenizer = tok.train_bpe(texts, args.vocab_size)
+    tokenizer = train_bpe(texts, args.vocab_size)
     train_s = time.perf_counter() - start
     start = time.perf_counter()
-    ids = tok.encode_texts(tokenizer, texts)
+    ids = encode_texts(tokenizer, texts)
     encode_s = time.perf_counter() - start
     num_tokens = sum(map(len, ids))
     print(

@@ -14,9 +14,9 @@ from data_support import SMALL, corpus_texts, prepared
 
 from mmldlm import cli
 from mmldlm.config import DataConfig
-from mmldlm.data import format as fmt
 from mmldlm.data.dataset import open_dataset
 from mmldlm.data.encoders import load_encoder, sentence_transformer
+from mmldlm.data.format import FORMAT_VERSION
 from mmldlm.data.prepare import (
     STD_FLOOR,
     PrepareOptions,
@@ -51,7 +51,7 @@ def decoded(data_dir, split):
 def test_meta_describes_the_shards(data_dir):
     meta = json.loads((data_dir / "meta.json").read_text())
     n = len(set(corpus_texts()))
-    assert meta["format_version"] == fmt.FORMAT_VERSION and meta["tokenizer"] == "tokenizer.json"
+    assert meta["format_version"] == FORMAT_VERSION and meta["tokenizer"] == "tokenizer.json"
     assert (meta["vocab_size"], meta["pad_id"], meta["mask_id"], meta["token_dtype"]) == (400, 0, 1, "uint16")
     assert (meta["encoder"], meta["encoder_normalize"]) == ("all-MiniLM-L6-v2", True)
     assert (meta["latent_dim"], meta["num_latents"], meta["latent_dtype"]) == (384, 1, "float16")

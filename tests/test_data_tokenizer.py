@@ -4,32 +4,40 @@ import pytest
 from data_support import corpus_texts
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from mmldlm.data import tokenizer as tok
 from mmldlm.data.errors import DataError
+from mmldlm.data.tokenizer import (
+    encode_texts,
+    from_json,
+    load_tokenizer,
+    special_ids,
+    token_dtype,
+    train_bpe,
+    vocab_size,
+)
 
 
 @pytest.fixture(scope="module")
 def trained():
-    return tok.train_bpe(corpus_texts(), 400)
+    return train_bpe(corpus_texts(), 400)
 
 
 def test_text_tokens_text_is_exact(trained):
     texts = corpus_texts() + ["unseen: Ωmega ∑ 🚀  double  spaces\tand\nnewline "]
-    for text, ids in zip(texts, tok.encode_texts(trained, texts)):
+    for text, ids in zip(texts, encode_texts(trained, texts)):
         assert trained.decode(ids) == text
 
 
 def test_special_tokens_reserved_and_not_made_from_text(trained):
-    assert tok.special_ids(trained) == {"pad_id": 0, "mask_id": 1}
-    assert tok.vocab_size(trained) == 400
-    ids = tok.encode_texts(trained, ["a literal [MASK] and [PAD]"])[0]
+    assert special_ids(trained) == {"pad_id": 0, "mask_id": 1}
+    assert vocab_size(trained) == 400
+    ids = encode_texts(trained, ["a literal [MASK] and [PAD]"])[0]
     assert 0 not in ids and 1 not in ids
     # The flag that keeps it so is not stored in tokenizer.json; from_json restores it.
-    assert 1 not in tok.encode_texts(tok.from_json(trained.to_str()), ["[MASK]"])[0]
+    assert 1 not in encode_texts(from_json(trained.to_str()), ["[MASK]"])[0]
 
 
 def test_token_dtype_is_narrowest():
-    assert tok.token_dtype(65536).name == "uint16" and tok.token_dtype(65537).name == "uint32"
+    assert token_dtype(65536).name == "uint16" and token_dtype(65537).name == "uint32"
 
 
 def test_loaded_tokenizer_gets_pad_and_mask(tmp_path):
@@ -39,17 +47,17 @@ def test_loaded_tokenizer_gets_pad_and_mask(tmp_path):
     folder = tmp_path / "hf"
     folder.mkdir()
     bare.save(str(folder / "tokenizer.json"))
-    loaded = tok.load_tokenizer(folder)  # a Hugging Face style folder
+    loaded = load_tokenizer(folder)  # a Hugging Face style folder
     assert loaded.token_to_id("[PAD]") is not None and loaded.token_to_id("[MASK]") is not None
-    assert tok.vocab_size(loaded) == 3
+    assert vocab_size(loaded) == 3
 
 
 def test_bad_tokenizer_paths(tmp_path):
     with pytest.raises(DataError, match=r"tokenizer\.json: no such tokenizer file \(save a fast tokenizer"):
-        tok.load_tokenizer(tmp_path)
+        load_tokenizer(tmp_path)
     bad = tmp_path / "bad.json"
     bad.write_text("{nope")
     with pytest.raises(DataError, match=r"bad\.json: not a valid tokenizer\.json"):
-        tok.load_tokenizer(bad)
+        load_tokenizer(bad)
     with pytest.raises(DataError, match="needs at least 258"):
-        tok.train_bpe(["x"], 100)
+        train_bpe(["x"], 100)

@@ -30,8 +30,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from mmldlm.config import DataConfig, ModelConfig, _fail
-from mmldlm.data import format as fmt
 from mmldlm.data.errors import DataError
+from mmldlm.data.format import open_shard, read_meta
 from mmldlm.data.tokenizer import load_tokenizer
 
 
@@ -41,7 +41,7 @@ class PreparedDataset(Dataset):
 
     def __init__(self, path: str | Path, split: str = "train"):
         self.path, self.split = Path(path), split
-        self.meta = fmt.read_meta(self.path)
+        self.meta = read_meta(self.path)
         if split not in self.meta["shards"]:
             raise DataError(f"{self.path}: no split '{split}' (splits: {', '.join(self.meta['shards'])})")
         self.shards = self.meta["shards"][split]
@@ -55,7 +55,7 @@ class PreparedDataset(Dataset):
     def _open(self) -> None:
         # Plain ndarray views of the maps: slicing them is cheaper than slicing np.memmap objects.
         self.arrays = [
-            tuple(np.asarray(a).view(np.ndarray) for a in fmt.open_shard(self.path, shard, self.meta))
+            tuple(np.asarray(a).view(np.ndarray) for a in open_shard(self.path, shard, self.meta))
             for shard in self.shards
         ]
 

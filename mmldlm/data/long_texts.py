@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mmldlm.data import tokenizer as tok
+from mmldlm.data.tokenizer import encode_texts
 
 MODES = ("cut", "split", "drop")
 MODEL_LENGTHS = (64, 128, 256)  # the model lengths prepare reports the cut at, beside --max-tokens
@@ -47,7 +47,7 @@ class Limits:
         )
 
     def fits(self, text: str) -> bool:
-        return self.within(len(tok.encode_texts(self.tokenizer, [text])[0]), self.encoder.count_wordpieces([text])[0])
+        return self.within(len(encode_texts(self.tokenizer, [text])[0]), self.encoder.count_wordpieces([text])[0])
 
 
 def cut(text: str, limits: Limits) -> tuple[str, str]:
@@ -55,7 +55,7 @@ def cut(text: str, limits: Limits) -> tuple[str, str]:
     space where it holds one (no word is cut in two), else at a token boundary. It keeps at least one
     token, so splitting always moves on."""
     text = text.strip()
-    ids = tok.encode_texts(limits.tokenizer, [text])[0]
+    ids = encode_texts(limits.tokenizer, [text])[0]
     start = lambda k: limits.tokenizer.decode(ids[:k])  # noqa: E731
     lo, hi = 1, len(ids) if limits.max_tokens is None else min(len(ids), limits.max_tokens)
     while lo < hi:  # the largest k whose start fits (fitting shrinks with k)
@@ -105,7 +105,7 @@ def resolve(
         counts[mode] += 1
         counts["passages"] += len(made)
         out_texts += made
-        out_ids += tok.encode_texts(limits.tokenizer, made)
+        out_ids += encode_texts(limits.tokenizer, made)
     return out_texts, out_ids, counts
 
 
@@ -175,7 +175,7 @@ def measure(texts: list[str], limits: Limits, chunk: int = 8192) -> dict:
     tokens, pieces = [], []
     for start in range(0, len(texts), chunk):  # in chunks: the ids of a whole corpus at once would not fit
         part = texts[start : start + chunk]
-        tokens += [len(ids) for ids in tok.encode_texts(limits.tokenizer, part)]
+        tokens += [len(ids) for ids in encode_texts(limits.tokenizer, part)]
         pieces += limits.encoder.count_wordpieces(part)
     tokens, pieces = np.array(tokens, dtype=np.int64), np.array(pieces, dtype=np.int64)
     model_lengths = sorted({*MODEL_LENGTHS, limits.max_tokens} - {None})

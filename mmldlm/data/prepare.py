@@ -39,12 +39,35 @@ from tqdm import tqdm
 from mmldlm import __version__
 from mmldlm.config import DataConfig, load_config
 from mmldlm.data import corpus, long_texts
-from mmldlm.data import format as fmt
-from mmldlm.data import tokenizer as tok
 from mmldlm.data.dataset import PreparedDataset, resolve_for_model
 from mmldlm.data.encoders import DEFAULT_ENCODER, REGISTRY, load_encoder
 from mmldlm.data.errors import DataError
+from mmldlm.data.format import (
+    FORMAT_VERSION,
+    META,
+    PARTIAL,
+    PREPARED,
+    SPLITS,
+    TOKEN_LATENTS,
+    TOKENIZER,
+    files_of_partial,
+    read_meta,
+    shard_record,
+    write_shard,
+)
 from mmldlm.data.legacy import LegacySource
+from mmldlm.data.tokenizer import (
+    MASK,
+    MIN_VOCAB_SIZE,
+    PAD,
+    encode_texts,
+    from_json,
+    load_tokenizer,
+    special_ids,
+    token_dtype,
+    train_bpe,
+    vocab_size,
+)
 from mmldlm.device import pick_device
 from mmldlm.errors import OptionError, UserError, require_positive
 from mmldlm.outputs import publish, refuse_foreign, write_atomically
@@ -119,11 +142,11 @@ class PrepareOptions:
             raise DataError("--legacy-tokens and --legacy-latents go together: give both folders")
         if self.legacy_tokens is not None and self.tokenizer is None:
             raise DataError("--legacy-tokens needs --tokenizer: the tokenizer.json that produced the legacy ids")
-        if self.tokenizer is None and self.vocab_size < tok.MIN_VOCAB_SIZE:
+        if self.tokenizer is None and self.vocab_size < MIN_VOCAB_SIZE:
             raise OptionError(
                 "--vocab-size",
                 self.vocab_size,
-                f"an integer >= {tok.MIN_VOCAB_SIZE} for a byte-level BPE (256 byte symbols + {tok.PAD} + {tok.MASK})",
+                f"an integer >= {MIN_VOCAB_SIZE} for a byte-level BPE (256 byte symbols + {PAD} + {MASK})",
             )
 
 
@@ -137,7 +160,7 @@ def default_prepare_options(cfg: DataConfig) -> PrepareOptions:
         encoder=cfg.encoder,
         max_samples=cfg.max_samples,
     )
-    key = json.dumps([fmt.FORMAT_VERSION, opts.recorded(), corpus.DEFAULT_CORPUS.stat().st_size], sort_keys=True)
+    key = json.dumps([FORMAT_VERSION, opts.recorded(), corpus.DEFAULT_CORPUS.stat().st_size], sort_keys=True)
     cache = Path(cfg.cache_dir or os.environ.get("MMLDLM_CACHE") or Path.home() / ".cache" / "mmldlm")
     opts.out = str(cache / f"default-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
     return opts
@@ -167,13 +190,13 @@ def options_like_run(run_dir: str | Path) -> dict[str, Any]:
         data_dir, origin = Path(data.path), f"data.path {data.path!r}"
     else:  # the bundled corpus, prepared into the cache on the run's first use
         data_dir, origin = Path(default_prepare_options(data).out), "data.path null (the bundled corpus in the cache)"
-    meta_file = data_dir / fmt.META
+    meta_file = data_dir / META
     if not meta_file.is_file():
         raise DataError(
             f"{config_file}: {origin}: no prepared dataset at {data_dir}; --like needs the run's "
             f"dataset on this machine (copy it there, or set data.path in {config_file} to where it is)"
         )
-    meta = fmt.read_meta(data_dir)
+    meta = read_meta(data_dir)
     tokenizer = data_dir / meta["tokenizer"]
     if not tokenizer.is_file():
         raise DataError(
@@ -274,7 +297,7 @@ class TextSource:
         """(token ids and latents (n, K, D) of the samples stored, counts of what became of the long
         texts). A split text adds samples: n may differ from len(indices)."""
         texts = [self.texts[i] for i in indices]
-        token_ids = tok.encode_texts(self.limits.tokenizer, texts)
+        token_ids = encode_texts(self.limits.tokenizer, texts)
         wordpieces = self.encoder.count_wordpieces(texts)
         stored, stored_ids, counts = long_texts.resolve(texts, token_ids, wordpieces, self.limits, self.mode)
         # The bar counts texts read, in whole texts; the encoder counts the samples stored.
@@ -316,7 +339,7 @@ def _write_shards(
     source,
     work: list[tuple[str, int, np.ndarray]],
     root: Path,
-    token_dtype: np.dtype,
+    ids_dtype: np.dtype,
     latent_dtype: np.dtype,
     bar: tqdm,
 ) -> list[dict]:
@@ -325,7 +348,7 @@ def _write_shards(
     unless what it is made from changed since (`source.fingerprint`)."""
     done = []
     for split, index, indices in work:
-        record = root / fmt.shard_record(split, index)
+        record = root / shard_record(split, index)
         fingerprint = source.fingerprint(indices)
         if record.is_file() and (entry := _read_record(record))["source"] == fingerprint:
             done.append(entry)
@@ -333,7 +356,7 @@ def _write_shards(
             continue
         token_lists, latents, long_counts = source.shard(indices, bar.update)
         stored = latents.astype(latent_dtype)
-        info = fmt.write_shard(root, split, index, token_lists, stored, token_dtype, latent_dtype)
+        info = write_shard(root, split, index, token_lists, stored, ids_dtype, latent_dtype)
         values = stored.astype(np.float64).reshape(-1, stored.shape[-1])  # statistics of what the loader will read
         entry = {
             "split": split,
@@ -381,10 +404,10 @@ def output_state(opts: PrepareOptions) -> str:
     out = Path(opts.out)
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return "absent"
-    if opts.overwrite or not fmt.PREPARED.is_marked(out):
-        refuse_foreign(out, fmt.PREPARED)
+    if opts.overwrite or not PREPARED.is_marked(out):
+        refuse_foreign(out, PREPARED)
         return "absent"
-    meta = fmt.read_meta(out)
+    meta = read_meta(out)
     previous = meta.get("prepare", {})
     changed = [f"{k}: {previous.get(k)!r} -> {v!r}" for k, v in opts.recorded().items() if previous.get(k) != v]
     if changed:
@@ -402,8 +425,8 @@ def _open_partial(out: Path, opts: PrepareOptions, tokenizer_json: str, say: Cal
     partial = _partial_dir(out)
     started = {"prepare": opts.recorded(), "tokenizer_sha256": hashlib.sha256(tokenizer_json.encode()).hexdigest()}
     if partial.exists():  # left by a run that was killed or failed
-        refuse_foreign(partial, fmt.PREPARED, "remove it or choose another --out", marked=False)
-        record = partial / fmt.PARTIAL
+        refuse_foreign(partial, PREPARED, "remove it or choose another --out", marked=False)
+        record = partial / PARTIAL
         if record.is_file() and json.loads(record.read_text()) == started:
             say(
                 f"{partial}: continuing an interrupted prepare; {len(_finished_shards(partial))} finished shard(s) kept"
@@ -411,19 +434,19 @@ def _open_partial(out: Path, opts: PrepareOptions, tokenizer_json: str, say: Cal
             return str(partial)
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
-    (partial / fmt.PARTIAL).write_text(json.dumps(started))
+    (partial / PARTIAL).write_text(json.dumps(started))
     return str(partial)
 
 
 def _finished_shards(partial: Path) -> list[Path]:
-    return [partial / name for name in fmt.files_of_partial(partial) if name != fmt.PARTIAL]
+    return [partial / name for name in files_of_partial(partial) if name != PARTIAL]
 
 
 def token_latents(tokenizer, encoder, batch_size: int = 256) -> np.ndarray:
     """(V, K, D) float32: the encoder's latent of each vocabulary entry's own text, e.g. of " landing"
     for that token. Entries that decode to nothing (the special tokens, blank pieces) get zeros. The
     model's vocabulary prior (model.vocab_prior) scores tokens by their cosine to a sentence latent."""
-    texts = [tokenizer.decode([i]) for i in range(tok.vocab_size(tokenizer))]
+    texts = [tokenizer.decode([i]) for i in range(vocab_size(tokenizer))]
     real = [i for i, text in enumerate(texts) if text.strip()]
     out = np.zeros((len(texts), encoder.num_latents, encoder.latent_dim), dtype=np.float32)
     out[real] = encoder.encode([texts[i] for i in real], batch_size)
@@ -435,13 +458,13 @@ def ensure_token_latents(path: str | Path, log: Callable[[str], None] = print) -
     (the file, then meta.json, each replaced atomically) when a dataset prepared before they existed
     lacks them. Call on one process at a time (training: rank 0, see `Ranks.on_rank0`)."""
     path = Path(path)
-    meta = fmt.read_meta(path)
+    meta = read_meta(path)
     if meta.get("token_latents") and (path / meta["token_latents"]).is_file():
         return np.load(path / meta["token_latents"])
     normalize = meta.get("encoder_normalize")
     if normalize is None:
         raise DataError(
-            f"{path / fmt.META}: encoder_normalize is null (the latents were imported), so the latents "
+            f"{path / META}: encoder_normalize is null (the latents were imported), so the latents "
             f"of the vocabulary tokens cannot be made with the same encoder; set model.vocab_prior=false"
         )
     log(
@@ -449,11 +472,11 @@ def ensure_token_latents(path: str | Path, log: Callable[[str], None] = print) -
         f"with {meta['encoder']}"
     )
     latents = token_latents(
-        tok.load_tokenizer(path / meta["tokenizer"]), load_encoder(meta["encoder"], _device("auto"), normalize)
+        load_tokenizer(path / meta["tokenizer"]), load_encoder(meta["encoder"], _device("auto"), normalize)
     )
-    write_atomically(path / fmt.TOKEN_LATENTS, lambda f: np.save(f, latents))
-    meta["token_latents"] = fmt.TOKEN_LATENTS
-    write_atomically(path / fmt.META, json.dumps(meta, indent=1) + "\n")
+    write_atomically(path / TOKEN_LATENTS, lambda f: np.save(f, latents))
+    meta["token_latents"] = TOKEN_LATENTS
+    write_atomically(path / META, json.dumps(meta, indent=1) + "\n")
     return latents
 
 
@@ -466,14 +489,14 @@ def _merge(
     extra: dict,
     encoder=None,
 ) -> dict:
-    shards = sorted(shards, key=lambda s: (fmt.SPLITS.index(s["split"]), s["index"]))
+    shards = sorted(shards, key=lambda s: (SPLITS.index(s["split"]), s["index"]))
     shapes = {tuple(s["shape"]) for s in shards}
     if len(shapes) > 1:
         raise DataError(f"latents of different shapes (K, D) across samples: {sorted(shapes)}")
     num_latents, latent_dim = shapes.pop()
     train = [s for s in shards if s["split"] == "train"]
     count = sum(s["count"] for s in train)
-    emptied = [name for name in fmt.SPLITS if opts.val_fraction or name == "train"]
+    emptied = [name for name in SPLITS if opts.val_fraction or name == "train"]
     emptied = [name for name in emptied if not any(s["info"]["num_samples"] for s in shards if s["split"] == name)]
     if emptied:
         raise DataError(
@@ -486,39 +509,39 @@ def _merge(
         total_sq += s["sumsq"]
     mean = total / count
     std = np.maximum(np.sqrt(np.maximum(total_sq / count - mean**2, 0.0)), STD_FLOOR)
-    tokenizer = tok.from_json(tokenizer_json)
-    vocab = tok.vocab_size(tokenizer)
+    tokenizer = from_json(tokenizer_json)
+    vocab = vocab_size(tokenizer)
     meta = {
-        "format_version": fmt.FORMAT_VERSION,
+        "format_version": FORMAT_VERSION,
         "created_by": f"mmldlm {__version__}",
-        "tokenizer": fmt.TOKENIZER,
+        "tokenizer": TOKENIZER,
         "vocab_size": vocab,
-        **tok.special_ids(tokenizer),
-        "token_dtype": tok.token_dtype(vocab).name,
+        **special_ids(tokenizer),
+        "token_dtype": token_dtype(vocab).name,
         "encoder": opts.encoder,
         **extra,
         "latent_dim": int(latent_dim),
         "num_latents": int(num_latents),
         "latent_dtype": opts.latent_dtype,
-        "splits": {name: sum(s["info"]["num_samples"] for s in shards if s["split"] == name) for name in fmt.SPLITS},
-        "num_tokens": {name: sum(s["info"]["num_tokens"] for s in shards if s["split"] == name) for name in fmt.SPLITS},
+        "splits": {name: sum(s["info"]["num_samples"] for s in shards if s["split"] == name) for name in SPLITS},
+        "num_tokens": {name: sum(s["info"]["num_tokens"] for s in shards if s["split"] == name) for name in SPLITS},
         "max_sample_tokens": {
-            name: max((s["max_tokens"] for s in shards if s["split"] == name), default=0) for name in fmt.SPLITS
+            name: max((s["max_tokens"] for s in shards if s["split"] == name), default=0) for name in SPLITS
         },
         "latent_mean": mean.tolist(),
         "latent_std": std.tolist(),
         "counts": counts,
         "prepare": opts.recorded(),
-        "shards": {name: [s["info"] for s in shards if s["split"] == name] for name in fmt.SPLITS},
+        "shards": {name: [s["info"] for s in shards if s["split"] == name] for name in SPLITS},
     }
     if encoder is not None:  # imported latents: their encoder is not at hand
-        np.save(partial / fmt.TOKEN_LATENTS, token_latents(tokenizer, encoder, opts.encode_batch_size))
-        meta["token_latents"] = fmt.TOKEN_LATENTS
-    (partial / fmt.TOKENIZER).write_text(tokenizer_json)
-    (partial / fmt.META).write_text(json.dumps(meta, indent=1) + "\n")
-    for name in fmt.files_of_partial(partial):  # the record of the work, not part of the dataset
+        np.save(partial / TOKEN_LATENTS, token_latents(tokenizer, encoder, opts.encode_batch_size))
+        meta["token_latents"] = TOKEN_LATENTS
+    (partial / TOKENIZER).write_text(tokenizer_json)
+    (partial / META).write_text(json.dumps(meta, indent=1) + "\n")
+    for name in files_of_partial(partial):  # the record of the work, not part of the dataset
         (partial / name).unlink()
-    publish(partial, Path(opts.out), fmt.PREPARED)
+    publish(partial, Path(opts.out), PREPARED)
     return meta
 
 
@@ -543,7 +566,7 @@ def prepare(
     out = Path(opts.out)
     if ranks.on_rank0(lambda: output_state(opts)) == "complete":
         say(f"{out}: already complete with these options; nothing to do (pass --overwrite to rebuild)")
-        return {"status": "exists", "path": str(out), "meta": fmt.read_meta(out)}
+        return {"status": "exists", "path": str(out), "meta": read_meta(out)}
 
     read = _legacy_source if opts.legacy_tokens is not None else _text_source
     tokenizer_json, source, counts, splits, extra = read(opts, ranks, say, say_detail)
@@ -561,10 +584,10 @@ def prepare(
 def _legacy_source(opts: PrepareOptions, ranks: Ranks, say: Callable[[str], None], detail: Callable) -> tuple:
     """(tokenizer json, source, counts, splits, extra meta) of a legacy .npz/.npy folder: its samples
     as they are, with the given tokenizer."""
-    tokenizer_json = ranks.on_rank0(lambda: tok.load_tokenizer(opts.tokenizer).to_str())
+    tokenizer_json = ranks.on_rank0(lambda: load_tokenizer(opts.tokenizer).to_str())
     source = ranks.on_all(
         lambda: LegacySource(
-            opts.legacy_tokens, opts.legacy_latents, tok.vocab_size(tok.from_json(tokenizer_json)), opts.tokenizer
+            opts.legacy_tokens, opts.legacy_latents, vocab_size(from_json(tokenizer_json)), opts.tokenizer
         )
     )
     counts = {"read": len(source), "kept": len(source)}
@@ -591,15 +614,15 @@ def _text_source(opts: PrepareOptions, ranks: Ranks, say: Callable[[str], None],
 
     def make_tokenizer() -> str:
         if opts.tokenizer is not None:
-            return tok.load_tokenizer(opts.tokenizer).to_str()
+            return load_tokenizer(opts.tokenizer).to_str()
         say(f"training a byte-level BPE tokenizer (vocab {opts.vocab_size}) on {len(splits['train'])} train samples")
-        return tok.train_bpe([texts[i] for i in splits["train"]], opts.vocab_size).to_str()
+        return train_bpe([texts[i] for i in splits["train"]], opts.vocab_size).to_str()
 
     tokenizer_json = ranks.on_rank0(make_tokenizer)
     encoder = ranks.on_all(lambda: load_encoder(opts.encoder, _device(opts.device), opts.normalize))
     if ranks.rank == 0 and (warning := unknown_pieces_warning(texts, encoder)):
         say(warning)
-    limits = long_texts.Limits(tok.from_json(tokenizer_json), encoder, opts.max_tokens)
+    limits = long_texts.Limits(from_json(tokenizer_json), encoder, opts.max_tokens)
     source = TextSource(texts, limits, opts.long_texts, opts.encode_batch_size)
     extra = {"encoder": encoder.name, "encoder_normalize": opts.normalize}
     extra["lengths"] = ranks.on_rank0(lambda: long_texts.measure(texts, limits))
@@ -618,7 +641,7 @@ def _write_dataset(
     completed = False
     try:
         mine = plan_shards(splits, opts.shard_size)[ranks.rank :: ranks.world_size]
-        token_dtype = tok.token_dtype(tok.vocab_size(tok.from_json(tokenizer_json)))
+        ids_dtype = token_dtype(vocab_size(from_json(tokenizer_json)))
         desc = "prepare" if ranks.world_size == 1 else f"prepare (rank 0 of {ranks.world_size})"
         with tqdm(
             total=sum(len(idx) for _, _, idx in mine),
@@ -627,7 +650,7 @@ def _write_dataset(
             disable=not (opts.progress and ranks.rank == 0),
         ) as bar:
             results = ranks.on_all(
-                lambda: _write_shards(source, mine, partial, token_dtype, np.dtype(opts.latent_dtype), bar), gather=True
+                lambda: _write_shards(source, mine, partial, ids_dtype, np.dtype(opts.latent_dtype), bar), gather=True
             )
         shards = [s for rank_shards in results for s in rank_shards]
         if extra["lengths"] is not None:

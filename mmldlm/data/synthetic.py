@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, models
 
-from mmldlm.data import format as fmt
-from mmldlm.data import tokenizer as tok
+from mmldlm.data.format import FORMAT_VERSION, META, PREPARED, TOKENIZER, write_shard
+from mmldlm.data.tokenizer import MASK, PAD, special_ids, token_dtype
 from mmldlm.errors import OptionError
 from mmldlm.outputs import publish
 
@@ -69,8 +69,8 @@ def parse_lengths(text: str, option: str = "--synthetic-lengths") -> tuple[int, 
 
 def _tokenizer(vocab_size: int) -> Tokenizer:
     """A word-level tokenizer of [PAD], [MASK] and words w2 .. w{V-1}: the dataset's ids decode."""
-    vocab = {tok.PAD: 0, tok.MASK: 1, **{f"w{i}": i for i in range(2, vocab_size)}}
-    return Tokenizer(models.WordLevel(vocab, unk_token=tok.MASK))
+    vocab = {PAD: 0, MASK: 1, **{f"w{i}": i for i in range(2, vocab_size)}}
+    return Tokenizer(models.WordLevel(vocab, unk_token=MASK))
 
 
 def _split(rng: np.random.Generator, shape: SyntheticShape, count: int) -> tuple[list[np.ndarray], np.ndarray]:
@@ -88,20 +88,20 @@ def write_synthetic(shape: SyntheticShape, out: Path) -> Path:
     partial = out.parent / f".{out.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted run
     rng = np.random.default_rng(shape.seed)
-    token_dtype = tok.token_dtype(shape.vocab_size)
+    ids_dtype = token_dtype(shape.vocab_size)
     shards, num_tokens, longest = {}, {}, {}
     for split, count in (("train", shape.num_samples), ("val", VAL_SAMPLES)):
         token_lists, latents = _split(rng, shape, count)
-        shards[split] = [fmt.write_shard(partial, split, 0, token_lists, latents, token_dtype, np.dtype(np.float32))]
+        shards[split] = [write_shard(partial, split, 0, token_lists, latents, ids_dtype, np.dtype(np.float32))]
         num_tokens[split] = shards[split][0]["num_tokens"]
         longest[split] = max(map(len, token_lists))
     tokenizer = _tokenizer(shape.vocab_size)
     meta = {
-        "format_version": fmt.FORMAT_VERSION,
-        "tokenizer": fmt.TOKENIZER,
+        "format_version": FORMAT_VERSION,
+        "tokenizer": TOKENIZER,
         "vocab_size": shape.vocab_size,
-        **tok.special_ids(tokenizer),
-        "token_dtype": token_dtype.name,
+        **special_ids(tokenizer),
+        "token_dtype": ids_dtype.name,
         "encoder": "none (synthetic N(0, 1) latents)",
         "encoder_normalize": None,
         "synthetic": dataclasses.asdict(shape),
@@ -115,7 +115,7 @@ def write_synthetic(shape: SyntheticShape, out: Path) -> Path:
         "latent_std": [1.0] * shape.latent_dim,
         "shards": shards,
     }
-    (partial / fmt.TOKENIZER).write_text(tokenizer.to_str())
-    (partial / fmt.META).write_text(json.dumps(meta, indent=1) + "\n")
-    publish(partial, out, fmt.PREPARED)
+    (partial / TOKENIZER).write_text(tokenizer.to_str())
+    (partial / META).write_text(json.dumps(meta, indent=1) + "\n")
+    publish(partial, out, PREPARED)
     return out
