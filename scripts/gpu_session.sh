@@ -6,11 +6,15 @@
 #      a. baseline vs optimized at micro-batch 4, with the largest micro-batch of each under 90% of
 #         the GPU's memory; samples/s, tokens/s, peak memory, MFU;
 #      b. compiled at micro-batch 4 vs compiled at micro-batch 8;
+#      c. one optimized step at micro-batch 4 under torch.profiler: how busy the GPU is and the top
+#         kernels and host operators, the row that names the next lever (scripts/profile_step.py);
 #   2. the base preset on the default data, optimized vs compiled at the micro-batch `auto` picks
 #      (off unless T_BASE is set: measured on 2026-11-23);
 #   3. a first writing rung: the small preset trained on the default data for what its limit leaves
-#      (about 2 minutes) and evaluated on 128 validation texts (t2l retrieval@1, l2t word F1 and
-#      BLEU, with intervals), as scripts/writing_ladder.py measures it;
+#      and evaluated on 128 validation texts (t2l retrieval@1, l2t word F1 and BLEU, with intervals),
+#      as scripts/writing_ladder.py measures it (off unless T_RUNG is set: with part 1's 480 s it
+#      does not fit one command; `T_SHAPE4=0 T_SHAPE8=0 T_PROFILE=0 T_RUNG=180` is the second call,
+#      on the warm machine, where the lease has 4 minutes left);
 #   4. the CUDA-only tests (`pytest -m cuda`; off unless T_TESTS is set: they passed on this image
 #      on 2026-11-26, and a lease is no time to debug one that fails).
 #
@@ -48,16 +52,17 @@ fi
 # three 1B rows and their fit searches at 2048 tokens did not finish in 170 s (its rows then shared
 # the GPU's memory: the baseline ran out of it), hence rows one at a time and two benches.
 if [ "$MODE" = gpu ]; then
-    DEFAULTS=(200 140 0 180 0)  # 1a, 1b, 2, 3, 4
+    DEFAULTS=(240 160 80 0 0 0)  # 1a, 1b, 1c, 2, 3, 4
 else
-    DEFAULTS=(100 100 100 100 100)  # every part, at tiny shapes
+    DEFAULTS=(80 80 80 80 80 80)  # every part, at tiny shapes
 fi
 T_SHAPE4=${T_SHAPE4:-${DEFAULTS[0]}} # 1a. two rows of 1B parameters, 2 + 4 steps, two fit searches
 T_SHAPE8=${T_SHAPE8:-${DEFAULTS[1]}} # 1b. two compiled rows, 2 + 4 steps
-T_BASE=${T_BASE:-${DEFAULTS[2]}}     # 2. two rows, the auto micro-batch probe, compile, 2 + 4 steps
-T_RUNG=${T_RUNG:-${DEFAULTS[3]}}     # 3. a 16-step timing run and its eval, the training, the eval of 128 texts
-T_TESTS=${T_TESTS:-${DEFAULTS[4]}}   # 4. pytest -m cuda
-TOTAL=$(( T_SHAPE4 + T_SHAPE8 + T_BASE + T_RUNG + T_TESTS ))
+T_PROFILE=${T_PROFILE:-${DEFAULTS[2]}} # 1c. one row built, 3 steps, 2 steps profiled
+T_BASE=${T_BASE:-${DEFAULTS[3]}}     # 2. two rows, the auto micro-batch probe, compile, 2 + 4 steps
+T_RUNG=${T_RUNG:-${DEFAULTS[4]}}     # 3. a 16-step timing run and its eval, the training, the eval of 128 texts
+T_TESTS=${T_TESTS:-${DEFAULTS[5]}}   # 4. pytest -m cuda
+TOTAL=$(( T_SHAPE4 + T_SHAPE8 + T_PROFILE + T_BASE + T_RUNG + T_TESTS ))
 if [ "$TOTAL" -gt 540 ]; then
     echo "gpu_session: the parts' limits add up to $TOTAL s; expected at most 540 (the device's 600 s less the report and copies)"
     exit 2
@@ -113,7 +118,7 @@ copy_out() {
     return 0
 }
 
-# part TITLE SECONDS LOG [--bench DIR ...|--tests|--ladder DIR] -- COMMAND...: run COMMAND under its
+# part TITLE SECONDS LOG [--bench DIR ...|--tests|--ladder DIR|--profile DIR] -- COMMAND...: run COMMAND under its
 # timeout with its output in LOG, then append its section to the report; a limit of 0 skips it.
 part() {
     local title=$1 seconds=$2 log=$3
@@ -133,7 +138,7 @@ part() {
     [ "$code" -eq 0 ] || status=1
     "${REPORTER[@]}" part --title "$title" --status "$code" --seconds $(( $(date +%s) - started )) \
         --budget "$seconds" --log "$log" --command "${command% }" "${shows[@]}" || status=1
-    copy_out "$log"
+    copy_out "$log" $([ -f "$RUN_OUT/profile/profile.txt" ] && echo "$RUN_OUT/profile/profile.txt")
 }
 
 part "1a. The older codebase's shape, micro-batch 4: baseline vs optimized" "$T_SHAPE4" "$RUN_OUT/shape-4.log" \
@@ -145,6 +150,10 @@ part "1b. The older codebase's shape, compiled: micro-batch 4 vs 8" "$T_SHAPE8" 
     "$PY" -m mmldlm bench $SHAPE train.global_batch_size=4 train.micro_batch_size=4 $SYNTHETIC \
     --baseline compiled --optimized "compiled train.global_batch_size=8 train.micro_batch_size=8" \
     $STEPS --no-fit $ROWS --out "$RUN_OUT/shape-8"
+part "1c. The older codebase's shape, one optimized step profiled" "$T_PROFILE" "$RUN_OUT/profile.log" \
+    --profile "$RUN_OUT/profile" -- \
+    "$PY" scripts/profile_step.py optimized $SHAPE train.global_batch_size=4 train.micro_batch_size=4 \
+    data.path="$RUN_OUT/shape-4/synthetic-data" --warmup 3 --steps 2 --out "$RUN_OUT/profile"
 part "2. Base preset, default data, compiled at the auto micro-batch" "$T_BASE" "$RUN_OUT/base.log" \
     --bench "$RUN_OUT/base" -- \
     "$PY" -m mmldlm bench $BASE data.path="$DATA" --baseline optimized --optimized compiled $STEPS --no-fit $ROWS \

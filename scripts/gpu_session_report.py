@@ -6,7 +6,7 @@ splice), so a session cut off keeps every part that ended.
 
     python scripts/gpu_session_report.py --report REPORT --section OUT/session.md start --mode gpu --data DIR
     python scripts/gpu_session_report.py --report ... --section ... part --title T --status 0 --seconds 50 \\
-        --budget 60 --log LOG --command 'CMD' [--tests | --bench DIR | --ladder DIR]
+        --budget 60 --log LOG --command 'CMD' [--tests | --bench DIR | --ladder DIR | --profile DIR]
     python scripts/gpu_session_report.py --report ... --section ... end
 """
 
@@ -24,6 +24,7 @@ from gpu_report import bench_section, device_line, splice
 START, END = "<!-- gpu_session report: start -->", "<!-- gpu_session report: end -->"
 ROW_LINE = re.compile(r"^bench: [^:]+: [0-9.]+ samples/s")
 TIMED_OUT = (124, 137)  # timeout(1): stopped at the limit, or killed after its grace period
+PROFILE_LINES = 40  # of profile.txt: the step's wall and device-busy lines and the top kernels by device time
 
 
 def start_lines(mode: str, data: str) -> list[str]:
@@ -82,6 +83,10 @@ def part_lines(args: argparse.Namespace) -> list[str]:
     if args.ladder:
         table = Path(args.ladder) / "ladder.md"
         lines.append(table.read_text() if table.exists() else f"(no {table}: the rung did not finish)\n")
+    if args.profile:
+        profile = Path(args.profile) / "profile.txt"
+        head = profile.read_text().splitlines()[:PROFILE_LINES] if profile.exists() else None
+        lines += ["```", *head, "```", ""] if head else [f"(no {profile}: the profile did not finish)", ""]
     return lines
 
 
@@ -103,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     part.add_argument("--tests", action="store_true", help="the part ran pytest: show its summary line")
     part.add_argument("--bench", action="append", default=[], help="a bench's output directory")
     part.add_argument("--ladder", help="a writing_ladder.py output directory")
+    part.add_argument("--profile", help="a profile_step.py output directory: the head of its profile.txt")
     sub.add_parser("end")
     args = parser.parse_args(argv)
 
