@@ -44,13 +44,13 @@ def _distinct(n: int, key: str = "texts") -> CorpusStatistic:
 class Figure:
     """Figure `key` of the report sections of kind `section` (`MEASURED_AGAIN`), made by `recipe`; where eval's
     headline list (`HEADLINE`) or the model card shows it, its `label` (formatted with the section's fields),
-    format `spec`, and `reference`: the figure of the "references" section it is read against."""
+    format `number_format`, and `reference`: the figure of the "references" section it is read against."""
 
     section: str
     key: str
     recipe: Mean | CorpusStatistic
     label: str = ""
-    spec: str = ".3f"
+    number_format: str = ".3f"
     reference: str = ""
 
 

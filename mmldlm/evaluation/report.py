@@ -43,12 +43,12 @@ def eval_metrics(report: dict) -> dict:
     return out
 
 
-def figure_text(section: dict, key: str, spec: str = ".3f") -> str:
+def figure_text(section: dict, key: str, number_format: str = ".3f") -> str:
     """`section[key]` with its 95% interval, '0.589 [0.561, 0.617]' ('.1%': '41.0% [35.2%, 46.9%]')."""
     value, interval = section[key], section.get(f"{key}_interval")
     if interval is None or not all(math.isfinite(x) for x in interval):
-        return format(value, spec)
-    return f"{value:{spec}} [{interval[0]:{spec}}, {interval[1]:{spec}}]"
+        return format(value, number_format)
+    return f"{value:{number_format}} [{interval[0]:{number_format}}, {interval[1]:{number_format}}]"
 
 
 def table_cell(text: str) -> str:
@@ -244,7 +244,7 @@ def fidelity_lines(report: dict) -> list[str]:
         "|---|---|---|---|---|---|---|",
     ]
     for name, f in rows:
-        constant = lambda key, spec, f=f: f"; {f[key]:{spec}}" if key in f else ""  # noqa: E731
+        constant = lambda key, number_format, f=f: f"; {f[key]:{number_format}}" if key in f else ""  # noqa: E731
         real_ratio = (
             f" ({f['std_ratio_real_vs_real_median']:.2f} [{f['std_ratio_real_vs_real_min']:.2f}, "
             f"{f['std_ratio_real_vs_real_max']:.2f}])"
@@ -303,9 +303,9 @@ def headline_lines(report: dict) -> list[str]:
     for f in HEADLINE:
         section, reference = report[f.section], REFERENCE_LABELS[f.reference][1]
         if f.key in section:
-            lines.append(f"- {f.label.format(**section)}: {figure_text(section, f.key, f.spec)}")
+            lines.append(f"- {f.label.format(**section)}: {figure_text(section, f.key, f.number_format)}")
             if f.reference in ref:
-                lines[-1] += f" ({reference} {figure_text(ref, f.reference, f.spec)})"
+                lines[-1] += f" ({reference} {figure_text(ref, f.reference, f.number_format)})"
     texts = f"{l2t['num_samples']} {texts_label(report)} text{'' if l2t['num_samples'] == 1 else 's'}"
     return [f"{texts}, each figure with its 95% interval (its reference in parentheses):", "", *lines]
 

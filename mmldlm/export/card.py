@@ -109,12 +109,12 @@ def _rows(report: dict, section: str, key: str, *more: str) -> list[tuple[str, s
     if key not in values:
         return []
     ref = report.get("references", {})
-    reference = f"{REFERENCE_LABELS[f.reference][0]} {ref[f.reference]:{f.spec}}" if f.reference in ref else ""
+    reference = f"{REFERENCE_LABELS[f.reference][0]} {ref[f.reference]:{f.number_format}}" if f.reference in ref else ""
     label = f.label.format(**values) + selected_label(values, key)
-    rows = [(label, figure_text(values, key, f.spec), "; ".join(r for r in (reference, *more) if r))]
+    rows = [(label, figure_text(values, key, f.number_format), "; ".join(r for r in (reference, *more) if r))]
     if key in values.get("selected_on", {}) and key in plain:
         label = f"{WITHOUT_SELECTION[key]} without selection (best of 1)"
-        rows.append((label, figure_text(plain, key, f.spec), reference))
+        rows.append((label, figure_text(plain, key, f.number_format), reference))
     return rows
 
 
