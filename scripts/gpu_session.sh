@@ -8,6 +8,9 @@
 #      b. compiled at micro-batch 4 vs compiled at micro-batch 8;
 #      c. one optimized step at micro-batch 4 under torch.profiler: how busy the GPU is and the top
 #         kernels and host operators, the row that names the next lever (scripts/profile_step.py);
+#      d. the attention kernel that each kind of batch reaches at that shape (no padding, a padded
+#         batch's key mask, a packed batch's block-diagonal mask, FlexAttention's block masks) and
+#         its time, forward + backward (scripts/attention_kernels.py);
 #   2. the base preset on the default data, optimized vs compiled at the micro-batch `auto` picks
 #      (off unless T_BASE is set: measured on 2026-11-23);
 #   3. a first writing rung: the small preset trained on the default data for what its limit leaves
@@ -52,17 +55,18 @@ fi
 # three 1B rows and their fit searches at 2048 tokens did not finish in 170 s (its rows then shared
 # the GPU's memory: the baseline ran out of it), hence rows one at a time and two benches.
 if [ "$MODE" = gpu ]; then
-    DEFAULTS=(240 160 80 0 0 0)  # 1a, 1b, 1c, 2, 3, 4
+    DEFAULTS=(240 120 80 60 0 0 0)  # 1a, 1b, 1c, 1d, 2, 3, 4
 else
-    DEFAULTS=(80 80 80 80 80 80)  # every part, at tiny shapes
+    DEFAULTS=(80 80 80 80 80 80 80)  # every part, at tiny shapes
 fi
 T_SHAPE4=${T_SHAPE4:-${DEFAULTS[0]}} # 1a. two rows of 1B parameters, 2 + 4 steps, two fit searches
 T_SHAPE8=${T_SHAPE8:-${DEFAULTS[1]}} # 1b. two compiled rows, 2 + 4 steps
 T_PROFILE=${T_PROFILE:-${DEFAULTS[2]}} # 1c. one row built, 3 steps, 2 steps profiled
-T_BASE=${T_BASE:-${DEFAULTS[3]}}     # 2. two rows, the auto micro-batch probe, compile, 2 + 4 steps
-T_RUNG=${T_RUNG:-${DEFAULTS[4]}}     # 3. a 16-step timing run and its eval, the training, the eval of 128 texts
-T_TESTS=${T_TESTS:-${DEFAULTS[5]}}   # 4. pytest -m cuda
-TOTAL=$(( T_SHAPE4 + T_SHAPE8 + T_PROFILE + T_BASE + T_RUNG + T_TESTS ))
+T_ATTENTION=${T_ATTENTION:-${DEFAULTS[3]}} # 1d. five SDPA backends x three masks, two FlexAttention compiles
+T_BASE=${T_BASE:-${DEFAULTS[4]}}     # 2. two rows, the auto micro-batch probe, compile, 2 + 4 steps
+T_RUNG=${T_RUNG:-${DEFAULTS[5]}}     # 3. a 16-step timing run and its eval, the training, the eval of 128 texts
+T_TESTS=${T_TESTS:-${DEFAULTS[6]}}   # 4. pytest -m cuda
+TOTAL=$(( T_SHAPE4 + T_SHAPE8 + T_PROFILE + T_ATTENTION + T_BASE + T_RUNG + T_TESTS ))
 if [ "$TOTAL" -gt 540 ]; then
     echo "gpu_session: the parts' limits add up to $TOTAL s; expected at most 540 (the device's 600 s less the report and copies)"
     exit 2
@@ -71,7 +75,8 @@ RUN_OUT=${OUT_DIR:-runs/gpu_session}
 # The rehearsal's figures mean nothing: its report stays beside its outputs unless REPORT says otherwise.
 [ "$MODE" = gpu ] && REPORT=${REPORT:-docs/benchmarks-gpu.md} || REPORT=${REPORT:-$RUN_OUT/report.md}
 DATA=${DATA:-runs/gpu-data}
-if [ ! -f "$DATA/meta.json" ]; then
+# Parts 2 and 3 read it; part 1 makes its own synthetic tokens.
+if [ $(( T_BASE + T_RUNG )) -gt 0 ] && [ ! -f "$DATA/meta.json" ]; then
     echo "gpu_session: $DATA: no prepared dataset; make it on a CPU first:" \
         "python -m mmldlm prepare --input default --max-samples 50000 --out $DATA"
     exit 2
@@ -91,6 +96,7 @@ if [ "$MODE" = gpu ]; then
     RUNG="--minutes $("$PY" -c "print(round(($T_RUNG - 15) / 60, 2))") --rungs small:1 --timing-steps 16"
     RUNG_KEYS=""
     EVAL="--num-samples 128 --best-of 1 --no-encoder"  # the figures read need no sentence encoder on the device
+    ATTENTION=""  # its defaults are the older shape
     export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 else
     # Tiny shapes and no compile (torch.compile's own CPU tests are in tests/test_perf.py): every
@@ -104,6 +110,7 @@ else
     RUNG="--minutes 0.5 --rungs tiny:1 --timing-steps 4"  # less than its timing run: one training step
     RUNG_KEYS="$TINY train.global_batch_size=8 train.micro_batch_size=8"
     EVAL="--num-samples 8 --best-of 1 --no-encoder"
+    ATTENTION="--batch 2 --heads 2 --length 64 --warmup 1 --iters 2"
 fi
 mkdir -p "$RUN_OUT"
 REPORTER=("$PY" scripts/gpu_session_report.py --report "$REPORT" --section "$RUN_OUT/session.md")
@@ -154,6 +161,8 @@ part "1c. The older codebase's shape, one optimized step profiled" "$T_PROFILE" 
     --profile "$RUN_OUT/profile" -- \
     "$PY" scripts/profile_step.py optimized $SHAPE train.global_batch_size=4 train.micro_batch_size=4 \
     data.path="$RUN_OUT/shape-4/synthetic-data" --warmup 3 --steps 2 --out "$RUN_OUT/profile"
+part "1d. The older codebase's shape, attention kernels per kind of batch" "$T_ATTENTION" "$RUN_OUT/attention.log" \
+    --output -- "$PY" scripts/attention_kernels.py $ATTENTION
 part "2. Base preset, default data, compiled at the auto micro-batch" "$T_BASE" "$RUN_OUT/base.log" \
     --bench "$RUN_OUT/base" -- \
     "$PY" -m mmldlm bench $BASE data.path="$DATA" --baseline optimized --optimized compiled $STEPS --no-fit $ROWS \

@@ -28,7 +28,7 @@ PROFILE_LINES = 40  # of profile.txt: the step's wall and device-busy lines and 
 
 
 def start_lines(mode: str, data: str) -> list[str]:
-    meta = json.loads((Path(data) / "meta.json").read_text())
+    meta_path = Path(data) / "meta.json"
     rehearsal = " (the CPU rehearsal: tiny shapes, figures meaningless)" if mode == "cpu" else ""
     return [
         f"## Report of `scripts/gpu_session.sh` ({datetime.datetime.now().isoformat(timespec='seconds')})",
@@ -37,11 +37,20 @@ def start_lines(mode: str, data: str) -> list[str]:
         "",
         f"Device: {device_line()}.",
         "",
-        f"Data of parts 2 and 3: {data} ({meta['splits']['train']:,} train + {meta['splits']['val']:,} val "
-        f"texts, vocabulary {meta['vocab_size']:,}, latents {meta['num_latents']}x{meta['latent_dim']} from "
-        f"{meta['encoder']}).",
+        data_line(data, meta_path),
         "",
     ]
+
+
+def data_line(data: str, meta_path: Path) -> str:
+    if not meta_path.exists():
+        return f"Data of parts 2 and 3: {data} (not prepared: those parts were off)."
+    meta = json.loads(meta_path.read_text())
+    return (
+        f"Data of parts 2 and 3: {data} ({meta['splits']['train']:,} train + {meta['splits']['val']:,} val "
+        f"texts, vocabulary {meta['vocab_size']:,}, latents {meta['num_latents']}x{meta['latent_dim']} from "
+        f"{meta['encoder']})."
+    )
 
 
 def outcome(status: int, seconds: int, budget: int) -> str:
@@ -83,6 +92,9 @@ def part_lines(args: argparse.Namespace) -> list[str]:
     if args.ladder:
         table = Path(args.ladder) / "ladder.md"
         lines.append(table.read_text() if table.exists() else f"(no {table}: the rung did not finish)\n")
+    if args.output:  # a script whose output is its table
+        text = Path(args.log).read_text(errors="replace").splitlines() if Path(args.log).exists() else []
+        lines += [line for line in text if line.startswith(("|", "#", "padded"))] + [""]
     if args.profile:
         profile = Path(args.profile) / "profile.txt"
         head = profile.read_text().splitlines()[:PROFILE_LINES] if profile.exists() else None
@@ -108,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     part.add_argument("--tests", action="store_true", help="the part ran pytest: show its summary line")
     part.add_argument("--bench", action="append", default=[], help="a bench's output directory")
     part.add_argument("--ladder", help="a writing_ladder.py output directory")
+    part.add_argument("--output", action="store_true", help="show the lines of the log that are its table")
     part.add_argument("--profile", help="a profile_step.py output directory: the head of its profile.txt")
     sub.add_parser("end")
     args = parser.parse_args(argv)
