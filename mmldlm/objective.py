@@ -122,7 +122,8 @@ class Objective:
 
         batch: tokens (B, L) int64, pad_mask (B, L) bool (True = real), latents (B, K, D) raw encoder space;
         with data.packing also the packed layout the model's blocks run on (mmldlm/model/mmdit.py
-        `Packing`): noise, losses and metrics are those of the padded batch either way.
+        `Packing`): noise, losses and metrics are those of the padded batch either way; optionally
+        text_lengths, each row's real tokens as host ints (the trainer adds them), for the attention.
         metrics (detached tensors, and `mode` a str): loss, and for the active heads only
         text: text_loss (NELBO nats/token or masked CE, per text cfg), accuracy, num_masked, num_tokens;
         latent: latent_loss; with `per_sample` also nats_per_sample, num_tokens_per_sample and
@@ -135,7 +136,10 @@ class Objective:
         text_on, latent_on = mode in ("l2t", "joint"), mode in ("t2l", "joint")
         x = self._noised_inputs(mode, text_on, latent_on, tokens, pad_mask, latents, generator, t_text)
 
-        layout = {"packing": packing} if packing is not None else {}  # a padded batch's call is the plain one
+        # A padded batch's call is the plain one; the host's text lengths let the attention skip padding.
+        layout = {"packing": packing} if packing is not None else {}
+        if batch.get("text_lengths") is not None:
+            layout["text_lengths"] = batch["text_lengths"]
         self_cond = None
         if (
             self.self_condition

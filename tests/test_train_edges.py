@@ -112,14 +112,14 @@ def test_sigterm_during_start_up_exits_143_saying_nothing_was_written(train, tmp
 
 
 def test_a_run_stopped_by_a_signal_exits_143_and_ends_with_how_to_continue(train, tmp_path, monkeypatch):
-    real_step = Trainer.train_step
+    real_step = Trainer.run_step
 
     def signal_during_step_3(self, stop=None):
         if self.step == 2:
             os.kill(os.getpid(), signal.SIGTERM)
         return real_step(self, stop)
 
-    monkeypatch.setattr(Trainer, "train_step", signal_during_step_3)
+    monkeypatch.setattr(Trainer, "run_step", signal_during_step_3)
     status, err = train(steps=10)
     assert status == 143
     checkpoint = tmp_path / "run" / "checkpoints" / "step-0000003"
@@ -129,7 +129,7 @@ def test_a_run_stopped_by_a_signal_exits_143_and_ends_with_how_to_continue(train
     )
     assert err[-1].endswith(f" train.steps=10 data.path={train.data} train.run_dir={tmp_path / 'run'} --resume auto")
     assert (checkpoint / "meta.json").is_file()
-    monkeypatch.setattr(Trainer, "train_step", real_step)
+    monkeypatch.setattr(Trainer, "run_step", real_step)
     assert train("--resume", "auto", steps=10)[0] == 0
 
 

@@ -124,14 +124,14 @@ def test_idle_head_is_not_moved_by_adamw(tmp_path):
 
 def test_sigterm_checkpoints_at_the_end_of_the_step_and_exits_with_128_plus_its_number(tmp_path):
     trainer = make_trainer(tmp_path, ["train.steps=50", "train.micro_batch_size=2", "train.global_batch_size=2"])
-    real_step = trainer.train_step
+    real_step = trainer.run_step
 
     def signal_during_step_4(stop=None):
         if trainer.step == 3:
             os.kill(os.getpid(), signal.SIGTERM)
         return real_step(stop)
 
-    trainer.train_step = signal_during_step_4
+    trainer.run_step = signal_during_step_4
     assert trainer.fit() == 128 + signal.SIGTERM
     assert trainer.step == 4 and trainer.stopped_by == "SIGTERM"  # the step it arrived in is the last
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-0000004"
@@ -152,7 +152,7 @@ def test_failed_background_save_is_reported_at_the_next_step(tmp_path, monkeypat
             "checkpoint.async_save=true",
         ],
     )
-    real_save, real_step = ckpt.torch.save, trainer.train_step
+    real_save, real_step = ckpt.torch.save, trainer.run_step
 
     def full_disk_from_step_4(obj, path):
         if ".tmp-step-0000004" in str(path):
@@ -165,7 +165,7 @@ def test_failed_background_save_is_reported_at_the_next_step(tmp_path, monkeypat
         return real_step(stop)
 
     monkeypatch.setattr(ckpt.torch, "save", full_disk_from_step_4)
-    trainer.train_step = step_after_the_write
+    trainer.run_step = step_after_the_write
     with pytest.raises(
         WriteError,
         match="no space left on device .*rank-00000.pt; the partial checkpoint was "
@@ -343,3 +343,57 @@ def test_train_threads_sets_torchs_cpu_threads_for_the_run(tmp_path_factory, tmp
         assert torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(before)
+
+
+READ_BACKS = ("item", "cpu", "tolist", "__bool__", "__float__", "__int__")
+
+
+@pytest.fixture
+def read_backs(monkeypatch):
+    """The calls that read a tensor back to the host (on a GPU: wait for the device), counted by name."""
+    calls = []
+
+    def counting(name):
+        real = getattr(torch.Tensor, name)
+
+        def call(self, *args, **kwargs):
+            calls.append(name)
+            return real(self, *args, **kwargs)
+
+        return call
+
+    for name in READ_BACKS:
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    return calls
+
+
+@pytest.mark.parametrize("config", ["default", "optimized"])
+def test_a_step_that_writes_no_record_reads_nothing_back_from_the_device(
+    tmp_path, tmp_path_factory, config, read_backs
+):
+    """A step queues its work: losses, token counts, the skip decision and the FLOPs stay on the device
+    until a record is read (training/tally.py). On a GPU one read-back per step makes the host wait for
+    the device, and the device then waits for the host's launches of the next step."""
+    from mmldlm.tools.bench import build_trainer
+
+    data = prepared(tmp_path_factory)
+    overrides = [f"data.path={data}", "model=tiny", "data.num_workers=0", "train.global_batch_size=8"]
+    _, _, trainer, _ = build_trainer(config, [*overrides, "train.micro_batch_size=4"], str(tmp_path))
+    trainer.train_step()  # the first step: start-up, and its record read
+    read_backs.clear()
+    pending = [trainer.run_step() for _ in range(3)]  # every mode of the random mixture, accumulation 2
+    assert read_backs == []
+    record = trainer.read_record(pending[-1])
+    assert read_backs  # the record is where the host reads
+    assert record["step"] == 4 and record["loss"] > 0 and record["grad_norm"] > 0
+    assert record["tokens_per_s"] > 0 and record["step_time_s"] > 0  # the mean of the three steps
+
+
+def test_fit_reads_records_only_at_the_steps_it_logs(tmp_path, monkeypatch):
+    trainer = make_trainer(tmp_path, ["train.steps=9", "train.log_every=4", "train.micro_batch_size=2"])
+    read = []
+    real = trainer.read_record
+    monkeypatch.setattr(trainer, "read_record", lambda pending: read.append(pending.step) or real(pending))
+    assert trainer.fit() == 0
+    assert read == [1, 4, 8, 9]
+    assert [r["step"] for r in records(tmp_path)] == [1, 4, 8, 9]

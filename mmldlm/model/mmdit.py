@@ -16,6 +16,7 @@ wraps each entry of `model.blocks` as it sees fit.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -23,8 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from mmldlm import baseline
 from mmldlm.config import ConfigError, ModelConfig
+from mmldlm.model.attention import JointAttention
 
 # --------------------------------------------------------------------------------------------------
 # Positions and timesteps.
@@ -41,8 +42,9 @@ def rope_angles(seq_len: int, head_dim: int, device: torch.device, base: float =
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (x_i, x_{i + hd/2}) of x (B, nh, L, hd) by the angles of each position."""
-    x1, x2 = x.float().chunk(2, dim=-1)  # (B, nh, L, hd/2) each
+    """Rotate pairs (x_i, x_{i + hd/2}) of x (B, L, nh, hd) by the angles of each position, cos and sin
+    (L, 1, hd/2) or (B, L, 1, hd/2)."""
+    x1, x2 = x.float().chunk(2, dim=-1)  # (B, L, nh, hd/2) each
     rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return rotated.type_as(x)
 
@@ -128,10 +130,12 @@ class StreamLayers(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def qkv_heads(self, x: Tensor, shift: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x (B, T, H) -> q, k, v (B, nh, T, hd), q and k normalised per head."""
+        """x (B, T, H) -> q, k, v (B, T, nh, hd), q and k normalised per head. Positions stay before
+        heads (the projection's own layout): the joint sequence is concatenated along T and the
+        variable-length kernel reads (positions, nh, hd) with no transposed copy."""
         B, T, H = x.shape
         qkv = self.qkv(modulate(self.norm_attn(x), shift, scale))  # (B, T, 3H)
-        q, k, v = qkv.view(B, T, 3, self.num_heads, H // self.num_heads).permute(2, 0, 3, 1, 4)  # (B, nh, T, hd)
+        q, k, v = qkv.view(B, T, 3, self.num_heads, H // self.num_heads).unbind(2)  # (B, T, nh, hd)
         return self.q_norm(q), self.k_norm(k), v
 
     def residual(self, x: Tensor, attn_out: Tensor, mod: tuple[Tensor, ...]) -> Tensor:
@@ -155,7 +159,6 @@ class MMDiTBlock(nn.Module):
         super().__init__()
         self.text = StreamLayers(cfg)
         self.latent = StreamLayers(cfg)
-        self.attention = cfg.attention
         self.dropout = cfg.dropout
 
     def forward(
@@ -163,29 +166,29 @@ class MMDiTBlock(nn.Module):
         x_text: Tensor,
         x_latent: Tensor,
         c: Tensor,
-        attn_mask: Tensor | None = None,
+        attention: JointAttention | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
         text_out: bool = True,
         latent_out: bool = True,
         text_doc: Tensor | None = None,
         latent_rows: LatentRows | None = None,
     ) -> tuple[Tensor | None, Tensor | None]:
-        """x_text (B, L, H), x_latent (B, K, H), c (B, H); attn_mask (B, 1, 1, L + K) bool, True = key
-        takes part; rope = (cos, sin) (L, hd/2) for the text positions.
+        """x_text (B, L, H), x_latent (B, K, H), c (B, H); attention: how the joint sequence of
+        S = L + K positions is attended (model/attention.py: padding and packing live there);
+        rope = (cos, sin) (L, 1, hd/2) for the text positions.
 
         Packed rows (`Packing`): x_text (R, L, H) holds several texts end to end, text_doc (R, L) the
         text of each position (modulated by its own text's c (N, H)); x_latent (N, K, H) stays one row
         per text, and only its queries, keys and values are placed in the rows for the attention
-        (latent_rows); attn_mask (R, 1, S, S) block-diagonal, S = L + M * K; rope (R, 1, L, hd/2) at
-        each position's place in its own text.
+        (latent_rows), S = L + M * K; rope (R, L, 1, hd/2) at each position's place in its own text.
 
         A stream with `*_out=False` only lends its keys and values: its queries, attention output and
         MLP are not computed and it returns None (SD3's last "context_pre_only" block), so a head that
         is skipped leaves no parameter of the last block waiting for a gradient."""
         mod_text = per_position(self.text.modulation(c), text_doc, 6)  # 6 x (B, 1, H) or (R, L, H)
         mod_latent = per_position(self.latent.modulation(c), None, 6)  # 6 x (B, 1, H)
-        q_text, k_text, v_text = self.text.qkv_heads(x_text, mod_text[0], mod_text[1])  # (B, nh, L, hd)
-        q_latent, k_latent, v_latent = self.latent.qkv_heads(x_latent, mod_latent[0], mod_latent[1])  # (B, nh, K, hd)
+        q_text, k_text, v_text = self.text.qkv_heads(x_text, mod_text[0], mod_text[1])  # (B, L, nh, hd)
+        q_latent, k_latent, v_latent = self.latent.qkv_heads(x_latent, mod_latent[0], mod_latent[1])  # (B, K, nh, hd)
         if rope is not None:
             # Only text positions rotate. Latent slots have no place in the token order; leaving
             # them unrotated is the same as putting them all at position 0, so a text token sees the
@@ -193,19 +196,20 @@ class MMDiTBlock(nn.Module):
             # learned slot embeddings instead.
             q_text, k_text = apply_rope(q_text, *rope), apply_rope(k_text, *rope)
         if latent_rows is not None:  # packed: each text's latent slots into its row
-            k_latent, v_latent = latent_rows.to_rows(k_latent), latent_rows.to_rows(v_latent)  # (R, nh, M * K, hd)
+            k_latent, v_latent = latent_rows.to_rows(k_latent), latent_rows.to_rows(v_latent)  # (R, M * K, nh, hd)
             q_latent = latent_rows.to_rows(q_latent) if latent_out else None
 
-        k = torch.cat([k_text, k_latent], dim=2)  # (B, nh, S, hd)
-        v = torch.cat([v_text, v_latent], dim=2)
-        queries = [q for q, wanted in ((q_text, text_out), (q_latent, latent_out)) if wanted]
-        q = torch.cat(queries, dim=2)  # (B, nh, Sq, hd): Sq = L + K, or L or K in a last block
+        k = torch.cat([k_text, k_latent], dim=1)  # (B, S, nh, hd)
+        v = torch.cat([v_text, v_latent], dim=1)
+        if text_out and latent_out:
+            q, queries = torch.cat([q_text, q_latent], dim=1), "all"  # (B, S, nh, hd)
+        else:  # a last block: Sq = L or K
+            q, queries = (q_text, "text") if text_out else (q_latent, "latent")
         L = x_text.shape[1]
-        if attn_mask is not None and attn_mask.shape[2] > 1 and not (text_out and latent_out):
-            attn_mask = attn_mask[:, :, :L] if text_out else attn_mask[:, :, L:]  # packed: the queries asked for
-        y = self.attend(q, k, v, attn_mask)  # (B, nh, Sq, hd)
-        B, nh, Sq, hd = y.shape
-        y = y.transpose(1, 2).reshape(B, Sq, nh * hd)  # (B, Sq, H)
+        attention = attention if attention is not None else JointAttention("dense")  # no padding
+        y = attention(q, k, v, queries, self.dropout if self.training else 0.0)  # (B, Sq, nh, hd)
+        B, Sq = y.shape[:2]
+        y = y.reshape(B, Sq, -1)  # (B, Sq, H)
 
         if text_out and latent_out:
             y_text, y_latent = y[:, :L], y[:, L:]
@@ -216,13 +220,6 @@ class MMDiTBlock(nn.Module):
         x_text = self.text.residual(x_text, y_text, mod_text) if text_out else None
         x_latent = self.latent.residual(x_latent, y_latent, mod_latent) if latent_out else None
         return x_text, x_latent
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> Tensor:
-        """softmax(q k^T / sqrt(hd)) v per head; q (B, nh, Sq, hd), k and v (B, nh, S, hd)."""
-        dropout_p = self.dropout if self.training else 0.0
-        if self.attention == "sdpa":
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
-        return baseline.explicit_attention(q, k, v, attn_mask, dropout_p)  # baseline recipe
 
 
 def padded_row_count(num_rows: int) -> int:
@@ -299,10 +296,9 @@ class Packing(NamedTuple):
         slots = self.latent_slots(K)  # (R, M * K)
         return LatentRows(slots.clamp_min(0), self.unpacked_index(N * K, slots), K)
 
-    def attention_mask(self, K: int) -> Tensor:
-        """(R, 1, S, S) bool, S = P + M * K: True where query and key belong to the same text."""
-        text_of = torch.cat([self.text_doc, self.latent_doc.repeat_interleave(K, dim=1)], dim=1)  # (R, S)
-        return (text_of[:, :, None] == text_of[:, None, :])[:, None]
+    def text_of(self, K: int) -> Tensor:
+        """(R, S) int64, S = P + M * K: the text of each joint position of a row, -1 = padding."""
+        return torch.cat([self.text_doc, self.latent_doc.repeat_interleave(K, dim=1)], dim=1)
 
     def text_slots(self, L: int) -> Tensor:
         """(R, P): for each packed position, its index into the padded batch's (N * L) text positions, -1 = padding."""
@@ -326,10 +322,10 @@ class LatentRows(NamedTuple):
     K: int
 
     def to_rows(self, x: Tensor) -> Tensor:
-        """(N, nh, K, hd) -> (R, nh, M * K, hd)."""
-        N, nh, K, hd = x.shape
-        rows = x.transpose(1, 2).reshape(N * K, nh, hd).index_select(0, self.slots.flatten())  # (R * M * K, nh, hd)
-        return rows.view(*self.slots.shape, nh, hd).transpose(1, 2)
+        """(N, K, nh, hd) -> (R, M * K, nh, hd)."""
+        N, K, nh, hd = x.shape
+        rows = x.reshape(N * K, nh, hd).index_select(0, self.slots.flatten())  # (R * M * K, nh, hd)
+        return rows.view(*self.slots.shape, nh, hd)
 
     def from_rows(self, y: Tensor) -> Tensor:
         """(R, M * K, H) -> (N, K, H)."""
@@ -472,6 +468,7 @@ class MultimodalMMDiT(nn.Module):
         latent_self_cond: Tensor | None = None,
         length_from: Tensor | None = None,
         packing: Packing | None = None,
+        text_lengths: Sequence[int] | None = None,
     ) -> ModelOutput:
         """tokens (B, L) int64, latents (B, K, D) standardised and noised, t_text and t_latent (B,) in
         [0, 1]; text_pad_mask (B, L) bool, True = real token; latent_null (B,) bool, True = use the
@@ -482,7 +479,9 @@ class MultimodalMMDiT(nn.Module):
         None = no estimate yet, the same as zeros). length_from (B, K, D): clean standardised latents
         whose text lengths the length head predicts (training passes them so that the head is part of
         the one forward that DDP and FSDP2 see). packing: the blocks run on packed rows of the B texts
-        (data.packing; inputs and outputs keep the padded layout, and equal those without packing)."""
+        (data.packing; inputs and outputs keep the padded layout, and equal those without packing).
+        text_lengths: the real tokens of each text, known on the host (the loader's collate gives them):
+        they let the attention skip padding without reading the device (model/attention.py)."""
         L = tokens.shape[1]
         self.check_inputs(tokens, latents, text_head, latent_head, packing)
 
@@ -491,7 +490,9 @@ class MultimodalMMDiT(nn.Module):
         c = self.t_text_embed(t_text) + t_latent_emb  # (B, H)
         latents = self.latent_input(latents, latent_null)  # (B, K, D): the null latent where dropped
         x_latent = self.latent_stream(latents, latent_self_cond)  # (B, K, H)
-        x_text, rope, attn_mask, text_doc, latent_rows = self.text_stream(tokens, text_pad_mask, latents, packing)
+        x_text, rope, text_doc, latent_rows = self.text_stream(tokens, latents, packing)
+        last_queries = "all" if text_head and latent_head else "text" if text_head else "latent"
+        attention = self.joint_attention(text_pad_mask, packing, text_lengths, x_text.shape[1], last_queries)
 
         last = len(self.blocks) - 1
         for i, block in enumerate(self.blocks):
@@ -499,7 +500,7 @@ class MultimodalMMDiT(nn.Module):
                 x_text,
                 x_latent,
                 c,
-                attn_mask,
+                attention,
                 rope,
                 text_out=text_head or i < last,
                 latent_out=latent_head or i < last,
@@ -547,18 +548,43 @@ class MultimodalMMDiT(nn.Module):
         return x_latent
 
     def text_stream(
-        self, tokens: Tensor, text_pad_mask: Tensor | None, latents: Tensor, packing: Packing | None
-    ) -> tuple[Tensor, tuple[Tensor, Tensor] | None, Tensor | None, Tensor | None, LatentRows | None]:
-        """The text stream's input, its RoPE angles, the attention mask, and for packed rows
+        self, tokens: Tensor, latents: Tensor, packing: Packing | None
+    ) -> tuple[Tensor, tuple[Tensor, Tensor] | None, Tensor | None, LatentRows | None]:
+        """The text stream's input (prefix tokens first), its RoPE angles, and for packed rows
         (data.packing) the text each position belongs to and the latents' rows; None where unused."""
         B, L = tokens.shape
         if packing is None:
             x_text, rope = self.embed_text(tokens, torch.arange(L, device=tokens.device), L)  # (B, L, H)
-            x_text, rope, attn_mask = self.with_prefix(x_text, rope, text_pad_mask, latents)
-            return x_text, rope, attn_mask, None, None
+            x_text, rope = self.with_prefix(x_text, rope, latents)
+            return x_text, rope, None, None
         x_text, rope = self.embed_text(tokens.reshape(-1)[packing.text_slots(L).clamp_min(0)], packing.text_position, L)
-        attn_mask = packing.attention_mask(self.cfg.num_latents)  # (R, 1, S, S)
-        return x_text, rope, attn_mask, packing.text_doc.clamp_min(0), packing.latent_rows(B, self.cfg.num_latents)
+        return x_text, rope, packing.text_doc.clamp_min(0), packing.latent_rows(B, self.cfg.num_latents)
+
+    def joint_attention(
+        self,
+        text_pad_mask: Tensor | None,
+        packing: Packing | None,
+        text_lengths: Sequence[int] | None,
+        T: int,
+        last_queries: str,
+    ) -> JointAttention:
+        """How this forward's blocks attend (model/attention.py), the text stream being T positions
+        long: no mask where nothing is padded, else a mask or the real positions alone."""
+        K, P = self.cfg.num_latents, self.cfg.num_prefix_tokens
+        if packing is not None:
+            text_of = packing.text_of(K)  # (R, S)
+        elif text_pad_mask is None or (text_lengths is not None and min(text_lengths) == text_pad_mask.shape[1]):
+            text_of = None  # no padding: every key of every row takes part
+        else:
+            # Prefix tokens and latent slots are always real, so every query (even in a fully padded
+            # text row) has at least one key and the softmax never normalises over nothing.
+            B = text_pad_mask.shape[0]
+            keep = F.pad(text_pad_mask, (P, K), value=True)  # (B, S)
+            text_of = torch.where(keep, torch.arange(B, device=keep.device)[:, None], -1)
+        dropout_p = self.cfg.dropout if self.training else 0.0
+        return JointAttention.build(
+            self.cfg.attention, text_of, T, packing is not None, text_lengths, P, K, last_queries, dropout_p
+        )
 
     def latent_input(self, latents: Tensor, latent_null: Tensor | None) -> Tensor:
         """The latent input (B, K, D) with the null latent in the rows latent_null (B,) marks."""
@@ -580,29 +606,20 @@ class MultimodalMMDiT(nn.Module):
         if self.text_pos is not None:
             return x + self.text_pos(positions), None
         cos, sin = rope_angles(L, self.cfg.hidden_size // self.cfg.num_heads, tokens.device)  # (L, hd/2)
-        if positions.dim() == 1:
-            return x, (cos[positions], sin[positions])  # (T, hd/2)
-        return x, (cos[positions][:, None], sin[positions][:, None])  # (R, 1, T, hd/2)
+        return x, (cos[positions][..., None, :], sin[positions][..., None, :])  # (T, 1, hd/2) or (R, T, 1, hd/2)
 
     def with_prefix(
-        self, x_text: Tensor, rope: tuple[Tensor, Tensor] | None, text_pad_mask: Tensor | None, latents: Tensor
-    ) -> tuple[Tensor, tuple[Tensor, Tensor] | None, Tensor | None]:
-        """The text stream with the prefix tokens (model.num_prefix_tokens) before it, its RoPE angles,
-        and the attention mask (B, 1, 1, S) of the padded batch (None: no padding)."""
-        B, L = x_text.shape[:2]
-        P = self.cfg.num_prefix_tokens
-        if P:
-            x_text = torch.cat([self.prefix_tokens(latents), x_text], dim=1)  # (B, P + L, H)
-            if rope is not None:
-                rope = rope_angles(P + L, self.cfg.hidden_size // self.cfg.num_heads, x_text.device)
-            if text_pad_mask is not None:
-                text_pad_mask = torch.cat([text_pad_mask.new_ones(B, P), text_pad_mask], dim=1)
-        if text_pad_mask is None:
-            return x_text, rope, None
-        # Latent slots are always valid keys, so every query (even in a fully padded text row)
-        # has at least one key and the softmax never normalises over nothing.
-        keep = torch.cat([text_pad_mask, text_pad_mask.new_ones(B, self.cfg.num_latents)], dim=1)  # (B, S)
-        return x_text, rope, keep[:, None, None, :]  # (B, 1, 1, S): same for every head and query
+        self, x_text: Tensor, rope: tuple[Tensor, Tensor] | None, latents: Tensor
+    ) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+        """The text stream with the prefix tokens (model.num_prefix_tokens) before it, and its RoPE angles."""
+        L, P = x_text.shape[1], self.cfg.num_prefix_tokens
+        if not P:
+            return x_text, rope
+        x_text = torch.cat([self.prefix_tokens(latents), x_text], dim=1)  # (B, P + L, H)
+        if rope is not None:
+            cos, sin = rope_angles(P + L, self.cfg.hidden_size // self.cfg.num_heads, x_text.device)
+            rope = cos[:, None], sin[:, None]  # (P + L, 1, hd/2)
+        return x_text, rope
 
     def text_logits(
         self, x_text: Tensor, c: Tensor, text_rows: Tensor | None, packing: Packing | None, L: int

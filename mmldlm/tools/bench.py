@@ -245,6 +245,8 @@ RECORD_KEYS = (
     "micro_batch_size",
     "accumulation_steps",
     "data_wait_share",
+    "real_token_share",
+    "record_steps",
     "mfu",
 )
 
@@ -268,11 +270,15 @@ def _setup_reply(cfg, info, trainer) -> dict:
 
 def _train_steps(trainer, device: torch.device, num_steps: int, release_memory: bool) -> list[dict]:
     """`num_steps` optimizer steps, their records cut to RECORD_KEYS; then the config hands back
-    what a waiting config need not hold."""
-    records = []
-    for _ in range(num_steps):
-        record = trainer.train_step()
-        records.append({k: record.get(k) for k in RECORD_KEYS})
+    what a waiting config need not hold. On a GPU the steps are read back once, at the end, as
+    training reads them once per record: a read after every step would make the host wait for the
+    device each step, which training does not (training/tally.py); the record is then their mean."""
+    if device.type == "cuda":
+        pending = [trainer.run_step() for _ in range(num_steps)]
+        records = [trainer.read_record(pending[-1])]
+    else:
+        records = [trainer.train_step() for _ in range(num_steps)]
+    records = [{k: record.get(k) for k in RECORD_KEYS} for record in records]
     if release_memory and device.type == "cpu":
         # Ladder: waiting configs give back what the step freed, so N configs fit in
         # memory at once (the next step then faults its pages in again, a cost every rung
@@ -475,6 +481,11 @@ def _spread(values: list[float]) -> dict:
     }
 
 
+def _median_of(records: list[dict], key: str) -> float | None:
+    values = [r[key] for r in records if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
 def _summary(setup: dict, records: list[dict], memory: list[dict]) -> dict:
     """The figures of one config; `memory` holds every rank's peak, and the largest is the config's."""
     times = [r["step_time_s"] for r in records]
@@ -494,14 +505,13 @@ def _summary(setup: dict, records: list[dict], memory: list[dict]) -> dict:
     }
     state_gib = sum(split.values())
     step_time = _spread(times)
-    mfu = [r["mfu"] for r in records if r.get("mfu") is not None]
     device_is_cuda = setup["device"].startswith("cuda")
     return {
         "micro_batch_size": setup["micro_batch_size"],
         "activation_checkpointing": setup.get("activation_checkpointing"),
         "global_batch_size": setup["global_batch_size"],
         "accumulation_steps": records[0]["accumulation_steps"],
-        "measured_steps": len(records),
+        "measured_steps": sum(r.get("record_steps") or 1 for r in records),
         "step_time_s": step_time,
         "samples_per_s": setup["global_batch_size"] / step_time["median"],
         # From the fastest step: on a shared machine the least disturbed estimate of what the config can do.
@@ -520,7 +530,8 @@ def _summary(setup: dict, records: list[dict], memory: list[dict]) -> dict:
         "peak_above_state_gib": peak_gib - state_gib,
         "peak_memory_kind": "cuda_max_allocated" if device_is_cuda else "cpu_peak_rss_above_runtime",
         "peak_rss_gib": None if device_is_cuda else max(m["peak_bytes"] for m in memory) / 2**30,
-        "mfu": statistics.median(mfu) if mfu else None,
+        "mfu": _median_of(records, "mfu"),  # on real tokens: padding is not counted
+        "real_token_share": _median_of(records, "real_token_share"),
         "losses": [r["loss"] for r in records],
         "step_times_s": times,  # in order: a shared machine's disturbances show as outliers
     }
@@ -677,6 +688,8 @@ def rows_one_at_a_time(opts: BenchOptions, jobs: list[dict]) -> bool:
 def _row_line(name: str, figures: dict) -> str:
     """One row's figures in one line, logged as soon as they are measured (a run cut off later keeps them)."""
     mfu = f", MFU {100 * figures['mfu']:.1f}%" if figures["mfu"] is not None else ""
+    if figures.get("real_token_share") is not None:
+        mfu += f" on {100 * figures['real_token_share']:.0f}% real tokens"
     return (
         f"bench: {name}: {figures['samples_per_s']:.2f} samples/s, {figures['tokens_per_s']:,.0f} tokens/s, "
         f"peak {figures['peak_memory_gib']:.2f} GiB{mfu} (micro-batch {figures['micro_batch_size']})"
@@ -792,7 +805,8 @@ def _table_header(report: dict) -> list[str]:
         "step s (min, p10-p90)",
         memory_label,
         "weights / grads / AdamW / rest GiB",
-        "MFU",
+        "real tokens",
+        "MFU (real tokens)",
     ]
     if "largest_micro_batch" in configs[order[0]]:
         header.append(f"largest micro-batch @ {report['options']['memory_cap_gib']:g} GiB")
@@ -811,7 +825,7 @@ def _speed_ratio(c: dict, other: dict | None) -> str:
 def _table_row(name: str, c: dict, fit: bool, ladder: bool, first: dict, previous: dict | None) -> list[str]:
     """One config's cells; on a ladder, its samples/s over the rung before and over the baseline. A
     row out of memory at the micro-batch says so (and shows the largest that fits, where searched)."""
-    row = [name, "out of memory", *[""] * 7] if "out_of_memory" in c else _measured_cells(name, c)
+    row = [name, "out of memory", *[""] * 8] if "out_of_memory" in c else _measured_cells(name, c)
     if fit:
         row.append(str(c["largest_micro_batch"]) if "largest_micro_batch" in c else "")
     if ladder:
@@ -832,6 +846,8 @@ def _measured_cells(name: str, c: dict) -> list[str]:
         f"{c['peak_memory_gib']:.2f}",
         " / ".join(f"{c.get(k, 0.0):.2f}" for k in ("weights_gib", "gradients_gib", "optimizer_state_gib"))
         + f" / {c['peak_above_state_gib']:.2f}",
+        # Absent from reports written before it was measured (scripts/gpu_report.py reads old ones).
+        f"{c['real_token_share']:.0%}" if c.get("real_token_share") is not None else "",
         f"{c['mfu']:.1%}" if c["mfu"] is not None else "n/a",
     ]
 

@@ -49,6 +49,18 @@ class WeightEMA:
         get_ema_multi_avg_fn(warmup_decay(self.decay, int(num_averaged.item())))(ema_params, params, num_averaged)
 
     @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
-        """Fold `model`'s current parameters (the plain model, not a DDP wrapper) into the average."""
-        self.averaged.update_parameters(model)
+    def update(self, model: nn.Module, skip: torch.Tensor | None = None) -> None:
+        """Fold `model`'s current parameters (the plain model, not a DDP wrapper) into the average.
+        skip: () bool on the device, True = this step's update was skipped, leave the average (and n)
+        as they are; decided on the device, so the host never waits for the step."""
+        if skip is None:
+            self.averaged.update_parameters(model)
+            return
+        n = self.averaged.n_averaged  # () on the device
+        # d_n as in the module docstring; the first update (n = 0) copies theta: weight 1.
+        decay = torch.clamp((1.0 + n) / (10.0 + n), max=self.decay).to(torch.float32)
+        weight = torch.where(n == 0, 1.0, 1.0 - decay) * (~skip).to(torch.float32)
+        ema_params = [p.detach() for p in self.averaged.module.parameters()]
+        params = [p.detach() for p in model.parameters()]
+        torch._foreach_lerp_(ema_params, params, weight)  # ema += weight * (theta - ema)
+        n += (~skip).to(n.dtype)

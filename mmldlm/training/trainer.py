@@ -10,12 +10,14 @@ One optimizer step (`train_step`):
 3. Forward/backward under autocast; the gradient all-reduce runs only on the last micro-step
    (`no_sync` before it); the idle output head is anchored into the loss (see parallelize.py).
 4. One all-reduce carries every rank's loss, a non-finite flag and a stop request: if any rank saw
-   a non-finite loss or the gradient norm is non-finite, every rank skips the update; a signal on
-   any rank before that all-reduce makes every rank checkpoint at the end of this step and exit
-   with status 128 + the signal's number.
+   a non-finite loss or the gradient norm is non-finite, every rank skips the update (decided on the
+   device); a signal makes every rank checkpoint and exit with status 128 + the signal's number, at
+   the end of this step (one process) or of the next (several: the flag is read a step late).
 5. Clip, step, log, checkpoint (with optim.step_in_backward each parameter is stepped inside
    backward instead). An asynchronous checkpoint copies the state during the next step's forward
    and backward; the update waits for that copy.
+
+A step reads nothing back from the device unless its record is written (train.log_every; tally.py).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import math
 import random
 import signal
 import time
-import typing
 from collections.abc import Callable
 from pathlib import Path
 
@@ -70,40 +71,24 @@ from mmldlm.training.parallelize import (
 from mmldlm.training.profiler import profiler_window
 from mmldlm.training.schedules import LRSchedule
 from mmldlm.training.storage import WriteError
+from mmldlm.training.tally import AgreedStop, SkipCounter, StepTotals, Window
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class StepTotals:
-    """What one step adds up over its micro-batches; the first seven fields are then summed over the
-    ranks in one all-reduce (as a float64 tensor), the last two stay this rank's own."""
+class PendingStep:
+    """A step whose work is queued on the device; its record is built when read (`Trainer.read_record`)."""
 
-    loss: float = 0.0  # the mean over this rank's micro-batches
-    text_loss: float = 0.0
-    latent_loss: float = 0.0
-    accuracy: float = 0.0
-    tokens: float = 0.0  # real (non-pad) tokens
-    nonfinite: float = 0.0  # 1.0 where the loss was not finite
-    stop: float = 0.0  # 1.0 where a stop signal arrived
-    data_wait_s: float = 0.0
-    flops: float = 0.0
-
-    REDUCED: typing.ClassVar[tuple[str, ...]] = (
-        "loss",
-        "text_loss",
-        "latent_loss",
-        "accuracy",
-        "tokens",
-        "nonfinite",
-        "stop",
-    )
-
-    def to_tensor(self) -> torch.Tensor:
-        return torch.tensor([getattr(self, name) for name in self.REDUCED], dtype=torch.float64)
-
-    def with_reduced(self, reduced: torch.Tensor) -> StepTotals:
-        return dataclasses.replace(self, **{name: reduced[i].item() for i, name in enumerate(self.REDUCED)})
+    step: int  # optimizer steps done after it
+    mode: str
+    lr: float
+    grad_norm: torch.Tensor  # () on the device
+    totals: StepTotals
+    global_batch: int
+    num_accum: int
+    stop: bool  # every rank checkpoints and exits after this step (a signal)
+    record: dict | None = None
 
 
 class TrainingStopped(RuntimeError):
@@ -223,8 +208,15 @@ class Trainer:
         self.anchor_idle = uses_anchor(cfg.distributed, info)
         self.peak_flops = peak_flops(self.device)
         self.step = 0  # optimizer steps done
-        self.num_skipped = 0
-        self.consecutive_skips = 0
+        # Skipped updates: counted on the device (tally.py); the host's numbers as of the last record.
+        self.skips = SkipCounter(self.device)
+        self.num_skipped = self.consecutive_skips = self.longest_skip_run = 0
+        self.window = Window(self.device)  # the steps since the last record
+        self.agreed_stop = AgreedStop(self.device)
+        self._pending_shapes: list[tuple] = []
+        self._flops_of_mode: dict[
+            str, tuple[float, float, float, float]
+        ] = {}  # (mode, rows, length) and the text head's device row count
         # (mode, micro-batch, padded length, text-head rows) met so far in this process. Caches grow
         # with each new one (oneDNN keeps its kernels per shape), so the monitor reads memory growth
         # while the count still rises as warm-up, and growth after it stopped as a leak.
@@ -467,6 +459,7 @@ class Trainer:
             self.step = state["step"]
             self.num_skipped = state["num_skipped"]
             self.consecutive_skips = state["consecutive_skips"]
+            self.skips = SkipCounter(self.device, self.num_skipped, self.consecutive_skips)
             self.wall_seconds = state.get("wall_seconds")  # None (unknown) in checkpoints that predate it
             self.schedule.load_state_dict(state["schedule"])
             if self.scaler is not None and state["scaler"]:
@@ -527,6 +520,7 @@ class Trainer:
             )
 
     def save(self, blocking: bool = False) -> None:
+        self.num_skipped, self.consecutive_skips, _ = self.skips.read()
         state = {
             "step": self.step,
             "num_skipped": self.num_skipped,
@@ -580,7 +574,10 @@ class Trainer:
         except StopIteration:  # end of an epoch: the loader starts the next one
             self._batches = iter(self.loader)
             batch = next(self._batches)
-        return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        moved = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+        if "pad_mask" in batch:  # each text's real tokens, counted on the host's copy: no read-back
+            moved["text_lengths"] = tuple(batch["pad_mask"].numpy().sum(axis=1).tolist())
+        return moved
 
     def _autocast(self):
         if self.precision == "fp32":
@@ -592,11 +589,14 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=dtype, cache_enabled=False)
 
     def train_step(self, stop: StopRequest | None = None) -> dict:
-        """One optimizer step; returns the step's record (losses averaged over all ranks). The story:
-        forward + backward over the micro-batches, the gradient norm (and clipping), the ranks' totals
-        in one all-reduce, the update (or a skip), the record. A stop requested before the all-reduce
-        marks this step's record `stop_requested`."""
-        started = time.perf_counter()
+        """One optimizer step and its record, read back at once (what bench and the scripts time
+        step by step); `fit` reads a record only at the steps it logs (`run_step`, `read_record`)."""
+        return self.read_record(self.run_step(stop))
+
+    def run_step(self, stop: StopRequest | None = None) -> PendingStep:
+        """One optimizer step, queued: forward + backward over the micro-batches, the gradient norm
+        (and clipping), the ranks' totals in one all-reduce, the update (or a skip, decided on the
+        device). Nothing is read back from the device (tally.py says why); `read_record` reads it."""
         step = self.step
         global_batch = self.global_batch_at(step)
         num_accum = accumulation_steps(
@@ -609,29 +609,36 @@ class Trainer:
         lr = self.schedule.apply(self.optimizer, step)
 
         totals = self._forward_backward(mode, idle, num_accum)
-        totals.stop = float(stop is not None and stop.requested)
+        stop_here = stop is not None and stop.requested
+        totals.close(stop_here)
         for p in idle:  # AdamW must not move the idle head (its gradient is an anchored zero or None)
             p.grad = None
         grad_norm = self._gradient_norm()
-        totals = self._sum_over_ranks(totals)
+        stop_here = self._sum_over_ranks(totals, stop_here)
         self.checkpoints.wait_for_snapshot()  # an asynchronous save copies the state it saves until here
-        skipped = self._update(
-            nonfinite=totals.nonfinite > 0 or not math.isfinite(grad_norm), loss_finite=math.isfinite(totals.loss)
-        )
+        loss_nonfinite = totals.values[5] > 0
+        self._update(loss_nonfinite, loss_nonfinite | ~torch.isfinite(grad_norm))
         self.step += 1
+        self.window.add(global_batch, totals)
+        pending = PendingStep(self.step, mode, lr, grad_norm, totals, global_batch, num_accum, stop_here)
+        if self.schedule.cfg.plateau.enabled:  # reduce-on-plateau needs each step's loss on the host
+            self.read_record(pending)
+        return pending
 
-        record = self._record(
-            mode, lr, grad_norm, totals, global_batch, num_accum, skipped, time.perf_counter() - started
-        )
-        if not skipped:
-            self.schedule.observe(record["loss"])
-        return record
+    def read_record(self, pending: PendingStep) -> dict:
+        """The record of a queued step (the read-back: waits for the device), with the throughput of
+        the steps since the previous record. Reading it twice returns the same record."""
+        if pending.record is None:
+            pending.record = self._record(pending)
+            if not pending.record["skipped"]:
+                self.schedule.observe(pending.record["loss"])
+        return pending.record
 
     def _forward_backward(self, mode: str, idle: list[nn.Parameter], num_accum: int) -> StepTotals:
         """Forward and backward of each micro-batch (gradients accumulate; the data-parallel
-        reduction runs with the last one); this rank's totals."""
+        reduction runs with the last one); this rank's totals, on the device."""
         cfg, info, step = self.cfg, self.info, self.step
-        totals = StepTotals()
+        totals = StepTotals(self.device)
         for a in range(num_accum):
             t0 = time.perf_counter()
             batch = self._next_batch()
@@ -651,25 +658,54 @@ class Trainer:
                     self._backward_with_updates(loss, idle)
                 else:
                     (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            totals.loss += loss.detach().double().item() / num_accum
-            totals.text_loss += float(metrics.get("text_loss", 0.0)) / num_accum
-            totals.latent_loss += float(metrics.get("latent_loss", 0.0)) / num_accum
-            totals.accuracy += float(metrics.get("accuracy", 0.0)) / num_accum
-            pad_mask = batch.get("pad_mask")
-            totals.tokens += float(pad_mask.sum()) if pad_mask is not None else batch["tokens"].numel()
-            rows = metrics.get("num_masked")
-            computed = batch.get("pack_doc", batch["tokens"])  # (rows, text positions) the blocks ran on
-            self._input_shapes.add((mode, *computed.shape, padded_row_count(int(rows)) if rows is not None else 0))
-            totals.flops += self._flops(computed, mode, rows)
-        totals.nonfinite = float(not math.isfinite(totals.loss))
+            lengths = batch.get("text_lengths")
+            if lengths is not None:
+                tokens = float(sum(lengths))
+            else:
+                tokens = batch["pad_mask"].sum() if "pad_mask" in batch else float(batch["tokens"].numel())
+            totals.add(loss, metrics, tokens, num_accum)
+            self._count_work(totals, batch, mode, metrics.get("num_masked"))
         return totals
 
-    def _gradient_norm(self) -> float:
-        """The global gradient norm, clipped to optim.grad_clip (after unscaling under fp16); with
-        optim.step_in_backward, the norm of the gradients the updates in backward used."""
+    def _count_work(self, totals: StepTotals, batch: dict, mode: str, num_masked: torch.Tensor | None) -> None:
+        """The micro-batch's training FLOPs into `totals`, counted on its real tokens (each text at its
+        own length, padding excluded; the text head at the masked positions it ran at, a device count
+        added on the device), the text positions its blocks computed, and its input shape."""
+        computed = batch.get("pack_doc", batch["tokens"])  # (rows, text positions) the blocks ran on
+        rows, positions = computed.shape
+        a, b, c, per_head_row = self._flops_polynomial(mode)
+        lengths = batch.get("text_lengths")
+        if lengths is None:  # lengths unknown on the host: every position counts
+            lengths = [positions] * rows
+        totals.flops += sum(a + b * n + c * n * n for n in lengths)
+        totals.positions += rows * positions
+        totals.real_positions += sum(lengths)
+        if num_masked is not None:
+            totals.flops += num_masked.to(torch.float64) * per_head_row
+            self._pending_shapes.append(((mode, rows, positions), num_masked))
+        else:
+            self._input_shapes.add((mode, rows, positions, 0))
+
+    def _flops_polynomial(self, mode: str) -> tuple[float, float, float, float]:
+        """One text's training FLOPs in `mode` as a + b * n + c * n^2 for n tokens (linear layers are
+        linear in n, attention quadratic: model/info.py), and what each text-head row adds."""
+        if mode in self._flops_of_mode:
+            return self._flops_of_mode[mode]
+        count = functools.partial(
+            training_flops_per_sample, self.raw_model, text_head=mode != "t2l", latent_head=mode != "l2t"
+        )
+        f1, f2, f3 = (count(n, text_head_rows=0.0) for n in (1, 2, 3))
+        c = (f3 - 2 * f2 + f1) / 2
+        b = f2 - f1 - 3 * c
+        self._flops_of_mode[mode] = (f1 - b - c, b, c, count(1, text_head_rows=1.0) - f1)
+        return self._flops_of_mode[mode]
+
+    def _gradient_norm(self) -> torch.Tensor:
+        """The global gradient norm (a device scalar), clipped to optim.grad_clip (after unscaling under
+        fp16); with optim.step_in_backward, the norm of the gradients the updates in backward used."""
         if self.step_in_backward:
-            grad_norm = math.sqrt(self._grad_sq.item()) if self._bad_grads == 0 else math.nan
-            self._grad_sq.zero_()
+            grad_norm = self._grad_sq.sqrt() if self._bad_grads == 0 else self._grad_sq.new_tensor(math.nan)
+            self._grad_sq = torch.zeros_like(self._grad_sq)
             self._bad_grads = 0
             return grad_norm
         if self.scaler is not None:
@@ -678,100 +714,108 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm, foreach=True)
         if hasattr(grad_norm, "full_tensor"):  # FSDP2 and HSDP: the norm is a DTensor over the shards
             grad_norm = grad_norm.full_tensor()
-        return grad_norm.item()
+        return grad_norm
 
-    def _sum_over_ranks(self, totals: StepTotals) -> StepTotals:
-        """One all-reduce carries every rank's losses, token count, non-finite flag and stop request."""
+    def _sum_over_ranks(self, totals: StepTotals, stop_here: bool) -> bool:
+        """One all-reduce carries every rank's losses, token count, non-finite flag and stop request;
+        returns whether every rank stops after this step: one process, its own request; several, the
+        request of any rank at the previous step (read a step late, so nobody waits for this one)."""
         if not self.info.distributed:
-            return totals
+            return stop_here
+        agreed = self.agreed_stop.previous()
         with collective_guard(f"loss all-reduce of step {self.step + 1}", self.info):
-            reduced = totals.to_tensor().to(self.device)
-            torch.distributed.all_reduce(reduced)
-        return totals.with_reduced(reduced.cpu())
+            torch.distributed.all_reduce(totals.values)
+        self.agreed_stop.queue(totals.values[6])
+        return agreed
 
-    def _update(self, nonfinite: bool, loss_finite: bool) -> bool:
+    def _update(self, loss_nonfinite: torch.Tensor, nonfinite: torch.Tensor) -> None:
         """Apply the step's update, or skip it when a loss or the gradient norm was not finite on some
-        rank; returns whether it was skipped. Gradients are cleared either way."""
-        skipped = False
-        if nonfinite and self.scaler is not None and loss_finite:
-            # fp16 overflow: the scaler skips this update and lowers the scale; that is its job.
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        elif nonfinite:
-            skipped = True
-            self.num_skipped += 1
-            self.consecutive_skips += 1
-            if self.scaler is not None:
-                self.scaler.update()
-        else:
-            self.consecutive_skips = 0
-            if self.step_in_backward:
-                pass  # each parameter was updated in backward
-            elif self.scaler is not None:
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            else:
+        rank (`nonfinite`, a device flag; `loss_nonfinite` for a loss); gradients are cleared either
+        way. The fused AdamW skips on the device (its `found_inf`, as under GradScaler: parameters,
+        moments and step count stay exactly as they were), and so does the EMA; the other optimizers
+        are told on the host."""
+        if self.step_in_backward:  # each parameter was updated in backward
+            self._count_skip(nonfinite, apply=lambda: None)
+        elif self.scaler is not None:
+            self._update_fp16(loss_nonfinite)
+        elif self.optimizer.defaults.get("fused"):
+            self.optimizer.found_inf = nonfinite.to(torch.float32)
+            try:
                 self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf
+            self.skips.add(nonfinite)
+            if self.ema is not None:
+                self.ema.update(self.raw_model, skip=nonfinite)
+        else:
+            self._count_skip(nonfinite, apply=self.optimizer.step)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _count_skip(self, nonfinite: torch.Tensor, apply: Callable[[], None]) -> None:
+        """A host decision (a read-back: the optimizers that cannot skip on the device)."""
+        self.skips.add(nonfinite)
+        if not bool(nonfinite):
+            apply()
             if self.ema is not None:
                 self.ema.update(self.raw_model)
-        self.optimizer.zero_grad(set_to_none=True)
-        return skipped
 
-    def _record(
-        self,
-        mode: str,
-        lr: float,
-        grad_norm: float,
-        totals: StepTotals,
-        global_batch: int,
-        num_accum: int,
-        skipped: bool,
-        step_time: float,
-    ) -> dict:
-        """The step's metrics record (what metrics.jsonl, TensorBoard and the monitor read)."""
-        world = self.info.world_size
+    def _update_fp16(self, loss_nonfinite: torch.Tensor) -> None:
+        """fp16 with loss scaling: an overflow of a finite loss is the scaler's to skip (and it lowers
+        the scale); a non-finite loss skips the update as in every precision."""
+        self.skips.add(loss_nonfinite)
+        if bool(loss_nonfinite):
+            self.scaler.update()
+            return
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        if self.ema is not None:
+            self.ema.update(self.raw_model)
+
+    def _record(self, pending: PendingStep) -> dict:
+        """The metrics record of a queued step (what metrics.jsonl, TensorBoard and the monitor read)."""
+        world, mode = self.info.world_size, pending.mode
+        totals = pending.totals.read()  # the read-back
+        skipped_before = self.num_skipped
+        self.num_skipped, self.consecutive_skips, self.longest_skip_run = self.skips.read()
+        for shape, rows in self._pending_shapes:
+            self._input_shapes.add((*shape, padded_row_count(int(rows))))
+        self._pending_shapes.clear()
         record = {
-            "step": self.step,
+            "step": pending.step,
             "mode": mode,
-            "loss": totals.loss / world,
-            "text_loss": totals.text_loss / world if mode != "t2l" else None,
-            "latent_loss": totals.latent_loss / world if mode != "l2t" else None,
-            "accuracy": totals.accuracy / world if mode != "t2l" else None,
-            "lr": lr,
-            "grad_norm": grad_norm,
+            "loss": totals["loss"] / world,
+            "text_loss": totals["text_loss"] / world if mode != "t2l" else None,
+            "latent_loss": totals["latent_loss"] / world if mode != "l2t" else None,
+            "accuracy": totals["accuracy"] / world if mode != "t2l" else None,
+            "lr": pending.lr,
+            "grad_norm": float(pending.grad_norm),
             "micro_batch_size": self.micro_batch_size,
-            "global_batch_size": global_batch,
-            "accumulation_steps": num_accum,
-            "samples_per_s": global_batch / step_time,
-            "tokens_per_s": totals.tokens / step_time,
-            # The step's work: its cost follows the length bucket it drew and how many positions the
-            # text head ran at, so the monitor judges its time against this, not a run-wide median.
-            "train_flops": totals.flops,
+            "global_batch_size": pending.global_batch,
+            "accumulation_steps": pending.num_accum,
+            **self._window_figures(),
             "num_shapes": len(self._input_shapes),
-            "step_time_s": step_time,
-            "data_wait_share": totals.data_wait_s / step_time,
-            "skipped": skipped,
+            # The update of this step was skipped; and how many were since the previous record.
+            "skipped": totals["nonfinite"] > 0 or not math.isfinite(float(pending.grad_norm)),
+            "skipped_since_last_record": self.num_skipped - skipped_before,
             "num_skipped": self.num_skipped,
-            "stop_requested": totals.stop > 0,
+            "stop_requested": pending.stop,
         }
-        if self.peak_flops is not None:
-            record["mfu"] = totals.flops / step_time / self.peak_flops  # this rank's share = the average
         if self.cfg.perf.compile:
             # Graphs compiled so far in this process: flat after the first padded lengths were seen;
-            # growing step after step is a recompilation storm (data.pad_to_multiple bounds the shapes).
+            # a count that keeps rising means recompiles (the monitor reads it).
             from torch._dynamo.utils import counters  # here: importing dynamo costs a second, eager runs skip it
 
             record["compiled_graphs"] = counters["stats"]["unique_graphs"]
         return record
 
-    def _flops(self, tokens: torch.Tensor, mode: str, num_masked: torch.Tensor | None) -> float:
-        """The micro-batch's training FLOPs; the text head counts only the masked positions it ran at."""
-
-        B, L = tokens.shape
-        rows = float(num_masked) / B if num_masked is not None else None
-        return B * training_flops_per_sample(
-            self.raw_model, L, text_head=mode != "t2l", latent_head=mode != "l2t", text_head_rows=rows
-        )
+    def _window_figures(self) -> dict:
+        """Throughput of the steps since the previous record: the record's step time is their mean."""
+        figures = self.window.close()
+        self.window = Window(self.device)
+        flops_per_s = figures.pop("flops_per_s")
+        if self.peak_flops is not None:
+            figures["mfu"] = flops_per_s / self.peak_flops  # this rank's share = the average
+        return figures
 
     # ---------------------------------------------------------------- the loop
 
@@ -794,38 +838,23 @@ class Trainer:
                 profiler_window(cfg.perf.profiler, self.run_dir, self.device, info.rank) as profiler,
             ):
                 while self.step < total:
-                    record = self.train_step(stop)
+                    pending = self.run_step(stop)
                     self.checkpoints.raise_background_error()
                     if profiler is not None:
                         profiler.step()
-                    if record["skipped"] and info.is_main:
-                        log.warning(
-                            "step %d: non-finite loss or gradient norm on some rank; update skipped (%d in a row)",
-                            record["step"],
-                            self.consecutive_skips,
-                        )
-                    if self.consecutive_skips >= cfg.train.max_consecutive_skips:
-                        self._log(self._with_memory(record))
-                        raise TrainingStopped(
-                            f"{self.consecutive_skips} consecutive updates were skipped because the loss or "
-                            f"gradient norm was not finite (train.max_consecutive_skips="
-                            f"{cfg.train.max_consecutive_skips}); stopping at step {self.step}. The checkpoints "
-                            f"in {self.checkpoints.dir} are untouched: lower optim.lr, check the data, or "
-                            f"resume from an earlier one with --resume PATH"
-                        )
-                    if self.step % cfg.train.log_every == 0 or self.step in (1, total) or record["stop_requested"]:
-                        self._log(self._with_memory(record))
+                    record = self._record_if_due(pending)
                     if bar is not None:
                         bar.update(1)
-                        bar.set_postfix(
-                            loss=f"{record['loss']:.4f}",
-                            mode=record["mode"],
-                            samples_s=f"{record['samples_per_s']:.1f}",
-                            refresh=False,
-                        )
+                        if record is not None:
+                            bar.set_postfix(
+                                loss=f"{record['loss']:.4f}",
+                                mode=record["mode"],
+                                samples_s=f"{record['samples_per_s']:.1f}",
+                                refresh=False,
+                            )
                         if self.step == total:  # done: the last checkpoint's and evaluation's lines come after it
                             bar.close()
-                    if record["stop_requested"] and self.step < total:  # at the last step: the run is done
+                    if pending.stop and self.step < total:  # at the last step: the run is done
                         self.save(blocking=True)
                         # A rank that did not receive the signal itself stops as for the usual SIGTERM.
                         signum = stop.signum or signal.SIGTERM
@@ -843,6 +872,36 @@ class Trainer:
                 bar.close()
             self.metrics.close()
         return 0
+
+    def _record_if_due(self, pending: PendingStep) -> dict | None:
+        """The step's record where it is due: a logged step (train.log_every, the first and the last),
+        a stop request, a step whose record was read anyway; then the skip warnings and the stop after
+        train.max_consecutive_skips consecutive skips. None elsewhere: nothing was read back."""
+        cfg = self.cfg
+        due = self.step % cfg.train.log_every == 0 or self.step in (1, cfg.train.steps)
+        if not (due or pending.record is not None or pending.stop):
+            return None
+        record = self.read_record(pending)
+        if record["skipped_since_last_record"] and self.info.is_main:
+            log.warning(
+                "step %d: non-finite loss or gradient norm on some rank; %d update(s) skipped since the last "
+                "record, %d in a row now",
+                record["step"],
+                record["skipped_since_last_record"],
+                self.consecutive_skips,
+            )
+        if self.longest_skip_run >= cfg.train.max_consecutive_skips:
+            self._log(self._with_memory(record))
+            raise TrainingStopped(
+                f"{self.longest_skip_run} consecutive updates were skipped because the loss or "
+                f"gradient norm was not finite (train.max_consecutive_skips="
+                f"{cfg.train.max_consecutive_skips}); stopping at step {self.step}. The checkpoints "
+                f"in {self.checkpoints.dir} are untouched: lower optim.lr, check the data, or "
+                f"resume from an earlier one with --resume PATH"
+            )
+        if due or record["stop_requested"]:
+            self._log(self._with_memory(record))
+        return record
 
     def _evaluate(self) -> None:
         """Evaluation with the small `eval` budget on rank 0, into metrics.jsonl (training/evaluation.py)."""

@@ -1,0 +1,160 @@
+"""The joint attention's kernels: which one a batch reaches, and the layout each one needs.
+
+Every block attends over the joint sequence [text; latent] of each row, S positions, of which some
+are padding: the tail of a text shorter than the batch's longest, or, in packed rows
+(data.packing), the row's unfilled end, and there several texts share a row and must not see each
+other. Three exact ways to compute it, chosen once per forward by `JointAttention.build`:
+
+- no padding at all (every text as long as the batch): SDPA with no mask, which on a GPU is the
+  flash kernel (a mask rules flash out and leaves the slower memory-efficient kernel);
+- `model.attention=varlen` on a CUDA device, when the batch's text lengths are known on the host
+  (the loader's collate puts them in the batch): the real positions of each text gathered end to
+  end and handed to flash attention's variable-length kernel (`torch.nn.attention.varlen`), which
+  computes no padding and no cross-text block; the outputs are scattered back (zero at padding);
+- otherwise SDPA with a boolean mask: (B, 1, 1, S) for a padded batch, (R, 1, S, S) block-diagonal
+  for packed rows (and `model.attention=explicit`, the baseline recipe, with the same masks).
+
+Which is exact and which is fastest is measured on one GPU by scripts/attention_kernels.py.
+
+The gather order is built on the device from each position's text (argsort of a key, no read-back);
+the sizes it needs (how many real positions, the longest text) come from the host's lengths, so
+building it never waits for the GPU.
+
+Layout: q, k, v (R, T, nh, hd) rows first, heads third, as the qkv projection leaves them; the
+output likewise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mmldlm import baseline
+
+try:  # flash attention's variable-length kernel; absent from older torch builds
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # pragma: no cover - depends on the torch build
+    varlen_attn = None
+
+
+class Segments(NamedTuple):
+    """The real positions of a set of rows, grouped text by text, as a variable-length kernel reads them."""
+
+    index: Tensor  # (T,) int64: the flat (rows * positions) index of each real position, text by text
+    cu_seqlens: Tensor  # (N + 1,) int32: where each text's positions start in `index`, and the end
+    max_len: int  # the longest text's positions (a host int: the kernel's launch needs it)
+
+
+def segments(text_of: Tensor, num_texts: int, total: int, max_len: int) -> Segments:
+    """Segments of positions whose text is text_of (R, T) int64, -1 = padding; `total` real positions
+    and `max_len` for the longest text, known on the host (so that nothing here reads the device)."""
+    flat = text_of.flatten()  # (R * T,)
+    n = flat.numel()
+    position = torch.arange(n, device=flat.device)
+    # Text by text, in position order within each; padding sorts after every text.
+    key = torch.where(flat >= 0, flat * n + position, num_texts * n + position)
+    index = torch.argsort(key)[:total]
+    real = (flat >= 0).to(torch.int32)
+    counts = torch.zeros(num_texts, dtype=torch.int32, device=flat.device).scatter_add_(0, flat.clamp_min(0), real)
+    cu_seqlens = F.pad(torch.cumsum(counts, 0, dtype=torch.int32), (1, 0))  # (N + 1,)
+    return Segments(index, cu_seqlens, max_len)
+
+
+def varlen_supported(device: torch.device) -> bool:
+    """Whether the variable-length flash kernel can run on `device` (CUDA with a torch that has it)."""
+    return varlen_attn is not None and device.type == "cuda"
+
+
+def reference_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int) -> Tensor:
+    """The variable-length kernel's result computed one text at a time with SDPA: q (Tq, nh, hd), k and
+    v (Tk, nh, hd) -> (Tq, nh, hd). For checking the gather on a CPU (tests); slow."""
+    out = []
+    starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(starts_q) - 1):
+        qi = q[starts_q[i] : starts_q[i + 1]].transpose(0, 1)  # (nh, n, hd)
+        ki = k[starts_k[i] : starts_k[i + 1]].transpose(0, 1)
+        vi = v[starts_k[i] : starts_k[i + 1]].transpose(0, 1)
+        out.append(F.scaled_dot_product_attention(qi, ki, vi).transpose(0, 1))
+    return torch.cat(out)
+
+
+class JointAttention:
+    """One forward's way of attending (the module docstring): no mask, a mask for SDPA, or the segments
+    of the variable-length kernel. Calling it attends all queries, or only the text stream's or the
+    latent stream's (the last block computes only the streams whose head is used)."""
+
+    def __init__(
+        self, kind: str, text_length: int = 0, mask: Tensor | None = None, segments: dict[str, Segments] | None = None
+    ):
+        self.kind, self.text_length, self.mask, self.segments = kind, text_length, mask, segments or {}
+
+    @classmethod
+    def build(
+        cls,
+        attention: str,
+        text_of: Tensor | None,
+        text_length: int,
+        packed: bool,
+        lengths: Sequence[int] | None,
+        num_prefix: int,
+        num_latents: int,
+        last_queries: str = "all",
+        dropout_p: float = 0.0,
+    ) -> JointAttention:
+        """The attention of rows whose joint positions [prefix; text; latent slots] belong to the texts
+        text_of (R, S) int64 (-1 = padding; None: no padding at all), the first `text_length`
+        positions of each row being the text stream's; `packed`: rows hold several texts each (else
+        row b is text b). `lengths`: each text's real tokens, on the host (None: unknown);
+        each text adds `num_prefix` + `num_latents` positions of its own. `attention`: model.attention;
+        `last_queries`: the queries of the last block ("all", "text" or "latent"), the others' are all.
+        Everything is built here, before the blocks run (compiled blocks then see plain tensors)."""
+        if text_of is None:
+            return cls("explicit" if attention == "explicit" else "dense", text_length)
+        if packed:  # block-diagonal (R, 1, S, S); padding attends among itself, so no query is left without keys
+            mask = text_of[:, None, :, None] == text_of[:, None, None, :]
+        else:
+            mask = (text_of >= 0)[:, None, None, :]  # (R, 1, 1, S)
+        usable = attention == "varlen" and lengths is not None and dropout_p == 0.0 and varlen_supported(text_of.device)
+        if not usable:
+            return cls("explicit" if attention == "explicit" else "mask", text_length, mask=mask)
+        total, longest = sum(lengths), max(lengths)
+        P, K, N = num_prefix, num_latents, len(lengths)
+        sizes = {  # the real positions and the longest text of each query set
+            "all": (total + N * (P + K), longest + P + K),
+            "text": (total + N * P, longest + P),
+            "latent": (N * K, K),
+        }
+        parts = {"all": text_of, "text": text_of[:, :text_length], "latent": text_of[:, text_length:]}
+        built = {queries: segments(parts[queries], N, *sizes[queries]) for queries in {"all", last_queries}}
+        return cls("varlen", text_length, segments=built)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, queries: str = "all", dropout_p: float = 0.0) -> Tensor:
+        """q (R, Sq, nh, hd) of the query set `queries`, k and v (R, S, nh, hd) -> (R, Sq, nh, hd)."""
+        if self.kind == "varlen":
+            return self._varlen(q, k, v, queries)
+        mask = self.mask
+        if mask is not None and mask.shape[2] > 1 and queries != "all":  # packed: the rows of the queries asked for
+            mask = mask[:, :, : self.text_length] if queries == "text" else mask[:, :, self.text_length :]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (R, nh, T, hd): views
+        if self.kind == "explicit":  # baseline recipe
+            return baseline.explicit_attention(q, k, v, mask, dropout_p).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p).transpose(1, 2)
+
+    def _varlen(self, q: Tensor, k: Tensor, v: Tensor, queries: str) -> Tensor:
+        R, Sq, nh, hd = q.shape
+        keys, rows = self.segments["all"], self.segments[queries]
+        q_real = q.reshape(R * Sq, nh, hd).index_select(0, rows.index)  # (Tq, nh, hd)
+        k_real = k.reshape(-1, nh, hd).index_select(0, keys.index)  # (Tk, nh, hd)
+        v_real = v.reshape(-1, nh, hd).index_select(0, keys.index)
+        out = varlen_kernel(q_real, k_real, v_real, rows.cu_seqlens, keys.cu_seqlens, rows.max_len, keys.max_len)
+        # Padding queries get zero: their outputs reach no loss, and no real position attends to them.
+        return out.new_zeros(R * Sq, nh, hd).index_copy(0, rows.index, out).view(R, Sq, nh, hd)
+
+
+def varlen_kernel(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int) -> Tensor:
+    """Flash attention's variable-length kernel: q (Tq, nh, hd), k and v (Tk, nh, hd) -> (Tq, nh, hd)."""
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k)

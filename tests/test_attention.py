@@ -1,0 +1,103 @@
+"""The joint attention's kernels (mmldlm/model/attention.py): a batch with no padding takes no mask,
+and model.attention=varlen attends over each text's real positions gathered end to end, which gives
+every real position exactly what the masked attention gives it (forward and gradients), padded or
+packed, with prefix tokens, several latent slots, and the last block's queries of one stream alone.
+
+The variable-length kernel itself is CUDA's (tests/test_cuda.py compares it there); here a
+reference that attends one text at a time stands in for it, so the gather, the segment bounds
+and the scatter back are checked on a CPU."""
+
+import pytest
+import torch
+from test_packing import LENGTHS, batch, inputs, tiny_model
+
+from mmldlm.model import attention
+from mmldlm.model.mmdit import Packing
+
+ATOL = 1e-5
+
+
+@pytest.fixture
+def reference_varlen(monkeypatch):
+    """The CPU stands in for a CUDA device with the variable-length kernel; the calls are counted."""
+    calls = []
+
+    def kernel(*args):
+        calls.append(args[0].shape[0])
+        return attention.reference_varlen(*args)
+
+    monkeypatch.setattr(attention, "varlen_supported", lambda device: True)
+    monkeypatch.setattr(attention, "varlen_kernel", kernel)
+    return calls
+
+
+def outputs_and_grads(model, b, packed, text_head=True, latent_head=True):
+    """The outputs at real positions and the parameters' gradients of a loss that reads them all."""
+    model.zero_grad()
+    rows = (torch.rand(b["tokens"].shape, generator=torch.Generator().manual_seed(3)) < 0.5) & b["pad_mask"]
+    lengths = tuple(b["pad_mask"].sum(1).tolist())
+    out = model(
+        **inputs(b),
+        text_rows=rows if text_head else None,
+        text_head=text_head,
+        latent_head=latent_head,
+        packing=Packing.from_batch(b) if packed else None,
+        text_lengths=lengths,
+    )
+    real = [x for x in (out.text_logits, out.latent) if x is not None]
+    sum(x.square().sum() for x in real).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return real, grads
+
+
+@pytest.mark.parametrize("heads", ["both", "text", "latent"])
+@pytest.mark.parametrize(
+    "layout,overrides",
+    [("padded", {}), ("packed", {}), ("padded", {"num_prefix_tokens": 2}), ("packed", {"num_latents": 2})],
+    ids=["padded", "packed", "prefix", "packed-two-latents"],
+)
+def test_attention_over_real_positions_alone_equals_the_masked_attention(reference_varlen, layout, overrides, heads):
+    packed = layout == "packed"
+    masked = tiny_model(attention="sdpa", **overrides)
+    varlen = tiny_model(attention="varlen", **overrides)
+    b = batch(num_latents=masked.cfg.num_latents, packed=packed)
+    flags = {"text_head": heads != "latent", "latent_head": heads != "text"}
+    want, want_grads = outputs_and_grads(masked, b, packed, **flags)
+    assert reference_varlen == []  # model.attention=sdpa keeps the mask
+    got, got_grads = outputs_and_grads(varlen, b, packed, **flags)
+    assert len(reference_varlen) == masked.cfg.num_blocks  # every block took the variable-length path
+    for a, g in zip(want, got):
+        torch.testing.assert_close(g, a, rtol=0, atol=ATOL)
+    assert got_grads.keys() == want_grads.keys()
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=ATOL, msg=name)
+
+
+def test_the_variable_length_kernel_sees_only_real_positions(reference_varlen):
+    model = tiny_model(attention="varlen")
+    outputs_and_grads(model, batch(packed=False), packed=False)
+    K = model.cfg.num_latents
+    assert reference_varlen == [int(LENGTHS.sum()) + len(LENGTHS) * K] * model.cfg.num_blocks
+
+
+def test_a_batch_with_no_padding_attends_with_no_mask(monkeypatch):
+    """Every text as long as the batch: SDPA gets no mask (on a GPU, the flash kernel); without the
+    host's lengths the model cannot know it and keeps the mask."""
+    masks = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, **kwargs):
+        masks.append(attn_mask)
+        return real_sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", sdpa)
+    model = tiny_model()
+    b = batch(lengths=[6, 6, 6], packed=False)
+    x = inputs(b)
+    unmasked = model(**x, text_lengths=(6, 6, 6))
+    assert masks and all(m is None for m in masks)
+    masks.clear()
+    with_mask = model(**x)
+    assert masks and all(m is not None for m in masks)
+    for a, g in zip(with_mask, unmasked):
+        torch.testing.assert_close(g, a, rtol=0, atol=ATOL)
