@@ -45,6 +45,37 @@ def timed(fn, warmup: int, iters: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
+def varlen_rows(q, k, v, grad, keep, doc, args, cuda: bool) -> list[str]:
+    """The padded and packed batches through the model's own path (model.attention=varlen): the real
+    positions gathered, flash attention's variable-length kernel, the outputs scattered back."""
+    from mmldlm.model.attention import JointAttention, varlen_supported
+
+    if not varlen_supported(q.device):
+        return ["| real positions | varlen | n/a | no variable-length kernel on this device |"]
+    B, L, K = args.batch, args.length, args.latents
+    lengths = keep[:, :L].sum(1).tolist()
+    padded_of = torch.where(keep, torch.arange(B, device=keep.device)[:, None], -1)
+    rows = []
+    for case, text_of, packed, lens in (
+        ("padded: real positions", padded_of, False, lengths),
+        ("packed: real positions", doc[None].expand(B, -1), True, None),
+    ):
+        if packed:  # each row the same texts of doc_len tokens: B * docs texts in all
+            docs = int(doc.max()) + 1
+            text_of = torch.where(doc[None] >= 0, doc[None] + docs * torch.arange(B, device=doc.device)[:, None], -1)
+            lens = [int((doc[:L] == d).sum()) for d in range(docs)] * B
+        attention = JointAttention.build("varlen", text_of, L, packed, lens, 0, K)
+        qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+        g = grad.transpose(1, 2)
+
+        def fn(attention=attention, qt=qt, kt=kt, vt=vt, g=g):
+            attention(qt, kt, vt).backward(g)
+
+        ms = timed(fn, args.warmup, args.iters, cuda)
+        rows.append(f"| {case} | varlen | {ms:.3f} | {sum(lens) + len(lens) * K} real positions |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=4)
@@ -101,7 +132,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return fn
 
-    backends = [None, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+    backends = [
+        None,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.MATH,
+    ]
     for case, mask in (("no mask", None), ("padded: key mask", key_mask), ("packed: block-diagonal mask", block_mask)):
         for backend in backends:
             name = "default" if backend is None else backend.name.lower()
@@ -143,10 +180,12 @@ def main(argv: list[str] | None = None) -> int:
             compile_s = time.perf_counter() - started
             q.grad = k.grad = v.grad = None
             ms = timed(fn, args.warmup, args.iters, cuda)
-            lines.append(f"| {case} | flex_attention | {ms:.3f} | first call {compile_s:.1f} s; blocks {bm.sparsity():.0f}% sparse |")
+            note = f"first call {compile_s:.1f} s; blocks {bm.sparsity():.0f}% sparse"
+            lines.append(f"| {case} | flex_attention | {ms:.3f} | {note} |")
     except Exception as err:  # noqa: BLE001 - a report line, whatever stopped FlexAttention here
         lines.append(f"| flex | flex_attention | failed | {type(err).__name__}: {str(err).splitlines()[0][:200]} |")
 
+    lines += varlen_rows(q, k, v, grad, keep, doc, args, cuda)
     print("\n".join(lines))
     return 0
 

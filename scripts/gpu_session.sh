@@ -3,8 +3,10 @@
 #
 #   1. the older codebase's shape at full size (model=base-2k: 1024 wide, 24 blocks, texts of
 #      600-2048 tokens, a 30,522-entry vocabulary, 32-d latents) on synthetic tokens, no corpus:
-#      a. baseline vs optimized at micro-batch 4, with the largest micro-batch of each under 90% of
-#         the GPU's memory; samples/s, tokens/s, peak memory, MFU;
+#      a. eager: the optimized config with the masked attention (model.attention=sdpa) vs as it is
+#         (varlen) at micro-batch 4, and at micro-batch 8 padded and packed; samples/s, tokens/s,
+#         peak memory, the real-token share, MFU on real tokens (WITH_BASELINE=1 adds the baseline config and
+#         the largest micro-batch of each under 90% of the GPU's memory: measured 2026-11-27);
 #      b. compiled at micro-batch 4 vs compiled at micro-batch 8;
 #      c. one optimized step at micro-batch 4 under torch.profiler: how busy the GPU is and the top
 #         kernels and host operators, the row that names the next lever (scripts/profile_step.py);
@@ -55,12 +57,12 @@ fi
 # three 1B rows and their fit searches at 2048 tokens did not finish in 170 s (its rows then shared
 # the GPU's memory: the baseline ran out of it), hence rows one at a time and two benches.
 if [ "$MODE" = gpu ]; then
-    DEFAULTS=(240 120 80 60 0 0 0)  # 1a, 1b, 1c, 1d, 2, 3, 4
+    DEFAULTS=(150 150 60 40 0 0 0)  # 1a, 1b, 1c, 1d, 2, 3, 4
 else
     DEFAULTS=(80 80 80 80 80 80 80)  # every part, at tiny shapes
 fi
-T_SHAPE4=${T_SHAPE4:-${DEFAULTS[0]}} # 1a. two rows of 1B parameters, 2 + 4 steps, two fit searches
-T_SHAPE8=${T_SHAPE8:-${DEFAULTS[1]}} # 1b. two compiled rows, 2 + 4 steps
+T_SHAPE4=${T_SHAPE4:-${DEFAULTS[0]}} # 1a. four rows of 1B parameters, 3 + 10 steps each (WITH_BASELINE=1: 240 s)
+T_SHAPE8=${T_SHAPE8:-${DEFAULTS[1]}} # 1b. two compiled rows, 6 + 10 steps
 T_PROFILE=${T_PROFILE:-${DEFAULTS[2]}} # 1c. one row built, 3 steps, 2 steps profiled
 T_ATTENTION=${T_ATTENTION:-${DEFAULTS[3]}} # 1d. five SDPA backends x three masks, two FlexAttention compiles
 T_BASE=${T_BASE:-${DEFAULTS[4]}}     # 2. two rows, the auto micro-batch probe, compile, 2 + 4 steps
@@ -86,7 +88,8 @@ if [ "$MODE" = gpu ]; then
     CAP=$("$PY" -c 'import torch; print(round(0.9 * torch.cuda.get_device_properties(0).total_memory / 2**30, 1))')
     SHAPE="model=base-2k"
     SYNTHETIC="--synthetic-vocab 30522 --synthetic-lengths 600:2048 --synthetic-latent-dim 32"
-    STEPS="--steps 4 --warmup 2 --round-steps 2"
+    STEPS="--steps 10 --warmup 3 --round-steps 5"
+    COMPILED_STEPS="--steps 10 --warmup 6 --round-steps 5"  # recompiles for new lengths settle in the warm-up
     FIT="--memory-cap-gib $CAP --max-micro-batch 64"
     # auto takes the largest divisor of 2048 that fits: 512 on the 50k slice (68.4 GiB probed, 1,024 out of
     # memory; 2026-11-26)
@@ -105,6 +108,7 @@ else
     SHAPE="$TINY model.max_seq_len=64 perf.compile=false"
     SYNTHETIC="--synthetic-vocab 300 --synthetic-lengths 20:64 --synthetic-latent-dim 8 --synthetic-samples 64"
     STEPS="--steps 1 --warmup 1 --round-steps 1"
+    COMPILED_STEPS=$STEPS
     FIT="--memory-cap-gib 2 --max-micro-batch 8"
     BASE="$TINY perf.compile=false train.micro_batch_size=auto train.global_batch_size=16"
     RUNG="--minutes 0.5 --rungs tiny:1 --timing-steps 4"  # less than its timing run: one training step
@@ -148,15 +152,23 @@ part() {
     copy_out "$log" $([ -f "$RUN_OUT/profile/profile.txt" ] && echo "$RUN_OUT/profile/profile.txt")
 }
 
-part "1a. The older codebase's shape, micro-batch 4: baseline vs optimized" "$T_SHAPE4" "$RUN_OUT/shape-4.log" \
-    --bench "$RUN_OUT/shape-4" -- \
+MB8="train.global_batch_size=8 train.micro_batch_size=8"
+if [ "${WITH_BASELINE:-0}" = 1 ]; then
+    SHAPE_ROWS=(--variant baseline)
+    FITTING=$FIT
+else
+    SHAPE_ROWS=()
+    FITTING=--no-fit
+fi
+part "1a. The older codebase's shape, eager: masked attention vs real positions, micro-batch 4 and 8" "$T_SHAPE4" \
+    "$RUN_OUT/shape-4.log" --bench "$RUN_OUT/shape-4" -- \
     "$PY" -m mmldlm bench $SHAPE train.global_batch_size=4 train.micro_batch_size=4 $SYNTHETIC \
-    --baseline baseline --optimized optimized $STEPS $FIT $ROWS --out "$RUN_OUT/shape-4"
+    --baseline "optimized model.attention=sdpa" --optimized optimized --variant "optimized $MB8" \
+    --variant "optimized data.packing=true $MB8" "${SHAPE_ROWS[@]}" $STEPS $FITTING $ROWS --out "$RUN_OUT/shape-4"
 part "1b. The older codebase's shape, compiled: micro-batch 4 vs 8" "$T_SHAPE8" "$RUN_OUT/shape-8.log" \
     --bench "$RUN_OUT/shape-8" -- \
     "$PY" -m mmldlm bench $SHAPE train.global_batch_size=4 train.micro_batch_size=4 $SYNTHETIC \
-    --baseline compiled --optimized "compiled train.global_batch_size=8 train.micro_batch_size=8" \
-    $STEPS --no-fit $ROWS --out "$RUN_OUT/shape-8"
+    --baseline compiled --optimized "compiled $MB8" $COMPILED_STEPS --no-fit $ROWS --out "$RUN_OUT/shape-8"
 part "1c. The older codebase's shape, one optimized step profiled" "$T_PROFILE" "$RUN_OUT/profile.log" \
     --profile "$RUN_OUT/profile" -- \
     "$PY" scripts/profile_step.py optimized $SHAPE train.global_batch_size=4 train.micro_batch_size=4 \
