@@ -69,11 +69,12 @@ class ModelConfig:
     num_latents: int | None = None  # K latent vectors per sample; None: the prepared dataset's (1 per text)
     pos_embedding: Literal["rope", "learned"] = "rope"
     qk_norm: bool = True  # RMSNorm on queries and keys, per head
-    # varlen: SDPA, and on a CUDA device a padded or packed training batch attends over its real
-    # positions alone with flash attention's variable-length kernel; sdpa: SDPA with a padding mask
-    # (flash only where nothing is padded); explicit: the baseline recipe (mmldlm/baseline.py).
-    # All three are exact; model/attention.py says which runs when.
-    attention: Literal["varlen", "sdpa", "explicit"] = "varlen"
+    # sdpa: SDPA, with a padding mask where a batch has padding (none, so flash, where it has none);
+    # varlen: on a CUDA device a padded or packed training batch attends over its real positions alone
+    # with flash attention's variable-length kernel (less device time, more host time per call: slower
+    # at the older codebase's shape in eager mode, docs/benchmarks-gpu.md); explicit: the baseline
+    # recipe (mmldlm/baseline.py). All three are exact; model/attention.py says which runs when.
+    attention: Literal["sdpa", "varlen", "explicit"] = "sdpa"
     timestep_embed_dim: int = 256  # sinusoidal features fed to the timestep MLPs
     null_latent: bool = True  # learned "no condition" latent for classifier-free guidance
     # Latent self-conditioning (Chen et al. 2022): the latent stream also reads an earlier x0 estimate.

@@ -369,7 +369,7 @@ def test_presets_differ_only_in_performance_keys(size):
     size_default = load_config(None, [f"model={size}"]).model
     assert baseline["model.hidden_size"] == optimized["model.hidden_size"] == size_default.hidden_size
     assert baseline["train.global_batch_size"] == optimized["train.global_batch_size"]
-    assert baseline["model.attention"] == "explicit" and optimized["model.attention"] == "varlen"
+    assert baseline["model.attention"] == "explicit" and optimized["model.attention"] == "sdpa"
     assert baseline["train.precision"] == "fp32" and optimized["train.precision"] == "auto"
     assert baseline["latent_diffusion.loss"] == "normalized_mse"
     assert baseline["distributed.find_unused_parameters"] and baseline["perf.refreeze_every_step"]

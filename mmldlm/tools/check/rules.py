@@ -394,9 +394,9 @@ RULES = {
         "attention",
         "warning",
         "model.attention=explicit materialises the (S, S) score matrix per head",
-        "scaled_dot_product_attention's flash kernels (variable-length on padded GPU batches): less memory, faster",
-        "model.attention=varlen",
-        {"model.attention": "varlen"},
+        "scaled_dot_product_attention uses flash / memory-efficient kernels on GPU: less memory, faster",
+        "model.attention=sdpa",
+        {"model.attention": "sdpa"},
     ),
     "precision_fp32": Rule(
         "precision",
