@@ -89,7 +89,9 @@ def test_the_stable_launchers_bugs_are_named_and_the_exit_status_says_it_failed(
     rules = {f.rule: f for f in m.findings}
     bc = rules["launcher_bc"]
     assert bc.severity == "error" and bc.message.startswith("the older launcher fails on this cluster: bc cannot read")
-    assert "5e-5" in bc.message and "optimizer.lr" in bc.message
+    assert "5e-5" in bc.message and bc.message.endswith(
+        "so the trainer is handed optimizer.lr=: it fails at its first step"
+    )
     memory = rules["launcher_gpu_memory"]
     assert "at 81559 MiB" in memory.message and "nominal 81920 MiB" in memory.message
     assert "training.train_batch_size=3" in memory.message and "training.train_batch_size=4" in memory.message

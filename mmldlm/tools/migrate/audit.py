@@ -60,8 +60,8 @@ RULES = {
     "bc_failed": Rule(
         "launcher_bc",
         "error",
-        "the older launcher fails on this cluster: bc cannot read `{expression}` ({where}: {error}), so {empty} "
-        "reach(es) the trainer empty: the older trainer fails at its first step",
+        "the older launcher fails on this cluster: bc cannot read `{expression}` ({where}: {error}), so the "
+        "trainer is handed {empty}: it fails at its first step",
         "bc has no scientific notation (5e-5 is 5, the variable e, then -5: a syntax error); it prints the "
         "error, exits 0 and the launcher's $(... | bc) is empty",
         "written: {meant} (what the launcher meant, computed with 5e-5 read as 0.00005)",
@@ -71,8 +71,9 @@ RULES = {
         "warning",
         "the launcher's branch depends on the GPU memory nvidia-smi reports: at {mib} MiB (this {gpu}) it passes "
         "{ours}; at the card's nominal {nominal} MiB ({gib} GiB) it would pass {theirs}",
-        "nvidia-smi reports less than the card's nominal size (81559 MiB on an 80 GB H100); divided by 1024 "
-        "with bash's integer division that is {floor}, under a threshold of {gib}",
+        "nvidia-smi reports less than the card's nominal size ({mib} MiB, not {nominal}): a threshold at the "
+        "nominal {gib} GB, compared after bash's integer division by 1024 ({floor}), sends the card down a smaller "
+        "card's branch",
         "written: the values of the branch taken ({ours}); compare against what the launcher's author meant",
     ),
     "read_prompt": Rule(
@@ -247,7 +248,7 @@ def launcher_findings(reading: LauncherReading, cluster: Cluster, refused: list[
                 where=record.where,
                 expression=expression,
                 error=error,
-                empty=", ".join(empty) or "a value",
+                empty=", ".join(f"{k}=" for k in empty) or "an empty value",
                 meant=meant,
             )
         )

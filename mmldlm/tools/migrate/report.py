@@ -6,6 +6,7 @@ the torchrun call go to OUT.migrate.txt (printed too with --verbose)."""
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mmldlm.tools.check import describe, estimate, format_finding
@@ -28,6 +29,14 @@ SHELL_RECORDS = {
     "read-prompt": "read -p answered with Enter",
     "python-failed": "python -c failed",
 }
+
+
+def _shown(path: Path) -> Path:
+    """`path` relative to the current folder where it lies beneath it (the older repository's root)."""
+    try:
+        return path.resolve().relative_to(Path.cwd().resolve())
+    except ValueError:
+        return path
 
 
 def _n(value) -> str:
@@ -102,7 +111,8 @@ def format_table(rows: list[tuple[str, str, str]], heading: tuple[str, str, str]
 def summary(m: Migration) -> str:
     """The command's output: fits a screen for a launcher with a dozen findings."""
     reading = m.reading
-    lines = [f"migrate: {m.config.path}" + (f" + {reading.path}" if reading else "") + f" for {m.cluster.words()}"]
+    lines = [f"migrate: {_shown(m.config.path)}" + (f" + {reading.path}" if reading else "")]
+    lines[0] += f" for {m.cluster.words()}"
     if reading is not None:
         call = reading.call
         lines.append(

@@ -1,9 +1,7 @@
 #!/bin/bash
-# torchrun as the condition of an if, inside a retry loop; a second form, until, below it.
+# torchrun as the condition of an if, in a retry loop: up to three attempts, a minute apart.
 NPROC=${NPROC_PER_NODE:-8}
-ATTEMPT=0
-while [ $ATTEMPT -lt 3 ]; do
-    ATTEMPT=$((ATTEMPT + 1))
+for ATTEMPT in 1 2 3; do
     if torchrun --nnodes=${NNODES:-1} --nproc_per_node=$NPROC train_mmdit_stable.py --config-name=small_joint \
         training.train_batch_size=$((64 / NPROC)) logging.run_name=retry_${ATTEMPT}; then
         echo "finished on attempt ${ATTEMPT}"
