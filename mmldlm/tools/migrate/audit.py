@@ -46,6 +46,11 @@ TRAINER_PREFIXES = (
     "NVIDIA_",
 )
 
+AUTO_CHECKPOINTING = (
+    "written: perf.activation_checkpointing=auto (the least of none, selective, full under which the micro-batch "
+    "fits, probed at start-up)"
+)
+
 RULES = {
     "lost_overrides": Rule(
         "launcher_continuation",
@@ -192,16 +197,6 @@ RULES = {
         "written: distributed.timeout_minutes={minutes}; NCCL_TIMEOUT left out of the launch line",
     ),
     "env_reviewed": Rule("nccl_env", "warning", "{name}={value} in {source}: {what}", "{why}", "written: {what}"),
-    "no_checkpointing": Rule(
-        "activation_checkpointing",
-        "warning",
-        "model.max_seq_len={length} with no activation checkpointing: estimated {need:.1f} GiB per GPU at "
-        "micro-batch {micro} ({activations:.0f} MiB of activations per sample) of {memory:.1f} GiB",
-        "every block keeps its activations for backward, so at this length activations, not weights, decide "
-        "the micro-batch",
-        "written: perf.activation_checkpointing=auto (the least of none, selective, full under which the "
-        "micro-batch fits, probed at start-up)",
-    ),
     "fused": Rule(
         "fused_optimizer",
         "info",
@@ -515,7 +510,7 @@ def config_findings(cfg: RunConfig, old: dict, env: Environment) -> list[Finding
     found = [f for f in audit(older, env)[0] if f.severity != "info" and f.rule != "fused_optimizer"]
     for f in found:
         if f.rule == "activation_checkpointing":
-            f.fix = RULES["no_checkpointing"].fix
+            f.fix = AUTO_CHECKPOINTING
     return found
 
 
