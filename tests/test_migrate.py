@@ -223,6 +223,9 @@ def test_the_branch_is_taken_with_the_schedulers_world_size_as_the_node_count(sh
         reading = shapes[("launch_branches.sh", nnodes)].reading
         assert reading.convention.startswith("per node")
         assert reading.call.nnodes == str(nnodes)
+    # The launch line's rendezvous: the call's own (--rdzv_endpoint), else a placeholder, never torchrun's default
+    assert "MASTER_ADDR=node0 MASTER_PORT=29400 scripts/launch.sh" in summary(shapes[("launch_branches.sh", 2)])
+    assert "MASTER_ADDR=NODE0_ADDRESS MASTER_PORT=29500" in summary(shapes[("launch_comment.sh", 2)])
 
 
 def test_the_config_is_found_from_the_launcher_alone_and_a_config_given_is_read_as_it_is(shapes, tmp_path):
@@ -256,7 +259,7 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)
-def test_bad_input_is_one_line_and_exit_status_2(tmp_path, capsys, case):
+def test_bad_input_is_one_line_and_exit_status_2(tmp_path, capsys, monkeypatch, case):
     argv, expected = BAD_INPUTS[case]
     repo = tmp_path / "repo"
     shutil.copytree(OLDER_REPO, repo)
@@ -266,12 +269,8 @@ def test_bad_input_is_one_line_and_exit_status_2(tmp_path, capsys, case):
     )
     (repo / "scripts" / "no_torchrun.sh").write_text("#!/bin/bash\necho training\npython train.py\n")
     out = tmp_path / "imported.yaml"
-    before = os.getcwd()
-    os.chdir(repo)
-    try:
-        assert cli.main(["migrate", *argv, "--out", str(out)]) == 2
-    finally:
-        os.chdir(before)
+    monkeypatch.chdir(repo)
+    assert cli.main(["migrate", *argv, "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("mmldlm migrate: ") and err.count("\n") == 1 and expected in err
     assert not out.exists()

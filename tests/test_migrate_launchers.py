@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("hydra")  # launcher.py reads the call with Hydra's own argument parser
 from mmldlm.tools.migrate import Cluster, bc, shell
+from mmldlm.tools.migrate.audit import launcher_findings
 from mmldlm.tools.migrate.launcher import cluster_environment, read_launcher
 
 OLDER_REPO = Path(__file__).resolve().parent / "data" / "older_repo"
@@ -136,15 +137,9 @@ def test_the_clusters_facts_answer_the_launchers_questions(tmp_path):
 @pytest.mark.parametrize(
     "engine", ["model", *(["bc"] if shutil.which("bc") else [])], ids=lambda e: f"bc={e}"
 )  # this machine's bc where installed, and the model that stands in where it is not
-def test_bc_refusing_5e_5_empties_the_lr_and_the_meant_lr_is_computed(engine):
-    import os
-
-    before = os.getcwd()
-    os.chdir(OLDER_REPO)
-    try:
-        reading = read_launcher(Path("scripts/launch_stable.sh"), [], CLUSTER, bc=engine)
-    finally:
-        os.chdir(before)
+def test_bc_refusing_5e_5_empties_the_lr_and_the_meant_lr_is_computed(engine, monkeypatch):
+    monkeypatch.chdir(OLDER_REPO)
+    reading = read_launcher(Path("scripts/launch_stable.sh"), [], CLUSTER, bc=engine)
     assert reading.run.bc_engine == engine
     values = reading.call.override_values()
     assert values["optimizer.lr"] == "" and values["training.train_batch_size"] == "3"
@@ -153,6 +148,17 @@ def test_bc_refusing_5e_5_empties_the_lr_and_the_meant_lr_is_computed(engine):
     # 0.00005 * 1.7320 at scale min(5 + 4, max(10, 5, 4)) = 9, as bc prints it
     assert reading.meant == {"optimizer.lr": ".000086600"}
     assert reading.memory_branch["training.train_batch_size"] == ("3", "4")
+
+
+def test_where_bc_is_not_installed_its_model_stands_in_and_a_warning_says_so(monkeypatch):
+    which = shutil.which
+    monkeypatch.setattr(shell.shutil, "which", lambda name, *a, **k: None if name == "bc" else which(name, *a, **k))
+    monkeypatch.chdir(OLDER_REPO)
+    reading = read_launcher(Path("scripts/launch_stable.sh"), [], CLUSTER)
+    assert reading.run.bc_engine == "model" and reading.meant == {"optimizer.lr": ".000086600"}
+    warning = next(f for f in launcher_findings(reading, CLUSTER, []) if f.message.startswith("bc is not installed"))
+    assert warning.severity == "warning" and "2 bc call(s) ran on migrate's model of GNU bc" in warning.message
+    assert warning.fix == "install bc (apt-get install bc) and run migrate again"
 
 
 # What GNU bc 1.07 prints for each input (stdout, then stderr), as bc itself prints it (checked below

@@ -151,19 +151,35 @@ class LauncherReading:
         return [w for r in self.lost for w in r.words if OVERRIDE.match(w)]
 
 
-def training_call(record: Record) -> TrainingCall | None:
-    """The record as a torchrun call, or None if it is not one (a python -m torch.distributed.run is)."""
-    words = record.words
+def _torchrun_arguments(words: list[str]) -> list[str] | None:
+    """The words after `torchrun` (or `python -m torch.distributed.run`) in a command, or None."""
     start = next((i for i, w in enumerate(words) if Path(w).name == "torchrun"), None)
     if start is not None and (start == 0 or Path(words[0]).name in WRAPPERS):
-        args = words[start + 1 :]
-    else:
-        module = next((i for i in range(len(words) - 1) if words[i] == "-m" and words[i + 1] in TORCHRUN_MODULES), None)
-        runner = Path(words[0]).name
-        if module is None or not (re.match(r"python[\d.]*$", runner) or runner in WRAPPERS):
-            return None
-        args = [w for w in words[module + 2 :] if w not in ("--use-env", "--use_env")]
-    env_words = dict(w.split("=", 1) for w in words[: start or 0] if re.match(r"^[A-Za-z_]\w*=", w))
+        return words[start + 1 :]
+    module = next((i for i in range(len(words) - 1) if words[i] == "-m" and words[i + 1] in TORCHRUN_MODULES), None)
+    runner = Path(words[0]).name
+    if module is None or not (re.match(r"python[\d.]*$", runner) or runner in WRAPPERS):
+        return None
+    return [w for w in words[module + 2 :] if w not in ("--use-env", "--use_env")]
+
+
+def _rendezvous(args: list[str], parsed) -> tuple[str | None, int | None]:
+    """The master address and port the call gives (torchrun's defaults, 127.0.0.1:29500, are none)."""
+    given = " ".join(w for w in args if w.startswith("--"))
+    host, _, port = parsed.rdzv_endpoint.rpartition(":") if parsed.rdzv_endpoint else ("", "", "")
+    addr = parsed.master_addr if re.search(r"--master[_-]addr", given) else host or None
+    if re.search(r"--master[_-]port", given):
+        return addr, parsed.master_port
+    return addr, int(port) if port.isdigit() else None
+
+
+def training_call(record: Record) -> TrainingCall | None:
+    """The record as a torchrun call, read by torchrun's and Hydra's own parsers; None if it is not one."""
+    words = record.words
+    args = _torchrun_arguments(words)
+    if args is None:
+        return None
+    env_words = dict(w.split("=", 1) for w in words[: len(words) - len(args)] if re.match(r"^[A-Za-z_]\w*=", w))
     try:
         parsed = torchrun_args_parser().parse_args(args)
         hydra = hydra_args_parser().parse_args(parsed.training_script_args)
@@ -171,18 +187,18 @@ def training_call(record: Record) -> TrainingCall | None:
         raise MigrateError(
             f"{record.where}: torchrun's own argument parser refuses the call `{' '.join(words)[:200]}`"
         ) from None
-    nnodes = "1" if parsed.standalone else str(parsed.nnodes)
+    master_addr, master_port = _rendezvous(args, parsed)
     return TrainingCall(
         record=record,
-        nnodes=nnodes,
+        nnodes="1" if parsed.standalone else str(parsed.nnodes),
         nproc_per_node=str(parsed.nproc_per_node),
         script=Path(record.cwd) / parsed.training_script,
         config_name=hydra.config_name,
         config_path=hydra.config_path,
         overrides=list(hydra.overrides),
         environ={**record.environ, **env_words},
-        master_addr=parsed.master_addr,
-        master_port=parsed.master_port,
+        master_addr=master_addr,
+        master_port=master_port,
     )
 
 
