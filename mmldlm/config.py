@@ -792,6 +792,10 @@ class CheckpointConfig:
     """Checkpoints under RUN/checkpoints/ (see mmldlm/runs/checkpoints.py)."""
 
     every: int = 500  # steps between checkpoints; the last step is always saved
+    # Also save once this many minutes of wall clock have passed since the last save (or the start),
+    # so a failure loses at most about this much work whatever a step costs; 0 = steps only. Rank 0's
+    # clock decides, read every few steps (see CheckpointManager.due).
+    every_minutes: float = 0.0
     keep_last: int = 3
     milestone_every: int = 0  # also keep every step that is a multiple of this; 0 = none
     async_save: bool = False  # copy to CPU memory and write in background threads, overlapping training
@@ -800,6 +804,8 @@ class CheckpointConfig:
         if self.every < 1 or self.keep_last < 1:
             key = "every" if self.every < 1 else "keep_last"
             _fail(f"{prefix}.{key}", getattr(self, key), "an integer >= 1")
+        if not self.every_minutes >= 0:
+            _fail(f"{prefix}.every_minutes", self.every_minutes, "a number of minutes >= 0 (0 = steps only)")
         if self.milestone_every < 0:
             _fail(f"{prefix}.milestone_every", self.milestone_every, "an integer >= 0 (0 = no milestones)")
 

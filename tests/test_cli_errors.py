@@ -44,8 +44,8 @@ REFUSED = {
         "--nnodes: got 0; expected an integer >= 1",
     ),
     "migrate-gpu-memory": (
-        ["migrate", "old.yaml", "--out", "OUT", "--gpu-memory-gib", "0"],
-        "--gpu-memory-gib: got 0.0; expected a number of GiB > 0",
+        ["migrate", "old.yaml", "--out", "OUT", "--gpu-memory-mib", "0"],
+        "--gpu-memory-mib: got 0; expected an integer >= 1",
     ),
     "bench-memory-cap": (
         ["bench", "--memory-cap-gib", "-1"],

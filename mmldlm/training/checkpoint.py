@@ -82,6 +82,9 @@ log = logging.getLogger(__name__)
 # The flat optimizer state dict ("state.NAME.exp_avg", "param_groups.NAME.lr"): DCP stores each entry
 # under its own key, so a parameter the checkpoint holds no state for is told by a missing key.
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# checkpoint.every_minutes reads the clock on every this many steps: a step is well under a minute, and
+# the broadcast that makes the ranks agree is paid once per this many steps.
+CLOCK_CHECK_STEPS = 10
 
 
 def _background_stager(device: torch.device) -> DefaultStager:
@@ -166,6 +169,10 @@ class CheckpointManager:
         # The checkpoint's own process group (gloo: CPU tensors, and a background write must not
         # share the training group's queue); made now, as every rank builds its manager at the same point.
         self._group = dist.new_group(backend="gloo") if info.distributed else None
+        # checkpoint.every_minutes: rank 0's clock, broadcast over a gloo group of its own (a background
+        # write may be using the one above) so that every rank saves at the same step.
+        self._clock_group = dist.new_group(backend="gloo") if info.distributed and cfg.every_minutes else None
+        self._saved_at = time.monotonic()
         if not info.distributed:
             quiet_single_process_warning()
 
@@ -289,6 +296,19 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- saving
 
+    def due(self, step: int) -> bool:
+        """Whether to save after `step` optimizer steps: a multiple of checkpoint.every, or, on every
+        CLOCK_CHECK_STEPS-th step, checkpoint.every_minutes since the last save by rank 0's clock. Call on
+        every rank. The clock's verdict is a one-byte CPU broadcast: no device work, no host sync."""
+        if step % self.cfg.every == 0:
+            return True
+        if not self.cfg.every_minutes or step % CLOCK_CHECK_STEPS:
+            return False
+        late = torch.tensor([time.monotonic() - self._saved_at >= 60 * self.cfg.every_minutes], dtype=torch.uint8)
+        if self._clock_group is not None:
+            dist.broadcast(late, src=0, group=self._clock_group)
+        return bool(late.item())
+
     def save(
         self,
         step: int,
@@ -307,6 +327,7 @@ class CheckpointManager:
         `ema`: the run's WeightEMA, if any. `rank_state` is this rank's own; the rest is the same on
         every rank and rank 0's is written."""
         self.wait()
+        self._saved_at = time.monotonic()
         name = step_dir_name(step)
         tmp = self.dir / f".tmp-{name}"
         with collective_guard(f"checkpoint state of step {step}", self.info):

@@ -862,7 +862,7 @@ class Trainer:
                         return 128 + signum
                     if cfg.eval.every and self.step % cfg.eval.every == 0:
                         self._evaluate()
-                    if self.step % cfg.checkpoint.every == 0:
+                    if self.checkpoints.due(self.step):
                         self.save()
                 if self._last_saved != self.step:
                     self.save(blocking=True)

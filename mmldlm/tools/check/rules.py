@@ -479,62 +479,6 @@ RULES = {
         "data.pad_to_multiple=64",
         {"data.pad_to_multiple": 64},
     ),
-    # A run of the older codebase, as `mmldlm migrate` reads its config and launcher (mmldlm/tools/migrate.py):
-    # settings that only the older files can hold.
-    "older_collective_timeout": Rule(
-        "timeout",
-        "warning",
-        "NCCL_TIMEOUT={value} in {source}: the older trainer's collective timeout, {hours:.1f} hours",
-        TIMEOUT_WHY + "; neither torch nor NCCL reads NCCL_TIMEOUT itself",
-        *TIMEOUT_FIX,
-    ),
-    "older_no_checkpointing": Rule(
-        "activation_checkpointing",
-        "warning",
-        "model.max_seq_len={length} with no activation checkpointing: estimated {need:.1f} GiB per GPU at "
-        "micro-batch {micro} ({activations:.0f} MiB of activations per sample) of {memory:g} GiB",
-        "every block keeps its activations for backward, so at this length activations, not weights, decide "
-        "the micro-batch; checkpointing recomputes them in backward and frees room for a larger micro-batch "
-        "(fewer accumulation steps for the same global batch)",
-        "perf.activation_checkpointing=auto (the least of none, selective, full under which the micro-batch "
-        "fits, probed at start-up)",
-        {"perf.activation_checkpointing": "auto"},
-    ),
-    "older_lr_rules": Rule(
-        "lr_schedule",
-        "info",
-        "the launcher computes optimizer.lr={lr:.3g} (from {base_lr}) and training.warmup_steps={warmup} "
-        "(config: {config_warmup}) for an effective batch of {batch} on {world} GPUs and {steps} steps",
-        "the LR follows the square root of effective batch / 32 and warmup 2% of the steps within "
-        "[1000, 5000], both from the cluster's size: the same config is another recipe on another cluster",
-        "optim.lr={lr:.3g}, schedule.warmup_steps={warmup} fixed, with train.global_batch_size={batch}; "
-        "our trainer derives accumulation from the global batch on any cluster, so the recipe stays",
-    ),
-    "older_retention": Rule(
-        "checkpoint_retention",
-        "warning",
-        "{key}={every}: the older trainer keeps every checkpoint, {saved} of about {each:.1f} GiB "
-        "({total:.0f} GiB) over {steps} steps",
-        "the disk fills while the run goes on; a checkpoint write that runs out of space fails the run",
-        "checkpoint.keep_last=3 (and checkpoint.milestone_every=N for checkpoints to keep for good)",
-        {"checkpoint.keep_last": 3},
-    ),
-    "older_fused": Rule(
-        "fused_optimizer",
-        "info",
-        "optimizer.use_fused={value}",
-        "the older trainer stepped AdamW one parameter at a time (the baseline recipe's optim.foreach=false); "
-        "optim.fused=true would fail on a device without the fused kernel",
-        "optim.fused=auto (the fused kernel where the device has it, else foreach)",
-        {"optim.fused": "auto"},
-    ),
-    "older_heads": Rule(
-        "num_heads",
-        "warning",
-        "model.n_heads={heads} does not divide model.hidden_size={width}",
-        "the older block ignored the head count; ours honours it and needs whole heads of an even dim (RoPE)",
-        "model.num_heads={fitted} (head dim {head_dim}: the nearest such head count, ties to fewer heads)",
-    ),
 }
 
 
