@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from mmldlm.cli import main
 from mmldlm.config import load_model_preset
 from mmldlm.model import MultimodalMMDiT, parameter_counts, training_flops_per_sample
-from mmldlm.model.mmdit import padded_row_count
+from mmldlm.model.mmdit import RMSNorm, apply_rope, padded_row_count, rope_angles
 
 VOCAB = 512
 SHAPE = {"latent_dim": 384, "num_latents": 1}  # no dataset here: the default encoder's latent
@@ -386,3 +386,30 @@ def test_prefix_tokens_carry_the_latent_and_follow_the_null_latent():
     dropped, _, _ = model(tokens, latents, t_text, t_latent, latent_null=null, latent_head=False)
     same_null, _, _ = model(tokens, latents.roll(1, dims=0), t_text, t_latent, latent_null=null, latent_head=False)
     torch.testing.assert_close(dropped[0], same_null[0])
+
+
+def test_rotary_embedding_rotates_each_pair_by_its_positions_angle():
+    """apply_rope against the rotation written as complex numbers (RoFormer eq. 34): pair j of position
+    m, (x_j, x_{j + hd/2}) as x_j + i x_{j + hd/2}, multiplied by exp(i m theta_j), theta_j = 10000^(-2j/hd)."""
+    L, nh, hd = 7, 3, 8
+    x = torch.randn(2, L, nh, hd, dtype=torch.float64)
+    cos, sin = rope_angles(L, hd, torch.device("cpu"))
+    got = apply_rope(x, cos[:, None].double(), sin[:, None].double())
+    theta = 10000.0 ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)  # (hd/2,)
+    turn = torch.polar(torch.ones(L, hd // 2, dtype=torch.float64), torch.arange(L)[:, None] * theta)  # (L, hd/2)
+    rotated = torch.complex(x[..., : hd // 2], x[..., hd // 2 :]) * turn[:, None]  # (2, L, nh, hd/2)
+    want = torch.cat([rotated.real, rotated.imag], dim=-1)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # the tables are float32
+
+
+def test_qk_rmsnorm_of_bf16_inputs_keeps_the_fp32_mean_of_squares():
+    """Under bf16 autocast the q/k norm gets bf16 activations and returns bf16: the fp32 computation
+    rounded to bf16 (within two bf16 steps), not a bf16 mean of squares."""
+    norm = RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = (torch.randn(4, 10, 64) * 30).to(torch.bfloat16)
+    got = norm(x)
+    assert got.dtype == torch.bfloat16
+    want = torch.nn.functional.rms_norm(x.float(), (64,), norm.weight, 1e-6)
+    torch.testing.assert_close(got.float(), want, rtol=2 * 2**-8, atol=0)

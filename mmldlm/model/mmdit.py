@@ -32,21 +32,23 @@ from mmldlm.model.attention import JointAttention
 
 
 def rope_angles(seq_len: int, head_dim: int, device: torch.device, base: float = 10000.0) -> tuple[Tensor, Tensor]:
-    """cos and sin of the rotary angles for positions 0..seq_len-1 (RoFormer, Su et al. 2021, eq. 34).
+    """The rotary tables of positions 0..seq_len-1 (RoFormer, Su et al. 2021, eq. 34), (L, hd) each:
+    cos(theta_j) and (-sin(theta_j), sin(theta_j)) for the pairs (x_j, x_{j + hd/2}), j < hd/2.
 
     Computed on the fly in float32 rather than stored as a buffer: it costs O(L * hd) and leaves the
     model with no buffers to lose when it is built on the meta device or cast to another dtype."""
     inv_freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)  # (hd/2,)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # (L, hd/2)
-    return angles.cos(), angles.sin()
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (x_i, x_{i + hd/2}) of x (B, L, nh, hd) by the angles of each position, cos and sin
-    (L, 1, hd/2) or (B, L, 1, hd/2)."""
-    x1, x2 = x.float().chunk(2, dim=-1)  # (B, L, nh, hd/2) each
-    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return rotated.type_as(x)
+    """Rotate the pairs (x_j, x_{j + hd/2}) of x (B, L, nh, hd) by the angles of each position:
+    (x_j cos - x_{j+hd/2} sin, x_{j+hd/2} cos + x_j sin). cos and sin are `rope_angles`' tables rows
+    of the positions, (L, 1, hd) or (B, L, 1, hd), in x's dtype: three kernels, no copy in float32
+    (under bf16 autocast, rotary embeddings in bf16 as in current LMs)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 class TimestepEmbedder(nn.Module):
@@ -72,8 +74,9 @@ class TimestepEmbedder(nn.Module):
 
 
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
-    """adaLN: x (B, T, H) normalised elsewhere; shift, scale (B, 1, H) from each row's conditioning
-    vector, or (B, T, H) per position in packed rows (`per_position`)."""
+    """adaLN: x * (1 + scale) + shift; x (B, T, H) normalised elsewhere; shift, scale (B, 1, H) from
+    each row's conditioning vector, or (B, T, H) per position in packed rows (`per_position`).
+    (Not addcmul: autocast promotes its mixed fp32/bf16 inputs with a cast of each.)"""
     return x * (1 + scale) + shift
 
 
@@ -91,7 +94,8 @@ def per_position(mod: Tensor, doc: Tensor | None, chunks: int) -> tuple[Tensor, 
 class RMSNorm(nn.RMSNorm):
     """RMSNorm computed in fp32 and returned in the input's dtype: under bf16 autocast q and k arrive
     in bf16 while the weight stays fp32, a mix torch's fused kernel refuses (and a bf16 mean of
-    squares loses precision the QK-norm exists to keep)."""
+    squares loses precision the QK-norm exists to keep). Casting the weight instead measured more
+    dispatched operations per step (its gradient's cast back), not fewer."""
 
     def forward(self, x: Tensor) -> Tensor:
         return F.rms_norm(x.float(), self.normalized_shape, self.weight, self.eps).to(x.dtype)
@@ -127,7 +131,7 @@ class StreamLayers(nn.Module):
         self.attn_proj = nn.Linear(H, H, bias=False)
         self.norm_mlp = nn.LayerNorm(H, eps=cfg.norm_eps, elementwise_affine=False)
         self.mlp = MLP(H, int(cfg.mlp_ratio * H))
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
     def qkv_heads(self, x: Tensor, shift: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, H) -> q, k, v (B, T, nh, hd), q and k normalised per head. Positions stay before
@@ -143,8 +147,7 @@ class StreamLayers(nn.Module):
         six adaLN tensors from `per_position`."""
         _, _, gate_attn, shift_mlp, scale_mlp, gate_mlp = mod
         x = x + gate_attn * self.dropout(self.attn_proj(attn_out))
-        x = x + gate_mlp * self.dropout(self.mlp(modulate(self.norm_mlp(x), shift_mlp, scale_mlp)))
-        return x
+        return x + gate_mlp * self.dropout(self.mlp(modulate(self.norm_mlp(x), shift_mlp, scale_mlp)))
 
     def output_parameters(self) -> list[nn.Parameter]:
         """The parameters that serve only this stream's own outputs (its queries, output projection
@@ -175,12 +178,12 @@ class MMDiTBlock(nn.Module):
     ) -> tuple[Tensor | None, Tensor | None]:
         """x_text (B, L, H), x_latent (B, K, H), c (B, H); attention: how the joint sequence of
         S = L + K positions is attended (model/attention.py: padding and packing live there);
-        rope = (cos, sin) (L, 1, hd/2) for the text positions.
+        rope = (cos, sin) (L, 1, hd) for the text positions (`rope_angles`).
 
         Packed rows (`Packing`): x_text (R, L, H) holds several texts end to end, text_doc (R, L) the
         text of each position (modulated by its own text's c (N, H)); x_latent (N, K, H) stays one row
         per text, and only its queries, keys and values are placed in the rows for the attention
-        (latent_rows), S = L + M * K; rope (R, L, 1, hd/2) at each position's place in its own text.
+        (latent_rows), S = L + M * K; rope (R, L, 1, hd) at each position's place in its own text.
 
         A stream with `*_out=False` only lends its keys and values: its queries, attention output and
         MLP are not computed and it returns None (SD3's last "context_pre_only" block), so a head that
@@ -194,7 +197,8 @@ class MMDiTBlock(nn.Module):
             # them unrotated is the same as putting them all at position 0, so a text token sees the
             # latent at an offset equal to its own position, and the slots are told apart by their
             # learned slot embeddings instead.
-            q_text, k_text = apply_rope(q_text, *rope), apply_rope(k_text, *rope)
+            cos, sin = (table.to(q_text.dtype) for table in rope)
+            q_text, k_text = apply_rope(q_text, cos, sin), apply_rope(k_text, cos, sin)
         if latent_rows is not None:  # packed: each text's latent slots into its row
             k_latent, v_latent = latent_rows.to_rows(k_latent), latent_rows.to_rows(v_latent)  # (R, M * K, nh, hd)
             q_latent = latent_rows.to_rows(q_latent) if latent_out else None
@@ -605,8 +609,8 @@ class MultimodalMMDiT(nn.Module):
         x = self.text_embed(tokens)
         if self.text_pos is not None:
             return x + self.text_pos(positions), None
-        cos, sin = rope_angles(L, self.cfg.hidden_size // self.cfg.num_heads, tokens.device)  # (L, hd/2)
-        return x, (cos[positions][..., None, :], sin[positions][..., None, :])  # (T, 1, hd/2) or (R, T, 1, hd/2)
+        cos, sin = rope_angles(L, self.cfg.hidden_size // self.cfg.num_heads, tokens.device)  # (L, hd)
+        return x, (cos[positions][..., None, :], sin[positions][..., None, :])  # (T, 1, hd) or (R, T, 1, hd)
 
     def with_prefix(
         self, x_text: Tensor, rope: tuple[Tensor, Tensor] | None, latents: Tensor
@@ -618,7 +622,7 @@ class MultimodalMMDiT(nn.Module):
         x_text = torch.cat([self.prefix_tokens(latents), x_text], dim=1)  # (B, P + L, H)
         if rope is not None:
             cos, sin = rope_angles(P + L, self.cfg.hidden_size // self.cfg.num_heads, x_text.device)
-            rope = cos[:, None], sin[:, None]  # (P + L, 1, hd/2)
+            rope = cos[:, None], sin[:, None]  # (P + L, 1, hd)
         return x_text, rope
 
     def text_logits(
