@@ -351,6 +351,7 @@ PERFORMANCE_KEYS = {
     "data.persistent_workers",
     "data.pin_memory",
     "data.pad_to_multiple",
+    "data.bucket_batches",
     "train.micro_batch_size",
     "train.run_dir",
     "train.precision",

@@ -227,6 +227,7 @@ def _translate_run(run: OlderRun, out: Translation, source, carry) -> None:
     carry("logging.wandb_project", "logging.wandb_project", str)
     carry("data.max_length", "data.max_length")
     out.put("data.num_workers", None, "min(8, CPUs // GPUs per node); see the audit")
+    out.put("data.bucket_batches", 32, "batches of similar lengths from pools of 32: less padding computed")
     out.put("perf.activation_checkpointing", "auto", "the least checkpointing under which the micro-batch fits")
     out.put(
         "distributed.timeout_minutes",
