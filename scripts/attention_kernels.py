@@ -76,6 +76,15 @@ def varlen_rows(q, k, v, grad, keep, doc, args, cuda: bool) -> list[str]:
     return rows
 
 
+def refusal(caught: list, backend: str, err: Exception) -> str:
+    """Why SDPA refused `backend`: torch's warning about that backend (it warns about each one it
+    skipped, the disabled ones too), else the error."""
+    words = {"flash_attention": "flash", "efficient_attention": "memory efficient", "cudnn_attention": "cudnn"}
+    messages = [" ".join(str(w.message).split()) for w in caught]
+    own = [m for m in messages if words.get(backend, backend) in m.lower() and "runtime disabled" not in m]
+    return ((own or messages or [str(err).splitlines()[0]])[0])[:200]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=4)
@@ -152,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                             ms = timed(sdpa_call(mask), args.warmup, args.iters, cuda)
                 lines.append(f"| {case} | {name} | {ms:.3f} | |")
             except RuntimeError as err:
-                why = " ".join(" ".join(str(w.message).split()[:30]) for w in caught) or str(err).splitlines()[0]
-                lines.append(f"| {case} | {name} | refused | {why[:200]} |")
+                lines.append(f"| {case} | {name} | refused | {refusal(caught, name, err)} |")
             q.grad = k.grad = v.grad = None
 
     try:

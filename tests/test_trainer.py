@@ -397,3 +397,23 @@ def test_fit_reads_records_only_at_the_steps_it_logs(tmp_path, monkeypatch):
     assert trainer.fit() == 0
     assert read == [1, 4, 8, 9]
     assert [r["step"] for r in records(tmp_path)] == [1, 4, 8, 9]
+
+
+def test_flops_are_counted_on_real_tokens_not_on_padding(tmp_path):
+    """MFU's FLOPs: each text at its own length (padding is no useful work), the text head at the
+    masked positions it ran at; the positions computed, padding included, give the real-token share."""
+    from mmldlm.model.info import training_flops_per_sample
+    from mmldlm.training.tally import StepTotals
+
+    trainer = make_trainer(tmp_path, ["train.steps=1"])
+    totals = StepTotals(trainer.device)
+    batch = {"tokens": torch.zeros(2, 10, dtype=torch.long), "text_lengths": (4, 10)}
+    trainer._count_work(totals, batch, "joint", torch.tensor(5))
+
+    def text(n, head_rows=0.0):
+        return training_flops_per_sample(trainer.raw_model, n, text_head_rows=head_rows)
+
+    want = text(4) + text(10) + 5 * (text(1, 1.0) - text(1))
+    assert float(totals.flops) == pytest.approx(want, rel=1e-9)
+    assert float(totals.flops) < 2 * text(10, 2.5)  # the dense count of the padded batch
+    assert (totals.positions, totals.real_positions) == (20, 14)
