@@ -28,7 +28,7 @@ class StepTotals:
 
     def __init__(self, device: torch.device):
         self.values = torch.zeros(len(REDUCED), dtype=torch.float64, device=device)
-        self.flops = torch.zeros((), dtype=torch.float64, device=device)
+        self.flops = torch.zeros(2, dtype=torch.float64, device=device)  # on real tokens, as computed
         self.positions = 0  # text positions the blocks computed, padding included (host)
         self.real_positions = 0  # of them, real tokens (host)
         self.data_wait_s = 0.0
@@ -76,7 +76,7 @@ class SkipCounter:
 @dataclasses.dataclass
 class Window:
     """The steps since the last record: their number, samples and seconds waiting for data on the
-    host, and on the device this rank's real tokens and FLOPs."""
+    host, and on the device the real tokens (all ranks') and this rank's FLOPs."""
 
     device: torch.device
     started: float = dataclasses.field(default_factory=time.perf_counter)
@@ -87,7 +87,7 @@ class Window:
     data_wait_s: float = 0.0
 
     def __post_init__(self):
-        self.tokens_flops = torch.zeros(2, dtype=torch.float64, device=self.device)
+        self.sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # tokens, FLOPs real, computed
 
     def add(self, samples: int, totals: StepTotals) -> None:
         self.steps += 1
@@ -95,19 +95,19 @@ class Window:
         self.positions += totals.positions
         self.real_positions += totals.real_positions
         self.data_wait_s += totals.data_wait_s
-        self.tokens_flops += torch.stack([totals.values[4], totals.flops])
+        self.sums += torch.cat([totals.values[4:5], totals.flops])
 
     def close(self) -> dict[str, float]:
         """The window's throughput (after a read-back, so the clock includes the device's work)."""
-        tokens, flops = self.tokens_flops.tolist()  # the read-back that waits for the device
+        tokens, real_flops, computed_flops = self.sums.tolist()  # the read-back that waits for the device
         seconds = time.perf_counter() - self.started
         return {
             "record_steps": self.steps,
             "step_time_s": seconds / self.steps,
             "samples_per_s": self.samples / seconds,
             "tokens_per_s": tokens / seconds,
-            "train_flops": flops / self.steps,
-            "flops_per_s": flops / seconds,
+            "train_flops": computed_flops / self.steps,  # padding included: what the step's time follows
+            "flops_per_s": real_flops / seconds,  # on real tokens: MFU's
             "data_wait_share": self.data_wait_s / seconds,
             "real_token_share": self.real_positions / max(self.positions, 1),
         }

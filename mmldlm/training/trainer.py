@@ -668,16 +668,18 @@ class Trainer:
         return totals
 
     def _count_work(self, totals: StepTotals, batch: dict, mode: str, num_masked: torch.Tensor | None) -> None:
-        """The micro-batch's training FLOPs into `totals`, counted on its real tokens (each text at its
-        own length, padding excluded; the text head at the masked positions it ran at, a device count
-        added on the device), the text positions its blocks computed, and its input shape."""
+        """The micro-batch's training FLOPs into `totals`: on its real tokens (each text at its own
+        length: MFU's), and as computed (every row at its padded length: what the step's time follows,
+        the monitor's); the text head at the masked positions it ran at, a device count added on the
+        device. Also the text positions its blocks computed, of them the real ones, and its shape."""
         computed = batch.get("pack_doc", batch["tokens"])  # (rows, text positions) the blocks ran on
         rows, positions = computed.shape
         a, b, c, per_head_row = self._flops_polynomial(mode)
         lengths = batch.get("text_lengths")
         if lengths is None:  # lengths unknown on the host: every position counts
             lengths = [positions] * rows
-        totals.flops += sum(a + b * n + c * n * n for n in lengths)
+        totals.flops[0] += sum(a + b * n + c * n * n for n in lengths)
+        totals.flops[1] += rows * (a + b * positions + c * positions * positions)
         totals.positions += rows * positions
         totals.real_positions += sum(lengths)
         if num_masked is not None:
