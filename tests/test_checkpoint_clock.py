@@ -59,13 +59,13 @@ def test_a_run_saves_on_the_first_check_step_after_the_interval(tmp_path, clock,
     trainer = make_trainer(tmp_path, steps=2 * CLOCK_CHECK_STEPS + 3)
     trainer.cfg.checkpoint.every = 1000
     trainer.cfg.checkpoint.every_minutes = 1.0
-    real_step = trainer.train_step
+    real_step = trainer.run_step
 
     def step_of_forty_seconds(stop=None):
         clock.now += 40
         return real_step(stop)
 
-    monkeypatch.setattr(trainer, "train_step", step_of_forty_seconds)
+    monkeypatch.setattr(trainer, "run_step", step_of_forty_seconds)
     assert trainer.fit() == 0
     # 40 s a step: a minute has passed at step 2; the clock is read at 10 (save), then at 20 (400 s later)
     # and the last step is always saved.

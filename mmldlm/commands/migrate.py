@@ -46,7 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--env",
         action="append",
-        default=[],
         metavar="NAME=VALUE",
         help="a variable the scheduler sets for the launcher (WORLD_SIZE, SLURM_NNODES, ...); default: the "
         "conventions tried in turn until the launcher's torchrun call asks for the cluster",
@@ -74,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         }
     )
     environ = {}
-    for item in args.env:
+    for item in args.env or []:
         name, sep, value = item.partition("=")
         if not sep or not name.isidentifier():
             raise OptionError("--env", item, "NAME=VALUE")
