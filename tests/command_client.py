@@ -20,7 +20,7 @@ def main() -> int:
         signal.signal(sig, lambda number, _frame: os.kill(pid, number))
     answer = conn.recv(64).decode()
     if not answer.startswith("exit "):
-        print(f"mmldlm: the command's process (pid {pid}) ended without an exit status", file=sys.stderr)
+        print(f"mmldlm: no exit status of the command's process (pid {pid}): the server stopped", file=sys.stderr)
         return 1
     return int(answer.split()[1])
 

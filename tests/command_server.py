@@ -7,8 +7,8 @@ a command, and the pages hold about a hundred. tests/command_client.py is the `m
     python tests/command_server.py SOCKET
 
 Protocol, over a SOCK_SEQPACKET Unix socket: the client sends one JSON message {argv, cwd, env} with its
-file descriptors 0, 1 and 2; the child answers `pid N` once it runs (the client forwards SIGINT and
-SIGTERM to it) and `exit S` when the command is done."""
+file descriptors 0, 1 and 2; a forked handler answers `pid N` of the command's process (the client
+forwards SIGINT and SIGTERM to it) and `exit S` once that process has ended (128 + N for signal N)."""
 
 import json
 import os
@@ -34,30 +34,43 @@ def serve(path: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(16)
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the finished commands
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the finished handlers
     while True:
         conn, _ = listener.accept()
         sys.stdout.flush()
         sys.stderr.flush()
         if os.fork() == 0:
             listener.close()
-            run_command(conn)
+            handle(conn)
         conn.close()
 
 
-def run_command(conn: socket.socket) -> None:
-    """In the forked child: take the caller's streams, directory and environment, run the command, answer
-    its exit status, and exit with it."""
+def handle(conn: socket.socket) -> None:
+    """In a forked handler: fork the command, answer its pid, wait until its process has ended (a run
+    directory's lock is released only then), and answer its exit status as bash reports one."""
     message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-    request = json.loads(message)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # waited for below, and by the command for its own
+    pid = os.fork()
+    if pid == 0:
+        run_command(json.loads(message), fds)
+    for fd in fds:
+        os.close(fd)
+    conn.send(f"pid {pid}".encode())
+    _, wait_status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(wait_status)
+    conn.send(f"exit {code if code >= 0 else 128 - code}".encode())
+    os._exit(0)
+
+
+def run_command(request: dict, fds: list[int]) -> None:
+    """In the command's process: take the caller's streams, directory and environment, run `mmldlm`, and
+    exit with its status."""
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the command waits for its own children
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    conn.send(f"pid {os.getpid()}".encode())
     try:
         status = cli.main(docs_support.tiny_argv(request["argv"]))
     except SystemExit as stop:  # argparse's refusals and --help
@@ -65,9 +78,6 @@ def run_command(conn: socket.socket) -> None:
     except BaseException:  # a bug: its traceback, as `mmldlm` itself would end
         traceback.print_exc()
         status = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    conn.send(f"exit {status}".encode())
     sys.exit(status)
 
 

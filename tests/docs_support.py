@@ -39,6 +39,8 @@ TINY_EVAL = [*TINY_SAMPLING, "--num-samples", "4", "--retrieval-pool", "8", "--n
 TINY_ARGS = {
     "train": [*TINY_MODEL, *TINY_RUN, *TINY_BATCH, f"data.max_samples={TINY_CORPUS}", f"data.vocab_size={TINY_VOCAB}"],
     "prepare": ["--max-samples", str(TINY_CORPUS), "--vocab-size", str(TINY_VOCAB)],  # with --input default
+    "bench": [*TINY_MODEL, *TINY_BATCH, f"data.max_samples={TINY_CORPUS}", f"data.vocab_size={TINY_VOCAB}"]
+    + ["--steps", "2", "--warmup", "1", "--round-steps", "1", "--no-fit"],
     "sample": TINY_SAMPLING,
     "eval": TINY_EVAL,
     "compare": TINY_EVAL,

@@ -240,6 +240,7 @@ def page_folder(root: Path, page: str, made_runs: Path) -> Path:
         (folder / name).symlink_to(REPO / name)
     for name in ("configs", "docs"):
         shutil.copytree(REPO / name, folder / name)
+    (folder / "tmp").mkdir()
     write_user_inputs(folder)
     if page in PAGES_ON_RUNS:
         shutil.copytree(made_runs, folder / "runs", symlinks=True)
@@ -254,12 +255,13 @@ PAGE_EDITS = {
 
 
 def tiny_script(path: Path) -> str:
-    """The page's script with the edits of PAGE_EDITS and the tiny runs' last checkpoint."""
+    """The page's script with the edits of PAGE_EDITS, the tiny runs' last checkpoint, and /tmp/ the page
+    folder's own tmp/ (pages run side by side with other jobs on one machine)."""
     script = page_script(path)
     for written, run in PAGE_EDITS.get(path.name, []):
         assert written in script, f"{path.name}: no {written!r} to run as {run!r} (PAGE_EDITS)"
         script = script.replace(written, run)
-    return script.replace(MAIN_JOB_STEP, TINY_STEP)
+    return script.replace(MAIN_JOB_STEP, TINY_STEP).replace("/tmp/", "tmp/")
 
 
 def run_page(path: Path, folder: Path, env: dict) -> subprocess.CompletedProcess:
