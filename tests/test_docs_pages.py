@@ -37,7 +37,12 @@ from mmldlm.config import DataConfig
 
 DOCS = REPO / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
-NOT_RUN_REASONS = {"needs a GPU", "needs several machines", "runs the test suite itself"}
+NOT_RUN_REASONS = {
+    "needs a GPU",
+    "needs several machines",
+    "runs the test suite itself",
+    "prepares a GPU session (rehearsed by tests/test_gpu_suite.py)",
+}
 # The pages whose examples start from the runs `make train` leaves (runs/default, and the runs compared
 # beside it): they get a copy of tiny ones. The other pages make what they use.
 PAGES_ON_RUNS = {"data.md", "sampling.md", "export.md", "quality.md"}
