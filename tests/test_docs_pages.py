@@ -11,9 +11,9 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +31,7 @@ from docs_support import (
     train_fresh_runs,
     write_user_inputs,
 )
+from test_training_distributed import free_port
 
 from mmldlm.cli import build_parser
 from mmldlm.config import DataConfig
@@ -177,12 +178,6 @@ def test_a_page_becomes_a_script_whose_lines_are_the_pages(tmp_path):
     assert lines[-1] == "wait"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def command_server(tmp_path_factory):
     """tests/command_server.py, listening: the `mmldlm` of every page."""
@@ -226,7 +221,7 @@ def bin_folder(root: Path) -> Path:
     client = folder / "mmldlm"
     client.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "{REPO / "tests" / "command_client.py"}" "$@"\n')
     make = folder / "make"
-    recipe = "\n".join("mmldlm " + " ".join(f"'{arg}'" for arg in argv) for argv in makefile_train_commands())
+    recipe = "\n".join(f"mmldlm {shlex.join(argv)}" for argv in makefile_train_commands())
     make.write_text(
         "#!/bin/sh\n# `make train` as the Makefile runs it; its install step is this test's environment\nset -e\n"
         f'[ "$*" = train ] || {{ echo "make $*: the docs test runs make train alone" >&2; exit 2; }}\n{recipe}\n'
@@ -284,12 +279,19 @@ def run_page(path: Path, folder: Path, env: dict) -> subprocess.CompletedProcess
     )
     try:
         out, err = proc.communicate(timeout=PAGE_TIMEOUT)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid)
+        out, err = proc.communicate()
+        err += f"\ndocs test: {path.name} did not end within {PAGE_TIMEOUT} s"
+    _kill_group(proc.pid)  # what a block left in the background
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 @pytest.mark.slow  # every command of a page, tiny: torchrun, launchers and trainings, seconds to minutes a page
