@@ -5,27 +5,35 @@ options and their placement are what is parsed), or the test that covers it wher
 the fast test keeps that list equal to the README's. The Python snippet is run by
 tests/test_pretrained.py."""
 
-import gzip
-import json
 import re
 import shlex
 from pathlib import Path
 
 import pytest
-from data_support import corpus_texts, prepared
+from data_support import prepared
+from docs_support import (
+    TINY_BATCH,
+    TINY_EVAL,
+    TINY_MODEL,
+    TINY_RUN,
+    TINY_SAMPLING,
+    fenced_blocks,
+    makefile_train_commands,
+    shell_commands,
+    train_fresh_runs,
+    write_user_inputs,
+)
 
 from mmldlm import cli
 
 REPO = Path(__file__).resolve().parent.parent
-TINY_MODEL = ["model=tiny", "model.hidden_size=64", "model.num_blocks=2", "model.timestep_embed_dim=32"]
-TINY_RUN = ["train.steps=2", "data.num_workers=0", "eval.every=0", "checkpoint.every=1000", "data.path={data}"]
-TINY_BATCH = ["train.micro_batch_size=8", "train.global_batch_size=8"]
-TINY_SAMPLING = ["--steps", "2", "--best-of", "1"]
-TINY_EVAL = [*TINY_SAMPLING, "--num-samples", "4", "--retrieval-pool", "8", "--num-t-draws", "1", "--no-writing"]
+TINY = [*TINY_MODEL, *TINY_RUN, *TINY_BATCH]
+TINY_DATA = ["data.path={data}"]  # the session's small prepared corpus
 
 # README command -> the arguments appended to run it tiny here, or (a string) where it is covered instead.
 COMMANDS = {
-    "make train": [*TINY_MODEL, *TINY_RUN, *TINY_BATCH],  # to the Makefile's train command; eval: TINY_EVAL
+    # to the Makefile's train command (its eval: TINY_EVAL)
+    "make train": [*TINY, *TINY_DATA],
     "make test": "the test suite itself",
     "mmldlm prepare --like runs/default --input my_texts.txt --out data/prepared/my-texts": [],
     "mmldlm train --config runs/default/config.yaml data.path=data/prepared/my-texts "
@@ -47,7 +55,7 @@ COMMANDS = {
     # The commands the prose quotes, in the README's order.
     "mmldlm export --run runs/default --out exported/default": [],
     "mmldlm prepare --input corpus.jsonl.gz --text-field text --out data/prepared/mine": [],
-    "mmldlm train --config optimized model=base": [*TINY_MODEL, *TINY_RUN, *TINY_BATCH, "train.run_dir=runs/base"],
+    "mmldlm train --config optimized model=base": [*TINY, *TINY_DATA, "train.run_dir=runs/base"],
 }
 
 
@@ -55,21 +63,10 @@ def readme_commands() -> list[str]:
     """The commands of the README: those of its ```bash blocks (a continued line joined, comments left
     out), then each `mmldlm ...` its prose quotes with arguments (a bare `mmldlm sample` names a command)."""
     text = (REPO / "README.md").read_text(encoding="utf-8")
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
-        for line in re.sub(r"\\\n\s*", "", block).splitlines():
-            command = re.split(r"\s+#", line.strip(), maxsplit=1)[0].strip()
-            if command and not command.startswith("#"):
-                commands.append(command)
+    commands = [cmd for block in fenced_blocks(text) if block.lang == "bash" for cmd in shell_commands(block.lines)]
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
     commands += [span for span in re.findall(r"`(mmldlm [^`]+)`", prose) if len(span.split()) > 2]
     return commands
-
-
-def makefile_train_commands() -> list[list[str]]:
-    """The recipe of `make train`: the argv after `$(PY) -m mmldlm.cli` of each line."""
-    recipe = (REPO / "Makefile").read_text(encoding="utf-8").split("\ntrain:", 1)[1].split("\n\n", 1)[0]
-    return [shlex.split(line.split("-m mmldlm.cli", 1)[1]) for line in recipe.splitlines() if "-m mmldlm.cli" in line]
 
 
 def test_every_readme_command_is_run_by_the_slow_test_or_covered_by_a_named_one():
@@ -85,44 +82,17 @@ def _run(command: str, extra: list[str], data: Path) -> None:
     assert cli.main(argv[1:]) == 0, command
 
 
-# The runs `compare` names beside runs/default: another seed, and two seeds of another learning rate.
-OTHER_RUNS = {
-    "default-seed1": ["train.seed=1"],
-    "lr5e-4": ["optim.lr=5e-4"],
-    "lr5e-4-seed1": ["optim.lr=5e-4", "train.seed=1"],
-}
-
-
-def _fresh_runs(data: Path) -> None:
-    """`make train`'s two commands, tiny, into runs/default; the other runs compare names beside it."""
-    train, evaluate = makefile_train_commands()
-    tiny = [arg.format(data=data) for arg in COMMANDS["make train"]]
-    assert cli.main([*train, *tiny]) == 0
-    assert cli.main([*evaluate, *TINY_EVAL]) == 0
-    for name, changes in OTHER_RUNS.items():
-        assert cli.main([*train, *tiny, f"train.run_dir=runs/{name}", *changes]) == 0
-
-
-def _inputs() -> None:
-    """What the README's commands read, as in the repository root: configs/, a 50-sentence corpus and a
-    JSONL corpus."""
-    Path("configs").symlink_to(REPO / "configs")
-    texts = corpus_texts()
-    Path("my_texts.txt").write_text("\n".join(texts[:50]) + "\n", encoding="utf-8")
-    with gzip.open("corpus.jsonl.gz", "wt", encoding="utf-8") as f:
-        f.writelines(json.dumps({"text": text}) + "\n" for text in texts[50:120])
-
-
 @pytest.mark.slow  # every command of the README on a fresh tiny run: minutes, with spawned and torchrun workers
 def test_every_readme_command_runs_as_written_on_a_fresh_tiny_run(tmp_path_factory, tmp_path, monkeypatch):
     data = prepared(tmp_path_factory)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MMLDLM_CACHE", str(tmp_path / "cache"))
-    _inputs()
-    _fresh_runs(data)
+    Path("configs").symlink_to(REPO / "configs")
+    write_user_inputs(tmp_path)
+    train_fresh_runs([arg.format(data=data) for arg in COMMANDS["make train"]], TINY_EVAL)
     for command, extra in COMMANDS.items():
         if command.startswith("make "):
-            continue  # make test: this suite; make train: _fresh_runs
+            continue  # make test: this suite; make train: train_fresh_runs
         if isinstance(extra, str):
             continue  # covered by the test the entry names
         _run(command, extra, data)
