@@ -620,7 +620,9 @@ def test_compare_of_two_reports_gives_each_figure_its_paired_difference(run_dir,
     unpaired = json.loads(out.read_text())
     rows = {(r["section"], r["figure"]): r for r in unpaired["rows"]}
     assert unpaired["paired"] is False and rows[("l2t", "word_f1")]["n"] == 3  # the smaller of 4 and 3 texts
-    assert "each on its own texts" in capsys.readouterr().out
+    assert rows[("l2t", "word_f1")]["n_a"] == 4 and rows[("l2t", "word_f1")]["n_b"] == 3
+    table = capsys.readouterr().out
+    assert "each on its own texts" in table and "| l2t word_f1 | 4 / 3 |" in table
 
 
 def test_a_figure_the_decoder_selects_on_is_labelled_and_measured_without_selection(run_dir, tmp_path, capsys):
