@@ -4,6 +4,7 @@
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -658,3 +659,25 @@ def test_eval_scores_num_samples_texts_for_the_elbo_and_notes_a_retrieval_pool_o
         np.max(per_text["nats_per_text"]) / np.sum(per_text["nats_per_text"])
     )
     assert "bounds no marginal -log p(text)" in summary and "not of the decoder" in summary
+
+
+def test_eval_keeps_a_report_of_more_samples_unless_told_where_else_to_write_or_to_replace_it(
+    run_dir, tmp_path, capsys
+):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    quick = ["eval", "--run", str(run), "--no-writing", "--num-t-draws", "1", "--batch-size", "4", *FAST]
+    assert main([*quick, "--num-samples", "4"]) == 0
+    report = run / "eval" / "step-0000020.json"  # the one the model card reads
+    kept = report.read_text()
+    capsys.readouterr()
+    assert main([*quick, "--num-samples", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{report} holds an evaluation of 4 samples" in err
+    assert "--out PATH" in err and "--replace" in err and report.read_text() == kept
+    assert main([*quick, "--num-samples", "4"]) == 0  # as many: a repeat, replaced
+    kept = report.read_text()
+    assert main([*quick, "--num-samples", "2", "--out", str(tmp_path / "small.json")]) == 0
+    assert report.read_text() == kept
+    assert main([*quick, "--num-samples", "2", "--replace"]) == 0
+    assert json.loads(report.read_text())["l2t"]["num_samples"] == 2
