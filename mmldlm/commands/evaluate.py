@@ -1,10 +1,10 @@
 """`mmldlm eval --run RUN_DIR [--num-samples N] [--out PATH]`: validation ELBO and latent loss per
 mode, l2t reconstruction and t2l retrieval of a trained run (mmldlm/evaluation/evaluate.py). Writes
-a JSON report (default RUN/eval/step-NNNNNNN.json) and its markdown summary beside it (.md), and
-prints the summary. `--data DIR` evaluates on another prepared dataset (made with `mmldlm prepare
---like RUN_DIR`), by default its validation split (all of it where it has none); its report goes to
-RUN/eval/step-NNNNNNN-<DIR name>.json. An exported model folder (`mmldlm export`) carries no dataset,
-so with one `--data` is required."""
+a JSON report (default RUN/eval/step-NNNNNNN.json) and its markdown summary beside it (.md, every
+figure), and prints the headline figures, the first texts written and the paths. `--data DIR` evaluates
+on another prepared dataset (made with `mmldlm prepare --like RUN_DIR`), by default its validation split
+(all of it where it has none); its report goes to RUN/eval/step-NNNNNNN-<DIR name>.json. An exported
+model folder (`mmldlm export`) carries no dataset, so with one `--data` is required."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from mmldlm.evaluation.report import markdown
+    from mmldlm.evaluation.report import console_summary, markdown
 
     run, data, split = load_for_evaluation(args, args.run)
     out = Path(args.out) if args.out else default_report_path(args, run, data, split)
@@ -95,10 +95,9 @@ def _evaluate(args: argparse.Namespace) -> int:
     report = evaluate_loaded(args, run, data, split, args.run)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    summary = markdown(report)
-    out.with_suffix(".md").write_text(summary, encoding="utf-8")
-    print(summary, end="")
-    print(f"mmldlm eval: wrote {out} and {out.with_suffix('.md')} (the whole report)")
+    out.with_suffix(".md").write_text(markdown(report), encoding="utf-8")
+    print(console_summary(report))
+    print(f"mmldlm eval: wrote {out} and {out.with_suffix('.md')} (every figure: the whole report)")
     return 0
 
 
