@@ -235,7 +235,7 @@ def test_the_audit_names_the_critical_issues_of_the_older_files_and_what_the_wri
         "WARNING [nccl_env] NCCL_BLOCKING_WAIT=1 in",
         "WARNING [nccl_env] TORCH_NCCL_BLOCKING_WAIT=1 in",
         "WARNING [timeout] NCCL_TIMEOUT=7200 in",
-        "WARNING [loader_workers] data.num_workers=16 with 32 CPUs for 8 process(es) per node",
+        "WARNING [loader_workers] data.num_workers=16 with 32 CPUs for 8 processes per node",
         "WARNING [activation_checkpointing] model.max_seq_len=2048 with no activation checkpointing",
         "WARNING [checkpoint_retention] logging.save_freq=25000: the older trainer keeps every checkpoint, 20 of",
         "WARNING [num_heads] model.n_heads=24 does not divide model.hidden_size=1024",

@@ -274,7 +274,9 @@ def test_a_run_resumes_on_another_number_of_processes_and_strategy_reading_each_
     assert killed.returncode != 0
     proc = run("resumed", after, resume="auto", record=tmp_path / "read-after")
     assert_ok(proc)
-    assert "from a checkpoint of" in proc.stderr and "seeded from (train.seed, step 3, rank)" in proc.stderr
+    processes = "1 process" if after[0] == 1 else f"{after[0]} processes"
+    assert f"resumed on {processes} from a checkpoint of {before[0]}:" in proc.stderr
+    assert "seeded from (train.seed, step 3, rank)" in proc.stderr
     straight = samples_by_step(tmp_path / "read-straight")
     read = {s: v for s, v in samples_by_step(tmp_path / "read-before").items() if s < 3}
     read.update(samples_by_step(tmp_path / "read-after"))

@@ -70,6 +70,7 @@ from mmldlm.training.parallelize import (
 from mmldlm.training.profiler import profiler_window
 from mmldlm.training.schedules import LRSchedule
 from mmldlm.training.storage import WriteError
+from mmldlm.wording import counted
 
 log = logging.getLogger(__name__)
 
@@ -519,9 +520,9 @@ class Trainer:
         seed_everything(micro_seed(self.cfg.train.seed, self.step, self.info.rank))
         if self.info.is_main:
             log.info(
-                "resumed on %d process(es) from a checkpoint of %d: each rank's RNG is seeded from "
-                "(train.seed, step %d, rank), not restored",
-                self.info.world_size,
+                "resumed on %s from a checkpoint of %d: each rank's RNG is seeded from (train.seed, step %d, "
+                "rank), not restored",
+                counted(self.info.world_size, "process"),
                 meta["world_size"],
                 self.step,
             )
