@@ -172,7 +172,8 @@ def dataset_path(cfg: DataConfig, log=print, detail=None) -> Path:
     `detail` as for prepare."""
     if cfg.path is not None:
         return Path(cfg.path)
-    return Path(prepare(default_prepare_options(cfg), log, detail)["path"])
+    rebuild = "the cache holds one per set of data.* options: a changed option prepares another"
+    return Path(prepare(default_prepare_options(cfg), log, detail, rebuild)["path"])
 
 
 def options_like_run(run_dir: str | Path) -> dict[str, Any]:
@@ -553,19 +554,23 @@ def _device(requested: str) -> str:
 
 
 def prepare(
-    opts: PrepareOptions, log: Callable[[str], None] = print, detail: Callable[[str], None] | None = None
+    opts: PrepareOptions,
+    log: Callable[[str], None] = print,
+    detail: Callable[[str], None] | None = None,
+    rebuild: str = "pass --overwrite to rebuild",
 ) -> dict:
     """Prepare the dataset described by `opts` (on every rank of an initialised process group).
     Returns {"status": "created" | "exists", "path": str, "meta": dict}; `log` is called on rank 0 only,
     and `detail` (default: `log`) for the counts and length statistics of the texts read, which meta.json
-    keeps ("lengths") and `mmldlm check` reads."""
+    keeps ("lengths") and `mmldlm check` reads. `rebuild`: how the caller's user gets a complete dataset
+    prepared again (said where it is complete already)."""
     opts.check()
     ranks = Ranks()
     say = log if ranks.rank == 0 else (lambda _msg: None)
     say_detail = (detail or log) if ranks.rank == 0 else (lambda _msg: None)
     out = Path(opts.out)
     if ranks.on_rank0(lambda: output_state(opts)) == "complete":
-        say(f"{out}: already complete with these options; nothing to do (pass --overwrite to rebuild)")
+        say(f"{out}: already complete with these options; nothing to do ({rebuild})")
         return {"status": "exists", "path": str(out), "meta": read_meta(out)}
 
     read = _legacy_source if opts.legacy_tokens is not None else _text_source
