@@ -26,7 +26,7 @@ from mmldlm.objective import Objective
 from mmldlm.runs.checkpoints import step_dir_name
 from mmldlm.runs.files import save_run_config
 from mmldlm.training.batch_size import fit_to_data, global_batch_sizes
-from mmldlm.training.distributed import DistInfo, RankTimeout, init_distributed, leave
+from mmldlm.training.distributed import DistInfo, RankTimeout, continue_command, init_distributed, leave
 from mmldlm.training.trainer import StopRequest, Trainer, TrainingStopped, seed_everything
 
 log = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ def train(cfg: RunConfig, resume: str | None = None, command: str = "mmldlm trai
             print(
                 f"mmldlm train: stopped by {trainer.stopped_by} at step {trainer.step} of {cfg.train.steps} "
                 f"(exit status {status}); checkpoint {trainer.checkpoints.dir / step_dir_name(trainer.step)} "
-                f"written. Continue with: {command} --resume auto",
+                f"written. Continue with: {continue_command(command)}",
                 file=sys.stderr,
                 flush=True,
             )
