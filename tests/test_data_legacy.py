@@ -10,9 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from data_support import corpus_texts
 from test_data_prepare import free_port
 
+from mmldlm import cli
 from mmldlm.config import ConfigError, DataConfig, ModelConfig
 from mmldlm.data import DataError
 from mmldlm.data.dataset import build_loader, model_for_dataset, open_dataset, resolve_for_model
@@ -95,6 +97,19 @@ def test_the_model_takes_the_imported_latent_width_and_a_mismatch_names_the_impo
         rf"\(latents imported from {re.escape(str(tmp_path / 'latents'))}\)",
     ):
         resolve_for_model(DataConfig(), ModelConfig(latent_dim=384), dataset)
+
+
+def test_the_default_preset_trains_on_imported_latents_with_the_vocabulary_prior_off_said_once(tmp_path, capsys):
+    # The default preset asks for the vocabulary prior, which needs the encoder that made the latents.
+    make_legacy(tmp_path, 12, dim=32)
+    prepare(legacy_options(tmp_path, tmp_path / "out"), log=lambda _m: None)
+    run = tmp_path / "run"
+    overrides = [f"data.path={tmp_path / 'out'}", f"train.run_dir={run}", "train.steps=1", "eval.every=0"]
+    assert cli.main(["train", "--config", "default", *overrides, "data.num_workers=0", "--quiet"]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "vocab_prior" in line]
+    assert len(said) == 1 and said[0].startswith("INFO ") and "model.vocab_prior: off" in said[0]
+    assert yaml.safe_load((run / "config.yaml").read_text())["model"]["vocab_prior"] is False
+    assert model_for_dataset(ModelConfig(vocab_prior=True), open_dataset(tmp_path / "out")).vocab_prior is False
 
 
 def test_max_samples_imports_a_seeded_subset(tmp_path):

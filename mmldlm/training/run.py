@@ -70,13 +70,18 @@ def dataset_token_latents(dataset) -> torch.Tensor:
 def build_model_and_objective(cfg: RunConfig, dataset):
     """The network and the objective for a prepared dataset's vocabulary, special ids and latent stats."""
 
-    model = MultimodalMMDiT(
-        model_for_dataset(cfg.model, dataset), vocab_size=cfg.model.vocab_size or dataset.vocab_size
-    )
+    model_cfg = model_for_dataset(cfg.model, dataset)
+    if cfg.model.vocab_prior and not model_cfg.vocab_prior:
+        log.info(
+            "model.vocab_prior: off, as the latents of %s were imported from an encoder that is not known "
+            "(encoder_normalize null): no encoder to place the vocabulary's tokens in their space",
+            dataset.path,
+        )
+    model = MultimodalMMDiT(model_cfg, vocab_size=cfg.model.vocab_size or dataset.vocab_size)
     text = MaskedDiffusion(cfg.text_diffusion, mask_token_id=dataset.mask_id, pad_token_id=dataset.pad_id)
     mean, std = dataset.latent_stats()
     latent = GaussianDiffusion(cfg.latent_diffusion, mean=mean, std=std)
-    if cfg.model.vocab_prior:
+    if model_cfg.vocab_prior:
         model.set_token_latents(latent.standardize(dataset_token_latents(dataset)))
     return model, Objective(
         cfg.objective, text, latent, self_condition=cfg.model.self_condition, length_head=cfg.model.length_head
