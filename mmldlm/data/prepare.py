@@ -580,7 +580,7 @@ def prepare(
         say_detail(long_texts.report_outcome(meta["lengths"]))
     say(
         f"{out}: {meta['splits']['train']} train + {meta['splits']['val']} val samples, "
-        f"{meta['num_tokens']['train'] + meta['num_tokens']['val']} tokens, "
+        f"{meta['num_tokens']['train'] + meta['num_tokens']['val']} tokens, vocab {meta['vocab_size']}, "
         f"latents {meta['num_latents']}x{meta['latent_dim']}"
     )
     return {"status": "created", "path": str(out), "meta": meta}
@@ -620,8 +620,15 @@ def _text_source(opts: PrepareOptions, ranks: Ranks, say: Callable[[str], None],
     def make_tokenizer() -> str:
         if opts.tokenizer is not None:
             return load_tokenizer(opts.tokenizer).to_str()
-        say(f"training a byte-level BPE tokenizer (vocab {opts.vocab_size}) on {len(splits['train'])} train samples")
-        return train_bpe([texts[i] for i in splits["train"]], opts.vocab_size).to_str()
+        num_train = len(splits["train"])
+        say(f"training a byte-level BPE tokenizer (vocab {opts.vocab_size}) on {num_train} train samples")
+        tokenizer = train_bpe([texts[i] for i in splits["train"]], opts.vocab_size)
+        if (learned := vocab_size(tokenizer)) < opts.vocab_size:
+            say(
+                f"tokenizer: {learned} entries, not the {opts.vocab_size} asked for (--vocab-size): the "
+                f"{num_train} train samples hold no more merges"
+            )
+        return tokenizer.to_str()
 
     tokenizer_json = ranks.on_rank0(make_tokenizer)
     encoder = ranks.on_all(lambda: load_encoder(opts.encoder, _device(opts.device), opts.normalize))
