@@ -4,17 +4,22 @@ the library inside `run`, so `mmldlm --help` stays fast.
 
 A UserError (a bad config key, option, file or dataset: mmldlm/errors.py) prints as one line
 `mmldlm CMD: message` with exit status 2; `mmldlm --debug CMD ...` or MMLDLM_DEBUG=1 shows its
-traceback too. Any other exception is a bug and keeps its traceback."""
+traceback too. SIGINT (Ctrl-C) and SIGTERM end a command with one line, what it kept and how to
+continue, and exit status 128 + the signal's number (130, 143). Any other exception is a bug and keeps
+its traceback."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import signal
 import sys
+import threading
 import traceback
 
-from mmldlm.errors import UserError
+from mmldlm.errors import Interrupted, UserError
 
 # subcommand -> (module under mmldlm.commands, one-line help)
 COMMANDS = {
@@ -87,15 +92,39 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     return top._parser.parse_intermixed_args(command_args, namespace=namespace)
 
 
+@contextlib.contextmanager
+def signals_interrupt():
+    """SIGINT and SIGTERM raise Interrupted while a command runs (`train` takes them over in its loop, to
+    checkpoint first); where signals cannot be set (a thread other than the main one), nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_arguments(argv)
     try:
-        return int(args._run(args) or 0)
+        with signals_interrupt():
+            return int(args._run(args) or 0)
     except UserError as err:
         if args.debug or os.environ.get("MMLDLM_DEBUG") == "1":
             traceback.print_exc()
         print(f"mmldlm {args.command}: {err}", file=sys.stderr)
         return 2
+    except Interrupted as stop:
+        kept = stop.kept or "nothing was written; the same command starts over"
+        print(f"mmldlm {args.command}: stopped by {stop}; {kept}", file=sys.stderr, flush=True)
+        return 128 + stop.signum
 
 
 if __name__ == "__main__":

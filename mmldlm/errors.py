@@ -5,6 +5,7 @@ importing torch."""
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 
@@ -27,3 +28,16 @@ def require_positive(options: dict[str, int | None]) -> None:
     for key, value in options.items():
         if value is not None and value < 1:
             raise OptionError(key, value, "an integer >= 1")
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM while a command runs: `mmldlm CMD` raises it from both signals and ends with one
+    line, `mmldlm CMD: stopped by SIGINT; <what is kept, how to continue>`, and exit status 128 + the
+    signal's number, as `train` does. A KeyboardInterrupt, so that code where Ctrl-C ends a loop
+    (`monitor` following a run) goes on as before. Code that keeps its work for a rerun says so in `kept`
+    on the way up, instead of a line of its own."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.kept: str | None = None  # None: nothing was written

@@ -2,6 +2,9 @@
 command's overrides are read wherever they stand among its options."""
 
 import ast
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -66,3 +69,18 @@ def test_every_function_of_the_command_modules_reads_in_one_screen():
             if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > 60:
                 long.append(f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
     assert long == []
+
+
+def test_a_signal_during_a_command_ends_it_in_one_line_with_128_plus_the_signals_number(monkeypatch, capsys):
+    def signalled(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler ends the sleep at once
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr("mmldlm.commands.model_info.run", signalled)
+    assert main(["model-info", "tiny"]) == 128 + signal.SIGTERM
+    assert (
+        capsys.readouterr().err
+        == "mmldlm model-info: stopped by SIGTERM; nothing was written; the same command starts over\n"
+    )
+    assert signal.getsignal(signal.SIGTERM) is before  # the command's handlers go with it

@@ -165,7 +165,7 @@ def test_a_failure_midway_keeps_the_finished_shards_and_a_rerun_continues_from_t
     lines = []
     meta = prepare(legacy_options(tmp_path, tmp_path / "out", val_fraction=0.0), log=lines.append)["meta"]
     assert read == [f"doc{i:04d}" for i in range(32, 40)]  # only the shard that failed is read again
-    assert any("continuing an interrupted prepare; 4 finished shard(s) kept" in line for line in lines)
+    assert any("continuing an interrupted prepare; 4 finished shards kept" in line for line in lines)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latents", "out", "tokenizer.json", "tokens"]
     assert not list((tmp_path / "out").rglob("*.json*"))[2:]  # meta.json and tokenizer.json only: no records
 
@@ -265,7 +265,10 @@ def test_an_import_killed_midway_continues_on_two_processes_to_the_same_dataset(
         [*torchrun, *legacy_command(tmp_path, tmp_path / "out")], env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"continuing an interrupted prepare; {finished} finished shard(s) kept" in result.stdout + result.stderr
+    assert (
+        f"continuing an interrupted prepare; {finished} finished shard{'' if finished == 1 else 's'} kept"
+        in result.stdout + result.stderr
+    )
     files = sorted(p.relative_to(tmp_path / "reference") for p in (tmp_path / "reference").rglob("*") if p.is_file())
     assert sorted(p.relative_to(tmp_path / "out") for p in (tmp_path / "out").rglob("*") if p.is_file()) == files
     for rel in files:

@@ -87,6 +87,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from mmldlm.evaluation.report import console_summary, markdown
+    from mmldlm.outputs import write_atomically
 
     run, data, split = load_for_evaluation(args, args.run)
     out = Path(args.out) if args.out else default_report_path(args, run, data, split)
@@ -94,8 +95,8 @@ def _evaluate(args: argparse.Namespace) -> int:
         keep_larger_report(out, args.num_samples)
     report = evaluate_loaded(args, run, data, split, args.run)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    out.with_suffix(".md").write_text(markdown(report), encoding="utf-8")
+    write_atomically(out.with_suffix(".md"), markdown(report))
+    write_atomically(out, json.dumps(report, indent=1, ensure_ascii=False) + "\n")
     print(console_summary(report))
     print(f"mmldlm eval: wrote {out} and {out.with_suffix('.md')} (every figure: the whole report)")
     return 0

@@ -69,8 +69,9 @@ from mmldlm.data.tokenizer import (
     vocab_size,
 )
 from mmldlm.device import pick_device
-from mmldlm.errors import OptionError, UserError, require_positive
+from mmldlm.errors import Interrupted, OptionError, UserError, require_positive
 from mmldlm.outputs import publish, refuse_foreign, write_atomically
+from mmldlm.wording import counted
 
 LATENT_DTYPES = ("float16", "float32")
 STD_FLOOR = 1e-6  # standardising by the std never divides by zero, even for a constant dimension
@@ -429,9 +430,8 @@ def _open_partial(out: Path, opts: PrepareOptions, tokenizer_json: str, say: Cal
         refuse_foreign(partial, PREPARED, "remove it or choose another --out", marked=False)
         record = partial / PARTIAL
         if record.is_file() and json.loads(record.read_text()) == started:
-            say(
-                f"{partial}: continuing an interrupted prepare; {len(_finished_shards(partial))} finished shard(s) kept"
-            )
+            kept = counted(len(_finished_shards(partial)), "finished shard")
+            say(f"{partial}: continuing an interrupted prepare; {kept} kept")
             return str(partial)
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
@@ -650,7 +650,6 @@ def _write_dataset(
     merges them onto `out`; returns the meta. On a failure the shards finished so far stay there for a
     rerun of the same command to continue from (an empty temporary directory is removed)."""
     partial = Path(ranks.on_rank0(lambda: _open_partial(out, opts, tokenizer_json, say)))
-    completed = False
     try:
         mine = plan_shards(splits, opts.shard_size)[ranks.rank :: ranks.world_size]
         ids_dtype = token_dtype(vocab_size(from_json(tokenizer_json)))
@@ -670,15 +669,25 @@ def _write_dataset(
         meta = ranks.on_rank0(
             lambda: _merge(opts, tokenizer_json, counts, shards, partial, extra, getattr(source, "encoder", None))
         )
-        completed = True
-    finally:
-        if ranks.rank == 0 and not completed and partial.exists():
-            kept = len(_finished_shards(partial))
-            if kept:  # a rerun of the same command continues from them
-                say(f"{partial}: {kept} finished shard(s) kept; the same command continues from them")
-            else:
-                shutil.rmtree(partial)
+    except BaseException as err:
+        if ranks.rank == 0 and partial.exists():
+            _keep_finished_shards(partial, err, say)
+        raise
     return meta
+
+
+def _keep_finished_shards(partial: Path, err: BaseException, say: Callable[[str], None]) -> None:
+    """After a failure or a signal (`err`): the shards finished in `partial` stay for a rerun of the same
+    command to continue from, said in a line (for a signal, in the command's last line); none: removed."""
+    kept = len(_finished_shards(partial))
+    if not kept:
+        shutil.rmtree(partial)
+        return
+    line = f"{partial}: {counted(kept, 'finished shard')} kept; the same command continues from them"
+    if isinstance(err, Interrupted):
+        err.kept = line
+    else:
+        say(line)
 
 
 def unknown_pieces_warning(texts: list[str], encoder) -> str | None:
