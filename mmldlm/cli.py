@@ -11,15 +11,12 @@ its traceback."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import os
-import signal
 import sys
-import threading
 import traceback
 
-from mmldlm.errors import Interrupted, UserError
+from mmldlm.errors import Interrupted, UserError, signals_raise
 
 # subcommand -> (module under mmldlm.commands, one-line help)
 COMMANDS = {
@@ -92,29 +89,10 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     return top._parser.parse_intermixed_args(command_args, namespace=namespace)
 
 
-@contextlib.contextmanager
-def signals_interrupt():
-    """SIGINT and SIGTERM raise Interrupted while a command runs (`train` takes them over in its loop, to
-    checkpoint first); where signals cannot be set (a thread other than the main one), nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame):
-        raise Interrupted(signum)
-
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_arguments(argv)
     try:
-        with signals_interrupt():
+        with signals_raise(Interrupted):  # train takes them over in its loop, to checkpoint first
             return int(args._run(args) or 0)
     except UserError as err:
         if args.debug or os.environ.get("MMLDLM_DEBUG") == "1":

@@ -5,7 +5,10 @@ importing torch."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import threading
+from collections.abc import Callable
 from typing import Any
 
 
@@ -41,3 +44,22 @@ class Interrupted(KeyboardInterrupt):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
         self.kept: str | None = None  # None: nothing was written
+
+
+@contextlib.contextmanager
+def signals_raise(exception: Callable[[int], BaseException]):
+    """While the block runs, SIGINT and SIGTERM raise `exception(signum)`; the handlers before it come back
+    after. Where signals cannot be set (a thread other than the main one), nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise exception(signum)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

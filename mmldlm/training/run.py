@@ -3,7 +3,6 @@ the loop. Used by the command (mmldlm/commands/train.py) under plain python or t
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -20,7 +19,7 @@ from mmldlm.data import build_loader, dataset_path, heaviest_batch, model_for_da
 from mmldlm.data.long_texts import cut_is_worth_a_warning, cut_line
 from mmldlm.data.prepare import Ranks, ensure_token_latents
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
-from mmldlm.errors import UserError
+from mmldlm.errors import UserError, signals_raise
 from mmldlm.model.mmdit import MultimodalMMDiT
 from mmldlm.objective import Objective
 from mmldlm.runs.checkpoints import step_dir_name
@@ -163,21 +162,6 @@ class StartUpInterrupted(Exception):
         self.signum = signum
 
 
-@contextlib.contextmanager
-def signals_interrupt_start_up():
-    """Until the loop takes signals over (it checkpoints on them), a signal ends the start-up at once."""
-
-    def interrupt(signum, frame):
-        raise StartUpInterrupted(signum)
-
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def train(cfg: RunConfig, resume: str | None = None, command: str = "mmldlm train") -> int:
     """Train `cfg` (resuming per `resume`: None, "auto" or a checkpoint path); returns the exit status:
     0 when train.steps are done, 128 + the signal's number when a signal stopped the run first.
@@ -192,7 +176,7 @@ def train(cfg: RunConfig, resume: str | None = None, command: str = "mmldlm trai
         # Signals: the loop's handler (checkpoint at the end of the step) is entered first, the start-up's
         # (end at once, nothing written) inside it; leaving start-up hands back to the loop's with no gap.
         with StopRequest() as stop:
-            with signals_interrupt_start_up():
+            with signals_raise(StartUpInterrupted):  # until the loop takes signals over: end at once
                 trainer = build_trainer(cfg, info)
                 trainer.resume(resume)
             if info.is_main:  # the run has started: what it runs with is recorded
