@@ -369,7 +369,7 @@ def test_a_run_directory_waiting_for_its_first_record_is_followed(tmp_path, star
         write_run(run, make_records(5))
 
     assert follow(Monitor(run), interval=0, out=lines.append, sleep=sleep) == "healthy"
-    assert lines[-1] == "run complete; status: healthy (0 alert(s), 0 resume(s))"
+    assert lines[-1] == "run complete; status: healthy (0 alerts, 0 resumes)"
 
 
 def test_a_bad_threshold_is_named_with_its_value():
