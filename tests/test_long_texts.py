@@ -3,7 +3,6 @@ each `--long-texts` choice, the warnings of `check` and `train`, the notes of th
 figures of evaluation. Paragraphs of the bundled corpus's lines, with the real tokenizer and encoder."""
 
 import gzip
-import json
 import logging
 import os
 import subprocess
@@ -216,12 +215,21 @@ def test_eval_scores_the_length_head_only_on_lengths_it_can_name_and_shows_the_s
     assert [e["source"] for e in l2t["examples"]] == stored(untrained.dataset_dir, "val")[0][:2]
 
 
-def test_prepare_says_what_vocabulary_came_out_and_passes_no_library_warning_on_a_long_text(tmp_path):
+def test_prepare_says_what_vocabulary_came_out_where_the_texts_hold_fewer_merges_than_asked(tmp_path_factory):
+    result, said = prepare_paragraphs(tmp_path_factory, "large-vocab", vocab_size=16384)
+    learned = result["meta"]["vocab_size"]
+    note = f"tokenizer: {learned} entries, not the 16384 asked for (--vocab-size): the "
+    assert learned < 16384 and any(line.startswith(note) and "hold no more merges" in line for line in said)
+    assert f"tokens, vocab {learned}, latents 1x384" in said[-1]
+
+
+@pytest.mark.slow
+def test_prepare_passes_no_library_warning_on_a_text_longer_than_the_encoder_reads(tmp_path):
     # In a fresh process: the library warns once per tokenizer, and this session's encoder may have warned.
     corpus = tmp_path / "paragraphs.txt"
-    long_text = " ".join(paragraphs()[:12])  # about 800 words: more wordpieces than the encoder's 512 positions
+    long_text = " ".join(paragraphs()[:12])  # about 800 words: more wordpieces than the tokenizer's 256 positions
     corpus.write_text("\n".join([*paragraphs(), long_text]) + "\n", encoding="utf-8")
-    args = ["--input", corpus, "--out", tmp_path / "data", "--vocab-size", 16384, "--max-chars", 100_000, "--quiet"]
+    args = ["--input", corpus, "--out", tmp_path / "data", "--vocab-size", 400, "--max-chars", 100_000, "--quiet"]
     done = subprocess.run(
         [sys.executable, "-m", "mmldlm", "prepare", *map(str, args)],
         capture_output=True,
@@ -233,6 +241,3 @@ def test_prepare_says_what_vocabulary_came_out_and_passes_no_library_warning_on_
     said = done.stdout + done.stderr
     assert done.returncode == 0, said[-3000:]
     assert "Token indices sequence length" not in said
-    learned = json.loads((tmp_path / "data" / "meta.json").read_text())["vocab_size"]
-    assert learned < 16384 and f"tokenizer: {learned} entries, not the 16384 asked for (--vocab-size)" in said
-    assert f"tokens, vocab {learned}, latents 1x384" in said
