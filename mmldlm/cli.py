@@ -4,7 +4,9 @@ the library inside `run`, so `mmldlm --help` stays fast.
 
 A UserError (a bad config key, option, file or dataset: mmldlm/errors.py) prints as one line
 `mmldlm CMD: message` with exit status 2; `mmldlm --debug CMD ...` or MMLDLM_DEBUG=1 shows its
-traceback too. Any other exception is a bug and keeps its traceback."""
+traceback too. SIGINT (Ctrl-C) and SIGTERM end a command with one line, what it kept and how to
+continue, and exit status 128 + the signal's number (130, 143). Any other exception is a bug and keeps
+its traceback."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import os
 import sys
 import traceback
 
-from mmldlm.errors import UserError
+from mmldlm.errors import Interrupted, UserError, signals_raise
 
 # subcommand -> (module under mmldlm.commands, one-line help)
 COMMANDS = {
@@ -90,12 +92,17 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_arguments(argv)
     try:
-        return int(args._run(args) or 0)
+        with signals_raise(Interrupted):  # train takes them over in its loop, to checkpoint first
+            return int(args._run(args) or 0)
     except UserError as err:
         if args.debug or os.environ.get("MMLDLM_DEBUG") == "1":
             traceback.print_exc()
         print(f"mmldlm {args.command}: {err}", file=sys.stderr)
         return 2
+    except Interrupted as stop:
+        kept = stop.kept or "nothing was written; the same command starts over"
+        print(f"mmldlm {args.command}: stopped by {stop}; {kept}", file=sys.stderr, flush=True)
+        return 128 + stop.signum
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@ importing torch."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
+from collections.abc import Callable
 from typing import Any
 
 
@@ -27,3 +31,35 @@ def require_positive(options: dict[str, int | None]) -> None:
     for key, value in options.items():
         if value is not None and value < 1:
             raise OptionError(key, value, "an integer >= 1")
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM while a command runs: `mmldlm CMD` raises it from both signals and ends with one
+    line, `mmldlm CMD: stopped by SIGINT; <what is kept, how to continue>`, and exit status 128 + the
+    signal's number, as `train` does. A KeyboardInterrupt, so that code where Ctrl-C ends a loop
+    (`monitor` following a run) goes on as before. Code that keeps its work for a rerun says so in `kept`
+    on the way up, instead of a line of its own."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.kept: str | None = None  # None: nothing was written
+
+
+@contextlib.contextmanager
+def signals_raise(exception: Callable[[int], BaseException]):
+    """While the block runs, SIGINT and SIGTERM raise `exception(signum)`; the handlers before it come back
+    after. Where signals cannot be set (a thread other than the main one), nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise exception(signum)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

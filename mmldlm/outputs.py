@@ -90,12 +90,16 @@ def write_atomically(path: Path, content: str | Callable) -> None:
     into `.NAME.tmp` beside it, renamed over it when written, so no reader (nor a kill) sees half a file.
     The file gets the permissions open() gives under the umask, as any other file written here."""
     tmp = path.with_name(f".{path.name}.tmp")
-    if isinstance(content, str):
-        tmp.write_text(content)
-    else:
-        with open(tmp, "wb") as f:
-            content(f)
-    os.replace(tmp, path)
+    try:
+        if isinstance(content, str):
+            tmp.write_text(content, encoding="utf-8")
+        else:
+            with open(tmp, "wb") as f:
+                content(f)
+        os.replace(tmp, path)
+    except BaseException:  # a failure or a signal midway: no half file beside it either
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def publish(partial: Path, out: Path, kind: FolderKind) -> None:

@@ -41,6 +41,7 @@ from mmldlm.training.distributed import init_distributed  # noqa: E402
 from mmldlm.training.ema import WeightEMA  # noqa: E402
 from mmldlm.training.optim import build_optimizer  # noqa: E402
 from mmldlm.training.parallelize import apply_fsdp, parallelize  # noqa: E402
+from mmldlm.wording import counted  # noqa: E402
 
 
 def rss_mib() -> float:
@@ -151,9 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         num_params = sum(p.numel() for p in model.parameters())
         written = sum(f.stat().st_size for f in run_dir.rglob("*") if f.is_file())
         print(
-            f"{args.method} ({info.world_size} process(es), {cfg.distributed.strategy}): {num_params / 1e6:.1f} M "
-            f"parameters, {written / 2**20:.0f} MiB written in {seconds:.2f} s; rank 0 RSS {before:.0f} MiB "
-            f"before the save (peak so far {peak_before:.0f} MiB), peak after it {peak_rss_mib():.0f} MiB"
+            f"{args.method} ({counted(info.world_size, 'process')}, {cfg.distributed.strategy}): "
+            f"{num_params / 1e6:.1f} M parameters, {written / 2**20:.0f} MiB written in {seconds:.2f} s; "
+            f"rank 0 RSS {before:.0f} MiB before the save (peak so far {peak_before:.0f} MiB), "
+            f"peak after it {peak_rss_mib():.0f} MiB"
         )
         if blocked is not None:
             print(

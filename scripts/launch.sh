@@ -47,6 +47,11 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES / NPROC_PER_NODE > 0 ? CORES
 IS_HOST=false
 [[ "$NODE_RANK" == "0" ]] && IS_HOST=true
 
+# The line `mmldlm train` prints to continue the run when it is stopped (every start here resumes).
+MMLDLM_LAUNCH_COMMAND=$(printf '%q ' "NNODES=$NNODES" "NPROC_PER_NODE=$NPROC_PER_NODE" "NODE_RANK=$NODE_RANK" \
+    "MASTER_ADDR=$MASTER_ADDR" "MASTER_PORT=$MASTER_PORT" "$0" "$@")
+export MMLDLM_LAUNCH_COMMAND=${MMLDLM_LAUNCH_COMMAND% }
+
 mkdir -p "$LOG_DIR"
 LOG="$LOG_DIR/node-$NODE_RANK.log"
 echo "launch: node $NODE_RANK of $NNODES, $NPROC_PER_NODE processes, rendezvous $MASTER_ADDR:$MASTER_PORT, log $LOG" | tee -a "$LOG"

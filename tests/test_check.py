@@ -3,6 +3,7 @@ is an error or a warning), `--fix` output passes, and the command's exit codes."
 
 import dataclasses
 import os
+import re
 
 import pytest
 import torch
@@ -211,7 +212,7 @@ def test_a_resume_on_another_number_of_processes_says_what_it_does_in_one_line(t
         (finding,) = [f for f in findings if f.rule == "resume_topology"]
         assert finding.severity == "info"
         assert finding.message == (
-            f"--resume {resume}: checkpoint {tmp_path}/run/checkpoints/step-0000003 was written by 1 process(es) "
+            f"--resume {resume}: checkpoint {tmp_path}/run/checkpoints/step-0000003 was written by 1 process "
             f"(single), this run has 2 (fsdp2)"
         )
         assert "resharded" in finding.why and "samples seen" in finding.why
@@ -236,6 +237,10 @@ def test_cli_prints_why_and_fix_writes_a_config_that_passes(tmp_path, capsys, mo
     assert cli.main(["check", *base, "--fix", str(out)]) == 2
     printed = capsys.readouterr().out
     assert "ERROR   [timeout] distributed.timeout_minutes=198720" in printed and "why: " in printed
+    # Counts read as words: "1 process x 1 node", "3 errors, 1 warning", never "process(es)".
+    assert "1 process x 1 node, " in printed and "(s)" not in printed and "(es)" not in printed
+    assert re.search(r"^\d+ errors?, \d+ warnings?, \d+ notes?$", printed, re.M)
+    assert re.search(r"--fix: applied \d+ fixes; wrote ", printed)
     diff = (tmp_path / "fixed.yaml.diff").read_text()
     assert "-  timeout_minutes: 198720.0\n+  timeout_minutes: 30.0" in diff
     assert "+  persistent_workers: true" in diff
@@ -279,6 +284,8 @@ def test_busy_cpus_warn_when_torch_threads_outnumber_the_free_cpus(tmp_path, ove
         return
     (finding,) = busy
     assert finding.severity == "warning" and f"load average {env.load:.1f} on {env.cpus} CPUs" in finding.message
+    processes = "1 process" if env.nproc_per_node == 1 else f"{env.nproc_per_node} processes"
+    assert f"torch threads ({processes} x " in finding.message
     assert "wait for each other" in finding.why
     assert finding.fix == f"set train.threads={threads_fix} or stop the other job"
     fixed, _ = fix_config(cfg, env)

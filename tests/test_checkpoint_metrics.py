@@ -476,5 +476,5 @@ def test_the_checkpoint_benchmark_writes_a_checkpoint_that_verifies(tmp_path, ca
     finally:
         sys.path.pop(0)
     assert checkpoint_bench.main(["--method", "sharded", "--dir", str(tmp_path), "model.num_blocks=1"]) == 0
-    assert "sharded (1 process(es), ddp)" in capsys.readouterr().out
+    assert "sharded (1 process, ddp)" in capsys.readouterr().out
     assert find_latest(tmp_path / "checkpoints", checksums=True).name == "step-0000001"

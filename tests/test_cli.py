@@ -1,6 +1,12 @@
 """The `mmldlm` command line itself: the help of the top level and of every command prints, and a
 command's overrides are read wherever they stand among its options."""
 
+import ast
+import os
+import signal
+import time
+from pathlib import Path
+
 import pytest
 
 from mmldlm.cli import COMMANDS, main, parse_arguments
@@ -52,3 +58,29 @@ def test_an_unknown_option_is_refused_with_the_commands_own_usage(capsys):
     assert done.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: mmldlm train") and "unrecognized arguments: --no-such-option" in err
+
+
+def test_every_function_of_the_command_modules_reads_in_one_screen():
+    # A command's parser grows by options: past about 60 lines its groups get functions of their own
+    # (bench: what is compared, the synthetic data, how each row is measured).
+    long = []
+    for path in sorted((Path(__file__).resolve().parent.parent / "mmldlm" / "commands").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > 60:
+                long.append(f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert long == []
+
+
+def test_a_signal_during_a_command_ends_it_in_one_line_with_128_plus_the_signals_number(monkeypatch, capsys):
+    def signalled(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler ends the sleep at once
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr("mmldlm.commands.model_info.run", signalled)
+    assert main(["model-info", "tiny"]) == 128 + signal.SIGTERM
+    assert (
+        capsys.readouterr().err
+        == "mmldlm model-info: stopped by SIGTERM; nothing was written; the same command starts over\n"
+    )
+    assert signal.getsignal(signal.SIGTERM) is before  # the command's handlers go with it

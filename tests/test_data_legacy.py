@@ -10,9 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from data_support import corpus_texts
 from test_data_prepare import free_port
 
+from mmldlm import cli
 from mmldlm.config import ConfigError, DataConfig, ModelConfig
 from mmldlm.data import DataError
 from mmldlm.data.dataset import build_loader, model_for_dataset, open_dataset, resolve_for_model
@@ -97,6 +99,19 @@ def test_the_model_takes_the_imported_latent_width_and_a_mismatch_names_the_impo
         resolve_for_model(DataConfig(), ModelConfig(latent_dim=384), dataset)
 
 
+def test_the_default_preset_trains_on_imported_latents_with_the_vocabulary_prior_off_said_once(tmp_path, capsys):
+    # The default preset asks for the vocabulary prior, which needs the encoder that made the latents.
+    make_legacy(tmp_path, 12, dim=32)
+    prepare(legacy_options(tmp_path, tmp_path / "out"), log=lambda _m: None)
+    run = tmp_path / "run"
+    overrides = [f"data.path={tmp_path / 'out'}", f"train.run_dir={run}", "train.steps=1", "eval.every=0"]
+    assert cli.main(["train", "--config", "default", *overrides, "data.num_workers=0", "--quiet"]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "vocab_prior" in line]
+    assert len(said) == 1 and said[0].startswith("INFO ") and "model.vocab_prior: off" in said[0]
+    assert yaml.safe_load((run / "config.yaml").read_text())["model"]["vocab_prior"] is False
+    assert model_for_dataset(ModelConfig(vocab_prior=True), open_dataset(tmp_path / "out")).vocab_prior is False
+
+
 def test_max_samples_imports_a_seeded_subset(tmp_path):
     _, _, samples = make_legacy(tmp_path, 30)
     meta = prepare(legacy_options(tmp_path, tmp_path / "out", max_samples=12), log=lambda _m: None)["meta"]
@@ -150,7 +165,7 @@ def test_a_failure_midway_keeps_the_finished_shards_and_a_rerun_continues_from_t
     lines = []
     meta = prepare(legacy_options(tmp_path, tmp_path / "out", val_fraction=0.0), log=lines.append)["meta"]
     assert read == [f"doc{i:04d}" for i in range(32, 40)]  # only the shard that failed is read again
-    assert any("continuing an interrupted prepare; 4 finished shard(s) kept" in line for line in lines)
+    assert any("continuing an interrupted prepare; 4 finished shards kept" in line for line in lines)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latents", "out", "tokenizer.json", "tokens"]
     assert not list((tmp_path / "out").rglob("*.json*"))[2:]  # meta.json and tokenizer.json only: no records
 
@@ -250,7 +265,10 @@ def test_an_import_killed_midway_continues_on_two_processes_to_the_same_dataset(
         [*torchrun, *legacy_command(tmp_path, tmp_path / "out")], env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"continuing an interrupted prepare; {finished} finished shard(s) kept" in result.stdout + result.stderr
+    assert (
+        f"continuing an interrupted prepare; {finished} finished shard{'' if finished == 1 else 's'} kept"
+        in result.stdout + result.stderr
+    )
     files = sorted(p.relative_to(tmp_path / "reference") for p in (tmp_path / "reference").rglob("*") if p.is_file())
     assert sorted(p.relative_to(tmp_path / "out") for p in (tmp_path / "out").rglob("*") if p.is_file()) == files
     for rel in files:

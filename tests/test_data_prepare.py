@@ -108,7 +108,7 @@ def test_rerun_says_complete_changed_options_refused_overwrite_rebuilds(data_dir
     ]
     before = (data_dir / "meta.json").stat().st_mtime_ns
     assert run_cli(monkeypatch, *args) == 0
-    assert "already complete" in capsys.readouterr().out
+    assert "already complete with these options; nothing to do (pass --overwrite to rebuild)" in capsys.readouterr().out
     assert (data_dir / "meta.json").stat().st_mtime_ns == before
     assert run_cli(monkeypatch, *args[:-1], "--seed", 1) == 2
     assert "already prepared with other options (seed: 0 -> 1); pass --overwrite" in capsys.readouterr().err
@@ -235,6 +235,7 @@ def test_null_data_path_prepares_the_default_corpus_once_into_the_cache(data_dir
     assert messages[-1].startswith(f"{path}: ")
     assert open_dataset(path, "val").meta["splits"] == json.loads((data_dir / "meta.json").read_text())["splits"]
     assert dataset_path(cfg, log=messages.append) == path and "already complete" in messages[-1]
+    assert "--overwrite" not in messages[-1] and "a changed option prepares another" in messages[-1]  # not a train flag
     assert default_prepare_options(DataConfig(cache_dir=str(tmp_path), vocab_size=512)).out != str(path)
     assert dataset_path(DataConfig(path="/some/dir")) == Path("/some/dir")
 

@@ -177,7 +177,8 @@ def test_eval_data_evaluates_the_new_texts_validation_split_and_names_it(run_dir
     expected = {"path": str(like_dir.resolve()), "split": "val", "own_dataset": False, "in_training": 0}
     assert report["data"] == expected and report["l2t"]["num_samples"] == 3  # its 3 validation samples
     assert report["elbo"]["l2t"]["num_samples"] == 3
-    summary = capsys.readouterr().out
+    assert "3 new-text validation texts, each figure with its 95% interval" in capsys.readouterr().out
+    summary = out.with_suffix(".md").read_text(encoding="utf-8")
     assert "Texts: new-text validation" in summary and "(3 new-text validation latents)" in summary
     assert "Too few texts to mean much (ELBO 3, l2t 3, t2l 3, joint 10; below 30)" in summary  # joint: unconditional
     assert [p.name for p in (run_dir / "eval").glob("*.json")] == [out.name]
@@ -187,7 +188,7 @@ def test_eval_data_evaluates_the_new_texts_validation_split_and_names_it(run_dir
     assert report["data"]["split"] == "all" and report["l2t"]["num_samples"] == 10  # more than either split holds
     assert report["t2l"]["pool_size"] == 10
     assert {e["source"] for e in report["l2t"]["examples"]} <= set(TEXTS)
-    assert "Texts: new-text training + validation" in capsys.readouterr().out
+    assert "Texts: new-text training + validation" in out.with_suffix(".md").read_text(encoding="utf-8")
 
 
 def test_eval_data_counts_and_warns_about_texts_the_run_trained_on(run_dir, tmp_path, caplog):

@@ -146,6 +146,10 @@ def test_resume_of_an_export_or_onto_other_data_says_to_use_init_from(source, ex
     (line,) = refusals(capsys)
     assert "loader state: saved with num_samples" in line
     assert line.endswith(f"start a new run with --init-from {checkpoint}")
+    assert not (tmp_path / "new").exists()  # refused before the run started: no empty run directory left
+    (tmp_path / "mine").mkdir()  # a folder the user made is theirs: kept, empty as it was
+    assert main("train", *overrides, f"train.run_dir={tmp_path / 'mine'}", "--resume", checkpoint) == 2
+    assert refusals(capsys) and list((tmp_path / "mine").iterdir()) == []
 
 
 def test_the_readme_fine_tuning_example_runs_on_50_sentences_under_a_config_of_a_larger_batch(

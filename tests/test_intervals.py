@@ -324,6 +324,28 @@ def test_compare_leaves_out_perplexities_scored_by_different_n_gram_references()
     assert "Scored by different n-gram references" in markdown(two)
 
 
+def test_unpaired_compare_leaves_out_retrieval_among_other_pools_and_shows_each_sides_n():
+    from mmldlm.evaluation.compare import compare_reports, markdown
+    from mmldlm.evaluation.evaluate import summarise
+    from mmldlm.evaluation.figures import recipes
+
+    rng = np.random.default_rng(0)
+
+    def report(n: int, pool_size: int) -> dict:
+        per_text = {"cosine": rng.uniform(0.5, 1, n), "hit": rng.uniform(0, 1, n) < 0.5}
+        return {"texts_sha256": str(n), "seed": 0, "t2l": summarise(recipes("t2l"), per_text, pool_size=pool_size)}
+
+    # A ranks each latent among 1000 texts (chance 0.1%), B among its 4 (chance 25%): not one figure.
+    result = compare_reports(report(16, 1000), report(4, 4), unpaired=True)
+    assert [(r["figure"], r["n_a"], r["n_b"]) for r in result["rows"]] == [("cosine_mean", 16, 4)]
+    assert result["other_setting"] == ["t2l retrieval_at_1 (pool_size 1000 vs 4)"]
+    table = markdown(result)
+    assert "| figure | n (A / B) |" in table and "| t2l cosine_mean | 16 / 4 |" in table
+    assert "not compared: t2l retrieval_at_1 (pool_size 1000 vs 4)" in table
+    same_pool = compare_reports(report(16, 1000), report(4, 1000), unpaired=True)
+    assert {r["figure"] for r in same_pool["rows"]} == {"cosine_mean", "retrieval_at_1"}
+
+
 def test_a_rate_no_text_reaches_gets_the_exact_upper_bound_not_zero_width():
     none = {"exact": np.zeros(128)}
     est = Rate("exact").estimate(none)

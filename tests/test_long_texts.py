@@ -4,7 +4,11 @@ figures of evaluation. Paragraphs of the bundled corpus's lines, with the real t
 
 import gzip
 import logging
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,6 +31,7 @@ from mmldlm.tools import check
 from mmldlm.training.distributed import DistInfo
 from mmldlm.training.run import build_model_and_objective, open_train_data
 
+REPO = Path(__file__).resolve().parent.parent
 MAX_TOKENS = 32
 SMALL = dict(vocab_size=400, shard_size=8, val_fraction=0.2, seed=0, progress=False, max_chars=100_000)
 
@@ -208,3 +213,31 @@ def test_eval_scores_the_length_head_only_on_lengths_it_can_name_and_shows_the_s
     options = SamplingOptions.defaults(untrained.cfg.text_diffusion, untrained.cfg.latent_diffusion, 2)
     l2t = evaluate.l2t_reconstruction(untrained, options, 2, 2, use_encoder=False, num_examples=2)
     assert [e["source"] for e in l2t["examples"]] == stored(untrained.dataset_dir, "val")[0][:2]
+
+
+def test_prepare_says_what_vocabulary_came_out_where_the_texts_hold_fewer_merges_than_asked(tmp_path_factory):
+    result, said = prepare_paragraphs(tmp_path_factory, "large-vocab", vocab_size=16384)
+    learned = result["meta"]["vocab_size"]
+    note = f"tokenizer: {learned} entries, not the 16384 asked for (--vocab-size): the "
+    assert learned < 16384 and any(line.startswith(note) and "hold no more merges" in line for line in said)
+    assert f"tokens, vocab {learned}, latents 1x384" in said[-1]
+
+
+@pytest.mark.slow
+def test_prepare_passes_no_library_warning_on_a_text_longer_than_the_encoder_reads(tmp_path):
+    # In a fresh process: the library warns once per tokenizer, and this session's encoder may have warned.
+    corpus = tmp_path / "paragraphs.txt"
+    long_text = " ".join(paragraphs()[:12])  # about 800 words: more wordpieces than the tokenizer's 256 positions
+    corpus.write_text("\n".join([*paragraphs(), long_text]) + "\n", encoding="utf-8")
+    args = ["--input", corpus, "--out", tmp_path / "data", "--vocab-size", 400, "--max-chars", 100_000, "--quiet"]
+    done = subprocess.run(
+        [sys.executable, "-m", "mmldlm", "prepare", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-3000:]
+    assert "Token indices sequence length" not in said

@@ -143,6 +143,8 @@ def _recompiles(records):  # compiled once at the start, then one more graph per
             (_divergence, "divergence", 151, 240),
             (_plateau, "plateau", 150, 165),
             (_scale("grad_norm", 50.0, 150, 150), "grad_explosion", 150, 150),
+            (_scale("grad_norm", 1e10, 150, 150), "grad_spike", 150, 150),
+            (_scale("grad_norm", 1e10, 1, 1), "grad_spike", 1, 1),  # judged once the 3rd record shows the level
             (_slowdown, "throughput_drop", 152, 152),  # the 3rd slow record tips the median of 5
             (_loader_stall, "data_wait", 152, 152),
             (_memory_creep, "memory_creep", 151, 180),
@@ -167,6 +169,22 @@ def test_throughput_drop_names_busy_shared_cores_as_a_likely_cause(tmp_path):
     (alert,) = analyse(write_run(tmp_path, records)).alerts
     assert "a second busy process on the same cores makes torch's threads wait for each other" in alert.message
     assert "train.threads" in alert.message and "train.threads=1" in alert.remedy
+
+
+def test_a_gradient_norm_ten_orders_above_the_next_on_a_modes_first_step_is_an_alert(tmp_path):
+    # A 12-step random-mode run whose first l2t step had a gradient norm of 1.4e11 (the vocabulary
+    # prior's cosine at a zero null latent), and about 200-450 on the l2t steps after it.
+    modes = ["t2l", "t2l", "l2t", "t2l", "l2t", "joint", "t2l", "l2t", "t2l", "l2t", "t2l", "joint"]
+    records = make_records(12, ("l2t", "t2l", "joint"))
+    for record, mode in zip(records, modes):
+        record["mode"] = mode
+        record["grad_norm"] = {"t2l": 0.18, "joint": 30.0}.get(mode)
+    for step, grad_norm in zip((3, 5, 8, 10), (1.36e11, 444.0, 202.0, 236.0)):
+        records[step - 1]["grad_norm"] = grad_norm
+    monitor = analyse(write_run(tmp_path, records))
+    assert kinds_and_steps(monitor) == [("grad_spike", 3)]
+    assert "1.36e+11 in mode l2t" in monitor.alerts[0].message
+    assert "optim.grad_clip" in monitor.alerts[0].remedy and monitor.report()["status"] == "warning"
 
 
 def test_spike_is_judged_within_its_mode(tmp_path):
@@ -351,7 +369,7 @@ def test_a_run_directory_waiting_for_its_first_record_is_followed(tmp_path, star
         write_run(run, make_records(5))
 
     assert follow(Monitor(run), interval=0, out=lines.append, sleep=sleep) == "healthy"
-    assert lines[-1] == "run complete; status: healthy (0 alert(s), 0 resume(s))"
+    assert lines[-1] == "run complete; status: healthy (0 alerts, 0 resumes)"
 
 
 def test_a_bad_threshold_is_named_with_its_value():

@@ -4,6 +4,7 @@
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -416,13 +417,15 @@ def test_eval_writes_report_and_summary(run_dir, tmp_path, capsys):
     assert "selected_on" not in report["l2t"] and "l2t_without_selection" not in report  # best of 1: no selection
     assert -1 <= report["l2t"]["cosine_mean"] <= 1 and 0 <= report["l2t"]["exact_match"] <= 1
     assert report["t2l"]["pool_size"] == 12 and len(report["l2t"]["examples"]) == 4
-    summary = capsys.readouterr().out
+    # The console holds the headline figures, the texts written and the paths; the .md file every figure.
+    console, summary = capsys.readouterr().out, out.with_suffix(".md").read_text(encoding="utf-8")
+    retrieval = f"- t2l retrieval@1 among 12: {figure_text(report['t2l'], 'retrieval_at_1', '.1%')} (chance"
+    assert retrieval in console and report["l2t"]["examples"][-1]["generated"] in console
+    assert f"wrote {out} and {out.with_suffix('.md')}" in console and "Likelihood bounds" not in console
     assert "retrieval@1 among 12" in summary and report["l2t"]["examples"][0]["source"] in summary
     assert f"word F1 {figure_text(report['l2t'], 'word_f1')}" in summary
     assert "(chance 8.3%)" in summary and "| 1.5 |" in summary and "length head" in summary
-    assert out.with_suffix(".md").read_text(encoding="utf-8") in summary
     # The figures a reader looks for come first, beside their references; the options read as keywords.
-    retrieval = f"- t2l retrieval@1 among 12: {figure_text(report['t2l'], 'retrieval_at_1', '.1%')} (chance"
     assert summary.index(retrieval) < summary.index("Likelihood bounds") < summary.index("l2t reconstruction")
     assert "Sampling options: num_steps=" in summary and "{'num_steps'" not in summary
     # The writing figures beside their references.
@@ -620,7 +623,9 @@ def test_compare_of_two_reports_gives_each_figure_its_paired_difference(run_dir,
     unpaired = json.loads(out.read_text())
     rows = {(r["section"], r["figure"]): r for r in unpaired["rows"]}
     assert unpaired["paired"] is False and rows[("l2t", "word_f1")]["n"] == 3  # the smaller of 4 and 3 texts
-    assert "each on its own texts" in capsys.readouterr().out
+    assert rows[("l2t", "word_f1")]["n_a"] == 4 and rows[("l2t", "word_f1")]["n_b"] == 3
+    table = capsys.readouterr().out
+    assert "each on its own texts" in table and "| l2t word_f1 | 4 / 3 |" in table
 
 
 def test_a_figure_the_decoder_selects_on_is_labelled_and_measured_without_selection(run_dir, tmp_path, capsys):
@@ -631,7 +636,7 @@ def test_a_figure_the_decoder_selects_on_is_labelled_and_measured_without_select
     assert report["l2t"]["selected_on"] == {"cosine_mean": "max over 2 candidates"}
     plain = report["l2t_without_selection"]
     assert "selected_on" not in plain and plain["num_samples"] == 4 and plain["encoded_per_sample"] == 0
-    summary = capsys.readouterr().out
+    summary = out.with_suffix(".md").read_text(encoding="utf-8")
     assert "re-encoded cosine" in summary and "(selected on: max over 2 candidates)" in summary
     assert f"without selection (best of 1) {figure_text(plain, 'cosine_mean', '.4f')}" in summary
     assert "eval_l2t_without_selection_cosine_mean_low" in eval_metrics(report)
@@ -642,10 +647,11 @@ def test_eval_scores_num_samples_texts_for_the_elbo_and_notes_a_retrieval_pool_o
     # one text, as in a run prepared with a single validation text: its retrieval pool holds only itself
     args = ["eval", "--run", str(run_dir), "--num-samples", "1", "--batch-size", "64", "--retrieval-pool", "1"]
     assert main([*args, "--no-writing", "--num-t-draws", "2", *FAST, "--out", str(out)]) == 0
-    report, summary = json.loads(out.read_text()), capsys.readouterr().out
+    report, summary = json.loads(out.read_text()), out.with_suffix(".md").read_text(encoding="utf-8")
     l2t = report["elbo"]["l2t"]
     assert l2t["num_samples"] == 1  # not the 64 of one batch
     assert "t2l retrieval@1 among 1 is 100% by construction: it measures nothing here" in summary
+    assert "t2l retrieval@1 among 1 is 100% by construction" in capsys.readouterr().out  # on the console too
     assert "Texts: validation" in summary and "(1 validation latents)" in summary
     # per T + 1 tokens, as an autoregressive model paying for its end of text
     per_text = l2t["per_text"]
@@ -656,3 +662,25 @@ def test_eval_scores_num_samples_texts_for_the_elbo_and_notes_a_retrieval_pool_o
         np.max(per_text["nats_per_text"]) / np.sum(per_text["nats_per_text"])
     )
     assert "bounds no marginal -log p(text)" in summary and "not of the decoder" in summary
+
+
+def test_eval_keeps_a_report_of_more_samples_unless_told_where_else_to_write_or_to_replace_it(
+    run_dir, tmp_path, capsys
+):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    quick = ["eval", "--run", str(run), "--no-writing", "--num-t-draws", "1", "--batch-size", "4", *FAST]
+    assert main([*quick, "--num-samples", "4"]) == 0
+    report = run / "eval" / "step-0000020.json"  # the one the model card reads
+    kept = report.read_text()
+    capsys.readouterr()
+    assert main([*quick, "--num-samples", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{report} holds an evaluation of 4 samples" in err
+    assert "--out PATH" in err and "--replace" in err and report.read_text() == kept
+    assert main([*quick, "--num-samples", "4"]) == 0  # as many: a repeat, replaced
+    kept = report.read_text()
+    assert main([*quick, "--num-samples", "2", "--out", str(tmp_path / "small.json")]) == 0
+    assert report.read_text() == kept
+    assert main([*quick, "--num-samples", "2", "--replace"]) == 0
+    assert json.loads(report.read_text())["l2t"]["num_samples"] == 2

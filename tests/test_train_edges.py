@@ -64,6 +64,12 @@ def test_the_progress_bar_ends_once_before_the_last_checkpoints_line(train, tmp_
     assert "3/3" in "\n".join(err)
 
 
+def test_train_quiet_draws_no_progress_bar_as_the_other_commands_quiet_does(train, tmp_path):
+    status, err = train("logging.progress_bar=true", "--quiet", steps=2)
+    assert status == 0 and not [line for line in err if "train:" in line]
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["logging"]["progress_bar"] is False
+
+
 def test_the_runs_config_records_the_shape_it_took_from_the_data(train, tmp_path):
     """model.vocab_size, latent_dim and num_latents left null are the dataset's, written in config.yaml."""
     assert train(steps=1)[0] == 0

@@ -1,8 +1,10 @@
 """The loop in one process with test doubles for the objective and the loader: accumulation,
-progressive batch size, the idle head, signals; and train.threads on a real tiny run."""
+progressive batch size, the idle head, signals; and on real tiny runs train.threads and the first step
+of each mode."""
 
 import errno
 import json
+import math
 import os
 import signal
 import threading
@@ -419,3 +421,15 @@ def test_flops_are_counted_on_real_tokens_not_on_padding(tmp_path):
     assert real == pytest.approx(text(4) + text(10) + head_rows, rel=1e-9)
     assert computed == pytest.approx(2 * text(10) + head_rows, rel=1e-9)  # what the padded batch ran
     assert (totals.positions, totals.real_positions) == (20, 14)
+@pytest.mark.parametrize("mode", ["l2t", "t2l", "joint"])
+def test_the_first_step_of_every_mode_on_the_default_config_has_a_moderate_gradient_norm(
+    tmp_path_factory, tmp_path, mode
+):
+    # l2t drops the condition of a tenth of the rows to the null latent, zero to start: the vocabulary
+    # prior's cosine there must not feed the step a gradient of 1/eps.
+    overrides = [f"objective.mode={mode}", "train.steps=1", "train.log_every=1", "logging.progress_bar=false"]
+    overrides += ["data.num_workers=0", "eval.every=0", f"data.path={prepared(tmp_path_factory)}"]
+    cfg = load_config("configs/default.yaml", [*overrides, f"train.run_dir={tmp_path / 'run'}"])
+    assert train(cfg) == 0
+    step = next(r for r in records(tmp_path / "run") if r.get("step") == 1 and "grad_norm" in r)
+    assert math.isfinite(step["grad_norm"]) and step["grad_norm"] < 1e3, step

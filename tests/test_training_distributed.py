@@ -5,10 +5,12 @@ two simulated nodes: tests/test_launcher.py)."""
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from mmldlm import cli
 from mmldlm.config import ConfigValueError, DistributedConfig
 from mmldlm.export.pretrained import MMLDLM
 from mmldlm.runs.checkpoints import read_weights, verify
+from mmldlm.training import distributed
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "train_worker.py"
@@ -274,7 +277,9 @@ def test_a_run_resumes_on_another_number_of_processes_and_strategy_reading_each_
     assert killed.returncode != 0
     proc = run("resumed", after, resume="auto", record=tmp_path / "read-after")
     assert_ok(proc)
-    assert "from a checkpoint of" in proc.stderr and "seeded from (train.seed, step 3, rank)" in proc.stderr
+    processes = "1 process" if after[0] == 1 else f"{after[0]} processes"
+    assert f"resumed on {processes} from a checkpoint of {before[0]}:" in proc.stderr
+    assert "seeded from (train.seed, step 3, rank)" in proc.stderr
     straight = samples_by_step(tmp_path / "read-straight")
     read = {s: v for s, v in samples_by_step(tmp_path / "read-before").items() if s < 3}
     read.update(samples_by_step(tmp_path / "read-after"))
@@ -460,3 +465,54 @@ def test_each_strategy_shards_over_its_own_number_of_ranks():
     assert DistributedConfig(strategy="hsdp").num_shards(8, 4) == 4  # null: one node's processes
     assert DistributedConfig(strategy="hsdp", shard_group_size=2).num_shards(8, 4) == 2
     assert DistributedConfig(strategy="hsdp").num_shards(1, 1) == 1
+
+
+@training_scenario
+def test_a_run_started_under_torchrun_and_stopped_says_to_continue_with_torchruns_line(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [*TORCHRUN, "--nproc-per-node", "1", "--master-port", str(free_port()), "-m", "mmldlm", "train"]
+    cmd += [*BASE, "train.steps=100000", f"train.run_dir={run_dir}", "--resume", "auto"]
+    proc = subprocess.Popen(cmd, env=_env(), cwd=REPO, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").stat().st_size:
+            assert proc.poll() is None and time.monotonic() < deadline, "no step trained"
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal's whole process group
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        proc.kill()
+    line = next(line for line in err.splitlines() if line.startswith("mmldlm train: stopped by SIGINT"))
+    resumed = [arg for arg in cmd if arg not in ("--resume", "auto")]  # the option given once, at the end
+    assert line.endswith(f"Continue with: {shlex.join(resumed)} --resume auto")
+
+
+@pytest.mark.parametrize(
+    "environ,parent,expected",
+    [
+        ({}, None, "mmldlm train --config c x=1 --resume auto"),
+        (
+            {"TORCHELASTIC_RUN_ID": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
+            ["torchrun", "--nproc-per-node", "2", "-m", "mmldlm", "train", "--resume", "runs/x/step-1", "x=1"],
+            "torchrun --nproc-per-node 2 -m mmldlm train x=1 --resume auto",
+        ),
+        (  # no /proc to read torchrun's line from: its environment
+            {"TORCHELASTIC_RUN_ID": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"},
+            None,
+            "torchrun --nnodes=2 --nproc-per-node=2 -m mmldlm train --config c x=1 --resume auto (on every node)",
+        ),
+        (
+            {"TORCHELASTIC_RUN_ID": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MMLDLM_LAUNCH_COMMAND": "L"},
+            ["python", "-m", "torch.distributed.run"],
+            "L (on every node, each with its own NODE_RANK)",
+        ),
+    ],
+    ids=["one process", "torchrun", "torchrun without /proc", "scripts/launch.sh"],
+)
+def test_the_line_that_continues_a_run_is_the_one_it_was_launched_with(monkeypatch, environ, parent, expected):
+    for name in ("TORCHELASTIC_RUN_ID", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MMLDLM_LAUNCH_COMMAND"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(distributed, "torchrun_argv", lambda: parent)
+    assert distributed.continue_command("mmldlm train --config c x=1") == expected

@@ -15,6 +15,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="section.key=value",
         help="overrides applied to every config, e.g. model=small data.path=DIR",
     )
+    add_row_arguments(parser)
+    add_synthetic_arguments(parser)
+    add_measurement_arguments(parser)
+    parser.add_argument(
+        "--out", default="runs/bench", help="directory for bench.json and bench.md (default runs/bench)"
+    )
+
+
+def add_row_arguments(parser: argparse.ArgumentParser) -> None:
+    """What is compared: the two configs, the ladder between them and further variants."""
     parser.add_argument(
         "--baseline",
         default="baseline",
@@ -23,14 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--optimized", default="optimized", help="second config, likewise (default: configs/optimized.yaml)"
-    )
-    parser.add_argument("--steps", type=int, default=10, help="measured optimizer steps per config (default 10)")
-    parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps per config first (default 3)")
-    parser.add_argument(
-        "--round-steps",
-        type=int,
-        default=2,
-        help="steps per config per turn; the configs take turns until --steps (default 2)",
     )
     parser.add_argument(
         "--ladder",
@@ -46,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a further row, set against the baseline like the optimized one; repeatable, e.g. "
         "--variant 'optimized perf.activation_checkpointing=full'",
     )
+
+
+def add_synthetic_arguments(parser: argparse.ArgumentParser) -> None:
     synthetic = parser.add_argument_group(
         "synthetic data",
         "any of these replaces data.path by random tokens and latents of the given shape, written to "
@@ -58,6 +63,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     synthetic.add_argument("--synthetic-latent-dim", type=int, help="latent width D (one latent per text)")
     synthetic.add_argument("--synthetic-samples", type=int, help="train texts")
+
+
+def add_measurement_arguments(parser: argparse.ArgumentParser) -> None:
+    """How each row is measured: steps and turns, the largest-micro-batch search, processes."""
+    parser.add_argument("--steps", type=int, default=10, help="measured optimizer steps per config (default 10)")
+    parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps per config first (default 3)")
+    parser.add_argument(
+        "--round-steps",
+        type=int,
+        default=2,
+        help="steps per config per turn; the configs take turns until --steps (default 2)",
+    )
     parser.add_argument(
         "--no-fit",
         dest="fit",
@@ -86,9 +103,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "slow phases hit each alike); one-at-a-time: each config alone, one after another (a waiting "
         "config holds none of the GPU's memory); auto: in turns on a CPU, one at a time on a GPU "
         "(default auto)",
-    )
-    parser.add_argument(
-        "--out", default="runs/bench", help="directory for bench.json and bench.md (default runs/bench)"
     )
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from mmldlm.wording import counted
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="run config: a YAML path or a preset name in configs/")
@@ -58,7 +60,11 @@ def run(args: argparse.Namespace) -> int:
     for finding in findings:
         print(format_finding(finding))
     counts = {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}
-    print(f"{counts['error']} error(s), {counts['warning']} warning(s), {counts['info']} note(s)")
+    print(
+        ", ".join(
+            counted(counts[s], noun) for s, noun in (("error", "error"), ("warning", "warning"), ("info", "note"))
+        )
+    )
     if args.fix:
         fixed, applied = fix_config(cfg, env)
         out = Path(args.fix)
@@ -67,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         Path(f"{out}.diff").write_text(diff)
         remaining, _ = audit(fixed, env)
         left = [f for f in remaining if f.severity == "error"]
-        print(f"\n--fix: applied {len(applied)} fix(es); wrote {out} and {out}.diff")
+        print(f"\n--fix: applied {counted(len(applied), 'fix')}; wrote {out} and {out}.diff")
         print(diff or "(no config change)")
         for finding in left:  # only fixes outside the config (environment, disk) can be left
             print(f"still to fix outside the config: {finding.message}: {finding.fix}")

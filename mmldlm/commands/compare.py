@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from mmldlm.commands.evaluate import check_options, evaluation
     from mmldlm.errors import OptionError, UserError
     from mmldlm.evaluation.compare import compare_arms, markdown, null_flags
+    from mmldlm.outputs import write_atomically
 
     check_options(args)
     if args.null_comparisons < 0:
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        write_atomically(out, json.dumps(result, indent=1) + "\n")
         print(f"mmldlm compare: wrote {out}")
     return 0
 

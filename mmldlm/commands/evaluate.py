@@ -1,10 +1,10 @@
 """`mmldlm eval --run RUN_DIR [--num-samples N] [--out PATH]`: validation ELBO and latent loss per
 mode, l2t reconstruction and t2l retrieval of a trained run (mmldlm/evaluation/evaluate.py). Writes
-a JSON report (default RUN/eval/step-NNNNNNN.json) and its markdown summary beside it (.md), and
-prints the summary. `--data DIR` evaluates on another prepared dataset (made with `mmldlm prepare
---like RUN_DIR`), by default its validation split (all of it where it has none); its report goes to
-RUN/eval/step-NNNNNNN-<DIR name>.json. An exported model folder (`mmldlm export`) carries no dataset,
-so with one `--data` is required."""
+a JSON report (default RUN/eval/step-NNNNNNN.json) and its markdown summary beside it (.md, every
+figure), and prints the headline figures, the first texts written and the paths. `--data DIR` evaluates
+on another prepared dataset (made with `mmldlm prepare --like RUN_DIR`), by default its validation split
+(all of it where it has none); its report goes to RUN/eval/step-NNNNNNN-<DIR name>.json. An exported
+model folder (`mmldlm export`) carries no dataset, so with one `--data` is required."""
 
 from __future__ import annotations
 
@@ -21,6 +21,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH.json",
         help="the JSON report (default RUN/eval/step-NNNNNNN.json; for an exported folder "
         "./eval-<folder name>/step-NNNNNNN-<DIR name>.json, the folder is never written to)",
+    )
+    parser.add_argument(
+        "--replace",
+        action="store_true",
+        help="replace the default report even where it holds more samples than this evaluation (without it, "
+        "such a report, the one the model card reads, is kept and the evaluation refused before it runs)",
     )
 
 
@@ -80,23 +86,51 @@ def _evaluate(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from mmldlm.evaluation.report import markdown
+    from mmldlm.evaluation.report import console_summary, markdown
+    from mmldlm.outputs import write_atomically
+
+    run, data, split = load_for_evaluation(args, args.run)
+    out = Path(args.out) if args.out else default_report_path(args, run, data, split)
+    if not (args.out or args.replace):
+        keep_larger_report(out, args.num_samples)
+    report = evaluate_loaded(args, run, data, split, args.run)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(out.with_suffix(".md"), markdown(report))
+    write_atomically(out, json.dumps(report, indent=1, ensure_ascii=False) + "\n")
+    print(console_summary(report))
+    print(f"mmldlm eval: wrote {out} and {out.with_suffix('.md')} (every figure: the whole report)")
+    return 0
+
+
+def default_report_path(args: argparse.Namespace, run, data, split: str):
+    """RUN/eval/step-NNNNNNN.json; another dataset's (or split's) report gets its own name so that it never
+    replaces the run's own evaluation; an exported folder's go to ./eval-<folder name>/."""
+    from pathlib import Path
+
     from mmldlm.export.pretrained import is_exported
     from mmldlm.runs.checkpoints import step_dir_name
 
-    run, report = evaluation(args, args.run)
-    data, split = Path(report["data"]["path"]), report["data"]["split"]
-    # Another dataset's (or split's) report must not overwrite the run's own evaluation.
-    suffix = f"-{data.name}" if args.data else ("" if split == "val" else f"-{split}")
+    suffix = f"-{Path(data).name}" if args.data else ("" if split == "val" else f"-{split}")
     reports = Path(f"eval-{Path(args.run).resolve().name}") if is_exported(Path(args.run)) else Path(args.run) / "eval"
-    out = Path(args.out) if args.out else reports / f"{step_dir_name(run.step or 0)}{suffix}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    summary = markdown(report)
-    out.with_suffix(".md").write_text(summary, encoding="utf-8")
-    print(summary, end="")
-    print(f"mmldlm eval: wrote {out} and {out.with_suffix('.md')} (the whole report)")
-    return 0
+    return reports / f"{step_dir_name(run.step or 0)}{suffix}.json"
+
+
+def keep_larger_report(path, num_samples: int) -> None:
+    """UserError where the report at `path` holds more samples than an evaluation of `num_samples` would:
+    the model card reads it, and a smaller one would silently take its place."""
+    import json
+
+    from mmldlm.errors import UserError
+
+    try:
+        kept = json.loads(path.read_text(encoding="utf-8"))["l2t"]["num_samples"]
+    except (OSError, ValueError, KeyError, TypeError):  # no report there, or none this command can read
+        return
+    if isinstance(kept, int) and kept > num_samples:
+        raise UserError(
+            f"{path} holds an evaluation of {kept} samples; this one of --num-samples {num_samples} would replace "
+            "it (the model card reads it): pass --out PATH to write elsewhere, or --replace to replace it"
+        )
 
 
 def check_options(args: argparse.Namespace) -> None:
@@ -118,15 +152,17 @@ def check_options(args: argparse.Namespace) -> None:
 def evaluation(args: argparse.Namespace, model_path: str):
     """(the trained run, its report) of the model at `model_path` with the options of `args`
     (add_evaluation_arguments, and --checkpoint / --no-ema where the command has them)."""
-    import math
+    run, data, split = load_for_evaluation(args, model_path)
+    return run, evaluate_loaded(args, run, data, split, model_path)
+
+
+def load_for_evaluation(args: argparse.Namespace, model_path: str):
+    """(the trained run, the prepared dataset, the split) that `args` evaluate the model at `model_path` on."""
     from pathlib import Path
 
     import torch
 
-    from mmldlm.commands.sample import sampling_options
-    from mmldlm.config import EvalConfig
     from mmldlm.device import keep_freed_memory, pick_device
-    from mmldlm.evaluation.evaluate import evaluate
     from mmldlm.export.pretrained import load_trained
 
     check_options(args)
@@ -141,6 +177,17 @@ def evaluation(args: argparse.Namespace, model_path: str):
     split = args.split or default_split(data)
     if args.data or split != "val":
         run.use_eval_data(data, split)
+    return run, data, split
+
+
+def evaluate_loaded(args: argparse.Namespace, run, data, split: str, model_path: str) -> dict:
+    """The report of `run` (load_for_evaluation) with the options of `args`."""
+    import math
+
+    from mmldlm.commands.sample import sampling_options
+    from mmldlm.config import EvalConfig
+    from mmldlm.evaluation.evaluate import evaluate
+
     options = sampling_options(args, run, guidance_scale=args.guidance_scale[0])
     cfg = EvalConfig(
         num_samples=args.num_samples,
@@ -166,7 +213,7 @@ def evaluation(args: argparse.Namespace, model_path: str):
         report["data"]["in_training"] = texts_in_training(
             run, model_path, data, split, max(args.num_samples, args.retrieval_pool)
         )
-    return run, report
+    return report
 
 
 def default_split(data) -> str:

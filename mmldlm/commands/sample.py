@@ -381,19 +381,21 @@ def _write(args, records: list[dict], z, index: list[int] | None) -> None:
     """The records to --out (or stdout), each indexed by its source text's place in the input, and the
     latents to --latents-out."""
     import json
+    from pathlib import Path
 
     import numpy as np
 
+    from mmldlm.outputs import write_atomically
+
     for record in records if index else []:  # a record's index is its source text's place in the input
         record["index"] = index[record["index"]]
-    if args.latents_out and z is not None:
-        np.save(args.latents_out, z.numpy())
-    out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
-    try:
-        for record in records:
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
-    finally:
-        if args.out:
-            out.close()
+    if args.latents_out and z is not None:  # whole or not at all, under the name np.save gives it
+        latents_out = Path(args.latents_out if args.latents_out.endswith(".npy") else f"{args.latents_out}.npy")
+        write_atomically(latents_out, lambda f: np.save(f, z.numpy()))
+    lines = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+    if args.out:
+        write_atomically(Path(args.out), lines)
+    else:
+        sys.stdout.write(lines)
     if args.mode in ("t2l", "joint") and not args.latents_out:
         print("mmldlm sample: latents not written (give --latents-out FILE.npy to keep them)", file=sys.stderr)

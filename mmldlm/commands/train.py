@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "with `mmldlm prepare --like SOURCE`",
     )
     parser.add_argument(
+        "--quiet", action="store_true", help="no progress bar (logging.progress_bar=false); the log lines stay"
+    )
+    parser.add_argument(
         "--init-weights",
         choices=["ema", "raw"],
         help="with --init-from: the source's EMA of the weights where it kept one, or its raw trained "
@@ -49,5 +52,7 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"train.init_from={args.init_from}")
     if args.init_weights is not None:
         overrides.append(f"train.init_weights={args.init_weights}")
+    if args.quiet:
+        overrides.append("logging.progress_bar=false")
     command = shlex.join(["mmldlm", "train", "--config", args.config, *overrides])
     return train(load_config(args.config, overrides), resume=args.resume, command=command)

@@ -570,13 +570,22 @@ def latent_source(meta: dict) -> str:
 
 
 def model_for_dataset(model: ModelConfig, dataset: PreparedDataset) -> ModelConfig:
-    """`model` with the keys it leaves null (latent_dim, num_latents) set to the dataset's; vocab_size
-    stays null here, since the model takes it from the tokenizer when it is built."""
+    """`model` with the keys it leaves null (latent_dim, num_latents) set to the dataset's, and the
+    vocabulary prior off where the dataset cannot give it (`has_token_latents`); vocab_size stays null
+    here, since the model takes it from the tokenizer when it is built."""
     return dataclasses.replace(
         model,
         latent_dim=dataset.latent_dim if model.latent_dim is None else model.latent_dim,
         num_latents=dataset.num_latents if model.num_latents is None else model.num_latents,
+        vocab_prior=model.vocab_prior and has_token_latents(dataset.meta),
     )
+
+
+def has_token_latents(meta: dict) -> bool:
+    """Whether the dataset of meta.json `meta` holds its vocabulary's token latents (model.vocab_prior), or
+    can have them made by its encoder: not where its latents were imported (encoder_normalize null) from
+    an encoder that is not known."""
+    return bool(meta.get("token_latents")) or meta.get("encoder_normalize") is not None
 
 
 def resolve_for_model(data: DataConfig, model: ModelConfig, dataset: PreparedDataset) -> DataConfig:

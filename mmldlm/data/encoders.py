@@ -100,7 +100,8 @@ class SentenceEncoder:
         unk = tokenizer.unk_token_id
         if unk is None or not texts:
             return UnknownPieces(tokenizer.unk_token, 0, 0, 0, None)
-        encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        # verbose=False: no library warning for a text longer than the model reads (prepare reports the cut)
+        encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         num_unknown = num_pieces = num_texts = 0
         example = None
         for text, ids, offsets in zip(texts, encoded["input_ids"], encoded["offset_mapping"]):

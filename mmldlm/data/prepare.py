@@ -69,8 +69,9 @@ from mmldlm.data.tokenizer import (
     vocab_size,
 )
 from mmldlm.device import pick_device
-from mmldlm.errors import OptionError, UserError, require_positive
+from mmldlm.errors import Interrupted, OptionError, UserError, require_positive
 from mmldlm.outputs import publish, refuse_foreign, write_atomically
+from mmldlm.wording import counted
 
 LATENT_DTYPES = ("float16", "float32")
 STD_FLOOR = 1e-6  # standardising by the std never divides by zero, even for a constant dimension
@@ -172,7 +173,8 @@ def dataset_path(cfg: DataConfig, log=print, detail=None) -> Path:
     `detail` as for prepare."""
     if cfg.path is not None:
         return Path(cfg.path)
-    return Path(prepare(default_prepare_options(cfg), log, detail)["path"])
+    rebuild = "the cache holds one per set of data.* options: a changed option prepares another"
+    return Path(prepare(default_prepare_options(cfg), log, detail, rebuild)["path"])
 
 
 def options_like_run(run_dir: str | Path) -> dict[str, Any]:
@@ -428,9 +430,8 @@ def _open_partial(out: Path, opts: PrepareOptions, tokenizer_json: str, say: Cal
         refuse_foreign(partial, PREPARED, "remove it or choose another --out", marked=False)
         record = partial / PARTIAL
         if record.is_file() and json.loads(record.read_text()) == started:
-            say(
-                f"{partial}: continuing an interrupted prepare; {len(_finished_shards(partial))} finished shard(s) kept"
-            )
+            kept = counted(len(_finished_shards(partial)), "finished shard")
+            say(f"{partial}: continuing an interrupted prepare; {kept} kept")
             return str(partial)
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
@@ -553,19 +554,23 @@ def _device(requested: str) -> str:
 
 
 def prepare(
-    opts: PrepareOptions, log: Callable[[str], None] = print, detail: Callable[[str], None] | None = None
+    opts: PrepareOptions,
+    log: Callable[[str], None] = print,
+    detail: Callable[[str], None] | None = None,
+    rebuild: str = "pass --overwrite to rebuild",
 ) -> dict:
     """Prepare the dataset described by `opts` (on every rank of an initialised process group).
     Returns {"status": "created" | "exists", "path": str, "meta": dict}; `log` is called on rank 0 only,
     and `detail` (default: `log`) for the counts and length statistics of the texts read, which meta.json
-    keeps ("lengths") and `mmldlm check` reads."""
+    keeps ("lengths") and `mmldlm check` reads. `rebuild`: how the caller's user gets a complete dataset
+    prepared again (said where it is complete already)."""
     opts.check()
     ranks = Ranks()
     say = log if ranks.rank == 0 else (lambda _msg: None)
     say_detail = (detail or log) if ranks.rank == 0 else (lambda _msg: None)
     out = Path(opts.out)
     if ranks.on_rank0(lambda: output_state(opts)) == "complete":
-        say(f"{out}: already complete with these options; nothing to do (pass --overwrite to rebuild)")
+        say(f"{out}: already complete with these options; nothing to do ({rebuild})")
         return {"status": "exists", "path": str(out), "meta": read_meta(out)}
 
     read = _legacy_source if opts.legacy_tokens is not None else _text_source
@@ -575,7 +580,7 @@ def prepare(
         say_detail(long_texts.report_outcome(meta["lengths"]))
     say(
         f"{out}: {meta['splits']['train']} train + {meta['splits']['val']} val samples, "
-        f"{meta['num_tokens']['train'] + meta['num_tokens']['val']} tokens, "
+        f"{meta['num_tokens']['train'] + meta['num_tokens']['val']} tokens, vocab {meta['vocab_size']}, "
         f"latents {meta['num_latents']}x{meta['latent_dim']}"
     )
     return {"status": "created", "path": str(out), "meta": meta}
@@ -615,8 +620,15 @@ def _text_source(opts: PrepareOptions, ranks: Ranks, say: Callable[[str], None],
     def make_tokenizer() -> str:
         if opts.tokenizer is not None:
             return load_tokenizer(opts.tokenizer).to_str()
-        say(f"training a byte-level BPE tokenizer (vocab {opts.vocab_size}) on {len(splits['train'])} train samples")
-        return train_bpe([texts[i] for i in splits["train"]], opts.vocab_size).to_str()
+        num_train = len(splits["train"])
+        say(f"training a byte-level BPE tokenizer (vocab {opts.vocab_size}) on {num_train} train samples")
+        tokenizer = train_bpe([texts[i] for i in splits["train"]], opts.vocab_size)
+        if (learned := vocab_size(tokenizer)) < opts.vocab_size:
+            say(
+                f"tokenizer: {learned} entries, not the {opts.vocab_size} asked for (--vocab-size): the "
+                f"{num_train} train samples hold no more merges"
+            )
+        return tokenizer.to_str()
 
     tokenizer_json = ranks.on_rank0(make_tokenizer)
     encoder = ranks.on_all(lambda: load_encoder(opts.encoder, _device(opts.device), opts.normalize))
@@ -638,7 +650,6 @@ def _write_dataset(
     merges them onto `out`; returns the meta. On a failure the shards finished so far stay there for a
     rerun of the same command to continue from (an empty temporary directory is removed)."""
     partial = Path(ranks.on_rank0(lambda: _open_partial(out, opts, tokenizer_json, say)))
-    completed = False
     try:
         mine = plan_shards(splits, opts.shard_size)[ranks.rank :: ranks.world_size]
         ids_dtype = token_dtype(vocab_size(from_json(tokenizer_json)))
@@ -658,15 +669,25 @@ def _write_dataset(
         meta = ranks.on_rank0(
             lambda: _merge(opts, tokenizer_json, counts, shards, partial, extra, getattr(source, "encoder", None))
         )
-        completed = True
-    finally:
-        if ranks.rank == 0 and not completed and partial.exists():
-            kept = len(_finished_shards(partial))
-            if kept:  # a rerun of the same command continues from them
-                say(f"{partial}: {kept} finished shard(s) kept; the same command continues from them")
-            else:
-                shutil.rmtree(partial)
+    except BaseException as err:
+        if ranks.rank == 0 and partial.exists():
+            _keep_finished_shards(partial, err, say)
+        raise
     return meta
+
+
+def _keep_finished_shards(partial: Path, err: BaseException, say: Callable[[str], None]) -> None:
+    """After a failure or a signal (`err`): the shards finished in `partial` stay for a rerun of the same
+    command to continue from, said in a line (for a signal, in the command's last line); none: removed."""
+    kept = len(_finished_shards(partial))
+    if not kept:
+        shutil.rmtree(partial)
+        return
+    line = f"{partial}: {counted(kept, 'finished shard')} kept; the same command continues from them"
+    if isinstance(err, Interrupted):
+        err.kept = line
+    else:
+        say(line)
 
 
 def unknown_pieces_warning(texts: list[str], encoder) -> str | None:

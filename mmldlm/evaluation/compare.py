@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from mmldlm.errors import UserError
-from mmldlm.evaluation.figures import sections
+from mmldlm.evaluation.figures import Figure, sections
 from mmldlm.evaluation.intervals import LEVEL, NUM_RESAMPLES, POWER
 
 # Sections that score the validation data and the training texts, not the model: the same in both.
@@ -120,26 +120,14 @@ def compare_arms(
     ]
     common = [name for name in of_each[0] if all(name in of for of in of_each[1:])]
     one_reference = len({(r.get("fluency_reference") or {}).get("sha256") for r in reports}) == 1
-    rows, without_interval, other_reference = [], [], []
+    found = {"rows": [], "other_reference": [], "other_setting": [], "without_interval": []}
     for name in common:
-        figures = of_each[0][name][1]
-        per_text = [of[name][0]["per_text"] for of in of_each]
-        for figure, recipe in figures.items():
-            if not all(key in p for p in per_text for key in recipe.keys):
-                continue
-            if figure in REFERENCE_SCORED and not one_reference:
-                other_reference.append(f"{name} {figure}")
-                continue
-            if unpaired:
-                difference = recipe.unpaired_difference(per_text[0], per_text[1])
-            else:
-                difference = _difference(
-                    recipe, per_text[: len(arm_a)], per_text[len(arm_a) :], f"{name} {figure}", names
-                )
-            if difference is None:  # no interval for this figure (intervals.CorpusStatistic.resampled)
-                without_interval.append(f"{name} {figure}")
-                continue
-            rows.append({"section": name, "figure": figure, **difference.to_dict()})
+        for figure in of_each[0][name][1].values():
+            outcome = _compare_figure(
+                figure, name, [of[name][0] for of in of_each], len(arm_a), names, unpaired, one_reference
+            )
+            if outcome is not None:
+                found[outcome[0]].append(outcome[1])
     not_compared = sorted({name for of in of_each for name in of} - set(common))
     return {
         "a": " + ".join(names_a),
@@ -149,11 +137,36 @@ def compare_arms(
         "paired": not unpaired,
         "level": LEVEL,
         "num_resamples": NUM_RESAMPLES,
-        "rows": rows,
-        "other_reference": other_reference,
+        **found,
         "not_compared": not_compared,
-        "without_interval": without_interval,
     }
+
+
+def _compare_figure(
+    figure: Figure, name: str, found: list[dict], num_a: int, names: list[str], unpaired: bool, one_reference: bool
+) -> tuple[str, dict | str] | None:
+    """Figure `figure` of the sections `found` (named `name`, one per report, A's num_a first):
+    ("rows", its row), or the list of compare_arms' result that names it instead, with its label: scored by
+    other n-gram references, in other settings (figures.Figure.setting), or without an interval; None
+    where a report lacks its per-text values."""
+    label, recipe, per_text = f"{name} {figure.key}", figure.recipe, [f["per_text"] for f in found]
+    if not all(key in p for p in per_text for key in recipe.keys):
+        return None
+    if figure.key in REFERENCE_SCORED and not one_reference:
+        return "other_reference", label
+    settings = [f.get(figure.setting) for f in found] if figure.setting else []
+    if len(set(settings)) > 1:
+        return "other_setting", f"{label} ({figure.setting} {' vs '.join(map(str, settings))})"
+    if unpaired:
+        difference = recipe.unpaired_difference(per_text[0], per_text[1])
+    else:
+        difference = _difference(recipe, per_text[:num_a], per_text[num_a:], label, names)
+    if difference is None:  # no interval for this figure (intervals.CorpusStatistic.resampled)
+        return "without_interval", label
+    row = {"section": name, "figure": figure.key, **difference.to_dict()}
+    if unpaired:  # each run's own number of texts
+        row.update(n_a=len(per_text[0][recipe.keys[0]]), n_b=len(per_text[1][recipe.keys[0]]))
+    return "rows", row
 
 
 def _difference(recipe, per_a: list[dict], per_b: list[dict], figure: str, names: list[str]):
@@ -193,6 +206,11 @@ def flags_line(result: dict) -> str:
     return line
 
 
+def n_of(row: dict) -> str:
+    """A row's number of texts: one for both runs, or each run's own (--unpaired)."""
+    return f"{row['n_a']} / {row['n_b']}" if "n_a" in row else str(row["n"])
+
+
 def markdown(result: dict) -> str:
     """The comparison as a markdown table, one row per figure."""
     several = len(result.get("runs_a", [1])) + len(result.get("runs_b", [1])) > 2
@@ -221,16 +239,17 @@ def markdown(result: dict) -> str:
             "seeds with --a/--b to compare recipes)"
         )
     seeds = f" sd between seeds | detectable at {POWER:.0%} |" if several else ""
+    n = "n" if result.get("paired", True) else "n (A / B)"
     lines = [
         intro,
         "",
-        f"| figure | n | A | B | A - B | interval |{seeds} significant |",
+        f"| figure | {n} | A | B | A - B | interval |{seeds} significant |",
         "|---" * (9 if several else 7) + "|",
     ]
     for r in result["rows"]:
         seed_sd = f" {r['seed_sd']:.3g} | {r['detectable']:.3g} |" if several else ""
         lines.append(
-            f"| {r['section']} {r['figure']} | {r['n']} | {r['a']:.4g} | {r['b']:.4g} | {r['difference']:+.4g} | "
+            f"| {r['section']} {r['figure']} | {n_of(r)} | {r['a']:.4g} | {r['b']:.4g} | {r['difference']:+.4g} | "
             f"[{r['low']:+.4g}, {r['high']:+.4g}] |{seed_sd} {'yes' if r['significant'] else 'no'} |"
         )
     lines += ["", flags_line(result)]
@@ -242,6 +261,9 @@ def markdown(result: dict) -> str:
             "Scored by different n-gram references (each run's model of its own training texts), not compared: "
             + ", ".join(result["other_reference"]),
         ]
+    if result.get("other_setting"):
+        settings = ", ".join(result["other_setting"])
+        lines += ["", f"Scored in other settings (retrieval@1's chance is 1 / pool_size), not compared: {settings}"]
     if result.get("without_interval"):
         no_interval = ", ".join(result["without_interval"])
         lines += ["", f"No interval (resampling texts biases them), not compared: {no_interval}"]

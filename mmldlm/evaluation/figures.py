@@ -44,7 +44,9 @@ def _distinct(n: int, key: str = "texts") -> CorpusStatistic:
 class Figure:
     """Figure `key` of the report sections of kind `section` (`MEASURED_AGAIN`), made by `recipe`; where eval's
     headline list (`HEADLINE`) or the model card shows it, its `label` (formatted with the section's fields),
-    format `number_format`, and `reference`: the figure of the "references" section it is read against."""
+    format `number_format`, and `reference`: the figure of the "references" section it is read against.
+    `setting`: a field of the section that the figure depends on beyond the texts (retrieval@1 among
+    `pool_size` latents, whose chance is 1 / pool_size); reports compare on it only where that field agrees."""
 
     section: str
     key: str
@@ -52,6 +54,7 @@ class Figure:
     label: str = ""
     number_format: str = ".3f"
     reference: str = ""
+    setting: str = ""
 
 
 NGRAM = _perplexity("ngram")  # the word 3-gram perplexity of l2t's and joint's texts
@@ -70,7 +73,15 @@ FIGURES = (
     Figure("l2t", "ngram_perplexity", NGRAM),
     Figure("l2t", "cosine_mean", Mean("cosine"), "l2t re-encoded cosine", ".3f", "other_sentence_cosine"),
     Figure("t2l", "cosine_mean", Mean("cosine"), "t2l cosine to the true latent", ".3f", "mean_latent_cosine"),
-    Figure("t2l", "retrieval_at_1", Rate("hit"), "t2l retrieval@1 among {pool_size}", ".1%", "chance_retrieval_at_1"),
+    Figure(
+        "t2l",
+        "retrieval_at_1",
+        Rate("hit"),
+        "t2l retrieval@1 among {pool_size}",
+        ".1%",
+        "chance_retrieval_at_1",
+        "pool_size",
+    ),
     Figure("length", "accuracy", Rate("correct")),
     Figure("length", "mean_abs_error", Mean("abs_error")),
     Figure("joint", "consistency", Mean("consistency"), "joint: text-latent consistency"),
@@ -110,9 +121,14 @@ REFERENCE_LABELS = {
 MEASURED_AGAIN = {"l2t": ("l2t_without_selection", "l2t_predicted_length"), "joint": ("joint_without_selection",)}
 
 
+def figures_of(section: str) -> dict[str, Figure]:
+    """{figure key: Figure} of the sections of kind `section`, in the report's order."""
+    return {f.key: f for f in FIGURES if f.section == section}
+
+
 def recipes(section: str) -> dict:
     """{figure key: recipe} of the sections of kind `section`, in the report's order."""
-    return {f.key: f.recipe for f in FIGURES if f.section == section}
+    return {key: f.recipe for key, f in figures_of(section).items()}
 
 
 FIGURE = {(f.section, f.key): f for f in FIGURES}  # each entry by (section kind, figure key)
@@ -122,8 +138,8 @@ HEADLINE = tuple(
 )
 
 
-def sections(report: dict) -> list[tuple[str, dict, dict]]:
-    """(name, section, recipes) of every section of `report` that keeps per-text values, in the order of
+def sections(report: dict) -> list[tuple[str, dict, dict[str, Figure]]]:
+    """(name, section, {key: Figure}) of every section of `report` that keeps per-text values, in the order of
     `FIGURES`: the elbo section's modes as "elbo MODE", the joint section's "reference" as "joint reference"."""
     out = []
     for kind in dict.fromkeys(f.section for f in FIGURES):
@@ -133,5 +149,5 @@ def sections(report: dict) -> list[tuple[str, dict, dict]]:
             found = [(kind, report.get("joint", {}).get("reference", {}))]
         else:
             found = [(key, report.get(key, {})) for key in (kind, *MEASURED_AGAIN.get(kind, ()))]
-        out += [(name, section, recipes(kind)) for name, section in found if "per_text" in section]
+        out += [(name, section, figures_of(kind)) for name, section in found if "per_text" in section]
     return out

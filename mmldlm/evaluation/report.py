@@ -310,6 +310,24 @@ def headline_lines(report: dict) -> list[str]:
     return [f"{texts}, each figure with its 95% interval (its reference in parentheses):", "", *lines]
 
 
+def _title(report: dict) -> str:
+    return f"# Evaluation of {report['checkpoint']} (step {report['step']}, {report['weights']} weights)"
+
+
+def examples_lines(report: dict) -> list[str]:
+    """The first validation texts beside what the model wrote from their latents, as a markdown table."""
+    lines = ["| source | generated from its latent |", "|---|---|"]
+    return lines + [f"| {table_cell(e['source'])} | {table_cell(e['generated'])} |" for e in report["l2t"]["examples"]]
+
+
+def console_summary(report: dict) -> str:
+    """What `mmldlm eval` prints: the headline figures beside their references, a note where too few texts
+    make them meaningless, and the texts written from the first latents; the rest is in `markdown`'s file."""
+    notes = small_n_notes(report)
+    lines = [_title(report), "", *headline_lines(report), *(["", *notes] if notes else []), "", *examples_lines(report)]
+    return "\n".join(lines) + "\n"
+
+
 def markdown(report: dict) -> str:
     """A short human summary of the report: the headline figures, then every figure with its 95% interval
     in brackets."""
@@ -319,7 +337,7 @@ def markdown(report: dict) -> str:
     split = texts_label(report)
     notes = small_n_notes(report)
     lines = [
-        f"# Evaluation of {report['checkpoint']} (step {report['step']}, {report['weights']} weights)",
+        _title(report),
         "",
         *headline_lines(report),
         "",
@@ -351,6 +369,5 @@ def markdown(report: dict) -> str:
         lines += ["", length_line(report["length"], split)]
     if "guidance" in report:
         lines += _guidance_table(report)
-    lines += ["", "| source | generated from its latent |", "|---|---|"]
-    lines += [f"| {table_cell(e['source'])} | {table_cell(e['generated'])} |" for e in l2t["examples"]]
+    lines += ["", *examples_lines(report)]
     return "\n".join(lines) + "\n"

@@ -514,7 +514,7 @@ class MultimodalMMDiT(nn.Module):
 
         logits = self.text_logits(x_text, c, text_rows, packing, L) if text_head else None  # (B, L, V) or (N, V)
         if text_head and self.token_latents is not None:
-            logits = logits + self.vocab_prior(latents, t_latent_emb, text_rows, L).to(logits.dtype)
+            logits = logits + self.vocab_prior(latents, latent_null, t_latent_emb, text_rows, L).to(logits.dtype)
         latent_out = self.latent_final(x_latent, c) if latent_head else None  # (B, K, D)
         lengths = self.length_logits(length_from) if length_from is not None else None  # (B, max_seq_len)
         return ModelOutput(logits, latent_out, lengths)
@@ -658,13 +658,19 @@ class MultimodalMMDiT(nn.Module):
         with torch.no_grad():
             self.token_latents.copy_(F.normalize(token_latents.reshape(V, KD).float(), dim=-1))
 
-    def vocab_prior(self, latents: Tensor, t_latent_emb: Tensor, text_rows: Tensor | None, L: int) -> Tensor:
+    def vocab_prior(
+        self, latents: Tensor, latent_null: Tensor | None, t_latent_emb: Tensor, text_rows: Tensor | None, L: int
+    ) -> Tensor:
         """s(t_latent) * cos(latent, token latent of v): (B, 1, V), or (N, V) at text_rows like the logits.
-        latents (B, K, D) the latent input (the null latent where dropped: zero to start, no prior)."""
+        latents (B, K, D) the latent input; rows latent_null (B,) marks hold the null latent and get no
+        prior: a dropped condition says nothing of the words. (The null latent starts at zero, where the
+        cosine's gradient is 1/eps: through the prior, the first l2t step's gradient norm was ~1e11.)"""
         B = latents.shape[0]
         scale = F.softplus(self.vocab_prior_scale(t_latent_emb))  # (B, 1)
         cosine = F.normalize(latents.reshape(B, -1).float(), dim=-1) @ self.token_latents.T  # (B, V)
         prior = scale.float() * cosine  # (B, V)
+        if latent_null is not None:
+            prior = prior.masked_fill(latent_null[:, None], 0.0)  # and a zero gradient into the null rows
         if text_rows is None:
             return prior[:, None, :]
         batch = torch.div(text_rows.reshape(-1).nonzero().squeeze(1), L, rounding_mode="floor")  # (N,)

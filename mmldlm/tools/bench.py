@@ -72,6 +72,7 @@ from mmldlm.data.synthetic import SyntheticShape, write_synthetic
 from mmldlm.device import describe_device, pick_device
 from mmldlm.errors import UserError
 from mmldlm.model.info import parameter_counts
+from mmldlm.outputs import write_atomically
 from mmldlm.training.batch_size import batch_shape, largest_fitting, probe_or_none, spaced_sizes
 from mmldlm.training.distributed import init_distributed
 from mmldlm.training.metrics import current_memory_bytes, peak_memory_bytes, release_free_memory, reset_peak_memory
@@ -766,8 +767,8 @@ def run_bench(opts: BenchOptions, command: str = "") -> dict:
         },
         "order": [job["name"] for job in jobs],
     }
-    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "bench.md").write_text(markdown(report))
+    write_atomically(out / "bench.md", markdown(report))
+    write_atomically(out / "bench.json", json.dumps(report, indent=2) + "\n")
     return report
 
 

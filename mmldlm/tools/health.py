@@ -59,6 +59,7 @@ class HealthConfig:
     plateau_min_improvement: float = 0.01
     plateau_lr_fraction: float = 0.5  # judge plateaus only while lr >= this share of the peak lr seen
     grad_explosion_factor: float = 10.0  # grad norm above this multiple of its running median
+    grad_spike_factor: float = 1000.0  # ...above this multiple, from a mode's third record on: a spike
     throughput_window: int = 5  # records (all modes) whose median slowdown is judged: a drop needs 3 slow of 5
     throughput_drop: float = 0.3  # compute throughput this share below what the step's work predicts
     throughput_history: int = 50  # typical records per mode behind the step-cost line
@@ -96,6 +97,10 @@ REMEDIES = {
     "plateau": "schedule.plateau.enabled=true reduces the LR when the loss stops improving; if optim.lr is small "
     "raise it; check objective.mode_weights and that the data is not tiny (memorised)",
     "grad_explosion": "optim.grad_clip=1.0 (clipping bounds the update, the norm is still logged), lower optim.lr",
+    "grad_spike": "a norm orders of magnitude above its mode's others on single steps is one operation's gradient "
+    "at a singular point (x / ||x|| or a division at an all-zero input, such as a zero-initialised parameter), "
+    "not the learning rate: optim.grad_clip bounds the update but hides the cause; rerun the first steps with "
+    "train.log_every=1 and the parameters' gradient norms printed after backward to find it",
     "throughput_drop": "another process on the device or node (on shared CPUs train.threads=1 or stop the other "
     "job), thermal throttling, a slow filesystem, or the loader: data.num_workers, "
     "data.persistent_workers=true; `mmldlm check` audits the loader and the load",
@@ -208,6 +213,7 @@ class _ModeState:
     anchor_at: int = 0  # ...and the count of this mode's records then
     count: int = 0
     latches: dict = field(default_factory=lambda: defaultdict(_Latch))
+    first_grad_norms: list = field(default_factory=list)  # (step, grad norm, alerted) of its first min_history
 
 
 class HealthTracker:
@@ -380,10 +386,18 @@ class HealthTracker:
             )
 
     def _check_grad_norm(self, state: _ModeState, grad_norm: float, step: int, mode: str) -> None:
+        """A norm above its mode's running median: an explosion (grad_explosion_factor times), or a spike
+        (grad_spike_factor times). A mode's first min_history records have no running median yet: they
+        are judged for spikes against each other from the third on, so a spike on a mode's first step
+        is found once the records after it show the mode's level."""
         cfg = self.cfg
-        if len(state.grad_norms) >= cfg.min_history:
+        if len(state.grad_norms) < cfg.min_history:
+            self._check_first_grad_norms(state, (step, grad_norm, False), mode)
+        else:
             median = statistics.median(state.grad_norms)
-            if state.latches["grad"].fire(grad_norm > cfg.grad_explosion_factor * median):
+            if state.latches["grad_spike"].fire(grad_norm > cfg.grad_spike_factor * median):
+                self._raise_grad_spike(grad_norm, step, mode, median, f"its running median {median:.4g}")
+            elif state.latches["grad"].fire(grad_norm > cfg.grad_explosion_factor * median):
                 self._raise(
                     "grad_explosion",
                     "warning",
@@ -392,6 +406,26 @@ class HealthTracker:
                     f"median {median:.4g}",
                 )
         state.grad_norms.append(grad_norm)
+
+    def _check_first_grad_norms(self, state: _ModeState, record: tuple[int, float, bool], mode: str) -> None:
+        judged = state.first_grad_norms
+        judged.append(record)
+        if len(judged) < 3:
+            return
+        median = statistics.median(g for _, g, _ in judged)
+        for i, (step, grad_norm, alerted) in enumerate(judged):
+            if not alerted and grad_norm > self.cfg.grad_spike_factor * median:
+                level = f"the median {median:.4g} of the mode's first {len(judged)} records"
+                self._raise_grad_spike(grad_norm, step, mode, median, level)
+                judged[i] = (step, grad_norm, True)
+
+    def _raise_grad_spike(self, grad_norm: float, step: int, mode: str, median: float, level: str) -> None:
+        self._raise(
+            "grad_spike",
+            "warning",
+            step,
+            f"grad norm {grad_norm:.4g} in mode {mode} is {grad_norm / median:.2g}x {level}",
+        )
 
     def _check_throughput(self, state: _ModeState, record: dict, step: int, mode: str) -> None:
         if self.num_records < self._warm_from:  # first steps: allocation, compilation, worker start-up

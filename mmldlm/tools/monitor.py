@@ -29,6 +29,7 @@ import yaml
 from mmldlm.outputs import write_atomically
 from mmldlm.runs.files import current_run_config, is_run_dir
 from mmldlm.tools.health import REMEDIES, Alert, HealthConfig, HealthTracker, finite, memory_of, status_of
+from mmldlm.wording import counted
 
 EXIT_HEALTHY, EXIT_WARNING, EXIT_CRITICAL = 0, 1, 2
 STAT_KEYS = (
@@ -453,7 +454,8 @@ def follow(monitor: Monitor, interval: float = 2.0, once: bool = False, out=prin
         if monitor.stall
         else "in progress"
     )
-    out(f"run {ending}; status: {status} ({len(monitor.alerts)} alert(s), {monitor.history.num_resumes} resume(s))")
+    counts = f"{counted(len(monitor.alerts), 'alert')}, {counted(monitor.history.num_resumes, 'resume')}"
+    out(f"run {ending}; status: {status} ({counts})")
     return status
 
 

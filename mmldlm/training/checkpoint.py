@@ -75,7 +75,7 @@ from mmldlm.runs.checkpoints import (
 )
 from mmldlm.runs.files import CheckpointError
 from mmldlm.training.distributed import DistInfo, collective_guard
-from mmldlm.training.storage import WriteError, free_bytes, lock_run_dir, write_failure
+from mmldlm.training.storage import WriteError, free_bytes, lock_run_dir, unlock_run_dir, write_failure
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +166,7 @@ class CheckpointManager:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._staging: futures.Future | None = None  # an asynchronous save's copy of the state, until it is done
+        self._made_run_dir = False  # claim created the run directory (unclaim may remove it again)
         # The checkpoint's own process group (gloo: CPU tensors, and a background write must not
         # share the training group's queue); made now, as every rank builds its manager at the same point.
         self._group = dist.new_group(backend="gloo") if info.distributed else None
@@ -182,10 +183,19 @@ class CheckpointManager:
         then remove the `.tmp-*` that a kill during a write left, which only now are surely stale."""
         if not self.info.is_main:
             return
+        self._made_run_dir = not self.dir.parent.exists()
         self.dir.parent.mkdir(parents=True, exist_ok=True)
         lock_run_dir(self.dir.parent)
         for stale in self.dir.glob(".tmp-step-*"):
             shutil.rmtree(stale)
+
+    def unclaim(self) -> None:
+        """Undo `claim` for a start that failed before the run wrote anything: the run directory that
+        claim made is removed again where it is still empty (a refused start leaves no trace)."""
+        run_dir = self.dir.parent
+        if self.info.is_main and self._made_run_dir and not any(run_dir.iterdir()):
+            unlock_run_dir(run_dir)
+            run_dir.rmdir()
 
     # ---------------------------------------------------------------- finding
 

@@ -18,8 +18,10 @@ import datetime
 import logging
 import os
 import re
+import shlex
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -160,3 +162,45 @@ def leave(info: DistInfo, status: int) -> int:
         sys.stderr.flush()
         os._exit(status)
     return status
+
+
+def continue_command(command: str) -> str:
+    """The line that continues a stopped run that this process trains, started as `command` (`mmldlm
+    train ...`): under scripts/launch.sh the launcher's own line (MMLDLM_LAUNCH_COMMAND; each of its
+    starts resumes), under torchrun torchrun's line, else `command`; with --resume auto where it needs it."""
+    launcher = os.environ.get("MMLDLM_LAUNCH_COMMAND")
+    nodes = int(os.environ.get("WORLD_SIZE", 1)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if launcher:
+        return launcher + (" (on every node, each with its own NODE_RANK)" if nodes > 1 else "")
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # no torchrun: this process is the whole run
+        return f"{command} --resume auto"
+    argv = torchrun_argv()
+    if argv is None:  # no /proc here: torchrun's line as its environment tells it
+        argv = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={os.environ.get('LOCAL_WORLD_SIZE', 1)}"]
+        argv += ["-m", *shlex.split(command)]
+    return f"{shlex.join(without_resume(argv))} --resume auto" + (" (on every node)" if nodes > 1 else "")
+
+
+def torchrun_argv() -> list[str] | None:
+    """The command line of the torchrun that started this process (its parent), as typed: `torchrun ...`
+    or `python -m torch.distributed.run ...`; None where /proc cannot tell, or the parent is no torchrun."""
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")[:-1]
+    except (OSError, UnicodeDecodeError):
+        return None
+    if len(argv) > 1 and Path(argv[1]).name == "torchrun":
+        return ["torchrun", *argv[2:]]
+    return argv if "torch.distributed.run" in argv or "torch.distributed.launch" in argv else None
+
+
+def without_resume(argv: list[str]) -> list[str]:
+    """`argv` without its --resume option (`--resume X` or `--resume=X`), which a continuation replaces."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--resume":
+            skip = True
+        elif not arg.startswith("--resume="):
+            out.append(arg)
+    return out

@@ -3,7 +3,6 @@ the loop. Used by the command (mmldlm/commands/train.py) under plain python or t
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -20,13 +19,13 @@ from mmldlm.data import build_loader, dataset_path, heaviest_batch, model_for_da
 from mmldlm.data.long_texts import cut_is_worth_a_warning, cut_line
 from mmldlm.data.prepare import Ranks, ensure_token_latents
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
-from mmldlm.errors import UserError
+from mmldlm.errors import UserError, signals_raise
 from mmldlm.model.mmdit import MultimodalMMDiT
 from mmldlm.objective import Objective
 from mmldlm.runs.checkpoints import step_dir_name
 from mmldlm.runs.files import save_run_config
 from mmldlm.training.batch_size import fit_to_data, global_batch_sizes
-from mmldlm.training.distributed import DistInfo, RankTimeout, init_distributed, leave
+from mmldlm.training.distributed import DistInfo, RankTimeout, continue_command, init_distributed, leave
 from mmldlm.training.trainer import StopRequest, Trainer, TrainingStopped, seed_everything
 
 log = logging.getLogger(__name__)
@@ -70,13 +69,18 @@ def dataset_token_latents(dataset) -> torch.Tensor:
 def build_model_and_objective(cfg: RunConfig, dataset):
     """The network and the objective for a prepared dataset's vocabulary, special ids and latent stats."""
 
-    model = MultimodalMMDiT(
-        model_for_dataset(cfg.model, dataset), vocab_size=cfg.model.vocab_size or dataset.vocab_size
-    )
+    model_cfg = model_for_dataset(cfg.model, dataset)
+    if cfg.model.vocab_prior and not model_cfg.vocab_prior:
+        log.info(
+            "model.vocab_prior: off, as the latents of %s were imported from an encoder that is not known "
+            "(encoder_normalize null): no encoder to place the vocabulary's tokens in their space",
+            dataset.path,
+        )
+    model = MultimodalMMDiT(model_cfg, vocab_size=cfg.model.vocab_size or dataset.vocab_size)
     text = MaskedDiffusion(cfg.text_diffusion, mask_token_id=dataset.mask_id, pad_token_id=dataset.pad_id)
     mean, std = dataset.latent_stats()
     latent = GaussianDiffusion(cfg.latent_diffusion, mean=mean, std=std)
-    if cfg.model.vocab_prior:
+    if model_cfg.vocab_prior:
         model.set_token_latents(latent.standardize(dataset_token_latents(dataset)))
     return model, Objective(
         cfg.objective, text, latent, self_condition=cfg.model.self_condition, length_head=cfg.model.length_head
@@ -158,21 +162,6 @@ class StartUpInterrupted(Exception):
         self.signum = signum
 
 
-@contextlib.contextmanager
-def signals_interrupt_start_up():
-    """Until the loop takes signals over (it checkpoints on them), a signal ends the start-up at once."""
-
-    def interrupt(signum, frame):
-        raise StartUpInterrupted(signum)
-
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def train(cfg: RunConfig, resume: str | None = None, command: str = "mmldlm train") -> int:
     """Train `cfg` (resuming per `resume`: None, "auto" or a checkpoint path); returns the exit status:
     0 when train.steps are done, 128 + the signal's number when a signal stopped the run first.
@@ -187,7 +176,7 @@ def train(cfg: RunConfig, resume: str | None = None, command: str = "mmldlm trai
         # Signals: the loop's handler (checkpoint at the end of the step) is entered first, the start-up's
         # (end at once, nothing written) inside it; leaving start-up hands back to the loop's with no gap.
         with StopRequest() as stop:
-            with signals_interrupt_start_up():
+            with signals_raise(StartUpInterrupted):  # until the loop takes signals over: end at once
                 trainer = build_trainer(cfg, info)
                 trainer.resume(resume)
             if info.is_main:  # the run has started: what it runs with is recorded
@@ -224,7 +213,7 @@ def train(cfg: RunConfig, resume: str | None = None, command: str = "mmldlm trai
             print(
                 f"mmldlm train: stopped by {trainer.stopped_by} at step {trainer.step} of {cfg.train.steps} "
                 f"(exit status {status}); checkpoint {trainer.checkpoints.dir / step_dir_name(trainer.step)} "
-                f"written. Continue with: {command} --resume auto",
+                f"written. Continue with: {continue_command(command)}",
                 file=sys.stderr,
                 flush=True,
             )

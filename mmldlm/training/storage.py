@@ -91,3 +91,10 @@ def lock_run_dir(run_dir: Path) -> None:
         log.warning("%s: cannot lock the run directory (%s); a second training there would not be stopped", key, err)
         fd = -1
     _HELD[key] = fd
+
+
+def unlock_run_dir(run_dir: Path) -> None:
+    """Let go of the lock that `lock_run_dir` took on `run_dir` (where it is removed again)."""
+    fd = _HELD.pop(str(run_dir.resolve()), -1)
+    if fd >= 0:
+        os.close(fd)

@@ -72,6 +72,7 @@ from mmldlm.training.profiler import profiler_window
 from mmldlm.training.schedules import LRSchedule
 from mmldlm.training.storage import WriteError
 from mmldlm.training.tally import AgreedStop, SkipCounter, StepTotals, Window
+from mmldlm.wording import counted
 
 log = logging.getLogger(__name__)
 
@@ -448,45 +449,54 @@ class Trainer:
         checkpoints of an abandoned continuation, and open metrics.jsonl accordingly."""
         path = self.checkpoints.resolve(resume)  # a bad --resume fails here, before the run is touched
         self.checkpoints.claim()
-        keep_lines = 0
-        if path is None and self.checkpoints.steps():
-            raise CheckpointError(
-                f"{self.checkpoints.dir} already holds checkpoints; pass --resume auto to "
-                f"continue that run, or choose another train.run_dir"
-            )
-        if path is not None:
-            meta, state, rank_state = self.checkpoints.load(path, self.model, self.optimizer, self.ema)
-            self.step = state["step"]
-            self.num_skipped = state["num_skipped"]
-            self.consecutive_skips = state["consecutive_skips"]
-            self.skips = SkipCounter(self.device, self.num_skipped, self.consecutive_skips)
-            self.wall_seconds = state.get("wall_seconds")  # None (unknown) in checkpoints that predate it
-            self.schedule.load_state_dict(state["schedule"])
-            if self.scaler is not None and state["scaler"]:
-                self.scaler.load_state_dict(state["scaler"])
-            try:
-                self.loader.load_state_dict(state["data"])
-            except DataError as err:
-                raise DataError(
-                    f"--resume {path}: {err}; to train on other data from its weights, start a new run "
-                    f"with --init-from {path}"
-                ) from None
-            self._batches = iter(self.loader)
-            self._restore_rng(rank_state, meta)
-            keep_lines = meta["metrics_lines"]
-            self._last_saved = self.step
-            self.checkpoints.continue_from(path, self.step)
-            self.resumed_from = path
-            if self.info.is_main:
-                log.info("resumed from %s at step %d", path, self.step)
-        elif self.cfg.train.init_from:
-            self._init_from(self.cfg.train.init_from)
+        try:
+            keep_lines = self._restore(path)
+        except BaseException:  # refused (other data, another model) or interrupted: no empty run directory left
+            self.checkpoints.unclaim()
+            raise
         # fp32 weights, AdamW's moments, the EMA's fp32 copy: what a checkpoint of this run takes
         bytes_per_param = 4 + STATE_BYTES[self.cfg.optim.state_dtype] + (4 if self.ema is not None else 0)
         self.checkpoints.warn_if_retention_cannot_fit(
             int(bytes_per_param * sum(p.numel() for p in self.raw_model.parameters()))
         )
         self.metrics = MetricsLogger(self.run_dir, self.cfg.logging, self.info.is_main, keep_lines)
+
+    def _restore(self, path: Path | None) -> int:
+        """The state of checkpoint `path` (None: a new run, from train.init_from where set); returns the
+        lines of metrics.jsonl that the checkpoint's run had written by then (0 for a new run)."""
+        if path is None and self.checkpoints.steps():
+            raise CheckpointError(
+                f"{self.checkpoints.dir} already holds checkpoints; pass --resume auto to "
+                f"continue that run, or choose another train.run_dir"
+            )
+        if path is None:
+            if self.cfg.train.init_from:
+                self._init_from(self.cfg.train.init_from)
+            return 0
+        meta, state, rank_state = self.checkpoints.load(path, self.model, self.optimizer, self.ema)
+        self.step = state["step"]
+        self.num_skipped = state["num_skipped"]
+        self.consecutive_skips = state["consecutive_skips"]
+        self.skips = SkipCounter(self.device, self.num_skipped, self.consecutive_skips)
+        self.wall_seconds = state.get("wall_seconds")  # None (unknown) in checkpoints that predate it
+        self.schedule.load_state_dict(state["schedule"])
+        if self.scaler is not None and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        try:
+            self.loader.load_state_dict(state["data"])
+        except DataError as err:
+            raise DataError(
+                f"--resume {path}: {err}; to train on other data from its weights, start a new run "
+                f"with --init-from {path}"
+            ) from None
+        self._batches = iter(self.loader)
+        self._restore_rng(rank_state, meta)
+        self._last_saved = self.step
+        self.checkpoints.continue_from(path, self.step)
+        self.resumed_from = path
+        if self.info.is_main:
+            log.info("resumed from %s at step %d", path, self.step)
+        return meta["metrics_lines"]
 
     def _init_from(self, source: str) -> None:
         """A new run from the weights of `source` (train.init_from; training/init_from.py); the config
@@ -512,9 +522,9 @@ class Trainer:
         seed_everything(micro_seed(self.cfg.train.seed, self.step, self.info.rank))
         if self.info.is_main:
             log.info(
-                "resumed on %d process(es) from a checkpoint of %d: each rank's RNG is seeded from "
-                "(train.seed, step %d, rank), not restored",
-                self.info.world_size,
+                "resumed on %s from a checkpoint of %d: each rank's RNG is seeded from (train.seed, step %d, "
+                "rank), not restored",
+                counted(self.info.world_size, "process"),
                 meta["world_size"],
                 self.step,
             )

@@ -42,6 +42,7 @@ from mmldlm.tools.check.rules import RULES as RULES
 from mmldlm.tools.check.rules import SEVERITY_ORDER, Finding, finding
 from mmldlm.training.batch_size import global_batch_sizes
 from mmldlm.training.schedules import LRSchedule
+from mmldlm.wording import counted
 
 # --------------------------------------------------------------------------------------------------
 # When each rule fires.
@@ -491,8 +492,9 @@ def describe(env: Environment, est: Estimate, cfg: RunConfig) -> str:
     where = "GPU" if env.device == "cuda" else "RAM"
     disk = "free disk not known" if math.isinf(env.free_disk_gib) else f"{env.free_disk_gib:.1f} GiB free disk"
     return (
-        f"environment: {env.device}, {env.cpus} CPU(s) (load {env.load:.1f}), {env.nproc_per_node} process(es) x "
-        f"{env.nnodes} node(s), {env.device_memory_gib:.1f} GiB {where} per process, {disk}\n"
+        f"environment: {env.device}, {counted(env.cpus, 'CPU')} (load {env.load:.1f}), "
+        f"{counted(env.nproc_per_node, 'process')} x {counted(env.nnodes, 'node')}, "
+        f"{env.device_memory_gib:.1f} GiB {where} per process, {disk}\n"
         f"model: {est.num_params / 1e6:.2f}M parameters (vocab {est.vocab_size}); estimated "
         f"{est.memory_gib(micro_per_process(cfg, env)):.2f} GiB per process at micro-batch "
         f"{micro_per_process(cfg, env)} ({est.seq_len:.1f} text positions per sample: {est.seq_len_source}); "

@@ -1,14 +1,18 @@
 """What each `mmldlm check` finding says, as data: RULES maps a case to its rule id, severity, message,
 why and fix. `message`, `why` and `fix` are str.format templates filled with the values the deciding
-function (the `check_*` functions of mmldlm/tools/check/__init__.py) passes; `changes` is the fix as
+function (the `check_*` functions of mmldlm/tools/check/__init__.py) passes, where a noun as the format
+spec counts ("{nproc:process}": "1 process", "2 processes"); `changes` is the fix as
 config changes when it does not depend on the values. One rule id (the name printed in brackets) can
 have several entries, one per case, each with its own severity and fix.
 """
 
 from __future__ import annotations
 
+import string
 from dataclasses import dataclass, field
 from typing import Any
+
+from mmldlm.wording import counted
 
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 
@@ -59,13 +63,13 @@ IDLE_HEAD_WHY = (
 )
 DISK_MESSAGE = (
     "checkpoints need up to {need:.1f} GiB ({kept} kept + 1 being written, {each:.2f} GiB each: "
-    "checkpoint.keep_last={keep_last}, {milestones} milestone(s)) with {free:.1f} GiB free at {run_dir}"
+    "checkpoint.keep_last={keep_last}, {milestones:milestone}) with {free:.1f} GiB free at {run_dir}"
 )
 DISK_WHY = "a checkpoint write that runs out of disk fails the run (and the disk of everything else on it)"
 BATCH_MESSAGE = "{sizes} not a multiple of micro-batch x world size = {micro} x {world_size} = {per_step}"
 BATCH_WHY = (
-    "the global batch is split into micro-batches of train.micro_batch_size on each of {world_size} "
-    "process(es); the trainer refuses to start otherwise"
+    "the global batch is split into micro-batches of train.micro_batch_size on each of {world_size:process}; "
+    "the trainer refuses to start otherwise"
 )
 STEP_IN_BACKWARD_WHY = (
     "each parameter is updated as soon as its gradient of one micro-batch on one process is ready, "
@@ -84,7 +88,7 @@ RESUME_WHY = "the schedule spans train.steps: resuming makes the LR jump from {o
 RESUME_FIX = "keep train.steps={before}, or accept the jump (schedule.warmup_steps does not apply again)"
 
 TOPOLOGY_MESSAGE = (
-    "--resume {resume}: checkpoint {path} was written by {before} process(es) ({before_strategy}), this run "
+    "--resume {resume}: checkpoint {path} was written by {before:process} ({before_strategy}), this run "
     "has {now} ({strategy})"
 )
 TOPOLOGY_WHY = (
@@ -147,7 +151,7 @@ RULES = {
     "too_many_workers": Rule(
         "loader_workers",
         "warning",
-        "data.num_workers={workers} with {cpus} CPUs for {nproc} process(es) per node ({per_rank} per process)",
+        "data.num_workers={workers} with {cpus} CPUs for {nproc:process} per node ({per_rank} per process)",
         "more worker processes than CPUs fight each other and the training threads for cores; "
         "16 workers per rank on a few cores slow data loading down",
         "data.num_workers=null (min(8, cpus // local ranks) = {auto} here)",
@@ -191,7 +195,7 @@ RULES = {
         "busy_cpus",
         "warning",
         "load average {load:.1f} on {cpus} CPUs leaves about {free} free for "
-        "{threads} torch thread(s) ({nproc} process(es) x {per_process})",
+        "{threads:torch thread} ({nproc:process} x {per_process})",
         "a second busy process on the same cores makes torch's threads wait for each other at every "
         "operation: a training step took 25x as long (3.3 s instead of 0.13 s) with one other busy "
         "process on 2 cores and torch's default 2 threads",
@@ -354,7 +358,7 @@ RULES = {
         "info",
         TOPOLOGY_MESSAGE,
         TOPOLOGY_WHY,
-        "nothing to fix; resume on {before} process(es) with {before_strategy} to restore the RNG states too",
+        "nothing to fix; resume on {before:process} with {before_strategy} to restore the RNG states too",
     ),
     "resume_full_state": Rule(
         "resume_topology",
@@ -485,15 +489,24 @@ RULES = {
 def finding(name: str, /, changes: dict[str, Any] | None = None, severity: str | None = None, **values) -> Finding:
     """RULES[name] filled with `values`. `changes`: the fix computed from the config (else the rule's own);
     `severity`: for a rule whose severity depends on how far off the values are (else the rule's)."""
-    rule = RULES[name]
+    rule, words = RULES[name], _Wording()
     return Finding(
         rule.id,
         severity or rule.severity,
-        rule.message.format(**values),
-        rule.why.format(**values),
-        rule.fix.format(**values),
+        words.format(rule.message, **values),
+        words.format(rule.why, **values),
+        words.format(rule.fix, **values),
         dict(rule.changes if changes is None else changes),
     )
+
+
+class _Wording(string.Formatter):
+    """str.format where a noun as the format spec counts: "{n:process}" reads "1 process" or "2 processes"."""
+
+    def format_field(self, value: Any, format_spec: str) -> str:
+        if len(format_spec) > 1 and format_spec[0].isalpha():  # a noun, not a one-letter type such as "g"
+            return counted(value, format_spec)
+        return super().format_field(value, format_spec)
 
 
 # --------------------------------------------------------------------------------------------------
