@@ -38,7 +38,7 @@ test-all: lint
 # One thread: on a 2-core machine shared with other jobs, two torch threads ran 6-8x slower.
 train: install
 	$(PY) -m mmldlm.cli train --config configs/default.yaml --resume auto
-	$(PY) -m mmldlm.cli eval --run runs/default --num-samples 128 --threads 1 --best-of 1 --no-writing
+	$(PY) -m mmldlm.cli eval --run runs/default --num-samples 128 --threads 1 --best-of 1 --no-writing --if-missing
 
 clean:
 	rm -rf $(VENV) .pytest_cache

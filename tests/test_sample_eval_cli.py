@@ -684,3 +684,14 @@ def test_eval_keeps_a_report_of_more_samples_unless_told_where_else_to_write_or_
     assert report.read_text() == kept
     assert main([*quick, "--num-samples", "2", "--replace"]) == 0
     assert json.loads(report.read_text())["l2t"]["num_samples"] == 2
+    # What `make train` runs again after a finished run: a report of at least as many samples stands.
+    kept = report.read_text()
+    capsys.readouterr()
+    assert main([*quick, "--num-samples", "2", "--if-missing"]) == 0
+    assert (
+        capsys.readouterr().out.strip()
+        == f"mmldlm eval: {report} already holds an evaluation of 2 samples of this checkpoint; kept"
+    )
+    assert report.read_text() == kept
+    assert main([*quick, "--num-samples", "4", "--if-missing"]) == 0  # more than it holds: evaluated
+    assert json.loads(report.read_text())["l2t"]["num_samples"] == 4

@@ -421,6 +421,8 @@ def test_flops_are_counted_on_real_tokens_not_on_padding(tmp_path):
     assert real == pytest.approx(text(4) + text(10) + head_rows, rel=1e-9)
     assert computed == pytest.approx(2 * text(10) + head_rows, rel=1e-9)  # what the padded batch ran
     assert (totals.positions, totals.real_positions) == (20, 14)
+
+
 @pytest.mark.parametrize("mode", ["l2t", "t2l", "joint"])
 def test_the_first_step_of_every_mode_on_the_default_config_has_a_moderate_gradient_norm(
     tmp_path_factory, tmp_path, mode

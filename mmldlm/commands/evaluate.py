@@ -28,6 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="replace the default report even where it holds more samples than this evaluation (without it, "
         "such a report, the one the model card reads, is kept and the evaluation refused before it runs)",
     )
+    parser.add_argument(
+        "--if-missing",
+        action="store_true",
+        help="evaluate only where the checkpoint has no report of at least --num-samples samples yet; where "
+        "it has one, say so and exit 0 (what `make train` runs again after a finished run)",
+    )
 
 
 def add_evaluation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,8 +97,12 @@ def _evaluate(args: argparse.Namespace) -> int:
 
     run, data, split = load_for_evaluation(args, args.run)
     out = Path(args.out) if args.out else default_report_path(args, run, data, split)
+    kept = report_samples(out)
+    if args.if_missing and kept is not None and kept >= args.num_samples:
+        print(f"mmldlm eval: {out} already holds an evaluation of {kept} samples of this checkpoint; kept")
+        return 0
     if not (args.out or args.replace):
-        keep_larger_report(out, args.num_samples)
+        keep_larger_report(out, kept, args.num_samples)
     report = evaluate_loaded(args, run, data, split, args.run)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(out.with_suffix(".md"), markdown(report))
@@ -115,18 +125,23 @@ def default_report_path(args: argparse.Namespace, run, data, split: str):
     return reports / f"{step_dir_name(run.step or 0)}{suffix}.json"
 
 
-def keep_larger_report(path, num_samples: int) -> None:
-    """UserError where the report at `path` holds more samples than an evaluation of `num_samples` would:
-    the model card reads it, and a smaller one would silently take its place."""
+def report_samples(path) -> int | None:
+    """The samples of the report at `path`; None where there is none this command can read."""
     import json
-
-    from mmldlm.errors import UserError
 
     try:
         kept = json.loads(path.read_text(encoding="utf-8"))["l2t"]["num_samples"]
-    except (OSError, ValueError, KeyError, TypeError):  # no report there, or none this command can read
-        return
-    if isinstance(kept, int) and kept > num_samples:
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return kept if isinstance(kept, int) else None
+
+
+def keep_larger_report(path, kept: int | None, num_samples: int) -> None:
+    """UserError where the report at `path` holds more samples (`kept`) than an evaluation of
+    `num_samples` would: the model card reads it, and a smaller one would silently take its place."""
+    from mmldlm.errors import UserError
+
+    if kept is not None and kept > num_samples:
         raise UserError(
             f"{path} holds an evaluation of {kept} samples; this one of --num-samples {num_samples} would replace "
             "it (the model card reads it): pass --out PATH to write elsewhere, or --replace to replace it"
