@@ -40,8 +40,9 @@ TINY_EVAL = [*TINY_SAMPLING, "--num-samples", "4", "--retrieval-pool", "8", "--n
 TINY_ARGS = {
     "train": [*TINY_MODEL, *TINY_RUN, *TINY_BATCH, f"data.max_samples={TINY_CORPUS}", f"data.vocab_size={TINY_VOCAB}"],
     "prepare": ["--max-samples", str(TINY_CORPUS), "--vocab-size", str(TINY_VOCAB)],  # with --input default
-    "bench": [*TINY_MODEL, *TINY_BATCH, f"data.max_samples={TINY_CORPUS}", f"data.vocab_size={TINY_VOCAB}"]
-    + ["--steps", "2", "--warmup", "1", "--round-steps", "1", "--no-fit"],
+    # bench: the loader in each config's process (the baseline's 16 workers took most of a minute a bench)
+    "bench": [*TINY_MODEL, *TINY_BATCH, "data.num_workers=0", f"data.max_samples={TINY_CORPUS}"]
+    + [f"data.vocab_size={TINY_VOCAB}", "--steps", "2", "--warmup", "1", "--round-steps", "1", "--no-fit"],
     "sample": TINY_SAMPLING,
     "eval": TINY_EVAL,
     "compare": TINY_EVAL,
