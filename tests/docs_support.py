@@ -11,6 +11,7 @@ import gzip
 import json
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -39,8 +40,9 @@ TINY_EVAL = [*TINY_SAMPLING, "--num-samples", "4", "--retrieval-pool", "8", "--n
 TINY_ARGS = {
     "train": [*TINY_MODEL, *TINY_RUN, *TINY_BATCH, f"data.max_samples={TINY_CORPUS}", f"data.vocab_size={TINY_VOCAB}"],
     "prepare": ["--max-samples", str(TINY_CORPUS), "--vocab-size", str(TINY_VOCAB)],  # with --input default
-    "bench": [*TINY_MODEL, *TINY_BATCH, f"data.max_samples={TINY_CORPUS}", f"data.vocab_size={TINY_VOCAB}"]
-    + ["--steps", "2", "--warmup", "1", "--round-steps", "1", "--no-fit"],
+    # bench: the loader in each config's process (the baseline's 16 workers took most of a minute a bench)
+    "bench": [*TINY_MODEL, *TINY_BATCH, "data.num_workers=0", f"data.max_samples={TINY_CORPUS}"]
+    + [f"data.vocab_size={TINY_VOCAB}", "--steps", "2", "--warmup", "1", "--round-steps", "1", "--no-fit"],
     "sample": TINY_SAMPLING,
     "eval": TINY_EVAL,
     "compare": TINY_EVAL,
@@ -109,7 +111,8 @@ def makefile_train_commands() -> list[list[str]]:
 def write_user_inputs(root: Path) -> None:
     """What a user brings that the pages name, in `root`: a 50-sentence text file, a gzipped JSONL corpus
     (its text in the fields `text` and `body`), source lines for `sample`, a book of blank-line separated
-    paragraphs, two parquet files, and a folder of the older codebase's per-sample files (OLD/)."""
+    paragraphs, two parquet files, a folder of the older codebase's per-sample files (OLD/), and an older
+    repository's root with its launchers and Hydra run configs (old-repo/: tests/data/older_repo)."""
     texts = corpus_texts()
     (root / "my_texts.txt").write_text("\n".join(texts[:50]) + "\n", encoding="utf-8")
     with gzip.open(root / "corpus.jsonl.gz", "wt", encoding="utf-8") as f:
@@ -119,6 +122,7 @@ def write_user_inputs(root: Path) -> None:
     (root / "book.txt").write_text("\n\n".join(paragraphs) + "\n", encoding="utf-8")
     _write_parquet_pair(root, texts[:80])
     _write_older_layout(root / "OLD")
+    shutil.copytree(REPO / "tests" / "data" / "older_repo", root / "old-repo")
 
 
 def _write_parquet_pair(root: Path, texts: list[str]) -> None:

@@ -100,6 +100,11 @@ def test_bench_measures_on_the_main_jobs_data_prepared_once_where_no_config_name
     expected = default_prepare_options(load_config("default", []).data).out  # what `make train` prepares
     assert override == f"data.path={expected}" and (Path(expected) / "meta.json").is_file()
     assert main_job_data(BenchOptions(overrides=["model=tiny", "data.path=/some/dir"])) == []
+    # The data overrides given to every config shape it as they shape the configs: 40 texts, not the 50k.
+    (override,) = main_job_data(BenchOptions(overrides=["model=tiny", "data.max_samples=40"]))
+    subset = default_prepare_options(load_config("default", ["data.max_samples=40"]).data).out
+    assert override == f"data.path={subset}" and subset != expected
+    assert json.loads((Path(subset) / "meta.json").read_text())["lengths"]["num_texts"] == 40
 
 
 def summary_of(step_times, peaks_gib, num_shards):

@@ -46,7 +46,7 @@ NOT_RUN_REASONS = {
 }
 # The pages whose examples start from the runs `make train` leaves (runs/default, and the runs compared
 # beside it): they get a copy of tiny ones. The other pages make what they use.
-PAGES_ON_RUNS = {"data.md", "sampling.md", "export.md", "quality.md"}
+PAGES_ON_RUNS = {"data.md", "sampling.md", "export.md", "quality.md", "benchmarks.md"}
 PAGE_TIMEOUT = 600
 
 
@@ -251,6 +251,13 @@ def page_folder(root: Path, page: str, made_runs: Path) -> Path:
 # checked to be on the page. The runs here stop at step 2 where `make train` stops at 4000.
 PAGE_EDITS = {
     "data.md": [("range(605)", "range(40)")],  # the paragraphs of "Long texts": 40 instead of 605 to encode
+    "benchmarks.md": [
+        ("model=small", "model=tiny"),  # the scripts' runs (profile, checkpoint saves) at the tiny size too
+        ("max_length: 2048,", "max_length: 64,"),  # the older shape's config, trained at the tiny model's length
+        ("--num-sentences 2048", "--num-sentences 256"),  # sentences encoded
+        ("--num-batches 3000", "--num-batches 300"),  # the loader's batches
+        ("--num-batches 1000", "--num-batches 100"),
+    ],
 }
 
 

@@ -284,3 +284,20 @@ def test_the_older_blocks_eight_heads_are_kept_where_they_divide_the_width():
 def test_every_older_key_has_a_row_in_the_docs_table():
     rows = set(re.findall(r"^\| `([\w.]+)` \|", DOCS.read_text(), re.M))
     assert set(OLDER_KEYS) <= rows, sorted(set(OLDER_KEYS) - rows)
+
+
+def test_the_pages_output_is_what_migrate_prints_for_the_stable_launcher(tmp_path, capsys, monkeypatch):
+    """docs/migrating.md quotes the stable launcher's table on one node, the whole output on two and the
+    line on stderr, run from the older repository's root with the page's command: they are printed so."""
+    blocks = re.findall(r"^```text\n(.*?)^```$", DOCS.read_text(encoding="utf-8"), re.M | re.S)
+    shutil.copytree(OLDER_REPO, tmp_path / "old-repo")
+    monkeypatch.chdir(tmp_path / "old-repo")
+    printed = {}
+    for nnodes in (1, 2):
+        argv = ["migrate", "--launcher", "scripts/launch_stable.sh", "--nnodes", str(nnodes), "--gpus-per-node", "8"]
+        assert cli.main([*argv, "--cpus-per-node", "32", "--out", "imported.yaml"]) == 1
+        printed[nnodes] = capsys.readouterr()
+    one_node_table = printed[1].out.split("\n\n")[:2]
+    assert blocks[0] == "\n\n".join(one_node_table) + "\n"
+    assert blocks[1] == printed[2].out
+    assert blocks[2] == printed[2].err

@@ -652,11 +652,12 @@ def main_job_data(opts: BenchOptions) -> list[str]:
     """The override that gives every config the main job's data, where no config names data.path: the
     presets leave it null, which would prepare the whole bundled corpus (154k texts, minutes of encoding)
     in each worker. The main job's (configs/default.yaml: a seeded 50k subset) is what `make train`
-    prepared into the cache; it is prepared here, once, where it is not there yet."""
+    prepared into the cache; it is prepared here, once, where it is not there yet. The `data.` overrides
+    given to every config apply to it too (`data.max_samples=400`: a 400-text subset)."""
     configs = [split_config(opts.baseline), split_config(opts.optimized)]
     if any(load_config(name, [*opts.overrides, *own]).data.path is not None for name, own in configs):
         return []
-    main_job = load_config("default", []).data
+    main_job = load_config("default", [o for o in opts.overrides if o.startswith("data.")]).data
     prepare_options = dataclasses.replace(default_prepare_options(main_job), progress=sys.stderr.isatty())
     log.info(
         "bench: data: the main job's dataset (configs/default.yaml; no config names data.path): %s", prepare_options.out

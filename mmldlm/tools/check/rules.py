@@ -479,7 +479,7 @@ RULES = {
         "a new padded length recompiles the blocks; after the first recompile torch falls back to "
         "a dynamic-length graph, whose kernels can be slower and which still recompiles now and "
         "then. Padding to 64 bounds the shapes, but on short texts it costs tokens: measure both "
-        "(docs/benchmarks.md)",
+        '(docs/log/benchmarks.md, "torch.compile on a CPU")',
         "data.pad_to_multiple=64",
         {"data.pad_to_multiple": 64},
     ),
