@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             note = f"first call {compile_s:.1f} s; blocks {bm.sparsity():.0f}% sparse"
             lines.append(f"| {case} | flex_attention | {ms:.3f} | {note} |")
     except Exception as err:  # noqa: BLE001 - a report line, whatever stopped FlexAttention here
-        lines.append(f"| flex | flex_attention | failed | {type(err).__name__}: {str(err).splitlines()[0][:200]} |")
+        lines.append(f"| flex | flex_attention | not run | {type(err).__name__}: {str(err).splitlines()[0][:200]} |")
 
     lines += varlen_rows(q, k, v, grad, keep, doc, args, cuda)
     print("\n".join(lines))

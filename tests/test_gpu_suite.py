@@ -175,15 +175,17 @@ def test_gpu_session_rehearsal_on_a_cpu_runs_every_part_and_reports_each(tmp_pat
     result = session(tmp_path, "--cpu", DATA=str(prepared(tmp_path_factory)), COPY_TO=str(copies))
     assert result.returncode == 0, result.stdout + result.stderr
     text = (tmp_path / "out" / "report.md").read_text()
-    assert text.count("done in ") == 6 and "failed" not in text and "cut off" not in text
-    for title in ("1a. The older", "1b. The older", "1c. The older", "2. Base preset", "3. A first", "4. CUDA-only"):
+    assert text.count("done in ") == 7 and "failed" not in text and "cut off" not in text
+    for title in ("1a. The older", "1b. The older", "1c. The older", "1d. The older", "2. Base preset", "3. A first", "4. CUDA-only"):
         assert f"### {title}" in text
     assert "wall " in text and "## by host time" in text  # the profile's head, in the report
-    assert "| baseline | 4 x 1, AC none |" in text and "| optimized | 4 x 1, AC " in text
+    assert "| optimized | 4 x 1, AC " in text and "| optimized model.attention=varlen | 4 x 1, AC " in text
+    assert "| optimized data.packing=true train.global_batch_size=8 train.micro_batch_size=8 | 8 x 1" in text
+    assert "| packed: block-diagonal mask | default | " in text  # part 1d's attention kernels
     assert "| compiled | 4 x 1, AC " in text and "| compiled train.global_batch_size=8 " in text
     # what comes back from the device: the report so far and every part's log, as each part ended
     assert (copies / "session.md").read_text() == (tmp_path / "out" / "session.md").read_text()
-    logs = {"shape-4.log", "shape-8.log", "profile.log", "base.log", "rung.log", "tests.log"}
+    logs = {"shape-4.log", "shape-8.log", "profile.log", "attention.log", "base.log", "rung.log", "tests.log"}
     assert {p.name for p in copies.iterdir()} == {"session.md", "profile.txt", *logs}
     assert "Data: synthetic tokens: 64 texts of uniformly random length 20-64 tokens" in text
     assert "| tiny:1 | " in text and "l2t word F1" in text
