@@ -176,7 +176,15 @@ def test_gpu_session_rehearsal_on_a_cpu_runs_every_part_and_reports_each(tmp_pat
     assert result.returncode == 0, result.stdout + result.stderr
     text = (tmp_path / "out" / "report.md").read_text()
     assert text.count("done in ") == 7 and "failed" not in text and "cut off" not in text
-    for title in ("1a. The older", "1b. The older", "1c. The older", "1d. The older", "2. Base preset", "3. A first", "4. CUDA-only"):
+    for title in (
+        "1a. The older",
+        "1b. The older",
+        "1c. The older",
+        "1d. The older",
+        "2. Base preset",
+        "3. A first",
+        "4. CUDA-only",
+    ):
         assert f"### {title}" in text
     assert "wall " in text and "## by host time" in text  # the profile's head, in the report
     assert "| optimized | 4 x 1, AC " in text and "| optimized model.attention=varlen | 4 x 1, AC " in text
