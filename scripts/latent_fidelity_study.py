@@ -1,6 +1,6 @@
 """Does the latent sampler collapse towards the mean? Its fidelity by step count, shift and sampler
 (DDIM or DDPM), first on Gaussian data with the exact denoiser, then on a trained run's t2l and joint
-generation (mmldlm/evaluation/latent_fidelity.py). Markdown tables for docs/quality.md.
+generation (mmldlm/evaluation/latent_fidelity.py). Markdown tables for docs/log/quality.md (its dated studies).
 
     python scripts/latent_fidelity_study.py gaussian
     python scripts/latent_fidelity_study.py run /tmp/fidelity/run --num-samples 256 --t2l-steps 2 8 --joint-steps 8

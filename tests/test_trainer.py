@@ -391,6 +391,30 @@ def test_a_step_that_writes_no_record_reads_nothing_back_from_the_device(
     assert record["tokens_per_s"] > 0 and record["step_time_s"] > 0  # the mean of the three steps
 
 
+def test_a_records_step_time_is_the_steps_own_not_what_ran_between_them(tmp_path, monkeypatch):
+    """The record's step time counts each step from its start and the wait for the device at the read,
+    not a checkpoint, a log line or (in bench) another config's turn between steps: those would show as
+    a slow step. On a clock that moves a minute between steps, the steps take well under a second."""
+    import mmldlm.training.tally as tally
+
+    trainer = make_trainer(tmp_path, ["train.steps=4", "train.micro_batch_size=2"])
+    trainer.train_step()
+    clock = [tally.time.perf_counter()]
+
+    def perf_counter():  # a microsecond a call
+        clock[0] += 1e-6
+        return clock[0]
+
+    monkeypatch.setattr(tally.time, "perf_counter", perf_counter)  # time.perf_counter, everywhere
+    pending = []
+    for _ in range(2):
+        clock[0] += 60.0  # a minute between steps
+        pending.append(trainer.run_step())
+    clock[0] += 60.0
+    record = trainer.read_record(pending[-1])
+    assert record["record_steps"] == 2 and record["step_time_s"] < 1.0  # 60.0 or more counted between them
+
+
 def test_fit_reads_records_only_at_the_steps_it_logs(tmp_path, monkeypatch):
     trainer = make_trainer(tmp_path, ["train.steps=9", "train.log_every=4", "train.micro_batch_size=2"])
     read = []

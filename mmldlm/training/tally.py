@@ -75,11 +75,15 @@ class SkipCounter:
 
 @dataclasses.dataclass
 class Window:
-    """The steps since the last record: their number, samples and seconds waiting for data on the
-    host, and on the device the real tokens (all ranks') and this rank's FLOPs."""
+    """The steps since the last record: their number, samples, seconds and seconds waiting for data on
+    the host, and on the device the real tokens (all ranks') and this rank's FLOPs.
+
+    The seconds are the steps' own: each step's host time from its start until it is queued, and at
+    the record the wait for the device to finish what is queued. What runs between steps (a checkpoint,
+    a log line, another config's turn in `bench`) is not a step's time."""
 
     device: torch.device
-    started: float = dataclasses.field(default_factory=time.perf_counter)
+    seconds: float = 0.0
     steps: int = 0
     samples: int = 0
     positions: int = 0
@@ -89,7 +93,9 @@ class Window:
     def __post_init__(self):
         self.sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # tokens, FLOPs real, computed
 
-    def add(self, samples: int, totals: StepTotals) -> None:
+    def add(self, samples: int, totals: StepTotals, started: float) -> None:
+        """A step queued, which began at `started` (time.perf_counter)."""
+        self.seconds += time.perf_counter() - started
         self.steps += 1
         self.samples += samples
         self.positions += totals.positions
@@ -99,8 +105,9 @@ class Window:
 
     def close(self) -> dict[str, float]:
         """The window's throughput (after a read-back, so the clock includes the device's work)."""
+        waiting = time.perf_counter()
         tokens, real_flops, computed_flops = self.sums.tolist()  # the read-back that waits for the device
-        seconds = time.perf_counter() - self.started
+        seconds = self.seconds + time.perf_counter() - waiting
         return {
             "record_steps": self.steps,
             "step_time_s": seconds / self.steps,

@@ -607,6 +607,7 @@ class Trainer:
         """One optimizer step, queued: forward + backward over the micro-batches, the gradient norm
         (and clipping), the ranks' totals in one all-reduce, the update (or a skip, decided on the
         device). Nothing is read back from the device (tally.py says why); `read_record` reads it."""
+        started = time.perf_counter()
         step = self.step
         global_batch = self.global_batch_at(step)
         num_accum = accumulation_steps(
@@ -629,7 +630,7 @@ class Trainer:
         loss_nonfinite = totals.values[5] > 0
         self._update(loss_nonfinite, loss_nonfinite | ~torch.isfinite(grad_norm))
         self.step += 1
-        self.window.add(global_batch, totals)
+        self.window.add(global_batch, totals, started)
         pending = PendingStep(self.step, mode, lr, grad_norm, totals, global_batch, num_accum, stop_here)
         if self.schedule.cfg.plateau.enabled:  # reduce-on-plateau needs each step's loss on the host
             self.read_record(pending)

@@ -12,6 +12,7 @@ from typing import Any
 from mmldlm.config import RunConfig, load_config
 from mmldlm.data.tokenizer import load_tokenizer, vocab_size
 from mmldlm.errors import UserError
+from mmldlm.outputs import write_atomically
 from mmldlm.tools.check import SEVERITY_ORDER, Finding, apply_changes, audit
 from mmldlm.tools.migrate.audit import (
     EnvReview,
@@ -116,15 +117,15 @@ def _meant_values(config: OlderConfig, reading: LauncherReading | None, composed
 
 def _write(m: Migration) -> Migration:
     """The config (marked where the exit status will not be 0), the details file, and `mmldlm check` on
-    the config as written."""
+    the config as written; each file whole or not at all."""
     m.out.parent.mkdir(parents=True, exist_ok=True)
-    m.out.write_text(config_text(m.translation, header_lines(m)))
+    write_atomically(m.out, config_text(m.translation, header_lines(m)))
     written = load_config(m.out)
     m.remaining = audit(_with_vocab_of(written, m.translation.prepare.get("--tokenizer")), m.cluster.environment())[0]
     m.why_not_ready = _why_not_ready(m)
     if m.why_not_ready is not None:
-        m.out.write_text(config_text(m.translation, header_lines(m)))
-    m.details_path.write_text(details_text(m))
+        write_atomically(m.out, config_text(m.translation, header_lines(m)))
+    write_atomically(m.details_path, details_text(m))
     return m
 
 
