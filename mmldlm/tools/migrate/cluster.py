@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from mmldlm.errors import UserError
 from mmldlm.tools.check import Environment
+from mmldlm.wording import counted
 
 H100_MIB = 81559  # nvidia-smi --query-gpu=memory.total of an 80 GB H100
 H100_NAME = "NVIDIA H100 80GB HBM3"
@@ -36,8 +37,8 @@ class Cluster:
 
     def words(self) -> str:
         return (
-            f"{self.nnodes} node(s) x {self.gpus_per_node} GPU(s) ({self.gpu_name}, {self.gpu_memory_mib} MiB), "
-            f"{self.cpus_per_node} CPUs per node"
+            f"{counted(self.nnodes, 'node')} x {counted(self.gpus_per_node, 'GPU')} ({self.gpu_name}, "
+            f"{self.gpu_memory_mib} MiB), {counted(self.cpus_per_node, 'CPU')} per node"
         )
 
     def environment(self, environ: dict[str, str] | None = None, source: str = "the environment") -> Environment:

@@ -218,5 +218,5 @@ def next_commands(m: Migration) -> list[str]:
             f"MASTER_PORT={port} scripts/launch.sh --config {out}"
         )
         others = "1" if cluster.nnodes == 2 else f"1..{cluster.nnodes - 1}"
-        train += f"   # on node 0; NODE_RANK={others} on the other node(s)"
+        train += f"   # on node 0; NODE_RANK={others} on the other {'node' if cluster.nnodes == 2 else 'nodes'}"
     return [shlex.join(words), check, train]
