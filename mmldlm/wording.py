@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import string
+from typing import Any
+
 
 def plural(noun: str) -> str:
     """The plural of an English noun of this project's messages (process, CPU, node, shard, fix)."""
@@ -12,3 +15,12 @@ def plural(noun: str) -> str:
 def counted(num: int, noun: str) -> str:
     """`num` and `noun`, plural unless num is 1: "1 CPU", "0 warnings", "3 fixes"."""
     return f"{num} {noun if num == 1 else plural(noun)}"
+
+
+class Wording(string.Formatter):
+    """str.format where a noun as the format spec counts: "{n:process}" reads "1 process" or "2 processes"."""
+
+    def format_field(self, value: Any, format_spec: str) -> str:
+        if len(format_spec) > 1 and format_spec[0].isalpha():  # a noun, not a one-letter type such as "g"
+            return counted(value, format_spec)
+        return super().format_field(value, format_spec)

@@ -208,7 +208,7 @@ def test_read_p_and_a_restart_loop_are_named_and_the_interactive_launcher_runs_t
     assert interactive.why_not_ready is None  # a warning asks, it does not fail the migration
     loop = shapes[("launch_restart_forever.sh", 1)]
     stopped = next(f for f in loop.findings if f.rule == "launcher_stopped")
-    assert "ran 25 times" in stopped.message and "25 identical torchrun call(s)" in stopped.message
+    assert "ran 25 times" in stopped.message and "25 identical torchrun calls" in stopped.message
 
 
 def test_a_launcher_that_only_runs_on_one_node_is_an_error_on_two(tmp_path):

@@ -157,7 +157,7 @@ def test_where_bc_is_not_installed_its_model_stands_in_and_a_warning_says_so(mon
     reading = read_launcher(Path("scripts/launch_stable.sh"), [], CLUSTER)
     assert reading.run.bc_engine == "model" and reading.meant == {"optimizer.lr": ".000086600"}
     warning = next(f for f in launcher_findings(reading, CLUSTER, []) if f.message.startswith("bc is not installed"))
-    assert warning.severity == "warning" and "2 bc call(s) ran on migrate's model of GNU bc" in warning.message
+    assert warning.severity == "warning" and "2 bc calls ran on migrate's model of GNU bc" in warning.message
     assert warning.fix == "install bc (apt-get install bc) and run migrate again"
 
 

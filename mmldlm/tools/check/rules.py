@@ -8,11 +8,10 @@ have several entries, one per case, each with its own severity and fix.
 
 from __future__ import annotations
 
-import string
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmldlm.wording import counted
+from mmldlm.wording import Wording
 
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 
@@ -489,7 +488,7 @@ RULES = {
 def finding(name: str, /, changes: dict[str, Any] | None = None, severity: str | None = None, **values) -> Finding:
     """RULES[name] filled with `values`. `changes`: the fix computed from the config (else the rule's own);
     `severity`: for a rule whose severity depends on how far off the values are (else the rule's)."""
-    rule, words = RULES[name], _Wording()
+    rule, words = RULES[name], Wording()
     return Finding(
         rule.id,
         severity or rule.severity,
@@ -498,15 +497,6 @@ def finding(name: str, /, changes: dict[str, Any] | None = None, severity: str |
         words.format(rule.fix, **values),
         dict(rule.changes if changes is None else changes),
     )
-
-
-class _Wording(string.Formatter):
-    """str.format where a noun as the format spec counts: "{n:process}" reads "1 process" or "2 processes"."""
-
-    def format_field(self, value: Any, format_spec: str) -> str:
-        if len(format_spec) > 1 and format_spec[0].isalpha():  # a noun, not a one-letter type such as "g"
-            return counted(value, format_spec)
-        return super().format_field(value, format_spec)
 
 
 # --------------------------------------------------------------------------------------------------

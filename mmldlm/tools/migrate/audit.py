@@ -22,6 +22,7 @@ from mmldlm.tools.migrate.launcher import SCHEDULER_CONVENTIONS, LauncherReading
 from mmldlm.tools.migrate.mapping import EVERY_MINUTES
 from mmldlm.tools.migrate.older_trainer import CHECKPOINTS_KEPT, COLLECTIVE_TIMEOUT_MINUTES, HEADS, OlderRun
 from mmldlm.training.metrics import PEAK_FLOPS_BF16
+from mmldlm.wording import Wording
 
 NCCL_DOCS = "https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html"
 # The older save interval in hours is given between two MFUs: the baseline recipe's (the older code's
@@ -124,7 +125,7 @@ RULES = {
     "stopped": Rule(
         "launcher_stopped",
         "warning",
-        "bash was stopped after {why}, with {count} identical torchrun call(s) recorded",
+        "bash was stopped after {why}, with {count:identical torchrun call} recorded",
         "the launcher calls torchrun again after each run (a restart loop), or waits for something that does "
         "not come here",
         "nothing to change if it is a restart loop: our launcher restarts with --resume auto",
@@ -132,7 +133,7 @@ RULES = {
     "bc_model": Rule(
         "launcher_bc",
         "warning",
-        "bc is not installed here: the launcher's {count} bc call(s) ran on migrate's model of GNU bc",
+        "bc is not installed here: the launcher's {count:bc call} ran on migrate's model of GNU bc",
         "the model (mmldlm/tools/migrate/bc.py) reads what launchers pipe into bc as GNU bc 1.07 does, "
         "its syntax errors included; bc itself is the reference",
         "install bc (apt-get install bc) and run migrate again",
@@ -140,7 +141,7 @@ RULES = {
     "steps": Rule(
         "older_length",
         "warning",
-        "the older trainer ran training.num_epochs={epochs} pass(es): {steps} steps of {batch} samples; "
+        "the older trainer ran {epochs:pass} over its data (training.num_epochs): {steps} steps of {batch} samples; "
         "training.num_train_steps={schedule} set only its cosine's length{end}",
         "its loop ends after the epochs, whatever num_train_steps says: the LR schedule did not end where "
         "the run ended",
@@ -209,13 +210,13 @@ RULES = {
 
 
 def older_finding(rule_name: str, /, changes: dict[str, Any] | None = None, **values) -> Finding:
-    rule = RULES[rule_name]
+    rule, words = RULES[rule_name], Wording()
     return Finding(
         rule.id,
         rule.severity,
-        rule.message.format(**values),
-        rule.why.format(**values),
-        rule.fix.format(**values),
+        words.format(rule.message, **values),
+        words.format(rule.why, **values),
+        words.format(rule.fix, **values),
         dict(changes or {}),
     )
 
