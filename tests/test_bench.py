@@ -89,6 +89,7 @@ def test_bench_three_steps_writes_a_well_formed_report(tmp_path_factory, tmp_pat
     assert "optimized / baseline" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # prepares a 400-text corpus and runs two configs: 13 s
 def test_bench_measures_on_the_main_jobs_data_prepared_once_where_no_config_names_one(
     tmp_path_factory, tmp_path, monkeypatch
 ):

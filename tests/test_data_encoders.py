@@ -41,6 +41,7 @@ def test_local_folder_plugs_in_by_path(tmp_path):
         load_encoder("no-such-model")
 
 
+@pytest.mark.slow  # a fresh process that imports torch and loads the encoder: 10 s
 def test_loading_the_encoder_prints_no_import_noise_nor_a_loading_bar_and_keeps_real_warnings():
     # A fresh process: the noise is printed once, when torchao is first imported.
     code = (

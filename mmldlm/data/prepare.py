@@ -402,8 +402,11 @@ def _partial_dir(out: Path) -> Path:
 
 def output_state(opts: PrepareOptions) -> str:
     """'complete' (same options, nothing to do) or 'absent' (to be written); a UserError when the
-    output holds something that must not be replaced (see mmldlm/outputs.py)."""
+    output, or the temporary folder beside it, holds something that must not be replaced (see
+    mmldlm/outputs.py): said before the corpus is read, which takes minutes."""
     out = Path(opts.out)
+    if _partial_dir(out).exists():
+        refuse_foreign(_partial_dir(out), PREPARED, "remove it or choose another --out", marked=False)
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return "absent"
     if opts.overwrite or not PREPARED.is_marked(out):
