@@ -18,7 +18,8 @@ def counted(num: int, noun: str) -> str:
 
 
 class Wording(string.Formatter):
-    """str.format where a noun as the format spec counts: "{n:process}" reads "1 process" or "2 processes"."""
+    """str.format where a noun in place of the format type counts: "{n:process}" reads "1 process" or
+    "2 processes"."""
 
     def format_field(self, value: Any, format_spec: str) -> str:
         if len(format_spec) > 1 and format_spec[0].isalpha():  # a noun, not a one-letter type such as "g"

@@ -1,7 +1,7 @@
 """What each `mmldlm check` finding says, as data: RULES maps a case to its rule id, severity, message,
 why and fix. `message`, `why` and `fix` are str.format templates filled with the values the deciding
-function (the `check_*` functions of mmldlm/tools/check/__init__.py) passes, where a noun as the format
-spec counts ("{nproc:process}": "1 process", "2 processes"); `changes` is the fix as
+function (the `check_*` functions of mmldlm/tools/check/__init__.py) passes, where a noun in place of the
+format type counts ("{nproc:process}": "1 process", "2 processes"); `changes` is the fix as
 config changes when it does not depend on the values. One rule id (the name printed in brackets) can
 have several entries, one per case, each with its own severity and fix.
 """
@@ -34,6 +34,20 @@ class Rule:
     why: str
     fix: str
     changes: dict[str, Any] = field(default_factory=dict)
+
+    def filled(self, changes: dict[str, Any] | None = None, severity: str | None = None, **values) -> Finding:
+        """The finding of this rule with `values` in its templates. `changes`: the fix computed from the
+        config (else the rule's own); `severity`: for a rule whose severity depends on how far off the
+        values are (else the rule's)."""
+        words = Wording()
+        return Finding(
+            self.id,
+            severity or self.severity,
+            words.format(self.message, **values),
+            words.format(self.why, **values),
+            words.format(self.fix, **values),
+            dict(self.changes if changes is None else changes),
+        )
 
 
 TIMEOUT_WHY = (
@@ -486,17 +500,8 @@ RULES = {
 
 
 def finding(name: str, /, changes: dict[str, Any] | None = None, severity: str | None = None, **values) -> Finding:
-    """RULES[name] filled with `values`. `changes`: the fix computed from the config (else the rule's own);
-    `severity`: for a rule whose severity depends on how far off the values are (else the rule's)."""
-    rule, words = RULES[name], Wording()
-    return Finding(
-        rule.id,
-        severity or rule.severity,
-        words.format(rule.message, **values),
-        words.format(rule.why, **values),
-        words.format(rule.fix, **values),
-        dict(rule.changes if changes is None else changes),
-    )
+    """RULES[name] filled with `values` (Rule.filled)."""
+    return RULES[name].filled(changes, severity, **values)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -22,7 +22,6 @@ from mmldlm.tools.migrate.launcher import SCHEDULER_CONVENTIONS, LauncherReading
 from mmldlm.tools.migrate.mapping import EVERY_MINUTES
 from mmldlm.tools.migrate.older_trainer import CHECKPOINTS_KEPT, COLLECTIVE_TIMEOUT_MINUTES, HEADS, OlderRun
 from mmldlm.training.metrics import PEAK_FLOPS_BF16
-from mmldlm.wording import Wording
 
 NCCL_DOCS = "https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html"
 # The older save interval in hours is given between two MFUs: the baseline recipe's (the older code's
@@ -210,15 +209,7 @@ RULES = {
 
 
 def older_finding(rule_name: str, /, changes: dict[str, Any] | None = None, **values) -> Finding:
-    rule, words = RULES[rule_name], Wording()
-    return Finding(
-        rule.id,
-        rule.severity,
-        words.format(rule.message, **values),
-        words.format(rule.why, **values),
-        words.format(rule.fix, **values),
-        dict(changes or {}),
-    )
+    return RULES[rule_name].filled(changes, **values)
 
 
 # --------------------------------------------------------------------------------------------------
