@@ -214,10 +214,10 @@ class Trainer:
         self.num_skipped = self.consecutive_skips = self.longest_skip_run = 0
         self.window = Window(self.device)  # the steps since the last record
         self.agreed_stop = AgreedStop(self.device)
-        self._pending_shapes: list[tuple] = []
-        self._flops_of_mode: dict[
-            str, tuple[float, float, float, float]
-        ] = {}  # (mode, rows, length) and the text head's device row count
+        # Input shapes whose text-head row count is still on the device, ((mode, rows, length), count):
+        # into _input_shapes when a record is read.
+        self._pending_shapes: list[tuple[tuple, torch.Tensor]] = []
+        self._flops_of_mode: dict[str, tuple[float, float, float, float]] = {}  # _flops_polynomial's, by mode
         # (mode, micro-batch, padded length, text-head rows) met so far in this process. Caches grow
         # with each new one (oneDNN keeps its kernels per shape), so the monitor reads memory growth
         # while the count still rises as warm-up, and growth after it stopped as a leak.
