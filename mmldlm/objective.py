@@ -27,6 +27,7 @@ of the step before.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -36,6 +37,8 @@ import torch.nn.functional as F
 from mmldlm.config import MODES, ObjectiveConfig
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion, rng
 from mmldlm.model.mmdit import ModelOutput, Packing
+
+HOST = torch.device("cpu")  # where the step's random draws and the decisions that follow them are made
 
 
 class NoisedInputs(NamedTuple):
@@ -47,6 +50,7 @@ class NoisedInputs(NamedTuple):
     t_latent: torch.Tensor  # (B,)
     latent_null: torch.Tensor | None  # (B,) bool: rows whose latent condition is dropped (l2t)
     noise: torch.Tensor | None  # (B, K, D): the Gaussian noise of the latent, where it is generated
+    rows: torch.Tensor | None  # (N,) int64: the masked real positions (flat B * L), where the text is generated
 
 
 class Objective:
@@ -120,13 +124,16 @@ class Objective:
         """(loss, metrics) for one micro-batch at training step `step`; `t_text` (B,) the text's times in
         [0, 1] instead of drawing them by cfg.t_sampling (evaluation's importance-sampled times).
 
-        batch: tokens (B, L) int64, pad_mask (B, L) bool (True = real), latents (B, K, D) raw encoder space;
-        with data.packing also the packed layout the model's blocks run on (mmldlm/model/mmdit.py
-        `Packing`): noise, losses and metrics are those of the padded batch either way; optionally
-        text_lengths, each row's real tokens as host ints (the trainer adds them), for the attention.
+        batch: tokens (B, L) int64, pad_mask (B, L) bool (True = real, a prefix of each row), latents
+        (B, K, D) raw encoder space; with data.packing also the packed layout the model's blocks run on
+        (mmldlm/model/mmdit.py `Packing`): noise, losses and metrics are those of the padded batch
+        either way; text_lengths, each row's real tokens as host ints (the trainer adds them: without
+        them they are read from the device). Every random draw, and what follows from it (which tokens
+        are masked, where the text head runs), is made on the host with `generator` (a CPU generator;
+        None: the CPU's global RNG), so that the step never waits for the device.
         metrics (detached tensors, and `mode` a str): loss, and for the active heads only
-        text: text_loss (NELBO nats/token or masked CE, per text cfg), accuracy, num_masked, num_tokens;
-        latent: latent_loss; with `per_sample` also nats_per_sample, num_tokens_per_sample and
+        text: text_loss (NELBO nats/token or masked CE, per text cfg), accuracy, num_masked (an int),
+        num_tokens; latent: latent_loss; with `per_sample` also nats_per_sample, num_tokens_per_sample and
         latent_loss_per_sample (B,); length head (every mode): length_loss, length_accuracy. Keys of an idle
         head are absent.
         """
@@ -134,22 +141,17 @@ class Objective:
         tokens, pad_mask, packing = batch["tokens"], batch.get("pad_mask"), Packing.from_batch(batch)
         latents = self.latent.standardize(batch["latents"])  # (B, K, D)
         text_on, latent_on = mode in ("l2t", "joint"), mode in ("t2l", "joint")
-        x = self._noised_inputs(mode, text_on, latent_on, tokens, pad_mask, latents, generator, t_text)
+        real = host_pad_mask(batch)  # (B, L)
+        x = self._noised_inputs(mode, text_on, latent_on, tokens, pad_mask, real, latents, generator, t_text)
 
         # A padded batch's call is the plain one; the host's text lengths let the attention skip padding.
         layout = {"packing": packing} if packing is not None else {}
-        if batch.get("text_lengths") is not None:
-            layout["text_lengths"] = batch["text_lengths"]
+        if pad_mask is not None:
+            layout["text_lengths"] = tuple(real.sum(dim=1).tolist())
         self_cond = None
-        if (
-            self.self_condition
-            and latent_on
-            and rng.uniform(1, tokens.device, generator).item() < self.cfg.self_condition_prob
-        ):
+        if self.self_condition and latent_on and rng.uniform(1, HOST, generator).item() < self.cfg.self_condition_prob:
             self_cond = self._self_condition_estimate(model, x, pad_mask, layout)
 
-        # The text head runs only where the loss reads it: the masked non-pad positions.
-        rows = self.text.loss_positions(x.text, pad_mask) if text_on else None
         extra = {"latent_self_cond": self_cond} if self.self_condition else {}
         if self.length_head:
             extra["length_from"] = latents  # every step, from the clean latents
@@ -162,7 +164,7 @@ class Objective:
             latent_null=x.latent_null,
             text_head=text_on,
             latent_head=latent_on,
-            text_rows=rows,
+            text_rows=x.rows,  # the text head runs only where the loss reads it: the masked real positions
             **layout,
             **extra,
         )
@@ -175,50 +177,51 @@ class Objective:
         latent_on: bool,
         tokens: torch.Tensor,
         pad_mask: torch.Tensor | None,
+        real: torch.Tensor,
         latents: torch.Tensor,
         generator: torch.Generator | None,
         given_t_text: torch.Tensor | None = None,
     ) -> NoisedInputs:
         """The model's inputs in `mode`: each generated stream noised at times drawn by cfg.t_sampling
         (the text's at `given_t_text` where given), the other clean at time 0, and the condition dropped
-        as cond_drop_prob says."""
-        B, device = tokens.shape[0], tokens.device
-        t_text = torch.zeros(B, device=device)
-        t_latent = torch.zeros(B, device=device)
-        text_in, latent_in, noise = tokens, latents, None
+        as cond_drop_prob says. Drawn on the host, `real` (B, L) the host's pad mask; then moved."""
+        (B, L), device = tokens.shape, tokens.device
+        t_text, t_latent = torch.zeros(B), torch.zeros(B)
+        masked = noise = rows = None
         if text_on:
-            drawn = self.sample_t(B, device, generator) if given_t_text is None else given_t_text.to(device)
+            drawn = self.sample_t(B, HOST, generator) if given_t_text is None else given_t_text.to(HOST)
             t_text = self.text.bound_time(drawn)
-            text_in = self.text.add_noise(tokens, t_text, pad_mask, generator)  # (B, L)
+            masked = self.text.draw_masked(t_text, (B, L), HOST, generator) & real
+            rows = masked.flatten().nonzero().squeeze(1)  # (N,) on the host: no read-back
         if latent_on:
-            t_latent = self.sample_t(B, device, generator)
-            noise = self.latent.sample_noise(latents, generator)  # (B, K, D)
-            latent_in = self.latent.add_noise(latents, t_latent, noise)
-        text_in, t_text, latent_null = self._drop_condition(mode, tokens, pad_mask, text_in, t_text, generator)
-        return NoisedInputs(text_in, latent_in, t_text, t_latent, latent_null, noise)
-
-    def _drop_condition(
-        self,
-        mode: str,
-        tokens: torch.Tensor,
-        pad_mask: torch.Tensor | None,
-        text_in: torch.Tensor,
-        t_text: torch.Tensor,
-        generator: torch.Generator | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Classifier-free guidance: (text_in, t_text, latent_null) with each row's condition replaced by
-        "no condition" with prob cond_drop_prob (l2t: the null latent; t2l: all text masked at time 1)."""
-        B, device = tokens.shape[0], tokens.device
-        drop_prob = self.cfg.cond_drop_prob
-        latent_null = None
-        if mode == "l2t" and drop_prob > 0:
-            latent_null = rng.uniform(B, device, generator) < drop_prob  # (B,)
-        if mode == "t2l" and drop_prob > 0:
-            drop = rng.uniform(B, device, generator) < drop_prob  # (B,)
-            hide = drop[:, None] if pad_mask is None else drop[:, None] & pad_mask  # (B, L)
-            text_in = tokens.masked_fill(hide, self.text.mask_token_id)
+            t_latent = self.sample_t(B, HOST, generator)
+            noise = rng.normal(latents.shape, HOST, generator, dtype=latents.dtype)  # (B, K, D)
+        drop = self._draw_condition_drop(mode, B, generator)  # (B,) bool or None
+        if mode == "t2l" and drop is not None:
             t_text = drop.float()  # all masked = time 1
-        return text_in, t_text, latent_null
+
+        move = functools.partial(rng.to_device, device=device)
+        text_in, latent_in, latent_null = tokens, latents, None
+        if text_on:
+            text_in = tokens.masked_fill(move(masked), self.text.mask_token_id)  # (B, L)
+            rows = move(rows)
+        if latent_on:
+            noise = move(noise)
+            latent_in = self.latent.add_noise(latents, move(t_latent), noise)
+        if mode == "l2t" and drop is not None:
+            latent_null = move(drop)
+        if mode == "t2l" and drop is not None:
+            hide = move(drop)[:, None] if pad_mask is None else move(drop)[:, None] & pad_mask  # (B, L)
+            text_in = tokens.masked_fill(hide, self.text.mask_token_id)
+        return NoisedInputs(text_in, latent_in, move(t_text), move(t_latent), latent_null, noise, rows)
+
+    def _draw_condition_drop(self, mode: str, batch_size: int, generator: torch.Generator | None):
+        """Classifier-free guidance: (B,) bool on the host, the rows whose condition is replaced by "no
+        condition" (prob cond_drop_prob; l2t: the null latent; t2l: all text masked at time 1); None
+        where nothing is dropped in this mode."""
+        if mode not in ("l2t", "t2l") or self.cfg.cond_drop_prob <= 0:
+            return None
+        return rng.uniform(batch_size, HOST, generator) < self.cfg.cond_drop_prob
 
     def _self_condition_estimate(
         self, model, x: NoisedInputs, pad_mask: torch.Tensor | None, layout: dict
@@ -255,7 +258,7 @@ class Objective:
         loss = 0.0
         if text_on:
             text_loss, text_metrics = self.text.loss(
-                out.text_logits, tokens, x.text, x.t_text, pad_mask, per_sample=self.per_sample
+                out.text_logits, tokens, x.text, x.t_text, pad_mask, per_sample=self.per_sample, rows=x.rows
             )
             loss = loss + self.cfg.text_loss_weight * text_loss
             metrics["text_loss"] = text_loss.detach()
@@ -281,6 +284,18 @@ class Objective:
                 for i in range(latents.shape[0])
             ]
         ).detach()
+
+
+def host_pad_mask(batch: dict) -> torch.Tensor:
+    """(B, L) bool on the host, True = real token: from the batch's `text_lengths` (host ints; the
+    loader pads each text at its end) where given, else its pad_mask read from the device (a read-back);
+    every position without either."""
+    B, L = batch["tokens"].shape
+    if batch.get("text_lengths") is not None:
+        return torch.arange(L) < torch.tensor(batch["text_lengths"])[:, None]
+    if batch.get("pad_mask") is not None:
+        return batch["pad_mask"].cpu()
+    return torch.ones(B, L, dtype=torch.bool)
 
 
 def text_lengths(tokens: torch.Tensor, pad_mask: torch.Tensor | None) -> torch.Tensor:

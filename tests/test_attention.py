@@ -38,7 +38,7 @@ def outputs_and_grads(model, b, packed, text_head=True, latent_head=True):
     lengths = tuple(b["pad_mask"].sum(1).tolist())
     out = model(
         **inputs(b),
-        text_rows=rows if text_head else None,
+        text_rows=rows.flatten().nonzero().squeeze(1) if text_head else None,
         text_head=text_head,
         latent_head=latent_head,
         packing=Packing.from_batch(b) if packed else None,

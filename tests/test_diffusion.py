@@ -45,7 +45,7 @@ def test_masked_elbo_equals_hand_computed_value():
     expected = (2 * (ce[0] + ce[1]) + 4 * ce[2]) / 7
     assert loss.item() == pytest.approx(expected, rel=1e-6)
     assert metrics["accuracy"].item() == pytest.approx(1 / 3)
-    assert metrics["num_masked"].item() == 3 and metrics["num_tokens"].item() == 7
+    assert metrics["num_masked"] == 3 and metrics["num_tokens"].item() == 7
 
 
 def test_masked_loss_takes_logits_only_at_its_positions():

@@ -74,7 +74,8 @@ def test_text_rows_give_the_full_logits_at_those_positions_and_the_same_gradient
 
     def grads(select):
         model.zero_grad(set_to_none=True)
-        logits, latent_out, _ = model(tokens, latents, t_text, t_latent, mask, text_rows=rows if select else None)
+        index = rows.flatten().nonzero().squeeze(1) if select else None  # (N,) flat positions
+        logits, latent_out, _ = model(tokens, latents, t_text, t_latent, mask, text_rows=index)
         chosen = logits if select else logits[rows]
         ((chosen * target).sum() + latent_out.sum()).backward()
         return chosen.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -89,7 +90,7 @@ def test_text_rows_give_the_full_logits_at_those_positions_and_the_same_gradient
         assert error < 1e-5, (name, float(error))
 
     model.zero_grad(set_to_none=True)
-    logits, latent_out, _ = model(tokens, latents, t_text, t_latent, mask, text_rows=torch.zeros_like(rows))
+    logits, latent_out, _ = model(tokens, latents, t_text, t_latent, mask, text_rows=torch.zeros(0, dtype=torch.long))
     assert logits.shape == (0, VOCAB)
     (logits.sum() + latent_out.sum()).backward()
     length = {id(p) for p in model.length_head.parameters()}  # not asked for here (no length_from)
@@ -288,7 +289,7 @@ def test_training_flops_match_torch_flop_counter(heads, prefix):
             t_latent,
             text_head=heads[0],
             latent_head=heads[1],
-            text_rows=rows,
+            text_rows=None if rows is None else rows.flatten().nonzero().squeeze(1),
             length_from=latents,
         )  # training runs the length head at every step
         sum(out.sum() for out in outputs if out is not None).backward()
@@ -338,7 +339,7 @@ def test_vocab_prior_adds_a_latent_cosine_bonus_to_the_text_logits():
     expected = without + torch.nn.functional.softplus(torch.tensor(10.0)) * cosine[:, None, :]
     torch.testing.assert_close(with_prior, expected, rtol=1e-4, atol=1e-4)
     rows = torch.rand(tokens.shape, generator=torch.Generator().manual_seed(2)) < 0.5
-    at_rows = model(tokens, latents, t_text, t_latent, text_rows=rows).text_logits
+    at_rows = model(tokens, latents, t_text, t_latent, text_rows=rows.flatten().nonzero().squeeze(1)).text_logits
     torch.testing.assert_close(at_rows, with_prior[rows], rtol=1e-5, atol=1e-5)
     null = torch.ones(tokens.shape[0], dtype=torch.bool)
     dropped = model(tokens, latents, t_text, t_latent, latent_null=null).text_logits

@@ -83,6 +83,7 @@ class RecordingModel:
         text_head=True,
         latent_head=True,
         text_rows=None,
+        text_lengths=None,
     ):
         self.calls.append(
             dict(
@@ -99,7 +100,7 @@ class RecordingModel:
         )
         logits = torch.zeros(*tokens.shape, VOCAB, requires_grad=True) if text_head else None
         if text_rows is not None:
-            logits = logits[text_rows]
+            logits = logits.flatten(0, 1)[text_rows]
         latent = torch.zeros(latents.shape, requires_grad=True) if latent_head else None
         return ModelOutput(logits, latent, None)
 
@@ -358,6 +359,7 @@ class SelfConditionedRecorder(RecordingModel):
         text_rows=None,
         latent_self_cond=None,
         length_from=None,
+        text_lengths=None,
     ):
         out = super().__call__(
             tokens,

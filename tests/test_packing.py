@@ -96,7 +96,7 @@ def test_packed_forward_equals_the_padded_forward(overrides):
     b = batch(num_latents=model.cfg.num_latents)
     x = inputs(b)
     rows = (torch.rand(b["tokens"].shape, generator=torch.Generator().manual_seed(3)) < 0.5) & b["pad_mask"]
-    kwargs = dict(text_rows=rows, length_from=b["latents"])
+    kwargs = dict(text_rows=rows.flatten().nonzero().squeeze(1), length_from=b["latents"])
     padded = model(**x, **kwargs)
     packed = model(**x, **kwargs, packing=Packing.from_batch(b))
     for name, a, p in zip(padded._fields, padded, packed):

@@ -482,7 +482,8 @@ def test_elbo_is_the_mdlm_training_loss_formula_on_the_same_batch(run_dir):
     # NELBO (MDLM eq. 11, loglinear schedule): sum over masked real tokens of -log p / t, per real token.
     masked = (seen["tokens"] == run.text.mask_token_id) & pad_mask
     assert masked.any() and torch.equal(seen["tokens"][~masked], tokens[~masked])
-    assert torch.equal(seen["text_rows"], masked)  # the model computed logits at exactly these positions
+    # the model computed logits at exactly these positions (flat indices into the (B * L) positions)
+    assert torch.equal(seen["text_rows"], masked.flatten().nonzero().squeeze(1))
     logits = seen["logits"].float()  # (N, V), row-major over the masked positions
     logits[..., run.text.mask_token_id] = float("-inf")
     nll = F.cross_entropy(logits, tokens[masked], reduction="none")  # (N,)

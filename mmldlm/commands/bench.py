@@ -48,6 +48,13 @@ def add_row_arguments(parser: argparse.ArgumentParser) -> None:
         help="a further row, set against the baseline like the optimized one; repeatable, e.g. "
         "--variant 'optimized perf.activation_checkpointing=full'",
     )
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="a last row: a plain transformer of the optimized config's text-stream dimensions (no latent "
+        "stream, no padding: full rows of the data's longest text), with its precision, optimizer and "
+        "compile; every row's tokens/s and MFU are also given over the reference's",
+    )
 
 
 def add_synthetic_arguments(parser: argparse.ArgumentParser) -> None:
@@ -141,6 +148,7 @@ def _command_line(args: argparse.Namespace, fit: bool) -> str:
             f"--baseline {shlex.quote(args.baseline)}",
             f"--optimized {shlex.quote(args.optimized)}",
             *(f"--variant {shlex.quote(variant)}" for variant in args.variants),
+            *(["--reference"] if args.reference else []),
             *([f"--processes {args.processes}"] if args.processes > 1 else []),
             *([f"--rows {args.rows}"] if args.rows != "auto" else []),
             f"--steps {args.steps}",
@@ -182,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
         round_steps=args.round_steps,
         ladder=args.ladder,
         variants=args.variants,
+        reference=args.reference,
         synthetic=_synthetic_spec(args),
         fit=args.fit and args.processes == 1,
         memory_cap_gib=args.memory_cap_gib,

@@ -94,7 +94,7 @@ class GaussianDiffusion:
                         f"GaussianDiffusion: latents have dim {x.shape[-1]} but the statistics have "
                         f"{stat.numel()}; the dataset's encoder and model.latent_dim must agree"
                     )
-            move = lambda s: None if s is None else s.to(device=x.device, dtype=x.dtype)  # noqa: E731
+            move = lambda s: None if s is None else rng.to_device(s.to(x.dtype), x.device)  # noqa: E731
             self._stats_cache[key] = (move(self.mean), move(self.std))
         return self._stats_cache[key]
 

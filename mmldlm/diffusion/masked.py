@@ -103,6 +103,15 @@ class MaskedDiffusion:
 
     # --- forward process -------------------------------------------------------------------------
 
+    def draw_masked(self, t, shape: tuple[int, int], device, generator: torch.Generator | None = None) -> torch.Tensor:
+        """(B, L) bool on `device`: each position masked with prob 1 - alpha_t of its row's time t (B,)
+        (eq. 2); excluding padding is the caller's. Training draws it on the host, where the positions
+        the text head runs at are then known without reading the device."""
+        B, L = shape
+        _, mask_prob = self.alpha(_per_row(t, B, device))  # (B,)
+        u = rng.uniform((B, L), device, generator, dtype=torch.float64)
+        return u < mask_prob[:, None]
+
     def add_noise(
         self, tokens: torch.Tensor, t, pad_mask: torch.Tensor | None = None, generator: torch.Generator | None = None
     ) -> torch.Tensor:
@@ -110,10 +119,7 @@ class MaskedDiffusion:
 
         tokens (B, L) int64; t (B,) in [0, 1]; pad_mask (B, L) bool, True = real token.
         """
-        B, L = tokens.shape
-        _, mask_prob = self.alpha(_per_row(t, B, tokens.device))  # (B,)
-        u = rng.uniform((B, L), tokens.device, generator, dtype=torch.float64)
-        masked = u < mask_prob[:, None]  # (B, L)
+        masked = self.draw_masked(t, tokens.shape, tokens.device, generator)  # (B, L)
         if pad_mask is not None:
             masked &= pad_mask
         return tokens.masked_fill(masked, self.mask_token_id)
@@ -133,52 +139,59 @@ class MaskedDiffusion:
         t,
         pad_mask: torch.Tensor | None = None,
         per_sample: bool = False,
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict]:
         """The training loss over masked non-pad tokens and its metrics.
 
         logits (B, L, V) from the model on `noised`, or (N, V) only at `loss_positions(noised,
         pad_mask)` in row-major order (the model's text_rows); tokens (B, L) clean; t (B,) the times
-        `noised` was drawn at. cfg.loss "elbo": NELBO in nats per non-pad token (module docstring);
+        `noised` was drawn at. rows (N,) int64: those positions' flat (B * L) indices in row-major
+        order where the caller knows them (training decides them on the host); without them they are
+        found here, which reads the device. cfg.loss "elbo": NELBO in nats per non-pad token (module docstring);
         "masked_ce": unweighted mean cross-entropy over masked non-pad tokens.
-        Metrics (detached): accuracy of the argmax over masked non-pad tokens, num_masked, num_tokens
+        Metrics (detached): accuracy of the argmax over masked non-pad tokens, num_masked (an int),
+        num_tokens
         (non-pad tokens: the ELBO denominator, for token-weighted averages over batches). With
         `per_sample` (evaluation, cfg.loss "elbo") also nats_per_sample and num_tokens_per_sample (B,):
         the loss is their sums' ratio; each text's nats are its NELBO estimate given the length,
         without the prior term.
         """
         B, L = tokens.shape
-        masked = self.loss_positions(noised, pad_mask)  # (B, L)
-        num_real = pad_mask.sum() if pad_mask is not None else torch.tensor(B * L, device=logits.device)
-        num_masked = masked.sum()
+        device = logits.device
+        if rows is None:
+            rows = self.loss_positions(noised, pad_mask).flatten().nonzero().squeeze(1)  # (N,)
+        num_masked = rows.shape[0]
+        num_real = pad_mask.sum() if pad_mask is not None else torch.full((), B * L, device=device)
 
         # SUBS: the mask is never the answer (its logit is -inf); unmasked positions copy their
         # input and contribute zero, so only masked rows are gathered (saves a (B, L, V) copy).
-        targets = tokens[masked]  # (N,)
-        if logits.dim() == 2 and logits.shape[0] != targets.shape[0]:
+        targets = tokens.reshape(-1).index_select(0, rows)  # (N,)
+        if logits.dim() == 2 and logits.shape[0] != num_masked:
             raise ValueError(
                 f"text logits of shape {tuple(logits.shape)}: expected (B, L, V) or one row per "
-                f"masked non-pad position ({targets.shape[0]}, V)"
+                f"masked non-pad position ({num_masked}, V)"
             )
-        masked_logits = (logits[masked] if logits.dim() == 3 else logits).float()  # (N, V)
-        mask_index = torch.tensor([self.mask_token_id], device=logits.device)
-        masked_logits = masked_logits.index_fill(-1, mask_index, float("-inf"))
+        masked_logits = (logits.reshape(B * L, -1).index_select(0, rows) if logits.dim() == 3 else logits).float()
+        mask_index = torch.full((1,), self.mask_token_id, device=device)  # a fill on the device, not a copy
+        masked_logits = masked_logits.index_fill(-1, mask_index, float("-inf"))  # (N, V)
         ce = F.cross_entropy(masked_logits, targets, reduction="none")  # (N,)
 
         extra = {}
         if self.cfg.loss == "elbo":
-            weight = self.elbo_weight(_per_row(t, B, logits.device, torch.float32))  # (B,)
-            row_weight = weight[:, None].expand(B, L)[masked]  # (N,)
-            loss = (row_weight * ce).sum() / num_real.clamp_min(1)
+            weight = self.elbo_weight(_per_row(t, B, device, torch.float32))  # (B,)
+            text_of = torch.div(rows, L, rounding_mode="floor")  # (N,) the text of each row
+            weighted = weight.index_select(0, text_of) * ce  # (N,)
+            loss = weighted.sum() / num_real.clamp_min(1)
             if per_sample:
-                nats = torch.zeros(B, L, device=ce.device).masked_scatter_(masked, (row_weight * ce).detach())
-                real = pad_mask if pad_mask is not None else torch.ones_like(masked)
-                extra = {"nats_per_sample": nats.sum(dim=1), "num_tokens_per_sample": real.sum(dim=1)}
+                nats = torch.zeros(B, device=device).index_add_(0, text_of, weighted.detach())
+                real = pad_mask.sum(dim=1) if pad_mask is not None else torch.full((B,), L, device=device)
+                extra = {"nats_per_sample": nats, "num_tokens_per_sample": real}
         else:
-            loss = ce.sum() / num_masked.clamp_min(1)
+            loss = ce.sum() / max(num_masked, 1)
 
         with torch.no_grad():
             correct = (masked_logits.argmax(dim=-1) == targets).sum()
-            accuracy = correct.float() / num_masked.clamp_min(1)
+            accuracy = correct.float() / max(num_masked, 1)
         return loss, {"accuracy": accuracy, "num_masked": num_masked, "num_tokens": num_real, **extra}
 
     # --- reverse process -------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from mmldlm.model.mmdit import MultimodalMMDiT
+from mmldlm.model.reference import PlainTransformer
 
 PARTS = ("text", "latent", "shared")
 
@@ -36,7 +37,7 @@ def parameter_counts(model: MultimodalMMDiT) -> dict[str, int]:
 
 
 def training_flops_per_sample(
-    model: MultimodalMMDiT,
+    model: MultimodalMMDiT | PlainTransformer,
     seq_len: int,
     *,
     text_head: bool = True,
@@ -67,6 +68,8 @@ def training_flops_per_sample(
     - not counted: the embedding lookup (a gather), norms, activations, softmax, RoPE, biases and
       adaLN modulate (all O(tokens * H), well under 1% at any preset size).
     """
+    if isinstance(model, PlainTransformer):  # bench's reference row: the same count of its layers
+        return model.training_flops(seq_len)
     cfg = model.cfg
     L, K, P = seq_len, cfg.num_latents, cfg.num_prefix_tokens
     idle = set()

@@ -245,16 +245,15 @@ class FinalLayer(nn.Module):
         self.head = nn.Linear(hidden_size, out_dim, bias=bias)
 
     def forward(self, x: Tensor, c: Tensor, rows: Tensor | None = None) -> Tensor:
-        """x (B, T, H), c (B, H) -> (B, T, out_dim); with rows (B, T) bool, only at those positions,
-        (N, out_dim) in row-major order (as x[rows]): the text head's training loss needs its logits
-        only at masked positions, and (N, V) is the largest activation of a small model."""
+        """x (B, T, H), c (B, H) -> (B, T, out_dim); with rows (N,) int64, flat indices into the (B * T)
+        positions, only at those positions, (N, out_dim) in their order: the text head's training loss
+        needs its logits only at masked positions, and (N, V) is the largest activation of a small model."""
         if rows is None:
             shift, scale = per_position(self.modulation(c), None, 2)  # (B, 1, H) each
             return self.head(modulate(self.norm(x), shift, scale))
         B, T, H = x.shape
-        index = rows.reshape(-1).nonzero().squeeze(1)  # (N,) into the flattened (B * T) positions
-        batch = torch.div(index, T, rounding_mode="floor")  # (N,) the row each position belongs to
-        return self.at(x.reshape(B * T, H).index_select(0, index), c, batch)
+        batch = torch.div(rows, T, rounding_mode="floor")  # (N,) the row each position belongs to
+        return self.at(x.reshape(B * T, H).index_select(0, rows), c, batch)
 
     def at(self, x: Tensor, c: Tensor, doc: Tensor) -> Tensor:
         """x (N, H) single positions, c (B, H), doc (N,) the row of c of each -> (N, out_dim)."""
@@ -310,11 +309,12 @@ class Packing(NamedTuple):
 
     def unpacked_index(self, num_slots: int, packed: Tensor) -> Tensor:
         """(num_slots,) the flat packed position of each of the padded batch's slots, given `packed`
-        (R, T) (each slot's index, -1 = padding); slots in no row (padding of the batch) get 0."""
+        (R, T) (each slot's index, -1 = padding); slots in no row (padding of the batch) get 0.
+        Padding positions write to one extra slot, cut off: no boolean selection, which reads the device."""
         flat = packed.flatten()
-        real = flat >= 0
-        where = torch.zeros(num_slots, dtype=torch.long, device=flat.device)
-        return where.index_put_((flat[real],), torch.arange(flat.numel(), device=flat.device)[real])
+        slot = torch.where(flat >= 0, flat, num_slots)  # (R * T,)
+        where = torch.zeros(num_slots + 1, dtype=torch.long, device=flat.device)
+        return where.index_put_((slot,), torch.arange(flat.numel(), device=flat.device))[:num_slots]
 
 
 class LatentRows(NamedTuple):
@@ -477,8 +477,9 @@ class MultimodalMMDiT(nn.Module):
         """tokens (B, L) int64, latents (B, K, D) standardised and noised, t_text and t_latent (B,) in
         [0, 1]; text_pad_mask (B, L) bool, True = real token; latent_null (B,) bool, True = use the
         null latent. Returns ModelOutput(text logits (B, L, V), latent prediction (B, K, D), length
-        logits); a head not asked for is not computed and returns None. text_rows (B, L) bool: text
-        logits only at those positions, (N, V) in row-major order (equal to the full logits[text_rows]).
+        logits); a head not asked for is not computed and returns None. text_rows (N,) int64, flat
+        indices into the (B * L) text positions: text logits only there, (N, V) in that order (equal to
+        the full logits.flatten(0, 1)[text_rows]); the training step decides them on the host.
         latent_self_cond (B, K, D): an earlier x0 estimate of the standardised latent (model.self_condition;
         None = no estimate yet, the same as zeros). length_from (B, K, D): clean standardised latents
         whose text lengths the length head predicts (training passes them so that the head is part of
@@ -637,9 +638,8 @@ class MultimodalMMDiT(nn.Module):
         x_text = x_text.reshape(-1, H)
         if text_rows is None:
             return self.text_final(x_text.index_select(0, where).view(B, L, H), c)
-        index = text_rows.reshape(-1).nonzero().squeeze(1)  # (N,) into the (B * L) positions
-        doc = torch.div(index, L, rounding_mode="floor")  # (N,) the text of each
-        return self.text_final.at(x_text.index_select(0, where.index_select(0, index)), c, doc)
+        doc = torch.div(text_rows, L, rounding_mode="floor")  # (N,) the text of each
+        return self.text_final.at(x_text.index_select(0, where.index_select(0, text_rows)), c, doc)
 
     def prefix_tokens(self, latents: Tensor) -> Tensor:
         """(B, P, H): the latent input (B, K, D) as the text stream's prefix (model.num_prefix_tokens).
@@ -673,7 +673,7 @@ class MultimodalMMDiT(nn.Module):
             prior = prior.masked_fill(latent_null[:, None], 0.0)  # and a zero gradient into the null rows
         if text_rows is None:
             return prior[:, None, :]
-        batch = torch.div(text_rows.reshape(-1).nonzero().squeeze(1), L, rounding_mode="floor")  # (N,)
+        batch = torch.div(text_rows, L, rounding_mode="floor")  # (N,)
         return prior.index_select(0, batch)
 
     def length_logits(self, latents: Tensor) -> Tensor:

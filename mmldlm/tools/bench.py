@@ -71,8 +71,8 @@ from mmldlm.data.prepare import default_prepare_options, prepare
 from mmldlm.data.synthetic import SyntheticShape, write_synthetic
 from mmldlm.device import describe_device, pick_device
 from mmldlm.errors import UserError
-from mmldlm.model.info import parameter_counts
 from mmldlm.outputs import write_atomically
+from mmldlm.tools.reference import build_reference_trainer
 from mmldlm.training.batch_size import batch_shape, largest_fitting, probe_or_none, spaced_sizes
 from mmldlm.training.distributed import init_distributed
 from mmldlm.training.metrics import current_memory_bytes, peak_memory_bytes, release_free_memory, reset_peak_memory
@@ -102,6 +102,7 @@ LADDER = [
     ("compile, padding to 64", ["perf.compile", "data.pad_to_multiple"]),
 ]
 IGNORED = {"train.run_dir"}  # differs between presets without changing what is measured
+REFERENCE = "reference: plain transformer"  # the row of BenchOptions.reference
 
 
 @dataclasses.dataclass
@@ -116,6 +117,10 @@ class BenchOptions:
     # Further rows, each "NAME [section.key=value ...]" like baseline and optimized, measured with
     # them and set against the baseline: e.g. the optimized config with checkpointing forced.
     variants: list[str] = dataclasses.field(default_factory=list)
+    # A last row: a plain transformer of the optimized config's text-stream dimensions, trained with its
+    # switches on full rows of the data's longest text (mmldlm/tools/reference.py); every row's tokens/s
+    # and MFU are then also given over the reference's.
+    reference: bool = False
     # Random tokens and latents of this shape instead of data.path (mmldlm/data/synthetic.py).
     synthetic: SyntheticShape | None = None
     fit: bool = True
@@ -165,6 +170,8 @@ def bench_configs(opts: BenchOptions) -> list[dict]:
         return {"name": text, "role": role, "config": name, "changes": differ, "overrides": [*base, *own]}
 
     variants = [row("variant", text) for text in opts.variants]
+    if opts.reference:
+        variants.append({**row("reference", opts.optimized), "name": REFERENCE, "changes": []})
     if not opts.ladder:
         rows = [row("baseline", opts.baseline), row("optimized", opts.optimized), *variants]
         for r, name in zip(rows, _unique([r["name"] for r in rows])):
@@ -216,6 +223,13 @@ def build_trainer(config: str, overrides: list[str], run_dir: str, extra: list[s
     return cfg, info, trainer, trainer.heaviest_batch
 
 
+def build_reference(config: str, overrides: list[str], run_dir: str):
+    """build_trainer's result for the reference row (mmldlm/tools/reference.py)."""
+    cfg = load_config(config, [*overrides, f"train.run_dir={run_dir}", "logging.progress_bar=false"])
+    info = init_distributed(cfg.distributed, cfg.train.device)
+    return cfg, info, build_reference_trainer(cfg, info), None
+
+
 def _join_ranks(job: dict) -> None:
     """Make this worker rank `job["rank"]` of its config's `job["world_size"]` ranks on this machine:
     init_distributed reads torchrun's variables. On CPU the cores are shared out among the ranks
@@ -265,7 +279,7 @@ def _setup_reply(cfg, info, trainer) -> dict:
         "world_size": info.world_size,
         "strategy": cfg.distributed.strategy,
         "num_shards": cfg.distributed.num_shards(info.world_size, info.local_world_size),
-        "parameters": parameter_counts(trainer.raw_model)["total"],
+        "parameters": sum(p.numel() for p in trainer.raw_model.parameters()),
     }
 
 
@@ -303,7 +317,8 @@ def _train_worker(conn, job: dict, run_dir: str) -> None:
             _join_ranks(job)
 
         runtime = current_memory_bytes(torch.device("cpu"))  # before anything is built
-        cfg, info, trainer, _ = build_trainer(job["config"], job["overrides"], run_dir)
+        build = build_reference if job["role"] == "reference" else build_trainer
+        cfg, info, trainer, _ = build(job["config"], job["overrides"], run_dir)
         if info.device.type == "cuda":
             runtime = 0  # CUDA's allocated counter starts at zero for this process
             torch.cuda.empty_cache()  # what set-up probed is not held while the other configs run
@@ -557,12 +572,30 @@ def _turn(live: list[_Ranks], *command) -> dict:
     return replies
 
 
-def _start_configs(ctx, jobs: list[dict], scratch: str, processes: int) -> list[_Ranks]:
-    """Build every config in its workers; each job gets its setup reply (a row that cannot even be
-    built in memory is dropped). On any other failure the configs already started are ended."""
+def _follow_optimized(job: dict, jobs: list[dict]) -> bool:
+    """Give the reference row the micro-batch and activation checkpointing the optimized row runs with
+    (its `auto`s resolved); False where the optimized row did not start (out of memory)."""
+    setup = next((j.get("setup") for j in jobs if j["role"] == "optimized"), None)
+    if setup is None:
+        job["not_measured"] = "not measured: the optimized row, whose micro-batch it takes, did not start"
+        return False
+    job["overrides"] = [
+        *job["overrides"],
+        f"train.micro_batch_size={setup['micro_batch_size']}",
+        f"perf.activation_checkpointing={setup['activation_checkpointing']}",
+    ]
+    return True
+
+
+def _start_configs(ctx, jobs: list[dict], scratch: str, processes: int, all_jobs: list[dict]) -> list[_Ranks]:
+    """Build every config of `jobs` in its workers; each job gets its setup reply (a row that cannot
+    even be built in memory is dropped). On any other failure the configs already started are ended.
+    `all_jobs`: every row of the run (the reference row follows the optimized one's set-up)."""
     groups = []
     try:
         for i, job in enumerate(jobs):  # one at a time: setups do not compete for the cores
+            if job["role"] == "reference" and not _follow_optimized(job, all_jobs):
+                continue
             job["release_memory"] = len(jobs) > 2
             groups.append(_Ranks(ctx, job, os.path.join(scratch, f"run{i}"), processes))
             replies = _turn(groups[-1:])
@@ -602,7 +635,7 @@ def _measure(groups: list[_Ranks], opts: BenchOptions) -> tuple[dict, dict]:
 
 def _fitted_jobs(jobs: list[dict]) -> list[dict]:
     """The rows whose largest micro-batch is searched: all but a ladder's intermediate rungs."""
-    return [job for job in jobs if job["role"] != "rung"]
+    return [job for job in jobs if job["role"] not in ("rung", "reference")]
 
 
 def _largest_micro_batches(ctx, jobs: list[dict], scratch: str, opts: BenchOptions) -> dict:
@@ -703,7 +736,7 @@ def _measure_all(ctx, jobs: list[dict], opts: BenchOptions, scratch: str, fitted
     turns = [[job] for job in jobs] if rows_one_at_a_time(opts, jobs) else [jobs]
     results = {}
     for batch in turns:
-        groups = _start_configs(ctx, batch, scratch, opts.processes)
+        groups = _start_configs(ctx, batch, scratch, opts.processes, jobs)
         try:
             records, memory = _measure(groups, opts)
         finally:
@@ -713,7 +746,7 @@ def _measure_all(ctx, jobs: list[dict], opts: BenchOptions, scratch: str, fitted
             figures = (
                 _summary(job["setup"], records[job["name"]], memory[job["name"]])
                 if job["name"] in records
-                else {"out_of_memory": job["out_of_memory"]}
+                else {key: job[key] for key in ("out_of_memory", "not_measured") if key in job}
             )
             if job["name"] in records:
                 log.info("%s", _row_line(job["name"], figures))
@@ -744,7 +777,7 @@ def run_bench(opts: BenchOptions, command: str = "") -> dict:
 
     first = jobs[0]["name"]
     optimized = next((job["name"] for job in jobs if job["role"] == "optimized"), first)
-    setup = next((job["setup"] for job in jobs if "out_of_memory" not in job), None)
+    setup = next((job["setup"] for job in jobs if "out_of_memory" not in job and "setup" in job), None)
     if setup is None:
         raise UserError(
             f"bench: every config ran out of memory ({jobs[0]['out_of_memory']}); "
@@ -794,7 +827,7 @@ def _table_header(report: dict) -> list[str]:
     """The columns of the configs' table: the memory column named by what was measured, the largest
     micro-batch where it was searched, the steps of a ladder."""
     configs, order = report["configs"], report["order"]
-    memory_kind = next(configs[n]["peak_memory_kind"] for n in order if "out_of_memory" not in configs[n])
+    memory_kind = next(configs[n]["peak_memory_kind"] for n in order if "peak_memory_kind" in configs[n])
     memory_label = "peak CUDA alloc GiB" if memory_kind == "cuda_max_allocated" else "peak RSS above runtime GiB"
     if report["options"].get("processes", 1) > 1:
         memory_label += " per process"
@@ -812,9 +845,32 @@ def _table_header(report: dict) -> list[str]:
     ]
     if "largest_micro_batch" in configs[order[0]]:
         header.append(f"largest micro-batch @ {report['options']['memory_cap_gib']:g} GiB")
-    if len(order) > 2:
+    if _compared_rows(order) > 2:
         header += ["vs previous", "vs baseline"]
+    if _reference(report) is not None:
+        header += ["tokens/s ÷ reference", "MFU ÷ reference"]
     return header
+
+
+def _compared_rows(order: list[str]) -> int:
+    """The rows set against the baseline (every row but the reference)."""
+    return sum(name != REFERENCE for name in order)
+
+
+def _reference(report: dict) -> dict | None:
+    """The reference row's figures, where it was asked for and measured."""
+    reference = report["configs"].get(REFERENCE)
+    return reference if reference is not None and "tokens_per_s" in reference else None
+
+
+def _over_reference(c: dict, reference: dict) -> list[str]:
+    """c's real tokens/s and MFU over the reference's (all steps' tokens over their time: texts of
+    different lengths weighed by their work), blank where c has none."""
+    if "tokens_per_s" not in c:
+        return ["", ""]
+    cells = [f"{c['total_tokens_per_s'] / reference['total_tokens_per_s']:.2f}"]
+    both = c["mfu"] is not None and reference["mfu"]
+    return cells + [f"{c['mfu'] / reference['mfu']:.2f}" if both else "n/a"]
 
 
 def _speed_ratio(c: dict, other: dict | None) -> str:
@@ -824,14 +880,22 @@ def _speed_ratio(c: dict, other: dict | None) -> str:
     return f"{c['samples_per_s'] / other['samples_per_s']:.2f}x"
 
 
-def _table_row(name: str, c: dict, fit: bool, ladder: bool, first: dict, previous: dict | None) -> list[str]:
-    """One config's cells; on a ladder, its samples/s over the rung before and over the baseline. A
-    row out of memory at the micro-batch says so (and shows the largest that fits, where searched)."""
-    row = [name, "out of memory", *[""] * 8] if "out_of_memory" in c else _measured_cells(name, c)
+def _table_row(
+    name: str, c: dict, fit: bool, ladder: bool, first: dict, previous: dict | None, reference: dict | None
+) -> list[str]:
+    """One config's cells; on a ladder, its samples/s over the rung before and over the baseline; with
+    a reference row, its tokens/s and MFU over the reference's. A row out of memory at the micro-batch
+    says so (and shows the largest that fits, where searched)."""
+    if "out_of_memory" in c or "not_measured" in c:
+        row = [name, "out of memory" if "out_of_memory" in c else c["not_measured"], *[""] * 8]
+    else:
+        row = _measured_cells(name, c)
     if fit:
         row.append(str(c["largest_micro_batch"]) if "largest_micro_batch" in c else "")
     if ladder:
         row += [_speed_ratio(c, previous), _speed_ratio(c, first)]
+    if reference is not None:
+        row += _over_reference(c, reference)
     return row
 
 
@@ -938,11 +1002,12 @@ def markdown(report: dict) -> str:
         lines += [f"Data: {report['data']}.", ""]
     header = _table_header(report)
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    fit, ladder = "largest_micro_batch" in configs[order[0]], len(order) > 2
+    fit, ladder = "largest_micro_batch" in configs[order[0]], _compared_rows(order) > 2
     variants = report.get("variant_ratios", {})
-    first, previous = configs[order[0]], None
+    first, previous, reference = configs[order[0]], None, _reference(report)
     for name in order:
-        lines.append("| " + " | ".join(_table_row(name, configs[name], fit, ladder, first, previous)) + " |")
+        cells = _table_row(name, configs[name], fit, ladder, first, previous, reference)
+        lines.append("| " + " | ".join(cells) + " |")
         previous = configs[name]
     lines += _ratio_lines(report)
     lines += _decision_lines(report)

@@ -205,7 +205,8 @@ class Trainer:
         self.loader = loader(self.micro_batch_size) if callable(loader) else loader
         self._batches = iter(self.loader)
         self.checkpoints = CheckpointManager(cfg.checkpoint, self.run_dir, info)
-        self.generator = torch.Generator(device=self.device)
+        # On the host: the step's draws, and what it decides from them, never wait for the device.
+        self.generator = torch.Generator()
         self.anchor_idle = uses_anchor(cfg.distributed, info)
         self.peak_flops = peak_flops(self.device)
         self.step = 0  # optimizer steps done
@@ -214,9 +215,6 @@ class Trainer:
         self.num_skipped = self.consecutive_skips = self.longest_skip_run = 0
         self.window = Window(self.device)  # the steps since the last record
         self.agreed_stop = AgreedStop(self.device)
-        # Input shapes whose text-head row count is still on the device, ((mode, rows, length), count):
-        # into _input_shapes when a record is read.
-        self._pending_shapes: list[tuple[tuple, torch.Tensor]] = []
         self._flops_of_mode: dict[str, tuple[float, float, float, float]] = {}  # _flops_polynomial's, by mode
         # (mode, micro-batch, padded length, text-head rows) met so far in this process. Caches grow
         # with each new one (oneDNN keeps its kernels per shape), so the monitor reads memory growth
@@ -234,6 +232,13 @@ class Trainer:
         self.step_in_backward = cfg.optim.step_in_backward
         if self.step_in_backward:
             self._setup_step_in_backward()
+        # Clipping folded into the fused AdamW (`_gradient_norm`): its gradients are plain tensors (not
+        # FSDP2's shards) and no loss scaler unscales them first.
+        self._clip_in_optimizer = (
+            bool(self.optimizer.defaults.get("fused"))
+            and self.scaler is None
+            and not (info.distributed and cfg.distributed.shards_model)
+        )
 
     def _set_up_model(self, model: nn.Module, objective, max_seq_len: int | None, heaviest_batch) -> None:
         """The model on the device with its EMA copy, activation checkpointing resolved, parallelized, and
@@ -678,11 +683,11 @@ class Trainer:
             self._count_work(totals, batch, mode, metrics.get("num_masked"))
         return totals
 
-    def _count_work(self, totals: StepTotals, batch: dict, mode: str, num_masked: torch.Tensor | None) -> None:
+    def _count_work(self, totals: StepTotals, batch: dict, mode: str, num_masked: int | None) -> None:
         """The micro-batch's training FLOPs into `totals`: on its real tokens (each text at its own
         length: MFU's), and as computed (every row at its padded length: what the step's time follows,
-        the monitor's); the text head at the masked positions it ran at, a device count added on the
-        device. Also the text positions its blocks computed, of them the real ones, and its shape."""
+        the monitor's); the text head at the masked positions it ran at (counted on the host). Also the
+        text positions its blocks computed, of them the real ones, and its shape."""
         computed = batch.get("pack_doc", batch["tokens"])  # (rows, text positions) the blocks ran on
         rows, positions = computed.shape
         a, b, c, per_head_row = self._flops_polynomial(mode)
@@ -694,10 +699,8 @@ class Trainer:
         totals.positions += rows * positions
         totals.real_positions += sum(lengths)
         if num_masked is not None:
-            totals.flops += num_masked.to(torch.float64) * per_head_row
-            self._pending_shapes.append(((mode, rows, positions), num_masked))
-        else:
-            self._input_shapes.add((mode, rows, positions, 0))
+            totals.flops += num_masked * per_head_row
+        self._input_shapes.add((mode, rows, positions, padded_row_count(num_masked or 0)))
 
     def _flops_polynomial(self, mode: str) -> tuple[float, float, float, float]:
         """One text's training FLOPs in `mode` as a + b * n + c * n^2 for n tokens (linear layers are
@@ -715,7 +718,11 @@ class Trainer:
 
     def _gradient_norm(self) -> torch.Tensor:
         """The global gradient norm (a device scalar), clipped to optim.grad_clip (after unscaling under
-        fp16); with optim.step_in_backward, the norm of the gradients the updates in backward used."""
+        fp16); with optim.step_in_backward, the norm of the gradients the updates in backward used.
+
+        Clipping multiplies every gradient by min(1, grad_clip / (norm + 1e-6)), as clip_grad_norm_
+        does. The fused AdamW of one process or DDP takes the factor instead as its `grad_scale` (it
+        divides each gradient as it reads it): one pass over the gradients less, and no kernel per tensor."""
         if self.step_in_backward:
             grad_norm = self._grad_sq.sqrt() if self._bad_grads == 0 else self._grad_sq.new_tensor(math.nan)
             self._grad_sq = torch.zeros_like(self._grad_sq)
@@ -724,7 +731,12 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm, foreach=True)
+        grads = [p.grad for p in self.raw_model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(grads)
+        if self._clip_in_optimizer and math.isfinite(max_norm):
+            self.optimizer.grad_scale = torch.clamp((grad_norm + 1e-6) / max_norm, min=1.0).to(torch.float32)
+        elif math.isfinite(max_norm):
+            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, grad_norm)
         if hasattr(grad_norm, "full_tensor"):  # FSDP2 and HSDP: the norm is a DTensor over the shards
             grad_norm = grad_norm.full_tensor()
         return grad_norm
@@ -757,6 +769,7 @@ class Trainer:
                 self.optimizer.step()
             finally:
                 del self.optimizer.found_inf
+                self.optimizer.__dict__.pop("grad_scale", None)
             self.skips.add(nonfinite)
             if self.ema is not None:
                 self.ema.update(self.raw_model, skip=nonfinite)
@@ -790,9 +803,6 @@ class Trainer:
         totals = pending.totals.read()  # the read-back
         skipped_before = self.num_skipped
         self.num_skipped, self.consecutive_skips, self.longest_skip_run = self.skips.read()
-        for shape, rows in self._pending_shapes:
-            self._input_shapes.add((*shape, padded_row_count(int(rows))))
-        self._pending_shapes.clear()
         record = {
             "step": pending.step,
             "mode": mode,
