@@ -4,12 +4,13 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from mmldlm.cli import main
 from mmldlm.config import load_model_preset
 from mmldlm.model import MultimodalMMDiT, parameter_counts, training_flops_per_sample
-from mmldlm.model.mmdit import RMSNorm, apply_rope, padded_row_count, rope_angles
+from mmldlm.model.mmdit import StreamLayers, apply_rope, modulate, padded_row_count, rope_angles
 
 VOCAB = 512
 SHAPE = {"latent_dim": 384, "num_latents": 1}  # no dataset here: the default encoder's latent
@@ -142,8 +143,8 @@ def test_fresh_block_leaves_residual_streams_unchanged():
     model = MultimodalMMDiT(cfg, VOCAB)
     x_text, x_latent = torch.randn(2, 16, cfg.hidden_size), torch.randn(2, 1, cfg.hidden_size)
     c = torch.randn(2, cfg.hidden_size)
-    for block in model.blocks:
-        out_text, out_latent = block(x_text, x_latent, c)
+    for block, mod in zip(model.blocks, model.modulation(c)):
+        out_text, out_latent = block(x_text, x_latent, mod)
         assert torch.equal(out_text, x_text) and torch.equal(out_latent, x_latent)
     # The zero heads start from uniform text logits and a zero latent prediction.
     logits, latent_out, _ = model(*inputs(cfg, B=2))
@@ -403,14 +404,59 @@ def test_rotary_embedding_rotates_each_pair_by_its_positions_angle():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # the tables are float32
 
 
-def test_qk_rmsnorm_of_bf16_inputs_keeps_the_fp32_mean_of_squares():
-    """Under bf16 autocast the q/k norm gets bf16 activations and returns bf16: the fp32 computation
-    rounded to bf16 (within two bf16 steps), not a bf16 mean of squares."""
-    norm = RMSNorm(64, eps=1e-6)
+def test_qk_rmsnorm_of_bf16_activations_keeps_the_fp32_mean_of_squares():
+    """Under bf16 autocast q and k leave the projection in bf16 and are normalised together in one call:
+    the fp32 computation rounded to bf16 (within two bf16 steps, the norm's and the gain's), not a bf16
+    mean of squares; and q and k each get their own gain."""
+    cfg = tiny()
+    stream = StreamLayers(cfg)
+    hd = cfg.hidden_size // cfg.num_heads
     with torch.no_grad():
-        norm.weight.uniform_(0.5, 1.5)
-    x = (torch.randn(4, 10, 64) * 30).to(torch.bfloat16)
-    got = norm(x)
-    assert got.dtype == torch.bfloat16
-    want = torch.nn.functional.rms_norm(x.float(), (64,), norm.weight, 1e-6)
-    torch.testing.assert_close(got.float(), want, rtol=2 * 2**-8, atol=0)
+        stream.q_norm.weight.uniform_(0.5, 1.5)
+        stream.k_norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(4, 10, cfg.hidden_size) * 30
+    shift, scale = torch.zeros(4, 1, cfg.hidden_size), torch.ones(4, 1, cfg.hidden_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        qk, v = stream.qk_heads(x, shift, scale)
+        raw = stream.qkv(modulate(stream.norm_attn(x), shift, scale)).view(4, 10, 3, cfg.num_heads, hd)
+    assert qk.dtype == v.dtype == torch.bfloat16 and qk.shape == (4, 10, 2, cfg.num_heads, hd)
+    gains = (stream.q_norm.weight, stream.k_norm.weight)
+    want = torch.stack([F.rms_norm(raw[:, :, i].float(), (hd,), w, cfg.norm_eps) for i, w in enumerate(gains)], 2)
+    torch.testing.assert_close(qk.float(), want, rtol=3 * 2**-8, atol=0)
+
+
+def earlier_layout(state: dict, num_blocks: int) -> dict:
+    """`state` as an earlier mmldlm wrote it: each block's streams their own adaLN modulation
+    (`blocks.i.{text,latent}.modulation.1.*`: shift, scale, gate of the attention, then of the MLP) and
+    every scale DiT's, multiplied as 1 + scale (the final layers' too)."""
+    state = dict(state)
+    weight, bias = state.pop("modulation.proj.weight"), state.pop("modulation.proj.bias")
+    H = weight.shape[1]
+    bias = bias.view(num_blocks, 2, 2, 3, H).clone()
+    bias[:, :, :, 1] -= 1.0
+    weight, bias = weight.view(num_blocks, 2, 6 * H, H), bias.view(num_blocks, 2, 6 * H)
+    for i in range(num_blocks):
+        for s, stream in enumerate(("text", "latent")):
+            state[f"blocks.{i}.{stream}.modulation.1.weight"] = weight[i, s]
+            state[f"blocks.{i}.{stream}.modulation.1.bias"] = bias[i, s]
+    for final in ("text_final", "latent_final"):
+        final_bias = state[f"{final}.modulation.1.bias"].clone()
+        final_bias[H:] -= 1.0
+        state[f"{final}.modulation.1.bias"] = final_bias
+    return state
+
+
+def test_weights_of_the_earlier_per_block_modulation_load_and_give_the_same_outputs(tmp_path):
+    """Runs and exports written before the blocks' modulations became one matrix still sample, evaluate
+    and export: their weights are mapped into the current layout where weights are read."""
+    from mmldlm.runs.trained import load_weights
+
+    cfg = tiny()
+    model = randomised(cfg)
+    old = earlier_layout(model.state_dict(), cfg.num_blocks)
+    assert "modulation.proj.weight" not in old and "blocks.3.latent.modulation.1.bias" in old
+    loaded = MultimodalMMDiT(cfg, VOCAB).eval()
+    load_weights(loaded, tmp_path / "model.safetensors", old)
+    x = inputs(cfg)
+    for a, b in zip(model(*x, pad_mask()), loaded(*x, pad_mask())):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)

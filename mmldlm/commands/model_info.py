@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     rows = [
         ("text stream", counts["text"]),
         ("latent stream", counts["latent"]),
-        ("shared (timestep MLPs, null latent)", counts["shared"]),
+        ("shared (timestep MLPs, adaLN modulation, null latent)", counts["shared"]),
         ("total", counts["total"]),
     ]
     width = max(len(label) for label, _ in rows)

@@ -16,7 +16,7 @@ PARTS = ("text", "latent", "shared")
 def parameter_part(name: str) -> str:
     """The part a parameter belongs to, from its name (the model names everything by stream):
     text (`text_*`, `blocks.i.text.*`), latent (`latent_*`, `blocks.i.latent.*`) or shared (the
-    timestep MLPs `t_*` and the null latent)."""
+    timestep MLPs `t_*`, the blocks' adaLN `modulation`, which serves both streams, and the null latent)."""
     first = name.split(".")[0]
     if first == "blocks":
         return name.split(".")[2]

@@ -74,31 +74,53 @@ class TimestepEmbedder(nn.Module):
 
 
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
-    """adaLN: x * (1 + scale) + shift; x (B, T, H) normalised elsewhere; shift, scale (B, 1, H) from
-    each row's conditioning vector, or (B, T, H) per position in packed rows (`per_position`).
-    (Not addcmul: autocast promotes its mixed fp32/bf16 inputs with a cast of each.)"""
-    return x * (1 + scale) + shift
+    """adaLN: x * scale + shift; x (B, T, H) normalised elsewhere; shift, scale (B, 1, H) from each
+    row's conditioning vector, or (B, T, H) per position in packed rows (`per_position`). `scale` is
+    DiT's 1 + scale: the modulation's bias starts at 1 there, not 0 (`AdaLN`). (Not addcmul: its
+    backward multiplies by its `value` factor, 1 here, in two more kernels.)"""
+    return x * scale + shift
 
 
-def per_position(mod: Tensor, doc: Tensor | None, chunks: int) -> tuple[Tensor, ...]:
-    """adaLN parameters mod (N, chunks * H), one row per text, split into `chunks` tensors shaped for
-    `modulate`: (N, 1, H) when row b of the batch is text b (doc None), or gathered by the text each
-    position of a packed row belongs to, (R, T, H) for doc (R, T) (padding: any valid text)."""
+def per_position(mod: Sequence[Tensor], doc: Tensor | None) -> Sequence[Tensor]:
+    """One stream's adaLN tensors of a block, each (N, 1, H) with one row per text, shaped for
+    `modulate` and the gates: as they are when row b of the batch is text b (doc None), or gathered by
+    the text each position of a packed row belongs to, (R, T, H) for doc (R, T) (padding: any valid text)."""
     if doc is None:
-        return mod[:, None, :].chunk(chunks, dim=-1)  # (N, 1, cH)
-    # index_select, not mod[doc]: its backward (index_add) is about 4x faster on CPU than indexing's
+        return mod
+    # index_select, not m[doc]: its backward (index_add) is about 4x faster on CPU than indexing's
     # (index_put with accumulate).
-    return mod.index_select(0, doc.flatten()).view(*doc.shape, -1).chunk(chunks, dim=-1)  # (R, T, cH)
+    return [m.squeeze(1).index_select(0, doc.flatten()).view(*doc.shape, -1) for m in mod]  # (R, T, H) each
 
 
-class RMSNorm(nn.RMSNorm):
-    """RMSNorm computed in fp32 and returned in the input's dtype: under bf16 autocast q and k arrive
-    in bf16 while the weight stays fp32, a mix torch's fused kernel refuses (and a bf16 mean of
-    squares loses precision the QK-norm exists to keep). Casting the weight instead measured more
-    dispatched operations per step (its gradient's cast back), not fewer."""
+class AdaLN(nn.Module):
+    """The adaLN-Zero modulation (DiT sec. 3.2) of every block and both streams in one matrix product:
+    SiLU(c) (B, H) -> for each block, stream and sublayer (attention, MLP) a shift, a scale and a gate
+    (B, num_blocks, 2, 2 * 3, 1, H), in float32 (the residual stream's dtype, so that modulating and
+    gating need no casts). One GEMM instead of two per block: each weight serves one row per text, so
+    its cost is the launches and the reading of the weights, not the arithmetic.
 
-    def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x.float(), self.normalized_shape, self.weight, self.eps).to(x.dtype)
+    The scale is DiT's 1 + scale (its bias starts at 1): `modulate` adds no 1 + scale. Weights and
+    every other bias start at 0, so every gate is 0 and each block starts as the identity."""
+
+    def __init__(self, hidden_size: int, num_blocks: int):
+        super().__init__()
+        self.num_blocks = num_blocks
+        self.proj = nn.Linear(hidden_size, num_blocks * 2 * 6 * hidden_size)
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.proj.weight)
+        with torch.no_grad():
+            bias = self.proj.bias.view(self.num_blocks, 2, 2, 3, -1)  # (block, stream, sublayer, shift/scale/gate, H)
+            bias.zero_()
+            bias[:, :, :, 1] = 1.0
+
+    def forward(self, c: Tensor) -> list[tuple[Tensor, ...]]:
+        """c (B, H) -> per block 12 tensors (B, 1, H): the text stream's shift, scale and gate of the
+        attention, then of the MLP, and the latent stream's likewise. (One unbind for all blocks: its
+        backward is one stack, where an unbind per block and stream would be three.)"""
+        B, H = c.shape
+        mods = self.proj(F.silu(c)).float().view(B, self.num_blocks * 12, 1, H).unbind(1)
+        return [mods[12 * i : 12 * (i + 1)] for i in range(self.num_blocks)]
 
 
 class MLP(nn.Module):
@@ -112,35 +134,43 @@ class MLP(nn.Module):
 
 
 class StreamLayers(nn.Module):
-    """One modality's weights inside a block: adaLN modulation, qkv, QK-RMSNorm, output projection, MLP.
-
-    Linear layers carry no bias (as in current LMs); the modulation does, because its output at
-    zero input (the adaLN offsets) is what it must learn first."""
+    """One modality's weights inside a block: qkv, QK-RMSNorm, output projection, MLP (its adaLN
+    modulation is computed for all blocks at once: `AdaLN`). Linear layers carry no bias, as in
+    current LMs."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         H, self.num_heads = cfg.hidden_size, cfg.num_heads
-        head_dim = H // cfg.num_heads
-        self.modulation = nn.Sequential(nn.SiLU(), nn.Linear(H, 6 * H))  # shift, scale, gate for attn and MLP
+        self.head_dim, self.eps = H // cfg.num_heads, cfg.norm_eps
         self.norm_attn = nn.LayerNorm(H, eps=cfg.norm_eps, elementwise_affine=False)
         self.qkv = nn.Linear(H, 3 * H, bias=False)
         # Per-head RMSNorm on q and k (SD3 sec. 5.3.2): bounds the attention logits, which otherwise
-        # grow and make bf16 training diverge.
-        self.q_norm = RMSNorm(head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
-        self.k_norm = RMSNorm(head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        # grow and make bf16 training diverge. Their gains are these modules' weights; `qk_heads`
+        # normalises q and k together.
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.attn_proj = nn.Linear(H, H, bias=False)
         self.norm_mlp = nn.LayerNorm(H, eps=cfg.norm_eps, elementwise_affine=False)
         self.mlp = MLP(H, int(cfg.mlp_ratio * H))
         self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
-    def qkv_heads(self, x: Tensor, shift: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x (B, T, H) -> q, k, v (B, T, nh, hd), q and k normalised per head. Positions stay before
-        heads (the projection's own layout): the joint sequence is concatenated along T and the
-        variable-length kernel reads (positions, nh, hd) with no transposed copy."""
-        B, T, H = x.shape
-        qkv = self.qkv(modulate(self.norm_attn(x), shift, scale))  # (B, T, 3H)
-        q, k, v = qkv.view(B, T, 3, self.num_heads, H // self.num_heads).unbind(2)  # (B, T, nh, hd)
-        return self.q_norm(q), self.k_norm(k), v
+    def qk_heads(self, x: Tensor, shift: Tensor, scale: Tensor, queries: bool = True) -> tuple[Tensor, Tensor]:
+        """x (B, T, H) -> qk (B, T, 2, nh, hd), queries and keys normalised per head, and v (B, T, nh, hd);
+        without `queries`, qk is the keys alone, (B, T, 1, nh, hd). Positions stay before heads (the
+        projection's own layout): the joint sequence is concatenated along T and the variable-length
+        kernel reads (positions, nh, hd) with no transposed copy."""
+        B, T, _ = x.shape
+        qkv = self.qkv(modulate(self.norm_attn(x), shift, scale)).view(B, T, 3, self.num_heads, self.head_dim)
+        # split, not slices: its backward is one cat, where slices' are a zero-filled tensor each and a sum
+        qk, v = qkv.split([2, 1], dim=2) if queries else qkv.split([1, 1, 1], dim=2)[1:]
+        v = v.squeeze(2)  # (B, T, nh, hd)
+        if self.q_norm is None:
+            return qk, v
+        # One RMSNorm over q and k at once (torch upcasts bf16 inside: an fp32 mean of squares), then
+        # their gains, in the activations' dtype.
+        gain = torch.stack([self.q_norm.weight, self.k_norm.weight]) if queries else self.k_norm.weight[None]
+        normed = F.rms_norm(qk, (self.head_dim,), eps=self.eps).to(qk.dtype)
+        return normed * gain[:, None].to(qk.dtype), v
 
     def residual(self, x: Tensor, attn_out: Tensor, mod: tuple[Tensor, ...]) -> Tensor:
         """The gated attention and MLP residual updates of x (B, T, H); attn_out (B, T, H); mod the
@@ -151,8 +181,9 @@ class StreamLayers(nn.Module):
 
     def output_parameters(self) -> list[nn.Parameter]:
         """The parameters that serve only this stream's own outputs (its queries, output projection
-        and MLP); its keys and values (qkv, k_norm, modulation) also feed the other stream."""
-        return [*self.q_norm.parameters(), *self.attn_proj.parameters(), *self.mlp.parameters()]
+        and MLP); its keys and values (qkv, k_norm) also feed the other stream."""
+        q_gain = [self.q_norm.weight] if self.q_norm is not None else []
+        return [*q_gain, *self.attn_proj.parameters(), *self.mlp.parameters()]
 
 
 class MMDiTBlock(nn.Module):
@@ -168,7 +199,7 @@ class MMDiTBlock(nn.Module):
         self,
         x_text: Tensor,
         x_latent: Tensor,
-        c: Tensor,
+        mod: Sequence[Tensor],
         attention: JointAttention | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
         text_out: bool = True,
@@ -176,39 +207,38 @@ class MMDiTBlock(nn.Module):
         text_doc: Tensor | None = None,
         latent_rows: LatentRows | None = None,
     ) -> tuple[Tensor | None, Tensor | None]:
-        """x_text (B, L, H), x_latent (B, K, H), c (B, H); attention: how the joint sequence of
-        S = L + K positions is attended (model/attention.py: padding and packing live there);
-        rope = (cos, sin) (L, 1, hd) for the text positions (`rope_angles`).
+        """x_text (B, L, H), x_latent (B, K, H), mod this block's 12 adaLN tensors (B, 1, H) (`AdaLN`);
+        attention: how the joint sequence of S = L + K positions is attended (model/attention.py:
+        padding and packing live there); rope = (cos, sin) (L, 1, 1, hd) for the text positions
+        (`rope_angles`), in the activations' dtype.
 
         Packed rows (`Packing`): x_text (R, L, H) holds several texts end to end, text_doc (R, L) the
-        text of each position (modulated by its own text's c (N, H)); x_latent (N, K, H) stays one row
-        per text, and only its queries, keys and values are placed in the rows for the attention
-        (latent_rows), S = L + M * K; rope (R, L, 1, hd) at each position's place in its own text.
+        text of each position (modulated by its own text's adaLN tensors); x_latent (N, K, H) stays one
+        row per text, and only its queries, keys and values are placed in the rows for the attention
+        (latent_rows), S = L + M * K; rope (R, L, 1, 1, hd) at each position's place in its own text.
 
         A stream with `*_out=False` only lends its keys and values: its queries, attention output and
         MLP are not computed and it returns None (SD3's last "context_pre_only" block), so a head that
         is skipped leaves no parameter of the last block waiting for a gradient."""
-        mod_text = per_position(self.text.modulation(c), text_doc, 6)  # 6 x (B, 1, H) or (R, L, H)
-        mod_latent = per_position(self.latent.modulation(c), None, 6)  # 6 x (B, 1, H)
-        q_text, k_text, v_text = self.text.qkv_heads(x_text, mod_text[0], mod_text[1])  # (B, L, nh, hd)
-        q_latent, k_latent, v_latent = self.latent.qkv_heads(x_latent, mod_latent[0], mod_latent[1])  # (B, K, nh, hd)
+        mod_text, mod_latent = per_position(mod[:6], text_doc), mod[6:]  # 6 x (B, 1, H) or (R, L, H)
+        qk_text, v_text = self.text.qk_heads(x_text, mod_text[0], mod_text[1], text_out)  # (B, L, 2|1, nh, hd)
+        qk_latent, v_latent = self.latent.qk_heads(x_latent, mod_latent[0], mod_latent[1], latent_out)
         if rope is not None:
             # Only text positions rotate. Latent slots have no place in the token order; leaving
             # them unrotated is the same as putting them all at position 0, so a text token sees the
             # latent at an offset equal to its own position, and the slots are told apart by their
             # learned slot embeddings instead.
-            cos, sin = (table.to(q_text.dtype) for table in rope)
-            q_text, k_text = apply_rope(q_text, cos, sin), apply_rope(k_text, cos, sin)
+            qk_text = apply_rope(qk_text, *rope)
         if latent_rows is not None:  # packed: each text's latent slots into its row
-            k_latent, v_latent = latent_rows.to_rows(k_latent), latent_rows.to_rows(v_latent)  # (R, M * K, nh, hd)
-            q_latent = latent_rows.to_rows(q_latent) if latent_out else None
+            qk_latent, v_latent = latent_rows.to_rows(qk_latent), latent_rows.to_rows(v_latent)  # (R, M * K, ...)
 
-        k = torch.cat([k_text, k_latent], dim=1)  # (B, S, nh, hd)
-        v = torch.cat([v_text, v_latent], dim=1)
+        v = torch.cat([v_text, v_latent], dim=1)  # (B, S, nh, hd)
         if text_out and latent_out:
-            q, queries = torch.cat([q_text, q_latent], dim=1), "all"  # (B, S, nh, hd)
+            q, k = torch.cat([qk_text, qk_latent], dim=1).unbind(2)  # (B, S, nh, hd)
+            queries = "all"
         else:  # a last block: Sq = L or K
-            q, queries = (q_text, "text") if text_out else (q_latent, "latent")
+            k = torch.cat([qk_text[:, :, -1], qk_latent[:, :, -1]], dim=1)
+            q, queries = (qk_text[:, :, 0], "text") if text_out else (qk_latent[:, :, 0], "latent")
         L = x_text.shape[1]
         attention = attention if attention is not None else JointAttention("dense")  # no padding
         y = attention(q, k, v, queries, self.dropout if self.training else 0.0)  # (B, Sq, nh, hd)
@@ -216,7 +246,7 @@ class MMDiTBlock(nn.Module):
         y = y.reshape(B, Sq, -1)  # (B, Sq, H)
 
         if text_out and latent_out:
-            y_text, y_latent = y[:, :L], y[:, L:]
+            y_text, y_latent = y.split([L, Sq - L], dim=1)  # one cat in backward
         else:
             y_text = y_latent = y
         if latent_out and latent_rows is not None:
@@ -236,7 +266,8 @@ def padded_row_count(num_rows: int) -> int:
 
 
 class FinalLayer(nn.Module):
-    """adaLN-modulated final norm and output head of one stream."""
+    """adaLN-modulated final norm and output head of one stream (the modulation's scale is 1 + DiT's,
+    as in `AdaLN`)."""
 
     def __init__(self, hidden_size: int, out_dim: int, eps: float, bias: bool):
         super().__init__()
@@ -244,25 +275,62 @@ class FinalLayer(nn.Module):
         self.norm = nn.LayerNorm(hidden_size, eps=eps, elementwise_affine=False)
         self.head = nn.Linear(hidden_size, out_dim, bias=bias)
 
+    def reset_parameters(self) -> None:
+        """Zero output (DiT's zero-initialised final layer), the modulation at shift 0 and scale 1."""
+        for p in self.parameters():
+            nn.init.zeros_(p)
+        nn.init.ones_(self.modulation[-1].bias.view(2, -1)[1])
+
+    def shift_scale(self, c: Tensor) -> tuple[Tensor, Tensor]:
+        """c (B, H) -> shift, scale (B, H) in float32."""
+        return self.modulation(c).float().chunk(2, dim=-1)
+
     def forward(self, x: Tensor, c: Tensor, rows: Tensor | None = None) -> Tensor:
         """x (B, T, H), c (B, H) -> (B, T, out_dim); with rows (N,) int64, flat indices into the (B * T)
         positions, only at those positions, (N, out_dim) in their order: the text head's training loss
         needs its logits only at masked positions, and (N, V) is the largest activation of a small model."""
         if rows is None:
-            shift, scale = per_position(self.modulation(c), None, 2)  # (B, 1, H) each
-            return self.head(modulate(self.norm(x), shift, scale))
+            shift, scale = self.shift_scale(c)  # (B, H) each
+            return self.head(modulate(self.norm(x), shift[:, None], scale[:, None]))
         B, T, H = x.shape
         batch = torch.div(rows, T, rounding_mode="floor")  # (N,) the row each position belongs to
         return self.at(x.reshape(B * T, H).index_select(0, rows), c, batch)
 
     def at(self, x: Tensor, c: Tensor, doc: Tensor) -> Tensor:
         """x (N, H) single positions, c (B, H), doc (N,) the row of c of each -> (N, out_dim)."""
-        shift, scale = self.modulation(c).chunk(2, dim=-1)  # (B, H) each
-        x = self.norm(x)
-        x = x * (1 + scale.index_select(0, doc)) + shift.index_select(0, doc)  # (N, H)
+        shift, scale = self.shift_scale(c)  # (B, H) each
+        x = modulate(self.norm(x), shift.index_select(0, doc), scale.index_select(0, doc))  # (N, H)
         N = x.shape[0]
         x = F.pad(x, (0, 0, 0, padded_row_count(N) - N))  # (N', H): zero rows, their logits dropped
         return self.head(x)[:N]  # (N, out_dim)
+
+
+def upgrade_state_dict(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Weights written before every block's adaLN modulation was one matrix (`AdaLN`), in this layout:
+    each block's streams had their own `blocks.i.{text,latent}.modulation.1.{weight,bias}` (6H rows:
+    shift, scale, gate of the attention, then of the MLP) and every modulation's scale was DiT's
+    (so 1 + scale multiplied). Those rows are stacked block by block, stream by stream, into
+    `modulation.proj`, and 1 is added to every scale bias (the final layers' too). Weights already in
+    this layout come back as they are."""
+    if "blocks.0.text.modulation.1.weight" not in state:
+        return state
+    state = dict(state)
+    num_blocks = 1 + max(int(key.split(".")[1]) for key in state if key.startswith("blocks."))
+    for kind in ("weight", "bias"):
+        rows = [
+            state.pop(f"blocks.{i}.{stream}.modulation.1.{kind}")
+            for i in range(num_blocks)
+            for stream in ("text", "latent")
+        ]
+        state[f"modulation.proj.{kind}"] = torch.cat(rows)
+    H = state["modulation.proj.weight"].shape[1]
+    bias = state["modulation.proj.bias"].view(num_blocks, 2, 2, 3, H).clone()
+    bias[:, :, :, 1] += 1.0
+    state["modulation.proj.bias"] = bias.flatten()
+    for final in ("text_final", "latent_final"):
+        key = f"{final}.modulation.1.bias"
+        state[key] = state[key] + torch.cat([torch.zeros(H), torch.ones(H)]).to(state[key].dtype)
+    return state
 
 
 # --------------------------------------------------------------------------------------------------
@@ -326,10 +394,10 @@ class LatentRows(NamedTuple):
     K: int
 
     def to_rows(self, x: Tensor) -> Tensor:
-        """(N, K, nh, hd) -> (R, M * K, nh, hd)."""
-        N, K, nh, hd = x.shape
-        rows = x.reshape(N * K, nh, hd).index_select(0, self.slots.flatten())  # (R * M * K, nh, hd)
-        return rows.view(*self.slots.shape, nh, hd)
+        """(N, K, ...) -> (R, M * K, ...)."""
+        N, K, *rest = x.shape
+        rows = x.reshape(N * K, *rest).index_select(0, self.slots.flatten())  # (R * M * K, ...)
+        return rows.view(*self.slots.shape, *rest)
 
     def from_rows(self, y: Tensor) -> Tensor:
         """(R, M * K, H) -> (N, K, H)."""
@@ -353,8 +421,8 @@ class MultimodalMMDiT(nn.Module):
     """Text logits and a latent prediction from noised text, noised latents and their timesteps.
 
     Parameter names start with the stream they belong to (`text_*`, `latent_*`, `blocks.i.text.*`,
-    `blocks.i.latent.*`); the timestep MLPs (`t_*`) and the null latent are shared
-    (see mmldlm/model/info.py)."""
+    `blocks.i.latent.*`); the timestep MLPs (`t_*`), the blocks' adaLN `modulation` and the null latent
+    are shared (see mmldlm/model/info.py)."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int | None = None):
         super().__init__()
@@ -392,6 +460,7 @@ class MultimodalMMDiT(nn.Module):
         # Classifier-free guidance: a learned stand-in for "no latent", in the (standardised) input space.
         self.null_latent = nn.Parameter(torch.empty(K, D)) if cfg.null_latent else None
 
+        self.modulation = AdaLN(H, cfg.num_blocks)  # every block's, both streams', in one product
         self.blocks = nn.ModuleList(MMDiTBlock(cfg) for _ in range(cfg.num_blocks))
         self.text_final = FinalLayer(H, vocab_size, cfg.norm_eps, bias=False)
         self.latent_final = FinalLayer(H, D, cfg.norm_eps, bias=True)
@@ -428,13 +497,9 @@ class MultimodalMMDiT(nn.Module):
             nn.init.zeros_(self.null_latent)
         # adaLN-Zero: zero modulation makes every gate 0, so each block starts as the identity, and
         # zero heads start from uniform text logits and a zero latent prediction (DiT sec. 3.2).
-        for block in self.blocks:
-            for stream in (block.text, block.latent):
-                nn.init.zeros_(stream.modulation[-1].weight)
-                nn.init.zeros_(stream.modulation[-1].bias)
+        self.modulation.reset_parameters()
         for final in (self.text_final, self.latent_final):
-            for p in final.parameters():
-                nn.init.zeros_(p)
+            final.reset_parameters()
         if self.latent_self_cond_proj is not None:
             # Zero: the model starts as the one without self-conditioning and learns how far to trust it.
             nn.init.zeros_(self.latent_self_cond_proj.weight)
@@ -499,12 +564,13 @@ class MultimodalMMDiT(nn.Module):
         last_queries = "all" if text_head and latent_head else "text" if text_head else "latent"
         attention = self.joint_attention(text_pad_mask, packing, text_lengths, x_text.shape[1], last_queries)
 
+        rope = self.rope_for_blocks(rope, x_text)
         last = len(self.blocks) - 1
-        for i, block in enumerate(self.blocks):
+        for i, (block, mod) in enumerate(zip(self.blocks, self.modulation(c))):
             x_text, x_latent = block(
                 x_text,
                 x_latent,
-                c,
+                mod,
                 attention,
                 rope,
                 text_out=text_head or i < last,
@@ -519,6 +585,17 @@ class MultimodalMMDiT(nn.Module):
         latent_out = self.latent_final(x_latent, c) if latent_head else None  # (B, K, D)
         lengths = self.length_logits(length_from) if length_from is not None else None  # (B, max_seq_len)
         return ModelOutput(logits, latent_out, lengths)
+
+    @staticmethod
+    def rope_for_blocks(rope: tuple[Tensor, Tensor] | None, x_text: Tensor) -> tuple[Tensor, Tensor] | None:
+        """The RoPE tables (T, 1, hd) or (R, T, 1, hd) shaped for the blocks' (.., T, 2, nh, hd) queries and
+        keys and cast once to the dtype the blocks compute them in (under autocast, its dtype)."""
+        if rope is None:
+            return None
+        device = x_text.device.type
+        autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+        dtype = torch.get_autocast_dtype(device) if autocast else x_text.dtype
+        return tuple(table[..., None, :].to(dtype) for table in rope)
 
     def check_inputs(
         self, tokens: Tensor, latents: Tensor, text_head: bool, latent_head: bool, packing: Packing | None

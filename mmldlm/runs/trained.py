@@ -35,6 +35,7 @@ from mmldlm.device import pick_device
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.errors import OptionError
 from mmldlm.model import MultimodalMMDiT
+from mmldlm.model.mmdit import upgrade_state_dict
 from mmldlm.runs.checkpoints import find_latest, has_ema, is_full_state, read_weights
 from mmldlm.runs.files import CheckpointError
 from mmldlm.sampling.sampler import Sampler, SamplingOptions, pad_mask_from_lengths
@@ -348,6 +349,7 @@ def load_weights(model: torch.nn.Module, path: Path, state: dict[str, torch.Tens
             state = load_file(str(path))
         except SafetensorError as err:
             raise DataError(f"{path}: not a readable safetensors file ({err})") from None
+    state = upgrade_state_dict(state)  # weights of an earlier mmldlm's layout
     problems = weight_mismatches(model, state)
     if problems:
         raise DataError(f"{path}: the weights do not match the model config: {problems}")

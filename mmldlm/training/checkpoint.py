@@ -561,6 +561,12 @@ class CheckpointManager:
                 f"the mmldlm that wrote it"
             )
         saved = saved_keys(path)
+        if "model.blocks.0.text.modulation.1.weight" in saved:
+            raise CheckpointError(
+                f"checkpoint {path} was written by an earlier mmldlm, whose blocks each had their own adaLN "
+                f"modulation; training no longer resumes from it: sample, evaluate or export it, or start a "
+                f"run from its weights with --init-from {path}"
+            )
         with collective_guard(f"checkpoint load of {path.name}", self.info):
             state = training_state_dict(model, optimizer, ema)
             saved_ema = any(key.startswith("ema.") for key in saved)

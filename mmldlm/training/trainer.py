@@ -720,9 +720,10 @@ class Trainer:
         """The global gradient norm (a device scalar), clipped to optim.grad_clip (after unscaling under
         fp16); with optim.step_in_backward, the norm of the gradients the updates in backward used.
 
-        Clipping multiplies every gradient by min(1, grad_clip / (norm + 1e-6)), as clip_grad_norm_
-        does. The fused AdamW of one process or DDP takes the factor instead as its `grad_scale` (it
-        divides each gradient as it reads it): one pass over the gradients less, and no kernel per tensor."""
+        Clipping divides every gradient by max(1, (norm + 1e-6) / grad_clip) (clip_grad_norm_'s factor,
+        inverted). The fused AdamW of one process or DDP takes that divisor as its `grad_scale` and
+        divides each gradient as it reads it: one pass over the gradients less. The other optimizers
+        get the gradients divided by the same number, so every path takes the same update."""
         if self.step_in_backward:
             grad_norm = self._grad_sq.sqrt() if self._bad_grads == 0 else self._grad_sq.new_tensor(math.nan)
             self._grad_sq = torch.zeros_like(self._grad_sq)
@@ -733,10 +734,12 @@ class Trainer:
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
         grads = [p.grad for p in self.raw_model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm(grads)
-        if self._clip_in_optimizer and math.isfinite(max_norm):
-            self.optimizer.grad_scale = torch.clamp((grad_norm + 1e-6) / max_norm, min=1.0).to(torch.float32)
-        elif math.isfinite(max_norm):
-            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, grad_norm)
+        if math.isfinite(max_norm):
+            divisor = torch.clamp((grad_norm + 1e-6) / max_norm, min=1.0)
+            if self._clip_in_optimizer:
+                self.optimizer.grad_scale = divisor.to(torch.float32)
+            else:
+                torch._foreach_div_(grads, divisor)  # as torch's clipping multiplies (FSDP2's DTensor shards too)
         if hasattr(grad_norm, "full_tensor"):  # FSDP2 and HSDP: the norm is a DTensor over the shards
             grad_norm = grad_norm.full_tensor()
         return grad_norm
