@@ -6,7 +6,7 @@ import pytest
 import torch
 from data_support import prepared
 from loader_support import SyntheticLoader
-from test_perf import DIM, LEN, PAD_ID, VOCAB, objective_for, tiny_model
+from test_perf import DIM, LEN, PAD_ID, VOCAB, OpCounter, objective_for, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmldlm.config import load_config
@@ -188,19 +188,6 @@ def test_compiled_blocks_have_no_graph_break_and_stop_compiling_once_every_mode_
         compiled.append(counter.frame_count)
     assert dict(counters["graph_break"]) == {}
     assert compiled[0] == compiled[1] <= 2 * len(MODES) < len(MODES) * len(lengths), compiled
-
-
-class OpCounter(TorchDispatchMode):
-    """ATen operations dispatched, by name (the overload packet)."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
 
 
 # Operations that only describe a tensor anew (a view, a transpose): no kernel runs on a GPU.
