@@ -35,7 +35,7 @@ from mmldlm.device import pick_device
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.errors import OptionError
 from mmldlm.model import MultimodalMMDiT
-from mmldlm.runs.checkpoints import find_latest, has_ema, is_full_state, read_weights
+from mmldlm.runs.checkpoints import find_latest, has_ema, is_full_state, read_weights, verify
 from mmldlm.runs.files import CheckpointError
 from mmldlm.sampling.sampler import Sampler, SamplingOptions, pad_mask_from_lengths
 
@@ -291,13 +291,19 @@ def check_compatible(run: TrainedRun, path: Path) -> None:
 
 def find_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
     """The checkpoint directory to load: `checkpoint`, else the run's newest that verifies
-    (runs/checkpoints.py find_latest)."""
+    (runs/checkpoints.py find_latest); either verified, checksums included, before a tensor is read."""
     if checkpoint is not None:
         path = Path(checkpoint)
         if not (path / ".metadata").is_file() and not is_full_state(path):
             raise DataError(
                 f"--checkpoint {path}: no checkpoint there (no .metadata); checkpoints are "
                 f"RUN/checkpoints/step-NNNNNNN directories"
+            )
+        reason = verify(path, checksums=True)
+        if reason is not None:
+            raise DataError(
+                f"{reason}; the weights of {path} cannot be trusted: use another checkpoint, or leave the "
+                f"choice to the run (its newest that verifies)"
             )
         return path
     if not run_dir.is_dir():
@@ -306,7 +312,9 @@ def find_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
             f"exported model folder (mmldlm export) on this machine (nothing is downloaded)"
         )
     try:
-        path = find_latest(run_dir / "checkpoints", hint="pass --checkpoint PATH of a checkpoint you trust")
+        path = find_latest(
+            run_dir / "checkpoints", checksums=True, hint="pass --checkpoint PATH of a checkpoint you trust"
+        )
     except CheckpointError as err:
         raise DataError(str(err)) from None
     if path is None:
