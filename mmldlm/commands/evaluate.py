@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from mmldlm.commands.sample import add_device_arguments, add_model_arguments, add_sampler_arguments
+from mmldlm.commands.sample import add_device_arguments, add_model_arguments, add_sampler_arguments, ema_choice
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -185,7 +185,7 @@ def load_for_evaluation(args: argparse.Namespace, model_path: str):
         torch.set_num_threads(args.threads)
     keep_freed_memory()  # the samplers' vocabulary-wide tensors, reused instead of faulted in at every step
     device = str(pick_device(args.device, key="--device"))
-    run = load_trained(model_path, getattr(args, "checkpoint", None), device, use_ema=not args.no_ema)
+    run = load_trained(model_path, getattr(args, "checkpoint", None), device, use_ema=ema_choice(args))
     if run.dataset_dir is None and not args.data:
         raise run.no_dataset()
     data = Path(args.data) if args.data else run.dataset_dir

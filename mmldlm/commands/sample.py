@@ -42,6 +42,11 @@ def add_model_arguments(parser, what: str) -> None:
     )
 
 
+def ema_choice(args: argparse.Namespace) -> bool | None:
+    """The `use_ema` of --no-ema: False (the raw weights), else None (the EMA where the checkpoint holds one)."""
+    return False if args.no_ema else None
+
+
 # The SamplingOptions fields that `sample`, `eval` and `compare` take, in the order of their --help.
 SAMPLER_OPTIONS = (
     "num_steps",
@@ -283,7 +288,7 @@ def _sample(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     keep_freed_memory()  # the samplers' vocabulary-wide tensors, reused instead of faulted in at every step
     device = str(pick_device(args.device, key="--device"))
-    model = MMLDLM.from_pretrained(args.run, checkpoint=args.checkpoint, device=device, use_ema=not args.no_ema)
+    model = MMLDLM.from_pretrained(args.run, checkpoint=args.checkpoint, device=device, use_ema=ema_choice(args))
     run = model.run
     if args.length is not None and args.length > run.cfg.model.max_seq_len:
         raise OptionError(

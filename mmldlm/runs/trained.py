@@ -363,20 +363,28 @@ def load_weights(model: torch.nn.Module, path: Path, state: dict[str, torch.Tens
 
 
 def load_run(
-    run_dir: str | Path, checkpoint: str | Path | None = None, device: str = "auto", use_ema: bool = True
+    run_dir: str | Path, checkpoint: str | Path | None = None, device: str = "auto", use_ema: bool | None = None
 ) -> TrainedRun:
     """The model of `checkpoint` (default the run's newest that verifies) with the config it was trained with,
-    on `device`: "auto" (the GPU when there is one), "cpu" or "cuda". The checkpoint's EMA of the
-    weights where it has one (train.ema_decay > 0) unless `use_ema` is false, else the raw weights."""
+    on `device`: "auto" (the GPU when there is one), "cpu" or "cuda". `use_ema`: None, the checkpoint's EMA
+    of the weights where it holds one (train.ema_decay > 0), else the raw weights; True, the EMA (OptionError
+    where the checkpoint holds none); False, the raw weights."""
     run_dir = Path(run_dir)
     path = find_checkpoint(run_dir, checkpoint)
+    weights = "ema" if use_ema is not False and has_ema(path) else "raw"
+    if use_ema and weights == "raw":
+        raise OptionError(
+            "use_ema",
+            use_ema,
+            f"None or False: {path} holds no EMA of the weights (its run kept none, train.ema_decay 0); None "
+            f"takes the EMA where a checkpoint holds one, else the raw weights",
+        )
     config_file = path / "config.yaml" if (path / "config.yaml").is_file() else run_dir / "config.yaml"
     cfg = load_config(config_file)
     data_dir = dataset_path(cfg.data, log=lambda _msg: None)
     val = PreparedDataset(data_dir, "val")
     cfg = dataclasses.replace(cfg, model=model_for_dataset(cfg.model, val))
     model = MultimodalMMDiT(cfg.model, vocab_size=cfg.model.vocab_size or val.vocab_size)
-    weights = "ema" if use_ema and has_ema(path) else "raw"
     # In this one process, whatever the number of processes that wrote the checkpoint.
     load_weights(model, path, read_weights(path, "ema" if weights == "ema" else "model"))
     model.to(pick_device(device, key="device")).eval()
