@@ -225,9 +225,8 @@ def evaluate_loaded(args: argparse.Namespace, run, data, split: str, model_path:
     )
     report["data"] = {"path": str(data.resolve()), "split": split, "own_dataset": not args.data}
     if args.data and run.dataset_dir is not None:
-        report["data"]["in_training"] = texts_in_training(
-            run, model_path, data, split, max(args.num_samples, args.retrieval_pool)
-        )
+        seen, checked = texts_in_training(run, model_path, data, split, max(args.num_samples, args.retrieval_pool))
+        report["data"].update(in_training=seen, in_training_of=checked)
     return report
 
 
@@ -239,9 +238,10 @@ def default_split(data) -> str:
     return "val" if sum(shard["num_samples"] for shard in shards) else "all"
 
 
-def texts_in_training(run, model_path: str, data, split: str, num: int) -> int:
-    """How many of the first `num` texts evaluated from `data` (`split`) the run trained on, as decoded:
-    a warning names them, since their figures measure recall of training texts, not generalisation."""
+def texts_in_training(run, model_path: str, data, split: str, num: int) -> tuple[int, int]:
+    """(how many of the first `num` texts evaluated from `data` (`split`) the run trained on, as decoded; how
+    many were compared): a warning names them, since their figures measure recall of training texts, not
+    generalisation, and the report says so beside its figures (report.py `training_texts_note`)."""
     import logging
 
     from mmldlm.runs.trained import dataset_texts
@@ -259,4 +259,4 @@ def texts_in_training(run, model_path: str, data, split: str, num: int) -> int:
             data,
             split,
         )
-    return seen
+    return seen, len(evaluated)
