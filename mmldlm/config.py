@@ -1113,11 +1113,33 @@ def resolve_preset(name: str | Path, subdir: str = "") -> Path:
     raise ConfigError(f"config file '{name}' not found (looked in {base}); known presets: {', '.join(known)}")
 
 
+def yaml_problem(err: yaml.YAMLError) -> str:
+    """pyyaml's error in one line: the line and column (from 1) where the reader stopped, what it found and
+    expected there, and what it was reading; a tab or an indentation that matches no level above says so."""
+    mark = getattr(err, "problem_mark", None)
+    if mark is None:
+        return " ".join(str(err).split())
+    text = f"line {mark.line + 1}, column {mark.column + 1}: {err.problem}"
+    start = err.context_mark
+    if err.context:
+        opened = (
+            f" opened at line {start.line + 1}, column {start.column + 1}" if start and start.line != mark.line else ""
+        )
+        text += f" ({err.context}{opened})"
+    if "'\\t'" in err.problem:
+        text += "; YAML indents with spaces, not tabs"
+    elif "expected <block end>" in err.problem:
+        text += f"; line {mark.line + 1} is indented to no level of the lines above it"
+    elif "mapping values are not allowed" in err.problem:
+        text += f"; line {mark.line + 1} is indented deeper than the key above it, or a value holds ': ' (quote it)"
+    return text
+
+
 def _read_yaml(path: Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
-        raise ConfigError(f"config file '{path}': not valid YAML: {err}") from None
+        raise ConfigError(f"config file '{path}': not valid YAML, {yaml_problem(err)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{path}': expected a mapping of sections at the top level")
     return data

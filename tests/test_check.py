@@ -202,6 +202,17 @@ def test_resuming_with_another_length_warns_that_the_lr_jumps(tmp_path):
     assert "train.steps=300" in finding.message and "jump" in finding.why
 
 
+def test_a_resume_at_or_past_the_new_train_steps_trains_nothing_and_has_no_lr_jump_to_warn_about(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump({"train": {"steps": 300}}))
+    (run / "checkpoints" / "latest").write_text("step-0000300\n")
+    resumes = lambda findings: [f.severity for f in findings if "holds a checkpoint at step" in f.message]  # noqa: E731
+    for steps in (200, 300):
+        assert resumes(findings_of(tmp_path, [f"train.steps={steps}"])[1]) == []
+    assert resumes(findings_of(tmp_path, ["train.steps=400"])[1]) == ["warning"]  # it trains on: the LR jumps
+
+
 def test_a_resume_on_another_number_of_processes_says_what_it_does_in_one_line(tmp_path):
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters())

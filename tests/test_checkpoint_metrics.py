@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import filesystem as dcp_filesystem
 import mmldlm.training.checkpoint as ckpt
 import mmldlm.training.storage as storage
 from mmldlm.config import CheckpointConfig, LoggingConfig, OptimConfig, RunConfig
-from mmldlm.runs.checkpoints import FULL_STATE_FILES, file_sha256, find_latest, read_weights
+from mmldlm.runs.checkpoints import FULL_STATE_FILES, VERDICT, file_sha256, find_latest, read_weights
 from mmldlm.runs.files import CheckpointError
 from mmldlm.runs.trained import find_checkpoint
 from mmldlm.training.checkpoint import CheckpointManager
@@ -215,6 +215,26 @@ def test_retention_never_removes_the_checkpoint_latest_names(tmp_path):
     shutil.copytree(tmp_path / "checkpoints/step-0000003", tmp_path / "checkpoints/step-0000009")
     manager._prune()  # step 9 is the newest, but latest names step 3
     assert manager.steps() == [3, 9]
+
+
+def test_retention_removes_a_checkpoint_whose_verdict_a_reader_writes_meanwhile(tmp_path, monkeypatch):
+    """`mmldlm sample` verifying the oldest checkpoint while training prunes it writes verified.json into
+    it between rmtree's listing and its last rmdir: the removal is run again, and training goes on."""
+    model, opt = _trained_pair()
+    manager = CheckpointManager(CheckpointConfig(keep_last=1), tmp_path, DistInfo())
+    _save(manager, 1, model, opt)
+    real, calls = shutil.rmtree, []
+
+    def rmtree_beside_a_reader(path, *args, **kwargs):
+        calls.append(Path(path).name)
+        if len(calls) == 1:
+            (Path(path) / VERDICT).write_text("{}")
+            raise OSError(errno.ENOTEMPTY, os.strerror(errno.ENOTEMPTY), str(path))
+        real(path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", rmtree_beside_a_reader)
+    _save(manager, 2, model, opt)
+    assert calls == ["step-0000001", "step-0000001"] and manager.steps() == [2]
 
 
 @pytest.mark.parametrize(

@@ -96,6 +96,41 @@ def test_debug_flag_and_variable_add_the_traceback(tmp_path, capsys, monkeypatch
     assert capsys.readouterr().err.startswith("Traceback")
 
 
+# A config file that is not valid YAML: (its text, what the one line says after the file's name).
+BROKEN_YAML = {
+    "tab": (
+        "train:\n\tsteps: 3\n",
+        "not valid YAML, line 2, column 1: found character '\\t' that cannot start any token (while scanning for "
+        "the next token); YAML indents with spaces, not tabs",
+    ),
+    "indent back to no level": (
+        "train:\n  steps: 3\n lr: 2\n",
+        "not valid YAML, line 3, column 2: expected <block end>, but found '<block mapping start>' (while parsing "
+        "a block mapping opened at line 1, column 1); line 3 is indented to no level of the lines above it",
+    ),
+    "indent deeper": (
+        "train:\n  steps: 3\n    seed: 2\n",
+        "not valid YAML, line 3, column 9: mapping values are not allowed here; line 3 is indented deeper than the "
+        "key above it, or a value holds ': ' (quote it)",
+    ),
+    "unclosed list": (
+        "train:\n  batch_schedule: [[10, 8]\n",
+        "not valid YAML, line 3, column 1: expected ',' or ']', but got '<stream end>' (while parsing a flow "
+        "sequence opened at line 2, column 19)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN_YAML)
+def test_a_config_file_that_is_not_yaml_is_one_line_naming_the_file_line_and_column(tmp_path, capsys, case):
+    text, message = BROKEN_YAML[case]
+    config = tmp_path / "broken.yaml"
+    config.write_text(text)
+    assert main(["train", "--config", str(config), f"train.run_dir={tmp_path / 'run'}"]) == 2
+    assert capsys.readouterr().err == f"mmldlm train: config file '{config}': {message}\n"
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_config_value_error_is_both_a_config_error_and_an_option_error():
     with pytest.raises(ConfigError) as caught:
         load_config(None, ["train.steps=0"])

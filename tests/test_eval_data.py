@@ -175,6 +175,7 @@ def test_eval_data_evaluates_the_new_texts_validation_split_and_names_it(run_dir
     out = run_dir / "eval" / "step-0000004-new-text.json"  # the run's own step-0000004.json stays untouched
     report = json.loads(out.read_text())
     expected = {"path": str(like_dir.resolve()), "split": "val", "own_dataset": False, "in_training": 0}
+    expected["in_training_of"] = 3
     assert report["data"] == expected and report["l2t"]["num_samples"] == 3  # its 3 validation samples
     assert report["elbo"]["l2t"]["num_samples"] == 3
     assert "3 new-text validation texts, each figure with its 95% interval" in capsys.readouterr().out
@@ -191,14 +192,25 @@ def test_eval_data_evaluates_the_new_texts_validation_split_and_names_it(run_dir
     assert "Texts: new-text training + validation" in out.with_suffix(".md").read_text(encoding="utf-8")
 
 
-def test_eval_data_counts_and_warns_about_texts_the_run_trained_on(run_dir, tmp_path, caplog):
+def test_eval_data_counts_texts_the_run_trained_on_and_its_report_says_so_beside_the_figures(
+    run_dir, tmp_path, caplog, capsys
+):
     # The run's own training split given as other data: every text evaluated is one it trained on.
     own = run_data(run_dir).path
     out = tmp_path / "own.json"
     args = ["--run", run_dir, "--data", own, "--split", "train", "--num-samples", "6", "--no-writing", *FAST]
     assert main("eval", *args, "--out", out) == 0
-    assert json.loads(out.read_text())["data"]["in_training"] == 8  # the first max(6, pool 8) texts
+    data = json.loads(out.read_text())["data"]
+    assert (data["in_training"], data["in_training_of"]) == (8, 8)  # the first max(6, pool 8) texts
     assert "8 of the 8 texts evaluated" in caplog.text and "texts this run trained on" in caplog.text
+    note = (
+        "**Note:** 8 of the 8 data training texts evaluated (the figures' and the retrieval pool's) are texts this "
+        "run trained on: their figures measure recall, not generalisation"
+    )
+    printed = capsys.readouterr().out
+    assert note in printed and printed.index(note) < printed.index("| source |")  # after the headline figures
+    summary = out.with_suffix(".md").read_text(encoding="utf-8")
+    assert note in summary and summary.index(note) < summary.index("l2t reconstruction")
 
 
 def test_use_eval_data_reads_all_samples_and_keeps_the_runs_latent_statistics(run_dir, like_dir):

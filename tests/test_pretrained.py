@@ -449,6 +449,29 @@ def test_the_api_names_its_own_arguments_in_its_errors(exported, monkeypatch, ca
         assert capsys.readouterr().err.startswith(f"mmldlm {command[0]}: --device: got 'cuda:1'; expected auto or cpu")
 
 
+@pytest.fixture(scope="module")
+def raw_run(tmp_path_factory):
+    """A run that kept no EMA of its weights (train.ema_decay 0, the default)."""
+    return trained_run(tmp_path_factory, [*(o for o in RUN if not o.startswith("train.ema_decay")), "train.steps=2"])
+
+
+def test_use_ema_true_is_refused_in_one_line_where_no_ema_was_kept(run_dir, raw_run, exported, tmp_path, capsys):
+    assert MMLDLM.from_pretrained(run_dir, use_ema=True, device="cpu").run.weights == "ema"
+    assert MMLDLM.from_pretrained(raw_run, device="cpu").run.weights == "raw"  # by default: the EMA where kept
+    with pytest.raises(OptionError) as err:
+        MMLDLM.from_pretrained(raw_run, use_ema=True, device="cpu")
+    message = str(err.value)
+    assert message.startswith("use_ema: got True; expected None or False: ") and "\n" not in message
+    assert f"{raw_run / 'checkpoints' / 'step-0000002'} holds no EMA of the weights" in message
+    # An exported folder holds one set of weights: asking for the other is refused, naming the one it holds.
+    with pytest.raises(DataError, match="its ema weights"):
+        MMLDLM.from_pretrained(exported, use_ema=False, device="cpu")
+    assert main("export", "--run", raw_run, "--out", tmp_path / "raw") == 0
+    assert "raw weights of step 2" in capsys.readouterr().out
+    with pytest.raises(DataError, match="its raw weights"):
+        MMLDLM.from_pretrained(tmp_path / "raw", use_ema=True, device="cpu")
+
+
 def test_a_runs_config_records_the_values_it_trained_with_and_model_info_reads_it(run_dir, exported, capsys):
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     vocab_size = json.loads((exported / CONFIG).read_text())["vocab_size"]

@@ -228,6 +228,22 @@ def test_sample_t2l_and_joint_write_latents_and_a_text_files_records_keep_its_li
     assert np.isfinite(np.load(z_grid)).all() and not np.allclose(np.load(z_grid), np.load(z_file))
 
 
+def test_sample_says_what_it_wrote_and_leaves_stdout_to_the_records_where_they_go_there(run_dir, tmp_path, capsys):
+    pairs, z_file = tmp_path / "pairs.jsonl", tmp_path / "z.npy"
+    joint = ["sample", "--run", str(run_dir), "--mode", "joint", *FAST]
+    assert main([*joint, "--num", "2", "--out", str(pairs)]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"mmldlm sample: wrote 2 records to {pairs}\n" and len(read_jsonl(pairs)) == 2
+    assert "latents not written" in err
+    assert main([*joint, "--num", "1", "--out", str(pairs), "--latents-out", str(tmp_path / "z")]) == 0
+    assert capsys.readouterr().out == f"mmldlm sample: wrote 1 record to {pairs} and latents (1, 1, 384) to {z_file}\n"
+    t2l = ["sample", "--run", str(run_dir), "--mode", "t2l", "--text", "a dog", "--latents-out", str(z_file), *FAST]
+    assert main(t2l) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["text"] == "a dog"  # stdout holds the records alone
+    assert err == f"mmldlm sample: wrote latents (1, 1, 384) to {z_file}\n"
+
+
 def test_sample_errors_name_the_problem(run_dir, tmp_path, capsys):
     assert main(["sample", "--run", str(run_dir), "--mode", "t2l", *FAST]) == 2
     assert "needs --text" in capsys.readouterr().err

@@ -100,6 +100,23 @@ def test_a_failed_start_leaves_no_trace_and_each_resume_keeps_its_config(train, 
     assert total_steps(run_dir) == 6  # the monitor knows when the resumed run is complete
 
 
+def test_a_resume_at_or_past_train_steps_says_that_nothing_was_trained(train, tmp_path):
+    run_dir = tmp_path / "run"
+    assert train()[0] == 0
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    status, err = train("logging.progress_bar=true", "--resume", "auto", steps=2)
+    assert status == 0 and err[-1].endswith(
+        f"{run_dir} is at step 4, past train.steps=2: nothing was trained; raise train.steps above 4 to train it "
+        "further"
+    )
+    assert not [line for line in err if "train:" in line]  # no bar of "4step"
+    status, err = train("--resume", "auto", steps=4)  # the finished run started again, as `make train` twice
+    assert status == 0 and err[-1].endswith(f"{run_dir} is complete at step 4 (train.steps=4): nothing to train")
+    # Nothing was written: the metrics, the checkpoints and the config of the run are as it left them.
+    assert (run_dir / "metrics.jsonl").read_text() == metrics and not list(run_dir.glob("config.resume-*"))
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step-0000002", "step-0000004"]
+
+
 def test_sigterm_during_start_up_exits_143_saying_nothing_was_written(train, tmp_path, monkeypatch):
     real_open = run_module.open_train_data
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from mmldlm.commands.sample import add_device_arguments, add_model_arguments, add_sampler_arguments
+from mmldlm.commands.sample import add_device_arguments, add_model_arguments, add_sampler_arguments, ema_choice
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -185,7 +185,7 @@ def load_for_evaluation(args: argparse.Namespace, model_path: str):
         torch.set_num_threads(args.threads)
     keep_freed_memory()  # the samplers' vocabulary-wide tensors, reused instead of faulted in at every step
     device = str(pick_device(args.device, key="--device"))
-    run = load_trained(model_path, getattr(args, "checkpoint", None), device, use_ema=not args.no_ema)
+    run = load_trained(model_path, getattr(args, "checkpoint", None), device, use_ema=ema_choice(args))
     if run.dataset_dir is None and not args.data:
         raise run.no_dataset()
     data = Path(args.data) if args.data else run.dataset_dir
@@ -225,9 +225,8 @@ def evaluate_loaded(args: argparse.Namespace, run, data, split: str, model_path:
     )
     report["data"] = {"path": str(data.resolve()), "split": split, "own_dataset": not args.data}
     if args.data and run.dataset_dir is not None:
-        report["data"]["in_training"] = texts_in_training(
-            run, model_path, data, split, max(args.num_samples, args.retrieval_pool)
-        )
+        seen, checked = texts_in_training(run, model_path, data, split, max(args.num_samples, args.retrieval_pool))
+        report["data"].update(in_training=seen, in_training_of=checked)
     return report
 
 
@@ -239,9 +238,10 @@ def default_split(data) -> str:
     return "val" if sum(shard["num_samples"] for shard in shards) else "all"
 
 
-def texts_in_training(run, model_path: str, data, split: str, num: int) -> int:
-    """How many of the first `num` texts evaluated from `data` (`split`) the run trained on, as decoded:
-    a warning names them, since their figures measure recall of training texts, not generalisation."""
+def texts_in_training(run, model_path: str, data, split: str, num: int) -> tuple[int, int]:
+    """(how many of the first `num` texts evaluated from `data` (`split`) the run trained on, as decoded; how
+    many were compared): a warning names them, since their figures measure recall of training texts, not
+    generalisation, and the report says so beside its figures (report.py `training_texts_note`)."""
     import logging
 
     from mmldlm.runs.trained import dataset_texts
@@ -259,4 +259,4 @@ def texts_in_training(run, model_path: str, data, split: str, num: int) -> int:
             data,
             split,
         )
-    return seen
+    return seen, len(evaluated)

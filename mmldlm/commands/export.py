@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from mmldlm.commands.sample import add_model_arguments
+from mmldlm.commands.sample import add_model_arguments, ema_choice
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     refuse_foreign(out, EXPORTED)
     if out.exists() and any(out.iterdir()) and not args.force:
         raise DataError(f"--out {out}: holds an exported model; choose another --out or pass --force to replace it")
-    model = MMLDLM.from_pretrained(args.run, checkpoint=args.checkpoint, device="cpu", use_ema=not args.no_ema)
+    model = MMLDLM.from_pretrained(args.run, checkpoint=args.checkpoint, device="cpu", use_ema=ema_choice(args))
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     as_umask_allows(partial)

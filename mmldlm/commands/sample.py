@@ -42,6 +42,11 @@ def add_model_arguments(parser, what: str) -> None:
     )
 
 
+def ema_choice(args: argparse.Namespace) -> bool | None:
+    """The `use_ema` of --no-ema: False (the raw weights), else None (the EMA where the checkpoint holds one)."""
+    return False if args.no_ema else None
+
+
 # The SamplingOptions fields that `sample`, `eval` and `compare` take, in the order of their --help.
 SAMPLER_OPTIONS = (
     "num_steps",
@@ -283,7 +288,7 @@ def _sample(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     keep_freed_memory()  # the samplers' vocabulary-wide tensors, reused instead of faulted in at every step
     device = str(pick_device(args.device, key="--device"))
-    model = MMLDLM.from_pretrained(args.run, checkpoint=args.checkpoint, device=device, use_ema=not args.no_ema)
+    model = MMLDLM.from_pretrained(args.run, checkpoint=args.checkpoint, device=device, use_ema=ema_choice(args))
     run = model.run
     if args.length is not None and args.length > run.cfg.model.max_seq_len:
         raise OptionError(
@@ -386,16 +391,22 @@ def _write(args, records: list[dict], z, index: list[int] | None) -> None:
     import numpy as np
 
     from mmldlm.outputs import write_atomically
+    from mmldlm.wording import counted
 
     for record in records if index else []:  # a record's index is its source text's place in the input
         record["index"] = index[record["index"]]
+    written = []
     if args.latents_out and z is not None:  # whole or not at all, under the name np.save gives it
         latents_out = Path(args.latents_out if args.latents_out.endswith(".npy") else f"{args.latents_out}.npy")
         write_atomically(latents_out, lambda f: np.save(f, z.numpy()))
+        written.append(f"latents {tuple(z.shape)} to {latents_out}")
     lines = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
     if args.out:
         write_atomically(Path(args.out), lines)
+        written.insert(0, f"{counted(len(records), 'record')} to {args.out}")
     else:
         sys.stdout.write(lines)
+    if written:  # on stdout only where the records did not go there
+        print(f"mmldlm sample: wrote {' and '.join(written)}", file=sys.stdout if args.out else sys.stderr)
     if args.mode in ("t2l", "joint") and not args.latents_out:
         print("mmldlm sample: latents not written (give --latents-out FILE.npy to keep them)", file=sys.stderr)

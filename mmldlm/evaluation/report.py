@@ -276,6 +276,18 @@ def texts_label(report: dict) -> str:
     return split if data.get("own_dataset", True) else f"{data['path'].rstrip('/').split('/')[-1]} {split}"
 
 
+def training_texts_note(report: dict) -> list[str]:
+    """A line where the texts evaluated (`eval --data`) include texts the run trained on."""
+    data = report.get("data", {})
+    if not data.get("in_training"):
+        return []
+    return [
+        f"**Note:** {data['in_training']} of the {data['in_training_of']} {texts_label(report)} texts evaluated "
+        "(the figures' and the retrieval pool's) are texts this run trained on: their figures measure recall, not "
+        "generalisation; `python scripts/held_out_texts.py` writes texts no given run trained on."
+    ]
+
+
 def small_n_notes(report: dict) -> list[str]:
     """A line for each figure too few texts make meaningless: a retrieval pool of one, n below MIN_TEXTS."""
     notes = []
@@ -323,7 +335,7 @@ def examples_lines(report: dict) -> list[str]:
 def console_summary(report: dict) -> str:
     """What `mmldlm eval` prints: the headline figures beside their references, a note where too few texts
     make them meaningless, and the texts written from the first latents; the rest is in `markdown`'s file."""
-    notes = small_n_notes(report)
+    notes = training_texts_note(report) + small_n_notes(report)
     lines = [_title(report), "", *headline_lines(report), *(["", *notes] if notes else []), "", *examples_lines(report)]
     return "\n".join(lines) + "\n"
 
@@ -335,7 +347,7 @@ def markdown(report: dict) -> str:
     reference = lambda key, text: f" ({text} {figure_text(ref, key, '.4f')})" if key in ref else ""  # noqa: E731
     chance = f" (chance {ref['chance_retrieval_at_1']:.1%})" if "chance_retrieval_at_1" in ref else ""
     split = texts_label(report)
-    notes = small_n_notes(report)
+    notes = training_texts_note(report) + small_n_notes(report)
     lines = [
         _title(report),
         "",

@@ -259,17 +259,18 @@ def options_like_exported(directory: str | Path) -> dict:
 
 
 def load_trained(
-    path: str | Path, checkpoint: str | Path | None = None, device: str = "auto", use_ema: bool = True
+    path: str | Path, checkpoint: str | Path | None = None, device: str = "auto", use_ema: bool | None = None
 ) -> TrainedRun:
-    """A run directory (its `checkpoint`, default the latest; the EMA unless `use_ema` is false) or an
+    """A run directory (its `checkpoint`, default the latest; `use_ema` as `load_run` takes it) or an
     exported folder, whichever `path` is."""
     path = Path(path)
     if not is_exported(path):
         return load_run(path, checkpoint, device, use_ema)
-    if checkpoint is not None or (not use_ema and read_config(path)["weights"] == "ema"):
+    weights = read_config(path)["weights"]
+    if checkpoint is not None or use_ema not in (None, weights == "ema"):
         raise DataError(
-            f'{path}: an exported model holds one set of weights ({CONFIG} "weights"); --checkpoint and '
-            f"--no-ema choose among a run's checkpoints: give the run directory"
+            f'{path}: an exported model holds one set of weights, its {weights} weights ({CONFIG} "weights"); '
+            f"--checkpoint and --no-ema (use_ema) choose among a run's checkpoints: give the run directory"
         )
     return load_exported(path, device)
 
@@ -293,10 +294,17 @@ class MMLDLM:
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, *, checkpoint: str | Path | None = None, device: str = "auto", use_ema: bool = True
+        cls,
+        path: str | Path,
+        *,
+        checkpoint: str | Path | None = None,
+        device: str = "auto",
+        use_ema: bool | None = None,
     ) -> MMLDLM:
-        """An exported folder or a run directory (then `checkpoint`, default the latest, and the EMA of the
-        weights unless `use_ema` is false). Local folders only: nothing is downloaded."""
+        """An exported folder or a run directory (then `checkpoint`, default its newest that verifies, and
+        `use_ema`: by default the EMA of the weights where the checkpoint holds one, else the raw weights;
+        True asks for the EMA and is refused where there is none, False takes the raw weights). Local folders
+        only: nothing is downloaded."""
         device = str(pick_device(device, key="MMLDLM.from_pretrained(device=...)"))  # before the weights load
         path = Path(path)
         run = load_trained(path, checkpoint, device, use_ema)

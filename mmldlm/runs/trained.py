@@ -36,7 +36,7 @@ from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.errors import OptionError
 from mmldlm.model import MultimodalMMDiT
 from mmldlm.model.mmdit import upgrade_state_dict
-from mmldlm.runs.checkpoints import find_latest, has_ema, is_full_state, read_weights
+from mmldlm.runs.checkpoints import find_latest, has_ema, is_full_state, read_weights, verify
 from mmldlm.runs.files import CheckpointError
 from mmldlm.sampling.sampler import Sampler, SamplingOptions, pad_mask_from_lengths
 
@@ -292,13 +292,19 @@ def check_compatible(run: TrainedRun, path: Path) -> None:
 
 def find_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
     """The checkpoint directory to load: `checkpoint`, else the run's newest that verifies
-    (runs/checkpoints.py find_latest)."""
+    (runs/checkpoints.py find_latest); either verified, checksums included, before a tensor is read."""
     if checkpoint is not None:
         path = Path(checkpoint)
         if not (path / ".metadata").is_file() and not is_full_state(path):
             raise DataError(
                 f"--checkpoint {path}: no checkpoint there (no .metadata); checkpoints are "
                 f"RUN/checkpoints/step-NNNNNNN directories"
+            )
+        reason = verify(path, checksums=True)
+        if reason is not None:
+            raise DataError(
+                f"{reason}; the weights of {path} cannot be trusted: use another checkpoint, or leave the "
+                f"choice to the run (its newest that verifies)"
             )
         return path
     if not run_dir.is_dir():
@@ -307,7 +313,9 @@ def find_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
             f"exported model folder (mmldlm export) on this machine (nothing is downloaded)"
         )
     try:
-        path = find_latest(run_dir / "checkpoints", hint="pass --checkpoint PATH of a checkpoint you trust")
+        path = find_latest(
+            run_dir / "checkpoints", checksums=True, hint="pass --checkpoint PATH of a checkpoint you trust"
+        )
     except CheckpointError as err:
         raise DataError(str(err)) from None
     if path is None:
@@ -357,20 +365,28 @@ def load_weights(model: torch.nn.Module, path: Path, state: dict[str, torch.Tens
 
 
 def load_run(
-    run_dir: str | Path, checkpoint: str | Path | None = None, device: str = "auto", use_ema: bool = True
+    run_dir: str | Path, checkpoint: str | Path | None = None, device: str = "auto", use_ema: bool | None = None
 ) -> TrainedRun:
     """The model of `checkpoint` (default the run's newest that verifies) with the config it was trained with,
-    on `device`: "auto" (the GPU when there is one), "cpu" or "cuda". The checkpoint's EMA of the
-    weights where it has one (train.ema_decay > 0) unless `use_ema` is false, else the raw weights."""
+    on `device`: "auto" (the GPU when there is one), "cpu" or "cuda". `use_ema`: None, the checkpoint's EMA
+    of the weights where it holds one (train.ema_decay > 0), else the raw weights; True, the EMA (OptionError
+    where the checkpoint holds none); False, the raw weights."""
     run_dir = Path(run_dir)
     path = find_checkpoint(run_dir, checkpoint)
+    weights = "ema" if use_ema is not False and has_ema(path) else "raw"
+    if use_ema and weights == "raw":
+        raise OptionError(
+            "use_ema",
+            use_ema,
+            f"None or False: {path} holds no EMA of the weights (its run kept none, train.ema_decay 0); None "
+            f"takes the EMA where a checkpoint holds one, else the raw weights",
+        )
     config_file = path / "config.yaml" if (path / "config.yaml").is_file() else run_dir / "config.yaml"
     cfg = load_config(config_file)
     data_dir = dataset_path(cfg.data, log=lambda _msg: None)
     val = PreparedDataset(data_dir, "val")
     cfg = dataclasses.replace(cfg, model=model_for_dataset(cfg.model, val))
     model = MultimodalMMDiT(cfg.model, vocab_size=cfg.model.vocab_size or val.vocab_size)
-    weights = "ema" if use_ema and has_ema(path) else "raw"
     # In this one process, whatever the number of processes that wrote the checkpoint.
     load_weights(model, path, read_weights(path, "ema" if weights == "ema" else "model"))
     model.to(pick_device(device, key="device")).eval()

@@ -111,6 +111,21 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _remove_checkpoint(path: Path, attempts: int = 3) -> None:
+    """Remove the complete checkpoint at `path`. A process loading it meanwhile (sample, eval) may write its
+    verdict into it (VERDICT in mmldlm/runs/checkpoints.py): rmtree then fails on the file it did not list,
+    or on the temporary one it listed, already renamed, and is run again."""
+    for attempt in range(attempts):
+        try:
+            shutil.rmtree(path)
+            return
+        except OSError as err:
+            if not path.exists():
+                return
+            if err.errno not in (errno.ENOTEMPTY, errno.ENOENT) or attempt == attempts - 1:
+                raise
+
+
 def _tensor_bytes(tree) -> int:
     """Bytes of every tensor in a state tree; a DTensor counts with its global size, so on any rank
     this is the size of the whole checkpoint."""
@@ -483,7 +498,7 @@ class CheckpointManager:
             ) from err
         final = self.dir / tmp.name.removeprefix(".tmp-")
         if final.exists():  # the same step saved again (e.g. a signal right after a periodic save)
-            shutil.rmtree(final)
+            _remove_checkpoint(final)
         os.replace(tmp, final)
         try:
             self._point_latest(final.name)
@@ -543,7 +558,7 @@ class CheckpointManager:
         keep.add(read_pointer(self.dir))
         for step in steps:
             if step_dir_name(step) not in keep:
-                shutil.rmtree(self.dir / step_dir_name(step))
+                _remove_checkpoint(self.dir / step_dir_name(step))
 
     # ---------------------------------------------------------------- loading
 

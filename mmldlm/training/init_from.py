@@ -48,9 +48,10 @@ def read_source(source: str, weights: str) -> TrainedRun:
                 "the run directory it was exported from"
             )
         return load_trained(path, device="cpu")
+    use_ema = None if weights == "ema" else False  # "ema" takes the raw weights of a source that kept no EMA
     if (path / "meta.json").is_file():  # a checkpoint: RUN/checkpoints/step-NNNNNNN
-        return load_trained(path.parent.parent, checkpoint=path, device="cpu", use_ema=weights == "ema")
-    return load_trained(path, device="cpu", use_ema=weights == "ema")
+        return load_trained(path.parent.parent, checkpoint=path, device="cpu", use_ema=use_ema)
+    return load_trained(path, device="cpu", use_ema=use_ema)
 
 
 def check_architecture(source: TrainedRun, model, model_cfg) -> None:

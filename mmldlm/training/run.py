@@ -179,7 +179,7 @@ def train(cfg: RunConfig, resume: str | None = None, command: str = "mmldlm trai
             with signals_raise(StartUpInterrupted):  # until the loop takes signals over: end at once
                 trainer = build_trainer(cfg, info)
                 trainer.resume(resume)
-            if info.is_main:  # the run has started: what it runs with is recorded
+            if info.is_main and not trainer.nothing_to_train:  # the run has started: what it runs with is recorded
                 save_run_config(trainer.cfg, run_dir, trainer.resumed_from)
             status = trainer.fit(stop)
     except StartUpInterrupted as err:

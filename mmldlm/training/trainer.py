@@ -855,8 +855,10 @@ class Trainer:
             self.resume(None)
         self._clock_started = (time.perf_counter(), self.wall_seconds)
         total = cfg.train.steps
+        if self.nothing_to_train:
+            self._say_nothing_to_train()
         bar = None
-        if info.is_main and cfg.logging.progress_bar:
+        if info.is_main and cfg.logging.progress_bar and self.step < total:
             bar = tqdm(total=total, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
         try:
             with (
@@ -898,6 +900,28 @@ class Trainer:
                 bar.close()
             self.metrics.close()
         return 0
+
+    @property
+    def nothing_to_train(self) -> bool:
+        """Whether the run is at or past train.steps already (resumed from its last checkpoint, or with a
+        smaller train.steps): `fit` then trains no step and says so."""
+        return self.step >= self.cfg.train.steps
+
+    def _say_nothing_to_train(self) -> None:
+        if not self.info.is_main:
+            return
+        steps = self.cfg.train.steps
+        if self.step == steps:
+            log.info("%s is complete at step %d (train.steps=%d): nothing to train", self.run_dir, self.step, steps)
+            return
+        log.warning(
+            "%s is at step %d, past train.steps=%d: nothing was trained; raise train.steps above %d to train it "
+            "further",
+            self.run_dir,
+            self.step,
+            steps,
+            self.step,
+        )
 
     def _record_if_due(self, pending: PendingStep) -> dict | None:
         """The step's record where it is due: a logged step (train.log_every, the first and the last),

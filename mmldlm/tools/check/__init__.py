@@ -358,7 +358,8 @@ def check_lr_schedule(cfg: RunConfig, env: Environment, est: Estimate) -> list[F
 
 def _resume_with_other_length(cfg: RunConfig) -> list[Finding]:
     """A run directory that already holds a checkpoint of a run planned with other train.steps: the
-    schedule is a function of train.steps, so resuming with a new length makes the LR jump."""
+    schedule is a function of train.steps, so resuming with a new length makes the LR jump. None where the
+    checkpoint is at or past the new train.steps: that resume trains nothing (`mmldlm train` says so)."""
     run_dir = Path(cfg.train.run_dir)
     pointer = run_dir / "checkpoints" / "latest"
     try:
@@ -367,6 +368,8 @@ def _resume_with_other_length(cfg: RunConfig) -> list[Finding]:
     except (OSError, yaml.YAMLError, KeyError, TypeError, IndexError, ValueError):
         return []
     if before == cfg.train.steps or cfg.schedule.kind == "constant" or not isinstance(before, int):
+        return []
+    if step >= cfg.train.steps:
         return []
     old = LRSchedule(cfg.schedule, cfg.optim.lr, before).lr(step)
     new = LRSchedule(cfg.schedule, cfg.optim.lr, cfg.train.steps).lr(step)
