@@ -58,7 +58,7 @@ from mmldlm.training.distributed import DistInfo, collective_guard
 from mmldlm.training.ema import WeightEMA
 from mmldlm.training.evaluation import evaluate_during_training
 from mmldlm.training.init_from import init_weights
-from mmldlm.training.metrics import MetricsLogger, cpu_has_native_bf16, memory_stats, peak_flops
+from mmldlm.training.metrics import MachineLoad, MetricsLogger, cpu_has_native_bf16, memory_stats, peak_flops
 from mmldlm.training.optim import STATE_BYTES, build_optimizer
 from mmldlm.training.parallelize import (
     anchor,
@@ -213,6 +213,7 @@ class Trainer:
         self.skips = SkipCounter(self.device)
         self.num_skipped = self.consecutive_skips = self.longest_skip_run = 0
         self.window = Window(self.device)  # the steps since the last record
+        self.machine_load = MachineLoad()  # the CPU time this process got since the last record, and the load
         self.agreed_stop = AgreedStop(self.device)
         # Input shapes whose text-head row count is still on the device, ((mode, rows, length), count):
         # into _input_shapes when a record is read.
@@ -806,6 +807,7 @@ class Trainer:
             "global_batch_size": pending.global_batch,
             "accumulation_steps": pending.num_accum,
             **self._window_figures(),
+            **self.machine_load.read(),  # a busy machine apart from a slow run (the monitor reads it)
             "num_shapes": len(self._input_shapes),
             # The update of this step was skipped; and how many were since the previous record.
             "skipped": totals["nonfinite"] > 0 or not math.isfinite(float(pending.grad_norm)),
