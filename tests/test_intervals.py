@@ -385,3 +385,82 @@ def test_exchanging_each_texts_values_gives_comparisons_with_no_difference_that_
     text = markdown(result)
     assert "20 comparisons with each text's A and B values exchanged at random (no difference by construction)" in text
     assert f"flagged {min(counts)} to {max(counts)} of 3" in text
+
+
+def _decoded_report(rng, sampling: dict, selected: str | None = None, **config) -> dict:
+    """A report of 64 texts by a decoder with `sampling` (the options `mmldlm eval` records), of a run whose config
+    has `config` ({"train.steps": 4000, ...}) changed."""
+    from mmldlm.config import RunConfig, to_dict
+    from mmldlm.evaluation.evaluate import summarise
+    from mmldlm.evaluation.figures import recipes
+
+    run = to_dict(RunConfig())
+    for key, value in config.items():
+        section, name = key.split(".")
+        run[section][name] = value
+    l2t = summarise(recipes("l2t"), {"word_f1": rng.uniform(0, 1, 64), "cosine": rng.uniform(0, 1, 64)})
+    if selected:
+        l2t["selected_on"] = {"cosine_mean": selected}
+    t2l = summarise(recipes("t2l"), {"cosine": rng.uniform(0, 1, 64)}, pool_size=1000)
+    return {"texts_sha256": "t", "seed": 0, "step": 4000, "config": run, "sampling": sampling, "l2t": l2t, "t2l": t2l}
+
+
+def test_figures_of_different_decoders_are_labelled_in_their_rows_and_the_header_and_selected_ones_marked():
+    from mmldlm.config import SamplingOptions
+    from mmldlm.evaluation.compare import compare_reports, markdown
+
+    rng = np.random.default_rng(12)
+    plain = SamplingOptions(num_steps=4, temperature=1.0).to_dict()
+    best = SamplingOptions(num_steps=8, temperature=0.7, best_of=16).to_dict()
+    result = compare_reports(_decoded_report(rng, plain), _decoded_report(rng, best, "max over 16 candidates"))
+    rows = {(r["section"], r["figure"]): r for r in result["rows"]}
+    for figure in ("word_f1", "cosine_mean"):
+        assert rows[("l2t", figure)]["decoders"] == "num_steps 4 vs 8, temperature 1.0 vs 0.7, best_of 1 vs 16"
+    # t2l's figures read the posterior mean: one model call, which neither steps nor best-of change
+    assert "decoders" not in rows[("t2l", "cosine_mean")]
+    assert rows[("l2t", "cosine_mean")]["selected"] == "B max over 16 candidates"
+    assert "selected" not in rows[("l2t", "word_f1")]
+    assert result["sampling_a"] == plain and result["sampling_b"] == best
+    table = markdown(result)
+    assert "for these two models and their decoders" in table
+    assert (
+        "A and B decoded with different options (num_steps 4 vs 8, temperature 1.0 vs 0.7, best_of 1 vs 16): " in table
+    )
+    assert "| l2t word_f1 (decoders differ) | 64 |" in table
+    assert "| l2t cosine_mean (decoders differ) (selected: B max over 16 candidates) | 64 |" in table
+    assert "| t2l cosine_mean | 64 |" in table
+    # the same decoder on both sides: nothing to label but the selection
+    same = markdown(compare_reports(_decoded_report(rng, best, "max over 16 candidates"), _decoded_report(rng, best)))
+    assert "decoders differ" not in same and "decoded with different options" not in same
+    assert "| l2t cosine_mean (selected: A max over 16 candidates) | 64 |" in same
+
+
+def test_runs_of_an_arm_must_be_seeds_of_one_recipe_and_are_refused_in_one_line_naming_what_differs():
+    from mmldlm.config import SamplingOptions
+    from mmldlm.errors import UserError
+    from mmldlm.evaluation.compare import compare_arms
+
+    rng = np.random.default_rng(13)
+    sampling = SamplingOptions().to_dict()
+    main = _decoded_report(rng, sampling, **{"train.steps": 4000})
+    seed1 = _decoded_report(rng, sampling, **{"train.steps": 4000, "train.seed": 1, "train.run_dir": "runs/seed1"})
+    other = _decoded_report(rng, sampling, **{"optim.lr": 5e-4})
+    result = compare_arms([main, seed1], [other, other], ["main", "seed1"], ["lr", "lr"])
+    assert {r["runs_a"] for r in result["rows"]} == {2}
+    short = _decoded_report(rng, sampling, **{"train.steps": 300, "train.seed": 1})
+    short["step"] = 300
+    with pytest.raises(UserError) as refused:
+        compare_arms([main, short], [other, other], ["runs/default", "runs/short"], ["lr", "lr"])
+    assert str(refused.value) == (
+        "--a: runs/default and runs/short are not seeds of one recipe: they differ in train.steps (4000 vs 300), "
+        "step (4000 vs 300); expected the same config apart from train.seed and train.run_dir, evaluated at the same "
+        "step with the same decoder"
+    )
+    decoded = _decoded_report(rng, {**sampling, "best_of": 16}, **{"optim.lr": 5e-4})
+    with pytest.raises(
+        UserError, match=r"^--b: lr and lr16 are not seeds of one recipe: they differ in sampling\.best"
+    ):
+        compare_arms([main, seed1], [other, decoded], ["main", "seed1"], ["lr", "lr16"])
+    older = {key: value for key, value in seed1.items() if key != "config"}
+    with pytest.raises(UserError, match=r"^old\.json: the report records no run config"):
+        compare_arms([main, older], [other, other], ["main", "old.json"], ["lr", "lr"])

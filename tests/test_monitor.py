@@ -14,7 +14,7 @@ from mmldlm import cli
 from mmldlm.errors import OptionError
 from mmldlm.tools import faults
 from mmldlm.tools.health import Alert, HealthConfig
-from mmldlm.tools.monitor import PANELS, Monitor, follow, plot
+from mmldlm.tools.monitor import PANELS, Monitor, RunHistory, follow, plot
 
 MODE_SCALE = {"l2t": 5.0, "t2l": 1.0, "joint": 6.0}  # each mode its own loss scale, as in a real run
 MODE_SPEED = {"l2t": 80.0, "t2l": 120.0, "joint": 70.0}
@@ -480,6 +480,66 @@ def test_the_default_run_slowed_by_another_job_reads_as_throughput_drops_and_not
     alerts = faults.alerts_of(default_run())
     assert {a.kind for a in alerts} == {"throughput_drop"}
     assert alerts[0].message.startswith("since step 630 ")
+
+
+BUSY_RUN = os.path.join(os.path.dirname(__file__), "data", "busy_run_metrics.jsonl")
+
+
+def busy_run() -> list[dict]:
+    """Records of a real run that shared its 2 cores with other jobs now and then (each record with the
+    CPU time the process got and the load average): see tests/data/README.md."""
+    with open(BUSY_RUN) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_drops_while_other_jobs_took_the_cpus_are_notes_and_the_run_stays_healthy(tmp_path, capsys):
+    # Four stretches of this run lost 31-38% of their speed to other jobs on its 2 cores: the process got
+    # 0.34-0.66 CPU seconds per second instead of 0.99, and per CPU second its steps were as fast as before.
+    records = busy_run()
+    run = write_run(tmp_path, records)
+    report = tmp_path / "health.json"
+    assert cli.main(["monitor", str(run), "--once", "--strict", "--report", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "run complete; status: healthy (0 alerts, 4 notes, 0 resumes)" in out
+    assert "[NOTE] step 220 throughput_drop: the machine was busy: since step 200 the steps (mode t2l) ran 38%" in out
+    assert "this process got 0.34 CPU seconds per second (0.99 in its typical records)" in out
+    assert "per CPU second it got, the steps ran as fast as their line predicts" in out
+    assert "means: nothing in the run: other processes took the CPUs it runs on" in out
+    data = json.loads(report.read_text())
+    assert data["status"] == "healthy" and data["alerts"] == []
+    assert [(n["kind"], n["step"], n["severity"]) for n in data["notes"]] == [
+        ("throughput_drop", step, "note") for step in (220, 470, 600, 1450)
+    ]
+    for note in data["notes"]:  # each slow stretch had a CPU share well below the run's usual 0.98-0.99
+        stretch = [r for r in records if note["step"] - 30 <= r["step"] <= note["step"]]
+        assert min(r["cpu_s_per_s"] for r in stretch) < 0.7
+
+
+def test_a_drop_of_the_run_itself_on_a_machine_that_was_not_busy_stays_a_warning():
+    # Steps 900-1000 of the same run had their 2 cores to themselves (0.99 CPU seconds per second): slowed
+    # by 40% there, with the CPU time and the load as they were, the run itself slowed.
+    records = faults.slowdown(busy_run(), 900, 100, drop=0.4)
+    history = RunHistory()
+    history.extend(records)
+    (alert,) = history.alerts
+    assert alert.kind == "throughput_drop" and alert.severity == "warning" and 900 <= alert.step < 1000
+    assert "the machine does not explain it, the run itself slowed" in alert.message
+    notes = [n.step for n in history.notes]  # the stretches other jobs slowed, as before
+    assert len(notes) == 4 and notes[:3] == [220, 470, 600] and 1430 <= notes[3] <= 1500
+
+
+def test_a_drop_while_other_processes_crowded_the_cpus_is_a_note_though_the_process_kept_its_cpu_time():
+    # Cores shared through hyper-threads or a memory bus slow a process that keeps its CPU time: the same
+    # slowdown as above, with 1.5 more runnable tasks of other processes in the load average (3.3-4.4 on 2).
+    records = faults.slowdown(busy_run(), 900, 100, drop=0.4)
+    for r in records:
+        if 900 <= r["step"] < 1000:
+            r["load_1m"] += 1.5
+    history = RunHistory()
+    history.extend(records)
+    assert history.alerts == []
+    (note,) = [n for n in history.notes if 900 <= n.step < 1000]
+    assert "the machine was busy" in note.message and "other processes kept more tasks running" in note.message
 
 
 def test_a_slowdown_of_40_percent_over_50_steps_is_one_throughput_drop_naming_when_it_began():

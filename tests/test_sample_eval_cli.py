@@ -645,6 +645,55 @@ def test_compare_of_two_reports_gives_each_figure_its_paired_difference(run_dir,
     assert "each on its own texts" in table and "| l2t word_f1 | 4 / 3 |" in table
 
 
+def test_compare_labels_the_figures_of_other_decoders_and_refuses_arms_that_are_not_one_recipe(
+    run_dir, tmp_path, capsys
+):
+    plain, best = tmp_path / "plain.json", tmp_path / "best.json"
+    quick = [*SMALL_EVAL, "--no-writing", "--num-t-draws", "1", "--no-ema"]
+    assert main(["eval", "--run", str(run_dir), *quick, "--temperature", "1.0", "--out", str(plain)]) == 0
+    assert (
+        main(["eval", "--run", str(run_dir), *quick, "--temperature", "0.7", "--best-of", "2", "--out", str(best)]) == 0
+    )
+    reports = [json.loads(path.read_text()) for path in (plain, best)]
+    # each report records its decoder and what the run trained with
+    assert [r["sampling"]["best_of"] for r in reports] == [1, 2] and [
+        r["sampling"]["temperature"] for r in reports
+    ] == [1.0, 0.7]
+    assert (
+        reports[0]["config"]["train"]["steps"] == reports[0]["step"]
+        and reports[0]["config"]["model"]["num_blocks"] == 2
+    )
+    capsys.readouterr()
+    out = tmp_path / "compare.json"
+    assert main(["compare", str(plain), str(best), "--null-comparisons", "0", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    rows = {(r["section"], r["figure"]): r for r in result["rows"]}
+    assert rows[("l2t", "word_f1")]["decoders"] == "temperature 1.0 vs 0.7, best_of 1 vs 2"
+    assert rows[("l2t", "cosine_mean")]["selected"] == "B max over 2 candidates"
+    assert (
+        "decoders" not in rows[("t2l", "retrieval_at_1")]
+        and "decoders" not in rows[("elbo l2t", "text_nats_per_token")]
+    )
+    assert "A and B decoded with different options (temperature 1.0 vs 0.7, best_of 1 vs 2)" in table
+    assert "| l2t cosine_mean (decoders differ) (selected: B max over 2 candidates) | 4 |" in table
+    # Two seeds of one recipe share its config but the seed and the run directory; a report of a run trained
+    # for 300 steps is not one of them.
+    for name, changes in (("seed1", {"seed": 1, "run_dir": "runs/seed1"}), ("short", {"steps": 300})):
+        report = json.loads(plain.read_text())
+        report["config"]["train"].update(changes)
+        (tmp_path / f"{name}.json").write_text(json.dumps(report))
+    seeds = ["--a", str(plain), str(tmp_path / "seed1.json"), "--b", str(plain), str(tmp_path / "seed1.json")]
+    assert main(["compare", *seeds]) == 0
+    capsys.readouterr()
+    assert main(["compare", "--a", str(plain), str(tmp_path / "short.json"), "--b", str(plain)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        f"mmldlm compare: --a: {plain} and {tmp_path / 'short.json'} are not seeds of one recipe: they differ in "
+        f"train.steps ({reports[0]['step']} vs 300); expected the same config apart from train.seed and train.run_dir"
+    )
+
+
 def test_a_figure_the_decoder_selects_on_is_labelled_and_measured_without_selection(run_dir, tmp_path, capsys):
     out = tmp_path / "best-of.json"
     args = ["eval", "--run", str(run_dir), *SMALL_EVAL, "--no-writing", "--num-t-draws", "1", "--best-of", "2"]

@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -385,6 +386,26 @@ def test_a_records_step_time_is_the_steps_own_not_what_ran_between_them(tmp_path
     clock[0] += 60.0
     record = trainer.read_record(pending[-1])
     assert record["record_steps"] == 2 and record["step_time_s"] < 1.0  # 60.0 or more counted between them
+
+
+def test_each_record_says_how_much_cpu_time_the_process_got_and_how_loaded_the_machine_was(tmp_path, monkeypatch):
+    # What `monitor` tells a busy machine from a slow run by: steps 3 and 4 wait half a second each for
+    # their batch without using a CPU (as a process does whose core another job holds), so their records'
+    # CPU seconds per second fall far below those of the steps that computed all the time.
+    trainer = make_trainer(tmp_path, ["train.steps=4", "train.micro_batch_size=2", "train.global_batch_size=2"])
+    next_batch = trainer._next_batch
+
+    def idle_then_next():
+        if trainer.step >= 2:
+            time.sleep(0.5)
+        return next_batch()
+
+    monkeypatch.setattr(trainer, "_next_batch", idle_then_next)
+    assert trainer.fit() == 0
+    recs = records(tmp_path)
+    assert all(r["num_cpus"] == os.cpu_count() and 0 <= r["load_1m"] < 10 * os.cpu_count() for r in recs)
+    busy, idle = [r["cpu_s_per_s"] for r in recs[:2]], [r["cpu_s_per_s"] for r in recs[2:]]
+    assert min(busy) > 0.2 and max(idle) < 0.1, (busy, idle)
 
 
 def test_fit_reads_records_only_at_the_steps_it_logs(tmp_path, monkeypatch):

@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         write_report(monitor.report(), args.report)
         print(f"health report: {args.report}")
     if args.plot:
-        plot(monitor.history.records, args.plot, monitor.alerts, monitor.history.tracker.slowdowns)
+        alerts = sorted(monitor.alerts + monitor.history.notes, key=lambda a: a.step)
+        plot(monitor.history.records, args.plot, alerts, monitor.history.tracker.slowdowns)
         print(f"plot: {args.plot}")
     return exit_code(status, args.strict)

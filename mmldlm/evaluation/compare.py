@@ -11,14 +11,24 @@ The reports must have scored the same validation texts (`texts_sha256`) with the
 i-th per-text value of A and of B belong to the same text (and, for sampled figures, to the same draws
 of the generators where the two models agree). Each figure's recipe is the one `mmldlm eval` made it
 with (figures.py `sections`).
+
+Each report records its decoder (`sampling`): a figure of a section whose decoders differ (figures.py
+`decoder_of`: best-of-16 against best-of-1, other steps or temperatures) measures models and decoders
+together, and its row and the header say so; a figure the decoder selected its texts by (the re-encoded
+cosine of a best-of-N decoder, `selected_on`) is marked as selected. Several runs per arm must be seeds
+of one recipe: the same config apart from train.seed and train.run_dir (and where the run writes:
+logging, checkpoint), evaluated at the same step with the same decoder (`check_one_recipe`).
 """
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
+from mmldlm.config import flat_keys
 from mmldlm.errors import UserError
-from mmldlm.evaluation.figures import Figure, sections
+from mmldlm.evaluation.figures import Figure, decoder_of, sections
 from mmldlm.evaluation.intervals import LEVEL, NUM_RESAMPLES, POWER
 
 # Sections that score the validation data and the training texts, not the model: the same in both.
@@ -47,6 +57,45 @@ def check_comparable(a: dict, b: dict, names: tuple[str, str]) -> None:
         raise UserError(
             f"{names[0]} has seed {a.get('seed')!r} and {names[1]} {b.get('seed')!r}; expected the same seed"
         )
+
+
+# Config keys in which seeds of one recipe may differ: the seed, and where the run writes (its directory, its
+# logs and checkpoints), none of which changes what it trains.
+NOT_THE_RECIPE = ("train.seed", "train.run_dir", "logging.", "checkpoint.")
+
+
+def recipe_of(report: dict, name: str) -> dict:
+    """{key: value} that seeds of one recipe share: the run's config but `NOT_THE_RECIPE`, the step evaluated
+    and the decoder (sampling.*); UserError for a report that records no config."""
+    if not isinstance(report.get("config"), dict):
+        raise UserError(
+            f"{name}: the report records no run config (written by an older `mmldlm eval`); expected one that "
+            "does, to check that the runs of an arm are seeds of one recipe: evaluate the run again"
+        )
+    config = {key: value for key, value in flat_keys(report["config"]).items() if not key.startswith(NOT_THE_RECIPE)}
+    sampling = {f"sampling.{key}": value for key, value in (report.get("sampling") or {}).items()}
+    return {**config, "step": report.get("step"), **sampling}
+
+
+def check_one_recipe(reports: list[dict], names: list[str], arm: str) -> None:
+    """UserError, in one line naming the keys that differ, unless the runs of `arm` ("--a" or "--b") are seeds
+    of one recipe (`recipe_of`)."""
+    if len(reports) < 2:
+        return
+    first = recipe_of(reports[0], names[0])
+    for report, name in zip(reports[1:], names[1:]):
+        other = recipe_of(report, name)
+        differ = [key for key in dict.fromkeys([*first, *other]) if first.get(key) != other.get(key)]
+        if differ:
+            shown = ", ".join(
+                f"{key} ({shown_value(first.get(key))} vs {shown_value(other.get(key))})" for key in differ[:6]
+            )
+            more = f" and {len(differ) - 6} more" if len(differ) > 6 else ""
+            raise UserError(
+                f"{arm}: {names[0]} and {name} are not seeds of one recipe: they differ in {shown}{more}; expected "
+                "the same config apart from train.seed and train.run_dir, evaluated at the same step with the "
+                "same decoder"
+            )
 
 
 def compare_reports(a: dict, b: dict, names: tuple[str, str] = ("A", "B"), unpaired: bool = False) -> dict:
@@ -115,16 +164,19 @@ def compare_arms(
     for report, name in zip(reports[1:], names[1:]):
         if not unpaired:
             check_comparable(reports[0], report, (names[0], name))
+    check_one_recipe(arm_a, names_a, "--a")
+    check_one_recipe(arm_b, names_b, "--b")
     of_each = [
         {name: (section, figures) for name, section, figures in sections(r) if name not in DATA_ONLY} for r in reports
     ]
     common = [name for name in of_each[0] if all(name in of for of in of_each[1:])]
     one_reference = len({(r.get("fluency_reference") or {}).get("sha256") for r in reports}) == 1
+    decoders = (arm_a[0].get("sampling"), arm_b[0].get("sampling"))
     found = {"rows": [], "other_reference": [], "other_setting": [], "without_interval": []}
     for name in common:
         for figure in of_each[0][name][1].values():
             outcome = _compare_figure(
-                figure, name, [of[name][0] for of in of_each], len(arm_a), names, unpaired, one_reference
+                figure, name, [of[name][0] for of in of_each], len(arm_a), names, unpaired, one_reference, decoders
             )
             if outcome is not None:
                 found[outcome[0]].append(outcome[1])
@@ -134,6 +186,8 @@ def compare_arms(
         "b": " + ".join(names_b),
         "runs_a": list(names_a),
         "runs_b": list(names_b),
+        "sampling_a": arm_a[0].get("sampling"),  # each arm's decoder (its runs share it)
+        "sampling_b": arm_b[0].get("sampling"),
         "paired": not unpaired,
         "level": LEVEL,
         "num_resamples": NUM_RESAMPLES,
@@ -143,12 +197,19 @@ def compare_arms(
 
 
 def _compare_figure(
-    figure: Figure, name: str, found: list[dict], num_a: int, names: list[str], unpaired: bool, one_reference: bool
+    figure: Figure,
+    name: str,
+    found: list[dict],
+    num_a: int,
+    names: list[str],
+    unpaired: bool,
+    one_reference: bool,
+    decoders: tuple[dict | None, dict | None],
 ) -> tuple[str, dict | str] | None:
     """Figure `figure` of the sections `found` (named `name`, one per report, A's num_a first):
-    ("rows", its row), or the list of compare_arms' result that names it instead, with its label: scored by
-    other n-gram references, in other settings (figures.Figure.setting), or without an interval; None
-    where a report lacks its per-text values."""
+    ("rows", its row, labelled with its `decoders`, A's and B's `sampling`), or the list of compare_arms'
+    result that names it instead, with its label: scored by other n-gram references, in other settings
+    (figures.Figure.setting), or without an interval; None where a report lacks its per-text values."""
     label, recipe, per_text = f"{name} {figure.key}", figure.recipe, [f["per_text"] for f in found]
     if not all(key in p for p in per_text for key in recipe.keys):
         return None
@@ -166,7 +227,35 @@ def _compare_figure(
     row = {"section": name, "figure": figure.key, **difference.to_dict()}
     if unpaired:  # each run's own number of texts
         row.update(n_a=len(per_text[0][recipe.keys[0]]), n_b=len(per_text[1][recipe.keys[0]]))
+    row.update(_decoding(figure, name, found[0], found[num_a], decoders))
     return "rows", row
+
+
+def _decoding(figure: Figure, name: str, a: dict, b: dict, decoders: tuple[dict | None, dict | None]) -> dict:
+    """What a row says of its decoders: "decoders" (how A's and B's differ for section `name`, where they
+    do) and "selected" (which side's decoder selected its texts by this figure, and how)."""
+    out = {}
+    ours = [decoder_of(name, sampling) for sampling in decoders]
+    if ours[0] != ours[1]:
+        out["decoders"] = decoder_difference(*ours)
+    selected = [(side, s.get("selected_on", {}).get(figure.key)) for side, s in (("A", a), ("B", b))]
+    if any(how for _, how in selected):
+        out["selected"] = "; ".join(f"{side} {how}" for side, how in selected if how)
+    return out
+
+
+def decoder_difference(a: dict | None, b: dict | None) -> str:
+    """'best_of 1 vs 16, temperature 1.0 vs 0.7': the options in which decoders `a` and `b` differ (None: a report
+    that recorded none)."""
+    if a is None or b is None:
+        return f"{'A' if a is None else 'B'} recorded no decoder"
+    differ = [key for key in dict.fromkeys([*a, *b]) if a.get(key) != b.get(key)]
+    return ", ".join(f"{key} {shown_value(a.get(key))} vs {shown_value(b.get(key))}" for key in differ)
+
+
+def shown_value(value) -> str:
+    """A config or sampling value as its YAML and JSON files write it: null, true, 0.0005, [[0, 2]]."""
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def _difference(recipe, per_a: list[dict], per_b: list[dict], figure: str, names: list[str]):
@@ -211,6 +300,28 @@ def n_of(row: dict) -> str:
     return f"{row['n_a']} / {row['n_b']}" if "n_a" in row else str(row["n"])
 
 
+def figure_label(row: dict) -> str:
+    """'l2t cosine_mean (decoders differ) (selected: B max over 16 candidates)': a row's figure, and what its
+    decoders make of it."""
+    label = f"{row['section']} {row['figure']}"
+    if "decoders" in row:
+        label += " (decoders differ)"
+    if "selected" in row:
+        label += f" (selected: {row['selected']})"
+    return label
+
+
+def _decoders_line(result: dict) -> str:
+    """The header's sentence on decoders where some rows compare different ones; '' where none does."""
+    rows = [r for r in result["rows"] if "decoders" in r]
+    if not rows:
+        return ""
+    return (
+        f"A and B decoded with different options ({decoder_difference(result['sampling_a'], result['sampling_b'])}): "
+        f"the {len(rows)} rows marked 'decoders differ' measure each model with its decoder, not the models alone"
+    )
+
+
 def markdown(result: dict) -> str:
     """The comparison as a markdown table, one row per figure."""
     several = len(result.get("runs_a", [1])) + len(result.get("runs_b", [1])) > 2
@@ -238,6 +349,9 @@ def markdown(result: dict) -> str:
             "interval covers other texts for these two models, not other training seeds (give each side several "
             "seeds with --a/--b to compare recipes)"
         )
+    decoded = _decoders_line(result)
+    if decoded:
+        intro = intro.replace("these two models", "these two models and their decoders") + ". " + decoded
     seeds = f" sd between seeds | detectable at {POWER:.0%} |" if several else ""
     n = "n" if result.get("paired", True) else "n (A / B)"
     lines = [
@@ -249,7 +363,7 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         seed_sd = f" {r['seed_sd']:.3g} | {r['detectable']:.3g} |" if several else ""
         lines.append(
-            f"| {r['section']} {r['figure']} | {n_of(r)} | {r['a']:.4g} | {r['b']:.4g} | {r['difference']:+.4g} | "
+            f"| {figure_label(r)} | {n_of(r)} | {r['a']:.4g} | {r['b']:.4g} | {r['difference']:+.4g} | "
             f"[{r['low']:+.4g}, {r['high']:+.4g}] |{seed_sd} {'yes' if r['significant'] else 'no'} |"
         )
     lines += ["", flags_line(result)]

@@ -72,7 +72,7 @@ import torch
 import torch.nn.functional as F
 
 from mmldlm import progress
-from mmldlm.config import EvalConfig
+from mmldlm.config import EvalConfig, to_dict
 from mmldlm.data.dataset import PadCollate, PreparedDataset
 from mmldlm.diffusion import MaskedDiffusion
 from mmldlm.evaluation import text_metrics
@@ -651,6 +651,7 @@ def evaluate(
             "checkpoint": str(run.checkpoint) if run.checkpoint else None,
             "step": run.step,
             "weights": run.weights,
+            "config": to_dict(run.cfg),  # what the run trained with: compare checks that --a/--b are one recipe
             "sampling": first.to_dict(),
             "num_t_draws": num_t_draws,
             "seed": seed,

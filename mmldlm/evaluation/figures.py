@@ -138,6 +138,38 @@ HEADLINE = tuple(
 )
 
 
+# The sampling options (config.SamplingOptions) that no figure of a section of that kind depends on. l2t decodes a
+# given latent: the latent sampler's options do not enter. joint's text takes no length candidates (its lengths
+# are drawn) and its latent walks num_steps. reuse_output skips a model call whose output is known: the same
+# texts either way.
+NOT_READ = {
+    "l2t": ("latent_sampler", "latent_steps", "latent_shift", "joint_order", "reuse_output", "length_candidates"),
+    "l2t_predicted_length": ("latent_sampler", "latent_steps", "latent_shift", "joint_order", "reuse_output"),
+    "joint": ("latent_steps", "length_candidates", "reuse_output"),
+}
+# Sections measured again with the sampler's one text: the decoder without its selection.
+WITHOUT_SELECTION = {"l2t_without_selection": "l2t", "joint_without_selection": "joint"}
+
+
+def decoder_of(section: str, sampling: dict | None) -> dict | None:
+    """The options of a report's decoder (its `sampling`) that the figures of report section `section` depend on:
+    {} for a section that samples nothing (the ELBO, the length head); None where the report recorded no
+    options. t2l's figures read the posterior mean, one model call from t = 1, which only guidance changes."""
+    kind = WITHOUT_SELECTION.get(section, section)
+    if kind not in (*NOT_READ, "t2l"):
+        return {}
+    if sampling is None:
+        return None
+    if kind == "t2l":
+        return {"guidance_scale": sampling.get("guidance_scale")}
+    options = {key: value for key, value in sampling.items() if key not in NOT_READ[kind]}
+    if section in WITHOUT_SELECTION:
+        options.update(best_of=1, correction_rounds=0)
+    if not options.get("correction_rounds"):
+        options.pop("correction_proposals", None)  # variants per correction round: none without rounds
+    return options
+
+
 def sections(report: dict) -> list[tuple[str, dict, dict[str, Figure]]]:
     """(name, section, {key: Figure}) of every section of `report` that keeps per-text values, in the order of
     `FIGURES`: the elbo section's modes as "elbo MODE", the joint section's "reference" as "joint reference"."""

@@ -4,8 +4,10 @@ measure what `mmldlm monitor` catches, how soon, and what it says on the healthy
 Each fault returns new records (the input is left as it is) with the fault in the records whose
 step lies in [first_step, first_step + num_steps):
 
-- `slowdown`: a second busy process on the same cores: each step's compute takes 1 / (1 - drop) as
-  long, so samples/s and tokens/s fall by `drop`; the loader's wait stays what it was, in seconds.
+- `slowdown`: each step's compute takes 1 / (1 - drop) as long, so samples/s and tokens/s fall by
+  `drop`; the loader's wait stays what it was, in seconds, and so do the CPU time the process got and
+  the load average: a slowdown of the run itself (thermal throttling, a slower kernel), not of a busy
+  machine.
 - `loader_stall`: the loader makes each step wait `seconds` more: step time and data-wait share rise.
 - `leak`: memory grows by `mib_per_step` MiB with every step (num_steps: until the end).
 - `nonfinite`: the first record's loss and gradient norm are NaN and its update was skipped.

@@ -3,22 +3,26 @@ at, and a remedy that names the config switch.
 
 The input is the records of RUN/metrics.jsonl exactly as the trainer writes them (Trainer.train_step
 plus metrics.memory_stats): step, mode, loss, text_loss, latent_loss, lr, grad_norm, samples_per_s,
-tokens_per_s, train_flops, num_shapes, step_time_s, data_wait_share, skipped, num_skipped, and
-mem_allocated_gib (CUDA) or mem_rss_gib (CPU); records written before train_flops and num_shapes
-existed are read too. `HealthTracker.observe(record)` feeds one record to every detector, so a live run
-is analysed as it grows at a constant cost per record.
+tokens_per_s, train_flops, num_shapes, step_time_s, data_wait_share, cpu_s_per_s, load_1m, num_cpus,
+skipped, num_skipped, and mem_allocated_gib (CUDA) or mem_rss_gib (CPU); records written before
+train_flops, num_shapes or the machine's load (cpu_s_per_s, load_1m, num_cpus) existed are read too.
+`HealthTracker.observe(record)` feeds one record to every detector, so a live run is analysed as it
+grows at a constant cost per record.
 
 Like is compared with like: the modes l2t / t2l / joint have their own loss scales, gradient norms
 and step costs (a `random` run jumps between them every step), so losses, gradient norms and
 throughput are compared only with earlier records of the same mode. Throughput is also judged
 against the step's own work: with length-bucketed batches one step computes on 8 tokens a sample and
 the next on 64, so samples/s swings by 25-40% on a quiet machine; a step is slow only when it took
-longer than its mode's step-cost line predicts for its FLOPs. Memory growth while the run
-still meets new input shapes (allocator and oneDNN caches filling) is warm-up, not a leak.
+longer than its mode's step-cost line predicts for its FLOPs. A drop the machine explains (the
+process got less CPU time than in its typical records, and per CPU second its steps were as fast; or
+other processes kept the load average above the CPU count) is a note, not an alert: the machine was
+busy, the run was not slow. Memory growth while the run still meets new input shapes (allocator and
+oneDNN caches filling) is warm-up, not a leak.
 Thresholds are robust (medians, the median absolute deviation, Theil-Sen lines) so a single outlier
 neither hides nor fakes a trend.
-Each episode raises one alert: a detector fires when its condition becomes true and re-arms only
-once the condition has cleared.
+Each episode raises one alert (or note): a detector fires when its condition becomes true and re-arms
+only once the condition has cleared.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ MEMORY_KEYS = ("mem_allocated_gib", "mem_rss_gib")  # CUDA peak allocated, else 
 @dataclass
 class Alert:
     kind: str
-    severity: str  # "warning" | "critical"
+    severity: str  # "warning" | "critical"; "note": what happened to the run, nothing wrong with it
     step: int
     message: str
     remedy: str
@@ -65,6 +69,9 @@ class HealthConfig:
     throughput_history: int = 50  # typical records per mode behind the step-cost line
     throughput_min_history: int = 5  # records of a mode before its line judges its steps
     data_wait_share: float = 0.2  # median data-wait share of step time over throughput_window records
+    # A drop's slow records with a 1-minute load average above the CPU count and this many runnable tasks
+    # above what the run's typical records saw beside their own threads: other processes crowded the CPUs.
+    busy_load_rise: float = 0.5
     memory_window: int = 30  # records over which memory must rise steadily
     memory_creep_fraction: float = 0.1  # rise above this share of the window's starting memory...
     memory_creep_min_gib: float = 0.05  # ...and above this many GiB...
@@ -104,6 +111,8 @@ REMEDIES = {
     "throughput_drop": "another process on the device or node (on shared CPUs train.threads=1 or stop the other "
     "job), thermal throttling, a slow filesystem, or the loader: data.num_workers, "
     "data.persistent_workers=true; `mmldlm check` audits the loader and the load",
+    "busy_machine": "nothing in the run: other processes took the CPUs it runs on for a while; on a machine "
+    "shared with other jobs train.threads=1 loses least to them",
     "data_wait": "the loader cannot keep up: data.num_workers (null = min(8, cpus // local ranks)), "
     "data.prefetch_factor=4, data.persistent_workers=true, data.pin_memory on GPU",
     "memory_creep": "tensors kept across steps (a metric not detached, a growing list) or allocator "
@@ -137,6 +146,29 @@ def work_of(record: dict) -> float | None:
     if finite(tokens_per_s) and finite(step_time) and tokens_per_s * step_time > 0:
         return tokens_per_s * step_time
     return None
+
+
+@dataclass(frozen=True)
+class MachineState:
+    """A record's view of the machine (training/metrics.py MachineLoad writes it): the CPU seconds per
+    second the process got since the record before, the 1-minute load average and the CPU count."""
+
+    cpu_s_per_s: float
+    load_1m: float
+    num_cpus: int
+
+    @property
+    def others(self) -> float:
+        """The load that the process's own CPU use does not account for: other processes (and its
+        own threads while they waited for a CPU)."""
+        return self.load_1m - self.cpu_s_per_s
+
+
+def machine_state_of(record: dict) -> MachineState | None:
+    keys = ("cpu_s_per_s", "load_1m", "num_cpus")
+    if not all(finite(record.get(key)) for key in keys):
+        return None
+    return MachineState(*(record[key] for key in keys))
 
 
 def compute_seconds(record: dict) -> float | None:
@@ -223,12 +255,15 @@ class HealthTracker:
         self.cfg = cfg or HealthConfig()
         self.cfg.check()
         self.alerts: list[Alert] = []
+        self.notes: list[Alert] = []  # episodes explained outside the run (severity "note")
         self.num_records = 0
         self.peak_lr = 0.0
         self._modes: dict[str, _ModeState] = {}
         self._latches = defaultdict(_Latch)
         self._data_wait = deque(maxlen=self.cfg.throughput_window)
-        self._slowdowns = deque(maxlen=self.cfg.throughput_window)  # (step, mode, slowdown), all modes
+        # (step, mode, slowdown, MachineState or None) of the last records, all modes
+        self._slowdowns = deque(maxlen=self.cfg.throughput_window)
+        self._typical_loads = deque(maxlen=self.cfg.throughput_history)  # MachineState of the records the lines took
         self.slowdowns: list[tuple[int, float]] = []  # (step, slowdown) of every judged record, for the plot
         self._memory = deque(maxlen=self.cfg.memory_window)  # (step, memory, num_shapes or None)
         self._memory_start: tuple[int, float] | None = None  # (step, memory) of the first judged record
@@ -255,7 +290,7 @@ class HealthTracker:
         return alert
 
     def observe(self, record: dict) -> list[Alert]:
-        """Feed one record; returns the alerts it raised."""
+        """Feed one record; returns the alerts it raised (notes apart: `notes`)."""
         before = len(self.alerts)
         if self._stopped:
             self.process_started()
@@ -435,32 +470,74 @@ class HealthTracker:
         if work is None or seconds is None:
             return
         cfg = self.cfg
+        load = machine_state_of(record)
         slow = 1 / (1 - cfg.throughput_drop)  # slowdown at which samples/s is throughput_drop lower
         if len(state.cost) < cfg.throughput_min_history:
             state.cost.add(work, seconds)
+            self._typical_loads.append(load)
             return
         slowdown = state.cost.slowdown(work, seconds)
         latch, halfway = self._latches["throughput"], 1 + (slow - 1) / 2
         if slowdown <= slow and latch.armed:  # slow steps, and all during a drop, stay out of the line,
             state.cost.add(work, seconds)  # so a long slowdown does not become the norm
-        self._slowdowns.append((step, mode, slowdown))
+            self._typical_loads.append(load)
+        self._slowdowns.append((step, mode, slowdown, load))
         self.slowdowns.append((step, slowdown))
-        median = statistics.median(s for _, _, s in self._slowdowns)
+        median = statistics.median(s for _, _, s, _ in self._slowdowns)
         full = len(self._slowdowns) == cfg.throughput_window
         if full and median <= halfway:
             latch.fire(False)  # back near the line: a later drop is a new episode
         elif full and median > slow and latch.fire(True):
-            since = next(st for st, _, s in self._slowdowns if s > slow)
-            modes = ", ".join(sorted({m for _, m, s in self._slowdowns if s > slow}))
-            self._raise(
-                "throughput_drop",
-                "warning",
-                step,
-                f"since step {since} the steps (mode {modes}) ran {1 - 1 / median:.0%} below the samples/s that "
-                f"their FLOPs predict (median of the last {cfg.throughput_window} records against each "
-                f"mode's step-cost line; alert above {cfg.throughput_drop:.0%}); a likely cause: a second busy "
-                f"process on the same cores makes torch's threads wait for each other; see train.threads",
+            self._report_drop([record for record in self._slowdowns if record[2] > slow], median, step, slow)
+
+    def _report_drop(self, slow_records: list[tuple], median: float, step: int, slow: float) -> None:
+        """A throughput drop at `step` made of `slow_records` (step, mode, slowdown, MachineState): a
+        note where the machine explains it, else a warning."""
+        cfg = self.cfg
+        modes = ", ".join(sorted({mode for _, mode, _, _ in slow_records}))
+        drop = (
+            f"since step {slow_records[0][0]} the steps (mode {modes}) ran {1 - 1 / median:.0%} below the "
+            f"samples/s that their FLOPs predict (median of the last {cfg.throughput_window} records against "
+            f"each mode's step-cost line; alert above {cfg.throughput_drop:.0%})"
+        )
+        busy, machine = self._machine_during(slow_records, slow)
+        if busy:
+            message = f"the machine was busy: {drop}; {machine}"
+            self.notes.append(Alert("throughput_drop", "note", step, message, REMEDIES["busy_machine"]))
+        else:
+            self._raise("throughput_drop", "warning", step, f"{drop}; {machine}")
+
+    def _machine_during(self, slow_records: list[tuple], slow: float) -> tuple[bool, str]:
+        """(whether the machine explains the slow records of a drop, what it did, in words). Explained: the
+        process got less CPU time than in its typical records, and per CPU second it got the steps ran
+        within the drop threshold of their line (`slow`); or the load average stood above the CPU count,
+        at least busy_load_rise above what the typical records saw beside the process's own CPU use."""
+        typical = [load for load in self._typical_loads if load is not None]
+        loads = [load for _, _, _, load in slow_records]
+        usual_cpu = statistics.median(load.cpu_s_per_s for load in typical) if typical else 0.0
+        if len(typical) < self.cfg.throughput_min_history or None in loads or usual_cpu <= 0:  # records say nothing
+            return False, (
+                "a likely cause: a second busy process on the same cores makes torch's threads wait for each "
+                "other; see train.threads"
             )
+        usual_others = statistics.median(load.others for load in typical)
+        cpu = statistics.median(load.cpu_s_per_s for load in loads)
+        load_1m = statistics.median(load.load_1m for load in loads)
+        num_cpus = loads[-1].num_cpus
+        rise = statistics.median(load.others for load in loads) - usual_others
+        per_cpu_second = statistics.median(s * load.cpu_s_per_s / usual_cpu for _, _, s, load in slow_records)
+        starved = per_cpu_second <= slow
+        crowded = load_1m > num_cpus and rise >= self.cfg.busy_load_rise
+        machine = (
+            f"this process got {cpu:.2f} CPU seconds per second ({usual_cpu:.2f} in its typical records); the "
+            f"1-minute load average was {load_1m:.1f} on {num_cpus} CPUs, {abs(rise):.1f} "
+            f"{'more' if rise >= 0 else 'fewer'} tasks of other processes than in its typical records"
+        )
+        if starved:
+            return True, f"{machine}: per CPU second it got, the steps ran as fast as their line predicts"
+        if crowded:
+            return True, f"{machine}: other processes kept more tasks running than there are CPUs"
+        return False, f"{machine}: the machine does not explain it, the run itself slowed"
 
     def _check_data_wait(self, record: dict, step: int) -> None:
         cfg = self.cfg

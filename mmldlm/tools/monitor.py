@@ -1,5 +1,6 @@
 """`mmldlm monitor`: follow a run's RUN/metrics.jsonl (the structured records the trainer writes,
-never its console text), show a compact status, raise the alerts of mmldlm/tools/health.py, write a
+never its console text), show a compact status, raise the alerts of mmldlm/tools/health.py (and its
+notes: what happened to the run with nothing wrong in it, such as a slowdown of a busy machine), write a
 health report (JSON) and a plot of the curves (PNG).
 
 Resumes. A resumed run rewrites metrics.jsonl (metrics.truncate_lines keeps the lines up to its
@@ -149,6 +150,10 @@ class RunHistory:
     def alerts(self) -> list[Alert]:
         return sorted(self.tracker.alerts + self.resume_alerts, key=lambda a: a.step)
 
+    @property
+    def notes(self) -> list[Alert]:
+        return self.tracker.notes
+
     def rewrite(self, records: list[dict]) -> None:
         """The file was rewritten: `records` is all of it."""
         self.evaluations = [r for r in records if is_evaluation(r)]
@@ -274,7 +279,9 @@ def status_line(history: RunHistory, total: int | None) -> str:
 
 
 def format_alert(alert: Alert) -> str:
-    return f"[{alert.severity.upper()}] step {alert.step} {alert.kind}: {alert.message}\n    fix: {alert.remedy}"
+    """Two lines: the alert (or note) and its fix (for a note, what it means)."""
+    then = "means" if alert.severity == "note" else "fix"
+    return f"[{alert.severity.upper()}] step {alert.step} {alert.kind}: {alert.message}\n    {then}: {alert.remedy}"
 
 
 def _stats(values: list) -> dict | None:
@@ -375,8 +382,9 @@ class Monitor:
         return self.stall
 
     def new_alerts(self) -> list[Alert]:
-        """Alerts not handed out before (a replay after a resume does not repeat them)."""
-        fresh = [a for a in self.alerts if (a.kind, a.step, a.message) not in self._shown]
+        """Alerts and notes not handed out before (a replay after a resume does not repeat them)."""
+        both = sorted(self.alerts + self.history.notes, key=lambda a: a.step)
+        fresh = [a for a in both if (a.kind, a.step, a.message) not in self._shown]
         self._shown.update((a.kind, a.step, a.message) for a in fresh)
         return fresh
 
@@ -411,6 +419,7 @@ class Monitor:
             "num_skipped": records[-1].get("num_skipped", 0) if records else 0,
             "statistics": statistics_of(records),
             "alerts": [a.to_dict() for a in alerts],
+            "notes": [a.to_dict() for a in self.history.notes],
             "alert_counts": {kind: sum(a.kind == kind for a in alerts) for kind in sorted({a.kind for a in alerts})},
         }
 
@@ -454,7 +463,12 @@ def follow(monitor: Monitor, interval: float = 2.0, once: bool = False, out=prin
         if monitor.stall
         else "in progress"
     )
-    counts = f"{counted(len(monitor.alerts), 'alert')}, {counted(monitor.history.num_resumes, 'resume')}"
+    notes = monitor.history.notes
+    counts = ", ".join(
+        [counted(len(monitor.alerts), "alert")]
+        + ([counted(len(notes), "note")] if notes else [])
+        + [counted(monitor.history.num_resumes, "resume")]
+    )
     out(f"run {ending}; status: {status} ({counts})")
     return status
 
@@ -474,14 +488,14 @@ PANELS = (
 )
 
 
-ALERT_COLOURS = {"critical": "red", "warning": "orange"}
+ALERT_COLOURS = {"critical": "red", "warning": "orange", "note": "grey"}
 
 
 def plot(
     records: list[dict], path: str | Path, alerts: list[Alert] = (), slowdowns: list[tuple[int, float]] = ()
 ) -> list[str]:
     """Curves against step into a PNG, one panel per metric, losses per mode (each mode its own
-    scale); alert steps as vertical lines on the loss panel; the monitor's slowdowns (each step's
+    scale); the steps of alerts and notes as vertical lines on the loss panel; the monitor's slowdowns (each step's
     time over its mode's step-cost line) under the samples/s they explain. Returns the panel titles."""
     import matplotlib  # here: only --plot needs it (a second to import), and the backend precedes pyplot
 
@@ -526,7 +540,8 @@ def plot(
                     color=ALERT_COLOURS[alert.severity],
                 )
             for severity in sorted({alert.severity for alert in alerts}):  # one legend entry per severity
-                ax.plot([], [], color=ALERT_COLOURS[severity], alpha=0.5, label=f"{severity} alert")
+                label = "note" if severity == "note" else f"{severity} alert"
+                ax.plot([], [], color=ALERT_COLOURS[severity], alpha=0.5, label=label)
         if per_mode and ax.lines:
             ax.legend(fontsize=8)
     for ax in axes[3]:  # the lowest panel of each column

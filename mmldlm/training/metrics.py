@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -68,6 +69,27 @@ def memory_stats(device: torch.device) -> dict:
     with open("/proc/self/statm") as f:  # Linux; fields are in pages
         rss_pages = int(f.read().split()[1])
     return {"mem_rss_gib": rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**30}
+
+
+class MachineLoad:
+    """What tells a busy machine from a slow run, over the window since the last `read`: the CPU seconds
+    this process got per second of wall clock (all its threads together: 1.0 is one core kept busy; its
+    loader workers are processes of their own and not counted), beside the machine's 1-minute load
+    average (the processes running or waiting for a CPU, every user's) and its number of CPUs. A run that
+    shares its cores with another job gets less CPU time than before, or finds the load above what it
+    puts there itself (`mmldlm monitor` reads both). The kernel's counters only: no device read-back."""
+
+    def __init__(self):
+        self._since = (time.perf_counter(), time.process_time())
+
+    def read(self) -> dict:
+        now = (time.perf_counter(), time.process_time())
+        (wall, cpu), self._since = self._since, now
+        try:
+            load = os.getloadavg()[0]
+        except OSError:  # a system without a load average
+            load = None
+        return {"cpu_s_per_s": (now[1] - cpu) / max(now[0] - wall, 1e-9), "load_1m": load, "num_cpus": os.cpu_count()}
 
 
 def _status_kib(field: str) -> int:

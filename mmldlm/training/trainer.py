@@ -58,7 +58,7 @@ from mmldlm.training.distributed import DistInfo, collective_guard
 from mmldlm.training.ema import WeightEMA
 from mmldlm.training.evaluation import evaluate_during_training
 from mmldlm.training.init_from import init_weights
-from mmldlm.training.metrics import MetricsLogger, cpu_has_native_bf16, memory_stats, peak_flops
+from mmldlm.training.metrics import MachineLoad, MetricsLogger, cpu_has_native_bf16, memory_stats, peak_flops
 from mmldlm.training.optim import STATE_BYTES, build_optimizer
 from mmldlm.training.parallelize import (
     anchor,
@@ -214,6 +214,7 @@ class Trainer:
         self.skips = SkipCounter(self.device)
         self.num_skipped = self.consecutive_skips = self.longest_skip_run = 0
         self.window = Window(self.device)  # the steps since the last record
+        self.machine_load = MachineLoad()  # the CPU time this process got since the last record, and the load
         self.agreed_stop = AgreedStop(self.device)
         self._flops_of_mode: dict[str, tuple[float, float, float, float]] = {}  # _flops_polynomial's, by mode
         # (mode, micro-batch, padded length, text-head rows) met so far in this process. Caches grow
@@ -819,6 +820,7 @@ class Trainer:
             "global_batch_size": pending.global_batch,
             "accumulation_steps": pending.num_accum,
             **self._window_figures(),
+            **self.machine_load.read(),  # a busy machine apart from a slow run (the monitor reads it)
             "num_shapes": len(self._input_shapes),
             # The update of this step was skipped; and how many were since the previous record.
             "skipped": totals["nonfinite"] > 0 or not math.isfinite(float(pending.grad_norm)),
