@@ -3,18 +3,20 @@
 #
 #   1. the older codebase's shape at full size (model=base-2k: 1024 wide, 24 blocks, texts of
 #      600-2048 tokens, a 30,522-entry vocabulary, 32-d latents) on synthetic tokens, no corpus:
-#      a. eager: the optimized config (the masked attention, model.attention=sdpa) vs the real
-#         positions alone (varlen) at micro-batch 4, and at micro-batch 8 padded and packed; samples/s, tokens/s,
-#         peak memory, the real-token share, MFU on real tokens (WITH_BASELINE=1 adds the baseline config and
-#         the largest micro-batch of each under 90% of the GPU's memory: measured 2026-11-27);
-#      b. compiled at micro-batch 4 vs compiled at micro-batch 8;
-#      c. one optimized step at micro-batch 4 under torch.profiler: how busy the GPU is and the top
+#      a. eager, micro-batch 8: the optimized config (the masked attention, model.attention=sdpa) vs
+#         the real positions alone (varlen) and packed rows, beside the plain transformer of the same
+#         text-stream dimensions (`bench --reference`); samples/s, tokens/s, peak memory, bytes per
+#         parameter, the real-token share, MFU on real tokens, and tokens/s and MFU over the reference's
+#         (WITH_BASELINE=1 adds the baseline config and the largest micro-batch of each under 90% of
+#         the GPU's memory: measured 2026-11-27);
+#      b. the same compiled (the reference compiled too);
+#      c. one optimized step at micro-batch 8 under torch.profiler: how busy the GPU is and the top
 #         kernels and host operators, the row that names the next lever (scripts/profile_step.py);
 #      d. the attention kernel that each kind of batch reaches at that shape (no padding, a padded
 #         batch's key mask, a packed batch's block-diagonal mask, FlexAttention's block masks) and
 #         its time, forward + backward (scripts/attention_kernels.py);
-#   2. the base preset on the default data, optimized vs compiled at the micro-batch `auto` picks
-#      (off unless T_BASE is set: measured on 2026-11-23);
+#   2. short texts: the small preset on the default data at micro-batch 512, optimized vs compiled,
+#      beside the plain transformer;
 #   3. a first writing rung: the small preset trained on the default data for what its limit leaves
 #      and evaluated on 128 validation texts (t2l retrieval@1, l2t word F1 and BLEU, with intervals),
 #      as scripts/writing_ladder.py measures it (off unless T_RUNG is set: with part 1's 480 s it
@@ -57,15 +59,15 @@ fi
 # three 1B rows and their fit searches at 2048 tokens did not finish in 170 s (its rows then shared
 # the GPU's memory: the baseline ran out of it), hence rows one at a time and two benches.
 if [ "$MODE" = gpu ]; then
-    DEFAULTS=(150 150 60 40 0 0 0)  # 1a, 1b, 1c, 1d, 2, 3, 4
+    DEFAULTS=(150 150 60 0 160 0 0)  # 1a, 1b, 1c, 1d, 2, 3, 4
 else
     DEFAULTS=(80 80 60 40 80 80 60)  # every part, at tiny shapes
 fi
-T_SHAPE4=${T_SHAPE4:-${DEFAULTS[0]}} # 1a. four rows of 1B parameters, 3 + 10 steps each (WITH_BASELINE=1: 240 s)
-T_SHAPE8=${T_SHAPE8:-${DEFAULTS[1]}} # 1b. two compiled rows, 6 + 10 steps
+T_SHAPE4=${T_SHAPE4:-${DEFAULTS[0]}} # 1a. three rows of 1B parameters and the reference, 3 + 10 steps each
+T_SHAPE8=${T_SHAPE8:-${DEFAULTS[1]}} # 1b. two compiled rows and the compiled reference, 6 + 10 steps
 T_PROFILE=${T_PROFILE:-${DEFAULTS[2]}} # 1c. one row built, 3 steps, 2 steps profiled
 T_ATTENTION=${T_ATTENTION:-${DEFAULTS[3]}} # 1d. five SDPA backends x three masks, two FlexAttention compiles
-T_BASE=${T_BASE:-${DEFAULTS[4]}}     # 2. two rows, the auto micro-batch probe, compile, 2 + 4 steps
+T_BASE=${T_BASE:-${DEFAULTS[4]}}     # 2. two rows and the reference, compile, 3 + 10 steps
 T_RUNG=${T_RUNG:-${DEFAULTS[5]}}     # 3. a 16-step timing run and its eval, the training, the eval of 128 texts
 T_TESTS=${T_TESTS:-${DEFAULTS[6]}}   # 4. pytest -m cuda
 TOTAL=$(( T_SHAPE4 + T_SHAPE8 + T_PROFILE + T_ATTENTION + T_BASE + T_RUNG + T_TESTS ))
@@ -91,9 +93,8 @@ if [ "$MODE" = gpu ]; then
     STEPS="--steps 10 --warmup 3 --round-steps 5"
     COMPILED_STEPS="--steps 10 --warmup 6 --round-steps 5"  # recompiles for new lengths settle in the warm-up
     FIT="--memory-cap-gib $CAP --max-micro-batch 64"
-    # auto takes the largest divisor of 2048 that fits: 512 on the 50k slice (68.4 GiB probed, 1,024 out of
-    # memory; 2026-11-26)
-    BASE="model=base train.micro_batch_size=auto train.global_batch_size=2048"
+    # 64 texts a step ran at 10 steps a second (2026-11-27): the host, not the GPU, set the pace
+    BASE="model=small train.micro_batch_size=512 train.global_batch_size=512"
     # writing_ladder.py fits its timing run, training and evaluations into --minutes (with a 10%
     # margin of its own); 15 s of the part's limit are left for its start-up and its table.
     RUNG="--minutes $("$PY" -c "print(round(($T_RUNG - 15) / 60, 2))") --rungs small:1 --timing-steps 16"
@@ -160,25 +161,24 @@ else
     SHAPE_ROWS=()
     FITTING=--no-fit
 fi
-part "1a. The older codebase's shape, eager: masked attention vs real positions, micro-batch 4 and 8" "$T_SHAPE4" \
-    "$RUN_OUT/shape-4.log" --bench "$RUN_OUT/shape-4" -- \
-    "$PY" -m mmldlm bench $SHAPE train.global_batch_size=4 train.micro_batch_size=4 $SYNTHETIC \
-    --baseline optimized --optimized "optimized model.attention=varlen" --variant "optimized $MB8" \
-    --variant "optimized data.packing=true $MB8" "${SHAPE_ROWS[@]}" $STEPS $FITTING $ROWS --out "$RUN_OUT/shape-4"
-part "1b. The older codebase's shape, compiled: micro-batch 4 vs 8" "$T_SHAPE8" "$RUN_OUT/shape-8.log" \
-    --bench "$RUN_OUT/shape-8" -- \
-    "$PY" -m mmldlm bench $SHAPE train.global_batch_size=4 train.micro_batch_size=4 $SYNTHETIC \
-    --baseline compiled --optimized "compiled $MB8" $COMPILED_STEPS --no-fit $ROWS --out "$RUN_OUT/shape-8"
+part "1a. The older codebase's shape, eager, micro-batch 8: masked attention vs real positions vs the plain transformer" \
+    "$T_SHAPE4" "$RUN_OUT/shape-4.log" --bench "$RUN_OUT/shape-4" -- \
+    "$PY" -m mmldlm bench $SHAPE $MB8 $SYNTHETIC --baseline optimized --optimized "optimized model.attention=varlen" \
+    --variant "optimized data.packing=true" "${SHAPE_ROWS[@]}" --reference $STEPS $FITTING $ROWS --out "$RUN_OUT/shape-4"
+part "1b. The older codebase's shape, compiled, micro-batch 8: masked attention vs real positions vs the plain transformer" \
+    "$T_SHAPE8" "$RUN_OUT/shape-8.log" --bench "$RUN_OUT/shape-8" -- \
+    "$PY" -m mmldlm bench $SHAPE $MB8 $SYNTHETIC --baseline compiled --optimized "compiled model.attention=varlen" \
+    --reference $COMPILED_STEPS --no-fit $ROWS --out "$RUN_OUT/shape-8"
 part "1c. The older codebase's shape, one optimized step profiled" "$T_PROFILE" "$RUN_OUT/profile.log" \
     --profile "$RUN_OUT/profile" -- \
-    "$PY" scripts/profile_step.py optimized $SHAPE train.global_batch_size=4 train.micro_batch_size=4 \
+    "$PY" scripts/profile_step.py optimized $SHAPE $MB8 \
     data.path="$RUN_OUT/shape-4/synthetic-data" --warmup 3 --steps 2 --out "$RUN_OUT/profile"
 part "1d. The older codebase's shape, attention kernels per kind of batch" "$T_ATTENTION" "$RUN_OUT/attention.log" \
     --output -- "$PY" scripts/attention_kernels.py $ATTENTION
-part "2. Base preset, default data, compiled at the auto micro-batch" "$T_BASE" "$RUN_OUT/base.log" \
-    --bench "$RUN_OUT/base" -- \
-    "$PY" -m mmldlm bench $BASE data.path="$DATA" --baseline optimized --optimized compiled $STEPS --no-fit $ROWS \
-    --out "$RUN_OUT/base"
+part "2. Short texts: the small preset on the default data at a batch that fills the GPU, vs the plain transformer" \
+    "$T_BASE" "$RUN_OUT/base.log" --bench "$RUN_OUT/base" -- \
+    "$PY" -m mmldlm bench $BASE data.path="$DATA" --baseline optimized --optimized compiled --reference $STEPS --no-fit \
+    $ROWS --out "$RUN_OUT/base"
 part "3. A first writing rung" "$T_RUNG" "$RUN_OUT/rung.log" --ladder "$RUN_OUT/rung" -- \
     "$PY" scripts/writing_ladder.py $RUNG --eval-args "$EVAL" --out "$RUN_OUT/rung" $RUNG_KEYS data.path="$DATA"
 part "4. CUDA-only tests" "$T_TESTS" "$RUN_OUT/tests.log" --tests -- \

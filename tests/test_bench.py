@@ -377,5 +377,5 @@ def test_a_row_out_of_memory_is_dropped_and_said_so_while_the_others_are_measure
         order=["baseline", "optimized"],
     )
     md = markdown(report)
-    assert "| baseline | out of memory |  |  |  |  |  |  |  |  | 2 |" in md and "| optimized | 4 x 1 | 16.00 |" in md
+    assert "| baseline | out of memory |  |  |  |  |  |  |  |  |  | 2 |" in md and "| optimized | 4 x 1 | 16.00 |" in md
     assert "optimized / baseline: no ratios, one of them ran out of memory at this micro-batch." in md

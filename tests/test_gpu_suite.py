@@ -181,16 +181,18 @@ def test_gpu_session_rehearsal_on_a_cpu_runs_every_part_and_reports_each(tmp_pat
         "1b. The older",
         "1c. The older",
         "1d. The older",
-        "2. Base preset",
+        "2. Short texts",
         "3. A first",
         "4. CUDA-only",
     ):
         assert f"### {title}" in text
     assert "wall " in text and "## by host time" in text  # the profile's head, in the report
-    assert "| optimized | 4 x 1, AC " in text and "| optimized model.attention=varlen | 4 x 1, AC " in text
-    assert "| optimized data.packing=true train.global_batch_size=8 train.micro_batch_size=8 | 8 x 1" in text
+    assert "| optimized | 8 x 1, AC " in text and "| optimized model.attention=varlen | 8 x 1, AC " in text
+    assert "| optimized data.packing=true | 8 x 1" in text
     assert "| packed: block-diagonal mask | default | " in text  # part 1d's attention kernels
-    assert "| compiled | 4 x 1, AC " in text and "| compiled train.global_batch_size=8 " in text
+    assert "| compiled | 8 x 1, AC " in text and "| compiled model.attention=varlen | 8 x 1" in text
+    assert text.count("| reference: plain transformer | ") == 3  # parts 1a, 1b and 2, each beside its rows
+    assert "tokens/s ÷ reference" in text
     # what comes back from the device: the report so far and every part's log, as each part ended
     assert (copies / "session.md").read_text() == (tmp_path / "out" / "session.md").read_text()
     logs = {"shape-4.log", "shape-8.log", "profile.log", "attention.log", "base.log", "rung.log", "tests.log"}

@@ -6,10 +6,11 @@ import pytest
 import torch
 from data_support import prepared
 from loader_support import SyntheticLoader
-from test_perf import DIM, LEN, PAD_ID, VOCAB, OpCounter, objective_for, tiny_model
+from test_perf import DIM, LEN, PAD_ID, VOCAB, objective_for, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmldlm.config import load_config
+from mmldlm.tools.operations import step_operations
 from mmldlm.training import trainer as trainer_module
 from mmldlm.training.distributed import DistInfo
 from mmldlm.training.run import build_trainer
@@ -190,36 +191,6 @@ def test_compiled_blocks_have_no_graph_break_and_stop_compiling_once_every_mode_
     assert compiled[0] == compiled[1] <= 2 * len(MODES) < len(MODES) * len(lengths), compiled
 
 
-# Operations that only describe a tensor anew (a view, a transpose): no kernel runs on a GPU.
-METADATA_OPS = {
-    "view",
-    "_unsafe_view",
-    "t",
-    "transpose",
-    "detach",
-    "unsqueeze",
-    "squeeze",
-    "expand",
-    "slice",
-    "select",
-    "split",
-    "split_with_sizes",
-    "unbind",
-    "alias",
-    "permute",
-    "as_strided",
-}
-
-
-def step_operations(trainer) -> tuple[int, int]:
-    """(all ATen operations, those that run a kernel) of one queued step, after a warm-up step."""
-    trainer.train_step()
-    with OpCounter() as counter:
-        trainer.run_step()
-    kernels = sum(n for name, n in counter.counts.items() if name not in METADATA_OPS)
-    return sum(counter.counts.values()), kernels
-
-
 def test_a_step_at_the_older_shapes_depth_dispatches_under_2_7_times_a_plain_transformers_operations(tmp_path):
     """bf16 autocast, depth 24 (the older codebase's), width 64 so that it runs in seconds: the ATen
     operations of one step of each mode over those of the plain transformer of the same dimensions
@@ -248,10 +219,12 @@ def test_a_step_at_the_older_shapes_depth_dispatches_under_2_7_times_a_plain_tra
     ]
     _, _, reference, _ = build_reference("optimized", common, str(tmp_path / "reference"))
     assert len(reference.raw_model.blocks) == 24
-    reference_all, reference_kernels = step_operations(reference)
+    reference_ops = step_operations(reference)
     for mode in ("l2t", "t2l", "joint"):
-        _, _, ours, _ = build_bench_trainer("optimized", [*common, f"objective.mode={mode}"], str(tmp_path / mode))
-        total, kernels = step_operations(ours)
-        ratios = (total / reference_all, kernels / reference_kernels)
-        message = f"{mode}: {total} operations ({kernels} kernels) against {reference_all} ({reference_kernels})"
-        assert ratios[0] <= 2.7 and ratios[1] <= 2.95, message
+        _, _, trainer, _ = build_bench_trainer("optimized", [*common, f"objective.mode={mode}"], str(tmp_path / mode))
+        ours = step_operations(trainer)
+        message = (
+            f"{mode}: {ours.total} operations ({ours.kernels} kernels) against {reference_ops.total} "
+            f"({reference_ops.kernels})"
+        )
+        assert ours.total <= 2.7 * reference_ops.total and ours.kernels <= 2.95 * reference_ops.kernels, message

@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from loader_support import SyntheticLoader
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmldlm.config import ConfigError, ModelConfig, PerfConfig, flat_keys, load_config, to_dict
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion
 from mmldlm.model.mmdit import MultimodalMMDiT
 from mmldlm.objective import Objective
+from mmldlm.tools.operations import OperationCounter
 from mmldlm.training.batch_size import (
     candidate_sizes,
     fit_to_data,
@@ -82,24 +82,11 @@ def assert_same(reference, other):
         torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-class OpCounter(TorchDispatchMode):
-    """Counts aten ops by name (the overload packet, e.g. 'mm', 'gelu')."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
 def backward_op_counts(model):
     tokens, latents, t_text, t_latent, pad_mask = model_inputs()
     logits, out, _ = model(tokens, latents, t_text, t_latent, text_pad_mask=pad_mask)
     loss = F.cross_entropy(logits.transpose(1, 2), tokens) + out.pow(2).mean()
-    with OpCounter() as counter:
+    with OperationCounter() as counter:
         loss.backward()
     return counter.counts
 
@@ -539,3 +526,22 @@ def test_low_bit_state_follows_the_fp32_state_over_a_short_run(tmp_path):
     int8, _ = run_losses(tmp_path / "int8", ["train.precision=fp32", "optim.state_dtype=int8"], steps=12)
     torch.testing.assert_close(torch.tensor(int8), torch.tensor(fp32), rtol=0.05, atol=0.0)
     assert fp32 != int8
+
+
+def test_bytes_per_parameter_count_the_casts_gradients_clipping_and_adamw_of_a_step(tmp_path):
+    """Under bf16 autocast one micro-batch with clipping by its own pass moves 58 bytes per parameter
+    (a 6-byte cast each way, four 2-byte reads and writes by the products, the norm, the clipping pass,
+    AdamW's 28); the fused AdamW that divides as it reads saves the clipping pass's 8; accumulation adds
+    a micro-batch and an accumulation each; fp32 has no casts. The trainer counts its own choices."""
+    from mmldlm.training.traffic import bytes_per_parameter
+
+    assert bytes_per_parameter("bf16") == 58
+    assert bytes_per_parameter("bf16", clip="in_optimizer") == 50
+    assert bytes_per_parameter("bf16", accumulation_steps=2) == 58 + 18 + 12
+    assert bytes_per_parameter("fp32") == 52 and bytes_per_parameter("bf16", ema=True) == 70
+    assert bytes_per_parameter("bf16", recomputed_share=1.0) == 58 + 8
+    assert bytes_per_parameter("bf16", recomputed_share=1.0, recomputes_products=False) == 58 + 6
+    assert bytes_per_parameter("bf16", state_dtype="int8") < 58 - 10
+    _, trainer = run_losses(tmp_path, ["train.micro_batch_size=4", "train.precision=bf16"], steps=1)
+    assert trainer.clip_in_optimizer  # fused AdamW, one process
+    assert trainer.bytes_per_parameter() == bytes_per_parameter("bf16", accumulation_steps=2, clip="in_optimizer")

@@ -280,6 +280,7 @@ def _setup_reply(cfg, info, trainer) -> dict:
         "strategy": cfg.distributed.strategy,
         "num_shards": cfg.distributed.num_shards(info.world_size, info.local_world_size),
         "parameters": sum(p.numel() for p in trainer.raw_model.parameters()),
+        "bytes_per_parameter": trainer.bytes_per_parameter(),
     }
 
 
@@ -544,6 +545,8 @@ def _summary(setup: dict, records: list[dict], memory: list[dict]) -> dict:
         "state_gib": state_gib,
         **split,
         "peak_above_state_gib": peak_gib - state_gib,
+        # What each parameter moves through memory per step (training/traffic.py): weights, gradients, optimizer.
+        "bytes_per_parameter": setup.get("bytes_per_parameter"),
         "peak_memory_kind": "cuda_max_allocated" if device_is_cuda else "cpu_peak_rss_above_runtime",
         "peak_rss_gib": None if device_is_cuda else max(m["peak_bytes"] for m in memory) / 2**30,
         "mfu": _median_of(records, "mfu"),  # on real tokens: padding is not counted
@@ -840,6 +843,7 @@ def _table_header(report: dict) -> list[str]:
         "step s (min, p10-p90)",
         memory_label,
         "weights / grads / AdamW / rest GiB",
+        "bytes/param/step",
         "real tokens",
         "MFU (real tokens)",
     ]
@@ -887,7 +891,7 @@ def _table_row(
     a reference row, its tokens/s and MFU over the reference's. A row out of memory at the micro-batch
     says so (and shows the largest that fits, where searched)."""
     if "out_of_memory" in c or "not_measured" in c:
-        row = [name, "out of memory" if "out_of_memory" in c else c["not_measured"], *[""] * 8]
+        row = [name, "out of memory" if "out_of_memory" in c else c["not_measured"], *[""] * 9]
     else:
         row = _measured_cells(name, c)
     if fit:
@@ -912,6 +916,8 @@ def _measured_cells(name: str, c: dict) -> list[str]:
         f"{c['peak_memory_gib']:.2f}",
         " / ".join(f"{c.get(k, 0.0):.2f}" for k in ("weights_gib", "gradients_gib", "optimizer_state_gib"))
         + f" / {c['peak_above_state_gib']:.2f}",
+        # Absent from reports written before it was counted (scripts/gpu_report.py reads old ones).
+        f"{c['bytes_per_parameter']:.0f}" if c.get("bytes_per_parameter") is not None else "",
         # Absent from reports written before it was measured (scripts/gpu_report.py reads old ones).
         f"{c['real_token_share']:.0%}" if c.get("real_token_share") is not None else "",
         f"{c['mfu']:.1%}" if c["mfu"] is not None else "n/a",
@@ -943,7 +949,8 @@ def _ratio_lines(report: dict) -> list[str]:
         "Training state: fp32 weights 4 bytes per parameter, gradients 4 (none held all at once "
         "with optim.step_in_backward), AdamW moments 8 (about 2 with optim.state_dtype=int8, 1 with "
         "int4); rest = activations, low-precision copies, temporaries. AC: the activation checkpointing "
-        "that ran (auto resolved).",
+        "that ran (auto resolved). bytes/param/step: what each parameter moves through memory in a step "
+        "(weight casts and reads, gradients, clipping, AdamW, EMA; mmldlm/training/traffic.py).",
         "",
         _ratio_line(f"{options['optimized']} / {options['baseline']}", report["ratios"]),
         "",

@@ -64,6 +64,7 @@ from mmldlm.training.parallelize import (
     anchor,
     apply_activation_checkpointing,
     apply_fsdp,
+    checkpointed_blocks,
     no_grad_sync,
     parallelize,
     uses_anchor,
@@ -72,6 +73,7 @@ from mmldlm.training.profiler import profiler_window
 from mmldlm.training.schedules import LRSchedule
 from mmldlm.training.storage import WriteError
 from mmldlm.training.tally import AgreedStop, SkipCounter, StepTotals, Window
+from mmldlm.training.traffic import bytes_per_parameter
 from mmldlm.wording import counted
 
 log = logging.getLogger(__name__)
@@ -235,7 +237,7 @@ class Trainer:
             self._setup_step_in_backward()
         # Clipping folded into the fused AdamW (`_gradient_norm`): its gradients are plain tensors (not
         # FSDP2's shards) and no loss scaler unscales them first.
-        self._clip_in_optimizer = (
+        self.clip_in_optimizer = (
             bool(self.optimizer.defaults.get("fused"))
             and self.scaler is None
             and not (info.distributed and cfg.distributed.shards_model)
@@ -577,6 +579,30 @@ class Trainer:
                 size = scheduled
         return size
 
+    def bytes_per_parameter(self) -> float:
+        """The bytes each parameter moves per optimizer step of the first scheduled batch size, as this
+        trainer runs it (training/traffic.py): its precision, accumulation, checkpointed blocks,
+        clipping, EMA and optimizer state."""
+        num_accum = accumulation_steps(
+            self.global_batch_at(0), self.micro_batch_size, self.info.world_size, "train.global_batch_size"
+        )
+        perf = dataclasses.replace(self.cfg.perf, activation_checkpointing=self.activation_checkpointing)
+        blocks = self.raw_model.blocks
+        recomputed = sum(p.numel() for i in checkpointed_blocks(len(blocks), perf) for p in blocks[i].parameters())
+        if self.cfg.optim.grad_clip <= 0 or self.step_in_backward:
+            clip = "none"
+        else:
+            clip = "in_optimizer" if self.clip_in_optimizer else "separate"
+        return bytes_per_parameter(
+            self.precision,
+            num_accum,
+            recomputed / sum(p.numel() for p in self.raw_model.parameters()),
+            recomputes_products=self.activation_checkpointing != "selective",
+            clip=clip,
+            ema=self.ema is not None,
+            state_dtype=self.cfg.optim.state_dtype,
+        )
+
     def idle_parameters(self, mode: str) -> list[nn.Parameter]:
         if mode == "l2t":
             return list(self.raw_model.latent_head_parameters())
@@ -737,7 +763,7 @@ class Trainer:
         grad_norm = torch.nn.utils.get_total_norm(grads)
         if math.isfinite(max_norm):
             divisor = torch.clamp((grad_norm + 1e-6) / max_norm, min=1.0)
-            if self._clip_in_optimizer:
+            if self.clip_in_optimizer:
                 self.optimizer.grad_scale = divisor.to(torch.float32)
             else:
                 torch._foreach_div_(grads, divisor)  # as torch's clipping multiplies (FSDP2's DTensor shards too)

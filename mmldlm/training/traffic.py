@@ -1,0 +1,54 @@
+"""The bytes each parameter moves through memory in one optimizer step: what the weights, their
+gradients and the optimizer cost in memory traffic, beside the FLOPs the activations cost. A weight
+that serves few rows (the latent stream's, the adaLN modulation's: one row per text) costs what it
+costs to read it, so at the older codebase's shape this, not arithmetic, is a large part of a step.
+
+Per parameter, in bytes, under bf16 autocast with fp32 weights (autocast's cast cache is off,
+training/trainer.py says why), per micro-batch:
+
+    cast the weight to bf16            read 4, write 2     6
+    forward matrix product             read 2              2
+    backward: input gradient           read 2              2
+    backward: weight gradient (bf16)   write 2             2
+    its cast to fp32                   read 2, write 4     6
+    accumulate into .grad              read 8, write 4    12   (not the first micro-batch: it is kept)
+    recompute (checkpointed blocks)    cast and forward    8   (the share of parameters in them)
+
+and once per step: the gradient norm (read 4), clipping (read 4, write 4; 0 when the fused AdamW
+divides as it reads), AdamW (read weight, gradient and two moments, write weight and moments: 28 in
+fp32 moments; int8/int4 moments read and write a byte or half of one each, with their scales), the
+EMA (read both, write one: 12). In fp32 the casts go and every read of a weight or gradient is 4
+bytes. One micro-batch under bf16 autocast with clipping by a separate pass: 58 bytes.
+"""
+
+from __future__ import annotations
+
+from mmldlm.training.optim import STATE_BYTES
+
+
+def bytes_per_parameter(
+    precision: str,
+    accumulation_steps: int = 1,
+    recomputed_share: float = 0.0,
+    recomputes_products: bool = True,
+    clip: str = "separate",
+    ema: bool = False,
+    state_dtype: str = "fp32",
+) -> float:
+    """Bytes one parameter moves per optimizer step (the module docstring). precision: "bf16"/"fp16"
+    (autocast over fp32 weights) or "fp32"; recomputed_share: the share of parameters in blocks whose
+    forward activation checkpointing runs again, with its matrix products (full) or without them
+    (selective: the casts alone); clip: "separate" (norm, then a pass that scales), "in_optimizer"
+    (norm; the fused AdamW divides) or "none" (optim.grad_clip=0: the norm alone, for the record)."""
+    low = precision in ("bf16", "fp16")
+    weight = 2 if low else 4  # the copy the products read
+    cast = 6 if low else 0  # fp32 -> 16 bits, and back for the gradient
+    forward = cast + weight
+    backward = weight + weight + cast  # input gradient, weight gradient, its cast
+    micro = forward + backward + recomputed_share * (forward if recomputes_products else cast)
+    accumulate = 12 * (accumulation_steps - 1)
+    norm = 4
+    scale = {"separate": 8, "in_optimizer": 0, "none": 0}[clip]
+    moments = STATE_BYTES[state_dtype]  # both moments, each read and written once
+    adamw = 4 + 4 + 4 + 2 * moments  # read weight and gradient, write weight; moments read and written
+    return accumulation_steps * micro + accumulate + norm + scale + adamw + (12 if ema else 0)

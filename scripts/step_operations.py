@@ -1,0 +1,69 @@
+"""ATen operations of one training step of each mode, beside those of the plain transformer of the same
+text-stream dimensions (`mmldlm bench --reference`): the host's work per step, which a GPU pays per
+launch. Counted on any device; the default shape is the older codebase's depth at a width that runs
+in seconds on a CPU.
+
+    python scripts/step_operations.py                       # depth 24, width 64, bf16 autocast
+    python scripts/step_operations.py model=small train.precision=fp32
+
+Prints, per row, every operation and the kernels (operations that are not views), per step and per
+block, and the ratios to the reference; `--top N` lists the most frequent operations of each row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+DEFAULTS = [
+    "model=base-2k",
+    "model.hidden_size=64",
+    "model.num_heads=4",
+    "model.max_seq_len=256",
+    "train.micro_batch_size=8",
+    "train.global_batch_size=8",
+    "train.precision=bf16",
+    "data.num_workers=0",
+    "perf.activation_checkpointing=none",
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="after the defaults above")
+    parser.add_argument("--config", default="optimized", help="config name or file (default optimized)")
+    parser.add_argument("--top", type=int, default=0, help="the N most frequent operations of each row")
+    args = parser.parse_args(argv)
+
+    from mmldlm.data.synthetic import SyntheticShape, write_synthetic
+    from mmldlm.tools.bench import build_reference, build_trainer
+    from mmldlm.tools.operations import step_operations
+
+    with tempfile.TemporaryDirectory() as scratch:
+        shape = SyntheticShape(vocab_size=30522, min_length=60, max_length=256, latent_dim=32, num_samples=64)
+        overrides = [f"data.path={write_synthetic(shape, Path(scratch) / 'data')}", *DEFAULTS, *args.overrides]
+        _, _, trainer, _ = build_reference(args.config, overrides, str(Path(scratch) / "reference"))
+        rows = {"reference: plain transformer": step_operations(trainer)}
+        for mode in ("l2t", "t2l", "joint"):
+            run_dir = str(Path(scratch) / mode)
+            _, _, trainer, _ = build_trainer(args.config, [*overrides, f"objective.mode={mode}"], run_dir)
+            rows[mode] = step_operations(trainer)
+    depth = len(trainer.raw_model.blocks)
+    reference = rows["reference: plain transformer"]
+    print("| row | operations | per block | x reference | kernels | per block | x reference |")
+    print("|---|---|---|---|---|---|---|")
+    for name, ops in rows.items():
+        print(
+            f"| {name} | {ops.total:,} | {ops.total / depth:.0f} | {ops.total / reference.total:.2f} "
+            f"| {ops.kernels:,} | {ops.kernels / depth:.0f} | {ops.kernels / reference.kernels:.2f} |"
+        )
+    for name, ops in rows.items() if args.top else ():
+        top = sorted(ops.counts.items(), key=lambda item: -item[1])[: args.top]
+        print(f"{name}: " + ", ".join(f"{op} {n}" for op, n in top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
