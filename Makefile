@@ -35,10 +35,11 @@ test-all: lint
 # Then a quick evaluation of the last checkpoint (about a minute): what the model writes alone (one
 # text per latent, no encoder in the loop) next to the sources, and the figures; the whole report with
 # the default decoder is `mmldlm eval --run runs/default` (9-17 minutes on one thread).
-# One thread: on a 2-core machine shared with other jobs, two torch threads ran 6-8x slower.
+# Threads auto (training's too, configs/default.yaml): every core of an idle machine, fewer beside other
+# jobs (on 2 cores shared with one busy process, two torch threads ran 6-8x slower than one).
 train: install
 	$(PY) -m mmldlm.cli train --config configs/default.yaml --resume auto
-	$(PY) -m mmldlm.cli eval --run runs/default --num-samples 128 --threads 1 --best-of 1 --no-writing --if-missing
+	$(PY) -m mmldlm.cli eval --run runs/default --num-samples 128 --threads auto --best-of 1 --no-writing --if-missing
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -676,8 +676,9 @@ class TrainConfig:
     # auto, cpu, cuda (cuda:LOCAL_RANK) or cuda:N (one process; CUDA_VISIBLE_DEVICES chooses the GPUs seen)
     device: str = "auto"
     # torch's intra-op CPU threads per process; null: torch's default (one per core). With another
-    # busy process on the same cores the threads wait for each other: 1 is then far faster.
-    threads: int | None = None
+    # busy process on the same cores the threads wait for each other: 1 is then far faster. auto: the
+    # CPUs other processes leave free, read again every few seconds of training (mmldlm/threads.py).
+    threads: int | Literal["auto"] | None = None
     log_every: int = 10
     seed: int = 0
     deterministic: bool = False  # deterministic kernels: resumed runs repeat losses bit for bit
@@ -706,8 +707,8 @@ class TrainConfig:
             _fail(f"{prefix}.init_from", self.init_from, "null or a run, checkpoint or exported model directory")
         if not 0.0 <= self.ema_decay < 1.0:
             _fail(f"{prefix}.ema_decay", self.ema_decay, "a number in [0, 1) (0 = no EMA)")
-        if self.threads is not None and self.threads < 1:
-            _fail(f"{prefix}.threads", self.threads, "null (torch's default) or an integer >= 1")
+        if self.threads not in (None, "auto") and (isinstance(self.threads, str) or self.threads < 1):
+            _fail(f"{prefix}.threads", self.threads, "null (torch's default), auto or an integer >= 1")
         if self.memory_cap_gib is not None and self.memory_cap_gib <= 0:
             _fail(f"{prefix}.memory_cap_gib", self.memory_cap_gib, "null or a number of GiB > 0")
         if self.micro_batch_size == "auto":  # divisibility is checked once the size is found

@@ -279,6 +279,7 @@ def test_each_rule_with_a_config_fix_names_the_keys_that_fix_writes():
         ([], {"load": 5.0, "cpus": 8, "torch_threads": 4, "nproc_per_node": 2}, 1),
         ([], {"load": 0.4}, None),  # idle: a load under 0.5 takes no CPU
         (["train.threads=1"], {"load": 1.0}, None),
+        (["train.threads=auto"], {"load": 1.0}, None),  # the run follows the free CPUs itself
         ([], {"load": 1.0, "torch_threads": 1}, None),  # OMP_NUM_THREADS=1, or torchrun's default for several processes
         ([], {"load": 1.0, "device": "cuda"}, None),  # the GPU does the work
         (["train.threads=4"], {"load": 0.0}, None),  # more threads than CPUs on an idle machine is the config's choice

@@ -150,7 +150,8 @@ def keep_larger_report(path, kept: int | None, num_samples: int) -> None:
 
 def check_options(args: argparse.Namespace) -> None:
     """OptionError for the first option of add_evaluation_arguments that cannot be used."""
-    from mmldlm.errors import OptionError, require_positive
+    from mmldlm.errors import require_positive
+    from mmldlm.threads import parse_threads
 
     require_positive(
         {
@@ -160,8 +161,7 @@ def check_options(args: argparse.Namespace) -> None:
             "--batch-size": args.batch_size,
         }
     )
-    if args.threads < 0:
-        raise OptionError("--threads", args.threads, "0 (torch's default) or a positive integer")
+    args.threads = parse_threads(args.threads)
 
 
 def evaluation(args: argparse.Namespace, model_path: str):
@@ -175,14 +175,12 @@ def load_for_evaluation(args: argparse.Namespace, model_path: str):
     """(the trained run, the prepared dataset, the split) that `args` evaluate the model at `model_path` on."""
     from pathlib import Path
 
-    import torch
-
     from mmldlm.device import keep_freed_memory, pick_device
     from mmldlm.export.pretrained import load_trained
+    from mmldlm.threads import set_threads
 
     check_options(args)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     keep_freed_memory()  # the samplers' vocabulary-wide tensors, reused instead of faulted in at every step
     device = str(pick_device(args.device, key="--device"))
     run = load_trained(model_path, getattr(args, "checkpoint", None), device, use_ema=ema_choice(args))

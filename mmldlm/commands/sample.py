@@ -104,9 +104,10 @@ def add_device_arguments(group) -> None:
     )
     group.add_argument(
         "--threads",
-        type=int,
-        default=0,
-        help="CPU threads for torch (0: torch's default); 1 is fastest on a CPU other jobs share",
+        default="0",
+        metavar="auto|0|N",
+        help="CPU threads for torch: auto (the CPUs other processes leave free), 0 (torch's default: one "
+        "per core) or N; on a CPU other jobs share, more threads than free cores run far slower",
     )
     group.add_argument(
         "--quiet",
@@ -277,15 +278,13 @@ def run(args: argparse.Namespace) -> int:
 def _sample(args: argparse.Namespace) -> int:
     import dataclasses
 
-    import torch
-
     from mmldlm.device import keep_freed_memory, pick_device
     from mmldlm.errors import OptionError
     from mmldlm.export.pretrained import MMLDLM
+    from mmldlm.threads import set_threads
 
     _check_arguments(args)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     keep_freed_memory()  # the samplers' vocabulary-wide tensors, reused instead of faulted in at every step
     device = str(pick_device(args.device, key="--device"))
     model = MMLDLM.from_pretrained(args.run, checkpoint=args.checkpoint, device=device, use_ema=ema_choice(args))
@@ -315,10 +314,10 @@ def _check_arguments(args: argparse.Namespace) -> None:
     import os
 
     from mmldlm.errors import OptionError, require_positive
+    from mmldlm.threads import parse_threads
 
     require_positive({"--num": args.num, "--length": args.length, "--batch-size": args.batch_size})
-    if args.threads < 0:
-        raise OptionError("--threads", args.threads, "0 (torch's default) or a positive integer")
+    args.threads = parse_threads(args.threads)
     for option, path in (("--out", args.out), ("--latents-out", args.latents_out)):
         # Checked before sampling: a run of many samples must not be lost to a typo in the path.
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):

@@ -89,7 +89,12 @@ class MachineLoad:
             load = os.getloadavg()[0]
         except OSError:  # a system without a load average
             load = None
-        return {"cpu_s_per_s": (now[1] - cpu) / max(now[0] - wall, 1e-9), "load_1m": load, "num_cpus": os.cpu_count()}
+        return {
+            "cpu_s_per_s": (now[1] - cpu) / max(now[0] - wall, 1e-9),
+            "load_1m": load,
+            "num_cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),  # at the record (train.threads=auto changes it)
+        }
 
 
 def _status_kib(field: str) -> int:

@@ -24,6 +24,7 @@ from mmldlm.model.mmdit import MultimodalMMDiT
 from mmldlm.objective import Objective
 from mmldlm.runs.checkpoints import step_dir_name
 from mmldlm.runs.files import save_run_config
+from mmldlm.threads import set_threads
 from mmldlm.training.batch_size import fit_to_data, global_batch_sizes
 from mmldlm.training.distributed import DistInfo, RankTimeout, continue_command, init_distributed, leave
 from mmldlm.training.trainer import StopRequest, Trainer, TrainingStopped, seed_everything
@@ -166,10 +167,11 @@ def train(cfg: RunConfig, resume: str | None = None, command: str = "mmldlm trai
     """Train `cfg` (resuming per `resume`: None, "auto" or a checkpoint path); returns the exit status:
     0 when train.steps are done, 128 + the signal's number when a signal stopped the run first.
     `command` is how the run was started, for the line that says how to continue it."""
-    if cfg.train.threads is not None:  # before any work; inter-op threads: unused by training, left as they are
-        torch.set_num_threads(cfg.train.threads)
     info = init_distributed(cfg.distributed, cfg.train.device)
     setup_logging(info)
+    # Before any work (data preparation included); inter-op threads: unused by training, left as they are.
+    share = max(1, len(os.sched_getaffinity(0)) // info.local_world_size)
+    threads = set_threads(cfg.train.threads, log=log.info, cpus=share)
     set_deterministic(cfg.train.deterministic)
     run_dir = Path(cfg.train.run_dir)
     try:
@@ -178,6 +180,7 @@ def train(cfg: RunConfig, resume: str | None = None, command: str = "mmldlm trai
         with StopRequest() as stop:
             with signals_raise(StartUpInterrupted):  # until the loop takes signals over: end at once
                 trainer = build_trainer(cfg, info)
+                trainer.auto_threads = threads
                 trainer.resume(resume)
             if info.is_main and not trainer.nothing_to_train:  # the run has started: what it runs with is recorded
                 save_run_config(trainer.cfg, run_dir, trainer.resumed_from)

@@ -44,6 +44,7 @@ from mmldlm.data.errors import DataError
 from mmldlm.model.info import training_flops_per_sample
 from mmldlm.model.mmdit import padded_row_count
 from mmldlm.runs.files import CheckpointError
+from mmldlm.threads import AutoThreads
 from mmldlm.training.batch_size import (
     batch_shape,
     default_memory_cap,
@@ -217,6 +218,7 @@ class Trainer:
         self.num_skipped = self.consecutive_skips = self.longest_skip_run = 0
         self.window = Window(self.device)  # the steps since the last record
         self.machine_load = MachineLoad()  # the CPU time this process got since the last record, and the load
+        self.auto_threads: AutoThreads | None = None  # train.threads=auto: the loop follows the machine's load
         self.agreed_stop = AgreedStop(self.device)
         self._flops_of_mode: dict[str, tuple[float, float, float, float]] = {}  # _flops_polynomial's, by mode
         # (mode, micro-batch, padded length, text-head rows) met so far in this process. Caches grow
@@ -894,6 +896,8 @@ class Trainer:
                 profiler_window(cfg.perf.profiler, self.run_dir, self.device, info.rank) as profiler,
             ):
                 while self.step < total:
+                    if self.auto_threads is not None:
+                        self.auto_threads.follow()
                     pending = self.run_step(stop)
                     self.checkpoints.raise_background_error()
                     if profiler is not None:

@@ -105,8 +105,9 @@ def check_loader(cfg: RunConfig, env: Environment, est: Estimate) -> list[Findin
 
 def check_busy_cpus(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
     """A CPU run whose processes have several torch threads each, more in all than the CPUs other work
-    leaves free. A CPU counts as taken from a load of 0.5 (the load average is over a minute)."""
-    if env.device != "cpu":
+    leaves free. A CPU counts as taken from a load of 0.5 (the load average is over a minute). With
+    train.threads=auto the run itself follows the free CPUs (mmldlm/threads.py)."""
+    if env.device != "cpu" or cfg.train.threads == "auto":
         return []
     free = max(0, env.cpus - math.floor(env.load + 0.5))
     per_process = cfg.train.threads or env.torch_threads
