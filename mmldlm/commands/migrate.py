@@ -80,13 +80,15 @@ def run(args: argparse.Namespace) -> int:
     from mmldlm.tools.migrate import Cluster
     from mmldlm.tools.migrate.cluster import H100_MIB, H100_NAME
 
-    nodes = [int(n) for n in args.nnodes.split(",") if n.strip().isdigit()]
-    if not nodes or len(nodes) != len(args.nnodes.split(",")) or min(nodes) < 1:
-        raise OptionError("--nnodes", args.nnodes, "a positive integer, or a list such as 1,2 with --launchers")
+    counts = args.nnodes.split(",")
+    if not all(n.strip().lstrip("-").isdigit() for n in counts):
+        raise OptionError("--nnodes", args.nnodes, "an integer >= 1, or a list such as 1,2 with --launchers")
+    nodes = [int(n) for n in counts]
     if len(nodes) > 1 and args.launchers is None:
         raise OptionError("--nnodes", args.nnodes, "one node count; a list goes with --launchers DIR")
     require_positive(
         {
+            "--nnodes": min(nodes),
             "--gpus-per-node": args.gpus_per_node,
             "--gpu-memory-mib": args.gpu_memory_mib,
             "--cpus-per-node": args.cpus_per_node,

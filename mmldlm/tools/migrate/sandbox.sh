@@ -1,12 +1,12 @@
-# The shell an older launcher runs in under `mmldlm migrate` (launcher.py starts it): real bash, with
+# The shell an older launcher runs in under `mmldlm migrate` (shell.py starts it): real bash, with
 # every command that reaches outside this shell recorded instead of run. Sourced before the launcher
-# (and before any bash script the launcher starts), with these set by launcher.py:
+# (and before any bash script the launcher starts), with these set by shell.py:
 #   __MIG_DIR   the scratch folder: records go to rec/, redirected output to out/
 #   __MIG_BIN   the only folder on PATH: pure tools (bc, sed, grep, ...) and their guards
 #   __MIG_NGPUS __MIG_GPU_MIB __MIG_GPU_NAME __MIG_CPUS   the cluster's facts, as its tools report them
 #
 # What runs: shell builtins and keywords, the launcher's own functions, and the tools in __MIG_BIN.
-# What is recorded, not run (one file per call in rec/, read by launcher.py):
+# What is recorded, not run (one file per call in rec/, read by shell.py):
 #   - a command found nowhere (command_not_found_handle): torchrun, python, mkdir, rm, sleep, ...;
 #   - a command named by a path or a variable (/opt/conda/bin/torchrun, $PY, ./run.sh), caught by
 #     the DEBUG trap below before bash runs it;

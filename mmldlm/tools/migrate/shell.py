@@ -84,9 +84,9 @@ class ShellRun:
 
     @property
     def ended_at(self) -> str | None:
-        """The launcher's line bash ran last (where it ended or was stopped)."""
-        ends = self.of("end")
-        return ends[-1].where if ends and ends[-1].where != "?" else None
+        """The launcher's line bash ran last (where it ended, or last recorded where it was stopped)."""
+        ends = [r for r in self.of("end") or self.records[-1:] if r.where != "?"]
+        return ends[-1].where if ends else None
 
 
 def run_bash(launcher: Path, args: list[str], facts: Facts, time_limit_s: float = TIME_LIMIT_S) -> ShellRun:
