@@ -400,16 +400,20 @@ def test_a_folder_of_launchers_is_one_table_and_exit_0_only_when_every_one_is_re
     folder.mkdir()
     for name in ("launch_retry.sh", "launch_comment.sh", "train_t2l_multinode.sh"):
         shutil.copy(OLDER_REPO / "scripts" / name, folder)
+    (folder / "setup_env.sh").write_text("#!/bin/bash\nexport HF_HOME=/store/hf\necho ready\n")
     with in_older_repo():
         argv = ["migrate", "--launchers", str(folder), "configs", "--nnodes", "1,2", "--cpus-per-node", "32"]
         assert cli.main([*argv, "--out", str(tmp_path / "out")]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["launcher", "nodes", "steps", "batch", "mode", "verdict", "worst", "finding"]
-    rows = {(line.split()[0], line.split()[1]): line.split()[2:] for line in lines[1:7]}
+    rows = {(line.split()[0], line.split()[1]): line.split()[2:] for line in lines[1:9]}
     assert rows[("launch_retry.sh", "1")][:4] == ["471", "8/64", "joint", "ready"]
     assert rows[("launch_comment.sh", "2")][:5] == ["40", "32/512", "joint", "never", "started"]
     assert rows[("train_t2l_multinode.sh", "2")][:4] == ["800", "16/256", "l2t", "ready"]
-    assert max(map(len, lines[:7])) <= 100
+    assert rows[("setup_env.sh", "1")] == ["-", "-", "-", "unreadable", "(below)"]
+    assert max(len(line) for line in lines[:-1]) <= 100  # the last: the folder written
+    reason = f"launcher {folder / 'setup_env.sh'}: bash ended at {folder / 'setup_env.sh'}:3 with status 0 before"
+    assert " ".join(line.strip() for line in lines[9:]).startswith(f"setup_env.sh at 1 node: {reason}")
     written = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert len(written) == 12 and "train_t2l_multinode-2n.yaml.migrate.txt" in written
 

@@ -377,10 +377,10 @@ def folder_table(rows: list[tuple[str, int, Migration | None, str | None]]) -> l
     read), in 100 columns."""
     heading = ("launcher", "nodes", "steps", "batch", "mode", "verdict", "worst finding")
     cells = []
-    for path, nodes, m, unreadable in rows:
+    for path, nodes, m, _ in rows:
         launcher = Path(path).name
         if m is None:
-            cells.append((launcher, str(nodes), "-", "-", "-", "unreadable", unreadable or ""))
+            cells.append((launcher, str(nodes), "-", "-", "-", "unreadable", "(below)"))
             continue
         t = m.written.train
         verdict = "never started" if m.never_started else ("NOT READY" if m.why_not_ready else "ready")
@@ -391,4 +391,9 @@ def folder_table(rows: list[tuple[str, int, Migration | None, str | None]]) -> l
         cells.append((launcher, str(nodes), _n(t.steps), batch, m.written.objective.mode, verdict, worst_text))
     widths = [max(len(c[i]) for c in [heading, *cells]) for i in range(6)]
     room = WIDTH - sum(widths) - 12
-    return ["  ".join(f"{c[i]:<{widths[i]}}" for i in range(6)) + "  " + c[6][:room] for c in [heading, *cells]]
+    lines = ["  ".join(f"{c[i]:<{widths[i]}}" for i in range(6)) + "  " + c[6][:room] for c in [heading, *cells]]
+    for path, nodes, _, unreadable in rows:  # why, in the one line migrate of that launcher alone prints
+        if unreadable is not None:
+            said = f"{Path(path).name} at {counted(nodes, 'node')}: {unreadable}"
+            lines += textwrap.wrap(said, WIDTH, subsequent_indent="  ", break_on_hyphens=False)
+    return lines
