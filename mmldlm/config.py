@@ -638,6 +638,9 @@ class ScheduleConfig:
     kind: Literal["constant", "warmup_cosine", "cosine_restarts", "wsd"] = "warmup_cosine"
     warmup_steps: int = 100  # linear warmup from 0, every kind
     min_lr_ratio: float = 0.1  # floor of the decay, as a fraction of optim.lr
+    # The schedule's length in optimizer steps: the decay reaches its floor at the last of them. null:
+    # train.steps. Longer than train.steps, the run ends partway down (a run taken over as it trained).
+    num_steps: int | None = None
     restart_period: int = 1000  # cosine_restarts: steps per cosine cycle after warmup
     decay_fraction: float = 0.2  # wsd: share of the steps after warmup spent decaying at the end
     plateau: PlateauConfig = field(default_factory=PlateauConfig)
@@ -649,6 +652,8 @@ class ScheduleConfig:
             _fail(f"{prefix}.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
         if self.restart_period < 1:
             _fail(f"{prefix}.restart_period", self.restart_period, "an integer >= 1")
+        if self.num_steps is not None and self.num_steps < 1:
+            _fail(f"{prefix}.num_steps", self.num_steps, "null (train.steps) or an integer >= 1")
         if not 0.0 < self.decay_fraction <= 1.0:
             _fail(f"{prefix}.decay_fraction", self.decay_fraction, "a number in (0, 1]")
         self.plateau.check(f"{prefix}.plateau")

@@ -8,8 +8,8 @@ from typing import Any
 
 
 def plural(noun: str) -> str:
-    """The plural of an English noun of this project's messages (process, CPU, node, shard, fix)."""
-    return f"{noun}es" if noun.endswith(("s", "x", "ch", "sh")) else f"{noun}s"
+    """The plural of an English noun of this project's messages (process, CPU, node, shard, fix, epoch)."""
+    return f"{noun}es" if noun.endswith(("s", "x", "sh")) or (noun.endswith("ch") and noun != "epoch") else f"{noun}s"
 
 
 def counted(num: int, noun: str) -> str:

@@ -49,6 +49,30 @@ def test_a_clean_config_has_no_error_or_warning(tmp_path):
     assert "find_unused_parameters=False" in findings[0].why
 
 
+def test_a_heartbeat_timeout_beside_the_monitor_turned_off_is_named_moot_not_an_error(tmp_path):
+    environ = {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "12000000", "TORCH_NCCL_ENABLE_MONITORING": "0"}
+    _, findings = findings_of(tmp_path, [], Environment(**{**ENV.__dict__, "environ": environ}))
+    assert serious(findings) == [("nccl_env", "warning")]  # the monitor off: its own warning
+    moot = next(f for f in findings if f.message.startswith("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"))
+    assert (
+        moot.severity == "info" and "has no effect: TORCH_NCCL_ENABLE_MONITORING=0 turns the heartbeat" in moot.message
+    )
+
+
+def test_memory_is_estimated_under_the_activation_checkpointing_auto_would_pick(tmp_path):
+    # A micro-batch that fits only with checkpointing: auto is estimated as the least that fits.
+    overrides = ["train.micro_batch_size=16", "train.global_batch_size=32", "model.max_seq_len=2048"]
+    env = Environment(**{**ENV.__dict__, "device_memory_gib": 4.8})
+    cfg, _ = findings_of(tmp_path, overrides, env)
+    sizes = {}
+    for mode in ("none", "selective", "full", "auto"):
+        est = estimate(dataclasses.replace(cfg, perf=dataclasses.replace(cfg.perf, activation_checkpointing=mode)), env)
+        sizes[mode] = (est.checkpointing, est.memory_gib(16))
+    assert sizes["none"][1] > sizes["selective"][1] > sizes["full"][1]
+    picked = next(mode for mode in ("none", "selective", "full") if sizes[mode][1] <= 0.9 * 4.8)
+    assert sizes["auto"] == (f"{picked} (what auto picks)", sizes[picked][1]) and picked != "none"
+
+
 @pytest.mark.parametrize(
     "overrides,env_changes,expected",
     [

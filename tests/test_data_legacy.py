@@ -124,6 +124,24 @@ def test_max_samples_imports_a_seeded_subset(tmp_path):
     assert len(imported) == 12 and imported <= {tuple(ids) for ids, _ in samples.values()}
 
 
+def test_the_scan_order_imports_the_first_pairs_the_folder_lists_and_trains_on_all_of_them(tmp_path):
+    # The older loader's walk: os.scandir's order, NAME.npz pairs with NAME.npy too, a token file without
+    # its latent skipped, stopped after --max-samples pairs.
+    tokens_dir, latents_dir, samples = make_legacy(tmp_path, 30)
+    ids = np.array([[5, 6, 7, PAD_ID]])
+    np.savez(tokens_dir / "plain.npz", input_ids=ids, attention_mask=(ids != PAD_ID).astype(np.int64))
+    np.save(latents_dir / "plain.npy", np.ones(16, dtype=np.float32))
+    samples["plain"] = ([5, 6, 7], None)
+    np.savez(tokens_dir / "orphan_tokens.npz", input_ids=ids, attention_mask=np.ones_like(ids))
+    listed = [e.name.removesuffix(".npz").removesuffix("_tokens") for e in os.scandir(tokens_dir)]
+    first = [name for name in listed if name != "orphan"][:12]
+    options = legacy_options(tmp_path, tmp_path / "out", legacy_order="scan", max_samples=12, val_fraction=0.0)
+    meta = prepare(options, log=lambda _m: None)["meta"]
+    assert meta["splits"] == {"train": 12, "val": 0} and meta["prepare"]["legacy_order"] == "scan"
+    train = open_dataset(tmp_path / "out", "train")
+    assert sorted(tuple(train[i][1].tolist()) for i in range(12)) == sorted(tuple(samples[n][0]) for n in first)
+
+
 def test_legacy_errors_name_the_file(tmp_path):
     tokens_dir, latents_dir, _ = make_legacy(tmp_path, 4)
     (latents_dir / "doc0002.npy").unlink()
@@ -161,10 +179,10 @@ def test_a_failure_midway_keeps_the_finished_shards_and_a_rerun_continues_from_t
     (latents_dir / "doc0035.npy").write_bytes(good)  # the user mends the file and runs the same command
     read = []
     original = LegacySource._tokens
-    monkeypatch.setattr(LegacySource, "_tokens", lambda self, stem: read.append(stem) or original(self, stem))
+    monkeypatch.setattr(LegacySource, "_tokens", lambda self, path: read.append(path.name) or original(self, path))
     lines = []
     meta = prepare(legacy_options(tmp_path, tmp_path / "out", val_fraction=0.0), log=lines.append)["meta"]
-    assert read == [f"doc{i:04d}" for i in range(32, 40)]  # only the shard that failed is read again
+    assert read == [f"doc{i:04d}_tokens.npz" for i in range(32, 40)]  # only the shard that failed is read again
     assert any("continuing an interrupted prepare; 4 finished shards kept" in line for line in lines)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latents", "out", "tokenizer.json", "tokens"]
     assert not list((tmp_path / "out").rglob("*.json*"))[2:]  # meta.json and tokenizer.json only: no records

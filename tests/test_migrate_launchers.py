@@ -1,21 +1,19 @@
 """An older launcher under `mmldlm migrate`'s bash (mmldlm/tools/migrate/shell.py, sandbox.sh): every
 command that reaches outside the shell is recorded, not run, nothing is written outside the scratch
-folder (with the kernel's Landlock and without it), the cluster's facts answer nvidia-smi, python -c and
-the file tests, and the model of bc reads what launchers pipe into bc as GNU bc does."""
+folder (with the kernel's Landlock and without it), the cluster's facts answer nvidia-smi, python and
+the file tests, bc is this machine's, the terminal is never read, and a launcher that reaches no
+torchrun is refused in one line."""
 
-import io
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("hydra")  # launcher.py reads the call with Hydra's own argument parser
-from mmldlm.tools.migrate import Cluster, bc, shell
+from mmldlm.tools.migrate import Cluster, MigrateError, shell
 from mmldlm.tools.migrate.audit import launcher_findings
-from mmldlm.tools.migrate.launcher import cluster_environment, read_launcher
+from mmldlm.tools.migrate.launcher import facts_for, read_launcher
 
 OLDER_REPO = Path(__file__).resolve().parent / "data" / "older_repo"
 CLUSTER = Cluster(2, 8, cpus_per_node=32)
@@ -69,7 +67,7 @@ def test_nothing_outside_the_launcher_runs_and_nothing_outside_the_scratch_folde
     (target / "canary.txt").write_text("original\n")
     launcher = tmp_path / "launch.sh"
     launcher.write_text(HOSTILE.format(target=target))
-    run = shell.run_launcher(launcher, [], CLUSTER, cluster_environment(CLUSTER))
+    run = shell.run_bash(launcher, [], facts_for(CLUSTER))
     assert sorted(p.name for p in target.iterdir()) == ["canary.txt"]
     assert (target / "canary.txt").read_text() == "original\n"
     recorded = [r.words[0] for r in run.of("cmd")]
@@ -111,7 +109,7 @@ def test_the_clusters_facts_answer_the_launchers_questions(tmp_path):
     env.write_text("FROM_ENV=yes\n")
     launcher = tmp_path / "facts.sh"
     launcher.write_text(FACTS.format(env=env))
-    run = shell.run_launcher(launcher, [], CLUSTER, cluster_environment(CLUSTER))
+    run = shell.run_bash(launcher, [], facts_for(CLUSTER))
     call = run.of("cmd")[-1]
     values = dict(w.split("=", 1) for w in call.words[4:])
     assert values == {
@@ -134,86 +132,121 @@ def test_the_clusters_facts_answer_the_launchers_questions(tmp_path):
     assert [r.words[0] for r in run.of("read-prompt")] == ["Continue? "]
 
 
-@pytest.mark.parametrize(
-    "engine", ["model", *(["bc"] if shutil.which("bc") else [])], ids=lambda e: f"bc={e}"
-)  # this machine's bc where installed, and the model that stands in where it is not
-def test_bc_refusing_5e_5_empties_the_lr_and_the_meant_lr_is_computed(engine, monkeypatch):
+def test_bc_refusing_5e_5_empties_the_lr_and_the_meant_lr_is_computed_by_bc(monkeypatch):
     monkeypatch.chdir(OLDER_REPO)
-    reading = read_launcher(Path("scripts/launch_stable.sh"), [], CLUSTER, bc=engine)
-    assert reading.run.bc_engine == engine
+    reading = read_launcher(Path("scripts/launch_stable.sh"), [], CLUSTER)
+    assert reading.run.bc == "bc"
     values = reading.call.override_values()
     assert values["optimizer.lr"] == "" and values["training.train_batch_size"] == "3"
     failure = reading.bc_failures[0]
     assert failure.words[:3] == ["scale=10; 5e-5 * 1.7320", "", "(standard_in) 1: syntax error"]
-    # 0.00005 * 1.7320 at scale min(5 + 4, max(10, 5, 4)) = 9, as bc prints it
+    # bc itself on 0.00005 * 1.7320, at scale min(5 + 4, max(10, 5, 4)) = 9
     assert reading.meant == {"optimizer.lr": ".000086600"}
     assert reading.memory_branch["training.train_batch_size"] == ("3", "4")
 
 
-def test_where_bc_is_not_installed_its_model_stands_in_and_a_warning_says_so(monkeypatch):
+def test_where_bc_is_not_installed_one_error_says_so_with_the_install_line(monkeypatch, tmp_path):
     which = shutil.which
     monkeypatch.setattr(shell.shutil, "which", lambda name, *a, **k: None if name == "bc" else which(name, *a, **k))
-    monkeypatch.chdir(OLDER_REPO)
-    reading = read_launcher(Path("scripts/launch_stable.sh"), [], CLUSTER)
-    assert reading.run.bc_engine == "model" and reading.meant == {"optimizer.lr": ".000086600"}
-    warning = next(f for f in launcher_findings(reading, CLUSTER, []) if f.message.startswith("bc is not installed"))
-    assert warning.severity == "warning" and "2 bc calls ran on migrate's model of GNU bc" in warning.message
-    assert warning.fix == "install bc (apt-get install bc) and run migrate again"
-
-
-# What GNU bc 1.07 prints for each input (stdout, then stderr), as bc itself prints it (checked below
-# wherever bc is installed; the runtime errors' "adr=" differs).
-GNU_BC = {
-    "scale=10; 1/4": (".2500000000", ""),
-    "scale=3; -1/3": ("-.333", ""),
-    "1.50*2": ("3.00", ""),
-    "scale=1; 1.25*1.25": ("1.56", ""),
-    "scale=4; sqrt(2)": ("1.4142", ""),
-    "2.5^2": ("6.2", ""),
-    "scale=3; 2^-2": (".250", ""),
-    "scale=2; 7%3": (".01", ""),
-    "-2^2": ("4", ""),
-    "3 > 2 && 0": ("0", ""),
-    "x=3; x*2": ("6", ""),
-    "a=1.5; a+=1; a": ("2.5", ""),
-    "81559/1024": ("79", ""),
-    "scale=4; sqrt(96 / 32)": ("1.7320", ""),
-    "scale=10; 5e-5 * 1.7320": ("", "(standard_in) 1: syntax error"),
-    "5E-5": ("54", ""),  # E is a digit (9 in a longer number): 59 - 5
-    "e": ("0", ""),
-    "scale=100; 1/3": ("." + "3" * 67 + "\\\n" + "3" * 33, ""),  # 68 characters and a backslash a line
-    "1/0": ("", "Runtime error (func=(main), adr=0): Divide by zero"),
-    "scale=3; 5e-5\n1/3": ("0", "(standard_in) 1: syntax error"),
-}
-
-
-@pytest.mark.parametrize("text", GNU_BC)
-def test_the_model_of_bc_prints_what_gnu_bc_prints(text, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "stdin", io.StringIO(text + "\n"))
-    assert bc.main([]) == 0
-    out, err = capsys.readouterr()
-    assert (out.rstrip("\n"), err.rstrip("\n")) == GNU_BC[text]
-
-
-@pytest.mark.parametrize("text", GNU_BC if shutil.which("bc") else [])
-def test_the_table_is_what_bc_itself_prints(text):
-    done = subprocess.run([shutil.which("bc")], input=text + "\n", capture_output=True, text=True)
-    out, err = GNU_BC[text]
-    assert done.stdout.rstrip("\n") == out
-    assert re.sub(r"adr=\d+", "adr=0", done.stderr.rstrip("\n")) == err
-
-
-def test_the_model_of_bc_reads_5e_5_when_lenient_and_refuses_what_it_does_not_model(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "stdin", io.StringIO("scale=10; 5e-5 * 1.7320\n"))
-    assert bc.main(["--lenient"]) == 0
-    assert capsys.readouterr().out == ".000086600\n"  # what bc prints for 0.00005 * 1.7320
-    monkeypatch.setattr(sys, "stdin", io.StringIO("x = 4; if (x > 3) x\n"))
-    assert bc.main([]) == 3
-    assert "does not read if" in capsys.readouterr().err
-
-
-def test_a_launcher_with_no_torchrun_is_refused_with_what_it_said(tmp_path):
     launcher = tmp_path / "launch.sh"
-    launcher.write_text('#!/bin/bash\nset -u\necho "starting $UNSET_VARIABLE"\ntorchrun train.py\n')
-    with pytest.raises(Exception, match="called no torchrun.*UNSET_VARIABLE: unbound variable"):
+    launcher.write_text(
+        '#!/bin/bash\nLR=$(echo "scale=6; 1/3" | bc)\ntorchrun --standalone --nproc_per_node=8 t.py "lr=$LR"\n'
+    )
+    reading = read_launcher(launcher, [], Cluster(1, 8))
+    assert reading.run.bc == "missing" and reading.call.record.words[-1] == "lr="
+    errors = [f for f in launcher_findings(reading, Cluster(1, 8), []) if f.rule == "launcher_bc"]
+    assert len(errors) == 1 and errors[0].severity == "error"
+    assert (
+        errors[0].message
+        == f"bc is not installed here: the launcher's 1 bc call ({launcher}:2 first) cannot be computed"
+    )
+    assert errors[0].fix.startswith("install it (apt-get install bc")
+    # A launcher that stops there (set -e) is refused in one line that says it too.
+    monkeypatch.chdir(OLDER_REPO)
+    with pytest.raises(
+        MigrateError,
+        match=r"launch_stable.sh:43 .*: bc: command not found; bc is not installed here: install it \(apt-get",
+    ):
+        read_launcher(Path("scripts/launch_stable.sh"), [], CLUSTER)
+
+
+def test_a_launcher_with_no_torchrun_is_refused_in_one_line_naming_where_bash_ended(tmp_path):
+    launcher = tmp_path / "launch.sh"
+    launcher.write_text('#!/bin/bash\nset -ux\necho "starting"\necho "$UNSET_VARIABLE"\ntorchrun train.py\n')
+    with pytest.raises(MigrateError) as refused:
         read_launcher(launcher, [], Cluster(1, 8))
+    message = str(refused.value)
+    assert message == (
+        f"launcher {launcher}: bash ended at {launcher}:4 with status 127 before it called torchrun (or python -m "
+        f"torch.distributed.run): {launcher}: line 4: UNSET_VARIABLE: unbound variable"
+    )  # its set -x trace, and the sandbox's, are not its output
+
+
+TERMINAL = """\
+#!/bin/bash
+set -e
+if [ "${NODE_RANK:-0}" -eq 0 ]; then
+    read -p "Press Enter to start, or Ctrl+C to cancel..." </dev/tty
+fi
+read -n 1 -s KEY < /dev/tty
+torchrun \\
+    --nnodes=1 --nproc_per_node=8 train.py "key=$KEY"
+"""
+
+
+def test_a_read_from_the_terminal_is_answered_with_enter_and_never_reads_this_one(tmp_path):
+    launcher = tmp_path / "launch.sh"
+    launcher.write_text(TERMINAL)
+    reading = read_launcher(launcher, [], Cluster(1, 8))
+    assert reading.call.where == f"{launcher}:7"  # where the command starts: bash names its second line
+    assert reading.call.record.words[-1] == "key="
+    prompts = [r.words for r in reading.run.of("read-prompt")]
+    assert prompts == [["Press Enter to start, or Ctrl+C to cancel...", "1"], ["", "1"]]
+    warnings = [f for f in launcher_findings(reading, Cluster(1, 8), []) if f.rule == "launcher_prompt"]
+    assert [f.severity for f in warnings] == ["warning", "warning"]
+    assert warnings[0].message == (
+        f'{launcher}:4: read -p "Press Enter to start, or Ctrl+C to cancel..." < /dev/tty waits for a person at '
+        "a terminal: under a batch scheduler there is none, the redirect fails and the launcher stops here, "
+        "before torchrun"
+    )
+
+
+# The older codebase's diagnostic line and GPU count, as the fixture launchers have them.
+DIAG = next(
+    line
+    for line in (OLDER_REPO / "scripts" / "train_unconditional_diag.sh").read_text().splitlines()
+    if line.startswith("python -c")
+)
+COUNT = re.search(
+    r"NPROC_PER_NODE=\$\(python - <<'PY'\n.*?\nPY\n\)",
+    (OLDER_REPO / "scripts" / "train_l2t_gpucount.sh").read_text(),
+    re.S,
+)[0]
+PYTHON = f"""\
+#!/bin/bash
+set -e
+{DIAG}
+FACTS=$(python3 -c "import torch; print(torch.version.cuda, torch.backends.cudnn.version(), \\
+torch.cuda.get_device_capability())")
+python -c "import torch; print(torch.cuda.memory_summary())" || echo "no summary"
+    {COUNT}
+torchrun --nnodes=1 --nproc_per_node=$NPROC_PER_NODE train.py "facts=$FACTS"
+"""
+
+
+def test_python_answers_the_common_facts_and_fails_one_call_on_the_others(tmp_path):
+    launcher = tmp_path / "launch.sh"
+    launcher.write_text(PYTHON)
+    reading = read_launcher(launcher, [], Cluster(1, 8))
+    assert reading.call.nproc_per_node == "8"  # the here-document's count
+    assert reading.call.record.words[-1] == "facts=12.1 90100 (9, 0)"
+    assert reading.run.output[:4] == [
+        "✓ PyTorch version: 2.4.0+cu121",
+        "✓ CUDA available: True",
+        "✓ NCCL version: (2, 20, 5)",
+        "AttributeError: module 'torch.cuda' has no attribute 'memory_summary'",
+    ]  # the call that asked more than the stand-in answers fails alone, as on a machine without it
+    failed = [f for f in launcher_findings(reading, Cluster(1, 8), []) if f.rule == "launcher_python"]
+    assert len(failed) == 1 and failed[0].severity == "warning"
+    error = "AttributeError: module 'torch.cuda' has no attribute 'memory_summary'"
+    assert failed[0].message == f"{launcher}:6: a python call failed here: {error}"

@@ -1,5 +1,6 @@
 """AdamW groups and LR schedules."""
 
+import dataclasses
 import math
 
 import pytest
@@ -65,6 +66,14 @@ def test_cosine_reaches_floor_at_last_step_and_wsd_shape():
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
     wsd = LRSchedule(ScheduleConfig(kind="wsd", warmup_steps=0, min_lr_ratio=0.0, decay_fraction=0.2), 1.0, 101)
     assert wsd.lr(79) == 1.0 and wsd.lr(100) == pytest.approx(0.0) and 0 < wsd.lr(90) < 1
+
+
+def test_a_schedule_longer_than_the_run_ends_partway_down_its_cosine():
+    # A run taken over from one whose cosine spanned a million steps while it trained 800.
+    cfg = ScheduleConfig(kind="warmup_cosine", warmup_steps=100, min_lr_ratio=0.0, num_steps=1_000_000)
+    sched = LRSchedule(cfg, 1.0, 800)
+    assert sched.lr(99) == 1.0 and sched.lr(799) == pytest.approx(0.5 * (1 + math.cos(math.pi * 699 / 999_899)))
+    assert sched.lr(799) > 0.9999 and LRSchedule(dataclasses.replace(cfg, num_steps=None), 1.0, 800).lr(799) == 0.0
 
 
 def test_cosine_restarts_restart_at_peak():

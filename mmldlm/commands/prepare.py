@@ -136,6 +136,14 @@ def _add_legacy_options(parser: argparse.ArgumentParser) -> None:
     leg = parser.add_argument_group("legacy import (a per-sample .npz/.npy layout)")
     leg.add_argument("--legacy-tokens", metavar="DIR", help="folder of <stem>_tokens.npz (input_ids, attention_mask)")
     leg.add_argument("--legacy-latents", metavar="DIR", help="folder of <stem>.npy latents, float32 [D] or [1, D]")
+    leg.add_argument(
+        "--legacy-order",
+        choices=("sorted", "scan"),
+        default="sorted",
+        help="sorted: every <stem>_tokens.npz in stem order (--max-samples: a seeded subset); scan: the older "
+        "loader's walk, the folder's own order (os.scandir), each .npz with a latent, --max-samples the first N "
+        "(the same files on the filesystem it read, others on a copy)",
+    )
 
 
 def tokenizer_and_encoder(args: argparse.Namespace) -> dict:
@@ -195,6 +203,7 @@ def options_from_args(args: argparse.Namespace):
         shard_size=args.shard_size,
         legacy_tokens=args.legacy_tokens,
         legacy_latents=args.legacy_latents,
+        legacy_order=args.legacy_order,
         encode_batch_size=args.encode_batch_size,
         device=args.device,
         overwrite=args.overwrite,

@@ -55,7 +55,7 @@ from mmldlm.data.format import (
     shard_record,
     write_shard,
 )
-from mmldlm.data.legacy import LegacySource
+from mmldlm.data.legacy import ORDERS, LegacySource
 from mmldlm.data.tokenizer import (
     MASK,
     MIN_VOCAB_SIZE,
@@ -77,6 +77,9 @@ LATENT_DTYPES = ("float16", "float32")
 STD_FLOOR = 1e-6  # standardising by the std never divides by zero, even for a constant dimension
 # Options that only change how the work runs, not what is written; a rerun may change them freely.
 RUN_ONLY_OPTIONS = ("out", "overwrite", "device", "encode_batch_size", "progress")
+# Options added after datasets were prepared without them: recorded only away from their default, so that
+# those datasets (and the default corpus's cache entries) stay complete.
+LATER_OPTIONS = {"legacy_order": "sorted"}
 UNKNOWN_SHARE = 0.01  # prepare warns when the encoder reads more than this share of the word pieces as unknown
 UNKNOWN_CHECKED_TEXTS = 10_000  # ... in an evenly spread sample of about this many texts
 
@@ -106,6 +109,7 @@ class PrepareOptions:
     shard_size: int = 16384
     legacy_tokens: str | None = None
     legacy_latents: str | None = None
+    legacy_order: str = "sorted"  # legacy.ORDERS: sorted; scan (the folder's own order, --max-samples the first N)
     encode_batch_size: int = 128
     device: str = "auto"
     overwrite: bool = False
@@ -113,7 +117,11 @@ class PrepareOptions:
 
     def recorded(self) -> dict[str, Any]:
         """The options that decide the content, as stored in meta.json["prepare"]."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in RUN_ONLY_OPTIONS}
+        return {
+            k: v
+            for k, v in dataclasses.asdict(self).items()
+            if k not in RUN_ONLY_OPTIONS and (k not in LATER_OPTIONS or v != LATER_OPTIONS[k])
+        }
 
     def check(self) -> None:
         if self.latent_dtype not in LATENT_DTYPES:
@@ -143,6 +151,10 @@ class PrepareOptions:
             raise DataError("--legacy-tokens and --legacy-latents go together: give both folders")
         if self.legacy_tokens is not None and self.tokenizer is None:
             raise DataError("--legacy-tokens needs --tokenizer: the tokenizer.json that produced the legacy ids")
+        if self.legacy_order not in ORDERS:
+            raise OptionError("--legacy-order", self.legacy_order, f"one of {', '.join(ORDERS)}")
+        if self.legacy_order != "sorted" and self.legacy_tokens is None:
+            raise DataError("--legacy-order applies to a legacy import: give --legacy-tokens DIR --legacy-latents DIR")
         if self.tokenizer is None and self.vocab_size < MIN_VOCAB_SIZE:
             raise OptionError(
                 "--vocab-size",
@@ -321,7 +333,7 @@ def split_indices(num_samples: int, val_fraction: float, seed: int) -> dict[str,
     num_val = 0 if val_fraction == 0 else max(1, round(num_samples * val_fraction))
     if num_val >= num_samples:
         raise DataError(
-            f"{num_samples} sample(s) cannot be split into train and val (val_fraction "
+            f"{counted(num_samples, 'sample')} cannot be split into train and val (val_fraction "
             f"{val_fraction}); give more data or --val-fraction 0"
         )
     perm = np.random.default_rng(seed).permutation(num_samples)
@@ -591,15 +603,27 @@ def prepare(
 
 def _legacy_source(opts: PrepareOptions, ranks: Ranks, say: Callable[[str], None], detail: Callable) -> tuple:
     """(tokenizer json, source, counts, splits, extra meta) of a legacy .npz/.npy folder: its samples
-    as they are, with the given tokenizer."""
+    as they are, with the given tokenizer; --max-samples keeps a seeded subset, or under --legacy-order
+    scan the first pairs of the folder's own order."""
     tokenizer_json = ranks.on_rank0(lambda: load_tokenizer(opts.tokenizer).to_str())
+    scan = opts.legacy_order == "scan"
     source = ranks.on_all(
         lambda: LegacySource(
-            opts.legacy_tokens, opts.legacy_latents, vocab_size(from_json(tokenizer_json)), opts.tokenizer
+            opts.legacy_tokens,
+            opts.legacy_latents,
+            vocab_size(from_json(tokenizer_json)),
+            opts.tokenizer,
+            opts.legacy_order,
+            opts.max_samples if scan else None,
         )
     )
     counts = {"read": len(source), "kept": len(source)}
-    if opts.max_samples is not None and len(source) > opts.max_samples:
+    if scan:
+        say(
+            f"took the first {len(source)} pairs of {opts.legacy_tokens} in the folder's own order (--legacy-order "
+            "scan): on the filesystem the older loader read, the files it read; on a copy elsewhere, others"
+        )
+    elif opts.max_samples is not None and len(source) > opts.max_samples:
         source.keep(seeded_subset(len(source), opts.max_samples, opts.seed))
         counts.update(kept=len(source), over_max_samples=counts["read"] - len(source))
         say(f"read {counts['read']} samples: kept a seeded {len(source)} (--max-samples)")

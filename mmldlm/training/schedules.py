@@ -8,8 +8,9 @@ the first update is not wasted at LR 0). After warmup:
                    the peak down to the floor, restarting at the peak.
 - wsd:             warmup-stable-decay: the peak until the last `decay_fraction` of the post-warmup
                    steps, then linear down to the floor at the last step.
-Past the last step (a resumed run given more steps than planned, or evaluation) the LR stays at its
-last-step value: it never rises again, in particular a cosine restart never starts there.
+The last step is the schedule's own (`num_steps`) where it is set, else the run's. Past it (a resumed run
+given more steps than planned, or evaluation) the LR stays at its last-step value: it never rises
+again, in particular a cosine restart never starts there.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from mmldlm.config import ScheduleConfig
 
 
 class LRSchedule:
-    """`lr(step)` for optimizer steps 0 .. total_steps - 1; `observe(loss)` feeds reduce-on-plateau."""
+    """`lr(step)` for optimizer steps 0 .. total_steps - 1 (cfg.num_steps, else the run's `total_steps`);
+    `observe(loss)` feeds reduce-on-plateau."""
 
     def __init__(self, cfg: ScheduleConfig, peak_lr: float, total_steps: int):
         self.cfg = cfg
         self.peak_lr = peak_lr
-        self.total_steps = total_steps
+        self.total_steps = cfg.num_steps or total_steps
         # Reduce-on-plateau state: a multiplier on the schedule that only ever shrinks.
         self.plateau_scale = 1.0
         self.best_loss = math.inf

@@ -966,10 +966,10 @@ class Trainer:
         record = self.read_record(pending)
         if record["skipped_since_last_record"] and self.info.is_main:
             log.warning(
-                "step %d: non-finite loss or gradient norm on some rank; %d update(s) skipped since the last "
-                "record, %d in a row now",
+                "step %d: non-finite loss or gradient norm on some rank; %s skipped since the last record, %d in a "
+                "row now",
                 record["step"],
-                record["skipped_since_last_record"],
+                counted(record["skipped_since_last_record"], "update"),
                 self.consecutive_skips,
             )
         if self.longest_skip_run >= cfg.train.max_consecutive_skips:

@@ -30,6 +30,7 @@ from mmldlm.runs.checkpoints import find_latest, is_full_state
 from mmldlm.runs.files import CheckpointError, current_run_config
 from mmldlm.tools.check.estimates import (
     GIB,
+    MEMORY_HEADROOM,
     Environment,
     Estimate,
     estimate,
@@ -46,8 +47,6 @@ from mmldlm.wording import counted
 
 # --------------------------------------------------------------------------------------------------
 # When each rule fires.
-
-MEMORY_HEADROOM = 0.9  # share of the device the estimate may fill (fragmentation, temporaries)
 
 
 def check_timeout(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
@@ -68,7 +67,9 @@ def check_nccl_environment(cfg: RunConfig, env: Environment, est: Estimate) -> l
     if heartbeat is not None:
         seconds = float(heartbeat) if heartbeat.replace(".", "", 1).isdigit() else None
         values = dict(value=heartbeat, timeout_s=timeout_s, heartbeat=timeout_s + 60, source=source)
-        if seconds is None or seconds > 86400:
+        if env.environ.get("TORCH_NCCL_ENABLE_MONITORING") == "0":  # the monitor that reads it is off
+            findings.append(finding("heartbeat_moot", **values))
+        elif seconds is None or seconds > 86400:
             findings.append(finding("heartbeat_absurd", **values))
         elif seconds < timeout_s:
             findings.append(finding("heartbeat_short", **values))
@@ -141,6 +142,7 @@ def check_memory(cfg: RunConfig, env: Environment, est: Estimate) -> list[Findin
         params_m=est.num_params / 1e6,
         micro=micro,
         activations_mib=est.activations_gib_per_sample * 1024,
+        checkpointing=est.checkpointing,
         headroom=MEMORY_HEADROOM,
         device_memory=env.device_memory_gib,
         device="GPU" if env.device == "cuda" else "RAM per process",
@@ -370,7 +372,9 @@ def _resume_with_other_length(cfg: RunConfig) -> list[Finding]:
         return []
     if before == cfg.train.steps or cfg.schedule.kind == "constant" or not isinstance(before, int):
         return []
-    if step >= cfg.train.steps:
+    if step >= cfg.train.steps:  # a resume that trains nothing
+        return []
+    if cfg.schedule.num_steps is not None:  # the schedule's own length: train.steps does not move the LR
         return []
     old = LRSchedule(cfg.schedule, cfg.optim.lr, before).lr(step)
     new = LRSchedule(cfg.schedule, cfg.optim.lr, cfg.train.steps).lr(step)
@@ -501,6 +505,7 @@ def describe(env: Environment, est: Estimate, cfg: RunConfig) -> str:
         f"{env.device_memory_gib:.1f} GiB {where} per process, {disk}\n"
         f"model: {est.num_params / 1e6:.2f}M parameters (vocab {est.vocab_size}); estimated "
         f"{est.memory_gib(micro_per_process(cfg, env)):.2f} GiB per process at micro-batch "
-        f"{micro_per_process(cfg, env)} ({est.seq_len:.1f} text positions per sample: {est.seq_len_source}); "
+        f"{micro_per_process(cfg, env)} with activation checkpointing {est.checkpointing} ({est.seq_len:.1f} "
+        f"text positions per sample: {est.seq_len_source}); "
         f"{est.checkpoint_gib:.3f} GiB per checkpoint"
     )

@@ -26,6 +26,11 @@ from mmldlm.training.optim import STATE_BYTES
 from mmldlm.training.storage import free_bytes
 
 GIB = 2**30
+MEMORY_HEADROOM = 0.9  # share of the device the estimate may fill (fragmentation, temporaries)
+# Of the 50 bytes per token and hidden unit an MMDiT block keeps for backward, what selective activation
+# checkpointing keeps: the matmul and attention outputs (qkv 3, attention 1, projection 1, MLP 4 + 1
+# values of the hidden width in 16-bit), the cheap elementwise rest being recomputed.
+SELECTIVE_BYTES = 20
 
 
 @dataclass
@@ -121,8 +126,9 @@ class Estimate:
     seq_len: float  # text positions per sample: of the heaviest batch of the prepared data, else the longest
     seq_len_source: str  # where seq_len comes from, for the summary line
     static_gib: float  # weights, gradients, optimizer state, autocast copies and runtime overhead per process
-    activations_gib_per_sample: float
+    activations_gib_per_sample: float  # under `checkpointing`
     checkpoint_gib: float
+    checkpointing: str = "none"  # the activation checkpointing estimated: the config's, or the one auto picks
 
     def memory_gib(self, micro_batch_size: int) -> float:
         return self.static_gib + micro_batch_size * self.activations_gib_per_sample
@@ -212,6 +218,10 @@ def estimate(cfg: RunConfig, env: Environment) -> Estimate:
     fused kernels do not store it. The text head adds L * V * 12 bytes (logits, log-probabilities
     and their gradient in fp32). L is the text positions per sample of the heaviest batch the data
     yield (`text_positions_per_sample`).
+    Activation checkpointing keeps less: full keeps each block's fp32 input (4 bytes per token and hidden
+    unit) and one block's activations while it is recomputed; every_k does so for blocks 0, k, 2k, ...;
+    selective keeps SELECTIVE_BYTES of the 50. auto is the least of none, selective, full under which the
+    micro-batch fits (the trainer probes the same order at start-up); with micro-batch auto, none.
     Checkpoint: model.safetensors 4P + optimizer.pt 8P (fp32 weights and the two AdamW moments; about
     2P or 1P for the moments in int8 or int4).
     """
@@ -228,16 +238,36 @@ def estimate(cfg: RunConfig, env: Environment) -> Estimate:
     static = state * params / shards + (2 * params if low_precision else 0)
     static += (0.75 if env.device == "cuda" else 0.3) * GIB
     attention = 5 * m.num_heads * tokens / m.hidden_size if m.attention == "explicit" else 0
-    per_block = tokens * m.hidden_size * (50 + attention) * (1 if low_precision else 2)
-    per_sample = m.num_blocks * per_block + seq_len * vocab * 12
+    scale = 1 if low_precision else 2
+    per_block = tokens * m.hidden_size * (50 + attention) * scale
+    block_input = tokens * m.hidden_size * 4
+    head = seq_len * vocab * 12
+
+    def per_sample(mode: str) -> float:
+        every = {"full": 1, "every_k": cfg.perf.checkpoint_every_k}.get(mode)
+        if mode == "selective":
+            return m.num_blocks * tokens * m.hidden_size * SELECTIVE_BYTES * scale + head
+        if every is None:
+            return m.num_blocks * per_block + head
+        wrapped = -(-m.num_blocks // every)
+        return wrapped * block_input + (m.num_blocks - wrapped + 1) * per_block + head
+
+    checkpointing = cfg.perf.activation_checkpointing
+    if checkpointing == "auto":
+        micro = micro_per_process(cfg, env)
+        limit = MEMORY_HEADROOM * env.device_memory_gib * GIB - static
+        fits = [mode for mode in ("none", "selective", "full") if micro * per_sample(mode) <= limit]
+        picked = "none" if cfg.train.micro_batch_size == "auto" else (fits or ["full"])[0]
+        checkpointing = f"{picked} (what auto picks)"
     return Estimate(
         num_params=params,
         vocab_size=vocab,
         seq_len=seq_len,
         seq_len_source=seq_len_source,
         static_gib=static / GIB,
-        activations_gib_per_sample=per_sample / GIB,
+        activations_gib_per_sample=per_sample(checkpointing.split()[0]) / GIB,
         checkpoint_gib=(4 + moments) * params / GIB,
+        checkpointing=checkpointing,
     )
 
 

@@ -66,7 +66,8 @@ HEARTBEAT_FIX = (
 MEMORY_MESSAGE = (
     "estimated {need:.1f} GiB per process ({static:.1f} GiB weights, gradients, optimizer state and "
     "overhead for {params_m:.1f}M parameters + {micro} x {activations_mib:.0f} MiB of activations at "
-    "micro-batch {micro}) > {headroom:.0%} of {device_memory:.1f} GiB {device}"
+    "micro-batch {micro}, activation checkpointing {checkpointing}) > {headroom:.0%} of {device_memory:.1f} GiB "
+    "{device}"
 )
 MEMORY_WHY = "the first steps run out of memory (CUDA OOM, or the kernel's OOM killer on CPU)"
 IDLE_HEAD_MESSAGE = "modes {modes}: the {heads} get no gradient on some steps"
@@ -125,6 +126,14 @@ RULES = {
         "a slow but healthy collective (the checkpoint gather of a large model, the first step "
         "compiling) would be taken for a hang and kill the job",
         *TIMEOUT_FIX,
+    ),
+    "heartbeat_moot": Rule(
+        "nccl_env",
+        "info",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC={value} in {source} has no effect: TORCH_NCCL_ENABLE_MONITORING=0 "
+        "turns the heartbeat monitor off",
+        "the heartbeat timeout is the monitor's own; with the monitor off nothing reads it",
+        HEARTBEAT_FIX + " with the monitor on",
     ),
     "heartbeat_absurd": Rule(
         "nccl_env", "error", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC={value} in {source}", HEARTBEAT_WHY, HEARTBEAT_FIX

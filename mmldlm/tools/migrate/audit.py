@@ -6,7 +6,9 @@ written config does about it."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +23,7 @@ from mmldlm.tools.migrate.cluster import Cluster
 from mmldlm.tools.migrate.launcher import SCHEDULER_CONVENTIONS, LauncherReading
 from mmldlm.tools.migrate.mapping import EVERY_MINUTES
 from mmldlm.tools.migrate.older_trainer import CHECKPOINTS_KEPT, COLLECTIVE_TIMEOUT_MINUTES, HEADS, OlderRun
+from mmldlm.tools.migrate.shell import Record
 from mmldlm.training.metrics import PEAK_FLOPS_BF16
 
 NCCL_DOCS = "https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html"
@@ -46,30 +49,39 @@ TRAINER_PREFIXES = (
     "NVIDIA_",
 )
 
-AUTO_CHECKPOINTING = (
-    "written: perf.activation_checkpointing=auto (the least of none, selective, full under which the micro-batch "
-    "fits, probed at start-up)"
-)
-
 RULES = {
     "lost_overrides": Rule(
         "launcher_continuation",
         "error",
-        "{where}: a comment after a line continuation ends the torchrun call there; bash runs the next "
-        "line(s) as commands of their own, not found, so {count} override(s) never reach the trainer: {lost}",
-        "`x=1 \\  # note` escapes the space, not the newline: torchrun gets a stray ' ' argument{stray} and the "
-        "call ends; the older run trained with the config's values for these keys",
-        "written: the older run's values (the config's), each with the launcher's meant value in its comment; "
+        "{where}: a comment after a line continuation ends the torchrun call: torchrun gets a lone ' ' argument, "
+        "which Hydra refuses, so the older run never started{lost}",
+        "`x=1 \\  # note` escapes the space, not the newline: the ' ' is an argument of its own and the comment "
+        "ends the command; Hydra's override parser refuses ' ' before the trainer starts",
+        "written: what the launcher meant, every override of the call with those of the lines after the comment; "
         "put the comment on a line of its own, or drop it",
+    ),
+    "hydra_refused": Rule(
+        "launcher_override",
+        "error",
+        "{where}: Hydra refuses the override {override}, so the older run never started: {why}",
+        "Hydra composes the trainer's config from its command line and stops at an override it cannot apply",
+        "written: the config the launcher meant, without it",
     ),
     "bc_failed": Rule(
         "launcher_bc",
         "error",
-        "the older launcher fails on this cluster: bc cannot read `{expression}` ({where}: {error}), so the "
-        "trainer is handed {empty}: it fails at its first step",
+        "bc cannot read `{expression}` ({where}: {error}): the trainer is handed {empty} and fails at its first "
+        "step, so the older launcher fails on this cluster",
         "bc has no scientific notation (5e-5 is 5, the variable e, then -5: a syntax error); it prints the "
         "error, exits 0 and the launcher's $(... | bc) is empty",
         "written: {meant} (what the launcher meant, computed with 5e-5 read as 0.00005)",
+    ),
+    "bc_missing": Rule(
+        "launcher_bc",
+        "error",
+        "bc is not installed here: the launcher's {count:bc call} ({where} first) cannot be computed",
+        "migrate runs the launcher's bc calls with this machine's bc, a standard package of every distribution",
+        "install it (apt-get install bc; dnf install bc) and run migrate again",
     ),
     "memory_branch": Rule(
         "launcher_gpu_memory",
@@ -84,10 +96,17 @@ RULES = {
     "read_prompt": Rule(
         "launcher_prompt",
         "warning",
-        "{where}: read -p {prompt!r} waits for a person at a terminal",
-        "under a scheduler there is no terminal: read gets end-of-file and fails (with set -e the launcher "
-        "ends there, before torchrun); migrate answered it with Enter",
-        "remove the prompt from the launcher",
+        "{where}: {command} waits for a person at a terminal: {batch}",
+        "migrate never reads your terminal or stdin: it answered as if Enter were pressed",
+        "remove the prompt from the launcher (ours asks nothing)",
+    ),
+    "python_failed": Rule(
+        "launcher_python",
+        "warning",
+        "{where}: a python call failed here: {error}",
+        "migrate's stand-in for torch answers the common facts only (versions, device count, names, memory, "
+        "capability): this call fails here as on a machine without them; on the cluster it may print or decide more",
+        "check that nothing the torchrun call is given depends on that call",
     ),
     "cluster_test": Rule(
         "launcher_file_test",
@@ -106,20 +125,12 @@ RULES = {
         "give the scheduler's variables with --env NAME=VALUE (WORLD_SIZE, SLURM_NNODES, ...), or fix the "
         "launcher's branch",
     ),
-    "hydra_refused": Rule(
-        "launcher_override",
-        "error",
-        "{where}: the older trainer refuses the override {override!r}: {why}",
-        "Hydra composes the trainer's config from its command line and stops at an override it cannot apply: "
-        "the older run did not start",
-        "written: the config without it",
-    ),
     "several_calls": Rule(
         "launcher_calls",
         "warning",
         "the launcher runs {count} different torchrun calls on this cluster ({wheres}): migrated the first",
         "a sweep or a sequence of stages: each call is its own run",
-        "--call N migrates the N-th",
+        "give each call a launcher of its own to migrate the others",
     ),
     "stopped": Rule(
         "launcher_stopped",
@@ -129,36 +140,42 @@ RULES = {
         "not come here",
         "nothing to change if it is a restart loop: our launcher restarts with --resume auto",
     ),
-    "bc_model": Rule(
-        "launcher_bc",
+    "mode_name": Rule(
+        "launcher_mode",
         "warning",
-        "bc is not installed here: the launcher's {count:bc call} ran on migrate's model of GNU bc",
-        "the model (mmldlm/tools/migrate/bc.py) reads what launchers pipe into bc as GNU bc 1.07 does, "
-        "its syntax errors included; bc itself is the reference",
-        "install bc (apt-get install bc) and run migrate again",
+        "{launcher} is named for {named} but passes loss.loss_type={loss_type}: the older run trained {mode}",
+        "the launcher's name is what its users go by: a run they took for {named} trained another direction",
+        "written: objective.mode={mode}, what it trained; rename the launcher or mend its override",
+    ),
+    "shared_run": Rule(
+        "launcher_shared",
+        "warning",
+        "logging.run_name={name} is also the run of {other}: the older runs wrote the same folders{save_dir}",
+        "two runs under one name overwrite each other's checkpoints and logs, and resume from each other's",
+        "written: train.run_dir=runs/{new} and data.path=data/prepared/{new}",
     ),
     "steps": Rule(
         "older_length",
         "warning",
-        "the older trainer ran {epochs:pass} over its data (training.num_epochs): {steps} steps of {batch} samples; "
-        "training.num_train_steps={schedule} set only its cosine's length{end}",
-        "its loop ends after the epochs, whatever num_train_steps says: the LR schedule did not end where "
-        "the run ended",
-        "written: train.steps={steps} (our warmup_cosine ends with the run); train.steps={schedule} would "
-        "train as long as the schedule",
+        "the older trainer trains {epochs:pass} over its data (training.num_epochs): {steps:,} steps of {batch} "
+        "samples, while its cosine spans {schedule:,} (training.num_train_steps){end}",
+        "its loop ends after the epochs, whatever num_train_steps says: the LR schedule does not end where "
+        "the run ends",
+        "written: train.steps={steps}, schedule.num_steps={schedule}, the same LR curve; a cosine that ends with "
+        "the run is suggested, not written",
     ),
     "no_accumulation": Rule(
         "older_accumulation",
         "warning",
-        "training.gradient_accumulation_steps={accumulation} was never applied: the older optimizer stepped "
-        "every micro-batch, a global batch of {batch} ({micro} x {world} GPUs), not {meant}",
+        "training.gradient_accumulation_steps={accumulation} is never applied: the older optimizer steps every "
+        "micro-batch, a global batch of {batch} ({micro} x {world} GPUs), not {meant}",
         "no step of the older trainer reads the key; only its launcher does",
         "written: train.global_batch_size={batch}; {meant} would be the batch the launcher's author meant",
     ),
     "betas": Rule(
         "older_betas",
         "warning",
-        "optimizer.beta1/beta2 = {beta1}/{beta2} were never read: the older run's Adam betas were "
+        "optimizer.beta1/beta2 = {beta1}/{beta2} are never read: the older run's Adam betas are "
         "optimizer.betas {betas}",
         "the older optimizer is built from the optimizer group's betas list",
         "written: optim.betas={betas}",
@@ -166,33 +183,52 @@ RULES = {
     "heads": Rule(
         "older_heads",
         "warning",
-        "model.n_heads={heads} was never read: the older block ran {older} heads",
+        "model.n_heads={heads} is never read: the older block runs {older} heads",
         "the older block is built without a head count",
         "written: model.num_heads={written}",
     ),
     "samples": Rule(
         "older_samples",
         "warning",
-        "the older loader read only {samples} files ({why})",
-        "with data.max_samples null it stops at its scan limit, however many samples the data holds",
-        "written: prepare --max-samples {samples} (the same samples); without it prepare imports them all, "
-        "and train.steps would need raising to cover them",
+        "the older loader reads only the first {samples:,} pairs of the token folder, in the folder's own order "
+        "({why}), and trains on all of them",
+        "it walks the folder with os.scandir and stops at its limit, however many pairs the folder holds; its "
+        "validation split overlaps training",
+        "written: prepare --legacy-order scan --max-samples {samples} --val-fraction 0: the same pairs on the "
+        "filesystem it read (other pairs on a copy elsewhere), none held out; without --max-samples prepare "
+        "imports them all, and train.steps would need raising to cover them",
+    ),
+    "eval_never": Rule(
+        "older_eval",
+        "warning",
+        "logging.eval_freq={every} is longer than the run's {steps:,} steps: the older run never evaluates",
+        "the older trainer evaluates every logging.eval_freq steps, and the run ends first",
+        "written: eval.every=0 (no validation split is held out); evaluate the finished run with mmldlm eval",
     ),
     "retention": Rule(
         "checkpoint_retention",
         "warning",
-        "logging.save_freq={every}: a failure lost up to {every} steps{cost}; each save overwrote the older "
+        "logging.save_freq={every}: a failure loses up to {every:,} steps{cost}; each save overwrites the older "
         "trainer's one `latest` folder (at most {kept} kept) in place",
         "a crash during that write leaves no complete checkpoint to resume from",
         "written: checkpoint.every={every}, checkpoint.every_minutes={minutes:g} (a failure loses at most about "
         "{minutes:g} minutes), keep_last {kept}; each save is a new folder and `latest` moves only after it "
         "is complete",
     ),
+    "retention_none": Rule(
+        "checkpoint_retention",
+        "warning",
+        "logging.save_freq={every} is longer than the run's {steps:,} steps: the older run saves nothing before "
+        "its end, and a failure loses the whole run{cost}",
+        "its first save comes at step {every}",
+        "written: checkpoint.every={every}, checkpoint.every_minutes={minutes:g} (a failure loses at most about "
+        "{minutes:g} minutes), keep_last {kept}",
+    ),
     "nccl_timeout": Rule(
         "timeout",
         "warning",
         "NCCL_TIMEOUT={value} in {source} is read by neither torch nor NCCL: the older trainer's collective "
-        "timeout was its hard-coded {minutes} minutes",
+        "timeout is its hard-coded {minutes} minutes",
         TIMEOUT_WHY,
         "written: distributed.timeout_minutes={minutes}; NCCL_TIMEOUT left out of the launch line",
     ),
@@ -206,6 +242,8 @@ RULES = {
         "written: optim.fused=auto (the fused kernel where the device has it, else foreach)",
     ),
 }
+# Words of a launcher's name that say which direction it trains, as our objective.mode.
+NAMED_MODES = {"l2t": "l2t", "t2l": "t2l", "joint": "joint", "unconditional": "joint", "uncond": "joint"}
 
 
 def older_finding(rule_name: str, /, changes: dict[str, Any] | None = None, **values) -> Finding:
@@ -218,31 +256,16 @@ def older_finding(rule_name: str, /, changes: dict[str, Any] | None = None, **va
 
 def launcher_findings(reading: LauncherReading, cluster: Cluster, refused: list[tuple[str, str]]) -> list[Finding]:
     run, call, found = reading.run, reading.call, []
-    if reading.lost:
-        stray = " (which Hydra refuses too)" if reading.stray else ""
-        lost = ", ".join(reading.lost_overrides)
-        found.append(
-            older_finding("lost_overrides", where=call.where, count=len(reading.lost_overrides), lost=lost, stray=stray)
-        )
-    empty = [w.split("=", 1)[0] for w in call.overrides if w.endswith("=")]
-    for record in reading.bc_failures[:1]:
-        meant = ", ".join(f"{k}={reading.meant[k]}" for k in empty if k in reading.meant) or "nothing (not computed)"
-        error = record.words[2].strip().splitlines()[0]
-        expression = record.words[0].strip()
-        found.append(
-            older_finding(
-                "bc_failed",
-                where=record.where,
-                expression=expression,
-                error=error,
-                empty=", ".join(f"{k}=" for k in empty) or "an empty value",
-                meant=meant,
-            )
-        )
+    if reading.stray or reading.lost:
+        lost = reading.lost_overrides
+        after = f"; the lines after it ran as commands, not found: {', '.join(lost)}" if lost else ""
+        found.append(older_finding("lost_overrides", where=reading.comment_line, lost=after))
+    found += _bc_findings(reading)
     if reading.memory_branch:
         found.append(_memory_finding(reading, cluster))
-    for record in run.of("read-prompt"):
-        found.append(older_finding("read_prompt", where=record.where, prompt=record.words[0]))
+    found += [_prompt_finding(record) for record in run.of("read-prompt")]
+    for record in run.of("python-failed"):
+        found.append(older_finding("python_failed", where=record.where, error=record.words[1]))
     for record in run.of("missing-test"):
         found.append(older_finding("cluster_test", where=record.where, test=record.words[2], path=record.words[1]))
     if not call.asks_for(cluster):
@@ -258,7 +281,7 @@ def launcher_findings(reading: LauncherReading, cluster: Cluster, refused: list[
             )
         )
     for override, why in refused:
-        if override.strip():  # the stray " " is the continuation finding's
+        if override.strip():  # the lone " " is the continuation finding's
             found.append(older_finding("hydra_refused", where=call.where, override=override, why=why))
     distinct = {tuple(c.record.words) for c in reading.calls}
     if len(distinct) > 1:
@@ -266,10 +289,42 @@ def launcher_findings(reading: LauncherReading, cluster: Cluster, refused: list[
         found.append(older_finding("several_calls", count=len(distinct), wheres=wheres))
     if run.stopped:
         found.append(older_finding("stopped", why=run.stopped, count=len(reading.calls)))
-    models = [r for r in run.of("bc") if r.words[3] == "model"]
-    if models:
-        found.append(older_finding("bc_model", count=len(models)))
     return found
+
+
+def _bc_findings(reading: LauncherReading) -> list[Finding]:
+    found = []
+    empty = [w.split("=", 1)[0] for w in reading.call.overrides if w.endswith("=")]
+    for record in reading.bc_failures[:1]:
+        meant = ", ".join(f"{k}={reading.meant[k]}" for k in empty if k in reading.meant) or "nothing (not computed)"
+        values = dict(where=record.where, expression=record.words[0].strip(), meant=meant)
+        values.update(error=record.words[2].strip().splitlines()[0], empty=" ".join(f"{k}=" for k in empty))
+        found.append(older_finding("bc_failed", **values))
+    missing = [r for r in reading.run.of("bc") if r.words[3] == "missing"]
+    if missing:
+        found.append(older_finding("bc_missing", count=len(missing), where=missing[0].where))
+    return found
+
+
+def _prompt_finding(record: Record) -> Finding:
+    prompt, tty = record.words[0], record.words[1:2] == ["1"]
+    command = (f'read -p "{prompt}"' if prompt else "read") + (" < /dev/tty" if tty else "")
+    if tty:
+        batch = "under a batch scheduler there is none, the redirect fails and the launcher stops here, before torchrun"
+    else:
+        batch = "under a batch scheduler read gets end of file and fails (with set -e the launcher stops there)"
+    return older_finding("read_prompt", where=record.where, command=command, batch=batch)
+
+
+def name_findings(launcher: Path, values: dict[str, Any], mode: str | None) -> list[Finding]:
+    """A launcher named for one direction (train_t2l.sh) whose run trains another."""
+    named = {NAMED_MODES[w] for w in re.split(r"[^a-z0-9]+", launcher.stem.lower()) if w in NAMED_MODES}
+    if len(named) != 1 or mode is None or mode in named:
+        return []
+    word = next(w for w in re.split(r"[^a-z0-9]+", launcher.stem.lower()) if w in NAMED_MODES)
+    return [
+        older_finding("mode_name", launcher=launcher, named=word, loss_type=values.get("loss.loss_type"), mode=mode)
+    ]
 
 
 def _memory_finding(reading: LauncherReading, cluster: Cluster) -> Finding:
@@ -361,6 +416,14 @@ def review(name: str, value: str) -> EnvReview:
         if value.upper() in ("VERSION", "WARN"):
             return out("kept", "one of NCCL's levels (VERSION, WARN, INFO, TRACE)")
         return out("dropped", "not one of NCCL's levels (VERSION, WARN, INFO, TRACE)")
+    if name == "NCCL_DEBUG_FILE" and not ("%h" in value and "%p" in value):
+        path = Path(value)
+        return out(
+            "changed",
+            "one file for every process of every node: they write over each other (on a shared folder, across "
+            "nodes too); NCCL expands %h to the host name and %p to the process id",
+            str(path.with_name(f"{path.stem}.%h.%p{path.suffix}")),
+        )
     if name in ("NCCL_ALGO", "NCCL_PROTO"):
         return out(
             "dropped",
@@ -414,30 +477,17 @@ def trainer_environment(environ: dict[str, str]) -> dict[str, str]:
 
 def trainer_findings(run: OlderRun, cfg: RunConfig, cluster: Cluster) -> list[Finding]:
     old, found = run.values, []
-    if run.steps is not None and run.schedule_steps is not None and run.steps != run.schedule_steps:
+    cosine = old.get("training.lr_schedule", "cosine") == "cosine"
+    if cosine and run.steps is not None and run.schedule_steps is not None and run.steps != run.schedule_steps:
         factor = run.lr_at_end
-        end = f": the LR was at {factor:.2f}x its peak when the run ended" if factor is not None else ""
-        found.append(
-            older_finding(
-                "steps",
-                epochs=run.epochs,
-                steps=run.steps,
-                batch=run.global_batch,
-                schedule=run.schedule_steps,
-                end=end,
-            )
-        )
+        end = f": its LR is at {factor:.2f}x its peak when the run ends" if factor is not None else ""
+        values = dict(epochs=run.epochs, steps=run.steps, batch=run.global_batch, schedule=run.schedule_steps)
+        found.append(older_finding("steps", end=end, **values))
     accumulation = old.get("training.gradient_accumulation_steps")
     if isinstance(accumulation, int) and accumulation > 1 and run.micro_batch:
+        values = dict(batch=run.global_batch, micro=run.micro_batch, world=run.world_size)
         found.append(
-            older_finding(
-                "no_accumulation",
-                accumulation=accumulation,
-                batch=run.global_batch,
-                micro=run.micro_batch,
-                world=run.world_size,
-                meant=run.global_batch * accumulation,
-            )
+            older_finding("no_accumulation", accumulation=accumulation, meant=run.global_batch * accumulation, **values)
         )
     beta1, beta2 = old.get("optimizer.beta1"), old.get("optimizer.beta2")
     if (beta1 is not None or beta2 is not None) and [beta1, beta2] != run.betas:
@@ -446,34 +496,39 @@ def trainer_findings(run: OlderRun, cfg: RunConfig, cluster: Cluster) -> list[Fi
         found.append(older_finding("heads", heads=old["model.n_heads"], older=HEADS, written=cfg.model.num_heads))
     if old.get("data.max_samples") is None and run.samples_read is not None:
         found.append(older_finding("samples", samples=run.samples_read, why=run.samples_why))
+    if not run.evaluates:
+        found.append(older_finding("eval_never", every=old["logging.eval_freq"], steps=run.steps))
     if "logging.save_freq" in old:
-        hours = _interval_hours(cfg, run, cluster)
-        f = older_finding(
-            "retention",
-            every=old["logging.save_freq"],
-            cost=_interval_cost(cfg, hours, run.world_size),
-            kept=CHECKPOINTS_KEPT,
-            minutes=EVERY_MINUTES,
-        )
-        if hours is not None and hours[0] * 60 <= EVERY_MINUTES:
-            f.severity = "info"  # a failure lost less than the written every_minutes bounds: nothing to ask
-        found.append(f)
+        found.append(_retention_finding(run, cfg, cluster))
     if old.get("optimizer.use_fused") is True:
         found.append(older_finding("fused", value="true"))
     return found
 
 
-def _interval_hours(cfg: RunConfig, run: OlderRun, cluster: Cluster) -> tuple[float, float] | None:
-    """Hours of one older save interval on the cluster: its FLOPs at model.max_seq_len positions per
-    sample, at the baseline recipe's measured MFU and at the best any dense step reaches; None where the
-    GPU's peak is not known."""
+def _retention_finding(run: OlderRun, cfg: RunConfig, cluster: Cluster) -> Finding:
+    """What a failure costs the older run: a save interval, or the whole run where it saves nothing before
+    its end; bounded by the run's length."""
+    every = run.values["logging.save_freq"]
+    whole = isinstance(every, int) and run.steps is not None and every >= run.steps
+    lost = run.steps if whole else every
+    hours = _interval_hours(cfg, run, cluster, lost)
+    values = dict(every=every, cost=_interval_cost(cfg, hours, run.world_size), kept=CHECKPOINTS_KEPT)
+    f = older_finding("retention_none" if whole else "retention", minutes=EVERY_MINUTES, steps=run.steps, **values)
+    if hours is not None and hours[0] * 60 <= EVERY_MINUTES:
+        f.severity = "info"  # a failure loses less than the written every_minutes bounds: nothing to ask
+    return f
+
+
+def _interval_hours(cfg: RunConfig, run: OlderRun, cluster: Cluster, steps: Any) -> tuple[float, float] | None:
+    """Hours of `steps` older steps on the cluster: their FLOPs at model.max_seq_len positions per sample, at
+    the baseline recipe's measured MFU and at the best any dense step reaches; None where the GPU's peak
+    is not known."""
     peak = next((p for key, p in PEAK_FLOPS_BF16.items() if key in cluster.gpu_name), None)
-    every = run.values.get("logging.save_freq")
-    if peak is None or not isinstance(every, int) or run.global_batch is None:
+    if peak is None or not isinstance(steps, int) or run.global_batch is None:
         return None
     with torch.device("meta"):
         model = MultimodalMMDiT(model_of(cfg), vocab_size=vocab_size_of(cfg))
-    flops = training_flops_per_sample(model, cfg.model.max_seq_len) * run.global_batch * every
+    flops = training_flops_per_sample(model, cfg.model.max_seq_len) * run.global_batch * steps
     low, high = (flops / (run.world_size * peak * mfu) / 3600 for mfu in (BASELINE_MFU, BEST_MFU))
     return low, high
 
@@ -492,38 +547,12 @@ def _duration(hours: float) -> str:
     return f"{hours:.1f} h" if hours >= 1 else f"{hours * 60:.0f} min"
 
 
-def config_findings(cfg: RunConfig, old: dict, env: Environment) -> list[Finding]:
-    """`mmldlm check`'s rules on our config holding the older run's choices (its loader workers, no
-    activation checkpointing, its fused flag), with what the written config does instead."""
-    changes: dict[str, Any] = {"perf.activation_checkpointing": "none"}
+def config_findings(cfg: RunConfig, old: dict, env: Environment, written: list[Finding]) -> list[Finding]:
+    """`mmldlm check`'s findings on our config holding the older run's loader workers, in the older
+    launcher's environment, that `written` (check's on the written config for the cluster) does not
+    hold. Memory is judged on the written config alone: our estimate of our model is no measure of the
+    older code's memory."""
     if "data.num_workers" in old:
-        changes["data.num_workers"] = old["data.num_workers"]
-    older = apply_changes(cfg, changes)
-    found = [f for f in audit(older, env)[0] if f.severity != "info" and f.rule != "fused_optimizer"]
-    for f in found:
-        if f.rule == "activation_checkpointing":
-            f.fix = AUTO_CHECKPOINTING
-    return found
-
-
-FIXED_BY_CONSTRUCTION = (
-    "t2l trained only at t = 1 and l2t only on fully masked text: both train at t ~ U(0, 1), as the samplers query",
-    "the conditioning modality's input encoder was frozen with the idle output head: only the idle head rests",
-    "padding counted in loss and accuracy, no ELBO weight: the loss is over masked non-pad tokens, ELBO-weighted "
-    "unless text_diffusion.loss=masked_ce",
-    "normalized-MSE latent loss (~1/D in scale): latent_diffusion.loss=mse",
-    "weights cast to bf16 with no fp32 master copy: bf16 autocast over fp32 weights and optimizer state",
-    "gradient accumulation configured but never applied: train.global_batch_size / (micro-batch x GPUs) "
-    "micro-steps, no_sync on all but the last",
-    "qk_rmsnorm, the head count and flash attention ignored, no final text norm: all honoured, SDPA attention",
-    "DDP with find_unused_parameters=True (a walk of the graph every step): false, the idle head anchored "
-    "into the loss instead",
-    "NaN guards replaced the loss by a constant with no gradient: a non-finite step is skipped and counted "
-    "(train.max_consecutive_skips)",
-    "only the first files read, train and validation overlapping: prepare imports what you ask, the splits "
-    "are disjoint",
-    "checkpoints without config, broken resume, log truncated at start, no grad norm logged: each run dir holds "
-    "its config, --resume auto restores everything, metrics.jsonl is appended, grad norm is logged",
-    "the t2l sampler gave NaN at t = 1 and mixed up eps and x0: alpha(1) is floored (latent_diffusion.min_alpha)",
-    "the monitor parsed lines the trainer never printed: `mmldlm monitor` reads metrics.jsonl",
-)
+        cfg = apply_changes(cfg, {"data.num_workers": old["data.num_workers"]})
+    ours = {(f.rule, f.message) for f in written}
+    return [f for f in audit(cfg, env)[0] if f.rule != "fused_optimizer" and (f.rule, f.message) not in ours]

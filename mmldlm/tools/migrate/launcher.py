@@ -1,6 +1,8 @@
 """An older launcher, read the way bash reads it: run under bash for the cluster (shell.py), its torchrun
 call taken as torchrun's own parser and Hydra's read it, and what bash did besides that the launcher's
-author would not have meant, named from what was recorded:
+author would not have meant, named from what was recorded. This module owns the reading: it turns the
+cluster into the sandbox's facts once (`facts_for`), and each further run of the launcher is those facts
+with one thing changed:
 
 - the branch taken: the torchrun call recorded for this cluster. The scheduler's variables a launcher
   reads (WORLD_SIZE, SLURM_NNODES, ...) are not known here: the launcher runs under each convention in
@@ -12,13 +14,15 @@ author would not have meant, named from what was recorded:
 - the GPU's memory as nvidia-smi reports it (MiB): a launcher that divides it by 1024 with integer
   division reads 79 on an 80 GB H100; a second run at the card's nominal size (80 x 1024 MiB) names the
   overrides that this changes;
-- `read -p`, file tests and folders of the cluster, files sourced that are not here, redirections,
-  commands refused (sed -i, awk system()), builtins skipped (kill, trap, enable).
+- `read -p` and reads of the terminal, python calls the stand-in for torch could not answer, file tests
+  and folders of the cluster, files sourced that are not here, redirections, commands refused (sed -i,
+  awk system()), builtins skipped (kill, trap, enable).
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +31,7 @@ from hydra._internal.utils import get_args_parser as hydra_args_parser
 from torch.distributed.run import get_args_parser as torchrun_args_parser
 
 from mmldlm.tools.migrate.cluster import Cluster, MigrateError
-from mmldlm.tools.migrate.shell import Record, ShellRun, run_launcher
+from mmldlm.tools.migrate.shell import Facts, Record, ShellRun, run_bash
 
 # Commands that run the command in their arguments (srun torchrun ..., env X=1 torchrun ...).
 WRAPPERS = {
@@ -87,6 +91,13 @@ def cluster_environment(cluster: Cluster) -> dict[str, str]:
     }
 
 
+def facts_for(cluster: Cluster, convention: str = "none") -> Facts:
+    """The cluster as the sandbox answers for it, under one convention of the scheduler's variables (the
+    user's --env over both)."""
+    environ = {**cluster_environment(cluster), **SCHEDULER_CONVENTIONS[convention](cluster), **cluster.environ}
+    return Facts(environ, cluster.gpus_per_node, cluster.gpu_memory_mib, cluster.gpu_name, cluster.cpus_per_node)
+
+
 @dataclass
 class TrainingCall:
     """A torchrun call as torchrun and Hydra read it."""
@@ -120,13 +131,15 @@ class TrainingCall:
 @dataclass
 class LauncherReading:
     path: Path
+    args: list[str]  # the launcher's own arguments
+    facts: Facts  # what it ran with
     run: ShellRun
     convention: str
     calls: list[TrainingCall]
     call: TrainingCall | None
     lost: list[Record] = field(default_factory=list)  # the call's continuation lines bash ran as commands
+    comment_line: str | None = None  # FILE:LINE of the comment after a continuation that ended the call
     meant: dict[str, str] = field(default_factory=dict)  # override -> value the launcher meant, where different
-    environ: dict[str, str] = field(default_factory=dict)  # what the launcher's environment was given
     bc_failures: list[Record] = field(default_factory=list)
     memory_branch: dict[str, tuple[str, str]] = field(default_factory=dict)  # key -> (reported, nominal)
     nominal_mib: int | None = None
@@ -140,10 +153,11 @@ class LauncherReading:
     def exports(self) -> dict[str, str]:
         """The variables the launcher set in the call's environment (bash's own and the sandbox's aside)."""
         own = {"PWD", "OLDPWD", "SHLVL", "_", "PATH", "HOME"}
+        given = self.facts.environ
         return {
             k: v
             for k, v in self.call.environ.items()
-            if k not in own and not k.startswith("__MIG") and self.environ.get(k) != v
+            if k not in own and not k.startswith("__MIG") and given.get(k) != v
         }
 
     @property
@@ -202,16 +216,16 @@ def training_call(record: Record) -> TrainingCall | None:
     )
 
 
-def read_launcher(path: Path, args: list[str], cluster: Cluster, *, bc: str = "auto") -> LauncherReading:
+def read_launcher(path: Path, args: list[str], cluster: Cluster) -> LauncherReading:
     """The launcher's torchrun call for `cluster` and what bash did that its author did not mean."""
     if not path.is_file():
         raise MigrateError(f"launcher {path}: no such file; expected the bash script that called torchrun")
     reading = None
-    for convention, variables in SCHEDULER_CONVENTIONS.items():
-        environ = {**cluster_environment(cluster), **variables(cluster), **cluster.environ}
-        run = run_launcher(path, args, cluster, environ, bc=bc)
-        calls = [c for c in map(training_call, run.of("cmd")) if c is not None]
-        candidate = LauncherReading(path, run, convention, calls, calls[0] if calls else None, environ=environ)
+    for convention in SCHEDULER_CONVENTIONS:
+        facts = facts_for(cluster, convention)
+        run = run_bash(path, args, facts)
+        calls = _calls(run)
+        candidate = LauncherReading(path, args, facts, run, convention, calls, calls[0] if calls else None)
         reading = reading or candidate
         if candidate.call is not None and candidate.call.asks_for(cluster):
             reading = candidate
@@ -221,28 +235,35 @@ def read_launcher(path: Path, args: list[str], cluster: Cluster, *, bc: str = "a
     if reading.call is None:
         raise MigrateError(_no_call_message(path, reading.run))
     _read_lost_lines(reading)
-    _read_bc(reading, path, args, cluster, environ_of(reading, cluster))
-    _read_memory_branch(reading, path, args, cluster, environ_of(reading, cluster), bc)
+    _read_bc(reading)
+    _read_memory_branch(reading)
     return reading
 
 
-def environ_of(reading: LauncherReading, cluster: Cluster) -> dict[str, str]:
-    return {**cluster_environment(cluster), **SCHEDULER_CONVENTIONS[reading.convention](cluster), **cluster.environ}
+def _calls(run: ShellRun) -> list[TrainingCall]:
+    return [c for c in map(training_call, run.of("cmd")) if c is not None]
 
 
 def _no_call_message(path: Path, run: ShellRun) -> str:
-    said = "; ".join(line.strip() for line in run.output[-3:] if line.strip())
-    how = f"it was stopped after {run.stopped}" if run.stopped else f"it ended with status {run.status}"
-    said = f" (its last output: {said[:300]})" if said else ""
-    return (
-        f"launcher {path}: not a launcher of the older trainer on this cluster: run by bash, it called no torchrun "
-        f"(or python -m torch.distributed.run); {how}{said}"
+    """One line: where bash stopped before any torchrun call, and what it said last."""
+    said = next((line.strip() for line in reversed(run.output) if line.strip()), "")
+    where = f" at {run.ended_at}" if run.ended_at else ""
+    if run.stopped:
+        how = f"bash was stopped{where} after {run.stopped}"
+    else:
+        how = f"bash ended{where} with status {run.status}"
+    said = f": {said[:200]}" if said else ""
+    missing = (
+        "; bc is not installed here: install it (apt-get install bc; dnf install bc)"
+        if any(r.words[3] == "missing" for r in run.of("bc"))
+        else ""
     )
+    return f"launcher {path}: {how} before it called torchrun (or python -m torch.distributed.run){said}{missing}"
 
 
 def _read_lost_lines(reading: LauncherReading) -> None:
     """The commands bash ran right after the call that are override words: lines of the call that a
-    comment after a line continuation cut off."""
+    comment after a line continuation cut off; and the comment's line."""
     records = reading.run.records
     index = records.index(reading.call.record)
     for record in records[index + 1 :]:
@@ -252,30 +273,44 @@ def _read_lost_lines(reading: LauncherReading) -> None:
             reading.lost.append(record)
         else:
             break
+    if reading.stray or reading.lost:
+        reading.comment_line = _comment_after_continuation(reading.call.where)
 
 
-def _read_bc(reading: LauncherReading, path: Path, args: list[str], cluster: Cluster, environ: dict) -> None:
+def _comment_after_continuation(where: str) -> str:
+    """FILE:LINE of the first line from `where` on that holds `\\ ` followed by a comment (else `where`)."""
+    file, _, line = where.rpartition(":")
+    try:
+        lines = Path(file).read_text(errors="replace").splitlines()
+    except OSError:
+        return where
+    start = int(line) if line.isdigit() else 1
+    found = next((n for n in range(start, len(lines) + 1) if re.search(r"\\\s+#", lines[n - 1])), None)
+    return f"{file}:{found}" if found else where
+
+
+def _read_bc(reading: LauncherReading) -> None:
     """bc calls that printed an error; with any, what the launcher meant, from a run where bc reads 5e-5."""
-    reading.bc_failures = [r for r in reading.run.of("bc") if r.words[2].strip()]
+    reading.bc_failures = [r for r in reading.run.of("bc") if r.words[3] == "bc" and r.words[2].strip()]
     if not reading.bc_failures:
         return
-    lenient = run_launcher(path, args, cluster, environ, bc="lenient")
+    lenient = run_bash(reading.path, reading.args, dataclasses.replace(reading.facts, bc="lenient"))
     meant = _same_call(lenient, reading.call)
     if meant is not None:
         ours = reading.call.override_values()
         reading.meant.update({k: v for k, v in meant.override_values().items() if ours.get(k) != v})
 
 
-def _read_memory_branch(
-    reading: LauncherReading, path: Path, args: list[str], cluster: Cluster, environ: dict, bc: str
-) -> None:
+def _read_memory_branch(reading: LauncherReading) -> None:
     """Whether the launcher's call changes between the GPU memory nvidia-smi reports and the card's
     nominal size (80 GB: 80 x 1024 MiB), where it read the memory."""
     asked = any(r.words[:1] == ["nvidia-smi"] and any("memory" in w for w in r.words) for r in reading.run.of("fact"))
-    nominal = round(cluster.gpu_memory_mib / 1024) * 1024
-    if not asked or nominal == cluster.gpu_memory_mib:
+    reported = reading.facts.gpu_memory_mib
+    nominal = round(reported / 1024) * 1024
+    if not asked or nominal == reported:
         return
-    other = _same_call(run_launcher(path, args, cluster, environ, gpu_memory_mib=nominal, bc=bc), reading.call)
+    run = run_bash(reading.path, reading.args, dataclasses.replace(reading.facts, gpu_memory_mib=nominal))
+    other = _same_call(run, reading.call)
     if other is None:
         return
     ours, theirs = reading.call.override_values(), other.override_values()
@@ -287,7 +322,7 @@ def _read_memory_branch(
 
 def _same_call(run: ShellRun, call: TrainingCall) -> TrainingCall | None:
     """The call of another run of the launcher that stands where `call` stood (its file and line)."""
-    calls = [c for c in map(training_call, run.of("cmd")) if c is not None]
+    calls = _calls(run)
     return next((c for c in calls if c.where == call.where), calls[0] if calls else None)
 
 
@@ -295,12 +330,17 @@ def _same_call(run: ShellRun, call: TrainingCall) -> TrainingCall | None:
 # The config the call names.
 
 
-def config_of(call: TrainingCall) -> Path:
-    """The config file of `call`: --config-name in Hydra's --config-path, else in the config_path of the
-    trainer's @hydra.main, else in configs/ beside the trainer script."""
+def config_of(call: TrainingCall, config_dir: Path | None = None) -> Path:
+    """The config file of `call`: --config-name in `config_dir` where given, else in Hydra's --config-path,
+    else in the config_path of the trainer's @hydra.main, else in configs/ beside the trainer script."""
     script = call.script
     if call.config_name is None:
         raise MigrateError(f"{call.where}: the torchrun call names no --config-name; give the older config as CONFIG")
+    name = call.config_name if call.config_name.endswith(".yaml") else f"{call.config_name}.yaml"
+    if config_dir is not None:
+        if not (config_dir / name).is_file():
+            raise MigrateError(f"{call.where}: --config-name {call.config_name}: no {config_dir / name}")
+        return config_dir / name
     if not script.is_file():
         raise MigrateError(
             f"{call.where}: the trainer script {script} is not here; run migrate from the older repository's root "
@@ -308,7 +348,6 @@ def config_of(call: TrainingCall) -> Path:
         )
     folder = call.config_path or _hydra_main_config_path(script) or "configs"
     folder_path = Path(folder) if Path(folder).is_absolute() else script.parent / folder
-    name = call.config_name if call.config_name.endswith(".yaml") else f"{call.config_name}.yaml"
     config = folder_path / name
     if not config.is_file():
         raise MigrateError(

@@ -22,10 +22,12 @@ OLDER_KEYS = {
     "data.latent_dir": "prepare --legacy-latents",
     "data.tokenizer_path": "prepare --tokenizer",
     "data.tokenizer_name": "prepare --tokenizer (a local tokenizer folder or tokenizer.json: prepare runs offline)",
-    "data.max_samples": "prepare --max-samples: the samples the older loader read (null: data.initial_scan_limit)",
+    "data.max_samples": "prepare --legacy-order scan --max-samples: the first pairs in the folder's own order, as "
+    "the older loader read them (null: data.initial_scan_limit)",
     "data.initial_scan_limit": "prepare --max-samples where data.max_samples is null (the older loader read only "
-    "that many files)",
-    "data.val_ratio": "prepare --val-fraction",
+    "that many pairs)",
+    "data.val_ratio": NOT_CARRIED + "the older validation split overlapped training: prepare --val-fraction 0 "
+    "trains on every pair the older run trained on",
     "data.max_val_samples": NOT_CARRIED + "the validation split is the whole disjoint val split prepare writes "
     "(--val-fraction); evaluation reads eval.num_elbo_batches x eval.batch_size of it",
     "data.num_workers": "data.num_workers, written null (min(8, CPUs // GPUs per node); see the audit)",
@@ -53,10 +55,10 @@ OLDER_KEYS = {
     "training.train_batch_size": "train.micro_batch_size; train.global_batch_size = micro-batch x GPUs",
     "training.eval_batch_size": "eval.batch_size",
     "training.num_epochs": "train.steps = epochs x steps per epoch (the older run's length)",
-    "training.num_train_steps": "the length of the older cosine schedule only; shown beside train.steps",
+    "training.num_train_steps": "schedule.num_steps: the length of the older cosine, apart from train.steps",
     "training.dtype": "train.precision",
     "training.compile_model": "perf.compile",
-    "training.lr_schedule": "schedule.kind",
+    "training.lr_schedule": "schedule.kind (cosine: warmup_cosine to 0 at schedule.num_steps, constant)",
     "training.warmup_steps": "schedule.warmup_steps",
     "training.gradient_accumulation_steps": "never applied by the older trainer: accumulation 1, global batch = "
     "micro-batch x GPUs",
@@ -78,7 +80,7 @@ OLDER_KEYS = {
     "logging.save_dir": NOT_CARRIED + "it holds the older checkpoints, which our trainer does not read; "
     "checkpoints go to train.run_dir/checkpoints",
     "logging.log_freq": "train.log_every",
-    "logging.eval_freq": "eval.every",
+    "logging.eval_freq": "eval.every, written 0: no validation split is held out (see data.val_ratio)",
     "logging.save_freq": "checkpoint.every, with checkpoint.every_minutes 30 and keep_last 4 (see the audit)",
     "logging.wandb_project": "logging.wandb_project (logging.wandb=true after `pip install wandb`: offline "
     "into RUN/wandb/)",
@@ -97,6 +99,7 @@ class Translation:
     dropped: list[str] = field(default_factory=list)
     unread: list[str] = field(default_factory=list)
     refused: set[str] = field(default_factory=set)  # older keys named in `unread`, not listed again
+    suggestions: list[str] = field(default_factory=list)  # what we recommend over the older run: not written
 
     def put(self, key: str, value: Any, source: str) -> None:
         self.values[key] = (value, source)
@@ -109,14 +112,17 @@ class Translation:
         self.refused.add(key)
 
 
-def translate(run: OlderRun, meant: dict[str, Any]) -> Translation:
+def translate(run: OlderRun, meant: dict[str, Any], run_name: str | None = None) -> Translation:
     """Our values from the older run; `meant`: older key -> value the launcher meant where bash lost it or
-    left it empty (the written value is the older run's, except an LR the older run never had)."""
+    left it empty (the written value is the older run's, except an LR the older run never had);
+    `run_name`: the name of our run and its data (default: logging.run_name)."""
     old, out = run.values, Translation()
 
     def source(key: str) -> str:
-        text = f"{key}={old[key]!r}"
-        return text + (f" (the launcher meant {meant[key]!r})" if key in meant and meant[key] != old[key] else "")
+        text = setting(key, old[key])
+        if key in meant and meant[key] != old[key]:
+            text += f" (the launcher meant {yaml_value(meant[key])})"
+        return text
 
     def carry(key: str, ours: str, convert=lambda v: v, table: dict | None = None) -> None:
         if key not in old:
@@ -125,7 +131,7 @@ def translate(run: OlderRun, meant: dict[str, Any]) -> Translation:
         if table is not None:
             if value not in table:
                 known = ", ".join(map(str, table))
-                out.refuse(key, f"{key}={value!r}: no counterpart (known: {known}); not carried, our default kept")
+                out.refuse(key, f"{source(key)}: no counterpart (known: {known}); not carried, our default kept")
                 return
             value = table[value]
         out.put(ours, convert(value), source(key))
@@ -142,7 +148,7 @@ def translate(run: OlderRun, meant: dict[str, Any]) -> Translation:
     out.put("optim.betas", run.betas, betas_from)
     if "optimizer.use_fused" in old:  # auto: fused where the GPU has the kernel (true fails where it has not)
         out.put("optim.fused", "auto", source("optimizer.use_fused"))
-    _translate_run(run, out, source, carry)
+    _translate_run(run, out, source, carry, run_name or str(old.get("logging.run_name", "imported")))
     _name_the_rest(old, out)
     return out
 
@@ -158,15 +164,15 @@ def _translate_model(old: dict, out: Translation, source, carry) -> None:
     carry("model.latent_parameterization", "latent_diffusion.prediction", table=PREDICTIONS)
     width = old.get("model.hidden_size", 256)
     heads = heads_for(width)
-    said = f"; model.n_heads={old['model.n_heads']!r} was never read" if "model.n_heads" in old else ""
+    said = f"; {source('model.n_heads')} was never read" if "model.n_heads" in old else ""
     near = "" if heads == HEADS else f"; {HEADS} does not divide {width} into even head dims: the nearest that does"
     out.put("model.num_heads", heads, f"the older block ran {HEADS} heads{said}{near}")
     if "model.cond_dim" in old and old["model.cond_dim"] != width:
-        line = f"model.cond_dim={old['model.cond_dim']!r}: our conditioning vector is model.hidden_size={width} wide"
+        line = f"{source('model.cond_dim')}: our conditioning vector is model.hidden_size={width} wide"
         out.refuse("model.cond_dim", line + "; not carried")
     for key, off in (("model.p_uniform", 0.0), ("model.cluster_size", 0)):
         if key in old and old[key] != off:  # on in the older run: a change of recipe, not only a dropped key
-            out.refuse(key, f"{key}={old[key]!r} (on in the older run): {OLDER_KEYS[key][len(NOT_CARRIED) :]}")
+            out.refuse(key, f"{source(key)} (on in the older run): {OLDER_KEYS[key][len(NOT_CARRIED) :]}")
 
 
 def _translate_training(run: OlderRun, meant: dict, out: Translation, source, carry) -> None:
@@ -174,20 +180,16 @@ def _translate_training(run: OlderRun, meant: dict, out: Translation, source, ca
     carry("training.seed", "train.seed")
     carry("training.eval_batch_size", "eval.batch_size")
     carry("training.compile_model", "perf.compile")
-    carry("training.lr_schedule", "schedule.kind", table=SCHEDULES)
-    carry("training.warmup_steps", "schedule.warmup_steps")
+    _translate_schedule(run, out, source, carry)
     if run.precision is not None:
         out.put("train.precision", run.precision, source("training.dtype"))
     elif "training.dtype" in old:
-        out.refuse("training.dtype", f"training.dtype={old['training.dtype']!r}: no counterpart; our default kept")
+        out.refuse("training.dtype", f"{source('training.dtype')}: no counterpart; our default kept")
     if run.mode is not None:
         out.put("objective.mode", run.mode, source("loss.loss_type"))
     elif "loss.loss_type" in old:
         known = "l2t, t2l, joint, unconditional, multimodal_mdlm"
-        line = (
-            f"loss.loss_type={old['loss.loss_type']!r}: no counterpart (known: {known}); not carried, our default kept"
-        )
-        out.refuse("loss.loss_type", line)
+        out.refuse("loss.loss_type", f"{source('loss.loss_type')}: no counterpart (known: {known}); our default kept")
     if run.micro_batch is not None:
         out.put("train.micro_batch_size", run.micro_batch, source("training.train_batch_size"))
         out.put(
@@ -199,8 +201,7 @@ def _translate_training(run: OlderRun, meant: dict, out: Translation, source, ca
         out.put(
             "train.steps",
             run.steps,
-            f"training.num_epochs={run.epochs} x {run.steps_per_epoch} steps per epoch of {run.samples_read} "
-            f"samples (training.num_train_steps={run.schedule_steps} set only the older cosine's length)",
+            f"training.num_epochs={run.epochs} x {run.steps_per_epoch} steps per epoch of {run.samples_read} samples",
         )
     elif run.schedule_steps is not None:
         out.put("train.steps", run.schedule_steps, source("training.num_train_steps") + "; the epochs are not known")
@@ -210,17 +211,37 @@ def _translate_training(run: OlderRun, meant: dict, out: Translation, source, ca
         out.put(
             "optim.lr",
             float(meant["optimizer.lr"]),
-            f"the LR the launcher meant; the older run had optimizer.lr={old.get('optimizer.lr')!r} and failed",
+            f"the LR the launcher meant; the older run had {source('optimizer.lr')} and failed",
         )
 
 
-def _translate_run(run: OlderRun, out: Translation, source, carry) -> None:
+def _translate_schedule(run: OlderRun, out: Translation, source, carry) -> None:
+    """The older LR curve as it was: its warmup, then its cosine to 0 over training.num_train_steps, however
+    long the run (a run shorter than its cosine ends partway down); a schedule that ends with the run is
+    a suggestion, not written."""
+    carry("training.lr_schedule", "schedule.kind", table=SCHEDULES)
+    carry("training.warmup_steps", "schedule.warmup_steps")
+    if out.value("schedule.kind") != "warmup_cosine":
+        return
+    out.put("schedule.min_lr_ratio", 0.0, "the older cosine fell to 0")
+    length = run.schedule_steps
+    if length is not None and length != run.steps:
+        out.put("schedule.num_steps", length, source("training.num_train_steps") + ": the older cosine's length")
+        end = f", at {run.lr_at_end:.2f}x its peak when the run ended" if run.lr_at_end is not None else ""
+        out.suggestions.append(
+            f"schedule.num_steps: null, min_lr_ratio: 0.1 (a cosine that ends with the run; the older one spanned "
+            f"{length:,} steps{end})"
+        )
+
+
+def _translate_run(run: OlderRun, out: Translation, source, carry, name: str) -> None:
     old = run.values
-    name = str(old.get("logging.run_name", "imported"))
-    out.put("train.run_dir", f"runs/{name}", source("logging.run_name") if "logging.run_name" in old else "")
+    given = "logging.run_name" in old and str(old["logging.run_name"]) == name
+    out.put("train.run_dir", f"runs/{name}", source("logging.run_name") if given else "")
     out.put("data.path", f"data/prepared/{name}", "the output of the prepare line below")
     carry("logging.log_freq", "train.log_every")
-    carry("logging.eval_freq", "eval.every")
+    if "logging.eval_freq" in old:
+        out.put("eval.every", 0, source("logging.eval_freq") + "; no validation split is held out (prepare line)")
     carry("logging.save_freq", "checkpoint.every")
     out.put("checkpoint.every_minutes", EVERY_MINUTES, "a failure loses at most about 30 minutes; see the audit")
     out.put("checkpoint.keep_last", CHECKPOINTS_KEPT, f"the older trainer kept at most {CHECKPOINTS_KEPT}")
@@ -241,12 +262,13 @@ def _translate_run(run: OlderRun, out: Translation, source, carry) -> None:
         ("data.latent_dir", "--legacy-latents"),
         ("data.tokenizer_name", "--tokenizer"),
         ("data.tokenizer_path", "--tokenizer"),
-        ("data.val_ratio", "--val-fraction"),
     ):
         if old.get(key) is not None:
             out.prepare[option] = old[key]
     if run.samples_read is not None:
+        out.prepare["--legacy-order"] = "scan"
         out.prepare["--max-samples"] = run.samples_read
+    out.prepare["--val-fraction"] = 0
 
 
 def _name_the_rest(old: dict, out: Translation) -> None:
@@ -255,15 +277,20 @@ def _name_the_rest(old: dict, out: Translation) -> None:
         if key in out.refused:
             continue
         if where is None:
-            out.unread.append(f"{key}={value!r}: unknown key; not read")
+            out.unread.append(f"{setting(key, value)}: unknown key; not read")
         elif where.startswith(NOT_CARRIED):
-            out.dropped.append(f"{key}={value!r}: {where[len(NOT_CARRIED) :]}")
+            out.dropped.append(f"{setting(key, value)}: {where[len(NOT_CARRIED) :]}")
         else:
-            out.carried.append(f"{key}={value!r} -> {where}")
+            out.carried.append(f"{setting(key, value)} -> {where}")
 
 
 # --------------------------------------------------------------------------------------------------
 # Writing our config.
+
+
+def setting(key: str, value: Any) -> str:
+    """An older key and its value as a user reads them: `key=value` as YAML writes the value, or `key empty`."""
+    return f"{key}={yaml_value(value)}" if value != "" else f"{key} empty"
 
 
 def yaml_value(value: Any) -> str:

@@ -2,20 +2,23 @@
 from what its config keys are named. A key it never reads is a finding, not a setting.
 
 - It trains `training.num_epochs` full passes over its loader. `training.num_train_steps` sets only the
-  length of the cosine LR schedule, not when training stops. Per epoch each of the W processes draws
-  ceil(N / W) samples (DistributedSampler) in batches of `training.train_batch_size`.
+  length of the cosine LR schedule (linear warmup, then a cosine from the peak to 0 at that step), not
+  when training stops. Per epoch each of the W processes draws ceil(N / W) samples (DistributedSampler)
+  in batches of `training.train_batch_size`.
 - It never applies gradient accumulation: `training.gradient_accumulation_steps` is read by the launcher
   only, and the optimizer steps after every micro-batch. Global batch = micro-batch x GPUs.
 - Adam's betas are the optimizer group's `optimizer.betas` list; `optimizer.beta1` / `optimizer.beta2`
   are never read.
 - Its block is built without a head count: 8 heads, whatever `model.n_heads` says.
-- With `data.max_samples: null` its loader reads only the first `data.initial_scan_limit` files (10,000
-  when the key is absent), with it set that many; train and validation overlap, so it trains on every
-  file it read.
+- Its loader walks the token folder in the folder's own order (os.scandir), keeps each .npz whose latent
+  .npy exists and stops at `data.max_samples` pairs, or where that is null at `data.initial_scan_limit`
+  (10,000 when the key is absent); its validation split overlaps training, so it trains on every pair
+  it read.
+- It evaluates every `logging.eval_freq` steps: never, where that is longer than the run.
 - Modes `unconditional` and `multimodal_mdlm` train both streams together (our `joint`).
 - Checkpoints overwrite one `latest` folder and at most 4 are kept; its collective timeout is hard-coded
   to 30 minutes (NCCL_TIMEOUT is read by neither torch nor NCCL); DDP runs with
-  find_unused_parameters=True; bf16 means weights cast to bf16, with no fp32 master copy.
+  find_unused_parameters on; bf16 means weights cast to bf16, with no fp32 master copy.
 """
 
 from __future__ import annotations
@@ -70,15 +73,24 @@ class OlderRun:
         return self.epochs * self.steps_per_epoch
 
     @property
+    def warmup(self) -> int:
+        return _int(self.values.get("training.warmup_steps")) or 0
+
+    @property
     def lr_at_end(self) -> float | None:
         """The cosine's factor at the run's last step, where the schedule is longer than the run."""
         if self.steps is None or not self.schedule_steps:
             return None
-        warmup = int(self.values.get("training.warmup_steps") or 0)
-        if self.steps <= warmup:
-            return self.steps / max(1, warmup)
-        progress = min(1.0, (self.steps - warmup) / max(1, self.schedule_steps - warmup))
+        if self.steps <= self.warmup:
+            return self.steps / max(1, self.warmup)
+        progress = min(1.0, (self.steps - self.warmup) / max(1, self.schedule_steps - self.warmup))
         return 0.5 * (1 + math.cos(math.pi * progress))
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether logging.eval_freq comes round within the run (where both are known)."""
+        every = _int(self.values.get("logging.eval_freq"))
+        return every is None or self.steps is None or 0 < every <= self.steps
 
 
 def older_run(values: dict[str, Any], cluster: Cluster) -> OlderRun:
@@ -112,9 +124,9 @@ def _samples_read(values: dict[str, Any]) -> tuple[int | None, str]:
     limit = values.get("data.max_samples")
     if limit is not None:
         return _int(limit), "data.max_samples"
-    scan = values.get("data.initial_scan_limit", SCAN_LIMIT)
-    source = "data.initial_scan_limit" if "data.initial_scan_limit" in values else "the loader's default scan limit"
-    return _int(scan), f"data.max_samples null: the first {source} files only"
+    if "data.initial_scan_limit" in values:
+        return _int(values["data.initial_scan_limit"]), "data.max_samples null: data.initial_scan_limit"
+    return SCAN_LIMIT, f"data.max_samples null: the loader's scan limit, {SCAN_LIMIT:,}"
 
 
 def _int(value: Any) -> int | None:

@@ -1,12 +1,12 @@
-# The shell an older launcher runs in under `mmldlm migrate` (launcher.py starts it): real bash, with
+# The shell an older launcher runs in under `mmldlm migrate` (shell.py starts it): real bash, with
 # every command that reaches outside this shell recorded instead of run. Sourced before the launcher
-# (and before any bash script the launcher starts), with these set by launcher.py:
+# (and before any bash script the launcher starts), with these set by shell.py:
 #   __MIG_DIR   the scratch folder: records go to rec/, redirected output to out/
 #   __MIG_BIN   the only folder on PATH: pure tools (bc, sed, grep, ...) and their guards
 #   __MIG_NGPUS __MIG_GPU_MIB __MIG_GPU_NAME __MIG_CPUS   the cluster's facts, as its tools report them
 #
 # What runs: shell builtins and keywords, the launcher's own functions, and the tools in __MIG_BIN.
-# What is recorded, not run (one file per call in rec/, read by launcher.py):
+# What is recorded, not run (one file per call in rec/, read by shell.py):
 #   - a command found nowhere (command_not_found_handle): torchrun, python, mkdir, rm, sleep, ...;
 #   - a command named by a path or a variable (/opt/conda/bin/torchrun, $PY, ./run.sh), caught by
 #     the DEBUG trap below before bash runs it;
@@ -14,15 +14,20 @@
 # Answered with the cluster's facts: nvidia-smi, nproc, getconf, which, command -v.
 # Shadowed by functions: cd/pushd/popd/pwd (a folder missing here is followed by name), source/.
 # (a file missing here is named and skipped), [ / test (a file test of a path missing here answers
-# "exists", as on the cluster), read (-p: the prompt is named and answered with Enter).
+# "exists", as on the cluster), read (-p or from the terminal: named and answered with Enter).
 # Output redirected to a file (> f, >> f, &> f, exec > f) goes to out/ instead; noclobber keeps a
-# redirection this trap does not see (on a { } group or a loop) from truncating a file.
+# redirection this trap does not see (on a { } group or a loop) from truncating a file. Input from
+# the terminal (< /dev/tty) reads /dev/null: migrate never reads the user's terminal. The launcher's
+# `set -x` trace (and this file's with it) goes to out/xtrace, so that its output is its own.
 
 shopt -s extdebug   # the DEBUG trap can skip a command; functions and subshells inherit it
 set -o noclobber
 export __MIG_WHERE  # where the command now running is, for the tools of __MIG_BIN that record
 __MIG_STEPS=0
 __MIG_OUT=0
+__MIG_TTY=""  # set while the command now running had its input from /dev/tty
+exec {__MIG_XFD}>>"$__MIG_DIR/out/xtrace"
+BASH_XTRACEFD=$__MIG_XFD
 declare -A __MIG_RECORDED=() # where -> how many commands it sent to a recorder
 declare -A __MIG_FACTS=([nvidia-smi]=1 [nproc]=1 [getconf]=1 [which]=1 [tee]=1 [env]=1 [hostname]=1)
 
@@ -140,13 +145,22 @@ __mig_sink() {
 }
 
 # __MIG_TOKENS with the target of each output redirection to a file (not /dev/null, /dev/std*,
-# /dev/fd/N) replaced by a new file of out/, the original recorded; sets __MIG_TEXT (the command
-# again, with the rest of a here-document) and returns 0 when something was replaced.
+# /dev/fd/N) replaced by a new file of out/, the original recorded, and input from /dev/tty by
+# /dev/null; sets __MIG_TEXT (the command again, with the rest of a here-document) and returns 0
+# when something was replaced.
 __mig_redirect() {
     local __k __t __changed=1
     for ((__k = 0; __k < ${#__MIG_TOKENS[@]}; __k++)); do
-        [[ ${__MIG_KINDS[__k]} == r && ${__MIG_TOKENS[__k]} == *[\>]* && ${__MIG_TOKENS[__k]} != *'&'[0-9-] ]] || continue
+        [[ ${__MIG_KINDS[__k]} == r ]] || continue
         __t=${__MIG_TOKENS[__k + 1]:-}
+        if [[ ${__MIG_TOKENS[__k]} == *'<'* && $__t == /dev/tty ]]; then
+            __mig_record tty "${__MIG_TOKENS[__k]} $__t"
+            __MIG_TOKENS[__k + 1]=/dev/null
+            __MIG_TTY=1
+            __changed=0
+            continue
+        fi
+        [[ ${__MIG_TOKENS[__k]} == *[\>]* && ${__MIG_TOKENS[__k]} != *'&'[0-9-] ]] || continue
         [[ -z $__t || $__t == /dev/null || $__t == /dev/std* || $__t == /dev/fd/* || $__t == '>('* ]] && continue
         ((++__MIG_OUT))
         __MIG_TOKENS[__k + 1]="\"\$(__mig_sink $__MIG_OUT $__t)\""
@@ -164,6 +178,7 @@ __mig_debug() {
     [[ ${BASH_SOURCE[1]:-} == "$__MIG_PRELUDE" || -z ${BASH_SOURCE[1]:-} ]] && return 0
     local __cmd=$BASH_COMMAND __first __rest __changed=1
     __MIG_WHERE="${BASH_SOURCE[1]:-$0}:${BASH_LINENO[0]:-0}"
+    __MIG_TTY=""
     if ((++__MIG_STEPS > 5000)); then
         __mig_record stop "more than 5000 commands"
         exit 125
@@ -318,17 +333,19 @@ __mig_test() {
     builtin test "${__args[@]}"
 }
 
-# read -p prompts a person at a terminal: under a scheduler there is none. The prompt is recorded
-# and answered with Enter (empty values); any other read reads as bash would.
+# read -p prompts a person at a terminal, and a read from /dev/tty reads one: under a scheduler there
+# is none. The prompt is recorded and answered with Enter (empty values); any other read reads as
+# bash would.
 __mig_read() {
-    local __a __prompt=""
+    local __a __prompt="" __tty=$__MIG_TTY
+    __MIG_TTY=""
     for __a in "$@"; do
         [[ -n $__prompt && $__prompt == next ]] && __prompt=$__a
         [[ $__a == -*p ]] && __prompt=next
         [[ $__a == -*p?* && $__a != --* ]] && __prompt=${__a#*p}
     done
-    if [[ -n $__prompt ]]; then
-        __mig_record read-prompt "$__prompt"
+    if [[ -n $__prompt || -n $__tty ]]; then
+        __mig_record read-prompt "$__prompt" "${__tty:-0}"
         local __skip=0 __name
         for __a in "$@"; do
             ((__skip)) && { __skip=0; continue; }

@@ -1,18 +1,22 @@
 """An older launcher run under real bash with nothing outside it touched (sandbox.sh says what runs and
-what is recorded). `run_launcher` makes a scratch folder with the only folder on PATH (the pure tools:
+what is recorded). `run_bash` makes a scratch folder with the only folder on PATH (the pure tools:
 symlinks to this machine's own, sed, awk and date behind guards, bc, python), runs the launcher there
 with stdin closed, a time limit and, where the kernel offers Landlock, no write outside the scratch
-folder, and returns what was recorded, in the order it happened.
+folder, and returns what was recorded, in the order it happened. It knows nothing of clusters: the
+facts it answers with are given whole (`Facts`, made by launcher.py).
 
-bc is this machine's where installed; where it is not, the model in bc.py stands in and each call says
-so (`ShellRun.bc_model_calls`); `bc="lenient"` runs the model reading 5e-5 as 0.00005, to learn what a
-launcher meant where bc refused a number.
+bc is this machine's GNU bc; where it is not installed, each bc call is recorded as one bc cannot make
+(`bc="missing"`) and the launcher goes on with bc's output empty, as on a machine without it.
+`bc="lenient"` runs bc on its input with 5e-5 written 0.00005, to learn what a launcher meant where bc
+refused a number.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -21,7 +25,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mmldlm.tools.migrate.cluster import Cluster, MigrateError
+from mmldlm.tools.migrate.cluster import MigrateError
 
 HERE = Path(__file__).resolve().parent
 # Tools that compute from their arguments and input and write only to stdout: run as they are.
@@ -32,12 +36,31 @@ PURE_TOOLS = (
 PYTHON_NAMES = ("python", "python3", *(f"python3.{minor}" for minor in range(6, 15)))
 TIME_LIMIT_S = 20.0
 OUTPUT_LINES = 15  # of the launcher's own output, kept for the messages that quote it
+# bc's input with each number in scientific notation written out (5e-5 -> 0.00005): what the author meant.
+LENIENT = (
+    "import re, sys, decimal; sys.stdout.write(re.sub(r'(?<![\\w.])(\\d+(?:\\.\\d*)?|\\.\\d+)[eE]([-+]?\\d+)', "
+    "lambda m: format(decimal.Decimal(m.group(0)), 'f'), sys.stdin.read()))"
+)
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the launcher runs with: its whole environment (besides PATH, HOME and the sandbox's own), the
+    cluster's facts as its tools report them, and how bc runs ("bc", "lenient"; "missing" where this
+    machine has no bc)."""
+
+    environ: dict[str, str]
+    gpus_per_node: int
+    gpu_memory_mib: int
+    gpu_name: str
+    cpus_per_node: int
+    bc: str = "bc"
 
 
 @dataclass
 class Record:
-    kind: str  # cmd, bc, fact, redirect, missing-cd, missing-source, assumed-test, read-prompt, ...
-    where: str  # FILE:LINE of the launcher's command
+    kind: str  # cmd, bc, fact, redirect, missing-cd, missing-source, assumed-test, read-prompt, tty, end, ...
+    where: str  # FILE:LINE where the launcher's command starts
     cwd: str
     words: list[str]
     environ: dict[str, str] = field(default_factory=dict)  # a command's exported variables
@@ -51,27 +74,23 @@ class Record:
 class ShellRun:
     records: list[Record]
     status: int  # bash's exit status
-    output: list[str]  # the launcher's last lines of output (stdout and stderr)
+    output: list[str]  # the launcher's last lines of output (stdout and stderr), its set -x trace aside
     stopped: str | None  # why bash was stopped before the launcher ended, if it was
-    bc_engine: str  # "bc" (this machine's), "model" (bc.py: bc is not installed here) or "lenient"
+    bc: str  # how bc ran: "bc", "lenient" or "missing"
     write_guard: str  # what kept writes inside the scratch folder
 
     def of(self, kind: str) -> list[Record]:
         return [r for r in self.records if r.kind == kind]
 
+    @property
+    def ended_at(self) -> str | None:
+        """The launcher's line bash ran last (where it ended, or last recorded where it was stopped)."""
+        ends = [r for r in self.of("end") or self.records[-1:] if r.where != "?"]
+        return ends[-1].where if ends else None
 
-def run_launcher(
-    launcher: Path,
-    args: list[str],
-    cluster: Cluster,
-    environ: dict[str, str],
-    *,
-    gpu_memory_mib: int | None = None,
-    bc: str = "auto",
-    time_limit_s: float = TIME_LIMIT_S,
-) -> ShellRun:
-    """`launcher` run by bash from the current folder, with `environ` as its whole environment besides
-    PATH, HOME and the sandbox's own; nvidia-smi reports `gpu_memory_mib` (default: the cluster's)."""
+
+def run_bash(launcher: Path, args: list[str], facts: Facts, time_limit_s: float = TIME_LIMIT_S) -> ShellRun:
+    """`launcher` run by bash from the current folder with `facts`."""
     bash = shutil.which("bash")
     if bash is None:
         raise MigrateError("bash is not installed here: migrate runs the older launcher under bash to read it")
@@ -79,18 +98,18 @@ def run_launcher(
         root = Path(scratch)
         for sub in ("rec", "out", "bin"):
             (root / sub).mkdir()
-        engine = _install_tools(root / "bin", bash, bc)
+        bc = _install_tools(root / "bin", bash, facts.bc)
         env = {
-            **environ,
+            **facts.environ,
             "PATH": str(root / "bin"),
             "HOME": os.environ.get("HOME", "/root"),
             "__MIG_DIR": scratch,
             "__MIG_BIN": str(root / "bin"),
             "__MIG_PRELUDE": str(HERE / "sandbox.sh"),
-            "__MIG_NGPUS": str(cluster.gpus_per_node),
-            "__MIG_GPU_MIB": str(gpu_memory_mib or cluster.gpu_memory_mib),
-            "__MIG_GPU_NAME": cluster.gpu_name,
-            "__MIG_CPUS": str(cluster.cpus_per_node),
+            "__MIG_NGPUS": str(facts.gpus_per_node),
+            "__MIG_GPU_MIB": str(facts.gpu_memory_mib),
+            "__MIG_GPU_NAME": facts.gpu_name,
+            "__MIG_CPUS": str(facts.cpus_per_node),
         }
         guard = _landlock_available()
         command = [bash, "--noprofile", "--norc", "-c", _START, str(launcher), str(launcher), *args]
@@ -100,14 +119,15 @@ def run_launcher(
     if stops and stopped is None:
         stopped = stops[0].words[0] if stops[0].words else "stopped"
     write_guard = "Landlock (the kernel refuses any write outside it)" if guard else "bash's redirections only"
-    return ShellRun(records, status, output, stopped, engine, write_guard)
+    return ShellRun(records, status, output, stopped, bc, write_guard)
 
 
-# At the top level of `bash -c`, so that the launcher is sourced outside any function (sandbox.sh).
+# At the top level of `bash -c`, so that the launcher is sourced outside any function (sandbox.sh); the
+# EXIT trap records the launcher's line bash ran last.
 _START = (
     'shopt -s extdebug; builtin source "$__MIG_PRELUDE"; '
     '[[ $1 == -c ]] && { __mig_file "$2"; set -- "$__MIG_FILE" "${@:3}"; }; '
-    'trap "$__MIG_TRAP" DEBUG; builtin source "$@"'
+    'builtin trap "__mig_record end \\$?" EXIT; trap "$__MIG_TRAP" DEBUG; builtin source "$@"'
 )
 
 
@@ -119,7 +139,7 @@ def _run(command: list[str], env: dict, root: Path, guard: bool, time_limit_s: f
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        start_new_session=True,  # its own process group: the time limit ends every process it started
+        start_new_session=True,  # its own process group (the time limit ends all of it), no terminal
         preexec_fn=preexec,
     )
     stopped = None
@@ -134,8 +154,9 @@ def _run(command: list[str], env: dict, root: Path, guard: bool, time_limit_s: f
 
 
 def read_records(folder: Path) -> list[Record]:
-    """The records in the order they were made (each file is named by its microsecond)."""
-    records = []
+    """The records in the order they were made (each file is named by its microsecond); an empty file (a
+    python call's record that was not needed) is none."""
+    records, starts = [], {}
     for path in sorted(folder.iterdir(), key=lambda p: int(p.name.split("-")[0])):
         fields = path.read_bytes().decode(errors="replace").split("\0")
         if len(fields) < 4:
@@ -143,8 +164,25 @@ def read_records(folder: Path) -> list[Record]:
         kind, where, cwd, count = fields[:4]
         end = 4 + int(count)
         environ = dict(f.split("=", 1) for f in fields[end:] if "=" in f)
-        records.append(Record(kind, where, cwd, fields[4:end], environ))
+        records.append(Record(kind, _command_start(where, starts), cwd, fields[4:end], environ))
     return records
+
+
+def _command_start(where: str, lines_of: dict[str, list[str]]) -> str:
+    """FILE:LINE of the line a command starts on: bash names the second line of `torchrun \\` + options
+    (the line of the command's second word); the lines before it that end in a continuation are its own."""
+    file, _, line = where.rpartition(":")
+    if not line.isdigit() or not file:
+        return where
+    if file not in lines_of:
+        try:
+            lines_of[file] = Path(file).read_text(errors="replace").splitlines()
+        except OSError:
+            lines_of[file] = []
+    lines, number = lines_of[file], int(line)
+    while 1 < number <= len(lines) + 1 and re.search(r"(^|[^\\])(\\\\)*\\$", lines[number - 2]):
+        number -= 1
+    return f"{file}:{number}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -152,6 +190,7 @@ def read_records(folder: Path) -> list[Record]:
 
 
 def _install_tools(bin_dir: Path, bash: str, bc: str) -> str:
+    """The tools of the launcher's PATH; returns how bc runs ("missing" where this machine has none)."""
     for name in PURE_TOOLS:
         real = shutil.which(name)
         if real is not None:
@@ -165,12 +204,14 @@ def _install_tools(bin_dir: Path, bash: str, bc: str) -> str:
     for name in PYTHON_NAMES:
         _write_tool(bin_dir / name, bash, python)
     real_bc = shutil.which("bc")
-    engine = "lenient" if bc == "lenient" else ("bc" if real_bc and bc != "model" else "model")
-    run = f'{real_bc} "$@"' if engine == "bc" else f'{sys.executable} -I -S {HERE / "bc.py"} "$@"'
-    if engine == "lenient":
-        run += " --lenient"
-    _write_tool(bin_dir / "bc", bash, _recording_bc(run, engine))
-    return engine
+    if real_bc is None:
+        bc, run = "missing", "{ cat >/dev/null; printf 'bc: command not found\\n' >&2; exit 127; }"
+    elif bc == "lenient":
+        run = f'{{ {sys.executable} -I -S -c {shlex.quote(LENIENT)} | {real_bc} "$@"; }}'
+    else:
+        bc, run = "bc", f'{real_bc} "$@"'
+    _write_tool(bin_dir / "bc", bash, _recording_bc(run, bc))
+    return bc
 
 
 def _write_tool(path: Path, bash: str, body: str) -> None:
@@ -187,14 +228,14 @@ def _child_bash(bash: str) -> str:
 {start} "${{1:-bash}}" "${{1:-/dev/stdin}}" "${{@:2}}\""""
 
 
-def _recording_bc(run: str, engine: str) -> str:
-    """bc with its input, output, errors and engine recorded (a launcher's `$(... | bc)` hides its errors)."""
+def _recording_bc(run: str, bc: str) -> str:
+    """bc with its input, output, errors and how it ran recorded (a launcher's `$(... | bc)` hides its errors)."""
     return f"""input=$(</dev/stdin)
 err="$__MIG_DIR/out/bc.$$.$RANDOM"
 out=$(printf '%s\\n' "$input" | {run} 2>"$err")
 status=$?
 errors=$(<"$err")
-printf '%s\\0' bc "${{__MIG_WHERE:-?}}" "$PWD" 4 "$input" "$out" "$errors" "{engine}" \\
+printf '%s\\0' bc "${{__MIG_WHERE:-?}}" "$PWD" 4 "$input" "$out" "$errors" "{bc}" \\
     >"$__MIG_DIR/rec/${{EPOCHREALTIME/[.,]/}}-$$-bc"
 [[ -n $out ]] && printf '%s\\n' "$out"
 [[ -n $errors ]] && printf '%s\\n' "$errors" >&2

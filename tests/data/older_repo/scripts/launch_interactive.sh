@@ -3,7 +3,7 @@
 set -e
 LOG_DIR=/var/log/older-runs
 exec > >(tee -a "${LOG_DIR}/launch.log") 2>&1
-read -p "Press Enter to start training on ${NNODES:-1} node(s)..." answer
+read -p "Press Enter to start training on ${NNODES:-1} nodes..." answer
 builtin cd "$(dirname "$0")/.."
 enable -n echo
 TORCHRUN=/opt/conda/envs/mmdit/bin/torchrun
