@@ -347,7 +347,8 @@ REFUSED = {
     ),
     "threads-negative": (
         ["sample", "--mode", "joint", "--num", "1", "--threads", "-1"],
-        "--threads: got -1; expected auto (the CPUs other processes leave free), 0 (torch's default) or an integer >= 1",
+        "--threads: got -1; expected auto (the CPUs other processes leave free), 0 (torch's default) or an "
+        "integer >= 1",
     ),
     "batch-size-zero": (
         ["sample", "--mode", "l2t", "--num", "1", "--batch-size", "0"],
@@ -357,7 +358,8 @@ REFUSED = {
     "eval-num-samples-zero": (["eval", "--num-samples", "0"], "--num-samples: got 0; expected an integer >= 1"),
     "eval-threads-negative": (
         ["eval", "--threads", "-2"],
-        "--threads: got -2; expected auto (the CPUs other processes leave free), 0 (torch's default) or an integer >= 1",
+        "--threads: got -2; expected auto (the CPUs other processes leave free), 0 (torch's default) or an "
+        "integer >= 1",
     ),
 }
 
