@@ -140,9 +140,13 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh | None = None) -> nn.Module:
     replicated along "replicate", gradients reduce-scattered within a shard group and all-reduced
     across the groups."""
     # Per block first, then the root (embeddings, heads, timestep MLPs): each block's parameters
-    # are gathered just before it runs and freed after, overlapping with the neighbours' compute.
+    # are gathered just before it runs and freed after, overlapping with the neighbours' compute. The
+    # blocks' adaLN modulation (a third of the base preset's parameters, used once at the start) is a
+    # unit of its own, so that it is not held gathered with the root's for the whole step.
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
+    if isinstance(getattr(model, "modulation", None), nn.Module):
+        fully_shard(model.modulation, mesh=mesh)
     fully_shard(model, mesh=mesh)
     # nn.Linear returns a view for a 3-D input, so the latent head's output is one, and FSDP2 warns at
     # every run that an in-place op on it would skip its pre-backward hook. Nothing here modifies a
