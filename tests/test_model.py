@@ -379,7 +379,8 @@ def test_prefix_tokens_carry_the_latent_and_follow_the_null_latent():
     model = randomised(cfg)
     with torch.no_grad():
         for block in model.blocks:
-            block.latent.qkv.weight[2 * cfg.hidden_size :].zero_()  # latent slots lend no values
+            # latent slots lend no values (the rows are q, k, v head by head)
+            block.latent.qkv.weight.view(cfg.num_heads, 3, -1, cfg.hidden_size)[:, 2].zero_()
     tokens, latents, t_text, t_latent = inputs(cfg)
     logits, _, _ = model(tokens, latents, t_text, t_latent, latent_head=False)
     other, _, _ = model(tokens, latents.roll(1, dims=0), t_text, t_latent, latent_head=False)
@@ -418,17 +419,18 @@ def test_qk_rmsnorm_of_bf16_activations_keeps_the_fp32_mean_of_squares():
     shift, scale = torch.zeros(4, 1, cfg.hidden_size), torch.ones(4, 1, cfg.hidden_size)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         qk, v = stream.qk_heads(x, shift, scale)
-        raw = stream.qkv(modulate(stream.norm_attn(x), shift, scale)).view(4, 10, 3, cfg.num_heads, hd)
-    assert qk.dtype == v.dtype == torch.bfloat16 and qk.shape == (4, 10, 2, cfg.num_heads, hd)
+        raw = stream.qkv(modulate(stream.norm_attn(x), shift, scale)).view(4, 10, cfg.num_heads, 3, hd)
+    assert qk.dtype == v.dtype == torch.bfloat16 and qk.shape == (4, 10, cfg.num_heads, 2, hd)
     gains = (stream.q_norm.weight, stream.k_norm.weight)
-    want = torch.stack([F.rms_norm(raw[:, :, i].float(), (hd,), w, cfg.norm_eps) for i, w in enumerate(gains)], 2)
+    want = torch.stack([F.rms_norm(raw[..., i, :].float(), (hd,), w, cfg.norm_eps) for i, w in enumerate(gains)], 3)
     torch.testing.assert_close(qk.float(), want, rtol=3 * 2**-8, atol=0)
 
 
-def earlier_layout(state: dict, num_blocks: int) -> dict:
+def earlier_layout(state: dict, num_blocks: int, num_heads: int) -> dict:
     """`state` as an earlier mmldlm wrote it: each block's streams their own adaLN modulation
     (`blocks.i.{text,latent}.modulation.1.*`: shift, scale, gate of the attention, then of the MLP) and
-    every scale DiT's, multiplied as 1 + scale (the final layers' too)."""
+    every scale DiT's, multiplied as 1 + scale (the final layers' too); each qkv projection's rows q,
+    k, v, each of them head by head."""
     state = dict(state)
     weight, bias = state.pop("modulation.proj.weight"), state.pop("modulation.proj.bias")
     H = weight.shape[1]
@@ -443,6 +445,8 @@ def earlier_layout(state: dict, num_blocks: int) -> dict:
         final_bias = state[f"{final}.modulation.1.bias"].clone()
         final_bias[H:] -= 1.0
         state[f"{final}.modulation.1.bias"] = final_bias
+    for key in [k for k in state if k.endswith(".qkv.weight")]:  # rows q (all heads), k, v; not head by head
+        state[key] = state[key].view(num_heads, 3, H // num_heads, H).transpose(0, 1).reshape(3 * H, H)
     return state
 
 
@@ -453,7 +457,7 @@ def test_weights_of_the_earlier_per_block_modulation_load_and_give_the_same_outp
 
     cfg = tiny()
     model = randomised(cfg)
-    old = earlier_layout(model.state_dict(), cfg.num_blocks)
+    old = earlier_layout(model.state_dict(), cfg.num_blocks, cfg.num_heads)
     assert "modulation.proj.weight" not in old and "blocks.3.latent.modulation.1.bias" in old
     loaded = MultimodalMMDiT(cfg, VOCAB).eval()
     load_weights(loaded, tmp_path / "model.safetensors", old)

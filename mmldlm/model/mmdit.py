@@ -155,22 +155,23 @@ class StreamLayers(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
     def qk_heads(self, x: Tensor, shift: Tensor, scale: Tensor, queries: bool = True) -> tuple[Tensor, Tensor]:
-        """x (B, T, H) -> qk (B, T, 2, nh, hd), queries and keys normalised per head, and v (B, T, nh, hd);
-        without `queries`, qk is the keys alone, (B, T, 1, nh, hd). Positions stay before heads (the
-        projection's own layout): the joint sequence is concatenated along T and the variable-length
-        kernel reads (positions, nh, hd) with no transposed copy."""
+        """x (B, T, H) -> qk (B, T, nh, 2, hd), queries and keys normalised per head, and v (B, T, nh, hd);
+        without `queries`, qk is the keys alone, (B, T, nh, 1, hd). The projection's rows are head by
+        head (q, k, v of head 0, then of head 1, ...): positions and heads stay before q/k/v, so the
+        joint sequence is concatenated along T, the variable-length kernel reads (positions, nh, hd)
+        with no transposed copy, and the gains' gradient sums over leading dimensions only."""
         B, T, _ = x.shape
-        qkv = self.qkv(modulate(self.norm_attn(x), shift, scale)).view(B, T, 3, self.num_heads, self.head_dim)
+        qkv = self.qkv(modulate(self.norm_attn(x), shift, scale)).view(B, T, self.num_heads, 3, self.head_dim)
         # split, not slices: its backward is one cat, where slices' are a zero-filled tensor each and a sum
-        qk, v = qkv.split([2, 1], dim=2) if queries else qkv.split([1, 1, 1], dim=2)[1:]
-        v = v.squeeze(2)  # (B, T, nh, hd)
+        qk, v = qkv.split([2, 1], dim=3) if queries else qkv.split([1, 1, 1], dim=3)[1:]
+        v = v.squeeze(3)  # (B, T, nh, hd)
         if self.q_norm is None:
             return qk, v
         # One RMSNorm over q and k at once (torch upcasts bf16 inside: an fp32 mean of squares), then
         # their gains, in the activations' dtype.
         gain = torch.stack([self.q_norm.weight, self.k_norm.weight]) if queries else self.k_norm.weight[None]
         normed = F.rms_norm(qk, (self.head_dim,), eps=self.eps).to(qk.dtype)
-        return normed * gain[:, None].to(qk.dtype), v
+        return normed * gain.to(qk.dtype), v
 
     def residual(self, x: Tensor, attn_out: Tensor, mod: tuple[Tensor, ...]) -> Tensor:
         """The gated attention and MLP residual updates of x (B, T, H); attn_out (B, T, H); mod the
@@ -221,7 +222,7 @@ class MMDiTBlock(nn.Module):
         MLP are not computed and it returns None (SD3's last "context_pre_only" block), so a head that
         is skipped leaves no parameter of the last block waiting for a gradient."""
         mod_text, mod_latent = per_position(mod[:6], text_doc), mod[6:]  # 6 x (B, 1, H) or (R, L, H)
-        qk_text, v_text = self.text.qk_heads(x_text, mod_text[0], mod_text[1], text_out)  # (B, L, 2|1, nh, hd)
+        qk_text, v_text = self.text.qk_heads(x_text, mod_text[0], mod_text[1], text_out)  # (B, L, nh, 2|1, hd)
         qk_latent, v_latent = self.latent.qk_heads(x_latent, mod_latent[0], mod_latent[1], latent_out)
         if rope is not None:
             # Only text positions rotate. Latent slots have no place in the token order; leaving
@@ -234,11 +235,11 @@ class MMDiTBlock(nn.Module):
 
         v = torch.cat([v_text, v_latent], dim=1)  # (B, S, nh, hd)
         if text_out and latent_out:
-            q, k = torch.cat([qk_text, qk_latent], dim=1).unbind(2)  # (B, S, nh, hd)
+            q, k = torch.cat([qk_text, qk_latent], dim=1).unbind(3)  # (B, S, nh, hd)
             queries = "all"
         else:  # a last block: Sq = L or K
-            k = torch.cat([qk_text[:, :, -1], qk_latent[:, :, -1]], dim=1)
-            q, queries = (qk_text[:, :, 0], "text") if text_out else (qk_latent[:, :, 0], "latent")
+            k = torch.cat([qk_text[..., -1, :], qk_latent[..., -1, :]], dim=1)
+            q, queries = (qk_text[..., 0, :], "text") if text_out else (qk_latent[..., 0, :], "latent")
         L = x_text.shape[1]
         attention = attention if attention is not None else JointAttention("dense")  # no padding
         y = attention(q, k, v, queries, self.dropout if self.training else 0.0)  # (B, Sq, nh, hd)
@@ -305,13 +306,14 @@ class FinalLayer(nn.Module):
         return self.head(x)[:N]  # (N, out_dim)
 
 
-def upgrade_state_dict(state: dict[str, Tensor]) -> dict[str, Tensor]:
+def upgrade_state_dict(state: dict[str, Tensor], num_heads: int) -> dict[str, Tensor]:
     """Weights written before every block's adaLN modulation was one matrix (`AdaLN`), in this layout:
     each block's streams had their own `blocks.i.{text,latent}.modulation.1.{weight,bias}` (6H rows:
-    shift, scale, gate of the attention, then of the MLP) and every modulation's scale was DiT's
-    (so 1 + scale multiplied). Those rows are stacked block by block, stream by stream, into
-    `modulation.proj`, and 1 is added to every scale bias (the final layers' too). Weights already in
-    this layout come back as they are."""
+    shift, scale, gate of the attention, then of the MLP), every modulation's scale was DiT's (so
+    1 + scale multiplied), and each `qkv` projection's rows were q, k, v (each head by head). Those
+    rows are stacked block by block, stream by stream, into `modulation.proj`, 1 is added to every
+    scale bias (the final layers' too), and the qkv rows are reordered head by head (q, k, v of each
+    head). Weights already in this layout come back as they are."""
     if "blocks.0.text.modulation.1.weight" not in state:
         return state
     state = dict(state)
@@ -330,6 +332,8 @@ def upgrade_state_dict(state: dict[str, Tensor]) -> dict[str, Tensor]:
     for final in ("text_final", "latent_final"):
         key = f"{final}.modulation.1.bias"
         state[key] = state[key] + torch.cat([torch.zeros(H), torch.ones(H)]).to(state[key].dtype)
+    for key in [k for k in state if k.endswith(".qkv.weight")]:
+        state[key] = state[key].view(3, num_heads, H // num_heads, H).transpose(0, 1).reshape(3 * H, H)
     return state
 
 
@@ -588,7 +592,7 @@ class MultimodalMMDiT(nn.Module):
 
     @staticmethod
     def rope_for_blocks(rope: tuple[Tensor, Tensor] | None, x_text: Tensor) -> tuple[Tensor, Tensor] | None:
-        """The RoPE tables (T, 1, hd) or (R, T, 1, hd) shaped for the blocks' (.., T, 2, nh, hd) queries and
+        """The RoPE tables (T, 1, hd) or (R, T, 1, hd) shaped for the blocks' (.., T, nh, 2, hd) queries and
         keys and cast once to the dtype the blocks compute them in (under autocast, its dtype)."""
         if rope is None:
             return None

@@ -357,7 +357,7 @@ def load_weights(model: torch.nn.Module, path: Path, state: dict[str, torch.Tens
             state = load_file(str(path))
         except SafetensorError as err:
             raise DataError(f"{path}: not a readable safetensors file ({err})") from None
-    state = upgrade_state_dict(state)  # weights of an earlier mmldlm's layout
+    state = upgrade_state_dict(state, model.cfg.num_heads)  # weights of an earlier mmldlm's layout
     problems = weight_mismatches(model, state)
     if problems:
         raise DataError(f"{path}: the weights do not match the model config: {problems}")
