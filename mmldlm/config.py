@@ -682,7 +682,8 @@ class TrainConfig:
     device: str = "auto"
     # torch's intra-op CPU threads per process; null: torch's default (one per core). With another
     # busy process on the same cores the threads wait for each other: 1 is then far faster. auto: the
-    # CPUs other processes leave free, read again every few seconds of training (mmldlm/threads.py).
+    # CPUs other processes leave free, read again every few seconds of training (mmldlm/threads.py);
+    # with deterministic: true, torch's count as it is, fixed (sums over other thread counts differ).
     threads: int | Literal["auto"] | None = None
     log_every: int = 10
     seed: int = 0

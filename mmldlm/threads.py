@@ -89,10 +89,18 @@ class AutoThreads:
         return threads
 
 
-def set_threads(threads: int | str | None, log=None, cpus: int | None = None) -> AutoThreads | None:
+def set_threads(
+    threads: int | str | None, log=None, cpus: int | None = None, deterministic: bool = False
+) -> AutoThreads | None:
     """Apply a `threads` setting: an int, None (torch's default, left alone) or "auto" (returns the
-    AutoThreads for the caller's loop to `follow`)."""
+    AutoThreads for the caller's loop to `follow`). A `deterministic` run keeps torch's count under
+    "auto": sums over another number of threads differ in their last bits, so a count that followed the
+    machine would make a resumed run differ from the straight one."""
     if threads is None:
+        return None
+    if threads == "auto" and deterministic:
+        if log is not None:
+            log(f"threads: {torch.get_num_threads()}, fixed under train.deterministic (auto follows the machine)")
         return None
     if threads == "auto":
         auto = AutoThreads(cpus=cpus, log=log)

@@ -16,6 +16,16 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def threads_restored():
+    """A run started in-process with `threads: auto` sets torch's threads for the whole process: each
+    test starts from the count the one before it started from."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_child_outlives_the_session():
     """A failed test can leave a loader's workers running (its frames, kept for the report, hold the

@@ -5,7 +5,7 @@ import torch
 
 from mmldlm import threads as threads_module
 from mmldlm.errors import OptionError
-from mmldlm.threads import AutoThreads, parse_threads, threads_for
+from mmldlm.threads import AutoThreads, parse_threads, set_threads, threads_for
 
 
 class Machine:
@@ -37,6 +37,7 @@ def restore_threads():
 
 def test_auto_takes_every_cpu_of_an_idle_machine_and_one_beside_a_busy_process(monkeypatch, restore_threads):
     machine = Machine(monkeypatch)
+    torch.set_num_threads(1)  # a change is what is logged: start from one thread whatever the machine's default
     lines = []
     assert AutoThreads(log=lines.append).start() == 2 and torch.get_num_threads() == 2
     machine.others = 1.0  # another job keeps a core busy
@@ -71,6 +72,17 @@ def test_auto_leaves_torch_alone_where_omp_num_threads_is_set(monkeypatch, resto
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     torch.set_num_threads(3)
     assert AutoThreads().start() == 3 and torch.get_num_threads() == 3
+
+
+def test_a_deterministic_run_keeps_torchs_count_under_auto(monkeypatch, restore_threads):
+    """Another thread count sums in another order: a resumed run would not repeat the straight one."""
+    machine = Machine(monkeypatch)
+    torch.set_num_threads(1)
+    lines = []
+    assert set_threads("auto", log=lines.append, deterministic=True) is None  # nothing for the loop to follow
+    assert torch.get_num_threads() == 1 and machine.wall == 0.0  # the idle machine was not even read
+    assert lines == ["threads: 1, fixed under train.deterministic (auto follows the machine)"]
+    assert set_threads("auto", deterministic=False).start() == 2
 
 
 def test_threads_are_the_free_cpus_rounded_at_least_one_at_most_the_share():

@@ -171,7 +171,7 @@ def train(cfg: RunConfig, resume: str | None = None, command: str = "mmldlm trai
     setup_logging(info)
     # Before any work (data preparation included); inter-op threads: unused by training, left as they are.
     share = max(1, len(os.sched_getaffinity(0)) // info.local_world_size)
-    threads = set_threads(cfg.train.threads, log=log.info, cpus=share)
+    threads = set_threads(cfg.train.threads, log=log.info, cpus=share, deterministic=cfg.train.deterministic)
     set_deterministic(cfg.train.deterministic)
     run_dir = Path(cfg.train.run_dir)
     try:
