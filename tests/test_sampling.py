@@ -57,7 +57,7 @@ def overfit():
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     batch = {k: v.repeat(4, *[1] * (v.dim() - 1)) for k, v in data.items()}  # 24 rows: 4 draws of t each
     g = torch.Generator().manual_seed(0)
-    for step in range(500):
+    for step in range(800):
         loss, _ = objective(model, batch, step, generator=g)
         optimizer.zero_grad()
         loss.backward()
