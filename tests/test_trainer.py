@@ -256,6 +256,8 @@ def test_auto_precision_is_bf16_only_where_bf16_matmuls_are_native(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(trainer_module, "cpu_has_native_bf16", lambda: True)
     assert trainer_module.resolve_precision("auto", cpu) == "bf16"
+    # meta has no autocast: the meta-device tests of the step ran into torch's refusal on bf16 CPUs
+    assert trainer_module.resolve_precision("auto", torch.device("meta")) == "fp32"
     monkeypatch.setattr(trainer_module, "cpu_has_native_bf16", lambda: False)
     assert trainer_module.resolve_precision("auto", cpu) == "fp32"
     assert trainer_module.resolve_precision("bf16", cpu) == "bf16"  # asked for: given, `mmldlm check` warns

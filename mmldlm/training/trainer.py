@@ -102,7 +102,8 @@ class TrainingStopped(RuntimeError):
 def resolve_precision(name: str, device: torch.device) -> str:
     """ "auto": bf16 autocast (fp32 master weights and optimizer) where the hardware multiplies bf16
     natively, a CUDA GPU with bf16 (fp16 with loss scaling on older GPUs) or a CPU with AVX512-BF16/AMX;
-    fp32 elsewhere. Tests and debugging that compare numbers across machines pin `fp32`."""
+    fp32 elsewhere, also on a device without autocast (meta) whatever the host CPU. Tests and debugging
+    that compare numbers across machines pin `fp32`."""
     if name != "auto":
         if name == "fp16" and device.type != "cuda":
             raise ConfigError(
@@ -111,7 +112,7 @@ def resolve_precision(name: str, device: torch.device) -> str:
         return name
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return "bf16" if cpu_has_native_bf16() else "fp32"
+    return "bf16" if device.type == "cpu" and cpu_has_native_bf16() else "fp32"
 
 
 def accumulation_steps(global_batch: int, micro_batch: int, world_size: int, key: str) -> int:
