@@ -17,13 +17,13 @@ def one_torch_thread():
 
 
 @pytest.fixture(autouse=True)
-def threads_restored():
-    """A run started in-process with `threads: auto` sets torch's threads for the whole process: each
-    test starts from the count the one before it started from."""
-    threads = torch.get_num_threads()
+def one_thread_each_test():
+    """A run started in-process with `threads: auto` sets torch's threads for the whole process, also
+    from a module's fixture that trains once for its tests: each test starts on one thread, as the
+    session does, and the next one again."""
+    torch.set_num_threads(1)
     yield
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -37,6 +37,10 @@ BASE = [
     "train.micro_batch_size=2",
     "train.log_every=1",
     "train.deterministic=true",
+    # One torch thread in-process as in the workers (OMP_NUM_THREADS=1), whatever an earlier test left
+    # this process with: another count sums in another order (a straight run on 2 threads and its resume
+    # from a 1-thread worker's checkpoint differed at step 22).
+    "train.threads=1",
     "logging.progress_bar=false",
     "schedule.warmup_steps=2",
     "optim.lr=1e-3",
