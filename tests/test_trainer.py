@@ -394,7 +394,7 @@ def test_each_record_says_how_much_cpu_time_the_process_got_and_how_loaded_the_m
     # What `monitor` tells a busy machine from a slow run by: steps 3 and 4 wait a second each for
     # their batch without using a CPU (as a process does whose core another job holds), so their records'
     # CPU seconds per second fall far below those of the steps that computed all the time. The wait is
-    # long beside the step's own work (tens of ms on two threads), which the same window also counts.
+    # long beside the step's own work (tens of ms), which the same window also counts.
     trainer = make_trainer(tmp_path, ["train.steps=4", "train.micro_batch_size=2", "train.global_batch_size=2"])
     next_batch = trainer._next_batch
 

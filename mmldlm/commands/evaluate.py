@@ -64,7 +64,7 @@ def add_evaluation_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=[0.0],
         metavar="W",
-        help="classifier-free guidance scale(s) of the samplers; several: each is evaluated and "
+        help="classifier-free guidance scales of the samplers; several: each is evaluated and "
         "reported side by side, the first also as the main figures",
     )
     parser.add_argument("--retrieval-pool", type=int, default=1000, help="validation sentences for t2l retrieval@1")

@@ -26,7 +26,7 @@ def _add_input_options(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         metavar="PATH",
         dest="inputs",
-        help="corpus file(s): .txt, .jsonl, .parquet, or .gz of each; 'default' is the bundled corpus "
+        help="corpus files: .txt, .jsonl, .parquet, or .gz of each; 'default' is the bundled corpus "
         "(154k WordNet glosses and examples)",
     )
     src.add_argument(

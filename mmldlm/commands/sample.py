@@ -27,6 +27,7 @@ import typing
 import warnings
 
 from mmldlm.config import SamplingOptions
+from mmldlm.wording import counted
 
 
 def add_model_arguments(parser, what: str) -> None:
@@ -337,7 +338,7 @@ def _inputs(args, run, texts, latents) -> tuple:
     if args.mode == "l2t" and latents is None:
         if texts is not None:
             texts = run.decode(*run.batch_of(ids)) if any(cuts) else texts  # the words the length is of
-            note(f"encoding {len(texts)} source text(s) with the sentence encoder")
+            note(f"encoding {counted(len(texts), 'source text')} with the sentence encoder")
             latents = run.encode_latents(texts)
         else:  # the first --num validation samples
             if args.data:
@@ -390,7 +391,6 @@ def _write(args, records: list[dict], z, index: list[int] | None) -> None:
     import numpy as np
 
     from mmldlm.outputs import write_atomically
-    from mmldlm.wording import counted
 
     for record in records if index else []:  # a record's index is its source text's place in the input
         record["index"] = index[record["index"]]

@@ -34,6 +34,7 @@ from collections import defaultdict, deque
 from dataclasses import asdict, dataclass, field
 
 from mmldlm.errors import OptionError
+from mmldlm.wording import counted
 
 MEMORY_KEYS = ("mem_allocated_gib", "mem_rss_gib")  # CUDA peak allocated, else process RSS
 
@@ -364,7 +365,7 @@ class HealthTracker:
                     "skipped_updates",
                     "critical",
                     step,
-                    f"{unlogged} update(s) skipped for a non-finite loss or gradient norm before step "
+                    f"{counted(unlogged, 'update')} skipped for a non-finite loss or gradient norm before step "
                     f"{step} ({num_skipped} in the run so far)",
                 )
             self._num_skipped = num_skipped
