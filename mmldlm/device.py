@@ -68,3 +68,10 @@ def keep_freed_memory() -> bool:
     libc = ctypes.CDLL(None)  # the C library this process already runs on
     m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
     return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype that products of x compute in: autocast's where it is on for x's device, else x's."""
+    device = x.device.type
+    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    return torch.get_autocast_dtype(device) if autocast else x.dtype

@@ -101,3 +101,40 @@ def test_a_batch_with_no_padding_attends_with_no_mask(monkeypatch):
     assert masks and all(m is not None for m in masks)
     for a, g in zip(with_mask, unmasked):
         torch.testing.assert_close(g, a, rtol=0, atol=ATOL)
+
+
+def test_under_bf16_autocast_a_cpu_attends_in_fp32_and_returns_bf16():
+    """torch's CPU flash kernel is several times slower in bf16 than in fp32 (docs/benchmarks.md): on a
+    CPU, under bf16 autocast, every block's attention kernel reads fp32 q, k, v, forward and backward,
+    and the block goes on in bf16; the outputs are those of the bf16 kernel within bf16's rounding."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class KernelDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "scaled_dot_product" in func.__name__:
+                self.seen.append((func.__name__, args[0].dtype))
+            return func(*args, **(kwargs or {}))
+
+    model = tiny_model(attention="sdpa")
+    b = batch(packed=False)
+    x = inputs(b)
+    with torch.autocast("cpu", dtype=torch.bfloat16), KernelDtypes() as kernels:
+        out = model(**x)
+        out.text_logits.float().square().sum().backward()
+    assert out.text_logits.dtype == torch.bfloat16
+    forward = [dtype for name, dtype in kernels.seen if "backward" not in name]
+    backward = [dtype for name, dtype in kernels.seen if "backward" in name]
+    assert len(forward) == len(backward) == model.cfg.num_blocks
+    assert set(forward) == set(backward) == {torch.float32}
+
+    # The same step with the bf16 kernel (what autocast alone would run) agrees within bf16's rounding.
+    want = model(**x).text_logits.detach()  # fp32 throughout: the reference of both
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = model(**x).text_logits.float()
+        with attention.dispatch_as_on_a_gpu():  # the bf16 kernel
+            bf16_kernel = model(**x).text_logits.float()
+    assert (got - want).abs().max() <= (bf16_kernel - want).abs().max() * 1.5 + 1e-2

@@ -26,7 +26,8 @@ output likewise.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mmldlm import baseline
+from mmldlm.device import compute_dtype
 
 try:  # flash attention's variable-length kernel; absent from older torch builds
     from torch.nn.attention.varlen import varlen_attn
@@ -142,7 +144,7 @@ class JointAttention:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (R, nh, T, hd): views
         if self.kind == "explicit":  # baseline recipe
             return baseline.explicit_attention(q, k, v, mask, dropout_p).transpose(1, 2)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p).transpose(1, 2)
+        return sdpa(q, k, v, mask, dropout_p).transpose(1, 2)
 
     def _varlen(self, q: Tensor, k: Tensor, v: Tensor, queries: str) -> Tensor:
         R, Sq, nh, hd = q.shape
@@ -153,6 +155,36 @@ class JointAttention:
         out = varlen_kernel(q_real, k_real, v_real, rows.cu_seqlens, keys.cu_seqlens, rows.max_len, keys.max_len)
         # Padding queries get zero: their outputs reach no loss, and no real position attends to them.
         return out.new_zeros(R * Sq, nh, hd).index_copy(0, rows.index, out).view(R, Sq, nh, hd)
+
+
+_cpu_detour = True  # `sdpa` attends in fp32 on a CPU; off inside `dispatch_as_on_a_gpu`
+
+
+@contextlib.contextmanager
+def dispatch_as_on_a_gpu() -> Iterator[None]:
+    """Within it, `sdpa` on a CPU dispatches what it dispatches on a GPU (no fp32 detour): for counting
+    a GPU step's operations on a CPU (mmldlm/tools/operations.py)."""
+    global _cpu_detour
+    before, _cpu_detour = _cpu_detour, False
+    try:
+        yield
+    finally:
+        _cpu_detour = before
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0) -> Tensor:
+    """F.scaled_dot_product_attention of q, k, v (R, nh, T, hd). On a CPU, under bf16 autocast or for
+    inputs below fp32, the kernel runs in fp32 and the output is returned in the dtype it would have had:
+    torch's CPU flash kernel is 2-5x slower in bf16 than in fp32, forward and backward, at the main
+    job's short texts (2x at 66 positions; measured on avx512_bf16 without AMX), and autocast would
+    cast fp32 inputs back to bf16, so it is off around the call (docs/benchmarks.md: the main job's
+    step about 15% faster under bf16 autocast)."""
+    dtype = compute_dtype(q)
+    if q.device.type != "cpu" or dtype == torch.float32 or not _cpu_detour:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    with torch.autocast("cpu", enabled=False):
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p)
+    return out.to(dtype)
 
 
 def varlen_kernel(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int) -> Tensor:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mmldlm.config import ConfigError, ModelConfig
+from mmldlm.device import compute_dtype
 from mmldlm.model.attention import JointAttention
 
 # --------------------------------------------------------------------------------------------------
@@ -596,10 +597,7 @@ class MultimodalMMDiT(nn.Module):
         keys and cast once to the dtype the blocks compute them in (under autocast, its dtype)."""
         if rope is None:
             return None
-        device = x_text.device.type
-        autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
-        dtype = torch.get_autocast_dtype(device) if autocast else x_text.dtype
-        return tuple(table[..., None, :].to(dtype) for table in rope)
+        return tuple(table[..., None, :].to(compute_dtype(x_text)) for table in rope)
 
     def check_inputs(
         self, tokens: Tensor, latents: Tensor, text_head: bool, latent_head: bool, packing: Packing | None

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mmldlm.config import ModelConfig
+from mmldlm.model.attention import sdpa
 from mmldlm.model.mmdit import MLP, apply_rope, rope_angles
 
 
@@ -37,7 +38,7 @@ class PlainBlock(nn.Module):
         B, L, H = x.shape
         q, k, v = self.qkv(self.norm_attn(x)).view(B, L, 3, self.num_heads, -1).unbind(2)  # (B, L, nh, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, nh, L, hd)
+        y = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, nh, L, hd)
         x = x + self.attn_proj(y.transpose(1, 2).reshape(B, L, H))
         return x + self.mlp(self.norm_mlp(x))
 

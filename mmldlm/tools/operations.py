@@ -1,11 +1,14 @@
 """The ATen operations a training step dispatches: the host's share of a step, which on a GPU is paid
 per launch whatever a kernel's size. Counted under a dispatch mode, on any device (a CPU suffices:
 the operations are the same, except where a CUDA kernel fuses what a CPU decomposes, such as
-RMSNorm), for `scripts/step_operations.py` and the tests that hold the count down."""
+RMSNorm; the CPU's fp32 detour around bf16 attention, `mmldlm.model.attention.sdpa`, is not taken
+while counting), for `scripts/step_operations.py` and the tests that hold the count down."""
 
 from __future__ import annotations
 
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from mmldlm.model.attention import dispatch_as_on_a_gpu
 
 # Operations that only describe a tensor anew (a view, a transpose, a detach): no kernel runs.
 METADATA_OPS = frozenset(
@@ -55,7 +58,8 @@ class OperationCounter(TorchDispatchMode):
 def step_operations(trainer) -> OperationCounter:
     """The operations of one queued training step (`Trainer.run_step`, no record read), after one
     step of warm-up (first-step work: the optimizer's state, cached statistics)."""
-    trainer.train_step()
-    with OperationCounter() as counter:
-        trainer.run_step()
+    with dispatch_as_on_a_gpu():
+        trainer.train_step()
+        with OperationCounter() as counter:
+            trainer.run_step()
     return counter
