@@ -60,8 +60,9 @@ def keep_freed_memory() -> bool:
     best-of-16 batch of 64) at every step; best-of-16 decoding on the CPU spent 22 of its 54 s in those
     page faults. With mmap off (M_MMAP_MAX 0) and no trimming (M_TRIM_THRESHOLD at its largest), freed
     blocks are reused: 1.47x the texts per second, the same texts, a peak RSS 6% higher (up to 29%)
-    that stays with the process (docs/benchmarks.md). For the sampling
-    commands; training allocates blocks small enough for the heap already. PyTorch's CPU tuning guide
+    that stays with the process (docs/benchmarks.md). For the sampling commands and training on a CPU
+    (the text head's logits of a batch of long texts, (N, V) float32, pass the threshold; the main job's
+    peak RSS stayed the same). PyTorch's CPU tuning guide
     gets the same from jemalloc or tcmalloc; this needs no library beyond glibc."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False

@@ -455,3 +455,17 @@ def test_the_first_step_of_every_mode_on_the_default_config_has_a_moderate_gradi
     assert train(cfg) == 0
     step = next(r for r in records(tmp_path / "run") if r.get("step") == 1 and "grad_norm" in r)
     assert math.isfinite(step["grad_norm"]) and step["grad_norm"] < 1e3, step
+
+
+def test_training_on_a_cpu_keeps_freed_memory_for_the_next_step(tmp_path_factory, tmp_path, monkeypatch):
+    """The text head's (N, V) logits of long texts outgrow glibc's mmap threshold: a run on a CPU asks the
+    C allocator to keep freed blocks (mmldlm.device.keep_freed_memory), so that each step reuses them
+    instead of faulting fresh pages in."""
+    import mmldlm.training.run as run
+
+    calls = []
+    monkeypatch.setattr(run, "keep_freed_memory", lambda: calls.append(True) or True)
+    overrides = ["train.steps=1", "logging.progress_bar=false", "data.num_workers=0", "eval.every=0"]
+    overrides += [f"data.path={prepared(tmp_path_factory)}", f"train.run_dir={tmp_path / 'run'}"]
+    assert train(load_config("configs/default.yaml", overrides)) == 0
+    assert calls == [True]
