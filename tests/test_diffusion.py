@@ -66,6 +66,39 @@ def test_masked_ce_equals_hand_computed_value():
     assert loss.item() == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_subs_cross_entropy_is_autograds_chain_forward_and_backward(dtype):
+    """The fused SUBS cross-entropy gives what F.cross_entropy of the float32 logits with the mask's
+    column at -inf gives, its argmax, and the same gradient in the logits' dtype; the caller's logits
+    are left as they were; no masked row is no row."""
+    from mmldlm.diffusion.masked import subs_cross_entropy
+
+    generator = torch.Generator().manual_seed(0)
+    N, vocab, excluded = 37, 50, 7
+    logits = (4 * torch.randn(N, vocab, generator=generator)).to(dtype)
+    logits[3, excluded] = 100.0  # the excluded column is never the answer, however large
+    targets = torch.randint(0, vocab - 1, (N,), generator=generator)
+    targets[targets == excluded] = 0
+    weights = torch.rand(N, generator=generator)
+
+    want_in = logits.clone().requires_grad_()
+    z = want_in.float().index_fill(-1, torch.tensor([excluded]), float("-inf"))
+    want = torch.nn.functional.cross_entropy(z, targets, reduction="none")
+    (want * weights).sum().backward()
+
+    got_in = logits.clone().requires_grad_()
+    got, predicted = subs_cross_entropy(got_in, targets, excluded)
+    (got * weights).sum().backward()
+    assert got.dtype == torch.float32 and got_in.grad.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(predicted, z.argmax(dim=-1)) and predicted[3] != excluded
+    torch.testing.assert_close(got_in.grad, want_in.grad, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got_in.detach(), logits)  # the column was written in a copy
+
+    none, none_predicted = subs_cross_entropy(logits[:0].requires_grad_(), targets[:0], excluded)
+    assert none.shape == none_predicted.shape == (0,)
+
+
 @pytest.mark.parametrize("schedule", ["loglinear", "linear"])
 def test_elbo_weight_is_minus_alpha_rate_over_one_minus_alpha(schedule):
     diffusion = masked_diffusion(schedule=schedule)

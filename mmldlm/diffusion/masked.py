@@ -39,7 +39,6 @@ import math
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from mmldlm.config import TextDiffusionConfig
 from mmldlm.diffusion import rng
@@ -54,6 +53,43 @@ def _per_row(t, batch_size: int, device, dtype=torch.float64) -> torch.Tensor:
 def _gumbel_argmax(scores: torch.Tensor, generator) -> torch.Tensor:
     """argmax(scores + Gumbel noise) over the last dim, in float64 (rng.gumbel says why)."""
     return (scores.double() + rng.gumbel(scores.shape, scores.device, generator)).argmax(dim=-1)
+
+
+class _SubsCrossEntropy(torch.autograd.Function):
+    """`subs_cross_entropy`: forward keeps the float32 log-probabilities, backward writes the gradient
+    softmax - one-hot from them in one new tensor (autograd's chain of the same, a float32 copy, a
+    column fill, log_softmax and nll_loss, materialises (N, V) twice more each way)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, excluded: int):
+        z = logits.float()
+        z = z.clone() if z is logits else z  # its own copy: the column below is written
+        z[:, excluded] = float("-inf")
+        log_probs = torch.log_softmax(z, dim=-1)  # (N, V)
+        del z
+        ce = -log_probs.gather(1, targets[:, None]).squeeze(1)  # (N,)
+        predicted = log_probs.argmax(dim=-1)
+        ctx.mark_non_differentiable(predicted)
+        ctx.save_for_backward(log_probs, targets)
+        ctx.logits_dtype = logits.dtype
+        return ce, predicted
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_ce: torch.Tensor, _grad_predicted):
+        log_probs, targets = ctx.saved_tensors
+        grad = log_probs.exp()  # softmax; 0 at the excluded column
+        grad.scatter_add_(1, targets[:, None], torch.full_like(targets[:, None], -1.0, dtype=grad.dtype))
+        grad.mul_(grad_ce[:, None])
+        return grad.to(ctx.logits_dtype), None, None
+
+
+def subs_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, excluded: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy in float32 of logits (N, V) (any float dtype) against targets (N,) with the column
+    `excluded` never predicted (SUBS: the mask token's logit is -inf), and the argmax of each row, (N,)
+    each: F.cross_entropy of `logits.float().index_fill(-1, excluded, -inf)` and its argmax, forward and
+    backward, in two (N, V) float32 tensors where autograd's chain makes four (docs/benchmarks.md)."""
+    return _SubsCrossEntropy.apply(logits, targets, excluded)
 
 
 class MaskedDiffusion:
@@ -171,10 +207,8 @@ class MaskedDiffusion:
                 f"text logits of shape {tuple(logits.shape)}: expected (B, L, V) or one row per "
                 f"masked non-pad position ({num_masked}, V)"
             )
-        masked_logits = (logits.reshape(B * L, -1).index_select(0, rows) if logits.dim() == 3 else logits).float()
-        mask_index = torch.full((1,), self.mask_token_id, device=device)  # a fill on the device, not a copy
-        masked_logits = masked_logits.index_fill(-1, mask_index, float("-inf"))  # (N, V)
-        ce = F.cross_entropy(masked_logits, targets, reduction="none")  # (N,)
+        masked_logits = logits.reshape(B * L, -1).index_select(0, rows) if logits.dim() == 3 else logits  # (N, V)
+        ce, predicted = subs_cross_entropy(masked_logits, targets, self.mask_token_id)  # (N,) each
 
         extra = {}
         if self.cfg.loss == "elbo":
@@ -190,8 +224,7 @@ class MaskedDiffusion:
             loss = ce.sum() / max(num_masked, 1)
 
         with torch.no_grad():
-            correct = (masked_logits.argmax(dim=-1) == targets).sum()
-            accuracy = correct.float() / max(num_masked, 1)
+            accuracy = (predicted == targets).sum().float() / max(num_masked, 1)
         return loss, {"accuracy": accuracy, "num_masked": num_masked, "num_tokens": num_real, **extra}
 
     # --- reverse process -------------------------------------------------------------------------
