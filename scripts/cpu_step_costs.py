@@ -1,0 +1,118 @@
+"""What a training step costs on a CPU, three ways, for side-by-side comparisons (docs/benchmarks.md,
+"A CPU step"):
+
+    python scripts/cpu_step_costs.py steps data.path=DIR              # the main job's step, in-process
+    python scripts/cpu_step_costs.py steps data.path=DIR --as-on-a-gpu  # bf16 attention without the fp32 detour
+    python scripts/cpu_step_costs.py attention                          # the attention kernel, bf16 and fp32
+    python scripts/cpu_step_costs.py loss                               # the SUBS cross-entropy, fused and chained
+
+`steps` times `--steps` training steps of a config (default configs/default.yaml) one by one and prints
+the sum and median of all but the first 20; alternate two variants in separate processes, e.g. with
+and without `MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647` (what `keep_freed_memory` sets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def timed(fn, *args, repeats: int = 50, warmup: int = 5) -> float:
+    """Median seconds of fn(*args) over `repeats` calls after `warmup`."""
+    for _ in range(warmup):
+        fn(*args)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def steps(args) -> None:
+    from mmldlm.model.attention import dispatch_as_on_a_gpu
+    from mmldlm.tools.bench import build_trainer
+
+    variant = dispatch_as_on_a_gpu() if args.as_on_a_gpu else contextlib.nullcontext()
+    with tempfile.TemporaryDirectory() as run_dir, variant:
+        _, _, trainer, _ = build_trainer(args.config, args.overrides, run_dir)
+        times = []
+        for _ in range(args.steps):
+            started = time.perf_counter()
+            trainer.train_step()
+            times.append(time.perf_counter() - started)
+    times = times[20:]
+    print(f"{len(times)} steps: sum {sum(times):.2f} s, median {statistics.median(times) * 1e3:.1f} ms")
+
+
+def attend(q, k, v, mask) -> None:
+    F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum().backward()
+
+
+def attention(args) -> None:
+    """SDPA forward + backward of (64, 2, S, 64), the main job's shape, in bf16 and fp32."""
+    for S in (14, 33, 66):
+        for masked in (False, True):
+            row = []
+            for dtype in (torch.float32, torch.bfloat16):
+                q, k, v = (torch.randn(64, 2, S, 64, dtype=dtype, requires_grad=True) for _ in range(3))
+                mask = torch.ones(64, 1, S, S, dtype=torch.bool) if masked else None
+                if masked:
+                    mask[..., S - 3 :] = False
+                ms = timed(attend, q, k, v, mask)
+                row.append(f"{str(dtype)[6:]} {ms * 1e3:.2f} ms")
+            print(f"S {S}, {'mask' if masked else 'no mask'}: " + ", ".join(row))
+
+
+def loss(args) -> None:
+    """The SUBS cross-entropy forward + backward, V = 8192: fused against autograd's chain, alternated."""
+    from mmldlm.device import keep_freed_memory
+    from mmldlm.diffusion.masked import subs_cross_entropy
+
+    keep_freed_memory()  # as training on a CPU runs it
+
+    def chain(logits, targets, excluded):
+        z = logits.float().index_fill(-1, torch.full((1,), excluded), float("-inf"))
+        return F.cross_entropy(z, targets, reduction="none"), z.argmax(-1)
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for N in (300, 615, 1206):
+            generator = torch.Generator().manual_seed(0)
+            base = torch.randn(N, 8192, generator=generator).to(dtype)
+            targets = torch.randint(0, 8000, (N,), generator=generator)
+            times = {chain: [], subs_cross_entropy: []}
+            for _ in range(30):
+                for fn in times:
+                    x = base.clone().requires_grad_()
+                    started = time.perf_counter()
+                    (fn(x, targets, 8191)[0].sum() / N).backward()
+                    times[fn].append(time.perf_counter() - started)
+            c, f = (statistics.median(t[5:]) for t in times.values())
+            print(f"{str(dtype)[6:]} N {N}: chain {c * 1e3:.2f} ms, fused {f * 1e3:.2f} ms, ratio {f / c:.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=["steps", "attention", "loss"])
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="steps: config overrides")
+    parser.add_argument("--config", default="configs/default.yaml", help="steps: config name or file")
+    parser.add_argument("--steps", type=int, default=120, help="steps: how many (the first 20 are not counted)")
+    parser.add_argument("--as-on-a-gpu", action="store_true", help="steps: no fp32 detour for bf16 attention")
+    parser.add_argument("--threads", type=int, default=2, help="torch's threads (default 2)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.what == "steps":
+        args.overrides = [f"train.threads={args.threads}", *args.overrides]
+    {"steps": steps, "attention": attention, "loss": loss}[args.what](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
