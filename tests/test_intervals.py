@@ -461,6 +461,15 @@ def test_runs_of_an_arm_must_be_seeds_of_one_recipe_and_are_refused_in_one_line_
         UserError, match=r"^--b: lr and lr16 are not seeds of one recipe: they differ in sampling\.best"
     ):
         compare_arms([main, seed1], [other, decoded], ["main", "seed1"], ["lr", "lr16"])
+    # A report written before a config key existed: the run trained as that key's default says.
+    before_the_key = {**seed1, "config": {**seed1["config"], "model": dict(seed1["config"]["model"])}}
+    del before_the_key["config"]["model"]["adaln"]
+    assert {
+        r["runs_a"] for r in compare_arms([main, before_the_key], [other, other], ["main", "s1"], ["lr", "lr"])["rows"]
+    } == {2}
+    changed = {**seed1, "config": {**seed1["config"], "model": {**seed1["config"]["model"], "adaln": "single"}}}
+    with pytest.raises(UserError, match=r"they differ in model\.adaln \(per_block vs single\)"):
+        compare_arms([before_the_key, changed], [other, other], ["s1", "single"], ["lr", "lr"])
     older = {key: value for key, value in seed1.items() if key != "config"}
     with pytest.raises(UserError, match=r"^old\.json: the report records no run config"):
         compare_arms([main, older], [other, other], ["main", "old.json"], ["lr", "lr"])

@@ -26,7 +26,7 @@ import json
 
 import numpy as np
 
-from mmldlm.config import flat_keys
+from mmldlm.config import RunConfig, flat_keys, to_dict
 from mmldlm.errors import UserError
 from mmldlm.evaluation.figures import Figure, decoder_of, sections
 from mmldlm.evaluation.intervals import LEVEL, NUM_RESAMPLES, POWER
@@ -65,14 +65,17 @@ NOT_THE_RECIPE = ("train.seed", "train.run_dir", "logging.", "checkpoint.")
 
 
 def recipe_of(report: dict, name: str) -> dict:
-    """{key: value} that seeds of one recipe share: the run's config but `NOT_THE_RECIPE`, the step evaluated
-    and the decoder (sampling.*); UserError for a report that records no config."""
+    """{key: value} that seeds of one recipe share: the run's config but `NOT_THE_RECIPE` (keys it does not
+    record at their defaults), the step evaluated and the decoder (sampling.*); UserError for a report that
+    records no config."""
     if not isinstance(report.get("config"), dict):
         raise UserError(
             f"{name}: the report records no run config (written by an older `mmldlm eval`); expected one that "
             "does, to check that the runs of an arm are seeds of one recipe: evaluate the run again"
         )
-    config = {key: value for key, value in flat_keys(report["config"]).items() if not key.startswith(NOT_THE_RECIPE)}
+    # A key the report lacks was added to the config after it was written: the run trained as its default says.
+    recorded = {**flat_keys(to_dict(RunConfig())), **flat_keys(report["config"])}
+    config = {key: value for key, value in recorded.items() if not key.startswith(NOT_THE_RECIPE)}
     sampling = {f"sampling.{key}": value for key, value in (report.get("sampling") or {}).items()}
     return {**config, "step": report.get("step"), **sampling}
 
