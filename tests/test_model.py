@@ -137,8 +137,9 @@ def test_sdpa_and_explicit_attention_agree(padded, pos_embedding):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
-def test_fresh_block_leaves_residual_streams_unchanged():
-    cfg = tiny()
+@pytest.mark.parametrize("adaln", ["per_block", "single"])
+def test_fresh_block_leaves_residual_streams_unchanged(adaln):
+    cfg = tiny(adaln=adaln)
     torch.manual_seed(0)
     model = MultimodalMMDiT(cfg, VOCAB)
     x_text, x_latent = torch.randn(2, 16, cfg.hidden_size), torch.randn(2, 1, cfg.hidden_size)
@@ -149,6 +150,28 @@ def test_fresh_block_leaves_residual_streams_unchanged():
     # The zero heads start from uniform text logits and a zero latent prediction.
     logits, latent_out, _ = model(*inputs(cfg, B=2))
     assert torch.equal(logits, torch.zeros_like(logits)) and torch.equal(latent_out, torch.zeros_like(latent_out))
+
+
+def test_single_adaln_shares_one_projection_and_learns_each_blocks_offset():
+    """model.adaln=single: one (H, 12H) projection for every block instead of one per block, plus a
+    (12, H) offset per block; each block's modulation is the shared one plus its own offset, and a
+    step's gradient reaches both."""
+    per_block, single = (MultimodalMMDiT(tiny(adaln=kind), VOCAB) for kind in ("per_block", "single"))
+    H, blocks = single.cfg.hidden_size, single.cfg.num_blocks
+    removed = sum(p.numel() for p in per_block.parameters()) - sum(p.numel() for p in single.parameters())
+    assert removed == (blocks - 1) * 12 * H * (H + 1) - blocks * 12 * H
+    model = randomised(tiny(adaln="single"))
+    c = torch.randn(3, H)
+    mods = model.modulation(c)
+    shared = model.modulation.proj(F.silu(c)).view(3, 12, 1, H)
+    for i, mod in enumerate(mods):
+        expected = shared + model.modulation.table[i][None, :, None]
+        torch.testing.assert_close(torch.stack(mod, 1), expected)
+    assert not torch.allclose(torch.stack(mods[0], 1), torch.stack(mods[1], 1))  # the offsets tell blocks apart
+    logits, latent, _ = model(*inputs(model.cfg))
+    (logits.square().mean() + latent.square().mean()).backward()
+    assert model.modulation.table.grad.abs().min(dim=-1).values.gt(0).all()  # every block and tensor
+    assert model.modulation.proj.weight.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("num_heads", [2, 4])

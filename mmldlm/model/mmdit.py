@@ -94,33 +94,45 @@ def per_position(mod: Sequence[Tensor], doc: Tensor | None) -> Sequence[Tensor]:
 
 
 class AdaLN(nn.Module):
-    """The adaLN-Zero modulation (DiT sec. 3.2) of every block and both streams in one matrix product:
-    SiLU(c) (B, H) -> for each block, stream and sublayer (attention, MLP) a shift, a scale and a gate
-    (B, num_blocks, 2, 2 * 3, 1, H), in float32 (the residual stream's dtype, so that modulating and
-    gating need no casts). One GEMM instead of two per block: each weight serves one row per text, so
-    its cost is the launches and the reading of the weights, not the arithmetic.
+    """The adaLN-Zero modulation (DiT sec. 3.2) of every block and both streams: SiLU(c) (B, H) -> for
+    each block, stream and sublayer (attention, MLP) a shift, a scale and a gate (B, num_blocks, 2, 2 * 3,
+    1, H), in float32 (the residual stream's dtype, so that modulating and gating need no casts).
+
+    `per_block` (DiT): every block's own (H, 12H) projection, all in one matrix product: each weight
+    serves one row per text, so its cost is the launches and the reading of the weights, not the
+    arithmetic. `single` (PixArt-alpha's adaLN-single, Chen et al. 2023, sec. 2.3): one (H, 12H)
+    projection shared by every block, plus a learned offset per block (`table`, (num_blocks, 12, H)),
+    so the weights read and updated each step shrink num_blocks-fold.
 
     The scale is DiT's 1 + scale (its bias starts at 1): `modulate` adds no 1 + scale. Weights and
-    every other bias start at 0, so every gate is 0 and each block starts as the identity."""
+    every other bias (and the offsets) start at 0, so every gate is 0 and each block starts as the identity."""
 
-    def __init__(self, hidden_size: int, num_blocks: int):
+    def __init__(self, hidden_size: int, num_blocks: int, kind: str = "per_block"):
         super().__init__()
-        self.num_blocks = num_blocks
-        self.proj = nn.Linear(hidden_size, num_blocks * 2 * 6 * hidden_size)
+        self.num_blocks, self.kind = num_blocks, kind
+        projected = num_blocks if kind == "per_block" else 1
+        self.proj = nn.Linear(hidden_size, projected * 2 * 6 * hidden_size)
+        self.table = nn.Parameter(torch.empty(num_blocks, 12, hidden_size)) if kind == "single" else None
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.proj.weight)
         with torch.no_grad():
-            bias = self.proj.bias.view(self.num_blocks, 2, 2, 3, -1)  # (block, stream, sublayer, shift/scale/gate, H)
+            # (block or the shared one, stream, sublayer, shift/scale/gate, H)
+            bias = self.proj.bias.view(-1, 2, 2, 3, self.proj.in_features)
             bias.zero_()
             bias[:, :, :, 1] = 1.0
+        if self.table is not None:
+            nn.init.zeros_(self.table)
 
     def forward(self, c: Tensor) -> list[tuple[Tensor, ...]]:
         """c (B, H) -> per block 12 tensors (B, 1, H): the text stream's shift, scale and gate of the
         attention, then of the MLP, and the latent stream's likewise. (One unbind for all blocks: its
         backward is one stack, where an unbind per block and stream would be three.)"""
         B, H = c.shape
-        mods = self.proj(F.silu(c)).float().view(B, self.num_blocks * 12, 1, H).unbind(1)
+        mods = self.proj(F.silu(c)).float()  # (B, blocks * 12 * H) or (B, 12 * H)
+        if self.table is not None:
+            mods = mods.view(B, 1, 12, H) + self.table  # (B, blocks, 12, H)
+        mods = mods.view(B, self.num_blocks * 12, 1, H).unbind(1)
         return [mods[12 * i : 12 * (i + 1)] for i in range(self.num_blocks)]
 
 
@@ -465,7 +477,7 @@ class MultimodalMMDiT(nn.Module):
         # Classifier-free guidance: a learned stand-in for "no latent", in the (standardised) input space.
         self.null_latent = nn.Parameter(torch.empty(K, D)) if cfg.null_latent else None
 
-        self.modulation = AdaLN(H, cfg.num_blocks)  # every block's, both streams', in one product
+        self.modulation = AdaLN(H, cfg.num_blocks, cfg.adaln)  # every block's, both streams', in one product
         self.blocks = nn.ModuleList(MMDiTBlock(cfg) for _ in range(cfg.num_blocks))
         self.text_final = FinalLayer(H, vocab_size, cfg.norm_eps, bias=False)
         self.latent_final = FinalLayer(H, D, cfg.norm_eps, bias=True)
