@@ -188,7 +188,7 @@ def test_gpu_session_rehearsal_on_a_cpu_runs_every_part_and_reports_each(tmp_pat
         assert f"### {title}" in text
     assert "wall " in text and "## by host time" in text  # the profile's head, in the report
     assert "| optimized | 8 x 1, AC " in text and "| optimized model.attention=varlen | 8 x 1, AC " in text
-    assert "| optimized data.packing=true | 8 x 1" in text
+    assert "| optimized model.adaln=single | 8 x 1" in text
     assert "| packed: block-diagonal mask | default | " in text  # part 1d's attention kernels
     assert "| compiled | 8 x 1, AC " in text and "| compiled model.attention=varlen | 8 x 1" in text
     assert text.count("| reference: plain transformer | ") == 3  # parts 1a, 1b and 2, each beside its rows
