@@ -2,6 +2,7 @@
 (GPU kernel) time and by host time, and how busy the device was.
 
     python scripts/profile_step.py optimized model=base data.path=DIR --warmup 5 --steps 4 --out DIR
+    python scripts/profile_step.py configs/default.yaml data.path=DIR --shapes   # + matrix products by shape
 
 The config is built exactly as `mmldlm bench` builds it; the warm-up steps (compile, allocator,
 loader workers) are not recorded. OUT gets the tables (profile.txt) and a trace (trace.json, for
@@ -27,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="recorded steps (default 4)")
     parser.add_argument("--rows", type=int, default=25, help="operators per table (default 25)")
     parser.add_argument("--out", default="runs/profile", help="directory for profile.txt and trace.json")
+    parser.add_argument(
+        "--shapes", action="store_true", help="also the matrix products by input shape, host time per step"
+    )
     args = parser.parse_args(argv)
 
     from mmldlm.tools.bench import build_trainer
@@ -39,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.warmup):
             trainer.train_step()
         activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-        with torch.profiler.profile(activities=activities) as prof:
+        with torch.profiler.profile(activities=activities, record_shapes=args.shapes) as prof:
             started = time.perf_counter()
             # Queued as training queues them: the record (the read-back) only after the last.
             pending = [trainer.run_step() for _ in range(args.steps)]
@@ -67,12 +71,31 @@ def main(argv: list[str] | None = None) -> int:
         )
         lines += ["", "## by device time", averages.table(sort_by="self_device_time_total", row_limit=args.rows)]
     lines += ["", "## by host time", averages.table(sort_by="self_cpu_time_total", row_limit=args.rows)]
+    if args.shapes:
+        lines += ["", "## matrix products by input shape (host time)", *matmul_shapes(prof, args.steps, args.rows)]
     text = "\n".join(lines)
     (out / "profile.txt").write_text(text + "\n")
     prof.export_chrome_trace(str(out / "trace.json"))
     print(text)
     print(f"wrote {out / 'profile.txt'} and {out / 'trace.json'} (open it in chrome://tracing or ui.perfetto.dev)")
     return 0
+
+
+def matmul_shapes(prof, steps: int, rows: int) -> list[str]:
+    """The matrix products (mm, addmm, bmm) grouped by their inputs' shapes, largest host time first:
+    on a CPU, where the products run on the host, the table of what a step's time is made of."""
+    products = [
+        e for e in prof.key_averages(group_by_input_shape=True) if e.key in ("aten::mm", "aten::addmm", "aten::bmm")
+    ]
+    products.sort(key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in products) / steps / 1e3
+    lines = [f"all: {total:.1f} ms per step", "", "| operation | ms per step | calls per step | input shapes |"]
+    lines.append("|---|---|---|---|")
+    for e in products[:rows]:
+        lines.append(
+            f"| {e.key} | {e.self_cpu_time_total / steps / 1e3:.2f} | {e.count / steps:.1f} | {e.input_shapes} |"
+        )
+    return lines
 
 
 if __name__ == "__main__":
