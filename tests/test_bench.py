@@ -379,3 +379,25 @@ def test_a_row_out_of_memory_is_dropped_and_said_so_while_the_others_are_measure
     md = markdown(report)
     assert "| baseline | out of memory |  |  |  |  |  |  |  |  |  | 2 |" in md and "| optimized | 4 x 1 | 16.00 |" in md
     assert "optimized / baseline: no ratios, one of them ran out of memory at this micro-batch." in md
+
+
+def test_profile_step_lists_the_matrix_products_of_a_step_by_shape(tmp_path_factory, tmp_path, monkeypatch):
+    """scripts/profile_step.py --shapes: the host-time tables and, below them, every matrix product of
+    the profiled steps grouped by input shape, with its time and calls per step."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
+    import profile_step
+
+    data = prepared(tmp_path_factory)
+    overrides = [*TINY, f"data.path={data}", "train.precision=fp32"]
+    assert (
+        profile_step.main(
+            ["optimized", *overrides, "--warmup", "1", "--steps", "2", "--shapes", "--out", str(tmp_path)]
+        )
+        == 0
+    )
+    text = (tmp_path / "profile.txt").read_text()
+    assert "## by host time" in text and "## matrix products by input shape (host time)" in text
+    shapes = text.split("## matrix products by input shape (host time)")[1]
+    rows = [line for line in shapes.splitlines() if line.startswith("| aten::")]
+    assert rows and all(line.count("|") == 5 and "[[" in line for line in rows), shapes
+    assert float(shapes.split("all: ")[1].split(" ms")[0]) > 0
