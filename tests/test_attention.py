@@ -138,3 +138,31 @@ def test_under_bf16_autocast_a_cpu_attends_in_fp32_and_returns_bf16():
         with attention.dispatch_as_on_a_gpu():  # the bf16 kernel
             bf16_kernel = model(**x).text_logits.float()
     assert (got - want).abs().max() <= (bf16_kernel - want).abs().max() * 1.5 + 1e-2
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_mask_is_made_once_per_forward_not_once_per_block(packed):
+    """SDPA turns a boolean mask into an additive one (a `where` over the whole mask) at every call:
+    the forward builds the additive mask once, in the queries' dtype, so the blocks add no `where`
+    (bf16 autocast, counted as a GPU dispatches); the outputs are those of the boolean mask."""
+    import dataclasses
+
+    from mmldlm.model import MultimodalMMDiT
+    from mmldlm.tools.operations import OperationCounter
+
+    b = batch(packed=packed)
+    base = tiny_model()
+    counts = {}
+    for num_blocks in (2, 4):
+        model = MultimodalMMDiT(dataclasses.replace(base.cfg, num_blocks=num_blocks), vocab_size=base.vocab_size)
+        with attention.dispatch_as_on_a_gpu(), torch.autocast("cpu", dtype=torch.bfloat16), OperationCounter() as ops:
+            model(**inputs(b))
+        counts[num_blocks] = ops.counts.get("where", 0)
+    assert counts[2] == counts[4], counts
+    text_of = torch.tensor([[0, 0, -1, 0], [1, -1, -1, 1]])  # (R, S): two texts, padding -1
+    made = attention.JointAttention.build("sdpa", text_of, 3, False, None, 0, 1, dtype=torch.bfloat16)
+    assert made.kind == "mask" and made.mask.dtype == torch.bfloat16
+    assert made.mask[:, 0, 0].tolist() == [[0, 0, float("-inf"), 0], [0, float("-inf"), float("-inf"), 0]]
+    q, k, v = (torch.randn(2, 4, 2, 8, dtype=torch.bfloat16) for _ in range(3))
+    boolean = attention.JointAttention("mask", 3, mask=(text_of >= 0)[:, None, None, :])
+    torch.testing.assert_close(made(q, k, v), boolean(q, k, v), rtol=0, atol=0)

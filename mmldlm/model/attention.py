@@ -11,8 +11,9 @@ other. Three exact ways to compute it, chosen once per forward by `JointAttentio
   (the loader's collate puts them in the batch): the real positions of each text gathered end to
   end and handed to flash attention's variable-length kernel (`torch.nn.attention.varlen`), which
   computes no padding and no cross-text block; the outputs are scattered back (zero at padding);
-- otherwise SDPA with a boolean mask: (B, 1, 1, S) for a padded batch, (R, 1, S, S) block-diagonal
-  for packed rows (and `model.attention=explicit`, the baseline recipe, with the same masks).
+- otherwise SDPA with a mask, additive (0 or -inf, in the queries' dtype, made once per forward):
+  (B, 1, 1, S) for a padded batch, (R, 1, S, S) block-diagonal for packed rows (and
+  `model.attention=explicit`, the baseline recipe, with the same masks as booleans).
 
 Which is exact and which is fastest is measured on one GPU by scripts/attention_kernels.py.
 
@@ -106,14 +107,18 @@ class JointAttention:
         num_latents: int,
         last_queries: str = "all",
         dropout_p: float = 0.0,
+        dtype: torch.dtype = torch.float32,
     ) -> JointAttention:
         """The attention of rows whose joint positions [prefix; text; latent slots] belong to the texts
         text_of (R, S) int64 (-1 = padding; None: no padding at all), the first `text_length`
         positions of each row being the text stream's; `packed`: rows hold several texts each (else
         row b is text b). `lengths`: each text's real tokens, on the host (None: unknown);
         each text adds `num_prefix` + `num_latents` positions of its own. `attention`: model.attention;
-        `last_queries`: the queries of the last block ("all", "text" or "latent"), the others' are all.
-        Everything is built here, before the blocks run (compiled blocks then see plain tensors)."""
+        `last_queries`: the queries of the last block ("all", "text" or "latent"), the others' are all;
+        `dtype`: the queries' (autocast's where it is on). Everything is built here, before the blocks
+        run (compiled blocks then see plain tensors); SDPA's mask is additive (0 or -inf) in `dtype`,
+        which SDPA would otherwise make of a boolean one in every block (one more kernel each, over the
+        (R, 1, S, S) mask of packed rows)."""
         if text_of is None:
             return cls("explicit" if attention == "explicit" else "dense", text_length)
         if packed:  # block-diagonal (R, 1, S, S); padding attends among itself, so no query is left without keys
@@ -122,7 +127,10 @@ class JointAttention:
             mask = (text_of >= 0)[:, None, None, :]  # (R, 1, 1, S)
         usable = attention == "varlen" and lengths is not None and dropout_p == 0.0 and varlen_supported(text_of.device)
         if not usable:
-            return cls("explicit" if attention == "explicit" else "mask", text_length, mask=mask)
+            if attention == "explicit":  # the baseline recipe fills its scores where the mask is False
+                return cls("explicit", text_length, mask=mask)
+            additive = torch.full(mask.shape, float("-inf"), dtype=dtype, device=mask.device).masked_fill_(mask, 0.0)
+            return cls("mask", text_length, mask=additive)
         total, longest = sum(lengths), max(lengths)
         P, K, N = num_prefix, num_latents, len(lengths)
         sizes = {  # the real positions and the longest text of each query set
@@ -181,7 +189,11 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p:
     step about 15% faster under bf16 autocast)."""
     dtype = compute_dtype(q)
     if q.device.type != "cpu" or dtype == torch.float32 or not _cpu_detour:
+        if mask is not None and mask.is_floating_point() and mask.dtype != dtype:
+            mask = mask.to(dtype)  # an additive mask built for another dtype than the queries'
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    if mask is not None and mask.is_floating_point():
+        mask = mask.float()
     with torch.autocast("cpu", enabled=False):
         out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p)
     return out.to(dtype)

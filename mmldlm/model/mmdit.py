@@ -679,7 +679,16 @@ class MultimodalMMDiT(nn.Module):
             text_of = torch.where(keep, torch.arange(B, device=keep.device)[:, None], -1)
         dropout_p = self.cfg.dropout if self.training else 0.0
         return JointAttention.build(
-            self.cfg.attention, text_of, T, packing is not None, text_lengths, P, K, last_queries, dropout_p
+            self.cfg.attention,
+            text_of,
+            T,
+            packing is not None,
+            text_lengths,
+            P,
+            K,
+            last_queries,
+            dropout_p,
+            compute_dtype(self.text_embed.weight),
         )
 
     def latent_input(self, latents: Tensor, latent_null: Tensor | None) -> Tensor:
