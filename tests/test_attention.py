@@ -166,3 +166,29 @@ def test_the_mask_is_made_once_per_forward_not_once_per_block(packed):
     q, k, v = (torch.randn(2, 4, 2, 8, dtype=torch.bfloat16) for _ in range(3))
     boolean = attention.JointAttention("mask", 3, mask=(text_of >= 0)[:, None, None, :])
     torch.testing.assert_close(made(q, k, v), boolean(q, k, v), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_counted_as_a_gpu_dispatches_it_computes_what_torch_does(dtype):
+    """QK-norm's RMSNorm: one fused operation forward and one backward on a CUDA device, about twenty
+    on a CPU. Counted as on a GPU (`dispatch_as_on_a_gpu`), a CPU dispatches the two fused operations,
+    and its values and gradients are torch's composed RMSNorm's."""
+    from mmldlm.tools.operations import OperationCounter
+
+    x = torch.randn(4, 6, 2, 2, 16, dtype=dtype, requires_grad=True)
+    grad = torch.randn_like(x)
+    expected = torch.nn.functional.rms_norm(x, (16,), eps=1e-6).to(dtype)
+    (expected_grad,) = torch.autograd.grad(expected, x, grad)
+    with attention.dispatch_as_on_a_gpu(), OperationCounter() as ops:
+        out = attention.rms_norm(x, 1e-6)
+        (out_grad,) = torch.autograd.grad(out, x, grad)
+    assert ops.counts == {"_fused_rms_norm": 1, "_fused_rms_norm_backward": 1}, ops.counts
+    assert out.dtype == dtype and out_grad.dtype == dtype
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(
+        out_grad, expected_grad, **({} if dtype == torch.float32 else {"rtol": 0.02, "atol": 0.02})
+    )
+    # outside the counting, a CPU runs torch's composition itself
+    with OperationCounter() as composed:
+        attention.rms_norm(x, 1e-6)
+    assert "_fused_rms_norm" not in composed.counts and composed.counts["rsqrt"] == 1

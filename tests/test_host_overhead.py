@@ -191,14 +191,15 @@ def test_compiled_blocks_have_no_graph_break_and_stop_compiling_once_every_mode_
     assert compiled[0] == compiled[1] <= 2 * len(MODES) < len(MODES) * len(lengths), compiled
 
 
-def test_a_step_at_the_older_shapes_depth_dispatches_under_2_7_times_a_plain_transformers_operations(tmp_path):
+def test_a_step_at_the_older_shapes_depth_dispatches_under_2_3_times_a_plain_transformers_operations(tmp_path):
     """bf16 autocast, depth 24 (the older codebase's), width 64 so that it runs in seconds: the ATen
     operations of one step of each mode over those of the plain transformer of the same dimensions
     that `bench --reference` measures (mmldlm/model/reference.py), same precision, optimizer and
     clipping. Two streams make twice the reference's matrix products and their autograd plumbing
     (view, t, the weights' casts): 2x is the floor of this design in eager mode. Before the blocks'
     modulations became one product and the step stopped reading the device: 3.5x (10,534 against
-    2,958 in joint mode); now 2.6-2.7x, and 2.9x of the operations that run a kernel."""
+    2,958 in joint mode); now 2.2-2.3x, and 2.3x of the operations that run a kernel (QK-norm's RMSNorm
+    counted as the fused kernel a CUDA device runs: `dispatch_as_on_a_gpu`)."""
     from mmldlm.data.synthetic import SyntheticShape, write_synthetic
     from mmldlm.tools.bench import build_reference
     from mmldlm.tools.bench import build_trainer as build_bench_trainer
@@ -227,4 +228,4 @@ def test_a_step_at_the_older_shapes_depth_dispatches_under_2_7_times_a_plain_tra
             f"{mode}: {ours.total} operations ({ours.kernels} kernels) against {reference_ops.total} "
             f"({reference_ops.kernels})"
         )
-        assert ours.total <= 2.7 * reference_ops.total and ours.kernels <= 2.95 * reference_ops.kernels, message
+        assert ours.total <= 2.3 * reference_ops.total and ours.kernels <= 2.4 * reference_ops.kernels, message

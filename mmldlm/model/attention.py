@@ -165,13 +165,14 @@ class JointAttention:
         return out.new_zeros(R * Sq, nh, hd).index_copy(0, rows.index, out).view(R, Sq, nh, hd)
 
 
-_cpu_detour = True  # `sdpa` attends in fp32 on a CPU; off inside `dispatch_as_on_a_gpu`
+_cpu_detour = True  # `sdpa` attends in fp32 on a CPU, `rms_norm` is torch's; off inside `dispatch_as_on_a_gpu`
 
 
 @contextlib.contextmanager
 def dispatch_as_on_a_gpu() -> Iterator[None]:
-    """Within it, `sdpa` on a CPU dispatches what it dispatches on a GPU (no fp32 detour): for counting
-    a GPU step's operations on a CPU (mmldlm/tools/operations.py)."""
+    """Within it, `sdpa` and `rms_norm` on a CPU dispatch what they dispatch on a GPU (no fp32 detour;
+    RMSNorm's fused operations): for counting a GPU step's operations on a CPU
+    (mmldlm/tools/operations.py)."""
     global _cpu_detour
     before, _cpu_detour = _cpu_detour, False
     try:
@@ -197,6 +198,51 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p:
     with torch.autocast("cpu", enabled=False):
         out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p)
     return out.to(dtype)
+
+
+def rms_norm(x: Tensor, eps: float) -> Tensor:
+    """F.rms_norm of x over its last dimension, no gain. On a CUDA device F.rms_norm is one fused kernel
+    forward and one backward (`_fused_rms_norm` and its backward); on a CPU torch composes it of seven
+    operations forward and about fifteen backward. Within `dispatch_as_on_a_gpu` a CPU dispatches the
+    two fused operations as a GPU does (each still computed by torch's composition), so that counted
+    operations are a GPU's."""
+    if x.device.type != "cpu" or _cpu_detour:
+        return F.rms_norm(x, (x.shape[-1],), eps=eps)
+    return _FusedRMSNorm.apply(x, eps)
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """`rms_norm` as a GPU dispatches it: `_fused_rms_norm` forward, `_fused_rms_norm_backward` backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, eps: float) -> Tensor:
+        with torch._C._AutoDispatchBelowAutograd():  # the composite would otherwise decompose before dispatch
+            out, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], None, eps)
+        ctx.save_for_backward(x, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        x, rstd = ctx.saved_tensors
+        _cpu_rms_norm_backward()
+        grad_x, _ = torch.ops.aten._fused_rms_norm_backward(grad, x, [x.shape[-1]], rstd, None, [True, False])
+        return grad_x, None
+
+
+_registered: list = []
+
+
+def _cpu_rms_norm_backward() -> None:
+    """Give `aten::_fused_rms_norm_backward` a CPU kernel, once: torch's own decomposition of it (torch
+    registers the op for CUDA and a few other devices only)."""
+    if _registered or torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm_backward", "CPU"):
+        return
+    from torch._decomp import decomposition_table
+
+    library = torch.library.Library("aten", "IMPL")
+    op = torch.ops.aten._fused_rms_norm_backward.default
+    library.impl("_fused_rms_norm_backward", decomposition_table[op], "CPU")
+    _registered.append(library)  # the registration lives as long as its library object
 
 
 def varlen_kernel(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int) -> Tensor:

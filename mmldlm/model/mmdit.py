@@ -26,7 +26,7 @@ from torch import Tensor
 
 from mmldlm.config import ConfigError, ModelConfig
 from mmldlm.device import compute_dtype
-from mmldlm.model.attention import JointAttention
+from mmldlm.model.attention import JointAttention, rms_norm
 
 # --------------------------------------------------------------------------------------------------
 # Positions and timesteps.
@@ -183,7 +183,7 @@ class StreamLayers(nn.Module):
         # One RMSNorm over q and k at once (torch upcasts bf16 inside: an fp32 mean of squares), then
         # their gains, in the activations' dtype.
         gain = torch.stack([self.q_norm.weight, self.k_norm.weight]) if queries else self.k_norm.weight[None]
-        normed = F.rms_norm(qk, (self.head_dim,), eps=self.eps).to(qk.dtype)
+        normed = rms_norm(qk, self.eps).to(qk.dtype)
         return normed * gain.to(qk.dtype), v
 
     def residual(self, x: Tensor, attn_out: Tensor, mod: tuple[Tensor, ...]) -> Tensor:

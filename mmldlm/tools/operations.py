@@ -1,8 +1,9 @@
 """The ATen operations a training step dispatches: the host's share of a step, which on a GPU is paid
 per launch whatever a kernel's size. Counted under a dispatch mode, on any device (a CPU suffices:
-the operations are the same, except where a CUDA kernel fuses what a CPU decomposes, such as
-RMSNorm; the CPU's fp32 detour around bf16 attention, `mmldlm.model.attention.sdpa`, is not taken
-while counting), for `scripts/step_operations.py` and the tests that hold the count down."""
+within `dispatch_as_on_a_gpu` it dispatches what a CUDA device does where the two differ: no fp32
+detour around bf16 attention, `mmldlm.model.attention.sdpa`, and QK-norm's RMSNorm as the two fused
+operations a CUDA device runs, `mmldlm.model.attention.rms_norm`), for `scripts/step_operations.py`
+and the tests that hold the count down."""
 
 from __future__ import annotations
 
