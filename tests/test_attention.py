@@ -192,3 +192,22 @@ def test_rms_norm_counted_as_a_gpu_dispatches_it_computes_what_torch_does(dtype)
     with OperationCounter() as composed:
         attention.rms_norm(x, 1e-6)
     assert "_fused_rms_norm" not in composed.counts and composed.counts["rsqrt"] == 1
+
+
+def test_rms_norm_runs_outside_autocast_in_the_activations_dtype(monkeypatch):
+    """torch >= 2.12 puts rms_norm on CUDA autocast's fp32 list: under autocast a bf16 input would be
+    copied to fp32 and its output cast back. QK-norm calls it with autocast off (the kernel's mean of
+    squares is fp32 anyway) and returns the activations' dtype."""
+    seen = []
+    real = torch.nn.functional.rms_norm
+
+    def recording(x, *args, **kwargs):
+        seen.append((torch.is_autocast_enabled("cpu"), x.dtype))
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "rms_norm", recording)
+    x = torch.randn(3, 5, 2, 2, 16, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attention.rms_norm(x, 1e-6)
+        assert torch.is_autocast_enabled("cpu")  # restored after the call
+    assert seen == [(False, torch.bfloat16)] and out.dtype == torch.bfloat16

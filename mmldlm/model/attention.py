@@ -201,14 +201,19 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p:
 
 
 def rms_norm(x: Tensor, eps: float) -> Tensor:
-    """F.rms_norm of x over its last dimension, no gain. On a CUDA device F.rms_norm is one fused kernel
-    forward and one backward (`_fused_rms_norm` and its backward); on a CPU torch composes it of seven
-    operations forward and about fifteen backward. Within `dispatch_as_on_a_gpu` a CPU dispatches the
-    two fused operations as a GPU does (each still computed by torch's composition), so that counted
-    operations are a GPU's."""
-    if x.device.type != "cpu" or _cpu_detour:
-        return F.rms_norm(x, (x.shape[-1],), eps=eps)
-    return _FusedRMSNorm.apply(x, eps)
+    """F.rms_norm of x over its last dimension, no gain, in x's dtype (its mean of squares in fp32
+    whatever x's dtype). Outside autocast: since torch 2.12 CUDA autocast casts rms_norm's input to fp32,
+    a full-size fp32 copy and a cast back around a kernel that accumulates in fp32 anyway.
+
+    On a CUDA device F.rms_norm is one fused kernel forward and one backward (`_fused_rms_norm` and its
+    backward); on a CPU torch composes it of seven operations forward and about fifteen backward.
+    Within `dispatch_as_on_a_gpu` a CPU dispatches the two fused operations as a GPU does (each still
+    computed by torch's composition), so that counted operations are a GPU's."""
+    device = x.device.type
+    with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext():
+        if device != "cpu" or _cpu_detour:
+            return F.rms_norm(x, (x.shape[-1],), eps=eps)
+        return _FusedRMSNorm.apply(x, eps)
 
 
 class _FusedRMSNorm(torch.autograd.Function):

@@ -180,10 +180,10 @@ class StreamLayers(nn.Module):
         v = v.squeeze(3)  # (B, T, nh, hd)
         if self.q_norm is None:
             return qk, v
-        # One RMSNorm over q and k at once (torch upcasts bf16 inside: an fp32 mean of squares), then
-        # their gains, in the activations' dtype.
+        # One RMSNorm over q and k at once, in the activations' dtype with an fp32 mean of squares and
+        # outside autocast (`rms_norm`), then their gains.
         gain = torch.stack([self.q_norm.weight, self.k_norm.weight]) if queries else self.k_norm.weight[None]
-        normed = rms_norm(qk, self.eps).to(qk.dtype)
+        normed = rms_norm(qk, self.eps)
         return normed * gain.to(qk.dtype), v
 
     def residual(self, x: Tensor, attn_out: Tensor, mod: tuple[Tensor, ...]) -> Tensor:
