@@ -80,7 +80,7 @@ class ModelConfig:
     # block's own projection of the conditioning vector (DiT); single, one projection shared by every
     # block plus a learned offset per block (PixArt-alpha's adaLN-single): num_blocks - 1 fewer
     # (H, 12H) matrices, a third of the base preset's parameters, each read once a step for one row per text;
-    # on the main job it cost t2l quality (docs/quality.md, "One adaLN projection for every block").
+    # on the main job it cost t2l quality (docs/log/quality.md, "One adaLN projection for every block").
     adaln: Literal["per_block", "single"] = "per_block"
     null_latent: bool = True  # learned "no condition" latent for classifier-free guidance
     # Latent self-conditioning (Chen et al. 2022): the latent stream also reads an earlier x0 estimate.
