@@ -28,6 +28,7 @@ output likewise.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
@@ -234,20 +235,19 @@ class _FusedRMSNorm(torch.autograd.Function):
         return grad_x, None
 
 
-_registered: list = []
-
-
-def _cpu_rms_norm_backward() -> None:
+@functools.cache
+def _cpu_rms_norm_backward() -> torch.library.Library | None:
     """Give `aten::_fused_rms_norm_backward` a CPU kernel, once: torch's own decomposition of it (torch
-    registers the op for CUDA and a few other devices only)."""
-    if _registered or torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm_backward", "CPU"):
-        return
+    registers the op for CUDA and a few other devices only). The registration lives as long as the
+    library object returned (kept by the cache)."""
+    if torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm_backward", "CPU"):
+        return None
     from torch._decomp import decomposition_table
 
     library = torch.library.Library("aten", "IMPL")
     op = torch.ops.aten._fused_rms_norm_backward.default
     library.impl("_fused_rms_norm_backward", decomposition_table[op], "CPU")
-    _registered.append(library)  # the registration lives as long as its library object
+    return library
 
 
 def varlen_kernel(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int) -> Tensor:

@@ -109,7 +109,7 @@ class AdaLN(nn.Module):
 
     def __init__(self, hidden_size: int, num_blocks: int, kind: str = "per_block"):
         super().__init__()
-        self.num_blocks, self.kind = num_blocks, kind
+        self.num_blocks = num_blocks
         projected = num_blocks if kind == "per_block" else 1
         self.proj = nn.Linear(hidden_size, projected * 2 * 6 * hidden_size)
         self.table = nn.Parameter(torch.empty(num_blocks, 12, hidden_size)) if kind == "single" else None
