@@ -513,6 +513,10 @@ class DataConfig:
         None  # tokens per sample, longer ones cut; null: model.max_seq_len (rounded down to pad_to_multiple)
     )
     pad_to_multiple: int = 8  # batch length rounded up to this; 64 bounds the shapes torch.compile sees
+    # Fixed batch lengths, ascending: a batch is padded to the shortest that holds its longest text
+    # (data.max_length past the last), so torch.compile and CUDA graphs see only these shapes.
+    # Null: every multiple of pad_to_multiple is a length of its own.
+    length_buckets: list[int] | None = None
     num_workers: int | None = None  # null: min(8, cpus // local ranks)
     prefetch_factor: int | None = 4  # batches each worker keeps ready; null: torch's default (2)
     persistent_workers: bool = True  # keep workers alive between epochs
@@ -543,6 +547,25 @@ class DataConfig:
                 self.max_length,
                 f"null or a positive multiple of {prefix}.pad_to_multiple={self.pad_to_multiple}",
             )
+        if self.length_buckets is not None:
+            buckets = self.length_buckets
+            if (
+                not buckets
+                or any(not isinstance(n, int) or n < 1 or n % self.pad_to_multiple for n in buckets)
+                or any(a >= b for a, b in zip(buckets, buckets[1:]))
+            ):
+                _fail(
+                    f"{prefix}.length_buckets",
+                    buckets,
+                    f"null or a non-empty ascending list of positive multiples of {prefix}.pad_to_multiple="
+                    f"{self.pad_to_multiple}",
+                )
+            if self.packing:
+                _fail(
+                    f"{prefix}.length_buckets",
+                    buckets,
+                    f"null with {prefix}.packing=true (packed rows have one length)",
+                )
         if self.num_workers is not None and self.num_workers < 0:
             _fail(f"{prefix}.num_workers", self.num_workers, "null (automatic) or an integer >= 0")
         if self.bucket_batches < 1:
@@ -891,6 +914,14 @@ class PerfConfig:
     activation_checkpointing: Literal["none", "full", "every_k", "selective", "auto"] = "none"
     checkpoint_every_k: int = 2
     compile: bool = False  # torch.compile each block (pair with data.pad_to_multiple=64: few shapes)
+    # torch.compile's `dynamic`: null, torch's choice (the first length static, a recompile makes the
+    # length symbolic); false: one static graph per shape (pair with data.length_buckets); true:
+    # symbolic from the start.
+    compile_dynamic: bool | None = None
+    # CUDA graphs (torch.compile's "reduce-overhead"): each compiled block's forward and backward replay
+    # as one launch per shape. Needs perf.compile, static shapes (compile_dynamic null or false) and
+    # batches of few shapes: data.length_buckets, SDPA attention, no packing. CUDA only (elsewhere: compile alone).
+    cuda_graphs: bool = False
     # Toggle requires_grad over every parameter at every step: baseline recipe (mmldlm/baseline.py;
     # the idle head is otherwise handled once per mode, see parallelize.py).
     refreeze_every_step: bool = False
@@ -899,6 +930,14 @@ class PerfConfig:
     def check(self, prefix: str = "perf") -> None:
         if self.checkpoint_every_k < 1:
             _fail(f"{prefix}.checkpoint_every_k", self.checkpoint_every_k, "an integer >= 1")
+        if self.cuda_graphs and not self.compile:
+            _fail(f"{prefix}.cuda_graphs", True, f"false with {prefix}.compile=false (CUDA graphs are compile's)")
+        if self.cuda_graphs and self.compile_dynamic:
+            _fail(
+                f"{prefix}.compile_dynamic",
+                True,
+                f"null or false with {prefix}.cuda_graphs=true (a CUDA graph is recorded for each shape anyway)",
+            )
         self.profiler.check(f"{prefix}.profiler")
 
 
@@ -920,25 +959,37 @@ class RunConfig:
     perf: PerfConfig = field(default_factory=PerfConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
+    def _refuse_beside(self, switch: str, refused: dict[str, bool], why: str) -> None:
+        """ConfigError for `switch` (on) beside the first key of `refused` whose value it cannot take."""
+        for key in (key for key, no in refused.items() if no):
+            section, name = key.split(".")
+            _fail(switch, True, f"false with {key}={getattr(getattr(self, section), name)} ({why})")
+
     def check(self) -> None:
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             if hasattr(section, "check"):
                 section.check(f.name)
         if self.data.packing:
-            refused = {
-                "model.attention": self.model.attention == "explicit",  # baseline recipe
-                "model.num_prefix_tokens": self.model.num_prefix_tokens > 0,
-                "distributed.strategy": self.distributed.strategy == "fsdp2",
-            }
-            for key in (key for key, no in refused.items() if no):
-                section, name = key.split(".")
-                _fail(
-                    "data.packing",
-                    True,
-                    f"false with {key}={getattr(getattr(self, section), name)} (packed rows take SDPA attention, "
-                    "no prefix tokens, and one process or DDP)",
-                )
+            self._refuse_beside(
+                "data.packing",
+                {
+                    "model.attention": self.model.attention == "explicit",  # baseline recipe
+                    "model.num_prefix_tokens": self.model.num_prefix_tokens > 0,
+                    "distributed.strategy": self.distributed.strategy == "fsdp2",
+                },
+                "packed rows take SDPA attention, no prefix tokens, and one process or DDP",
+            )
+        if self.perf.cuda_graphs:
+            self._refuse_beside(
+                "perf.cuda_graphs",
+                {
+                    "model.attention": self.model.attention == "varlen",  # the batch's real token total
+                    "data.packing": self.data.packing,  # the number of rows and of texts
+                },
+                "its shapes change with every batch, and a CUDA graph is recorded for each shape: pad "
+                "batches to data.length_buckets",
+            )
         if self.optim.step_in_backward and self.train.precision == "fp16":
             _fail(
                 "optim.step_in_backward",

@@ -10,14 +10,16 @@
 #         parameter, the real-token share, MFU on real tokens, and tokens/s and MFU over the reference's
 #         (WITH_BASELINE=1 adds the baseline config and the largest micro-batch of each under 90% of
 #         the GPU's memory: measured 2026-11-27);
-#      b. the same compiled (the reference compiled too);
+#      b. the same compiled (the reference compiled too), and compiled with CUDA graphs
+#         (perf.cuda_graphs: each block's forward and backward one replay per shape; batches padded to
+#         data.length_buckets, 1536 or 2048 tokens);
 #      c. one optimized step at micro-batch 8 under torch.profiler: how busy the GPU is and the top
 #         kernels and host operators, the row that names the next lever (scripts/profile_step.py);
 #      d. the attention kernel that each kind of batch reaches at that shape (no padding, a padded
 #         batch's key mask, a packed batch's block-diagonal mask, FlexAttention's block masks) and
 #         its time, forward + backward (scripts/attention_kernels.py);
-#   2. short texts: the small preset on the default data at micro-batch 512, optimized vs compiled,
-#      beside the plain transformer;
+#   2. short texts: the small preset on the default data at micro-batch 512, compiled vs compiled
+#      with CUDA graphs, beside the plain transformer (the eager row was measured on 2026-11-27);
 #   3. a first writing rung: the small preset trained on the default data for what its limit leaves
 #      and evaluated on 128 validation texts (t2l retrieval@1, l2t word F1 and BLEU, with intervals),
 #      as scripts/writing_ladder.py measures it (off unless T_RUNG is set: with part 1's 480 s it
@@ -60,12 +62,12 @@ fi
 # three 1B rows and their fit searches at 2048 tokens did not finish in 170 s (its rows then shared
 # the GPU's memory: the baseline ran out of it), hence rows one at a time and two benches.
 if [ "$MODE" = gpu ]; then
-    DEFAULTS=(150 150 60 0 160 0 0)  # 1a, 1b, 1c, 1d, 2, 3, 4
+    DEFAULTS=(140 200 40 0 160 0 0)  # 1a, 1b, 1c, 1d, 2, 3, 4
 else
     DEFAULTS=(80 80 60 40 80 80 60)  # every part, at tiny shapes
 fi
 T_SHAPE4=${T_SHAPE4:-${DEFAULTS[0]}} # 1a. three rows of 1B parameters and the reference, 3 + 10 steps each
-T_SHAPE8=${T_SHAPE8:-${DEFAULTS[1]}} # 1b. two compiled rows and the compiled reference, 6 + 10 steps
+T_SHAPE8=${T_SHAPE8:-${DEFAULTS[1]}} # 1b. three compiled rows and the compiled reference, 6 + 10 steps
 T_PROFILE=${T_PROFILE:-${DEFAULTS[2]}} # 1c. one row built, 3 steps, 2 steps profiled
 T_ATTENTION=${T_ATTENTION:-${DEFAULTS[3]}} # 1d. five SDPA backends x three masks, two FlexAttention compiles
 T_BASE=${T_BASE:-${DEFAULTS[4]}}     # 2. two rows and the reference, compile, 3 + 10 steps
@@ -102,6 +104,9 @@ if [ "$MODE" = gpu ]; then
     RUNG_KEYS=""
     EVAL="--num-samples 128 --best-of 1 --no-encoder"  # the figures read need no sentence encoder on the device
     ATTENTION=""  # its defaults are the older shape
+    # Two lengths (1536, 2048): of 8 texts of 600-2048 tokens the longest passes 1536 in 97% of batches.
+    GRAPHS="perf.cuda_graphs=true data.length_buckets=[1536]"
+    SHORT_GRAPHS="perf.cuda_graphs=true"  # glosses padded to 64: one or two lengths
     export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 else
     # Tiny shapes and no compile (torch.compile's own CPU tests are in tests/test_perf.py): every
@@ -117,6 +122,9 @@ else
     RUNG_KEYS="$TINY train.global_batch_size=8 train.micro_batch_size=8"
     EVAL="--num-samples 8 --best-of 1 --no-encoder"
     ATTENTION="--batch 2 --heads 2 --length 64 --warmup 1 --iters 2"
+    # Compile is off here, and CUDA graphs are compile's: the rows keep their length buckets alone.
+    GRAPHS="data.length_buckets=[64]"
+    SHORT_GRAPHS="data.length_buckets=[64]"
 fi
 mkdir -p "$RUN_OUT"
 REPORTER=("$PY" scripts/gpu_session_report.py --report "$REPORT" --section "$RUN_OUT/session.md")
@@ -166,10 +174,10 @@ part "1a. The older codebase's shape, eager, micro-batch 8: masked attention vs 
     "$T_SHAPE4" "$RUN_OUT/shape-4.log" --bench "$RUN_OUT/shape-4" -- \
     "$PY" -m mmldlm bench $SHAPE $MB8 $SYNTHETIC --baseline optimized --optimized "optimized model.attention=varlen" \
     --variant "optimized model.adaln=single" "${SHAPE_ROWS[@]}" --reference $STEPS $FITTING $ROWS --out "$RUN_OUT/shape-4"
-part "1b. The older codebase's shape, compiled, micro-batch 8: masked attention vs real positions vs the plain transformer" \
+part "1b. The older codebase's shape, compiled, micro-batch 8: masked attention vs CUDA graphs vs real positions vs the plain transformer" \
     "$T_SHAPE8" "$RUN_OUT/shape-8.log" --bench "$RUN_OUT/shape-8" -- \
-    "$PY" -m mmldlm bench $SHAPE $MB8 $SYNTHETIC --baseline compiled --optimized "compiled model.attention=varlen" \
-    --reference $COMPILED_STEPS --no-fit $ROWS --out "$RUN_OUT/shape-8"
+    "$PY" -m mmldlm bench $SHAPE $MB8 $SYNTHETIC --baseline compiled --optimized "compiled $GRAPHS" \
+    --variant "compiled model.attention=varlen" --reference $COMPILED_STEPS --no-fit $ROWS --out "$RUN_OUT/shape-8"
 part "1c. The older codebase's shape, one optimized step profiled" "$T_PROFILE" "$RUN_OUT/profile.log" \
     --profile "$RUN_OUT/profile" -- \
     "$PY" scripts/profile_step.py optimized $SHAPE $MB8 \
@@ -178,8 +186,8 @@ part "1d. The older codebase's shape, attention kernels per kind of batch" "$T_A
     --output -- "$PY" scripts/attention_kernels.py $ATTENTION
 part "2. Short texts: the small preset on the default data at a batch that fills the GPU, vs the plain transformer" \
     "$T_BASE" "$RUN_OUT/base.log" --bench "$RUN_OUT/base" -- \
-    "$PY" -m mmldlm bench $BASE data.path="$DATA" --baseline optimized --optimized compiled --reference $STEPS --no-fit \
-    $ROWS --out "$RUN_OUT/base"
+    "$PY" -m mmldlm bench $BASE data.path="$DATA" --baseline compiled --optimized "compiled $SHORT_GRAPHS" \
+    --reference $COMPILED_STEPS --no-fit $ROWS --out "$RUN_OUT/base"
 part "3. A first writing rung" "$T_RUNG" "$RUN_OUT/rung.log" --ladder "$RUN_OUT/rung" -- \
     "$PY" scripts/writing_ladder.py $RUNG --eval-args "$EVAL" --out "$RUN_OUT/rung" $RUNG_KEYS data.path="$DATA"
 part "4. CUDA-only tests" "$T_TESTS" "$RUN_OUT/tests.log" --tests -- \

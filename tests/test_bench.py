@@ -281,7 +281,10 @@ def test_bench_on_synthetic_tokens_needs_no_dataset_and_sets_each_row_against_th
     assert "300-entry vocabulary" in report["data"] and "one 8-d" in report["data"]
     for c in report["configs"].values():
         assert c["measured_steps"] == 2 and c["largest_micro_batch"] == 4
-        assert 0 < c["tokens_per_s"] / c["samples_per_s"] <= 64  # real tokens per text, at most 64
+        # Real tokens per text, 20-64: all steps' tokens over their time against texts over the median
+        # step time, which for two steps is their mean (one estimator: the median of each step's
+        # tokens/s against it passed 64 when one step of two was slowed by another process).
+        assert 20 <= c["total_tokens_per_s"] / c["samples_per_s"] <= 64
     assert report["configs"]["baseline"]["activation_checkpointing"] == "none"
     assert report["configs"][variant]["activation_checkpointing"] == "full"  # as forced; optimized's auto resolved
     assert report["configs"]["optimized"]["activation_checkpointing"] in ("none", "selective", "full")

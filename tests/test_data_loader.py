@@ -24,6 +24,7 @@ from mmldlm.data.dataset import (
     default_num_workers,
     model_for_dataset,
     open_dataset,
+    padded_lengths,
     resolve_for_model,
 )
 
@@ -78,6 +79,23 @@ def test_batches_are_padded_to_the_multiple(train):
             assert batch["tokens"][0, : lengths[0]].tolist() == train[first][1].tolist()
             assert batch["latents"].shape == (B, 1, 384) and batch["latents"].dtype == torch.float32
             assert torch.equal(batch["latents"][0], torch.from_numpy(train[first][2].astype(np.float32)))
+
+
+def test_length_buckets_pad_each_batch_to_the_shortest_bucket_that_holds_its_longest_text(train):
+    """data.length_buckets: every batch's length is a bucket (data.max_length past the last), the
+    shortest that holds its longest text; the lengths a batch can have are what `padded_lengths` lists."""
+    buckets, max_length = [8, 24], 32
+    config = cfg(length_buckets=buckets, max_length=max_length)
+    seen = set()
+    for batch in build_loader(train, config, micro_batch_size=1):
+        longest, L = int(batch["pad_mask"].sum(1).max()), batch["tokens"].shape[1]
+        expected = next((n for n in buckets if n >= longest), max_length)
+        assert L == expected, (longest, L)
+        seen.add(L)
+    assert seen <= set(padded_lengths(config, max_length)) == {8, 24, 32}
+    assert len(seen) >= 2  # the fixture's texts reach more than one bucket
+    assert padded_lengths(cfg(pad_to_multiple=8), 32) == [8, 16, 24, 32]
+    assert padded_lengths(cfg(pad_to_multiple=8), 30) == [8, 16, 24, 30]
 
 
 def test_truncation_to_max_length(train):
@@ -243,6 +261,11 @@ def test_data_config_checks():
     with pytest.raises(ConfigError, match=r"'data.num_workers': got -1"):
         load_config(None, ["data.num_workers=-1"])
     assert load_config(None, ["data.path=/x", "data.pad_to_multiple=64"]).data.pad_to_multiple == 64
+    for buckets in ("[16,8]", "[12]", "[]"):
+        with pytest.raises(ConfigError, match=r"'data.length_buckets': got .*; expected null or a non-empty ascending"):
+            load_config(None, [f"data.length_buckets={buckets}"])
+    with pytest.raises(ConfigError, match=r"'data.length_buckets': got \[8\]; expected null with data.packing=true"):
+        load_config(None, ["data.length_buckets=[8]", "data.packing=true"])
 
 
 def test_model_must_match_the_dataset(train, data_dir):
@@ -260,6 +283,10 @@ def test_model_must_match_the_dataset(train, data_dir):
         resolve_for_model(DataConfig(max_length=256), ModelConfig(), train)
     resolved = resolve_for_model(DataConfig(pad_to_multiple=64), ModelConfig(max_seq_len=100), train)
     assert resolved.max_length == 64
+    with pytest.raises(
+        ConfigError, match=r"'data.length_buckets': got \[64, 256\]; expected lengths <= data.max_length=128"
+    ):
+        resolve_for_model(DataConfig(length_buckets=[64, 256]), ModelConfig(), train)
 
 
 def test_a_null_latent_shape_is_the_datasets(train):

@@ -146,14 +146,17 @@ class CyclingLengths:
                 yield {"tokens": tokens, "pad_mask": pad_mask, "latents": torch.randn(self.micro, 1, DIM)}
 
 
-@pytest.mark.slow  # aot_eager traces forward and backward of each graph: 2-3 s a graph
-def test_compiled_blocks_have_no_graph_break_and_stop_compiling_once_every_mode_and_length_was_seen(
-    tmp_path, monkeypatch
-):
-    """torch.compile of each block (perf.compile): forward and backward in one graph each, no break;
-    the first round over four length buckets and the three modes compiles every graph there will be
-    (at most two per variant of the last block: the first length static, then one with the length
-    dynamic, fewer than one per mode and length); the second round compiles nothing more."""
+@pytest.fixture
+def dynamo_limits():
+    """Dynamo's limit of graphs per code object as torch sets it (8), restored after the test (the
+    trainer raises it for static shapes)."""
+    with torch._dynamo.config.patch(recompile_limit=8):
+        yield
+
+
+def compiled_trainer(tmp_path, monkeypatch, lengths, overrides=()):
+    """A trainer whose blocks compile with a counting backend (aot_eager: forward and backward traced,
+    no code generated) over batches cycling through `lengths`, the mode changing every round of them."""
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
@@ -162,10 +165,9 @@ def test_compiled_blocks_have_no_graph_break_and_stop_compiling_once_every_mode_
 
     counter = CompileCounterWithBackend("aot_eager")
     real_compile = parallelize.apply_compile
-    monkeypatch.setattr(parallelize, "apply_compile", lambda model: real_compile(model, backend=counter))
+    monkeypatch.setattr(parallelize, "apply_compile", lambda model, **options: real_compile(model, counter, **options))
     torch._dynamo.reset()
     counters.clear()
-    lengths = (8, 16, 24, 32)
     cfg = load_config(
         None,
         [
@@ -176,12 +178,28 @@ def test_compiled_blocks_have_no_graph_break_and_stop_compiling_once_every_mode_
             "train.precision=fp32",
             "perf.compile=true",
             "perf.activation_checkpointing=selective",
+            *overrides,
         ],
     )
     model = tiny_model()
     model.cfg.max_seq_len = max(lengths)
     trainer = Trainer(cfg, model, objective_for(cfg), CyclingLengths(lengths), DistInfo())
     monkeypatch.setattr(trainer.objective, "mode_at", lambda step: MODES[(step // len(lengths)) % len(MODES)])
+    return trainer, counter, counters
+
+
+@pytest.mark.slow  # aot_eager traces forward and backward of each graph: 2-3 s a graph
+def test_compiled_blocks_have_no_graph_break_and_stop_compiling_once_every_mode_and_length_was_seen(
+    tmp_path, monkeypatch, dynamo_limits
+):
+    """torch.compile of each block (perf.compile): forward and backward in one graph each, no break;
+    the first round over four length buckets and the three modes compiles every graph there will be
+    (at most two per variant of the last block: the first length static, then one with the length
+    dynamic, fewer than one per mode and length); the second round compiles nothing more."""
+    from mmldlm.config import MODES
+
+    lengths = (8, 16, 24, 32)
+    trainer, counter, counters = compiled_trainer(tmp_path, monkeypatch, lengths)
     compiled = []
     for _ in range(2):  # every (mode, length) once a round
         for _ in range(len(MODES) * len(lengths)):
@@ -189,6 +207,52 @@ def test_compiled_blocks_have_no_graph_break_and_stop_compiling_once_every_mode_
         compiled.append(counter.frame_count)
     assert dict(counters["graph_break"]) == {}
     assert compiled[0] == compiled[1] <= 2 * len(MODES) < len(MODES) * len(lengths), compiled
+
+
+@pytest.mark.slow  # aot_eager traces forward and backward of each graph: 2-3 s a graph
+@pytest.mark.parametrize("switch", ["perf.compile_dynamic=false", "perf.cuda_graphs=true"])
+def test_static_shapes_compile_one_graph_per_length_bucket_and_block_variant_then_nothing(
+    tmp_path, monkeypatch, dynamo_limits, switch
+):
+    """Static shapes (what CUDA graphs need; on a CPU perf.cuda_graphs compiles the same graphs
+    without them): the first round over four lengths and the three modes compiles one graph per
+    length for each of the three block variants (every block but the last; the last of l2t, of t2l;
+    joint's last block is the first variant), 12 in all, past dynamo's default limit of 8 graphs per
+    code object, which the trainer raises for the lengths its batches can have; the second round
+    compiles nothing and the shapes stay static (no graph has a symbolic size)."""
+    from mmldlm.config import MODES
+
+    lengths = (8, 16, 24, 32)
+    trainer, counter, counters = compiled_trainer(tmp_path, monkeypatch, lengths, [switch, "data.pad_to_multiple=8"])
+    compiled = []
+    for _ in range(2):
+        for _ in range(len(MODES) * len(lengths)):
+            trainer.train_step()
+        compiled.append(counter.frame_count)
+    assert dict(counters["graph_break"]) == {}
+    assert compiled == [3 * len(lengths)] * 2
+    assert not any(
+        isinstance(dim, torch.SymInt)
+        for graph in counter.graphs
+        for node in graph.graph.nodes
+        if isinstance(node.meta.get("example_value"), torch.Tensor)
+        for dim in node.meta["example_value"].shape
+    )
+
+
+def test_compile_options_follow_the_perf_switches():
+    """perf.cuda_graphs is inductor's "reduce-overhead" on a CUDA device, with static shapes and a
+    limit of graphs per code object that holds every length (8 variants each); elsewhere static
+    shapes alone; perf.compile_dynamic otherwise passes through as torch.compile's `dynamic`."""
+    from mmldlm.config import PerfConfig
+    from mmldlm.training.parallelize import compile_options
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    graphs = PerfConfig(compile=True, cuda_graphs=True)
+    assert compile_options(graphs, cuda, 5) == {"dynamic": False, "mode": "reduce-overhead", "recompile_limit": 40}
+    assert compile_options(graphs, cpu, 5) == {"dynamic": False, "recompile_limit": 40}
+    assert compile_options(PerfConfig(compile=True), cuda, 5) == {"dynamic": None}
+    assert compile_options(PerfConfig(compile=True, compile_dynamic=True), cuda, 5) == {"dynamic": True}
 
 
 def test_a_step_at_the_older_shapes_depth_dispatches_under_2_3_times_a_plain_transformers_operations(tmp_path):

@@ -375,6 +375,21 @@ def test_compiled_preset_adds_only_compile_and_its_padding():
     assert compiled["perf.compile"] and compiled["data.pad_to_multiple"] == 64
 
 
+def test_cuda_graphs_are_refused_where_shapes_change_with_every_batch():
+    """perf.cuda_graphs records a graph per shape: it needs compile and static shapes, and refuses the
+    batches whose shapes change every step (the variable-length kernel's token total, packed rows)."""
+    assert load_config("compiled", ["perf.cuda_graphs=true", "data.length_buckets=[64,128]"]).perf.cuda_graphs
+    refusals = {
+        "perf.compile=false": r"'perf.cuda_graphs': got True; expected false with perf.compile=false",
+        "perf.compile_dynamic=true": r"'perf.compile_dynamic': got True; expected null or false with perf.cuda_graphs",
+        "model.attention=varlen": r"'perf.cuda_graphs': got True; expected false with model.attention=varlen",
+        "data.packing=true": r"'perf.cuda_graphs': got True; expected false with data.packing=True",
+    }
+    for override, message in refusals.items():
+        with pytest.raises(ConfigError, match=message):
+            load_config("compiled", ["perf.cuda_graphs=true", override])
+
+
 def test_auto_checkpointing_picks_the_least_that_fits(tmp_path, monkeypatch):
     """auto probes none, then selective, then full, and keeps the first whose peak fits the cap."""
     import mmldlm.training.batch_size as batch_size

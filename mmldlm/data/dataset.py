@@ -8,8 +8,8 @@ padding collate and the tuned DataLoader around them.
     loader.load_state_dict(state)     # resume there; skipped batches are never read
 
 A batch is {"tokens" (B, L) int64, "pad_mask" (B, L) bool, "latents" (B, K, D) float32, "index" (B,)
-int64}, L the longest sample in the batch (at most max_length) rounded up to pad_to_multiple; with
-data.packing also the packed layout of its texts (PadCollate).
+int64}, L the longest sample in the batch (at most max_length) rounded up to pad_to_multiple, or to
+the shortest of data.length_buckets that holds it; with data.packing also the packed layout of its texts (PadCollate).
 Latents are in raw encoder space; the objective standardises them with latent_mean/latent_std.
 """
 
@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -238,16 +239,30 @@ class PadCollate:
     for padding; "pack_position" (R, P) its position in its text; "pack_latent_doc" (R, M) the text
     of each row's m-th group of latent slots, -1 for padding (M: the most texts in one row)."""
 
-    def __init__(self, pad_id: int, multiple: int, max_length: int | None, pack_length: int | None = None):
+    def __init__(
+        self,
+        pad_id: int,
+        multiple: int,
+        max_length: int | None,
+        pack_length: int | None = None,
+        buckets: Sequence[int] | None = None,
+    ):
         self.pad_id, self.multiple, self.max_length, self.pack_length = pad_id, multiple, max_length, pack_length
+        self.buckets = np.asarray(sorted(buckets), dtype=np.int64) if buckets else None
 
     def kept_lengths(self, lengths: np.ndarray) -> np.ndarray:
         """The token counts the batch keeps of samples of these lengths (cut at max_length)."""
         return np.minimum(lengths, self.max_length) if self.max_length is not None else lengths
 
     def padded_length(self, lengths: np.ndarray) -> int:
-        """L of a batch of samples of these (kept) lengths: the longest, rounded up to the multiple."""
-        length = -(-max(int(lengths.max()), 1) // self.multiple) * self.multiple
+        """L of a batch of samples of these (kept) lengths: the longest, rounded up to the multiple, or
+        with buckets the shortest bucket that holds it (max_length past the last)."""
+        longest = max(int(lengths.max()), 1)
+        if self.buckets is not None and longest <= self.buckets[-1]:
+            return int(self.buckets[np.searchsorted(self.buckets, longest)])
+        if self.buckets is not None and self.max_length is not None:
+            return self.max_length
+        length = -(-longest // self.multiple) * self.multiple
         return min(length, self.max_length) if self.max_length is not None else length
 
     def positions(self, lengths: np.ndarray) -> int:
@@ -503,9 +518,18 @@ def _batch_order(
     )
 
 
+def padded_lengths(cfg: DataConfig, max_length: int) -> list[int]:
+    """Every text length a batch of the loader can have (unpacked rows), `max_length` the longest text
+    kept: data.length_buckets (and max_length past the last), else each multiple of data.pad_to_multiple."""
+    if cfg.length_buckets is not None:
+        return sorted({*(n for n in cfg.length_buckets if n < max_length), max_length})
+    multiple = cfg.pad_to_multiple
+    return sorted({*range(multiple, max_length, multiple), max_length})
+
+
 def _collate(dataset: PreparedDataset, cfg: DataConfig) -> PadCollate:
     pack_length = (cfg.pack_length or cfg.max_length) if cfg.packing else None
-    return PadCollate(dataset.pad_id, cfg.pad_to_multiple, cfg.max_length, pack_length)
+    return PadCollate(dataset.pad_id, cfg.pad_to_multiple, cfg.max_length, pack_length, cfg.length_buckets)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -619,6 +643,8 @@ def resolve_for_model(data: DataConfig, model: ModelConfig, dataset: PreparedDat
         data = dataclasses.replace(data, max_length=max_length)
     if data.max_length > model.max_seq_len:
         _fail("data.max_length", data.max_length, f"<= model.max_seq_len={model.max_seq_len}")
+    if data.length_buckets is not None and data.length_buckets[-1] > data.max_length:
+        _fail("data.length_buckets", data.length_buckets, f"lengths <= data.max_length={data.max_length}")
     if data.packing and data.pack_length is not None and data.pack_length < data.max_length:
         _fail("data.pack_length", data.pack_length, f"null or >= data.max_length={data.max_length} (the longest text)")
     return data

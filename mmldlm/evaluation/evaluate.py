@@ -94,7 +94,9 @@ def _generator(seed: int, *parts: int) -> torch.Generator:
 
 def val_batches(run: TrainedRun, num_samples: int, batch_size: int):
     """Batches (the loader's format) of the first `num_samples` validation samples, in order."""
-    collate = PadCollate(run.text.pad_token_id, run.cfg.data.pad_to_multiple, run.max_length)
+    collate = PadCollate(
+        run.text.pad_token_id, run.cfg.data.pad_to_multiple, run.max_length, buckets=run.cfg.data.length_buckets
+    )
     n = min(num_samples, len(run.val))
     for start in range(0, n, batch_size):
         yield collate([run.val[i] for i in range(start, min(start + batch_size, n))])

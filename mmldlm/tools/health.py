@@ -122,8 +122,9 @@ REMEDIES = {
     "stall": "a rank or the loader is stuck: distributed.timeout_minutes bounds how long a collective waits "
     "(30 by default; `mmldlm check` flags absurd values), look at each rank's log "
     "(scripts/launch.sh writes logs/node-N.log), resume with --resume auto",
-    "recompiles": "each new padded text length compiles the blocks again: data.pad_to_multiple=64 bounds the "
-    "shapes to a few, or perf.compile=false; the records' compiled_graphs counts the graphs",
+    "recompiles": "each new padded text length compiles the blocks again: data.length_buckets (a few fixed "
+    "lengths) or data.pad_to_multiple=64 bounds the shapes, or perf.compile=false; the records' compiled_graphs "
+    "counts the graphs",
     "resume_mismatch": "the resumed run does not repeat the interrupted one: resume with the same config, data "
     "and number of processes; train.deterministic=true makes resumed losses repeat exactly",
 }

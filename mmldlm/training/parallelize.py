@@ -95,26 +95,61 @@ def apply_activation_checkpointing(model: nn.Module, cfg: PerfConfig) -> None:
         model.blocks[i].forward = types.MethodType(checkpointed_forward, model.blocks[i])
 
 
-def apply_compile(model: nn.Module, backend: str | Callable = "inductor") -> None:
-    """torch.compile each block in place (one graph shared by all blocks; few shapes with padding to 64).
-    `backend`: inductor; tests pass a counting backend to see that graphs are really captured."""
+# Variants of a block's graph for one input shape: every block but the last, and the last block of
+# each mode (a stream whose head is idle only lends its keys and values), each with and without grad.
+GRAPHS_PER_SHAPE = 8
+
+
+def compile_options(perf: PerfConfig, device: torch.device, num_shapes: int | None = None) -> dict:
+    """torch.compile's options for the blocks: `dynamic` as perf.compile_dynamic says (false under
+    perf.cuda_graphs), and CUDA graphs (inductor's "reduce-overhead") on a CUDA device under
+    perf.cuda_graphs. `num_shapes`: the text lengths the batches can have, which raises dynamo's limit
+    of graphs per code object (8) where static shapes need more (past it dynamo falls back to eager)."""
+    options: dict = {"dynamic": False if perf.cuda_graphs else perf.compile_dynamic}
+    if perf.cuda_graphs and device.type == "cuda":
+        options["mode"] = "reduce-overhead"
+    if options["dynamic"] is False and num_shapes is not None:
+        options["recompile_limit"] = GRAPHS_PER_SHAPE * num_shapes
+    return options
+
+
+def apply_compile(
+    model: nn.Module,
+    backend: str | Callable = "inductor",
+    dynamic: bool | None = None,
+    mode: str | None = None,
+    recompile_limit: int | None = None,
+) -> None:
+    """torch.compile each block in place (one graph per shape shared by all blocks; few shapes with
+    padding to 64 or data.length_buckets). `backend`: inductor; tests pass a counting backend to see
+    that graphs are really captured (`mode` is inductor's). `dynamic`, `mode`, `recompile_limit`:
+    `compile_options`."""
+    if recompile_limit is not None and recompile_limit > torch._dynamo.config.recompile_limit:
+        torch._dynamo.config.recompile_limit = recompile_limit
+    kwargs = {"mode": mode} if mode is not None else {}
     for block in model.blocks:
-        block.compile(backend=backend)
+        block.compile(backend=backend, dynamic=dynamic, **kwargs)
 
 
 def parallelize(
-    model: nn.Module, perf: PerfConfig, cfg: DistributedConfig, info: DistInfo, accumulates: bool = False
+    model: nn.Module,
+    perf: PerfConfig,
+    cfg: DistributedConfig,
+    info: DistInfo,
+    accumulates: bool = False,
+    num_shapes: int | None = None,
 ) -> nn.Module:
     """Apply activation checkpointing, then compile, to `model` (already on its device), then wrap it
     for data-parallel training; a single process trains it unwrapped. `accumulates`: a step may run
-    several micro-batches (no_sync() before all but the last).
+    several micro-batches (no_sync() before all but the last); `num_shapes`: the text lengths its
+    batches can have (`compile_options`).
 
     DDP's static graph ("auto": on unless find_unused_parameters or `accumulates`) cannot run under
     no_sync(): torch 2.13 fails the first backward with an "expect_autograd_hooks_" internal assert
     (pytorch/pytorch#143580) and, once past it, stops all-reducing gradients."""
     apply_activation_checkpointing(model, perf)
     if perf.compile:
-        apply_compile(model)
+        apply_compile(model, **compile_options(perf, info.device, num_shapes))
     if not info.distributed:
         return model
     if cfg.shards_model:

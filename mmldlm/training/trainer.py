@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from mmldlm import baseline
 from mmldlm.config import ConfigError, PerfConfig, RunConfig, batch_split, infeasible
+from mmldlm.data.dataset import padded_lengths
 from mmldlm.data.errors import DataError
 from mmldlm.model.info import training_flops_per_sample
 from mmldlm.model.mmdit import padded_row_count
@@ -272,7 +273,20 @@ class Trainer:
         if perf.activation_checkpointing == "auto":
             perf = dataclasses.replace(perf, activation_checkpointing=self._choose_checkpointing(objective))
         self.activation_checkpointing = perf.activation_checkpointing  # what runs: auto resolved
-        self.model = parallelize(self.raw_model, perf, cfg.distributed, info, self._may_accumulate(cfg, info))
+        longest = cfg.data.max_length or max_seq_len or self.raw_model.cfg.max_seq_len
+        self.model = parallelize(
+            self.raw_model,
+            perf,
+            cfg.distributed,
+            info,
+            self._may_accumulate(cfg, info),
+            num_shapes=len(padded_lengths(cfg.data, longest)),
+        )
+        # The compiled blocks' CUDA graphs: each micro-batch starts a new iteration of their tree
+        # (the outputs of the previous one may then be overwritten: none is read after its backward).
+        self.cuda_graphs = perf.cuda_graphs and self.device.type == "cuda"
+        if perf.cuda_graphs and not self.cuda_graphs:
+            log.info("perf.cuda_graphs: CUDA graphs need a CUDA device; on %s the blocks compile alone", self.device)
         if self.ema is not None and info.distributed and cfg.distributed.shards_model:
             apply_fsdp(self.ema.module, info.mesh)
         self.objective = objective
@@ -694,6 +708,8 @@ class Trainer:
                 no_grad_sync(self.model, sync=a == num_accum - 1),
                 collective_guard(f"gradient all-reduce of step {step + 1}", info),
             ):
+                if self.cuda_graphs:
+                    torch.compiler.cudagraph_mark_step_begin()
                 with self._autocast():
                     loss, metrics = self.objective(self.model, batch, step, generator=self.generator)
                     if self.anchor_idle:

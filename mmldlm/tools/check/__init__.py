@@ -25,7 +25,7 @@ import yaml
 
 from mmldlm.config import MODES, RunConfig, from_dict, infeasible, to_dict
 from mmldlm.data import long_texts
-from mmldlm.data.dataset import default_num_workers, open_dataset
+from mmldlm.data.dataset import default_num_workers, open_dataset, padded_lengths
 from mmldlm.runs.checkpoints import find_latest, is_full_state
 from mmldlm.runs.files import CheckpointError, current_run_config
 from mmldlm.tools.check.estimates import (
@@ -415,12 +415,32 @@ def check_slow_switches(cfg: RunConfig, env: Environment, est: Estimate) -> list
         "attention": cfg.model.attention == "explicit",
         "precision_fp32": cfg.train.precision == "fp32" and env.native_bf16,
         "precision_emulated": cfg.train.precision == "bf16" and not env.native_bf16,
-        "compile_shapes": cfg.perf.compile and cfg.data.pad_to_multiple < 64,
+        "compile_shapes": cfg.perf.compile
+        and cfg.data.pad_to_multiple < 64
+        and cfg.data.length_buckets is None
+        and not cfg.perf.cuda_graphs,
         "packing_bucketed": cfg.data.packing and cfg.data.bucket_batches > 1,
         "async_save_cpu": cfg.checkpoint.async_save and env.device == "cpu",
     }
     values = dict(device=env.device, pad=cfg.data.pad_to_multiple, bucket_batches=cfg.data.bucket_batches)
-    return [finding(name, **values) for name, fired in fires.items() if fired]
+    found = [finding(name, **values) for name, fired in fires.items() if fired]
+    if cfg.perf.cuda_graphs and cfg.data.length_buckets is None and not cfg.data.packing:
+        max_length = max_length_of(cfg)
+        shapes = len(padded_lengths(cfg.data, max_length))
+        if shapes > 4:
+            pad = cfg.data.pad_to_multiple
+            buckets = sorted({max(pad, -(-max_length * k // 4 // pad) * pad) for k in (1, 2, 3)} - {max_length})
+            found.append(
+                finding(
+                    "cuda_graphs_shapes",
+                    {"data.length_buckets": buckets},
+                    shapes=shapes,
+                    pad=pad,
+                    max_length=max_length,
+                    buckets=buckets,
+                )
+            )
+    return found
 
 
 CHECKS = (

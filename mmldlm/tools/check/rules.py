@@ -505,6 +505,15 @@ RULES = {
         "data.pad_to_multiple=64",
         {"data.pad_to_multiple": 64},
     ),
+    "cuda_graphs_shapes": Rule(
+        "cuda_graphs_shapes",
+        "warning",
+        "perf.cuda_graphs=true with {shapes} text lengths a batch can have (each multiple of "
+        "data.pad_to_multiple={pad} up to {max_length}) and no data.length_buckets",
+        "every compiled block is compiled and its CUDA graphs recorded for each length, each with memory "
+        "of its own; a few fixed lengths bound them (a batch pads to the shortest that holds it)",
+        "data.length_buckets={buckets}",
+    ),
 }
 
 
