@@ -242,15 +242,15 @@ def test_static_shapes_compile_one_graph_per_length_bucket_and_block_variant_the
 
 def test_compile_options_follow_the_perf_switches():
     """perf.cuda_graphs is inductor's "reduce-overhead" on a CUDA device, with static shapes and a
-    limit of graphs per code object that holds every length (8 variants each); elsewhere static
+    limit of graphs per code object that holds every length (12 variants each); elsewhere static
     shapes alone; perf.compile_dynamic otherwise passes through as torch.compile's `dynamic`."""
     from mmldlm.config import PerfConfig
     from mmldlm.training.parallelize import compile_options
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     graphs = PerfConfig(compile=True, cuda_graphs=True)
-    assert compile_options(graphs, cuda, 5) == {"dynamic": False, "mode": "reduce-overhead", "recompile_limit": 40}
-    assert compile_options(graphs, cpu, 5) == {"dynamic": False, "recompile_limit": 40}
+    assert compile_options(graphs, cuda, 5) == {"dynamic": False, "mode": "reduce-overhead", "recompile_limit": 60}
+    assert compile_options(graphs, cpu, 5) == {"dynamic": False, "recompile_limit": 60}
     assert compile_options(PerfConfig(compile=True), cuda, 5) == {"dynamic": None}
     assert compile_options(PerfConfig(compile=True, compile_dynamic=True), cuda, 5) == {"dynamic": True}
 

@@ -95,9 +95,10 @@ def apply_activation_checkpointing(model: nn.Module, cfg: PerfConfig) -> None:
         model.blocks[i].forward = types.MethodType(checkpointed_forward, model.blocks[i])
 
 
-# Variants of a block's graph for one input shape: every block but the last, and the last block of
-# each mode (a stream whose head is idle only lends its keys and values), each with and without grad.
-GRAPHS_PER_SHAPE = 8
+# Variants of a block's graph for one text length: every block but the last (and joint's last), and
+# the last block of l2t and of t2l (a stream whose head is idle only lends its keys and values); each
+# with a padding mask or none (a batch whose texts all fill the length), with and without grad.
+GRAPHS_PER_SHAPE = 3 * 2 * 2
 
 
 def compile_options(perf: PerfConfig, device: torch.device, num_shapes: int | None = None) -> dict:
