@@ -7,6 +7,7 @@ import torch
 from data_support import prepared
 from loader_support import SyntheticLoader
 from test_perf import DIM, LEN, PAD_ID, VOCAB, objective_for, tiny_model
+from test_perf import model_inputs as model_inputs_of
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmldlm.config import load_config
@@ -238,6 +239,25 @@ def test_static_shapes_compile_one_graph_per_length_bucket_and_block_variant_the
         if isinstance(node.meta.get("example_value"), torch.Tensor)
         for dim in node.meta["example_value"].shape
     )
+
+
+@pytest.mark.slow  # aot_eager traces forward and backward of each graph: 2-3 s a graph
+def test_static_shapes_compile_nothing_for_the_micro_batch_probe_or_evaluation(tmp_path, monkeypatch, dynamo_limits):
+    """Under static shapes the blocks run eagerly where the shapes are not training's: the probes of
+    train.micro_batch_size=auto (other batch sizes) and a forward of another batch size inside
+    `eager_blocks` (what evaluation during training runs in) compile no graph; the training step
+    after them compiles its own."""
+    from mmldlm.training.parallelize import eager_blocks
+
+    overrides = ["perf.compile_dynamic=false", "train.micro_batch_size=auto", "train.global_batch_size=8"]
+    trainer, counter, _ = compiled_trainer(tmp_path, monkeypatch, (8,), overrides)
+    assert trainer.micro_batch_size in (1, 2, 4, 8) and counter.frame_count == 0
+    tokens, latents, t_text, t_latent, pad_mask = model_inputs_of(batch=3)
+    with eager_blocks(trainer.cfg.perf):
+        trainer.raw_model(tokens, latents, t_text, t_latent, text_pad_mask=pad_mask)
+    assert counter.frame_count == 0
+    trainer.train_step()
+    assert counter.frame_count >= 1
 
 
 def test_compile_options_follow_the_perf_switches():

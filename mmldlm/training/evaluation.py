@@ -23,6 +23,7 @@ from mmldlm.evaluation.report import eval_metrics
 from mmldlm.model import MultimodalMMDiT
 from mmldlm.runs.trained import TrainedRun
 from mmldlm.training.distributed import barrier, collective_guard
+from mmldlm.training.parallelize import eager_blocks
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,8 @@ def evaluate_during_training(trainer) -> dict | None:
             step=trainer.step,
             weights="ema" if trainer.ema is not None else "raw",
         )
-        report = evaluate(run, trainer.cfg.eval, seed=trainer.cfg.train.seed)
+        with eager_blocks(trainer.cfg.perf):  # its batch sizes and lengths are not training's
+            report = evaluate(run, trainer.cfg.eval, seed=trainer.cfg.train.seed)
         record = {"step": trainer.step, **eval_metrics(report)}
         log.info(
             "eval at step %d: l2t exact match %.1f%%, t2l retrieval@1 %.1f%%",

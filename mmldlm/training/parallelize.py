@@ -114,6 +114,16 @@ def compile_options(perf: PerfConfig, device: torch.device, num_shapes: int | No
     return options
 
 
+def eager_blocks(perf: PerfConfig) -> contextlib.AbstractContextManager:
+    """A context in which compiled blocks run eagerly, where they compile static shapes: the probes of
+    other micro-batches and evaluation's batches would each compile (and record CUDA graphs) for a
+    shape that training never sees again, past the limit of graphs that `compile_options` sized for
+    training's lengths."""
+    if perf.compile and (perf.cuda_graphs or perf.compile_dynamic is False):
+        return torch.compiler.set_stance("force_eager")
+    return contextlib.nullcontext()
+
+
 def apply_compile(
     model: nn.Module,
     backend: str | Callable = "inductor",

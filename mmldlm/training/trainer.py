@@ -67,6 +67,7 @@ from mmldlm.training.parallelize import (
     apply_activation_checkpointing,
     apply_fsdp,
     checkpointed_blocks,
+    eager_blocks,
     no_grad_sync,
     parallelize,
     uses_anchor,
@@ -440,16 +441,17 @@ class Trainer:
         batches = global_batch_sizes(cfg.global_batch_size, cfg.batch_schedule)
         self._refuse_infeasible(None)
         cap = self._memory_cap()
-        size, peaks = find_micro_batch(
-            self.model,
-            self.objective,
-            [b // info.world_size for b in batches],
-            self.heaviest_batch,
-            self.device,
-            cap,
-            self._autocast,
-            self._agree,
-        )
+        with eager_blocks(self.cfg.perf):
+            size, peaks = find_micro_batch(
+                self.model,
+                self.objective,
+                [b // info.world_size for b in batches],
+                self.heaviest_batch,
+                self.device,
+                cap,
+                self._autocast,
+                self._agree,
+            )
         if info.is_main:
             probed = ", ".join(
                 f"{b}: {p / 2**30:.2f} GiB" if p is not None else f"{b}: out of memory"
