@@ -117,17 +117,24 @@ def test_compiled_checkpointed_block_keeps_loss_and_gradients_on_cuda(checkpoint
     assert counter.frame_count >= 1 and counter.op_count > 0
 
 
-def test_cuda_graphs_replay_the_compiled_blocks_with_the_losses_of_compile_alone(tmp_path):
+@pytest.mark.parametrize("micro_batch", [8, 4])
+def test_cuda_graphs_replay_the_compiled_blocks_with_the_losses_of_compile_alone(tmp_path, micro_batch):
     """perf.cuda_graphs: the compiled blocks' forward and backward are recorded and replayed (inductor
-    skips no graph), and six steps of every mode train to the losses of the same blocks compiled
-    without CUDA graphs (the same kernels, replayed)."""
+    skips no graph), and six steps train to the losses of the same blocks compiled without CUDA
+    graphs (the same kernels, replayed), also accumulating two micro-batches a step (whose first
+    gradients the second replay would overwrite without buffers of their own)."""
     from torch._dynamo.utils import counters
 
     losses = {}
     for graphs in (False, True):
         torch._dynamo.reset()
         counters.clear()
-        overrides = ["perf.compile=true", "train.precision=bf16", f"perf.cuda_graphs={str(graphs).lower()}"]
+        overrides = [
+            "perf.compile=true",
+            "train.precision=bf16",
+            f"train.micro_batch_size={micro_batch}",
+            f"perf.cuda_graphs={str(graphs).lower()}",
+        ]
         trainer = cuda_trainer(tmp_path / str(graphs), overrides)
         assert trainer.cuda_graphs is graphs
         losses[graphs] = [trainer.train_step()["loss"] for _ in range(6)]

@@ -260,6 +260,42 @@ def test_static_shapes_compile_nothing_for_the_micro_batch_probe_or_evaluation(t
     assert counter.frame_count >= 1
 
 
+def test_a_step_that_accumulates_under_cuda_graphs_adds_every_micro_batch_into_gradients_of_its_own(tmp_path):
+    """Under CUDA graphs a micro-batch's gradients live in the graphs' memory until the next replay:
+    before a step of two micro-batches every trained parameter has a zeroed .grad of its own (so the
+    first micro-batch's gradient is added into it, not kept as it is), and the step's update is the
+    one of the same step without CUDA graphs. (A CPU stands in: the trainer is told it replays.)"""
+    updated = {}
+    for graphs in (False, True):
+        cfg = load_config(
+            None,
+            [
+                "logging.progress_bar=false",
+                f"train.run_dir={tmp_path / str(graphs)}",
+                "train.global_batch_size=8",
+                "train.micro_batch_size=4",
+                "train.precision=fp32",
+                "objective.mode=joint",
+            ],
+        )
+
+        def loader(micro):
+            return SyntheticLoader(micro, VOCAB, LEN, DIM, pad_id=PAD_ID, first_token=2)
+
+        trainer = Trainer(cfg, tiny_model(), objective_for(cfg), loader, DistInfo())
+        trainer.cuda_graphs = graphs
+        buffered = []
+
+        def look(model, args, buffered=buffered):
+            buffered.append(all(p.grad is not None for p in model.parameters() if p.requires_grad))
+
+        trainer.raw_model.register_forward_pre_hook(look)
+        trainer.train_step()
+        assert len(buffered) == 2 and buffered[0] is graphs  # the first micro-batch's forward
+        updated[graphs] = [p.detach().clone() for p in trainer.raw_model.parameters()]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(updated[False], updated[True]))
+
+
 def test_compile_options_follow_the_perf_switches():
     """perf.cuda_graphs is inductor's "reduce-overhead" on a CUDA device, with static shapes and a
     limit of graphs per code object that holds every length (12 variants each); elsewhere static

@@ -701,6 +701,8 @@ class Trainer:
         reduction runs with the last one); this rank's totals, on the device."""
         cfg, info, step = self.cfg, self.info, self.step
         totals = StepTotals(self.device)
+        if self.cuda_graphs and num_accum > 1:
+            self._stable_gradients()
         for a in range(num_accum):
             t0 = time.perf_counter()
             batch = self._next_batch()
@@ -730,6 +732,16 @@ class Trainer:
             totals.add(loss, metrics, tokens, num_accum)
             self._count_work(totals, batch, mode, metrics.get("num_masked"))
         return totals
+
+    def _stable_gradients(self) -> None:
+        """A zeroed .grad for every trained parameter that has none, before a step that accumulates
+        under CUDA graphs: a parameter without one takes the first micro-batch's gradient as it is,
+        and that tensor lives in the graphs' memory, which the next micro-batch's replay overwrites
+        (torch then refuses to accumulate into it). With a buffer of its own, each micro-batch adds
+        into it. (The update clears every gradient: the buffers are made again each such step.)"""
+        for p in self.raw_model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
 
     def _count_work(self, totals: StepTotals, batch: dict, mode: str, num_masked: int | None) -> None:
         """The micro-batch's training FLOPs into `totals`: on its real tokens (each text at its own
