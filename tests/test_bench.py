@@ -150,6 +150,39 @@ def test_a_configs_figures_come_from_its_steps_and_its_largest_rank_and_the_repo
     assert "**Too few steps to decide**: 3 measured steps per config, time per sample p10..p90 " in md
 
 
+def test_a_compiled_rows_graphs_and_those_run_without_cuda_graphs_are_in_its_figures_and_the_report():
+    """The last record's graph counts (`compiled_graphs`, and `cuda_graph_skips` under perf.cuda_graphs)
+    are the row's, and the report names them under the table; an eager row has none."""
+    setup = dict(parameters=1000, num_shards=1, world_size=1, device="cpu", micro_batch_size=4, global_batch_size=8)
+    memory = [dict(peak_bytes=2 * 2**30, runtime_bytes=2**30)]
+
+    def row(**graphs):
+        records = [
+            dict(step_time_s=0.5, accumulation_steps=1, tokens_per_s=100.0, data_wait_share=0.0, loss=1.0, **graphs)
+            for _ in range(2)
+        ]
+        return _summary(setup, records, memory)
+
+    eager, compiled, graphs = row(), row(compiled_graphs=6), row(compiled_graphs=6, cuda_graph_skips=0)
+    assert eager["compiled_graphs"] is None and compiled["compiled_graphs"] == 6 and graphs["cuda_graph_skips"] == 0
+    keys = ("samples_per_s", "best_samples_per_s", "tokens_per_s", "peak_memory_gib", "peak_above_state_gib")
+    report = dict(
+        command="mmldlm bench",
+        date="2026-12-01T20:00:00",
+        machine=dict(cpus=2, torch_threads=1, torch="2"),
+        model_parameters=1000,
+        options=dict(steps=2, warmup=1, round_steps=1, baseline="eager", optimized="graphs"),
+        wall_time_s=1.0,
+        configs={"eager": eager, "compiled": compiled, "graphs": graphs},
+        ratios={key: 1.0 for key in keys},
+        order=["eager", "compiled", "graphs"],
+    )
+    assert (
+        "Compiled by the end of the measured steps: compiled 6 graphs; graphs 6 graphs (0 run without CUDA graphs)."
+        in (markdown(report))
+    )
+
+
 def test_the_report_says_when_its_steps_cannot_tell_the_configs_apart():
     def report(steps, times_a, times_b):
         configs = {name: summary_of(times, [1.0, 1.0], 1) for name, times in (("a", times_a), ("b", times_b))}

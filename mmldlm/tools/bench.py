@@ -78,6 +78,7 @@ from mmldlm.training.distributed import init_distributed
 from mmldlm.training.metrics import current_memory_bytes, peak_memory_bytes, release_free_memory, reset_peak_memory
 from mmldlm.training.optim import STATE_BYTES
 from mmldlm.training.run import build_trainer as build_run_trainer
+from mmldlm.wording import counted
 
 log = logging.getLogger(__name__)
 
@@ -553,6 +554,10 @@ def _summary(setup: dict, records: list[dict], memory: list[dict]) -> dict:
         "real_token_share": _median_of(records, "real_token_share"),
         "losses": [r["loss"] for r in records],
         "step_times_s": times,  # in order: a shared machine's disturbances show as outliers
+        # Compiled rows: graphs compiled by the end (one that grew in the measured steps recompiled
+        # there), and under CUDA graphs those inductor ran without them.
+        "compiled_graphs": records[-1].get("compiled_graphs"),
+        "cuda_graph_skips": records[-1].get("cuda_graph_skips"),
     }
 
 
@@ -957,6 +962,14 @@ def _ratio_lines(report: dict) -> list[str]:
     ]
     for name, ratios in report.get("variant_ratios", {}).items():
         lines += [_ratio_line(f"{name} / {report['baseline']}", ratios), ""]
+    compiled = [
+        f"{name} {counted(c['compiled_graphs'], 'graph')}"
+        + (f" ({c['cuda_graph_skips']} run without CUDA graphs)" if c.get("cuda_graph_skips") is not None else "")
+        for name, c in report["configs"].items()
+        if c.get("compiled_graphs") is not None
+    ]
+    if compiled:
+        lines += [f"Compiled by the end of the measured steps: {'; '.join(compiled)}.", ""]
     return lines
 
 

@@ -286,6 +286,7 @@ class Trainer:
         # The compiled blocks' CUDA graphs: each micro-batch starts a new iteration of their tree
         # (the outputs of the previous one may then be overwritten: none is read after its backward).
         self.cuda_graphs = perf.cuda_graphs and self.device.type == "cuda"
+        self._warned_cuda_graph_skips = False
         if perf.cuda_graphs and not self.cuda_graphs:
             log.info("perf.cuda_graphs: CUDA graphs need a CUDA device; on %s the blocks compile alone", self.device)
         if self.ema is not None and info.distributed and cfg.distributed.shards_model:
@@ -893,6 +894,16 @@ class Trainer:
             from torch._dynamo.utils import counters  # here: importing dynamo costs a second, eager runs skip it
 
             record["compiled_graphs"] = counters["stats"]["unique_graphs"]
+            if self.cuda_graphs:
+                # Graphs inductor runs without CUDA graphs (an input on the host, a mutated input, an op
+                # a graph cannot hold: TORCH_LOGS=perf_hints says which); 0 when every graph replays.
+                record["cuda_graph_skips"] = counters["inductor"]["cudagraph_skips"]
+                if record["cuda_graph_skips"] and not self._warned_cuda_graph_skips:
+                    self._warned_cuda_graph_skips = True
+                    log.warning(
+                        "perf.cuda_graphs: inductor ran %s without CUDA graphs; TORCH_LOGS=perf_hints names why",
+                        counted(record["cuda_graph_skips"], "graph"),
+                    )
         return record
 
     def _window_figures(self) -> dict:
