@@ -484,3 +484,38 @@ def test_a_runs_config_records_the_values_it_trained_with_and_model_info_reads_i
     assert outputs[0][1] == outputs[1][1] == outputs[2][1]  # the same counts and FLOPs
     assert main("model-info", run_dir / "checkpoints") == 2
     assert "checkpoints: a directory without config.yaml; expected a model preset" in capsys.readouterr().err
+
+
+def test_a_run_on_the_bundled_corpus_finds_the_dataset_it_trained_on_whatever_the_cache_then(
+    run_dir, tmp_path, monkeypatch
+):
+    """A checkpoint records the absolute directory of its dataset. A run with data.path null (the
+    bundled corpus, prepared into the cache) loads from there when the cache this environment names
+    is another (MMLDLM_CACHE unset since training, say), instead of preparing the corpus again; where
+    the recorded directory is gone, it prepares as before."""
+    import dataclasses
+
+    from mmldlm.config import load_config as real_load_config
+    from mmldlm.runs import trained
+
+    checkpoint = run_dir / "checkpoints" / "step-0000006"
+    recorded = Path(json.loads((checkpoint / "meta.json").read_text())["dataset"])
+    assert recorded.is_absolute() and (recorded / "meta.json").is_file()
+
+    def as_if_bundled(path):
+        cfg = real_load_config(path)
+        data = dataclasses.replace(cfg.data, path=None, cache_dir=str(tmp_path / "another-cache"))
+        return dataclasses.replace(cfg, data=data)
+
+    prepared_again = []
+    monkeypatch.setattr(trained, "load_config", as_if_bundled)
+    monkeypatch.setattr(trained, "dataset_path", lambda data, log=None: prepared_again.append(data) or recorded)
+    assert trained.load_run(run_dir).dataset_dir == recorded and prepared_again == []
+    cfg = as_if_bundled(run_dir / "config.yaml")
+    assert trained.recorded_dataset(checkpoint, cfg) == recorded
+    assert trained.recorded_dataset(checkpoint, real_load_config(run_dir / "config.yaml")) is None  # data.path set
+    moved = tmp_path / "moved"
+    shutil.copytree(checkpoint, moved)
+    meta = json.loads((moved / "meta.json").read_text())
+    (moved / "meta.json").write_text(json.dumps({**meta, "dataset": str(tmp_path / "gone")}))
+    assert trained.recorded_dataset(moved, cfg) is None  # gone: the caller prepares, as before

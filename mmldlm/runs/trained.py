@@ -364,6 +364,19 @@ def load_weights(model: torch.nn.Module, path: Path, state: dict[str, torch.Tens
     model.load_state_dict(state)
 
 
+def recorded_dataset(checkpoint: Path, cfg: RunConfig) -> Path | None:
+    """The bundled corpus a run with data.path null trained on, where its checkpoint recorded it and it
+    is still there: the cache it was prepared into may not be the one this environment names
+    (MMLDLM_CACHE then unset, say), which would prepare the same corpus again. None otherwise."""
+    if cfg.data.path is not None:
+        return None
+    meta_file = checkpoint / "meta.json"
+    recorded = json.loads(meta_file.read_text()).get("dataset") if meta_file.is_file() else None
+    if recorded is None or not (Path(recorded) / META).is_file():
+        return None
+    return Path(recorded)
+
+
 def load_run(
     run_dir: str | Path, checkpoint: str | Path | None = None, device: str = "auto", use_ema: bool | None = None
 ) -> TrainedRun:
@@ -383,7 +396,7 @@ def load_run(
         )
     config_file = path / "config.yaml" if (path / "config.yaml").is_file() else run_dir / "config.yaml"
     cfg = load_config(config_file)
-    data_dir = dataset_path(cfg.data, log=lambda _msg: None)
+    data_dir = recorded_dataset(path, cfg) or dataset_path(cfg.data, log=lambda _msg: None)
     val = PreparedDataset(data_dir, "val")
     cfg = dataclasses.replace(cfg, model=model_for_dataset(cfg.model, val))
     model = MultimodalMMDiT(cfg.model, vocab_size=cfg.model.vocab_size or val.vocab_size)

@@ -346,11 +346,12 @@ class CheckpointManager:
         *,
         blocking: bool = False,
         ema=None,
+        dataset: str | None = None,
     ) -> None:
         """Checkpoint after `step` optimizer steps. Call on every rank. Asynchronous when
         checkpoint.async_save is on, unless `blocking` (the final and the signal-triggered save).
         `ema`: the run's WeightEMA, if any. `rank_state` is this rank's own; the rest is the same on
-        every rank and rank 0's is written."""
+        every rank and rank 0's is written. `dataset`: the directory of the dataset it trained on."""
         self.wait()
         self._saved_at = time.monotonic()
         name = step_dir_name(step)
@@ -370,6 +371,9 @@ class CheckpointManager:
             # What trained it, for a model card: the device's name and the training wall-clock time.
             "device": describe_device(self.info.device),
             "wall_seconds": trainer_state.get("wall_seconds"),
+            # Where its data was (data.path null: the cache entry it was prepared into), so that
+            # sampling and evaluation find it whatever the cache's environment then.
+            "dataset": dataset,
         }
         small = {rank_file_name(self.info.rank): lambda f: _torch_save(rank_state, f)}
         if self.info.is_main:

@@ -579,8 +579,14 @@ class Trainer:
             self.metrics.num_lines if self.metrics else 0,
             blocking=blocking,
             ema=self.ema,
+            dataset=self._dataset_dir(),
         )
         self._last_saved = self.step
+
+    def _dataset_dir(self) -> str | None:
+        """The absolute directory of the prepared dataset the loader reads, None for another loader."""
+        path = getattr(getattr(self.loader, "dataset", None), "path", None)
+        return str(Path(path).resolve()) if path is not None else None
 
     def elapsed_seconds(self) -> float | None:
         """Wall-clock seconds this run has trained, over all its starts, up to now; None when a
