@@ -44,6 +44,7 @@ NOT_RUN_REASONS = {
     "needs several machines",
     "runs the test suite itself",
     "prepares a GPU session (rehearsed by tests/test_gpu_suite.py)",
+    "needs onnxruntime and onnx, which the project does not install",
 }
 # The pages whose examples start from the runs `make train` leaves (runs/default, and the runs compared
 # beside it): they get a copy of tiny ones. The other pages make what they use.
