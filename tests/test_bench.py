@@ -108,17 +108,38 @@ def test_bench_measures_on_the_main_jobs_data_prepared_once_where_no_config_name
     assert json.loads((Path(subset) / "meta.json").read_text())["lengths"]["num_texts"] == 40
 
 
-def summary_of(step_times, peaks_gib, num_shards):
+def summary_of(step_times, peaks_gib, num_shards, **recorded):
     """bench's figures of a config of 1000 parameters, global batch 8, over steps of the given times
-    (tokens/s 100, 200, 50, ...) with the given per-rank peaks above the runtime."""
+    (tokens/s 100, 200, 50, ...) with the given per-rank peaks above the runtime; `recorded`: more
+    fields of every step's record."""
     setup = dict(parameters=1000, num_shards=num_shards, world_size=2, device="cpu", micro_batch_size=4)
     setup.update(global_batch_size=8, strategy="fsdp2" if num_shards > 1 else "ddp")
     records = [
-        dict(step_time_s=t, accumulation_steps=1, tokens_per_s=tokens, data_wait_share=0.1, loss=3.0 - i)
+        dict(step_time_s=t, accumulation_steps=1, tokens_per_s=tokens, data_wait_share=0.1, loss=3.0 - i, **recorded)
         for i, (t, tokens) in enumerate(zip(step_times, [100.0, 200.0, 50.0]))
     ]
     memory = [dict(peak_bytes=(1 + peak) * 2**30, runtime_bytes=2**30) for peak in peaks_gib]
     return _summary(setup, records, memory)
+
+
+RATIO_KEYS = ("samples_per_s", "best_samples_per_s", "tokens_per_s", "peak_memory_gib", "peak_above_state_gib")
+
+
+def report_of(configs: dict, steps: int, ratios: dict | None = None, **options) -> dict:
+    """A bench report of `configs` (name: figures, in order; the first the baseline, the second the
+    optimized row), measured over `steps` steps; every ratio 1 unless given."""
+    baseline, optimized = list(configs)[:2]
+    return dict(
+        command="mmldlm bench",
+        date="2026-11-25T15:00:00",
+        machine=dict(cpus=2, torch_threads=1, torch="2"),
+        model_parameters=1000,
+        options=dict(steps=steps, warmup=1, round_steps=1, baseline=baseline, optimized=optimized, **options),
+        wall_time_s=1.0,
+        configs=configs,
+        ratios=ratios or {key: 1.0 for key in RATIO_KEYS},
+        order=list(configs),
+    )
 
 
 def test_a_configs_figures_come_from_its_steps_and_its_largest_rank_and_the_report_shows_them():
@@ -130,19 +151,8 @@ def test_a_configs_figures_come_from_its_steps_and_its_largest_rank_and_the_repo
     assert ddp["state_gib"] == pytest.approx(16 * 1000 / 2**30) and fsdp2["state_gib"] == ddp["state_gib"] / 2
     assert ddp["peak_above_state_gib"] == pytest.approx(2.0 - ddp["state_gib"])
     assert ddp["mfu"] is None and ddp["losses"] == [3.0, 2.0, 1.0]
-    keys = ("samples_per_s", "best_samples_per_s", "tokens_per_s", "peak_memory_gib", "peak_above_state_gib")
-    report = dict(
-        command="mmldlm bench",
-        date="2026-11-25T15:00:00",
-        machine=dict(cpus=2, torch_threads=1, torch="2"),
-        model_parameters=1000,
-        options=dict(processes=2, steps=3, warmup=1, round_steps=1, baseline="ddp", optimized="fsdp2"),
-        wall_time_s=10.0,
-        configs={"ddp": ddp, "fsdp2": fsdp2},
-        ratios={key: fsdp2[key] / ddp[key] for key in keys},
-        order=["ddp", "fsdp2"],
-    )
-    md = markdown(report)
+    ratios = {key: fsdp2[key] / ddp[key] for key in RATIO_KEYS}
+    md = markdown(report_of({"ddp": ddp, "fsdp2": fsdp2}, 3, ratios, processes=2))
     assert "peak RSS above runtime GiB per process" in md and "each config as 2 processes" in md
     assert "| ddp | 4 x 1 | 16.00 | 100 | 0.500 | 0.250, 0.300-0.900 | 2.00 |" in md
     assert "fsdp2 / ddp: samples/s **1.00x** (from the fastest steps 0.50x)" in md
@@ -153,50 +163,21 @@ def test_a_configs_figures_come_from_its_steps_and_its_largest_rank_and_the_repo
 def test_a_compiled_rows_graphs_and_those_run_without_cuda_graphs_are_in_its_figures_and_the_report():
     """The last record's graph counts (`compiled_graphs`, and `cuda_graph_skips` under perf.cuda_graphs)
     are the row's, and the report names them under the table; an eager row has none."""
-    setup = dict(parameters=1000, num_shards=1, world_size=1, device="cpu", micro_batch_size=4, global_batch_size=8)
-    memory = [dict(peak_bytes=2 * 2**30, runtime_bytes=2**30)]
-
-    def row(**graphs):
-        records = [
-            dict(step_time_s=0.5, accumulation_steps=1, tokens_per_s=100.0, data_wait_share=0.0, loss=1.0, **graphs)
-            for _ in range(2)
-        ]
-        return _summary(setup, records, memory)
-
-    eager, compiled, graphs = row(), row(compiled_graphs=6), row(compiled_graphs=6, cuda_graph_skips=0)
+    times = [0.5, 0.5]
+    eager, compiled = summary_of(times, [1.0], 1), summary_of(times, [1.0], 1, compiled_graphs=6)
+    graphs = summary_of(times, [1.0], 1, compiled_graphs=6, cuda_graph_skips=0)
     assert eager["compiled_graphs"] is None and compiled["compiled_graphs"] == 6 and graphs["cuda_graph_skips"] == 0
-    keys = ("samples_per_s", "best_samples_per_s", "tokens_per_s", "peak_memory_gib", "peak_above_state_gib")
-    report = dict(
-        command="mmldlm bench",
-        date="2026-12-01T20:00:00",
-        machine=dict(cpus=2, torch_threads=1, torch="2"),
-        model_parameters=1000,
-        options=dict(steps=2, warmup=1, round_steps=1, baseline="eager", optimized="graphs"),
-        wall_time_s=1.0,
-        configs={"eager": eager, "compiled": compiled, "graphs": graphs},
-        ratios={key: 1.0 for key in keys},
-        order=["eager", "compiled", "graphs"],
-    )
+    md = markdown(report_of({"eager": eager, "graphs": graphs, "compiled": compiled}, 2))
     assert (
-        "Compiled by the end of the measured steps: compiled 6 graphs; graphs 6 graphs (0 run without CUDA graphs)."
-        in (markdown(report))
+        "Compiled by the end of the measured steps: graphs 6 graphs (0 run without CUDA graphs); compiled 6 graphs."
+        in md
     )
 
 
 def test_the_report_says_when_its_steps_cannot_tell_the_configs_apart():
     def report(steps, times_a, times_b):
-        configs = {name: summary_of(times, [1.0, 1.0], 1) for name, times in (("a", times_a), ("b", times_b))}
-        return dict(
-            command="",
-            date="2026-11-26T10:00:00",
-            machine=dict(cpus=2, torch_threads=1, torch="2"),
-            model_parameters=1000,
-            options=dict(steps=steps, warmup=1, round_steps=1, baseline="a", optimized="b"),
-            wall_time_s=1.0,
-            configs=configs,
-            ratios={key: 1.0 for key in ("samples_per_s", "best_samples_per_s", "tokens_per_s", "peak_memory_gib")}
-            | {"peak_above_state_gib": 1.0},
-            order=["a", "b"],
+        return report_of(
+            {name: summary_of(times, [1.0, 1.0], 1) for name, times in (("a", times_a), ("b", times_b))}, steps
         )
 
     undecided = "**Too few steps to decide**"

@@ -248,7 +248,7 @@ class PadCollate:
         buckets: Sequence[int] | None = None,
     ):
         self.pad_id, self.multiple, self.max_length, self.pack_length = pad_id, multiple, max_length, pack_length
-        self.buckets = np.asarray(sorted(buckets), dtype=np.int64) if buckets else None
+        self.buckets = np.asarray(buckets, dtype=np.int64) if buckets else None  # ascending (DataConfig.check)
 
     def kept_lengths(self, lengths: np.ndarray) -> np.ndarray:
         """The token counts the batch keeps of samples of these lengths (cut at max_length)."""
@@ -258,10 +258,11 @@ class PadCollate:
         """L of a batch of samples of these (kept) lengths: the longest, rounded up to the multiple, or
         with buckets the shortest bucket that holds it (max_length past the last)."""
         longest = max(int(lengths.max()), 1)
-        if self.buckets is not None and longest <= self.buckets[-1]:
-            return int(self.buckets[np.searchsorted(self.buckets, longest)])
-        if self.buckets is not None and self.max_length is not None:
-            return self.max_length
+        if self.buckets is not None:
+            if longest <= self.buckets[-1]:
+                return int(self.buckets[np.searchsorted(self.buckets, longest)])
+            if self.max_length is not None:
+                return self.max_length
         length = -(-longest // self.multiple) * self.multiple
         return min(length, self.max_length) if self.max_length is not None else length
 
