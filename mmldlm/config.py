@@ -922,6 +922,12 @@ class PerfConfig:
     # as one launch per shape. Needs perf.compile, static shapes (compile_dynamic null or false) and
     # batches of few shapes: data.length_buckets, SDPA attention, no packing. CUDA only (elsewhere: compile alone).
     cuda_graphs: bool = False
+    # cuDNN's fused attention for SDPA on a CUDA device, which the trainer otherwise turns off: on a
+    # padded batch's key mask about half the memory-efficient kernel's time, but in training on batches
+    # of every length it rebuilt its execution plan per padding mask, about 2.7 ms of host time a call
+    # (base preset, H100). Meant beside few shapes (data.length_buckets) and CUDA graphs, whose replays
+    # run no host code; not yet measured there (docs/benchmarks-gpu.md).
+    cudnn_attention: bool = False
     # Toggle requires_grad over every parameter at every step: baseline recipe (mmldlm/baseline.py;
     # the idle head is otherwise handled once per mode, see parallelize.py).
     refreeze_every_step: bool = False

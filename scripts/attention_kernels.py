@@ -5,8 +5,9 @@ plus 1 latent slot, micro-batch 4), bf16 on a GPU.
     python scripts/attention_kernels.py [--batch 4] [--heads 16] [--head-dim 64] [--length 2048] [--latents 1]
 
 Cases: SDPA without a mask (a batch with no padding), SDPA with the (B, 1, 1, S) key mask of a padded
-batch, SDPA with a packed batch's block-diagonal (B, 1, S, S) mask, and FlexAttention with the block
-masks of the padded and packed batches. For each SDPA case every backend is tried alone: the one that
+batch (the same mask in every call, and a new one of the same shape in each, as in training with
+data.length_buckets), SDPA with a packed batch's block-diagonal (B, 1, S, S) mask, and FlexAttention
+with the block masks of the padded and packed batches. For each SDPA case every backend is tried alone: the one that
 refuses says why (torch's own warning), and the default's time is next to each backend's. Medians of
 --iters timed calls after --warmup, with CUDA events; on a CPU it runs at the size given (seconds at
 tiny shapes) so that every path is exercised before a lease.
@@ -163,6 +164,30 @@ def main(argv: list[str] | None = None) -> int:
             except RuntimeError as err:
                 lines.append(f"| {case} | {name} | refused | {refusal(caught, name, err)} |")
             q.grad = k.grad = v.grad = None
+
+    # Training's case: each batch brings a new key mask of the same shape (data.length_buckets): does a
+    # backend's per-call cost stay at the fixed mask's? (cuDNN rebuilt its execution plan per mask in
+    # training on batches of every length.) The mask is made on the device inside each call.
+    positions = torch.arange(S, device=device)
+
+    def fresh_mask_call():
+        lengths = torch.randint(max(1, L // 2), L + 1, (B, 1), device=device)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=((positions < lengths) | (positions >= L))[:, None, None])
+        y.backward(grad)
+
+    for backend in (None, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        name = "default" if backend is None else backend.name.lower()
+        try:
+            with (
+                warnings.catch_warnings(record=True) as caught,
+                sdpa_kernel(backends[1:] if backend is None else [backend]),
+            ):
+                warnings.simplefilter("always")
+                ms = timed(fresh_mask_call, args.warmup, args.iters, cuda)
+            lines.append(f"| padded: a new key mask each call | {name} | {ms:.3f} | the mask made in the call |")
+        except RuntimeError as err:
+            lines.append(f"| padded: a new key mask each call | {name} | refused | {refusal(caught, name, err)} |")
+        q.grad = k.grad = v.grad = None
 
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention

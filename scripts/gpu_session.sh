@@ -4,15 +4,17 @@
 #   1. the older codebase's shape at full size (model=base-2k: 1024 wide, 24 blocks, texts of
 #      600-2048 tokens, a 30,522-entry vocabulary, 32-d latents) on synthetic tokens, no corpus:
 #      a. eager, micro-batch 8: the optimized config (the masked attention, model.attention=sdpa) vs
-#         the real positions alone (varlen) and one adaLN projection shared by every block
-#         (model.adaln=single; packed rows were measured 2026-11-27), beside the plain transformer of the same
-#         text-stream dimensions (`bench --reference`); samples/s, tokens/s, peak memory, bytes per
+#         cuDNN's attention on batches of two lengths (perf.cudnn_attention, data.length_buckets: does
+#         its per-mask plan cost go with few shapes?) and one adaLN projection shared by every block
+#         (model.adaln=single; varlen and packed rows were measured 2026-11-27), beside the plain
+#         transformer of the same text-stream dimensions (`bench --reference`); samples/s, tokens/s, peak memory, bytes per
 #         parameter, the real-token share, MFU on real tokens, and tokens/s and MFU over the reference's
 #         (WITH_BASELINE=1 adds the baseline config and the largest micro-batch of each under 90% of
 #         the GPU's memory: measured 2026-11-27);
 #      b. compiled (the reference compiled too), without and with CUDA graphs (perf.cuda_graphs:
 #         each block's forward and backward one replay per shape; batches padded to
-#         data.length_buckets, 1536 or 2048 tokens; compiled varlen was measured 2026-11-27);
+#         data.length_buckets, 1536 or 2048 tokens), and with CUDA graphs and cuDNN's attention
+#         (compiled varlen was measured 2026-11-27);
 #      c. one optimized step at micro-batch 8 under torch.profiler: how busy the GPU is and the top
 #         kernels and host operators, the row that names the next lever (scripts/profile_step.py);
 #      d. the attention kernel that each kind of batch reaches at that shape (no padding, a padded
@@ -62,12 +64,12 @@ fi
 # three 1B rows and their fit searches at 2048 tokens did not finish in 170 s (its rows then shared
 # the GPU's memory: the baseline ran out of it), hence rows one at a time and two benches.
 if [ "$MODE" = gpu ]; then
-    DEFAULTS=(140 200 40 0 160 0 0)  # 1a, 1b, 1c, 1d, 2, 3, 4
+    DEFAULTS=(140 280 0 0 120 0 0)  # 1a, 1b, 1c, 1d, 2, 3, 4 (1c measured on 2026-11-27)
 else
     DEFAULTS=(80 80 60 40 80 80 60)  # every part, at tiny shapes
 fi
 T_SHAPE4=${T_SHAPE4:-${DEFAULTS[0]}} # 1a. three rows of 1B parameters and the reference, 3 + 10 steps each
-T_SHAPE8=${T_SHAPE8:-${DEFAULTS[1]}} # 1b. two compiled rows and the compiled reference, 12 + 10 steps
+T_SHAPE8=${T_SHAPE8:-${DEFAULTS[1]}} # 1b. three compiled rows and the compiled reference, 12 + 10 steps
 T_PROFILE=${T_PROFILE:-${DEFAULTS[2]}} # 1c. one row built, 3 steps, 2 steps profiled
 T_ATTENTION=${T_ATTENTION:-${DEFAULTS[3]}} # 1d. five SDPA backends x three masks, two FlexAttention compiles
 T_BASE=${T_BASE:-${DEFAULTS[4]}}     # 2. two rows and the reference, compile, 3 + 10 steps
@@ -108,6 +110,7 @@ if [ "$MODE" = gpu ]; then
     ATTENTION=""  # its defaults are the older shape
     # Two lengths (1536, 2048): of 8 texts of 600-2048 tokens the longest passes 1536 in 97% of batches.
     GRAPHS="perf.cuda_graphs=true data.length_buckets=[1536]"
+    CUDNN="perf.cudnn_attention=true data.length_buckets=[1536]"
     SHORT_GRAPHS="perf.cuda_graphs=true"  # glosses padded to 64: one or two lengths
     export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 else
@@ -126,6 +129,7 @@ else
     ATTENTION="--batch 2 --heads 2 --length 64 --warmup 1 --iters 2"
     # Compile is off here, and CUDA graphs are compile's: the rows keep their length buckets alone.
     GRAPHS="data.length_buckets=[64]"
+    CUDNN="perf.cudnn_attention=true data.length_buckets=[64]"
     SHORT_GRAPHS="data.length_buckets=[64]"
 fi
 mkdir -p "$RUN_OUT"
@@ -172,14 +176,14 @@ else
     SHAPE_ROWS=()
     FITTING=--no-fit
 fi
-part "1a. The older codebase's shape, eager, micro-batch 8: masked attention vs real positions vs adaLN-single vs the plain transformer" \
+part "1a. The older codebase's shape, eager, micro-batch 8: masked attention vs cuDNN's on two lengths vs adaLN-single vs the plain transformer" \
     "$T_SHAPE4" "$RUN_OUT/shape-4.log" --bench "$RUN_OUT/shape-4" -- \
-    "$PY" -m mmldlm bench $SHAPE $MB8 $SYNTHETIC --baseline optimized --optimized "optimized model.attention=varlen" \
+    "$PY" -m mmldlm bench $SHAPE $MB8 $SYNTHETIC --baseline optimized --optimized "optimized $CUDNN" \
     --variant "optimized model.adaln=single" "${SHAPE_ROWS[@]}" --reference $STEPS $FITTING $ROWS --out "$RUN_OUT/shape-4"
-part "1b. The older codebase's shape, compiled, micro-batch 8: masked attention vs CUDA graphs vs the plain transformer" \
+part "1b. The older codebase's shape, compiled, micro-batch 8: masked attention vs CUDA graphs vs CUDA graphs and cuDNN's attention vs the plain transformer" \
     "$T_SHAPE8" "$RUN_OUT/shape-8.log" --bench "$RUN_OUT/shape-8" -- \
     "$PY" -m mmldlm bench $SHAPE $MB8 $SYNTHETIC --baseline compiled --optimized "compiled $GRAPHS" \
-    --reference $COMPILED_STEPS --no-fit $ROWS --out "$RUN_OUT/shape-8"
+    --variant "compiled $GRAPHS perf.cudnn_attention=true" --reference $COMPILED_STEPS --no-fit $ROWS --out "$RUN_OUT/shape-8"
 part "1c. The older codebase's shape, one optimized step profiled" "$T_PROFILE" "$RUN_OUT/profile.log" \
     --profile "$RUN_OUT/profile" -- \
     "$PY" scripts/profile_step.py optimized $SHAPE $MB8 \

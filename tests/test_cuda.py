@@ -91,6 +91,35 @@ def test_attention_runs_a_flash_or_memory_efficient_kernel(tmp_path):
     assert not any("cudnn" in op or "math" in op for op in attention), attention
 
 
+def attention_ops(trainer) -> set[str]:
+    """The SDPA operations one forward and backward of the trainer's model dispatch on a padded batch."""
+    tokens, latents, t_text, t_latent, pad_mask = on_cuda(model_inputs(batch=8))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with trainer._autocast():
+            logits, out, _ = trainer.raw_model(tokens, latents, t_text, t_latent, text_pad_mask=pad_mask)
+        (logits.float().logsumexp(-1).mean() + out.float().pow(2).mean()).backward()
+        torch.cuda.synchronize()
+    return {e.key for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot_product")}
+
+
+def test_cudnn_attention_reaches_cudnns_kernel_and_trains_to_the_default_kernels_losses(tmp_path):
+    """perf.cudnn_attention=true: SDPA runs cuDNN's kernel on a padded batch (the default set-up
+    turns it off), and four steps train to the losses of the default kernels, bf16 rounding apart;
+    a later trainer without the switch turns it off again."""
+    losses, ops = {}, {}
+    try:
+        for cudnn in (True, False):
+            trainer = cuda_trainer(tmp_path / str(cudnn), ["train.precision=bf16", f"perf.cudnn_attention={cudnn}"])
+            assert torch.backends.cuda.cudnn_sdp_enabled() is cudnn
+            ops[cudnn] = attention_ops(trainer)
+            losses[cudnn] = [trainer.train_step()["loss"] for _ in range(4)]
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(False)  # as every other trainer in this process sets it
+    assert any("cudnn" in op for op in ops[True]), ops[True]
+    assert not any("cudnn" in op for op in ops[False]), ops[False]
+    torch.testing.assert_close(losses[True], losses[False], rtol=2e-2, atol=1e-3)
+
+
 @pytest.mark.parametrize("checkpointing", ["none", "selective"])
 def test_compiled_checkpointed_block_keeps_loss_and_gradients_on_cuda(checkpointing):
     """Inductor with Triton kernels: loss and gradients as eager (fp32, tolerance of TF32-free matmuls)."""

@@ -187,11 +187,15 @@ def test_gpu_session_rehearsal_on_a_cpu_runs_every_part_and_reports_each(tmp_pat
     ):
         assert f"### {title}" in text
     assert "wall " in text and "## by host time" in text  # the profile's head, in the report
-    assert "| optimized | 8 x 1, AC " in text and "| optimized model.attention=varlen | 8 x 1, AC " in text
+    assert "| optimized | 8 x 1, AC " in text
+    assert "| optimized perf.cudnn_attention=true data.length_buckets=[64] | 8 x 1, AC " in text
     assert "| optimized model.adaln=single | 8 x 1" in text
     assert "| packed: block-diagonal mask | default | " in text  # part 1d's attention kernels
-    # part 1b: compiled without and with CUDA graphs (their length buckets alone on a CPU, where compile is off)
+    assert "| padded: a new key mask each call | default | " in text
+    # part 1b: compiled without and with CUDA graphs (their length buckets alone on a CPU, where compile
+    # is off), and with cuDNN's attention too (a switch of CUDA devices alone)
     assert "| compiled | 8 x 1, AC " in text and "| compiled data.length_buckets=[64] | 8 x 1" in text
+    assert "| compiled data.length_buckets=[64] perf.cudnn_attention=true | 8 x 1" in text
     assert text.count("| reference: plain transformer | ") == 3  # parts 1a, 1b and 2, each beside its rows
     assert "tokens/s ÷ reference" in text
     # what comes back from the device: the report so far and every part's log, as each part ended

@@ -256,10 +256,12 @@ class Trainer:
         # The EMA copy is taken from the plain model, before checkpointing, compile or wrapping.
         self.ema = WeightEMA(self.raw_model, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
         if self.device.type == "cuda":
-            # cuDNN's attention rebuilds its execution plan for every new padding mask: about 2.7 ms
+            # cuDNN's attention rebuilt its execution plan for every new padding mask: about 2.7 ms
             # of host time per call (base preset on an H100), more than the kernel itself. The
-            # flash and memory-efficient kernels take masks without that (docs/benchmarks-gpu.md).
-            torch.backends.cuda.enable_cudnn_sdp(False)
+            # flash and memory-efficient kernels take masks without that; perf.cudnn_attention keeps
+            # it for few shapes and CUDA graphs (docs/benchmarks-gpu.md). Set both ways: the switch
+            # is the process's, and an earlier trainer may have turned it off.
+            torch.backends.cuda.enable_cudnn_sdp(cfg.perf.cudnn_attention)
         self.micro_batch_size = cfg.train.micro_batch_size  # "auto": probed once the model is set up
         if self.micro_batch_size != "auto":
             self.micro_batch_size = self._micro_batch_for_world_size(self.micro_batch_size)

@@ -424,23 +424,25 @@ def check_slow_switches(cfg: RunConfig, env: Environment, est: Estimate) -> list
     }
     values = dict(device=env.device, pad=cfg.data.pad_to_multiple, bucket_batches=cfg.data.bucket_batches)
     found = [finding(name, **values) for name, fired in fires.items() if fired]
-    if cfg.perf.cuda_graphs and cfg.data.length_buckets is None and not cfg.data.packing:
-        max_length = max_length_of(cfg)
-        shapes = len(padded_lengths(cfg.data, max_length))
-        if shapes > 4:
-            pad = cfg.data.pad_to_multiple
-            buckets = sorted({max(pad, -(-max_length * k // 4 // pad) * pad) for k in (1, 2, 3)} - {max_length})
-            found.append(
-                finding(
-                    "cuda_graphs_shapes",
-                    {"data.length_buckets": buckets},
-                    shapes=shapes,
-                    pad=pad,
-                    max_length=max_length,
-                    buckets=buckets,
-                )
-            )
+    if (cfg.perf.cuda_graphs or cfg.perf.cudnn_attention) and cfg.data.length_buckets is None:
+        found += few_shapes_findings(cfg)
     return found
+
+
+def few_shapes_findings(cfg: RunConfig) -> list[Finding]:
+    """perf.cuda_graphs (a graph per shape) and perf.cudnn_attention (an execution plan per shape) on
+    batches of many shapes: more than 4 text lengths, or packed rows (whose number varies by batch);
+    the fix proposes three length buckets between data.pad_to_multiple and the longest length."""
+    pad, max_length = cfg.data.pad_to_multiple, max_length_of(cfg)
+    shapes = len(padded_lengths(cfg.data, max_length))
+    if cfg.data.packing or shapes <= 4:
+        return [finding("cudnn_attention_packing")] if cfg.data.packing and cfg.perf.cudnn_attention else []
+    buckets = sorted({max(pad, -(-max_length * k // 4 // pad) * pad) for k in (1, 2, 3)} - {max_length})
+    values = dict(shapes=shapes, pad=pad, max_length=max_length, buckets=buckets)
+    switches = [
+        s for s, on in (("cuda_graphs", cfg.perf.cuda_graphs), ("cudnn_attention", cfg.perf.cudnn_attention)) if on
+    ]
+    return [finding(f"{switch}_shapes", {"data.length_buckets": buckets}, **values) for switch in switches]
 
 
 CHECKS = (

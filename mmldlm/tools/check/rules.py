@@ -514,6 +514,25 @@ RULES = {
         "of its own; a few fixed lengths bound them (a batch pads to the shortest that holds it)",
         "data.length_buckets={buckets}",
     ),
+    "cudnn_attention_shapes": Rule(
+        "cudnn_attention_shapes",
+        "warning",
+        "perf.cudnn_attention=true with {shapes} text lengths a batch can have (each multiple of "
+        "data.pad_to_multiple={pad} up to {max_length}) and no data.length_buckets",
+        "cuDNN's attention builds an execution plan for a new batch shape; in training on batches of "
+        "every length it cost about 2.7 ms of host time a call (base preset, H100), more than its kernel",
+        "data.length_buckets={buckets}",
+    ),
+    "cudnn_attention_packing": Rule(
+        "cudnn_attention_packing",
+        "warning",
+        "perf.cudnn_attention=true with data.packing=true",
+        "the number of packed rows changes from batch to batch, and cuDNN's attention builds an "
+        "execution plan for a new batch shape (about 2.7 ms of host time a call in training on "
+        "batches of every length, base preset, H100)",
+        "perf.cudnn_attention=false",
+        {"perf.cudnn_attention": False},
+    ),
 }
 
 
