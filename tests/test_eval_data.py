@@ -154,6 +154,25 @@ def test_prepare_like_refuses_options_it_decides_and_a_run_without_its_dataset(r
     assert f"no prepared dataset at {tmp_path / 'elsewhere'}" in capsys.readouterr().err
 
 
+def test_prepare_like_reads_the_dataset_a_runs_checkpoint_recorded_when_the_cache_is_another(
+    run_dir, text_file, tmp_path
+):
+    """A run of the bundled corpus (data.path null) prepared into a cache this environment does not
+    name (MMLDLM_CACHE then unset): --like takes the tokenizer of the dataset its checkpoint recorded,
+    where it looked in the empty cache and refused before."""
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config["data"].update(path=None, cache_dir=str(tmp_path / "another-cache"))
+    bundled = tmp_path / "run"
+    shutil.copytree(run_dir / "checkpoints", bundled / "checkpoints")
+    (bundled / "config.yaml").write_text(yaml.safe_dump(config))
+    out = tmp_path / "out"
+    assert (
+        main("prepare", "--like", bundled, "--input", text_file, "--out", out, "--val-fraction", "0.25", "--quiet") == 0
+    )
+    assert (out / TOKENIZER).read_text() == (run_data(run_dir).path / TOKENIZER).read_text()
+    assert not (tmp_path / "another-cache").exists()  # nothing prepared into the cache
+
+
 def test_eval_data_refuses_a_dataset_with_another_tokenizer(run_dir, text_file, tmp_path, capsys):
     other = tmp_path / "other"
     assert (
