@@ -531,6 +531,11 @@ class DataConfig:
     # almost no padding (see PadCollate, mmldlm/model/mmdit.py `Packing`). The micro-batch still counts texts.
     packing: bool = False
     pack_length: int | None = None  # null: data.max_length; at least the longest text kept
+    # Packed row counts: a micro-batch's rows are padded with empty ones to the fewest of these that
+    # holds them, one row per text past the last, so the blocks see a few fixed shapes (perf.cuda_graphs,
+    # perf.compile_dynamic=false; the latent groups of a row stay at most data.pad_to_multiple). null: as
+    # many rows as the texts fill.
+    pack_rows: list[int] | None = None
     seed: int = 0  # shuffle order (epoch e uses seed + e); build_loader's seed argument overrides it
     # Preparing the default corpus (path null); `mmldlm prepare` has these and more as options.
     vocab_size: int = 8192
@@ -566,6 +571,16 @@ class DataConfig:
                     buckets,
                     f"null with {prefix}.packing=true (packed rows have one length)",
                 )
+        if self.pack_rows is not None:
+            rows = self.pack_rows
+            if (
+                not rows
+                or any(not isinstance(n, int) or n < 1 for n in rows)
+                or any(a >= b for a, b in zip(rows, rows[1:]))
+            ):
+                _fail(f"{prefix}.pack_rows", rows, "null or a non-empty ascending list of positive integers")
+            if not self.packing:
+                _fail(f"{prefix}.pack_rows", rows, f"null with {prefix}.packing=false (it pads packed rows)")
         if self.num_workers is not None and self.num_workers < 0:
             _fail(f"{prefix}.num_workers", self.num_workers, "null (automatic) or an integer >= 0")
         if self.bucket_batches < 1:
@@ -920,7 +935,8 @@ class PerfConfig:
     compile_dynamic: bool | None = None
     # CUDA graphs (torch.compile's "reduce-overhead"): each compiled block's forward and backward replay
     # as one launch per shape. Needs perf.compile, static shapes (compile_dynamic null or false) and
-    # batches of few shapes: data.length_buckets, SDPA attention, no packing. CUDA only (elsewhere: compile alone).
+    # batches of few shapes: data.length_buckets (or packed rows with data.pack_rows), SDPA attention.
+    # CUDA only (elsewhere: compile alone).
     cuda_graphs: bool = False
     # cuDNN's fused attention for SDPA on a CUDA device, which the trainer otherwise turns off: on a
     # padded batch's key mask about half the memory-efficient kernel's time, but in training on batches
@@ -991,10 +1007,10 @@ class RunConfig:
                 "perf.cuda_graphs",
                 {
                     "model.attention": self.model.attention == "varlen",  # the batch's real token total
-                    "data.packing": self.data.packing,  # the number of rows and of texts
+                    "data.packing": self.data.packing and self.data.pack_rows is None,  # the number of rows
                 },
                 "its shapes change with every batch, and a CUDA graph is recorded for each shape: pad "
-                "batches to data.length_buckets",
+                "batches to data.length_buckets, or packed rows to data.pack_rows",
             )
         if self.optim.step_in_backward and self.train.precision == "fp16":
             _fail(

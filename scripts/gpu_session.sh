@@ -11,10 +11,11 @@
 #         parameter, the real-token share, MFU on real tokens, and tokens/s and MFU over the reference's
 #         (WITH_BASELINE=1 adds the baseline config and the largest micro-batch of each under 90% of
 #         the GPU's memory: measured 2026-11-27);
-#      b. compiled (the reference compiled too), without and with CUDA graphs (perf.cuda_graphs:
-#         each block's forward and backward one replay per shape; batches padded to
-#         data.length_buckets, 1536 or 2048 tokens), and with CUDA graphs and cuDNN's attention
-#         (compiled varlen was measured 2026-11-27);
+#      b. compiled (the reference compiled too), without and with CUDA graphs and cuDNN's attention
+#         (perf.cuda_graphs: each block's forward and backward one replay per shape; batches padded
+#         to data.length_buckets, 1536 or 2048 tokens), and the same on packed rows padded to 6, 7
+#         or 8 rows (data.pack_rows: about 85% of the padded rows' positions; compiled varlen was
+#         measured 2026-11-27);
 #      c. one optimized step at micro-batch 8 under torch.profiler: how busy the GPU is and the top
 #         kernels and host operators, the row that names the next lever (scripts/profile_step.py);
 #      d. the attention kernel that each kind of batch reaches at that shape (no padding, a padded
@@ -111,6 +112,8 @@ if [ "$MODE" = gpu ]; then
     # Two lengths (1536, 2048): of 8 texts of 600-2048 tokens the longest passes 1536 in 97% of batches.
     GRAPHS="perf.cuda_graphs=true data.length_buckets=[1536]"
     CUDNN="perf.cudnn_attention=true data.length_buckets=[1536]"
+    # First-fit puts 8 texts of 600-2048 tokens in 6 or fewer rows of 2048 half the time, 7 in 39%.
+    PACKED="perf.cuda_graphs=true perf.cudnn_attention=true data.packing=true data.pack_rows=[6,7]"
     SHORT_GRAPHS="perf.cuda_graphs=true"  # glosses padded to 64: one or two lengths
     export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 else
@@ -130,6 +133,7 @@ else
     # Compile is off here, and CUDA graphs are compile's: the rows keep their length buckets alone.
     GRAPHS="data.length_buckets=[64]"
     CUDNN="perf.cudnn_attention=true data.length_buckets=[64]"
+    PACKED="data.packing=true data.pack_rows=[2]"
     SHORT_GRAPHS="data.length_buckets=[64]"
 fi
 mkdir -p "$RUN_OUT"
@@ -180,10 +184,10 @@ part "1a. The older codebase's shape, eager, micro-batch 8: masked attention vs 
     "$T_SHAPE4" "$RUN_OUT/shape-4.log" --bench "$RUN_OUT/shape-4" -- \
     "$PY" -m mmldlm bench $SHAPE $MB8 $SYNTHETIC --baseline optimized --optimized "optimized $CUDNN" \
     --variant "optimized model.adaln=single" "${SHAPE_ROWS[@]}" --reference $STEPS $FITTING $ROWS --out "$RUN_OUT/shape-4"
-part "1b. The older codebase's shape, compiled, micro-batch 8: masked attention vs CUDA graphs vs CUDA graphs and cuDNN's attention vs the plain transformer" \
+part "1b. The older codebase's shape, compiled, micro-batch 8: masked attention vs CUDA graphs with cuDNN's attention, padded and packed, vs the plain transformer" \
     "$T_SHAPE8" "$RUN_OUT/shape-8.log" --bench "$RUN_OUT/shape-8" -- \
-    "$PY" -m mmldlm bench $SHAPE $MB8 $SYNTHETIC --baseline compiled --optimized "compiled $GRAPHS" \
-    --variant "compiled $GRAPHS perf.cudnn_attention=true" --reference $COMPILED_STEPS --no-fit $ROWS --out "$RUN_OUT/shape-8"
+    "$PY" -m mmldlm bench $SHAPE $MB8 $SYNTHETIC --baseline compiled --optimized "compiled $GRAPHS perf.cudnn_attention=true" \
+    --variant "compiled $PACKED" --reference $COMPILED_STEPS --no-fit $ROWS --out "$RUN_OUT/shape-8"
 part "1c. The older codebase's shape, one optimized step profiled" "$T_PROFILE" "$RUN_OUT/profile.log" \
     --profile "$RUN_OUT/profile" -- \
     "$PY" scripts/profile_step.py optimized $SHAPE $MB8 \

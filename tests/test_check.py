@@ -142,6 +142,17 @@ def test_planted_problem_is_flagged_and_fix_passes(tmp_path, overrides, env_chan
     assert fixed.train.global_batch_size == cfg.train.global_batch_size  # the training itself stays the same
 
 
+def test_few_shapes_keep_cuda_graphs_and_cudnn_attention_quiet(tmp_path):
+    """Length buckets, or packed rows padded to a few row counts: no shape warning for either switch."""
+    for overrides in (
+        ["data.length_buckets=[32, 64]"],
+        ["data.packing=true", "data.pack_rows=[4, 6]", "data.bucket_batches=1"],
+    ):
+        switches = ["perf.compile=true", "perf.cuda_graphs=true", "perf.cudnn_attention=true"]
+        _, findings = findings_of(tmp_path, [*switches, *overrides])
+        assert serious(findings) == [], overrides
+
+
 def test_a_micro_batch_larger_than_the_share_of_each_process_is_a_note_not_an_error(tmp_path):
     """configs/default.yaml (micro-batch 64 = global batch 64) on 2 processes: the trainer runs 32 on each."""
     cfg, findings = findings_of(tmp_path, ["train.micro_batch_size=32", "train.global_batch_size=32"])

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from test_perf import RandomLoader, model_inputs, objective_for, tiny_model
+from test_perf import DIM, PAD_ID, VOCAB, RandomLoader, model_inputs, objective_for, tiny_model
 
 from mmldlm.config import PerfConfig, load_config
 from mmldlm.training.distributed import DistInfo, hsdp_mesh
@@ -22,7 +22,26 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 CUDA = torch.device("cuda", 0)
 
 
-def cuda_trainer(tmp_path, overrides, steps=6):
+class PackedLoader:
+    """Packed micro-batches of random texts of 1-8 tokens in rows of 8 (data.packing), padded to 6 rows,
+    one row per text past it (data.pack_rows=[6]): two shapes."""
+
+    def __init__(self, micro):
+        from mmldlm.data.dataset import PadCollate
+
+        self.micro, self.collate = micro, PadCollate(PAD_ID, 8, None, 8, pack_rows=[6])
+        self.generator = torch.Generator().manual_seed(0)
+
+    def __iter__(self):
+        while True:
+            lengths = torch.randint(1, 9, (self.micro,), generator=self.generator).tolist()
+            ids = [torch.randint(2, VOCAB, (n,), generator=self.generator).numpy() for n in lengths]
+            yield self.collate(
+                [(i, t, torch.randn(1, DIM, generator=self.generator).numpy()) for i, t in enumerate(ids)]
+            )
+
+
+def cuda_trainer(tmp_path, overrides, steps=6, loader=RandomLoader):
     cfg = load_config(
         None,
         [
@@ -38,7 +57,7 @@ def cuda_trainer(tmp_path, overrides, steps=6):
             *overrides,
         ],
     )
-    return Trainer(cfg, tiny_model(), objective_for(cfg), lambda micro: RandomLoader(micro), DistInfo(device=CUDA))
+    return Trainer(cfg, tiny_model(), objective_for(cfg), lambda micro: loader(micro), DistInfo(device=CUDA))
 
 
 def on_cuda(inputs):
@@ -166,6 +185,31 @@ def test_cuda_graphs_replay_the_compiled_blocks_with_the_losses_of_compile_alone
         ]
         trainer = cuda_trainer(tmp_path / str(graphs), overrides)
         assert trainer.cuda_graphs is graphs
+        records = [trainer.train_step() for _ in range(6)]
+        losses[graphs] = [r["loss"] for r in records]
+        if graphs:
+            assert records[-1]["cuda_graph_skips"] == 0, dict(counters["inductor"])
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-3, atol=1e-4)
+
+
+def test_cuda_graphs_replay_packed_rows_padded_to_few_counts_with_the_losses_of_compile_alone(tmp_path):
+    """data.pack_rows lets CUDA graphs take packed rows: six steps of packed micro-batches (6 or 8 rows)
+    replay with no graph skipped and train to the losses of the same blocks compiled without graphs."""
+    from torch._dynamo.utils import counters
+
+    losses = {}
+    for graphs in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        overrides = [
+            "perf.compile=true",
+            "train.precision=bf16",
+            "train.micro_batch_size=8",
+            "data.packing=true",
+            "data.pack_rows=[6]",
+            f"perf.cuda_graphs={str(graphs).lower()}",
+        ]
+        trainer = cuda_trainer(tmp_path / str(graphs), overrides, loader=PackedLoader)
         records = [trainer.train_step() for _ in range(6)]
         losses[graphs] = [r["loss"] for r in records]
         if graphs:

@@ -192,10 +192,11 @@ def test_gpu_session_rehearsal_on_a_cpu_runs_every_part_and_reports_each(tmp_pat
     assert "| optimized model.adaln=single | 8 x 1" in text
     assert "| packed: block-diagonal mask | default | " in text  # part 1d's attention kernels
     assert "| padded: a new key mask each call | default | " in text
-    # part 1b: compiled without and with CUDA graphs (their length buckets alone on a CPU, where compile
-    # is off), and with cuDNN's attention too (a switch of CUDA devices alone)
-    assert "| compiled | 8 x 1, AC " in text and "| compiled data.length_buckets=[64] | 8 x 1" in text
+    # part 1b: compiled without and with CUDA graphs and cuDNN's attention, padded and packed (their
+    # length buckets and packed row counts alone on a CPU, where compile is off and cuDNN absent)
+    assert "| compiled | 8 x 1, AC " in text
     assert "| compiled data.length_buckets=[64] perf.cudnn_attention=true | 8 x 1" in text
+    assert "| compiled data.packing=true data.pack_rows=[2] | 8 x 1" in text
     assert text.count("| reference: plain transformer | ") == 3  # parts 1a, 1b and 2, each beside its rows
     assert "tokens/s ÷ reference" in text
     # what comes back from the device: the report so far and every part's log, as each part ended

@@ -155,7 +155,7 @@ def dynamo_limits():
         yield
 
 
-def compiled_trainer(tmp_path, monkeypatch, lengths, overrides=()):
+def compiled_trainer(tmp_path, monkeypatch, lengths, overrides=(), loader=None):
     """A trainer whose blocks compile with a counting backend (aot_eager: forward and backward traced,
     no code generated) over batches cycling through `lengths`, the mode changing every round of them."""
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -184,7 +184,7 @@ def compiled_trainer(tmp_path, monkeypatch, lengths, overrides=()):
     )
     model = tiny_model()
     model.cfg.max_seq_len = max(lengths)
-    trainer = Trainer(cfg, model, objective_for(cfg), CyclingLengths(lengths), DistInfo())
+    trainer = Trainer(cfg, model, objective_for(cfg), loader or CyclingLengths(lengths), DistInfo())
     monkeypatch.setattr(trainer.objective, "mode_at", lambda step: MODES[(step // len(lengths)) % len(MODES)])
     return trainer, counter, counters
 
@@ -239,6 +239,48 @@ def test_static_shapes_compile_one_graph_per_length_bucket_and_block_variant_the
         if isinstance(node.meta.get("example_value"), torch.Tensor)
         for dim in node.meta["example_value"].shape
     )
+
+
+class CyclingPacked:
+    """Packed batches of 4 texts (rows of 32 positions, data.pack_rows=[2]) that first-fit puts in 1,
+    2, 3 and 4 rows in turn: padded to 2 rows, or one row per text past it, so the blocks see 2 shapes."""
+
+    FILLS = ((4, 5, 6, 7), (20, 9, 8, 5), (20, 17, 16, 3), (25, 26, 27, 28))  # 1, 2, 3, 4 rows of 32
+
+    def __init__(self):
+        from mmldlm.data.dataset import PadCollate
+
+        self.collate, self.generator = PadCollate(PAD_ID, 8, None, 32, pack_rows=[2]), torch.Generator().manual_seed(0)
+
+    def __iter__(self):
+        while True:
+            for fill in self.FILLS:
+                samples = [
+                    (i, torch.randint(2, VOCAB, (n,), generator=self.generator).numpy(), torch.randn(1, DIM).numpy())
+                    for i, n in enumerate(fill)
+                ]
+                yield self.collate(samples)
+
+
+@pytest.mark.slow  # aot_eager traces forward and backward of each graph: 2-3 s a graph
+def test_packed_rows_padded_to_few_counts_compile_one_graph_per_count_and_block_variant_then_nothing(
+    tmp_path, monkeypatch, dynamo_limits
+):
+    """data.pack_rows with static shapes: packed batches that fill 1-4 rows reach the blocks as 2 or 4
+    rows (the latent groups of a row rounded to data.pad_to_multiple=8), so the first round over them
+    and the three modes compiles 2 graphs for each of the three block variants, the second none."""
+    from mmldlm.config import MODES
+
+    overrides = ["perf.cuda_graphs=true", "data.pad_to_multiple=8", "data.packing=true", "data.pack_rows=[2]"]
+    trainer, counter, counters = compiled_trainer(tmp_path, monkeypatch, (32,), overrides, CyclingPacked())
+    monkeypatch.setattr(trainer.objective, "mode_at", lambda step: MODES[(step // 4) % len(MODES)])
+    compiled = []
+    for _ in range(2):
+        for _ in range(len(MODES) * len(CyclingPacked.FILLS)):
+            trainer.train_step()
+        compiled.append(counter.frame_count)
+    assert dict(counters["graph_break"]) == {}
+    assert compiled == [3 * 2] * 2
 
 
 @pytest.mark.slow  # aot_eager traces forward and backward of each graph: 2-3 s a graph

@@ -48,13 +48,13 @@ def tiny_model(**overrides):
     return model
 
 
-def batch(lengths=LENGTHS, num_latents=1, packed=True, seed=1):
+def batch(lengths=LENGTHS, num_latents=1, packed=True, seed=1, rows=None):
     g = np.random.default_rng(seed)
     samples = [
         (i, g.integers(2, VOCAB, n), g.standard_normal((num_latents, DIM), dtype=np.float32))
         for i, n in enumerate(lengths)
     ]
-    return PadCollate(PAD_ID, 1, None, PACK if packed else None)(samples)
+    return PadCollate(PAD_ID, 1, None, PACK if packed else None, pack_rows=rows)(samples)
 
 
 def inputs(b, seed=2):
@@ -113,10 +113,25 @@ def objective(**overrides):
     return Objective(cfg.objective, text, latent, length_head=True)
 
 
+def test_packed_rows_pad_to_the_fewest_row_count_that_holds_them_else_one_row_per_text():
+    """data.pack_rows: the 4 rows first-fit fills, padded with empty rows (every position and latent
+    group -1) to the next count; past the last count one row per text; the texts' places unchanged."""
+    plain = batch()
+    groups = plain["pack_latent_doc"].shape[1]  # the most texts in a row: 3
+    for rows, expected in (([4], 4), ([2, 6, 7], 6), ([3], len(LENGTHS))):
+        b = batch(rows=rows)
+        assert b["pack_doc"].shape == (expected, PACK) and b["pack_latent_doc"].shape == (expected, groups)
+        for key in ("pack_doc", "pack_position", "pack_latent_doc"):
+            assert torch.equal(b[key][:4], plain[key]) and (b[key][4:] == (0 if key == "pack_position" else -1)).all()
+        collate = PadCollate(PAD_ID, 1, None, PACK, pack_rows=rows)
+        assert collate.positions(LENGTHS) == expected * (PACK + groups)  # the cost the micro-batch probe sizes
+
+
 @pytest.mark.parametrize("mode", ["joint", "l2t", "t2l"])
-def test_packed_loss_and_gradients_equal_the_padded_ones(mode):
+@pytest.mark.parametrize("rows", [None, [6], [3]], ids=["as-filled", "padded-rows", "row-per-text"])
+def test_packed_loss_and_gradients_equal_the_padded_ones(mode, rows):
     model = tiny_model()
-    b = batch()
+    b = batch(rows=rows)
     unpacked = {k: v for k, v in b.items() if not k.startswith("pack_")}
     results = []
     for one in (unpacked, b):
@@ -167,6 +182,18 @@ def test_attention_never_crosses_texts():
 def test_packing_refuses_what_it_does_not_support_in_one_line(override, key):
     with pytest.raises(ConfigError, match=rf"config key 'data.packing'.*false with {key}="):
         load_config(None, ["data.packing=true", override])
+
+
+def test_pack_rows_takes_ascending_counts_of_packed_rows_and_lets_cuda_graphs_take_packing():
+    for rows in ("[]", "[4, 4]", "[0, 2]"):
+        with pytest.raises(ConfigError, match=r"config key 'data.pack_rows'.*non-empty ascending list"):
+            load_config(None, ["data.packing=true", f"data.pack_rows={rows}"])
+    with pytest.raises(ConfigError, match=r"config key 'data.pack_rows'.*null with data.packing=false"):
+        load_config(None, ["data.pack_rows=[4]"])
+    graphs = ["perf.compile=true", "perf.cuda_graphs=true", "data.packing=true"]
+    with pytest.raises(ConfigError, match=r"config key 'perf.cuda_graphs'.*or packed rows to data.pack_rows"):
+        load_config(None, graphs)
+    assert load_config(None, [*graphs, "data.pack_rows=[4, 6]"]).data.pack_rows == [4, 6]
 
 
 def test_training_packed_takes_the_same_steps_as_padded(tmp_path_factory, tmp_path):

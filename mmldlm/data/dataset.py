@@ -246,9 +246,11 @@ class PadCollate:
         max_length: int | None,
         pack_length: int | None = None,
         buckets: Sequence[int] | None = None,
+        pack_rows: Sequence[int] | None = None,
     ):
         self.pad_id, self.multiple, self.max_length, self.pack_length = pad_id, multiple, max_length, pack_length
         self.buckets = np.asarray(buckets, dtype=np.int64) if buckets else None  # ascending (DataConfig.check)
+        self.pack_rows = tuple(pack_rows) if pack_rows else None  # ascending (DataConfig.check)
 
     def kept_lengths(self, lengths: np.ndarray) -> np.ndarray:
         """The token counts the batch keeps of samples of these lengths (cut at max_length)."""
@@ -272,7 +274,8 @@ class PadCollate:
         lengths = self.kept_lengths(lengths)
         if self.pack_length is not None:
             rows = pack_rows(lengths, self.pack_length)
-            return len(rows) * (self.pack_length + _rounded_up(max(map(len, rows)), self.multiple))
+            slots = _rounded_up(max(map(len, rows)), self.multiple)
+            return packed_row_count(len(rows), len(lengths), self.pack_rows) * (self.pack_length + slots)
         return len(lengths) * self.padded_length(lengths)
 
     def __call__(self, samples: list[tuple[int, np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
@@ -288,7 +291,7 @@ class PadCollate:
             "index": torch.tensor([i for i, _, _ in samples], dtype=torch.int64),  # (B,)
         }
         if self.pack_length is not None:
-            batch.update(packed_layout(lengths, self.pack_length, self.multiple))
+            batch.update(packed_layout(lengths, self.pack_length, self.multiple, self.pack_rows))
         return batch
 
 
@@ -313,13 +316,25 @@ def _rounded_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def packed_layout(lengths: np.ndarray, pack_length: int, multiple: int = 1) -> dict[str, torch.Tensor]:
+def packed_row_count(num_rows: int, num_texts: int, buckets: Sequence[int] | None) -> int:
+    """The rows a packed micro-batch of `num_texts` texts that fill `num_rows` is padded to: the fewest of
+    `buckets` (data.pack_rows) that holds them, one row per text past the last; without buckets, num_rows."""
+    if buckets is None:
+        return num_rows
+    return next((n for n in buckets if n >= num_rows), max(num_texts, num_rows))
+
+
+def packed_layout(
+    lengths: np.ndarray, pack_length: int, multiple: int = 1, row_buckets: Sequence[int] | None = None
+) -> dict[str, torch.Tensor]:
     """pack_doc, pack_position (R, P) and pack_latent_doc (R, M) of texts of these lengths (PadCollate),
     M the most texts in a row rounded up to `multiple`: like the padded length, it bounds the number
-    of distinct shapes the kernels see (oneDNN keeps memory per matrix shape on CPU)."""
+    of distinct shapes the kernels see (oneDNN keeps memory per matrix shape on CPU). With
+    `row_buckets` (data.pack_rows) R is padded with empty rows (`packed_row_count`)."""
     if lengths.max(initial=0) > pack_length:
         raise DataError(f"a text of {int(lengths.max())} tokens does not fit data.pack_length={pack_length}")
     rows = pack_rows(lengths, pack_length)
+    rows += [[] for _ in range(packed_row_count(len(rows), len(lengths), row_buckets) - len(rows))]
     doc = np.full((len(rows), pack_length), -1, dtype=np.int64)  # (R, P)
     position = np.zeros((len(rows), pack_length), dtype=np.int64)
     latent_doc = np.full((len(rows), _rounded_up(max(map(len, rows)), multiple)), -1, dtype=np.int64)  # (R, M)
@@ -530,7 +545,18 @@ def padded_lengths(cfg: DataConfig, max_length: int) -> list[int]:
 
 def _collate(dataset: PreparedDataset, cfg: DataConfig) -> PadCollate:
     pack_length = (cfg.pack_length or cfg.max_length) if cfg.packing else None
-    return PadCollate(dataset.pad_id, cfg.pad_to_multiple, cfg.max_length, pack_length, cfg.length_buckets)
+    return PadCollate(
+        dataset.pad_id, cfg.pad_to_multiple, cfg.max_length, pack_length, cfg.length_buckets, cfg.pack_rows
+    )
+
+
+def batch_shape_count(cfg: DataConfig, max_length: int) -> int | None:
+    """How many shapes the blocks' inputs can take over the loader's batches: the text lengths
+    (`padded_lengths`), or packed, the row counts of data.pack_rows and one row per text (None: packed
+    rows without it, as many as the texts fill)."""
+    if cfg.packing:
+        return len(cfg.pack_rows) + 1 if cfg.pack_rows is not None else None
+    return len(padded_lengths(cfg, max_length))
 
 
 # --------------------------------------------------------------------------------------------------

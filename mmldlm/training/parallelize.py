@@ -104,8 +104,9 @@ GRAPHS_PER_SHAPE = 3 * 2 * 2
 def compile_options(perf: PerfConfig, device: torch.device, num_shapes: int | None = None) -> dict:
     """torch.compile's options for the blocks: `dynamic` as perf.compile_dynamic says (false under
     perf.cuda_graphs), and CUDA graphs (inductor's "reduce-overhead") on a CUDA device under
-    perf.cuda_graphs. `num_shapes`: the text lengths the batches can have, which raises dynamo's limit
-    of graphs per code object (8) where static shapes need more (past it dynamo falls back to eager)."""
+    perf.cuda_graphs. `num_shapes`: the text lengths (or packed row counts) the batches can have, which
+    raises dynamo's limit of graphs per code object (8) where static shapes need more (past it dynamo
+    falls back to eager)."""
     options: dict = {"dynamic": False if perf.cuda_graphs else perf.compile_dynamic}
     if perf.cuda_graphs and device.type == "cuda":
         options["mode"] = "reduce-overhead"
@@ -152,8 +153,8 @@ def parallelize(
 ) -> nn.Module:
     """Apply activation checkpointing, then compile, to `model` (already on its device), then wrap it
     for data-parallel training; a single process trains it unwrapped. `accumulates`: a step may run
-    several micro-batches (no_sync() before all but the last); `num_shapes`: the text lengths its
-    batches can have (`compile_options`).
+    several micro-batches (no_sync() before all but the last); `num_shapes`: the text lengths (or
+    packed row counts) its batches can have (`compile_options`).
 
     DDP's static graph ("auto": on unless find_unused_parameters or `accumulates`) cannot run under
     no_sync(): torch 2.13 fails the first backward with an "expect_autograd_hooks_" internal assert

@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from mmldlm import baseline
 from mmldlm.config import ConfigError, PerfConfig, RunConfig, batch_split, infeasible
-from mmldlm.data.dataset import padded_lengths
+from mmldlm.data.dataset import batch_shape_count
 from mmldlm.data.errors import DataError
 from mmldlm.model.info import training_flops_per_sample
 from mmldlm.model.mmdit import padded_row_count
@@ -283,7 +283,7 @@ class Trainer:
             cfg.distributed,
             info,
             self._may_accumulate(cfg, info),
-            num_shapes=len(padded_lengths(cfg.data, longest)),
+            num_shapes=batch_shape_count(cfg.data, longest),
         )
         # The compiled blocks' CUDA graphs: each micro-batch starts a new iteration of their tree
         # (the outputs of the previous one may then be overwritten: none is read after its backward).

@@ -530,7 +530,7 @@ RULES = {
         "the number of packed rows changes from batch to batch, and cuDNN's attention builds an "
         "execution plan for a new batch shape (about 2.7 ms of host time a call in training on "
         "batches of every length, base preset, H100)",
-        "perf.cudnn_attention=false",
+        "data.pack_rows=[...] (a few row counts), or perf.cudnn_attention=false",
         {"perf.cudnn_attention": False},
     ),
 }
