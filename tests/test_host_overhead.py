@@ -100,14 +100,18 @@ def test_a_step_that_does_not_log_never_waits_for_the_device(tmp_path, monkeypat
     assert next(trainer.raw_model.parameters()).device.type == "meta"
 
 
-@pytest.mark.parametrize("config", ["default", "optimized"])
+@pytest.mark.parametrize(
+    "config, extra",
+    [("default", []), ("optimized", []), ("optimized", ["data.packing=true", "data.pack_rows=[2]"])],
+    ids=["default", "optimized", "optimized-packed-rows"],
+)
 def test_the_presets_steps_on_real_batches_queue_without_reading_the_device(
-    tmp_path, tmp_path_factory, monkeypatch, config
+    tmp_path, tmp_path_factory, monkeypatch, config, extra
 ):
     """The real loader, objective and model of a preset (the random mixture of modes, accumulation of
-    two micro-batches, checkpointed blocks), built on the meta device: three steps queue, and the
-    record is where the host reads (a meta tensor has no value to read). Activation checkpointing is
-    named: `auto` probes memory at start-up, which needs a real device."""
+    two micro-batches, checkpointed blocks; packed rows padded to a row count), built on the meta
+    device: three steps queue, and the record is where the host reads (a meta tensor has no value to
+    read). Activation checkpointing is named: `auto` probes memory at start-up, which needs a real device."""
     monkeypatch.setattr(trainer_module, "build_optimizer", lambda model, cfg: LoopAsFused(model.parameters(), cfg.lr))
     overrides = [
         f"data.path={prepared(tmp_path_factory)}",
@@ -117,6 +121,7 @@ def test_the_presets_steps_on_real_batches_queue_without_reading_the_device(
         "train.micro_batch_size=4",
         "perf.activation_checkpointing=selective",
         f"train.run_dir={tmp_path}",
+        *extra,
     ]
     cfg = load_config(config, overrides)
     trainer = build_trainer(cfg, DistInfo(device=torch.device("meta")))
