@@ -175,8 +175,11 @@ def tokenizer_and_encoder(args: argparse.Namespace) -> dict:
     from pathlib import Path
 
     from mmldlm.export.pretrained import is_exported, options_like_exported
+    from mmldlm.runs.trained import recorded_run_dataset
 
-    return options_like_exported(args.like) if is_exported(Path(args.like)) else options_like_run(args.like)
+    if is_exported(Path(args.like)):
+        return options_like_exported(args.like)
+    return options_like_run(args.like, recorded_run_dataset(Path(args.like)))
 
 
 def options_from_args(args: argparse.Namespace):

@@ -189,27 +189,13 @@ def dataset_path(cfg: DataConfig, log=print, detail=None) -> Path:
     return Path(prepare(default_prepare_options(cfg), log, detail, rebuild)["path"])
 
 
-def _recorded_dataset(run_dir: Path, cfg) -> Path | None:
-    """The dataset directory the run's newest checkpoint recorded, where it is still there: the cache
-    the bundled corpus was prepared into may not be the one this environment names (MMLDLM_CACHE)."""
-    from mmldlm.runs.checkpoints import find_latest  # here: runs/ imports this module
-    from mmldlm.runs.files import CheckpointError
-    from mmldlm.runs.trained import recorded_dataset
-
-    try:
-        checkpoint = find_latest(run_dir / "checkpoints")
-    except CheckpointError:
-        return None  # no checkpoint that reads: the cache's corpus, as without one
-    return recorded_dataset(checkpoint, cfg) if checkpoint is not None else None
-
-
-def options_like_run(run_dir: str | Path) -> dict[str, Any]:
+def options_like_run(run_dir: str | Path, recorded: Path | None = None) -> dict[str, Any]:
     """The PrepareOptions fields (tokenizer, encoder, normalize, max_tokens) that prepare new text the
     way a training run's own dataset was prepared: its tokenizer.json, reused as is (no new BPE, so the
     same text gets the same ids), its sentence encoder with the same normalisation, and the length its
     texts were cut to in training, so that the run can be evaluated on the result. Nothing is prepared
-    here: the run's dataset must exist (with data.path null, where its checkpoints recorded it or in
-    the cache)."""
+    here: the run's dataset must exist. With data.path null: `recorded`, the directory its newest
+    checkpoint recorded (`mmldlm.runs.trained.recorded_run_dataset`), else the bundled corpus in the cache."""
     config_file = Path(run_dir) / "config.yaml"
     if not config_file.is_file():
         raise DataError(f"--like {run_dir}: no config.yaml there; expected a training run directory (train.run_dir)")
@@ -217,7 +203,7 @@ def options_like_run(run_dir: str | Path) -> dict[str, Any]:
     data = cfg.data
     if data.path is not None:
         data_dir, origin = Path(data.path), f"data.path {data.path!r}"
-    elif (recorded := _recorded_dataset(Path(run_dir), cfg)) is not None:
+    elif recorded is not None:
         data_dir, origin = recorded, "data.path null (the bundled corpus where its checkpoints recorded it)"
     else:  # the bundled corpus, prepared into the cache on the run's first use
         data_dir, origin = Path(default_prepare_options(data).out), "data.path null (the bundled corpus in the cache)"

@@ -377,6 +377,19 @@ def recorded_dataset(checkpoint: Path, cfg: RunConfig) -> Path | None:
     return Path(recorded)
 
 
+def recorded_run_dataset(run_dir: Path) -> Path | None:
+    """`recorded_dataset` of the newest checkpoint of the run in `run_dir` (None without a checkpoint
+    that reads or a config.yaml)."""
+    config_file = run_dir / "config.yaml"
+    try:
+        checkpoint = find_latest(run_dir / "checkpoints")
+    except CheckpointError:
+        return None  # no checkpoint that reads: the caller looks in the cache, as without one
+    if checkpoint is None or not config_file.is_file():
+        return None
+    return recorded_dataset(checkpoint, load_config(config_file))
+
+
 def load_run(
     run_dir: str | Path, checkpoint: str | Path | None = None, device: str = "auto", use_ema: bool | None = None
 ) -> TrainedRun:
