@@ -165,12 +165,17 @@ def test_compiled_checkpointed_block_keeps_loss_and_gradients_on_cuda(checkpoint
     assert counter.frame_count >= 1 and counter.op_count > 0
 
 
-@pytest.mark.parametrize("micro_batch", [8, 4])
-def test_cuda_graphs_replay_the_compiled_blocks_with_the_losses_of_compile_alone(tmp_path, micro_batch):
+@pytest.mark.parametrize(
+    "micro_batch, packed",
+    [(8, False), (4, False), (8, True)],
+    ids=["micro-batch-8", "accumulating-4x2", "packed-rows"],
+)
+def test_cuda_graphs_replay_the_compiled_blocks_with_the_losses_of_compile_alone(tmp_path, micro_batch, packed):
     """perf.cuda_graphs: the compiled blocks' forward and backward are recorded and replayed (inductor
     skips no graph), and six steps train to the losses of the same blocks compiled without CUDA
     graphs (the same kernels, replayed), also accumulating two micro-batches a step (whose first
-    gradients the second replay would overwrite without buffers of their own)."""
+    gradients the second replay would overwrite without buffers of their own), and on packed rows
+    padded to few row counts (data.pack_rows: 6 or 8 rows)."""
     from torch._dynamo.utils import counters
 
     losses = {}
@@ -182,34 +187,10 @@ def test_cuda_graphs_replay_the_compiled_blocks_with_the_losses_of_compile_alone
             "train.precision=bf16",
             f"train.micro_batch_size={micro_batch}",
             f"perf.cuda_graphs={str(graphs).lower()}",
+            *(["data.packing=true", "data.pack_rows=[6]"] if packed else []),
         ]
-        trainer = cuda_trainer(tmp_path / str(graphs), overrides)
+        trainer = cuda_trainer(tmp_path / str(graphs), overrides, loader=PackedLoader if packed else RandomLoader)
         assert trainer.cuda_graphs is graphs
-        records = [trainer.train_step() for _ in range(6)]
-        losses[graphs] = [r["loss"] for r in records]
-        if graphs:
-            assert records[-1]["cuda_graph_skips"] == 0, dict(counters["inductor"])
-    torch.testing.assert_close(losses[True], losses[False], rtol=1e-3, atol=1e-4)
-
-
-def test_cuda_graphs_replay_packed_rows_padded_to_few_counts_with_the_losses_of_compile_alone(tmp_path):
-    """data.pack_rows lets CUDA graphs take packed rows: six steps of packed micro-batches (6 or 8 rows)
-    replay with no graph skipped and train to the losses of the same blocks compiled without graphs."""
-    from torch._dynamo.utils import counters
-
-    losses = {}
-    for graphs in (False, True):
-        torch._dynamo.reset()
-        counters.clear()
-        overrides = [
-            "perf.compile=true",
-            "train.precision=bf16",
-            "train.micro_batch_size=8",
-            "data.packing=true",
-            "data.pack_rows=[6]",
-            f"perf.cuda_graphs={str(graphs).lower()}",
-        ]
-        trainer = cuda_trainer(tmp_path / str(graphs), overrides, loader=PackedLoader)
         records = [trainer.train_step() for _ in range(6)]
         losses[graphs] = [r["loss"] for r in records]
         if graphs:

@@ -321,7 +321,7 @@ def packed_row_count(num_rows: int, num_texts: int, buckets: Sequence[int] | Non
     `buckets` (data.pack_rows) that holds them, one row per text past the last; without buckets, num_rows."""
     if buckets is None:
         return num_rows
-    return next((n for n in buckets if n >= num_rows), max(num_texts, num_rows))
+    return next((n for n in buckets if n >= num_rows), num_texts)  # first-fit fills at most one row per text
 
 
 def packed_layout(

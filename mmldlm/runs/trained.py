@@ -381,13 +381,13 @@ def recorded_run_dataset(run_dir: Path) -> Path | None:
     """`recorded_dataset` of the newest checkpoint of the run in `run_dir` (None without a checkpoint
     that reads or a config.yaml)."""
     config_file = run_dir / "config.yaml"
+    if not config_file.is_file():
+        return None
     try:
         checkpoint = find_latest(run_dir / "checkpoints")
     except CheckpointError:
         return None  # no checkpoint that reads: the caller looks in the cache, as without one
-    if checkpoint is None or not config_file.is_file():
-        return None
-    return recorded_dataset(checkpoint, load_config(config_file))
+    return recorded_dataset(checkpoint, load_config(config_file)) if checkpoint is not None else None
 
 
 def load_run(

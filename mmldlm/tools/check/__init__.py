@@ -433,18 +433,16 @@ def few_shapes_findings(cfg: RunConfig) -> list[Finding]:
     """perf.cuda_graphs (a graph per shape) and perf.cudnn_attention (an execution plan per shape) on
     batches of many shapes: more than 4 text lengths, or packed rows without data.pack_rows;
     the fix proposes three length buckets between data.pad_to_multiple and the longest length."""
-    pad, max_length = cfg.data.pad_to_multiple, max_length_of(cfg)
-    shapes = len(padded_lengths(cfg.data, max_length))
     if cfg.data.packing:  # its row counts: few with data.pack_rows (which cuda_graphs needs)
         return [finding("cudnn_attention_packing")] if cfg.perf.cudnn_attention and cfg.data.pack_rows is None else []
+    pad, max_length = cfg.data.pad_to_multiple, max_length_of(cfg)
+    shapes = len(padded_lengths(cfg.data, max_length))
     if shapes <= 4:
         return []
     buckets = sorted({max(pad, -(-max_length * k // 4 // pad) * pad) for k in (1, 2, 3)} - {max_length})
     values = dict(shapes=shapes, pad=pad, max_length=max_length, buckets=buckets)
-    switches = [
-        s for s, on in (("cuda_graphs", cfg.perf.cuda_graphs), ("cudnn_attention", cfg.perf.cudnn_attention)) if on
-    ]
-    return [finding(f"{switch}_shapes", {"data.length_buckets": buckets}, **values) for switch in switches]
+    switches = [name for name in ("cuda_graphs", "cudnn_attention") if getattr(cfg.perf, name)]
+    return [finding(f"{name}_shapes", {"data.length_buckets": buckets}, **values) for name in switches]
 
 
 CHECKS = (
