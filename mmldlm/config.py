@@ -944,6 +944,11 @@ class PerfConfig:
     # (base preset, H100). Meant beside few shapes (data.length_buckets) and CUDA graphs, whose replays
     # run no host code; not yet measured there (docs/benchmarks-gpu.md).
     cudnn_attention: bool = False
+    # The text head fused with its cross-entropy in training, chunk by chunk of the masked positions
+    # (mmldlm.diffusion.masked.subs_linear_cross_entropy): the (N, V) logits never exist whole, where the
+    # head then the loss keep about three (N, V) tensors alive (docs/benchmarks.md). Same loss and
+    # gradients; sampling and evaluation read logits as before.
+    fused_text_loss: bool = False
     # Toggle requires_grad over every parameter at every step: baseline recipe (mmldlm/baseline.py;
     # the idle head is otherwise handled once per mode, see parallelize.py).
     refreeze_every_step: bool = False

@@ -64,8 +64,11 @@ class Objective:
         self_condition: bool = False,
         length_head: bool = False,
         per_sample: bool = False,
+        fused_text_loss: bool = False,
     ):
         self.cfg = cfg
+        # perf.fused_text_loss: the model's text head fused with its loss (no (N, V) logits in training)
+        self.fused_text_loss = fused_text_loss
         # Evaluation: the text ELBO and latent loss of each sample as metrics too (mmldlm/evaluation/evaluate.py).
         self.per_sample = per_sample
         self.text = text
@@ -155,6 +158,8 @@ class Objective:
         extra = {"latent_self_cond": self_cond} if self.self_condition else {}
         if self.length_head:
             extra["length_from"] = latents  # every step, from the clean latents
+        if self.fused_text_loss and text_on and x.rows is not None:
+            extra["text_targets"] = self.text.loss_targets(tokens, x.t_text, x.rows)
         out = model(
             x.text,
             x.latent,

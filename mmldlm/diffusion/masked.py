@@ -35,12 +35,14 @@ reconstruction) needs the two ends of the integral as well:
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
 from mmldlm.config import TextDiffusionConfig
+from mmldlm.device import compute_dtype
 from mmldlm.diffusion import rng
 
 
@@ -90,6 +92,119 @@ def subs_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, excluded: in
     each: F.cross_entropy of `logits.float().index_fill(-1, excluded, -inf)` and its argmax, forward and
     backward, in two (N, V) float32 tensors where autograd's chain makes four (docs/benchmarks.md)."""
     return _SubsCrossEntropy.apply(logits, targets, excluded)
+
+
+class TextTargets(NamedTuple):
+    """What the text head fused with its loss needs besides its input (`subs_linear_cross_entropy`)."""
+
+    tokens: torch.Tensor  # (N,) int64: the clean token at each row
+    weights: torch.Tensor  # (N,) float32: each row's weight in the summed loss
+    excluded: int  # the column never predicted (SUBS: the mask token)
+
+
+class TextLoss(NamedTuple):
+    """The text head fused with its loss (`subs_linear_cross_entropy`): no logits, only what the loss
+    and its metrics read."""
+
+    weighted: torch.Tensor  # () float32: sum of row_weights * ce, the one differentiable output
+    ce: torch.Tensor  # (N,) float32, detached: each row's cross-entropy
+    predicted: torch.Tensor  # (N,) int64: each row's argmax
+
+
+# Rows per chunk of `subs_linear_cross_entropy`: as many as keep a chunk's float32 logits at 128 MiB
+# (1,099 rows of a 30,522-token vocabulary, 4,096 of the bundled 8,192).
+CHUNK_ELEMENTS = 1 << 25
+
+
+class _SubsLinearCrossEntropy(torch.autograd.Function):
+    """`subs_linear_cross_entropy`. Forward computes, chunk by chunk of rows, the logits, their
+    cross-entropy and argmax and at once the gradient of the weighted sum with respect to x, the weight
+    and the prior table; backward only scales those by the incoming gradient (a scalar). The (N, V)
+    logits exist one chunk at a time, where the head followed by `subs_cross_entropy` keeps two (N, V)
+    float32 tensors and one in the products' dtype alive together."""
+
+    @staticmethod
+    def forward(ctx, x, weight, prior, doc, targets, row_weights, excluded, dtype, chunk_rows):
+        N = x.shape[0]
+        need_x, need_w, need_prior = ctx.needs_input_grad[:3]  # all False under no_grad
+        device = x.device.type
+        off = torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else None
+        with off if off is not None else contextlib.nullcontext():
+            xc, wc = x.to(dtype), weight.to(dtype)
+            grad_prior = torch.zeros(prior.shape, device=x.device, dtype=torch.float32) if need_prior else None
+            ce, predicted, grad_x, grad_w = [], [], [], None
+            for start in range(0, max(N, 1), chunk_rows):
+                x_rows = xc[start : start + chunk_rows]
+                z = torch.mm(x_rows, wc.T).float()  # (n, V)
+                if prior is not None:
+                    z += prior.index_select(0, doc[start : start + chunk_rows])
+                z[:, excluded] = float("-inf")
+                lse = torch.logsumexp(z, dim=-1)  # (n,)
+                target = targets[start : start + chunk_rows, None]
+                ce.append(lse - z.gather(1, target).squeeze(1))
+                predicted.append(z.argmax(dim=-1))
+                if not (need_x or need_w or need_prior):
+                    continue
+                # d(sum w ce)/dz = w (softmax - one-hot), in place of the logits; 0 at the excluded column
+                z.sub_(lse[:, None]).exp_()
+                z.scatter_add_(1, target, torch.full_like(target, -1.0, dtype=z.dtype))
+                z.mul_(row_weights[start : start + chunk_rows, None])
+                if need_prior:
+                    grad_prior.index_add_(0, doc[start : start + chunk_rows], z)
+                g = z.to(dtype)
+                del z
+                if need_x:
+                    grad_x.append(torch.mm(g, wc))
+                if need_w:
+                    product = torch.mm(g.T, x_rows).float()
+                    grad_w = product if grad_w is None else grad_w.add_(product)
+            ce, predicted = (torch.cat(t) if len(t) > 1 else t[0] for t in (ce, predicted))
+            grad_x = (torch.cat(grad_x) if len(grad_x) > 1 else grad_x[0]) if need_x else None
+            weighted = (ce * row_weights).sum()
+        ctx.save_for_backward(grad_x, grad_w, grad_prior)
+        ctx.dtypes = x.dtype, weight.dtype
+        ctx.mark_non_differentiable(ce, predicted)
+        return weighted, ce, predicted
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_weighted, _grad_ce, _grad_predicted):
+        grad_x, grad_w, grad_prior = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        # a 0-d float32 factor keeps each gradient's dtype
+        grad_x = (grad_x * grad_weighted).to(x_dtype) if grad_x is not None else None
+        grad_w = (grad_w * grad_weighted).to(w_dtype) if grad_w is not None else None
+        grad_prior = grad_prior * grad_weighted if grad_prior is not None else None
+        return grad_x, grad_w, grad_prior, None, None, None, None, None, None
+
+
+def subs_linear_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    row_weights: torch.Tensor,
+    excluded: int,
+    prior: torch.Tensor | None = None,
+    doc: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    chunk_rows: int | None = None,
+) -> TextLoss:
+    """The head x (N, H) @ weight (V, H).T (+ prior.index_select(0, doc): prior (B, V) float32, doc (N,)
+    the row of each), SUBS cross-entropy against targets (N,) with the column `excluded` never predicted,
+    weighted by row_weights (N,) float32 and summed: `subs_cross_entropy` of the head's logits, without
+    the (N, V) logits (`_SubsLinearCrossEntropy`). Products in `dtype` (autocast's, else x's) with
+    float32 softmax; rows of weight 0 give no gradient (padding rows: any target but `excluded`)."""
+    V = weight.shape[0]
+    if chunk_rows is None:
+        chunk_rows = max(1, CHUNK_ELEMENTS // V)
+    if dtype is None:
+        dtype = compute_dtype(x)
+    if prior is not None and doc is None:
+        raise ValueError("subs_linear_cross_entropy: a prior table needs doc, the row of each of x's rows")
+    weighted, ce, predicted = _SubsLinearCrossEntropy.apply(
+        x, weight, prior, doc, targets, row_weights.float(), excluded, dtype, chunk_rows
+    )
+    return TextLoss(weighted, ce, predicted)
 
 
 class MaskedDiffusion:
@@ -167,9 +282,25 @@ class MaskedDiffusion:
         masked = noised == self.mask_token_id
         return masked & pad_mask if pad_mask is not None else masked
 
+    def row_weights(self, t, batch_size: int, rows: torch.Tensor, L: int) -> torch.Tensor:
+        """(N,) float32: the weight of each row's cross-entropy in the summed loss (before its divisor):
+        the ELBO weight of its text's time (cfg.loss "elbo") or 1 (masked_ce)."""
+        if self.cfg.loss != "elbo":
+            return torch.ones(rows.shape[0], device=rows.device)
+        weight = self.elbo_weight(_per_row(t, batch_size, rows.device, torch.float32))  # (B,)
+        return weight.index_select(0, torch.div(rows, L, rounding_mode="floor"))
+
+    def loss_targets(self, tokens: torch.Tensor, t, rows: torch.Tensor) -> TextTargets:
+        """What the model needs to fuse its text head with `loss` at rows (N,) of tokens (B, L), the
+        masked real positions (`MultimodalMMDiT.text_loss`): `loss` then takes the model's TextLoss
+        for the logits, and equals the loss of the head's logits."""
+        B, L = tokens.shape
+        targets = tokens.reshape(-1).index_select(0, rows)
+        return TextTargets(targets, self.row_weights(t, B, rows, L), self.mask_token_id)
+
     def loss(
         self,
-        logits: torch.Tensor,
+        logits: torch.Tensor | TextLoss,
         tokens: torch.Tensor,
         noised: torch.Tensor,
         t,
@@ -180,7 +311,8 @@ class MaskedDiffusion:
         """The training loss over masked non-pad tokens and its metrics.
 
         logits (B, L, V) from the model on `noised`, or (N, V) only at `loss_positions(noised,
-        pad_mask)` in row-major order (the model's text_rows); tokens (B, L) clean; t (B,) the times
+        pad_mask)` in row-major order (the model's text_rows), or the model's head fused with this loss
+        there (a TextLoss, of `loss_targets`' targets); tokens (B, L) clean; t (B,) the times
         `noised` was drawn at. rows (N,) int64: those positions' flat (B * L) indices in row-major
         order where the caller knows them (training decides them on the host); without them they are
         found here, which reads the device. cfg.loss "elbo": NELBO in nats per non-pad token (module docstring);
@@ -193,7 +325,7 @@ class MaskedDiffusion:
         without the prior term.
         """
         B, L = tokens.shape
-        device = logits.device
+        device = tokens.device
         if rows is None:
             rows = self.loss_positions(noised, pad_mask).flatten().nonzero().squeeze(1)  # (N,)
         num_masked = rows.shape[0]
@@ -202,26 +334,30 @@ class MaskedDiffusion:
         # SUBS: the mask is never the answer (its logit is -inf); unmasked positions copy their
         # input and contribute zero, so only masked rows are gathered (saves a (B, L, V) copy).
         targets = tokens.reshape(-1).index_select(0, rows)  # (N,)
-        if logits.dim() == 2 and logits.shape[0] != num_masked:
+        fused = isinstance(logits, TextLoss)  # the model's head fused with the loss (`loss_targets`)
+        rows_given = logits.ce.shape[0] if fused else logits.shape[0] if logits.dim() == 2 else num_masked
+        if rows_given != num_masked:
             raise ValueError(
-                f"text logits of shape {tuple(logits.shape)}: expected (B, L, V) or one row per "
-                f"masked non-pad position ({num_masked}, V)"
+                f"text logits of {rows_given} rows: expected (B, L, V) or one row per masked non-pad "
+                f"position ({num_masked})"
             )
-        masked_logits = logits.reshape(B * L, -1).index_select(0, rows) if logits.dim() == 3 else logits  # (N, V)
-        ce, predicted = subs_cross_entropy(masked_logits, targets, self.mask_token_id)  # (N,) each
+        if fused:
+            ce, predicted = logits.ce, logits.predicted
+        else:
+            masked_logits = logits.reshape(B * L, -1).index_select(0, rows) if logits.dim() == 3 else logits  # (N, V)
+            ce, predicted = subs_cross_entropy(masked_logits, targets, self.mask_token_id)  # (N,) each
 
         extra = {}
         if self.cfg.loss == "elbo":
-            weight = self.elbo_weight(_per_row(t, B, device, torch.float32))  # (B,)
             text_of = torch.div(rows, L, rounding_mode="floor")  # (N,) the text of each row
-            weighted = weight.index_select(0, text_of) * ce  # (N,)
-            loss = weighted.sum() / num_real.clamp_min(1)
+            weighted = self.row_weights(t, B, rows, L) * ce  # (N,)
+            loss = (logits.weighted if fused else weighted.sum()) / num_real.clamp_min(1)
             if per_sample:
                 nats = torch.zeros(B, device=device).index_add_(0, text_of, weighted.detach())
                 real = pad_mask.sum(dim=1) if pad_mask is not None else torch.full((B,), L, device=device)
                 extra = {"nats_per_sample": nats, "num_tokens_per_sample": real}
         else:
-            loss = ce.sum() / max(num_masked, 1)
+            loss = (logits.weighted if fused else ce.sum()) / max(num_masked, 1)
 
         with torch.no_grad():
             accuracy = (predicted == targets).sum().float() / max(num_masked, 1)

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from mmldlm.config import ConfigError, ModelConfig
 from mmldlm.device import compute_dtype
+from mmldlm.diffusion.masked import TextLoss, TextTargets, subs_linear_cross_entropy
 from mmldlm.model.attention import JointAttention, rms_norm
 
 # --------------------------------------------------------------------------------------------------
@@ -312,11 +313,15 @@ class FinalLayer(nn.Module):
 
     def at(self, x: Tensor, c: Tensor, doc: Tensor) -> Tensor:
         """x (N, H) single positions, c (B, H), doc (N,) the row of c of each -> (N, out_dim)."""
+        return self.head(self.head_input(x, c, doc))[: x.shape[0]]  # (N, out_dim)
+
+    def head_input(self, x: Tensor, c: Tensor, doc: Tensor) -> Tensor:
+        """What `at` gives the head: the normalised, modulated rows, padded with zero rows to
+        `padded_row_count(N)`, (N', H)."""
         shift, scale = self.shift_scale(c)  # (B, H) each
         x = modulate(self.norm(x), shift.index_select(0, doc), scale.index_select(0, doc))  # (N, H)
         N = x.shape[0]
-        x = F.pad(x, (0, 0, 0, padded_row_count(N) - N))  # (N', H): zero rows, their logits dropped
-        return self.head(x)[:N]  # (N, out_dim)
+        return F.pad(x, (0, 0, 0, padded_row_count(N) - N))  # (N', H): zero rows, their outputs dropped
 
 
 def upgrade_state_dict(state: dict[str, Tensor], num_heads: int) -> dict[str, Tensor]:
@@ -429,7 +434,8 @@ class LatentRows(NamedTuple):
 class ModelOutput(NamedTuple):
     """What `MultimodalMMDiT.forward` returns; an output not asked for is None."""
 
-    text_logits: Tensor | None  # (B, L, V), or (N, V) at text_rows
+    # (B, L, V), or (N, V) at text_rows; with text_targets, the loss the head is fused with (TextLoss)
+    text_logits: Tensor | TextLoss | None
     latent: Tensor | None  # (B, K, D): the latent prediction (eps, x0 or v, per the diffusion config)
     length_logits: Tensor | None  # (B, max_seq_len): log-odds of text lengths 1..max_seq_len
 
@@ -555,6 +561,7 @@ class MultimodalMMDiT(nn.Module):
         length_from: Tensor | None = None,
         packing: Packing | None = None,
         text_lengths: Sequence[int] | None = None,
+        text_targets: TextTargets | None = None,
     ) -> ModelOutput:
         """tokens (B, L) int64, latents (B, K, D) standardised and noised, t_text and t_latent (B,) in
         [0, 1]; text_pad_mask (B, L) bool, True = real token; latent_null (B,) bool, True = use the
@@ -568,8 +575,12 @@ class MultimodalMMDiT(nn.Module):
         the one forward that DDP and FSDP2 see). packing: the blocks run on packed rows of the B texts
         (data.packing; inputs and outputs keep the padded layout, and equal those without packing).
         text_lengths: the real tokens of each text, known on the host (the loader's collate gives them):
-        they let the attention skip padding without reading the device (model/attention.py)."""
+        they let the attention skip padding without reading the device (model/attention.py).
+        text_targets (with text_rows): the text head is fused with its loss at those rows, and
+        ModelOutput.text_logits is that loss, a `TextLoss`, instead of logits (`text_loss`)."""
         L = tokens.shape[1]
+        if text_targets is not None and text_rows is None:
+            raise ValueError("text_targets need text_rows: the positions the targets are at")
         self.check_inputs(tokens, latents, text_head, latent_head, packing)
 
         # Conditioning: both timesteps, separate MLPs, summed into one vector.
@@ -596,9 +607,17 @@ class MultimodalMMDiT(nn.Module):
                 latent_rows=latent_rows,
             )
 
-        logits = self.text_logits(x_text, c, text_rows, packing, L) if text_head else None  # (B, L, V) or (N, V)
-        if text_head and self.token_latents is not None:
-            logits = logits + self.vocab_prior(latents, latent_null, t_latent_emb, text_rows, L).to(logits.dtype)
+        if text_head and text_targets is not None:  # the head fused with its loss: no logits
+            prior = None
+            if self.token_latents is not None:
+                prior = self.vocab_prior_table(latents, latent_null, t_latent_emb)
+            logits = self.text_loss(x_text, c, text_rows, packing, L, text_targets, prior)
+        elif text_head:
+            logits = self.text_logits(x_text, c, text_rows, packing, L)  # (B, L, V) or (N, V)
+            if self.token_latents is not None:
+                logits = logits + self.vocab_prior(latents, latent_null, t_latent_emb, text_rows, L).to(logits.dtype)
+        else:
+            logits = None
         latent_out = self.latent_final(x_latent, c) if latent_head else None  # (B, K, D)
         lengths = self.length_logits(length_from) if length_from is not None else None  # (B, max_seq_len)
         return ModelOutput(logits, latent_out, lengths)
@@ -730,16 +749,53 @@ class MultimodalMMDiT(nn.Module):
         self, x_text: Tensor, c: Tensor, text_rows: Tensor | None, packing: Packing | None, L: int
     ) -> Tensor:
         """The text head on the last block's text stream: (B, L, V), or (N, V) at text_rows."""
+        if text_rows is not None:
+            return self.text_final.at(*self.text_positions(x_text, c, text_rows, packing, L))
         if packing is None:
             x_text = x_text[:, self.cfg.num_prefix_tokens :]  # (B, L, H): the prefix has no output
-            return self.text_final(x_text, c, text_rows)
+            return self.text_final(x_text, c)
         B, H = c.shape[0], x_text.shape[-1]
         where = packing.unpacked_index(B * L, packing.text_slots(L))  # (B * L,) into the packed positions
-        x_text = x_text.reshape(-1, H)
-        if text_rows is None:
-            return self.text_final(x_text.index_select(0, where).view(B, L, H), c)
+        return self.text_final(x_text.reshape(-1, H).index_select(0, where).view(B, L, H), c)
+
+    def text_positions(
+        self, x_text: Tensor, c: Tensor, text_rows: Tensor, packing: Packing | None, L: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The last block's text stream at text_rows (N,) (flat indices into the (B * L) text positions),
+        (N, H), with c and the text of each row (N,): the text head's input there."""
         doc = torch.div(text_rows, L, rounding_mode="floor")  # (N,) the text of each
-        return self.text_final.at(x_text.index_select(0, where.index_select(0, text_rows)), c, doc)
+        H = x_text.shape[-1]
+        if packing is None:
+            x_text = x_text[:, self.cfg.num_prefix_tokens :]  # (B, L, H): the prefix has no output
+            return x_text.reshape(-1, H).index_select(0, text_rows), c, doc
+        where = packing.unpacked_index(c.shape[0] * L, packing.text_slots(L))  # (B * L,) into the packed positions
+        return x_text.reshape(-1, H).index_select(0, where.index_select(0, text_rows)), c, doc
+
+    def text_loss(
+        self,
+        x_text: Tensor,
+        c: Tensor,
+        text_rows: Tensor,
+        packing: Packing | None,
+        L: int,
+        targets: TextTargets,
+        prior: Tensor | None,
+    ) -> TextLoss:
+        """The text head fused with its SUBS cross-entropy at text_rows (`subs_linear_cross_entropy`,
+        no (N, V) logits); prior (B, V) the vocabulary prior of each text or None. The head's rows past
+        N (`FinalLayer.head_input`'s padding) get weight 0."""
+        x, c, doc = self.text_positions(x_text, c, text_rows, packing, L)
+        N = x.shape[0]
+        x = self.text_final.head_input(x, c, doc)  # (N', H)
+        pad = x.shape[0] - N
+        tokens, weights = targets.tokens, targets.weights
+        if pad:  # weight 0, and a token that is not the excluded one (its cross-entropy is infinite)
+            tokens = F.pad(tokens, (0, pad), value=int(targets.excluded == 0))
+            weights, doc = F.pad(weights, (0, pad)), F.pad(doc, (0, pad))
+        loss = subs_linear_cross_entropy(
+            x, self.text_final.head.weight, tokens, weights, targets.excluded, prior=prior, doc=doc
+        )
+        return TextLoss(loss.weighted, loss.ce[:N], loss.predicted[:N])
 
     def prefix_tokens(self, latents: Tensor) -> Tensor:
         """(B, P, H): the latent input (B, K, D) as the text stream's prefix (model.num_prefix_tokens).
@@ -765,6 +821,14 @@ class MultimodalMMDiT(nn.Module):
         latents (B, K, D) the latent input; rows latent_null (B,) marks hold the null latent and get no
         prior: a dropped condition says nothing of the words. (The null latent starts at zero, where the
         cosine's gradient is 1/eps: through the prior, the first l2t step's gradient norm was ~1e11.)"""
+        prior = self.vocab_prior_table(latents, latent_null, t_latent_emb)  # (B, V)
+        if text_rows is None:
+            return prior[:, None, :]
+        batch = torch.div(text_rows, L, rounding_mode="floor")  # (N,)
+        return prior.index_select(0, batch)
+
+    def vocab_prior_table(self, latents: Tensor, latent_null: Tensor | None, t_latent_emb: Tensor) -> Tensor:
+        """`vocab_prior` of each text, (B, V) float32."""
         B = latents.shape[0]
         scale = F.softplus(self.vocab_prior_scale(t_latent_emb))  # (B, 1)
         # No gradient into the latent input: its rows are data, and the null rows get no prior (below), so
@@ -773,10 +837,7 @@ class MultimodalMMDiT(nn.Module):
         prior = scale.float() * cosine  # (B, V)
         if latent_null is not None:
             prior = prior.masked_fill(latent_null[:, None], 0.0)  # and a zero gradient into the null rows
-        if text_rows is None:
-            return prior[:, None, :]
-        batch = torch.div(text_rows, L, rounding_mode="floor")  # (N,)
-        return prior.index_select(0, batch)
+        return prior
 
     def length_logits(self, latents: Tensor) -> Tensor:
         """(B, max_seq_len) log-odds of the text lengths 1..max_seq_len given clean standardised latents (B, K, D)."""

@@ -151,6 +151,7 @@ def joint_objective(objective) -> Objective:
         objective.latent,
         objective.self_condition,
         objective.length_head,
+        fused_text_loss=objective.fused_text_loss,
     )
 
 

@@ -85,7 +85,12 @@ def build_model_and_objective(cfg: RunConfig, dataset):
     if model_cfg.vocab_prior:
         model.set_token_latents(latent.standardize(dataset_token_latents(dataset)))
     return model, Objective(
-        cfg.objective, text, latent, self_condition=cfg.model.self_condition, length_head=cfg.model.length_head
+        cfg.objective,
+        text,
+        latent,
+        self_condition=cfg.model.self_condition,
+        length_head=cfg.model.length_head,
+        fused_text_loss=cfg.perf.fused_text_loss,
     )
 
 
