@@ -14,6 +14,8 @@ Its switches, and where the core consults each (every such line says "baseline r
                                        torch AdamW's own per-parameter loop (no code here); training/optim.py
     distributed.find_unused_parameters=true
                                        DDP's autograd-graph walk every step (no code here); training/parallelize.py
+    perf.fused_text_loss=false         the text head's (N, V) logits, then the loss: the path sampling reads
+                                       too (no code here); objective.py
     train.precision=fp32, the loader   ordinary config values (no code here)
 
 The optimized path of each lives where it is consulted; only the baseline recipe's own code is here.

@@ -21,6 +21,9 @@
 #      d. the attention kernel that each kind of batch reaches at that shape (no padding, a padded
 #         batch's key mask, a packed batch's block-diagonal mask, FlexAttention's block masks) and
 #         its time, forward + backward (scripts/attention_kernels.py);
+#      e. the text head and its loss at micro-batch 8's masked positions, forward + backward: the
+#         logits then the SUBS cross-entropy vs the two fused chunk by chunk (perf.fused_text_loss, on
+#         in the optimized and compiled presets), time and peak memory (scripts/text_loss.py);
 #   2. short texts: the small preset on the default data at micro-batch 512, compiled vs compiled
 #      with CUDA graphs, beside the plain transformer (the eager row was measured on 2026-11-27);
 #   3. a first writing rung: the small preset trained on the default data for what its limit leaves
@@ -65,18 +68,19 @@ fi
 # three 1B rows and their fit searches at 2048 tokens did not finish in 170 s (its rows then shared
 # the GPU's memory: the baseline ran out of it), hence rows one at a time and two benches.
 if [ "$MODE" = gpu ]; then
-    DEFAULTS=(140 280 0 0 120 0 0)  # 1a, 1b, 1c, 1d, 2, 3, 4 (1c measured on 2026-11-27)
+    DEFAULTS=(140 280 0 0 25 95 0 0)  # 1a, 1b, 1c, 1d, 1e, 2, 3, 4 (1c measured on 2026-11-27)
 else
-    DEFAULTS=(80 80 60 40 80 80 60)  # every part, at tiny shapes
+    DEFAULTS=(80 80 60 40 40 80 80 60)  # every part, at tiny shapes
 fi
 T_SHAPE4=${T_SHAPE4:-${DEFAULTS[0]}} # 1a. three rows of 1B parameters and the reference, 3 + 10 steps each
 T_SHAPE8=${T_SHAPE8:-${DEFAULTS[1]}} # 1b. three compiled rows and the compiled reference, 12 + 10 steps
 T_PROFILE=${T_PROFILE:-${DEFAULTS[2]}} # 1c. one row built, 3 steps, 2 steps profiled
 T_ATTENTION=${T_ATTENTION:-${DEFAULTS[3]}} # 1d. five SDPA backends x three masks, two FlexAttention compiles
-T_BASE=${T_BASE:-${DEFAULTS[4]}}     # 2. two rows and the reference, compile, 3 + 10 steps
-T_RUNG=${T_RUNG:-${DEFAULTS[5]}}     # 3. a 16-step timing run and its eval, the training, the eval of 128 texts
-T_TESTS=${T_TESTS:-${DEFAULTS[6]}}   # 4. pytest -m cuda
-TOTAL=$(( T_SHAPE4 + T_SHAPE8 + T_PROFILE + T_ATTENTION + T_BASE + T_RUNG + T_TESTS ))
+T_LOSS=${T_LOSS:-${DEFAULTS[4]}}     # 1e. the text head and its loss, two ways, 13 calls each
+T_BASE=${T_BASE:-${DEFAULTS[5]}}     # 2. two rows and the reference, compile, 3 + 10 steps
+T_RUNG=${T_RUNG:-${DEFAULTS[6]}}     # 3. a 16-step timing run and its eval, the training, the eval of 128 texts
+T_TESTS=${T_TESTS:-${DEFAULTS[7]}}   # 4. pytest -m cuda
+TOTAL=$(( T_SHAPE4 + T_SHAPE8 + T_PROFILE + T_ATTENTION + T_LOSS + T_BASE + T_RUNG + T_TESTS ))
 if [ "$TOTAL" -gt 540 ]; then
     echo "gpu_session: the parts' limits add up to $TOTAL s; expected at most 540 (the device's 600 s less the report and copies)"
     exit 2
@@ -109,6 +113,7 @@ if [ "$MODE" = gpu ]; then
     RUNG_KEYS=""
     EVAL="--num-samples 128 --best-of 1 --no-encoder"  # the figures read need no sentence encoder on the device
     ATTENTION=""  # its defaults are the older shape
+    LOSS=""  # its defaults are the older shape at micro-batch 8
     # Two lengths (1536, 2048): of 8 texts of 600-2048 tokens the longest passes 1536 in 97% of batches.
     GRAPHS="perf.cuda_graphs=true data.length_buckets=[1536]"
     CUDNN="perf.cudnn_attention=true data.length_buckets=[1536]"
@@ -131,6 +136,7 @@ else
     RUNG_KEYS="$TINY train.global_batch_size=8 train.micro_batch_size=8"
     EVAL="--num-samples 8 --best-of 1 --no-encoder"
     ATTENTION="--batch 2 --heads 2 --length 64 --warmup 1 --iters 2"
+    LOSS="--rows 300 --hidden 64 --vocab 2000 --warmup 1 --iters 2"
     # Compile is off here, and CUDA graphs are compile's: the rows keep their length buckets alone.
     GRAPHS="data.length_buckets=[64]"
     CUDNN="perf.cudnn_attention=true data.length_buckets=[64]"
@@ -195,6 +201,8 @@ part "1c. The older codebase's shape, one optimized step profiled" "$T_PROFILE" 
     data.path="$RUN_OUT/shape-4/synthetic-data" --warmup 3 --steps 2 --out "$RUN_OUT/profile"
 part "1d. The older codebase's shape, attention kernels per kind of batch" "$T_ATTENTION" "$RUN_OUT/attention.log" \
     --output -- "$PY" scripts/attention_kernels.py $ATTENTION
+part "1e. The older codebase's shape, the text head and its loss: logits then the loss vs the two fused" "$T_LOSS" \
+    "$RUN_OUT/text-loss.log" --output -- "$PY" scripts/text_loss.py $LOSS
 part "2. Short texts: the small preset on the default data at a batch that fills the GPU, vs the plain transformer" \
     "$T_BASE" "$RUN_OUT/base.log" --bench "$RUN_OUT/base" -- \
     "$PY" -m mmldlm bench $BASE data.path="$DATA" --baseline compiled --optimized "compiled $SHORT_GRAPHS" \

@@ -106,7 +106,7 @@ def test_gpu_session_refuses_limits_that_add_up_past_its_ten_minutes(tmp_path):
     result = session(tmp_path, "--cpu", T_RUNG="300")
     assert result.returncode == 2
     assert result.stdout.strip() == (
-        "gpu_session: the parts' limits add up to 700 s; expected at most 540 (the device's 600 s less the report "
+        "gpu_session: the parts' limits add up to 740 s; expected at most 540 (the device's 600 s less the report "
         "and copies)"
     )
     assert not (tmp_path / "out").exists()
@@ -175,12 +175,13 @@ def test_gpu_session_rehearsal_on_a_cpu_runs_every_part_and_reports_each(tmp_pat
     result = session(tmp_path, "--cpu", DATA=str(prepared(tmp_path_factory)), COPY_TO=str(copies))
     assert result.returncode == 0, result.stdout + result.stderr
     text = (tmp_path / "out" / "report.md").read_text()
-    assert text.count("done in ") == 7 and "failed" not in text and "cut off" not in text
+    assert text.count("done in ") == 8 and "failed" not in text and "cut off" not in text
     for title in (
         "1a. The older",
         "1b. The older",
         "1c. The older",
         "1d. The older",
+        "1e. The older",
         "2. Short texts",
         "3. A first",
         "4. CUDA-only",
@@ -192,6 +193,7 @@ def test_gpu_session_rehearsal_on_a_cpu_runs_every_part_and_reports_each(tmp_pat
     assert "| optimized model.adaln=single | 8 x 1" in text
     assert "| packed: block-diagonal mask | default | " in text  # part 1d's attention kernels
     assert "| padded: a new key mask each call | default | " in text
+    assert "| fused, chunk by chunk | " in text  # part 1e's text head and loss
     # part 1b: compiled without and with CUDA graphs and cuDNN's attention, padded and packed (their
     # length buckets and packed row counts alone on a CPU, where compile is off and cuDNN absent)
     assert "| compiled | 8 x 1, AC " in text
@@ -201,7 +203,16 @@ def test_gpu_session_rehearsal_on_a_cpu_runs_every_part_and_reports_each(tmp_pat
     assert "tokens/s ÷ reference" in text
     # what comes back from the device: the report so far and every part's log, as each part ended
     assert (copies / "session.md").read_text() == (tmp_path / "out" / "session.md").read_text()
-    logs = {"shape-4.log", "shape-8.log", "profile.log", "attention.log", "base.log", "rung.log", "tests.log"}
+    logs = {
+        "shape-4.log",
+        "shape-8.log",
+        "profile.log",
+        "attention.log",
+        "text-loss.log",
+        "base.log",
+        "rung.log",
+        "tests.log",
+    }
     assert {p.name for p in copies.iterdir()} == {"session.md", "profile.txt", *logs}
     assert "Data: synthetic tokens: 64 texts of uniformly random length 20-64 tokens" in text
     assert "| tiny:1 | " in text and "l2t word F1" in text

@@ -99,6 +99,7 @@ LADDER = [
         ["perf.refreeze_every_step", "distributed.find_unused_parameters", "distributed.static_graph"],
     ),
     ("MSE latent loss", ["latent_diffusion.loss"]),
+    ("text head fused with its loss", ["perf.fused_text_loss"]),
     ("activation checkpointing", ["perf.activation_checkpointing", "perf.checkpoint_every_k"]),
     ("compile, padding to 64", ["perf.compile", "data.pad_to_multiple"]),
 ]
