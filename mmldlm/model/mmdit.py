@@ -300,19 +300,15 @@ class FinalLayer(nn.Module):
         """c (B, H) -> shift, scale (B, H) in float32."""
         return self.modulation(c).float().chunk(2, dim=-1)
 
-    def forward(self, x: Tensor, c: Tensor, rows: Tensor | None = None) -> Tensor:
-        """x (B, T, H), c (B, H) -> (B, T, out_dim); with rows (N,) int64, flat indices into the (B * T)
-        positions, only at those positions, (N, out_dim) in their order: the text head's training loss
-        needs its logits only at masked positions, and (N, V) is the largest activation of a small model."""
-        if rows is None:
-            shift, scale = self.shift_scale(c)  # (B, H) each
-            return self.head(modulate(self.norm(x), shift[:, None], scale[:, None]))
-        B, T, H = x.shape
-        batch = torch.div(rows, T, rounding_mode="floor")  # (N,) the row each position belongs to
-        return self.at(x.reshape(B * T, H).index_select(0, rows), c, batch)
+    def forward(self, x: Tensor, c: Tensor) -> Tensor:
+        """x (B, T, H), c (B, H) -> (B, T, out_dim)."""
+        shift, scale = self.shift_scale(c)  # (B, H) each
+        return self.head(modulate(self.norm(x), shift[:, None], scale[:, None]))
 
     def at(self, x: Tensor, c: Tensor, doc: Tensor) -> Tensor:
-        """x (N, H) single positions, c (B, H), doc (N,) the row of c of each -> (N, out_dim)."""
+        """x (N, H) single positions, c (B, H), doc (N,) the row of c of each -> (N, out_dim): the text
+        head's training loss needs its logits only at masked positions, and (N, V) is the largest
+        activation of a small model."""
         return self.head(self.head_input(x, c, doc))[: x.shape[0]]  # (N, out_dim)
 
     def head_input(self, x: Tensor, c: Tensor, doc: Tensor) -> Tensor:
