@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import platform
@@ -76,3 +77,10 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     device = x.device.type
     autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
     return torch.get_autocast_dtype(device) if autocast else x.dtype
+
+
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """A context with autocast off on `device_type` (nothing to turn off where it has no autocast)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()

@@ -35,14 +35,13 @@ reconstruction) needs the two ends of the integral as well:
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Literal, NamedTuple
 
 import torch
 
 from mmldlm.config import TextDiffusionConfig
-from mmldlm.device import compute_dtype
+from mmldlm.device import autocast_off, compute_dtype
 from mmldlm.diffusion import rng
 
 
@@ -127,9 +126,7 @@ class _SubsLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, x, weight, prior, doc, targets, row_weights, excluded, dtype, chunk_rows):
         N = x.shape[0]
         need_x, need_w, need_prior = ctx.needs_input_grad[:3]  # all False under no_grad
-        device = x.device.type
-        off = torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else None
-        with off if off is not None else contextlib.nullcontext():
+        with autocast_off(x.device.type):
             xc, wc = x.to(dtype), weight.to(dtype)
             grad_prior = torch.zeros(prior.shape, device=x.device, dtype=torch.float32) if need_prior else None
             ce, predicted, grad_x, grad_w = [], [], [], None
@@ -349,10 +346,11 @@ class MaskedDiffusion:
 
         extra = {}
         if self.cfg.loss == "elbo":
-            text_of = torch.div(rows, L, rounding_mode="floor")  # (N,) the text of each row
-            weighted = self.row_weights(t, B, rows, L) * ce  # (N,)
+            # (N,); the fused head summed them already (`loss_targets`' weights)
+            weighted = None if fused and not per_sample else self.row_weights(t, B, rows, L) * ce
             loss = (logits.weighted if fused else weighted.sum()) / num_real.clamp_min(1)
             if per_sample:
+                text_of = torch.div(rows, L, rounding_mode="floor")  # (N,) the text of each row
                 nats = torch.zeros(B, device=device).index_add_(0, text_of, weighted.detach())
                 real = pad_mask.sum(dim=1) if pad_mask is not None else torch.full((B,), L, device=device)
                 extra = {"nats_per_sample": nats, "num_tokens_per_sample": real}

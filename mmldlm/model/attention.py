@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mmldlm import baseline
-from mmldlm.device import compute_dtype
+from mmldlm.device import autocast_off, compute_dtype
 
 try:  # flash attention's variable-length kernel; absent from older torch builds
     from torch.nn.attention.varlen import varlen_attn
@@ -211,7 +211,7 @@ def rms_norm(x: Tensor, eps: float) -> Tensor:
     Within `dispatch_as_on_a_gpu` a CPU dispatches the two fused operations as a GPU does (each still
     computed by torch's composition), so that counted operations are a GPU's."""
     device = x.device.type
-    with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext():
+    with autocast_off(device):
         if device != "cpu" or _cpu_detour:
             return F.rms_norm(x, (x.shape[-1],), eps=eps)
         return _FusedRMSNorm.apply(x, eps)
