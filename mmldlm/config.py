@@ -949,6 +949,12 @@ class PerfConfig:
     # head then the loss keep about three (N, V) tensors alive (docs/benchmarks.md). Same loss and
     # gradients; sampling and evaluation read logits as before.
     fused_text_loss: bool = False
+    # bf16 compute weights: in training the blocks and the adaLN modulation read bf16 copies of their
+    # weights, refreshed once a step, and their bf16 gradients are added into the float32 ones in one
+    # operation after each backward, where autocast casts each weight and its gradient at every use
+    # (mmldlm/training/compute_weights.py). The same weights to the bit; keeps 6 bytes per covered
+    # parameter between steps. bf16 precision, one process (elsewhere it stays off and says why).
+    compute_weights: bool = False
     # Toggle requires_grad over every parameter at every step: baseline recipe (mmldlm/baseline.py;
     # the idle head is otherwise handled once per mode, see parallelize.py).
     refreeze_every_step: bool = False

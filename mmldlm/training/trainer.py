@@ -56,6 +56,7 @@ from mmldlm.training.batch_size import (
     probe_or_none,
 )
 from mmldlm.training.checkpoint import CheckpointManager
+from mmldlm.training.compute_weights import ComputeWeights, compute_weights_off_reason
 from mmldlm.training.distributed import DistInfo, collective_guard
 from mmldlm.training.ema import WeightEMA
 from mmldlm.training.evaluation import evaluate_during_training
@@ -247,6 +248,14 @@ class Trainer:
             and self.scaler is None
             and not (info.distributed and cfg.distributed.shards_model)
         )
+        self.compute_weights: ComputeWeights | None = None
+        if cfg.perf.compute_weights:
+            off = compute_weights_off_reason(self.precision, info.distributed, self.step_in_backward)
+            if off is None:
+                self.compute_weights = ComputeWeights(self.raw_model, cfg.perf.fused_text_loss)
+                log.info("perf.compute_weights: bf16 copies of %d weights", len(self.compute_weights.copies))
+            else:
+                log.info("perf.compute_weights: off: %s", off)
 
     def _set_up_model(self, model: nn.Module, objective, max_seq_len: int | None, heaviest_batch) -> None:
         """The model on the device with its EMA copy, activation checkpointing resolved, parallelized, and
@@ -707,40 +716,48 @@ class Trainer:
 
     def _forward_backward(self, mode: str, idle: list[nn.Parameter], num_accum: int) -> StepTotals:
         """Forward and backward of each micro-batch (gradients accumulate; the data-parallel
-        reduction runs with the last one); this rank's totals, on the device."""
-        cfg, info, step = self.cfg, self.info, self.step
+        reduction runs with the last one); this rank's totals, on the device. Under
+        perf.compute_weights the forwards and backwards read the bf16 copies."""
         totals = StepTotals(self.device)
         if self.cuda_graphs and num_accum > 1:
             self._stable_gradients()
-        for a in range(num_accum):
-            t0 = time.perf_counter()
-            batch = self._next_batch()
-            totals.data_wait_s += time.perf_counter() - t0
-            self.generator.manual_seed(micro_seed(cfg.train.seed, step, a * info.world_size + info.rank))
-            with (
-                no_grad_sync(self.model, sync=a == num_accum - 1),
-                collective_guard(f"gradient all-reduce of step {step + 1}", info),
-            ):
-                if self.cuda_graphs:
-                    torch.compiler.cudagraph_mark_step_begin()
-                with self._autocast():
-                    loss, metrics = self.objective(self.model, batch, step, generator=self.generator)
-                    if self.anchor_idle:
-                        loss = anchor(loss, idle)
-                scaled = loss / num_accum
-                if self.step_in_backward:
-                    self.checkpoints.wait_for_snapshot()  # the updates below change what a save copies
-                    self._backward_with_updates(loss, idle)
-                else:
-                    (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            lengths = batch.get("text_lengths")
-            if lengths is not None:
-                tokens = float(sum(lengths))
-            else:
-                tokens = batch["pad_mask"].sum() if "pad_mask" in batch else float(batch["tokens"].numel())
-            totals.add(loss, metrics, tokens, num_accum)
-            self._count_work(totals, batch, mode, metrics.get("num_masked"))
+        with self.compute_weights.active() if self.compute_weights is not None else contextlib.nullcontext():
+            for a in range(num_accum):
+                self._micro_batch(totals, mode, idle, a, num_accum)
         return totals
+
+    def _micro_batch(self, totals: StepTotals, mode: str, idle: list[nn.Parameter], a: int, num_accum: int) -> None:
+        """Forward and backward of the step's micro-batch `a` of `num_accum`, into `totals`."""
+        cfg, info, step = self.cfg, self.info, self.step
+        t0 = time.perf_counter()
+        batch = self._next_batch()
+        totals.data_wait_s += time.perf_counter() - t0
+        self.generator.manual_seed(micro_seed(cfg.train.seed, step, a * info.world_size + info.rank))
+        with (
+            no_grad_sync(self.model, sync=a == num_accum - 1),
+            collective_guard(f"gradient all-reduce of step {step + 1}", info),
+        ):
+            if self.cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            with self._autocast():
+                loss, metrics = self.objective(self.model, batch, step, generator=self.generator)
+                if self.anchor_idle:
+                    loss = anchor(loss, idle)
+            scaled = loss / num_accum
+            if self.step_in_backward:
+                self.checkpoints.wait_for_snapshot()  # the updates below change what a save copies
+                self._backward_with_updates(loss, idle)
+            else:
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+                if self.compute_weights is not None:
+                    self.compute_weights.accumulate(first=a == 0)
+        lengths = batch.get("text_lengths")
+        if lengths is not None:
+            tokens = float(sum(lengths))
+        else:
+            tokens = batch["pad_mask"].sum() if "pad_mask" in batch else float(batch["tokens"].numel())
+        totals.add(loss, metrics, tokens, num_accum)
+        self._count_work(totals, batch, mode, metrics.get("num_masked"))
 
     def _stable_gradients(self) -> None:
         """A zeroed .grad for every trained parameter that has none, before a step that accumulates
