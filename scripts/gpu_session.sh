@@ -4,9 +4,10 @@
 #   1. the older codebase's shape at full size (model=base-2k: 1024 wide, 24 blocks, texts of
 #      600-2048 tokens, a 30,522-entry vocabulary, 32-d latents) on synthetic tokens, no corpus:
 #      a. eager, micro-batch 8: the optimized config (the masked attention, model.attention=sdpa) vs
-#         cuDNN's attention on batches of two lengths (perf.cudnn_attention, data.length_buckets: does
-#         its per-mask plan cost go with few shapes?) and one adaLN projection shared by every block
-#         (model.adaln=single; varlen and packed rows were measured 2026-11-27), beside the plain
+#         bf16 compute weights (perf.compute_weights: no weight cast per use, the reference gets them
+#         too) and cuDNN's attention on batches of two lengths (perf.cudnn_attention,
+#         data.length_buckets: does its per-mask plan cost go with few shapes?; varlen and packed rows
+#         were measured 2026-11-27), beside the plain
 #         transformer of the same text-stream dimensions (`bench --reference`); samples/s, tokens/s, peak memory, bytes per
 #         parameter, the real-token share, MFU on real tokens, and tokens/s and MFU over the reference's
 #         (WITH_BASELINE=1 adds the baseline config and the largest micro-batch of each under 90% of
@@ -187,10 +188,10 @@ else
     SHAPE_ROWS=()
     FITTING=--no-fit
 fi
-part "1a. The older codebase's shape, eager, micro-batch 8: masked attention vs cuDNN's on two lengths vs adaLN-single vs the plain transformer" \
+part "1a. The older codebase's shape, eager, micro-batch 8: masked attention vs bf16 compute weights vs cuDNN's on two lengths vs the plain transformer" \
     "$T_SHAPE4" "$RUN_OUT/shape-4.log" --bench "$RUN_OUT/shape-4" -- \
-    "$PY" -m mmldlm bench $SHAPE $MB8 $SYNTHETIC --baseline optimized --optimized "optimized $CUDNN" \
-    --variant "optimized model.adaln=single" "${SHAPE_ROWS[@]}" --reference $STEPS $FITTING $ROWS --out "$RUN_OUT/shape-4"
+    "$PY" -m mmldlm bench $SHAPE $MB8 $SYNTHETIC --baseline optimized --optimized "optimized perf.compute_weights=true" \
+    --variant "optimized $CUDNN" "${SHAPE_ROWS[@]}" --reference $STEPS $FITTING $ROWS --out "$RUN_OUT/shape-4"
 part "1b. The older codebase's shape, compiled, micro-batch 8: masked attention vs CUDA graphs with cuDNN's attention, padded and packed, vs the plain transformer" \
     "$T_SHAPE8" "$RUN_OUT/shape-8.log" --bench "$RUN_OUT/shape-8" -- \
     "$PY" -m mmldlm bench $SHAPE $MB8 $SYNTHETIC --baseline compiled --optimized "compiled $GRAPHS perf.cudnn_attention=true" \

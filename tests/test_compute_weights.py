@@ -10,6 +10,7 @@ from mmldlm.data.synthetic import SyntheticShape, write_synthetic
 from mmldlm.tools.bench import build_trainer
 from mmldlm.tools.operations import step_operations
 from mmldlm.training.compute_weights import compute_weights_off_reason, covered_parameters
+from mmldlm.training.traffic import bytes_per_parameter
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +87,11 @@ def test_outside_a_step_the_model_holds_its_float32_weights_and_the_optimizer_tr
         name for name, p in model.named_parameters() for m, n in covered_parameters(model) if p is m._parameters[n]
     }
     trainer.train_step()
+    share = trainer.compute_weights.share()
+    assert 0.5 < share < 1.0
+    assert trainer.bytes_per_parameter() == bytes_per_parameter(
+        "bf16", accumulation_steps=2, clip="in_optimizer", ema=True, covered_share=share
+    )
     optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
     for (module, name), master in zip(covered, before):
         param = module._parameters[name]

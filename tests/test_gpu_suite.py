@@ -190,7 +190,7 @@ def test_gpu_session_rehearsal_on_a_cpu_runs_every_part_and_reports_each(tmp_pat
     assert "wall " in text and "## by host time" in text  # the profile's head, in the report
     assert "| optimized | 8 x 1, AC " in text
     assert "| optimized perf.cudnn_attention=true data.length_buckets=[64] | 8 x 1, AC " in text
-    assert "| optimized model.adaln=single | 8 x 1" in text
+    assert "| optimized perf.compute_weights=true | 8 x 1" in text
     assert "| packed: block-diagonal mask | default | " in text  # part 1d's attention kernels
     assert "| padded: a new key mask each call | default | " in text
     assert "| fused, chunk by chunk | " in text  # part 1e's text head and loss

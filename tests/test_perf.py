@@ -557,6 +557,12 @@ def test_bytes_per_parameter_count_the_casts_gradients_clipping_and_adamw_of_a_s
     assert bytes_per_parameter("bf16", recomputed_share=1.0) == 58 + 8
     assert bytes_per_parameter("bf16", recomputed_share=1.0, recomputes_products=False) == 58 + 6
     assert bytes_per_parameter("bf16", state_dtype="int8") < 58 - 10
+    # bf16 compute weights: the same bytes for one micro-batch, fewer where a step accumulates or recomputes
+    assert bytes_per_parameter("bf16", covered_share=1.0) == 58
+    assert bytes_per_parameter("bf16", accumulation_steps=2, covered_share=1.0) == 58 + 6 + 10
+    assert bytes_per_parameter("bf16", accumulation_steps=2, covered_share=0.5) == 58 + (18 + 12 + 6 + 10) / 2
+    assert bytes_per_parameter("bf16", recomputed_share=1.0, covered_share=1.0) == 58 + 2
+    assert bytes_per_parameter("fp32", covered_share=1.0) == 52
     _, trainer = run_losses(tmp_path, ["train.micro_batch_size=4", "train.precision=bf16"], steps=1)
     assert trainer.clip_in_optimizer  # fused AdamW, one process
     assert trainer.bytes_per_parameter() == bytes_per_parameter("bf16", accumulation_steps=2, clip="in_optimizer")

@@ -60,6 +60,7 @@ class ComputeWeights:
     backward."""
 
     def __init__(self, model: nn.Module, fused_text_loss: bool = False, dtype: torch.dtype = torch.bfloat16):
+        self.model = model
         self.slots = covered_parameters(model, fused_text_loss)
         self.masters = [module._parameters[name] for module, name in self.slots]
         with torch.no_grad():
@@ -68,6 +69,11 @@ class ComputeWeights:
         # per parameter, which is what the copies are here to save).
         self.grads = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in self.masters]
         self.dtype = dtype
+
+    def share(self) -> float:
+        """The share of the model's parameters the copies cover (by count)."""
+        total = sum(p.numel() for p in self.model.parameters())
+        return sum(p.numel() for p in self.masters) / total
 
     def num_bytes(self) -> int:
         """Bytes the copies and the gradient buffers keep."""

@@ -253,7 +253,13 @@ class Trainer:
             off = compute_weights_off_reason(self.precision, info.distributed, self.step_in_backward)
             if off is None:
                 self.compute_weights = ComputeWeights(self.raw_model, cfg.perf.fused_text_loss)
-                log.info("perf.compute_weights: bf16 copies of %d weights", len(self.compute_weights.copies))
+                log.info(
+                    "perf.compute_weights: bf16 copies of %d weights (%.1f%% of the parameters; %.2f GiB kept "
+                    "with their float32 gradients)",
+                    len(self.compute_weights.copies),
+                    100 * self.compute_weights.share(),
+                    self.compute_weights.num_bytes() / 2**30,
+                )
             else:
                 log.info("perf.compute_weights: off: %s", off)
 
@@ -619,7 +625,7 @@ class Trainer:
     def bytes_per_parameter(self) -> float:
         """The bytes each parameter moves per optimizer step of the first scheduled batch size, as this
         trainer runs it (training/traffic.py): its precision, accumulation, checkpointed blocks,
-        clipping, EMA and optimizer state."""
+        clipping, EMA, optimizer state and bf16 compute weights."""
         num_accum = accumulation_steps(
             self.global_batch_at(0), self.micro_batch_size, self.info.world_size, "train.global_batch_size"
         )
@@ -638,6 +644,7 @@ class Trainer:
             clip=clip,
             ema=self.ema is not None,
             state_dtype=self.cfg.optim.state_dtype,
+            covered_share=self.compute_weights.share() if self.compute_weights is not None else 0.0,
         )
 
     def idle_parameters(self, mode: str) -> list[nn.Parameter]:
