@@ -362,3 +362,22 @@ def test_blocking_wait_and_monitoring_off_in_this_shell_are_read_and_named(tmp_p
         "TORCH_NCCL_BLOCKING_WAIT=1 in the environment",
         "NCCL_BLOCKING_WAIT=1 in the environment",
     ]
+
+
+def test_bf16_compute_weights_where_the_trainer_turns_them_off_are_flagged_with_the_reason(tmp_path):
+    cpu = Environment(device="cpu", device_memory_gib=24.0, cpus=8, free_disk_gib=500.0, native_bf16=False)
+    one_gpu = dataclasses.replace(ENV, nproc_per_node=1)
+    switch = ["perf.compute_weights=true"]
+    single = ["train.global_batch_size=16"]  # one process, no accumulation: step_in_backward may apply
+
+    def off(overrides, env):
+        return [f for f in findings_of(tmp_path, [*switch, *overrides], env)[1] if f.rule == "compute_weights"]
+
+    assert off(single, one_gpu) == []  # bf16 by auto on a GPU, one process
+    (fp32,) = off([], cpu)  # auto resolves to fp32 on a CPU without bf16 matmuls
+    assert "train.precision resolves to fp32" in fp32.message and fp32.changes == {"perf.compute_weights": False}
+    (ddp,) = off([], ENV)  # two processes
+    assert "more than one process" in ddp.message
+    (in_backward,) = off([*single, "optim.step_in_backward=true", "optim.grad_clip=0"], one_gpu)
+    assert "optim.step_in_backward" in in_backward.message
+    assert off(["train.precision=fp32"], cpu)[0].severity == "warning"

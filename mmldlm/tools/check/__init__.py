@@ -42,6 +42,7 @@ from mmldlm.tools.check.estimates import detect_environment as detect_environmen
 from mmldlm.tools.check.rules import RULES as RULES
 from mmldlm.tools.check.rules import SEVERITY_ORDER, Finding, finding
 from mmldlm.training.batch_size import global_batch_sizes
+from mmldlm.training.compute_weights import compute_weights_off_reason
 from mmldlm.training.schedules import LRSchedule
 from mmldlm.wording import counted
 
@@ -424,9 +425,21 @@ def check_slow_switches(cfg: RunConfig, env: Environment, est: Estimate) -> list
     }
     values = dict(device=env.device, pad=cfg.data.pad_to_multiple, bucket_batches=cfg.data.bucket_batches)
     found = [finding(name, **values) for name, fired in fires.items() if fired]
+    if cfg.perf.compute_weights:
+        found += compute_weights_findings(cfg, env)
     if (cfg.perf.cuda_graphs or cfg.perf.cudnn_attention) and cfg.data.length_buckets is None:
         found += few_shapes_findings(cfg)
     return found
+
+
+def compute_weights_findings(cfg: RunConfig, env: Environment) -> list[Finding]:
+    """perf.compute_weights=true where the trainer turns it off (training/compute_weights.py): precision
+    resolved as the trainer resolves it on `env`, more than one process, or optim.step_in_backward."""
+    precision = cfg.train.precision
+    if precision == "auto":
+        precision = "bf16" if env.native_bf16 else ("fp16" if env.device == "cuda" else "fp32")
+    reason = compute_weights_off_reason(precision, env.world_size > 1, cfg.optim.step_in_backward)
+    return [] if reason is None else [finding("compute_weights_off", reason=reason)]
 
 
 def few_shapes_findings(cfg: RunConfig) -> list[Finding]:

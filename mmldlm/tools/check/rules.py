@@ -451,6 +451,14 @@ RULES = {
         "data.bucket_batches=1",
         {"data.bucket_batches": 1},
     ),
+    "compute_weights_off": Rule(
+        "compute_weights",
+        "warning",
+        "perf.compute_weights=true, but {reason}",
+        "the trainer turns the switch off (its log says why), and autocast casts every weight at each use",
+        "perf.compute_weights=false",
+        {"perf.compute_weights": False},
+    ),
     "async_save_cpu": Rule(
         "async_save",
         "warning",
