@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -211,11 +212,22 @@ def test_a_page_becomes_a_script_whose_lines_are_the_pages(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def command_server(tmp_path_factory):
+def temp_dir():
+    """TMPDIR of the command server and of every page, removed at the end: the server and the commands
+    it still runs are SIGKILLed then, and multiprocessing's folders of those processes (`pymp-*`, which
+    their exit would have removed) would be left in the system's temporary folder. A short path: Unix
+    socket paths under it must stay under 108 bytes."""
+    folder = tempfile.mkdtemp(prefix="mmldlm-pages-")
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def command_server(tmp_path_factory, temp_dir):
     """tests/command_server.py, listening: the `mmldlm` of every page."""
     root = tmp_path_factory.mktemp("server")
     path = root / "mmldlm.sock"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TMPDIR": temp_dir}
     server = subprocess.Popen(
         [sys.executable, str(REPO / "tests" / "command_server.py"), str(path)], env=env, start_new_session=True
     )
@@ -340,10 +352,11 @@ def _kill_group(pid: int) -> None:
 
 @pytest.mark.slow  # every command of a page, tiny: torchrun, launchers and trainings, seconds to minutes a page
 @pytest.mark.parametrize("path", [p for p in PAGES if runnable(p)], ids=page_id)
-def test_every_block_of_the_page_runs_as_written(path, command_server, cache, made_runs, tmp_path):
+def test_every_block_of_the_page_runs_as_written(path, command_server, cache, made_runs, temp_dir, tmp_path):
     folder = page_folder(tmp_path, path.name, made_runs)
     env = {
         **os.environ,
+        "TMPDIR": temp_dir,
         "PATH": os.pathsep.join([str(bin_folder(tmp_path)), str(Path(sys.executable).parent), os.environ["PATH"]]),
         "PYTHONPATH": str(REPO),
         "OMP_NUM_THREADS": "1",

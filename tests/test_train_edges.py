@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -255,6 +256,8 @@ def test_a_trainer_killed_with_sigkill_leaves_its_run_directory_free_at_once(tra
     the workers it forked must not keep the run directory locked after it, so the restart right after
     resumes instead of being refused as a second training."""
     run_dir = tmp_path / "run"
+    # Its own TMPDIR, removed after: the killed processes cannot remove their multiprocessing folders.
+    temp_dir = tempfile.mkdtemp(prefix="mmldlm-kill-")
     trainer = subprocess.Popen(
         [
             sys.executable,
@@ -269,7 +272,7 @@ def test_a_trainer_killed_with_sigkill_leaves_its_run_directory_free_at_once(tra
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TMPDIR": temp_dir},
     )
     try:
         deadline = time.monotonic() + 180
@@ -281,6 +284,7 @@ def test_a_trainer_killed_with_sigkill_leaves_its_run_directory_free_at_once(tra
     finally:
         trainer.kill()
         trainer.wait()
+        shutil.rmtree(temp_dir, ignore_errors=True)
     assert workers
     status, err = train("data.num_workers=1", "--resume", "auto", steps=last_checkpoint_step(run_dir) + 1)
     assert status == 0, err[-1]
