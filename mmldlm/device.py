@@ -36,6 +36,16 @@ def pick_device(kind: str, key: str = "config key 'train.device'") -> torch.devi
     return torch.device(kind)
 
 
+def auto_precision(device_type: str, native_bf16: bool) -> str:
+    """What train.precision=auto is on a device of `device_type` whose hardware multiplies bf16
+    natively or not: bf16 autocast there (a CUDA GPU without bf16 gets fp16 with loss scaling), fp32
+    elsewhere, also on a device without autocast (meta). The trainer asks the hardware; `mmldlm check`
+    passes the machine it describes."""
+    if device_type == "cuda":
+        return "bf16" if native_bf16 else "fp16"
+    return "bf16" if device_type == "cpu" and native_bf16 else "fp32"
+
+
 def describe_device(device: torch.device) -> str:
     """A device's name for records and model cards: the GPU's name, or the CPU's model and the number
     of CPUs this process may use."""

@@ -376,6 +376,8 @@ def test_bf16_compute_weights_where_the_trainer_turns_them_off_are_flagged_with_
     assert off(single, one_gpu) == []  # bf16 by auto on a GPU, one process
     (fp32,) = off([], cpu)  # auto resolves to fp32 on a CPU without bf16 matmuls
     assert "train.precision resolves to fp32" in fp32.message and fp32.changes == {"perf.compute_weights": False}
+    (fp16,) = off(single, dataclasses.replace(one_gpu, native_bf16=False))  # a GPU without bf16: fp16
+    assert "train.precision resolves to fp16" in fp16.message
     (ddp,) = off([], ENV)  # two processes
     assert "more than one process" in ddp.message
     (in_backward,) = off([*single, "optim.step_in_backward=true", "optim.grad_clip=0"], one_gpu)

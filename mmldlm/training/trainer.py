@@ -42,6 +42,7 @@ from mmldlm import baseline
 from mmldlm.config import ConfigError, PerfConfig, RunConfig, batch_split, infeasible
 from mmldlm.data.dataset import batch_shape_count
 from mmldlm.data.errors import DataError
+from mmldlm.device import auto_precision
 from mmldlm.model.info import training_flops_per_sample
 from mmldlm.model.mmdit import padded_row_count
 from mmldlm.runs.files import CheckpointError
@@ -113,9 +114,8 @@ def resolve_precision(name: str, device: torch.device) -> str:
                 "config key 'train.precision': got 'fp16'; fp16 with loss scaling needs CUDA; use bf16 or fp32 on CPU"
             )
         return name
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return "bf16" if device.type == "cpu" and cpu_has_native_bf16() else "fp32"
+    native = torch.cuda.is_bf16_supported() if device.type == "cuda" else device.type == "cpu" and cpu_has_native_bf16()
+    return auto_precision(device.type, native)
 
 
 def accumulation_steps(global_batch: int, micro_batch: int, world_size: int, key: str) -> int:

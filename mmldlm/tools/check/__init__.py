@@ -26,6 +26,7 @@ import yaml
 from mmldlm.config import MODES, RunConfig, from_dict, infeasible, to_dict
 from mmldlm.data import long_texts
 from mmldlm.data.dataset import default_num_workers, open_dataset, padded_lengths
+from mmldlm.device import auto_precision
 from mmldlm.runs.checkpoints import find_latest, is_full_state
 from mmldlm.runs.files import CheckpointError, current_run_config
 from mmldlm.tools.check.estimates import (
@@ -437,7 +438,7 @@ def compute_weights_findings(cfg: RunConfig, env: Environment) -> list[Finding]:
     resolved as the trainer resolves it on `env`, more than one process, or optim.step_in_backward."""
     precision = cfg.train.precision
     if precision == "auto":
-        precision = "bf16" if env.native_bf16 else ("fp16" if env.device == "cuda" else "fp32")
+        precision = auto_precision(env.device, env.native_bf16)
     reason = compute_weights_off_reason(precision, env.world_size > 1, cfg.optim.step_in_backward)
     return [] if reason is None else [finding("compute_weights_off", reason=reason)]
 

@@ -19,6 +19,7 @@ from mmldlm.data import DataError
 from mmldlm.data.dataset import heaviest_batch, open_dataset
 from mmldlm.data.encoders import ENCODER_WIDTHS
 from mmldlm.data.prepare import default_prepare_options
+from mmldlm.device import auto_precision
 from mmldlm.model.mmdit import MultimodalMMDiT
 from mmldlm.training.batch_size import batch_shape, global_batch_sizes, per_process_micro_batch
 from mmldlm.training.metrics import cpu_has_native_bf16
@@ -230,7 +231,8 @@ def estimate(cfg: RunConfig, env: Environment) -> Estimate:
     params = count_parameters(m, vocab)
     seq_len, seq_len_source = text_positions_per_sample(cfg, env)
     tokens = seq_len + m.num_latents
-    low_precision = cfg.train.precision in ("bf16", "fp16") or (cfg.train.precision == "auto" and env.native_bf16)
+    precision = cfg.train.precision if cfg.train.precision != "auto" else auto_precision(env.device, env.native_bf16)
+    low_precision = precision in ("bf16", "fp16")
     shards = cfg.distributed.num_shards(env.world_size, env.nproc_per_node)
     # fp32 weights 4, gradients 4 (none all at once with the step in backward), AdamW moments by state_dtype
     moments = STATE_BYTES[cfg.optim.state_dtype]
