@@ -160,7 +160,7 @@ def dynamo_limits():
         yield
 
 
-def compiled_trainer(tmp_path, monkeypatch, lengths, overrides=(), loader=None):
+def compiled_trainer(tmp_path, monkeypatch, lengths, overrides=(), loader=None, backend="aot_eager"):
     """A trainer whose blocks compile with a counting backend (aot_eager: forward and backward traced,
     no code generated) over batches cycling through `lengths`, the mode changing every round of them."""
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -169,7 +169,7 @@ def compiled_trainer(tmp_path, monkeypatch, lengths, overrides=(), loader=None):
     from mmldlm.config import MODES
     from mmldlm.training import parallelize
 
-    counter = CompileCounterWithBackend("aot_eager")
+    counter = CompileCounterWithBackend(backend)
     real_compile = parallelize.apply_compile
     monkeypatch.setattr(parallelize, "apply_compile", lambda model, **options: real_compile(model, counter, **options))
     torch._dynamo.reset()
@@ -213,6 +213,24 @@ def test_compiled_blocks_have_no_graph_break_and_stop_compiling_once_every_mode_
         compiled.append(counter.frame_count)
     assert dict(counters["graph_break"]) == {}
     assert compiled[0] == compiled[1] <= 2 * len(MODES) < len(MODES) * len(lengths), compiled
+
+
+@pytest.mark.slow  # inductor generates and compiles C++ for each graph: tens of seconds cold
+def test_inductor_trains_the_blocks_through_lengths_it_has_not_seen(tmp_path, monkeypatch, dynamo_limits):
+    """The real backend, not a tracing one, without checkpointing (which recomputes what a backward
+    needs instead of saving it): after the first length each block variant recompiles with the length
+    dynamic, and the backward at every later length must read what its forward saved with that
+    length's layout. The attention's queries and keys were once saved with the strides of the first
+    length, and the first backward at another length stopped on inductor's stride assertion."""
+    from mmldlm.config import MODES
+
+    lengths = (8, 16, 24)
+    overrides = ["perf.activation_checkpointing=none"]
+    trainer, counter, counters = compiled_trainer(tmp_path, monkeypatch, lengths, overrides, backend="inductor")
+    losses = [trainer.train_step()["loss"] for _ in range(len(MODES) * len(lengths))]  # each mode at each length
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert dict(counters["graph_break"]) == {}
+    assert 3 <= counter.frame_count <= 2 * 3, counter.frame_count  # static then dynamic, three block variants
 
 
 @pytest.mark.slow  # aot_eager traces forward and backward of each graph: 2-3 s a graph
@@ -346,7 +364,8 @@ def test_a_step_that_accumulates_under_cuda_graphs_adds_every_micro_batch_into_g
 def test_compile_options_follow_the_perf_switches():
     """perf.cuda_graphs is inductor's "reduce-overhead" on a CUDA device, with static shapes and a
     limit of graphs per code object that holds every length (12 variants each); elsewhere static
-    shapes alone; perf.compile_dynamic otherwise passes through as torch.compile's `dynamic`."""
+    shapes alone; perf.compile_dynamic otherwise passes through as torch.compile's `dynamic`, with a
+    limit for the 12 variants dynamic, twice that where each first compiles for one length."""
     from mmldlm.config import PerfConfig
     from mmldlm.training.parallelize import compile_options
 
@@ -354,8 +373,9 @@ def test_compile_options_follow_the_perf_switches():
     graphs = PerfConfig(compile=True, cuda_graphs=True)
     assert compile_options(graphs, cuda, 5) == {"dynamic": False, "mode": "reduce-overhead", "recompile_limit": 60}
     assert compile_options(graphs, cpu, 5) == {"dynamic": False, "recompile_limit": 60}
-    assert compile_options(PerfConfig(compile=True), cuda, 5) == {"dynamic": None}
-    assert compile_options(PerfConfig(compile=True, compile_dynamic=True), cuda, 5) == {"dynamic": True}
+    assert compile_options(PerfConfig(compile=True), cuda, 5) == {"dynamic": None, "recompile_limit": 24}
+    dynamic = PerfConfig(compile=True, compile_dynamic=True)
+    assert compile_options(dynamic, cuda, 5) == {"dynamic": True, "recompile_limit": 12}
 
 
 @pytest.mark.parametrize("compute_weights", [False, True], ids=["autocast-casts", "bf16-compute-weights"])

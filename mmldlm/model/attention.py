@@ -151,6 +151,12 @@ class JointAttention:
         if mask is not None and mask.shape[2] > 1 and queries != "all":  # packed: the rows of the queries asked for
             mask = mask[:, :, : self.text_length] if queries == "text" else mask[:, :, self.text_length :]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (R, nh, T, hd): views
+        if torch.compiler.is_compiling():
+            # Queries and keys are every other slice of one concatenation: with the length dynamic,
+            # inductor (torch 2.13, CPU) saved them for the attention's backward with the strides of
+            # the first length it compiled, and the first backward at another length stopped on its
+            # stride assertion. A layout of their own is fused into the kernel that writes them.
+            q, k = q.contiguous(), k.contiguous()
         if self.kind == "explicit":  # baseline recipe
             return baseline.explicit_attention(q, k, v, mask, dropout_p).transpose(1, 2)
         return sdpa(q, k, v, mask, dropout_p).transpose(1, 2)

@@ -104,13 +104,17 @@ GRAPHS_PER_SHAPE = 3 * 2 * 2
 def compile_options(perf: PerfConfig, device: torch.device, num_shapes: int | None = None) -> dict:
     """torch.compile's options for the blocks: `dynamic` as perf.compile_dynamic says (false under
     perf.cuda_graphs), and CUDA graphs (inductor's "reduce-overhead") on a CUDA device under
-    perf.cuda_graphs. `num_shapes`: the text lengths (or packed row counts) the batches can have, which
-    raises dynamo's limit of graphs per code object (8) where static shapes need more (past it dynamo
-    falls back to eager)."""
+    perf.cuda_graphs. Dynamo's limit of graphs per code object (8; past it the blocks run eagerly)
+    is raised to what the variants need: with static shapes one graph per variant and shape
+    (`num_shapes`: the text lengths or packed row counts the batches can have); with the lengths
+    dynamic one per variant, and under dynamic=None (the default) one more each, compiled for the first
+    length before the second makes it dynamic (the main job on a CPU compiled 9 and stopped at 8)."""
     options: dict = {"dynamic": False if perf.cuda_graphs else perf.compile_dynamic}
     if perf.cuda_graphs and device.type == "cuda":
         options["mode"] = "reduce-overhead"
-    if options["dynamic"] is False and num_shapes is not None:
+    if options["dynamic"] is not False:
+        options["recompile_limit"] = GRAPHS_PER_SHAPE * (1 if options["dynamic"] else 2)
+    elif num_shapes is not None:
         options["recompile_limit"] = GRAPHS_PER_SHAPE * num_shapes
     return options
 
