@@ -155,7 +155,7 @@ class JointAttention:
             # Queries and keys are every other slice of one concatenation: with the length dynamic,
             # inductor (torch 2.13, CPU) saved them for the attention's backward with the strides of
             # the first length it compiled, and the first backward at another length stopped on its
-            # stride assertion. A layout of their own is fused into the kernel that writes them.
+            # stride assertion. Eager dispatch keeps the views (no copies).
             q, k = q.contiguous(), k.contiguous()
         if self.kind == "explicit":  # baseline recipe
             return baseline.explicit_attention(q, k, v, mask, dropout_p).transpose(1, 2)

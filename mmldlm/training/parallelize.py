@@ -108,7 +108,7 @@ def compile_options(perf: PerfConfig, device: torch.device, num_shapes: int | No
     is raised to what the variants need: with static shapes one graph per variant and shape
     (`num_shapes`: the text lengths or packed row counts the batches can have); with the lengths
     dynamic one per variant, and under dynamic=None (the default) one more each, compiled for the first
-    length before the second makes it dynamic (the main job on a CPU compiled 9 and stopped at 8)."""
+    length before the second makes it dynamic."""
     options: dict = {"dynamic": False if perf.cuda_graphs else perf.compile_dynamic}
     if perf.cuda_graphs and device.type == "cuda":
         options["mode"] = "reduce-overhead"
