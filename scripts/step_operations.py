@@ -7,7 +7,9 @@ in seconds on a CPU.
     python scripts/step_operations.py model=small train.precision=fp32
 
 Prints, per row, every operation and the kernels (operations that are not views), per step and per
-block, and the ratios to the reference; `--top N` lists the most frequent operations of each row.
+block, and the ratios to the reference; `--top N` lists the most frequent operations of each row, and
+`--sites N` the N lines of the package that cause the most (forward: the line that runs it;
+backward: the forward line whose gradient it computes), with each line's operations per block.
 """
 
 from __future__ import annotations
@@ -35,21 +37,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="after the defaults above")
     parser.add_argument("--config", default="optimized", help="config name or file (default optimized)")
     parser.add_argument("--top", type=int, default=0, help="the N most frequent operations of each row")
+    parser.add_argument("--sites", type=int, default=0, help="the N lines causing the most operations, per row")
     args = parser.parse_args(argv)
 
     from mmldlm.data.synthetic import SyntheticShape, write_synthetic
     from mmldlm.tools.bench import build_reference, build_trainer
-    from mmldlm.tools.operations import step_operations
+    from mmldlm.tools.operations import METADATA_OPS, step_operations
 
     with tempfile.TemporaryDirectory() as scratch:
         shape = SyntheticShape(vocab_size=30522, min_length=60, max_length=256, latent_dim=32, num_samples=64)
         overrides = [f"data.path={write_synthetic(shape, Path(scratch) / 'data')}", *DEFAULTS, *args.overrides]
         _, _, trainer, _ = build_reference(args.config, overrides, str(Path(scratch) / "reference"))
-        rows = {"reference: plain transformer": step_operations(trainer)}
+        by_site = args.sites > 0
+        rows = {"reference: plain transformer": step_operations(trainer, by_site)}
         for mode in ("l2t", "t2l", "joint"):
             run_dir = str(Path(scratch) / mode)
             _, _, trainer, _ = build_trainer(args.config, [*overrides, f"objective.mode={mode}"], run_dir)
-            rows[mode] = step_operations(trainer)
+            rows[mode] = step_operations(trainer, by_site)
     depth = len(trainer.raw_model.blocks)
     reference = rows["reference: plain transformer"]
     print("| row | operations | per block | x reference | kernels | per block | x reference |")
@@ -62,6 +66,18 @@ def main(argv: list[str] | None = None) -> int:
     for name, ops in rows.items() if args.top else ():
         top = sorted(ops.counts.items(), key=lambda item: -item[1])[: args.top]
         print(f"{name}: " + ", ".join(f"{op} {n}" for op, n in top))
+    for name, ops in rows.items() if args.sites else ():
+        print(f"\n{name}: the {args.sites} lines causing the most operations (of {ops.total:,})\n")
+        print("| line | operations | per block | kernels | operations |")
+        print("|---|---|---|---|---|")
+        by_line: dict[str, dict[str, int]] = {}
+        for (site, op), n in ops.sites.items():
+            by_line.setdefault(site, {})[op] = n
+        for site, counts in sorted(by_line.items(), key=lambda item: -sum(item[1].values()))[: args.sites]:
+            total = sum(counts.values())
+            kernels = sum(n for op, n in counts.items() if op not in METADATA_OPS)
+            listed = ", ".join(f"{op} {n}" for op, n in sorted(counts.items(), key=lambda item: -item[1]))
+            print(f"| {site} | {total} | {total / depth:.1f} | {kernels} | {listed} |")
     return 0
 
 

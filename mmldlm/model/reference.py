@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mmldlm.config import ModelConfig
+from mmldlm.device import compute_dtype
 from mmldlm.model.attention import sdpa
 from mmldlm.model.mmdit import MLP, apply_rope, rope_angles
 
@@ -34,7 +35,7 @@ class PlainBlock(nn.Module):
         self.mlp = MLP(H, int(cfg.mlp_ratio * H))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x (B, L, H); cos, sin (L, 1, hd) the rotary tables in x's dtype."""
+        """x (B, L, H); cos, sin (L, 1, hd) the rotary tables in the dtype q and k are computed in."""
         B, L, H = x.shape
         q, k, v = self.qkv(self.norm_attn(x)).view(B, L, 3, self.num_heads, -1).unbind(2)  # (B, L, nh, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -60,9 +61,10 @@ class PlainTransformer(nn.Module):
     def forward(self, tokens: Tensor) -> Tensor:
         L = tokens.shape[1]
         x = self.text_embed(tokens)  # (B, L, H)
-        cos, sin = (
-            t[:, None].to(x.dtype) for t in rope_angles(L, self.cfg.hidden_size // self.cfg.num_heads, x.device)
-        )
+        # The tables in the dtype q and k are computed in (autocast's where it is on), as the
+        # MultimodalMMDiT's are: rotated in bf16, not promoted to float32 and cast back for attention.
+        head_dim = self.cfg.hidden_size // self.cfg.num_heads
+        cos, sin = (t[:, None].to(compute_dtype(x)) for t in rope_angles(L, head_dim, x.device))
         for block in self.blocks:
             x = block(x, cos, sin)
         return self.head(self.norm(x))

@@ -7,6 +7,13 @@ and the tests that hold the count down."""
 
 from __future__ import annotations
 
+import contextlib
+import re
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmldlm.model.attention import dispatch_as_on_a_gpu
@@ -34,15 +41,28 @@ METADATA_OPS = frozenset(
 )
 
 
-class OperationCounter(TorchDispatchMode):
-    """ATen operations dispatched while it is entered, by name (the overload packet: 'mm', 'gelu')."""
+PACKAGE = Path(__file__).resolve().parents[1]  # mmldlm/
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')
 
-    def __init__(self):
+
+class OperationCounter(TorchDispatchMode):
+    """ATen operations dispatched while it is entered, by name (the overload packet: 'mm', 'gelu').
+
+    With `by_site`, also by the line of the package's code that caused each one (`sites`, keyed
+    (site, name)): a forward operation at the innermost frame in mmldlm/ outside mmldlm/tools/, a
+    backward one at that of the forward operation whose autograd node runs it, which autograd records
+    only in anomaly mode (`step_operations` turns it on, without its NaN checks)."""
+
+    def __init__(self, by_site: bool = False):
         super().__init__()
         self.counts: dict[str, int] = {}
+        self.sites: dict[tuple[str, str], int] | None = {} if by_site else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
+        if self.sites is not None:
+            key = (operation_site(torch._C._current_autograd_node()), name)
+            self.sites[key] = self.sites.get(key, 0) + 1
         self.counts[name] = self.counts.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
 
@@ -56,11 +76,34 @@ class OperationCounter(TorchDispatchMode):
         return sum(n for name, n in self.counts.items() if name not in METADATA_OPS)
 
 
-def step_operations(trainer) -> OperationCounter:
+def operation_site(node) -> str:
+    """'forward model/mmdit.py:178 qk_heads' (the innermost frame of the package, outside mmldlm/tools/,
+    of the operation running now), or 'backward ...' (that of the forward operation whose autograd node
+    `node` runs now; the node's name where anomaly mode recorded no traceback)."""
+    if node is None:
+        frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_stack()]
+    else:
+        recorded = node.metadata.get("traceback_")
+        if recorded is None:
+            return f"backward {node.name()}"
+        found = (_FRAME.search(entry) for entry in recorded)
+        frames = [(m["file"], int(m["line"]), m["name"]) for m in found if m is not None]
+    phase = "forward" if node is None else "backward"
+    for file, line, name in reversed(frames):
+        path = Path(file).resolve()
+        if path.is_relative_to(PACKAGE) and not path.is_relative_to(PACKAGE / "tools"):
+            return f"{phase} {path.relative_to(PACKAGE)}:{line} {name}"
+    return f"{phase} (outside mmldlm)"
+
+
+def step_operations(trainer, by_site: bool = False) -> OperationCounter:
     """The operations of one queued training step (`Trainer.run_step`, no record read), after one
-    step of warm-up (first-step work: the optimizer's state, cached statistics)."""
-    with dispatch_as_on_a_gpu():
+    step of warm-up (first-step work: the optimizer's state, cached statistics); with `by_site`, also
+    where in the package each comes from (`OperationCounter`: under anomaly mode, slower)."""
+    with dispatch_as_on_a_gpu(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
         trainer.train_step()
-        with OperationCounter() as counter:
+        anomaly = torch.autograd.detect_anomaly(check_nan=False) if by_site else contextlib.nullcontext()
+        with anomaly, OperationCounter(by_site) as counter:
             trainer.run_step()
     return counter
