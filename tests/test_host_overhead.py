@@ -389,7 +389,7 @@ def test_a_step_at_the_older_shapes_depth_dispatches_under_2_45_times_a_plain_tr
     that `bench --reference` measures (mmldlm/model/reference.py), same precision, optimizer and
     clipping, its rotary embeddings in bf16 as ours. Two streams make twice the reference's matrix
     products and their autograd plumbing (view, t, the weights' casts), and adaLN-Zero's modulations
-    and gates (about 38 operations a block) and QK-norm (about 26) come on top: 2x is below the floor
+    and gates (about 40 operations a block) and QK-norm (about 28) come on top: 2x is below the floor
     of this design in eager mode (docs/benchmarks.md, "Operations per block"). Before the blocks'
     modulations became one product and the step stopped reading the device: 3.5x (10,534 against
     2,958 in joint mode, the reference then rotating in float32); now 2.36-2.44x, and 2.56-2.66x of

@@ -8,6 +8,7 @@ and the tests that hold the count down."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import traceback
 import warnings
@@ -90,10 +91,18 @@ def operation_site(node) -> str:
         frames = [(m["file"], int(m["line"]), m["name"]) for m in found if m is not None]
     phase = "forward" if node is None else "backward"
     for file, line, name in reversed(frames):
-        path = Path(file).resolve()
-        if path.is_relative_to(PACKAGE) and not path.is_relative_to(PACKAGE / "tools"):
-            return f"{phase} {path.relative_to(PACKAGE)}:{line} {name}"
+        if (where := _in_package(file)) is not None:
+            return f"{phase} {where}:{line} {name}"
     return f"{phase} (outside mmldlm)"
+
+
+@functools.cache
+def _in_package(file: str) -> str | None:
+    """`file` relative to mmldlm/ ('model/mmdit.py'), or None outside it or inside mmldlm/tools/."""
+    path = Path(file).resolve()
+    if path.is_relative_to(PACKAGE) and not path.is_relative_to(PACKAGE / "tools"):
+        return str(path.relative_to(PACKAGE))
+    return None
 
 
 def step_operations(trainer, by_site: bool = False) -> OperationCounter:
