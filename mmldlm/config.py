@@ -933,6 +933,12 @@ class PerfConfig:
     # length symbolic); false: one static graph per shape (pair with data.length_buckets); true:
     # symbolic from the start.
     compile_dynamic: bool | None = None
+    # With perf.compile, also compile the model's parts outside the blocks whose shapes are the batch
+    # size's alone, one graph each whatever the text lengths: the two timestep MLPs, the blocks' adaLN
+    # modulation, the latent stream's input, the text head's modulation, the latent head and the length
+    # head (model/mmdit.py). A few hundred eager operations a step become a few compiled calls: the host
+    # work left beside CUDA graphs of the blocks, where short texts make the step host-bound.
+    compile_outside_blocks: bool = False
     # CUDA graphs (torch.compile's "reduce-overhead"): each compiled block's forward and backward replay
     # as one launch per shape. Needs perf.compile, static shapes (compile_dynamic null or false) and
     # batches of few shapes: data.length_buckets (or packed rows with data.pack_rows), SDPA attention.
@@ -963,6 +969,12 @@ class PerfConfig:
     def check(self, prefix: str = "perf") -> None:
         if self.checkpoint_every_k < 1:
             _fail(f"{prefix}.checkpoint_every_k", self.checkpoint_every_k, "an integer >= 1")
+        if self.compile_outside_blocks and not self.compile:
+            _fail(
+                f"{prefix}.compile_outside_blocks",
+                True,
+                f"false with {prefix}.compile=false (it compiles beside the blocks)",
+            )
         if self.cuda_graphs and not self.compile:
             _fail(f"{prefix}.cuda_graphs", True, f"false with {prefix}.compile=false (CUDA graphs are compile's)")
         if self.cuda_graphs and self.compile_dynamic:

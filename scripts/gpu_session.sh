@@ -26,7 +26,9 @@
 #         logits then the SUBS cross-entropy vs the two fused chunk by chunk (perf.fused_text_loss, on
 #         in the optimized and compiled presets), time and peak memory (scripts/text_loss.py);
 #   2. short texts: the small preset on the default data at micro-batch 512, compiled vs compiled
-#      with CUDA graphs, beside the plain transformer (the eager row was measured on 2026-11-27);
+#      with CUDA graphs, and with the parts outside the blocks compiled too
+#      (perf.compile_outside_blocks: the host's work left beside the blocks' replays), beside the
+#      plain transformer (the eager row was measured on 2026-11-27);
 #   3. a first writing rung: the small preset trained on the default data for what its limit leaves
 #      and evaluated on 128 validation texts (t2l retrieval@1, l2t word F1 and BLEU, with intervals),
 #      as scripts/writing_ladder.py measures it (off unless T_RUNG is set: with part 1's 480 s it
@@ -69,7 +71,7 @@ fi
 # three 1B rows and their fit searches at 2048 tokens did not finish in 170 s (its rows then shared
 # the GPU's memory: the baseline ran out of it), hence rows one at a time and two benches.
 if [ "$MODE" = gpu ]; then
-    DEFAULTS=(140 280 0 0 25 95 0 0)  # 1a, 1b, 1c, 1d, 1e, 2, 3, 4 (1c measured on 2026-11-27)
+    DEFAULTS=(140 250 0 0 25 125 0 0)  # 1a, 1b, 1c, 1d, 1e, 2, 3, 4 (1c measured on 2026-11-27)
 else
     DEFAULTS=(80 80 60 40 40 80 80 60)  # every part, at tiny shapes
 fi
@@ -78,7 +80,7 @@ T_SHAPE8=${T_SHAPE8:-${DEFAULTS[1]}} # 1b. three compiled rows and the compiled 
 T_PROFILE=${T_PROFILE:-${DEFAULTS[2]}} # 1c. one row built, 3 steps, 2 steps profiled
 T_ATTENTION=${T_ATTENTION:-${DEFAULTS[3]}} # 1d. five SDPA backends x three masks, two FlexAttention compiles
 T_LOSS=${T_LOSS:-${DEFAULTS[4]}}     # 1e. the text head and its loss, two ways, 13 calls each
-T_BASE=${T_BASE:-${DEFAULTS[5]}}     # 2. two rows and the reference, compile, 3 + 10 steps
+T_BASE=${T_BASE:-${DEFAULTS[5]}}     # 2. three rows and the reference, compile, 12 + 10 steps
 T_RUNG=${T_RUNG:-${DEFAULTS[6]}}     # 3. a 16-step timing run and its eval, the training, the eval of 128 texts
 T_TESTS=${T_TESTS:-${DEFAULTS[7]}}   # 4. pytest -m cuda
 TOTAL=$(( T_SHAPE4 + T_SHAPE8 + T_PROFILE + T_ATTENTION + T_LOSS + T_BASE + T_RUNG + T_TESTS ))
@@ -122,6 +124,7 @@ if [ "$MODE" = gpu ]; then
     # compute less (6.6 rows on average) but compile a third more graphs than the lease has time for.
     PACKED="perf.cuda_graphs=true perf.cudnn_attention=true data.packing=true data.pack_rows=[6]"
     SHORT_GRAPHS="perf.cuda_graphs=true"  # glosses padded to 64: one or two lengths
+    OUTSIDE="perf.compile_outside_blocks=true"
     export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 else
     # Tiny shapes and no compile (torch.compile's own CPU tests are in tests/test_perf.py): every
@@ -143,6 +146,7 @@ else
     CUDNN="perf.cudnn_attention=true data.length_buckets=[64]"
     PACKED="data.packing=true data.pack_rows=[2]"
     SHORT_GRAPHS="data.length_buckets=[64]"
+    OUTSIDE=""
 fi
 mkdir -p "$RUN_OUT"
 REPORTER=("$PY" scripts/gpu_session_report.py --report "$REPORT" --section "$RUN_OUT/session.md")
@@ -204,10 +208,10 @@ part "1d. The older codebase's shape, attention kernels per kind of batch" "$T_A
     --output -- "$PY" scripts/attention_kernels.py $ATTENTION
 part "1e. The older codebase's shape, the text head and its loss: logits then the loss vs the two fused" "$T_LOSS" \
     "$RUN_OUT/text-loss.log" --output -- "$PY" scripts/text_loss.py $LOSS
-part "2. Short texts: the small preset on the default data at a batch that fills the GPU, vs the plain transformer" \
+part "2. Short texts: the small preset on the default data at a batch that fills the GPU: compiled, CUDA graphs, and the parts outside the blocks compiled too, vs the plain transformer" \
     "$T_BASE" "$RUN_OUT/base.log" --bench "$RUN_OUT/base" -- \
     "$PY" -m mmldlm bench $BASE data.path="$DATA" --baseline compiled --optimized "compiled $SHORT_GRAPHS" \
-    --reference $COMPILED_STEPS --no-fit $ROWS --out "$RUN_OUT/base"
+    --variant "compiled $SHORT_GRAPHS $OUTSIDE" --reference $COMPILED_STEPS --no-fit $ROWS --out "$RUN_OUT/base"
 part "3. A first writing rung" "$T_RUNG" "$RUN_OUT/rung.log" --ladder "$RUN_OUT/rung" -- \
     "$PY" scripts/writing_ladder.py $RUNG --eval-args "$EVAL" --out "$RUN_OUT/rung" $RUNG_KEYS data.path="$DATA"
 part "4. CUDA-only tests" "$T_TESTS" "$RUN_OUT/tests.log" --tests -- \

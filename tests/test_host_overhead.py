@@ -266,6 +266,38 @@ def test_static_shapes_compile_one_graph_per_length_bucket_and_block_variant_the
     )
 
 
+@pytest.mark.slow  # aot_eager traces forward and backward of each graph: 2-3 s a graph
+def test_the_parts_outside_the_blocks_compile_once_whatever_the_lengths(tmp_path, monkeypatch, dynamo_limits):
+    """perf.compile_outside_blocks under static shapes: over four lengths and the three modes, twice,
+    the blocks compile their 12 graphs as without it, and the parts outside them one graph each,
+    the same for every length and mode: the timestep MLPs (both in one graph), the adaLN modulation,
+    the latent stream's input, the text head's modulation, the latent head and the length head. No
+    graph breaks, and the second round compiles nothing."""
+    from mmldlm.config import MODES
+    from mmldlm.training.parallelize import outside_block_methods
+
+    lengths = (8, 16, 24, 32)
+    overrides = ["perf.compile_dynamic=false", "data.pad_to_multiple=8", "perf.compile_outside_blocks=true"]
+    trainer, counter, counters = compiled_trainer(tmp_path, monkeypatch, lengths, overrides)
+    trainer.objective.length_head = True  # the length head's loss on, as the trainer sets it for this model
+    assert len(outside_block_methods(trainer.raw_model)) == 7
+    compiled = []
+    for _ in range(2):
+        for _ in range(len(MODES) * len(lengths)):
+            trainer.train_step()
+        compiled.append(counter.frame_count)
+    assert dict(counters["graph_break"]) == {}
+    assert compiled == [3 * len(lengths) + 6] * 2
+    # The function each graph was compiled from: the outermost frame of its operations' stack traces.
+    outermost = {
+        re.match(r'\s*File "[^"]+", line \d+, in (\w+)', node.meta["stack_trace"]).group(1)
+        for graph in counter.graphs
+        for node in graph.graph.nodes
+        if node.meta.get("stack_trace")
+    }
+    assert {"forward", "projected", "latent_stream", "shift_scale", "checkpointed_forward"} == outermost, outermost
+
+
 class CyclingPacked:
     """Packed batches of 4 texts (rows of 32 positions, data.pack_rows=[2]) that first-fit puts in 1,
     2, 3 and 4 rows in turn: padded to 2 rows, or one row per text past it, so the blocks see 2 shapes."""

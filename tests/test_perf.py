@@ -133,6 +133,43 @@ def test_compiled_block_keeps_loss_and_gradients(checkpointing):
     assert counter.frame_count >= 1 and counter.op_count > 0
 
 
+@pytest.mark.slow  # inductor from a cold cache: tens of seconds
+def test_compiled_parts_outside_the_blocks_keep_loss_and_gradients():
+    """perf.compile_outside_blocks with inductor: the loss and every gradient as eager, the length
+    head's too, with the parameters' names unchanged; every part outside the blocks was compiled (a
+    graph each, the two timestep MLPs sharing one) beside the blocks' graph."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from mmldlm.training.parallelize import outside_block_methods
+
+    def loss_and_grads_with_length(model):
+        tokens, latents, t_text, t_latent, pad_mask = model_inputs()
+        logits, out, lengths = model(tokens, latents, t_text, t_latent, text_pad_mask=pad_mask, length_from=latents)
+        loss = F.cross_entropy(logits.transpose(1, 2), tokens) + out.pow(2).mean() + lengths.logsumexp(-1).mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    torch._dynamo.reset()
+    plain = tiny_model(num_blocks=2)
+    compiled = copy.deepcopy(plain)
+    counter = CompileCounterWithBackend("inductor")
+    apply_compile(compiled, backend=counter, outside_blocks=True)
+    assert len(outside_block_methods(compiled)) == 7
+    assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    reference = loss_and_grads_with_length(plain)
+    assert "length_head.0.weight" in reference[1]
+    assert_same(reference, loss_and_grads_with_length(compiled))
+    assert counter.frame_count == 1 + 6, counter.frame_count
+
+
+def test_compiling_outside_the_blocks_needs_compile():
+    """perf.compile_outside_blocks compiles beside the blocks: refused with perf.compile=false."""
+    assert load_config("compiled", ["perf.compile_outside_blocks=true"]).perf.compile_outside_blocks
+    message = r"'perf.compile_outside_blocks': got True; expected false with perf.compile=false"
+    with pytest.raises(ConfigError, match=message):
+        load_config("optimized", ["perf.compile_outside_blocks=true"])
+
+
 # ------------------------------------------------------------------------------------------- the loop
 
 

@@ -130,11 +130,16 @@ class AdaLN(nn.Module):
         attention, then of the MLP, and the latent stream's likewise. (One unbind for all blocks: its
         backward is one stack, where an unbind per block and stream would be three.)"""
         B, H = c.shape
+        mods = self.projected(c).view(B, self.num_blocks * 12, 1, H).unbind(1)
+        return [mods[12 * i : 12 * (i + 1)] for i in range(self.num_blocks)]
+
+    def projected(self, c: Tensor) -> Tensor:
+        """c (B, H) -> every block's modulation (B, blocks * 12 * H) or (B, blocks, 12, H), float32: the
+        arithmetic of `forward`, without its views (what perf.compile_outside_blocks compiles)."""
         mods = self.proj(F.silu(c)).float()  # (B, blocks * 12 * H) or (B, 12 * H)
         if self.table is not None:
-            mods = mods.view(B, 1, 12, H) + self.table  # (B, blocks, 12, H)
-        mods = mods.view(B, self.num_blocks * 12, 1, H).unbind(1)
-        return [mods[12 * i : 12 * (i + 1)] for i in range(self.num_blocks)]
+            mods = mods.view(c.shape[0], 1, 12, c.shape[1]) + self.table  # (B, blocks, 12, H)
+        return mods
 
 
 class MLP(nn.Module):

@@ -135,16 +135,48 @@ def apply_compile(
     dynamic: bool | None = None,
     mode: str | None = None,
     recompile_limit: int | None = None,
+    outside_blocks: bool = False,
 ) -> None:
     """torch.compile each block in place (one graph per shape shared by all blocks; few shapes with
-    padding to 64 or data.length_buckets). `backend`: inductor; tests pass a counting backend to see
-    that graphs are really captured (`mode` is inductor's). `dynamic`, `mode`, `recompile_limit`:
-    `compile_options`."""
+    padding to 64 or data.length_buckets), and with `outside_blocks` (perf.compile_outside_blocks) the
+    model's parts whose shapes are the batch size's alone (`OUTSIDE_BLOCKS`). `backend`: inductor;
+    tests pass a counting backend to see that graphs are really captured (`mode` is inductor's).
+    `dynamic`, `mode`, `recompile_limit`: `compile_options`."""
     if recompile_limit is not None and recompile_limit > torch._dynamo.config.recompile_limit:
         torch._dynamo.config.recompile_limit = recompile_limit
     kwargs = {"mode": mode} if mode is not None else {}
     for block in model.blocks:
         block.compile(backend=backend, dynamic=dynamic, **kwargs)
+    if outside_blocks:
+        for module, name in outside_block_methods(model):
+            # The bound method, compiled, in the instance's place: the module's hooks (FSDP2's gathering)
+            # stay outside the graph, the parameters and their names are untouched.
+            module.__dict__[name] = torch.compile(getattr(module, name), backend=backend, dynamic=dynamic, **kwargs)
+
+
+# The methods perf.compile_outside_blocks compiles, as (submodule path, method): each runs on tensors of
+# the batch size's shapes alone ((B,), (B, H), (B, K, D), (B, K, H)), so each compiles once whatever the
+# text lengths. Each returns whole tensors (shift_scale: two views of one), not the blocks' many views
+# of the modulation: a graph's output that is a view is rebuilt outside it, one operation each.
+OUTSIDE_BLOCKS = (
+    ("t_text_embed", "forward"),
+    ("t_latent_embed", "forward"),
+    ("modulation", "projected"),
+    ("", "latent_stream"),
+    ("text_final", "shift_scale"),
+    ("latent_final", "forward"),
+    ("length_head", "forward"),
+)
+
+
+def outside_block_methods(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, method name) of each of `OUTSIDE_BLOCKS` that `model` has."""
+    found = []
+    for path, name in OUTSIDE_BLOCKS:
+        module = getattr(model, path, None) if path else model
+        if isinstance(module, nn.Module):
+            found.append((module, name))
+    return found
 
 
 def parallelize(
@@ -165,7 +197,9 @@ def parallelize(
     (pytorch/pytorch#143580) and, once past it, stops all-reducing gradients."""
     apply_activation_checkpointing(model, perf)
     if perf.compile:
-        apply_compile(model, **compile_options(perf, info.device, num_shapes))
+        apply_compile(
+            model, **compile_options(perf, info.device, num_shapes), outside_blocks=perf.compile_outside_blocks
+        )
     if not info.distributed:
         return model
     if cfg.shards_model:
