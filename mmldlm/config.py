@@ -936,8 +936,9 @@ class PerfConfig:
     # With perf.compile, also compile the model's parts outside the blocks whose shapes are the batch
     # size's alone, one graph each whatever the text lengths: the two timestep MLPs, the blocks' adaLN
     # modulation, the latent stream's input, the text head's modulation, the latent head and the length
-    # head (model/mmdit.py). A few hundred eager operations a step become a few compiled calls: the host
-    # work left beside CUDA graphs of the blocks, where short texts make the step host-bound.
+    # head (OUTSIDE_BLOCKS in training/parallelize.py). A few hundred eager operations a step become a
+    # few compiled calls: the host work left beside CUDA graphs of the blocks, where short texts make
+    # the step host-bound.
     compile_outside_blocks: bool = False
     # CUDA graphs (torch.compile's "reduce-overhead"): each compiled block's forward and backward replay
     # as one launch per shape. Needs perf.compile, static shapes (compile_dynamic null or false) and

@@ -135,7 +135,7 @@ class AdaLN(nn.Module):
 
     def projected(self, c: Tensor) -> Tensor:
         """c (B, H) -> every block's modulation (B, blocks * 12 * H) or (B, blocks, 12, H), float32: the
-        arithmetic of `forward`, without its views (what perf.compile_outside_blocks compiles)."""
+        arithmetic of `forward`, without its views."""
         mods = self.proj(F.silu(c)).float()  # (B, blocks * 12 * H) or (B, 12 * H)
         if self.table is not None:
             mods = mods.view(c.shape[0], 1, 12, c.shape[1]) + self.table  # (B, blocks, 12, H)

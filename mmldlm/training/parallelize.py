@@ -154,10 +154,11 @@ def apply_compile(
             module.__dict__[name] = torch.compile(getattr(module, name), backend=backend, dynamic=dynamic, **kwargs)
 
 
-# The methods perf.compile_outside_blocks compiles, as (submodule path, method): each runs on tensors of
-# the batch size's shapes alone ((B,), (B, H), (B, K, D), (B, K, H)), so each compiles once whatever the
-# text lengths. Each returns whole tensors (shift_scale: two views of one), not the blocks' many views
-# of the modulation: a graph's output that is a view is rebuilt outside it, one operation each.
+# The methods perf.compile_outside_blocks compiles, as (attribute of the model or '' for the model,
+# method): each runs on tensors of the batch size's shapes alone ((B,), (B, H), (B, K, D), (B, K, H)),
+# so each compiles once whatever the text lengths. Each returns whole tensors (shift_scale: two views
+# of one), not the blocks' many views of the modulation: a graph's output that is a view is rebuilt
+# outside it, one operation each.
 OUTSIDE_BLOCKS = (
     ("t_text_embed", "forward"),
     ("t_latent_embed", "forward"),
