@@ -36,6 +36,10 @@ class WeightEMA:
         self.decay = decay
         self.averaged = AveragedModel(model, multi_avg_fn=self._average, use_buffers=False)
         self.averaged.requires_grad_(False)
+        # (model, the average's tensors, the model's), listed at the first update: parameters() walks
+        # every module and each detach is a host operation, about 2 ms a step at 24 blocks. The
+        # tensors share the parameters' memory, which the optimizer and checkpoint loads write in place.
+        self._listed: tuple[nn.Module, list[torch.Tensor], list[torch.Tensor]] | None = None
 
     @property
     def module(self) -> nn.Module:
@@ -60,7 +64,9 @@ class WeightEMA:
         # d_n as in the module docstring; the first update (n = 0) copies theta: weight 1.
         decay = torch.clamp((1.0 + n) / (10.0 + n), max=self.decay).to(torch.float32)
         weight = torch.where(n == 0, 1.0, 1.0 - decay) * (~skip).to(torch.float32)
-        ema_params = [p.detach() for p in self.averaged.module.parameters()]
-        params = [p.detach() for p in model.parameters()]
+        if self._listed is None or self._listed[0] is not model:
+            ema = [p.detach() for p in self.averaged.module.parameters()]
+            self._listed = (model, ema, [p.detach() for p in model.parameters()])
+        _, ema_params, params = self._listed
         torch._foreach_lerp_(ema_params, params, weight)  # ema += weight * (theta - ema)
         n += (~skip).to(n.dtype)

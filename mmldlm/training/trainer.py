@@ -63,7 +63,7 @@ from mmldlm.training.ema import WeightEMA
 from mmldlm.training.evaluation import evaluate_during_training
 from mmldlm.training.init_from import init_weights
 from mmldlm.training.metrics import MachineLoad, MetricsLogger, cpu_has_native_bf16, memory_stats, peak_flops
-from mmldlm.training.optim import STATE_BYTES, build_optimizer
+from mmldlm.training.optim import STATE_BYTES, build_optimizer, gradient_norm
 from mmldlm.training.parallelize import (
     anchor,
     apply_activation_checkpointing,
@@ -207,6 +207,13 @@ class Trainer:
         self.precision = resolve_precision(cfg.train.precision, self.device)
         self._set_up_model(model, objective, max_seq_len, heaviest_batch)
         self.optimizer = build_optimizer(self.model, cfg.optim)
+        # The parameters as they train (FSDP2's shards once wrapped), listed once for every step's
+        # gradient norm: parameters() walks every module, about 0.6 ms a step at 24 blocks. Plain
+        # gradients of one device and dtype take `gradient_norm`'s shortest path unchecked.
+        self._params = list(self.raw_model.parameters())
+        self._plain_grads = not (info.distributed and cfg.distributed.shards_model) and (
+            len({(p.device, p.dtype) for p in self._params}) == 1
+        )
         self.schedule = LRSchedule(cfg.schedule, cfg.optim.lr, cfg.train.steps)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         self.loader = loader(self.micro_batch_size) if callable(loader) else loader
@@ -825,8 +832,8 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
-        grads = [p.grad for p in self.raw_model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm(grads)
+        grads = [p.grad for p in self._params if p.grad is not None]
+        grad_norm = gradient_norm(grads, plain=self._plain_grads)
         if math.isfinite(max_norm):
             divisor = torch.clamp((grad_norm + 1e-6) / max_norm, min=1.0)
             if self.clip_in_optimizer:
