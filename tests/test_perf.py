@@ -162,6 +162,32 @@ def test_compiled_parts_outside_the_blocks_keep_loss_and_gradients():
     assert counter.frame_count == 1 + 6, counter.frame_count
 
 
+def test_blocks_given_their_adaln_tensors_stacked_give_the_same_loss_and_gradients_to_the_bit():
+    """Where the blocks compile, each takes its 12 adaLN tensors as one (B, 12, 1, H) tensor and unbinds
+    it itself (`AdaLN.stacked`, one input of its graph): eagerly, the loss and every gradient are those
+    of the twelve views handed over one by one, bit for bit."""
+    plain = tiny_model(num_blocks=2)
+    stacked = copy.deepcopy(plain)
+    stacked.modulation.stacked = True
+    mods = stacked.modulation(torch.randn(3, 32))
+    assert len(mods) == 2 and mods[0].shape == (3, 12, 1, 32)
+    (loss_a, grads_a), (loss_b, grads_b) = loss_and_grads(plain), loss_and_grads(stacked)
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys() and all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+
+
+def test_the_reference_models_blocks_compile_alone_with_the_parts_outside_them_asked_for():
+    """`bench --reference` beside perf.compile_outside_blocks: the plain transformer has none of the
+    parts outside the blocks (compiling it once failed on the first one it lacks); its blocks compile."""
+    from mmldlm.model.reference import PlainTransformer
+    from mmldlm.training.parallelize import outside_block_methods
+
+    plain = PlainTransformer(ModelConfig(hidden_size=32, num_blocks=2, num_heads=2, max_seq_len=LEN), VOCAB)
+    assert outside_block_methods(plain) == []
+    apply_compile(plain, backend="eager", outside_blocks=True)
+    assert all(block._compiled_call_impl is not None for block in plain.blocks)  # nn.Module.compile's
+
+
 def test_compiling_outside_the_blocks_needs_compile():
     """perf.compile_outside_blocks compiles beside the blocks: refused with perf.compile=false."""
     assert load_config("compiled", ["perf.compile_outside_blocks=true"]).perf.compile_outside_blocks

@@ -106,11 +106,18 @@ class AdaLN(nn.Module):
     so the weights read and updated each step shrink num_blocks-fold.
 
     The scale is DiT's 1 + scale (its bias starts at 1): `modulate` adds no 1 + scale. Weights and
-    every other bias (and the offsets) start at 0, so every gate is 0 and each block starts as the identity."""
+    every other bias (and the offsets) start at 0, so every gate is 0 and each block starts as the identity.
+
+    `stacked` (set where the blocks compile, training/parallelize.py): each block's 12 tensors handed
+    over as one (B, 12, 1, H) tensor that the block unbinds inside its graph: one input of the
+    compiled graph and one tensor saved for its backward where twelve views are twelve of each (and
+    under CUDA graphs one copy into the graph's input where there would be twelve). Eagerly the
+    twelve views: unbinding in each block would add a stack per block to the backward."""
 
     def __init__(self, hidden_size: int, num_blocks: int, kind: str = "per_block"):
         super().__init__()
         self.num_blocks = num_blocks
+        self.stacked = False
         projected = num_blocks if kind == "per_block" else 1
         self.proj = nn.Linear(hidden_size, projected * 2 * 6 * hidden_size)
         self.table = nn.Parameter(torch.empty(num_blocks, 12, hidden_size)) if kind == "single" else None
@@ -125,11 +132,14 @@ class AdaLN(nn.Module):
         if self.table is not None:
             nn.init.zeros_(self.table)
 
-    def forward(self, c: Tensor) -> list[tuple[Tensor, ...]]:
+    def forward(self, c: Tensor) -> list[tuple[Tensor, ...]] | tuple[Tensor, ...]:
         """c (B, H) -> per block 12 tensors (B, 1, H): the text stream's shift, scale and gate of the
-        attention, then of the MLP, and the latent stream's likewise. (One unbind for all blocks: its
-        backward is one stack, where an unbind per block and stream would be three.)"""
+        attention, then of the MLP, and the latent stream's likewise; `stacked`, per block one tensor
+        (B, 12, 1, H) of them. (One unbind for all blocks: its backward is one stack, where an unbind
+        per block and stream would be three.)"""
         B, H = c.shape
+        if self.stacked:
+            return self.projected(c).view(B, self.num_blocks, 12, 1, H).unbind(1)
         mods = self.projected(c).view(B, self.num_blocks * 12, 1, H).unbind(1)
         return [mods[12 * i : 12 * (i + 1)] for i in range(self.num_blocks)]
 
@@ -219,7 +229,7 @@ class MMDiTBlock(nn.Module):
         self,
         x_text: Tensor,
         x_latent: Tensor,
-        mod: Sequence[Tensor],
+        mod: Sequence[Tensor] | Tensor,
         attention: JointAttention | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
         text_out: bool = True,
@@ -227,7 +237,8 @@ class MMDiTBlock(nn.Module):
         text_doc: Tensor | None = None,
         latent_rows: LatentRows | None = None,
     ) -> tuple[Tensor | None, Tensor | None]:
-        """x_text (B, L, H), x_latent (B, K, H), mod this block's 12 adaLN tensors (B, 1, H) (`AdaLN`);
+        """x_text (B, L, H), x_latent (B, K, H), mod this block's 12 adaLN tensors (B, 1, H), or one
+        (B, 12, 1, H) of them (`AdaLN`, `stacked`);
         attention: how the joint sequence of S = L + K positions is attended (model/attention.py:
         padding and packing live there); rope = (cos, sin) (L, 1, 1, hd) for the text positions
         (`rope_angles`), in the activations' dtype.
@@ -240,6 +251,8 @@ class MMDiTBlock(nn.Module):
         A stream with `*_out=False` only lends its keys and values: its queries, attention output and
         MLP are not computed and it returns None (SD3's last "context_pre_only" block), so a head that
         is skipped leaves no parameter of the last block waiting for a gradient."""
+        if isinstance(mod, Tensor):
+            mod = mod.unbind(1)
         mod_text, mod_latent = per_position(mod[:6], text_doc), mod[6:]  # 6 x (B, 1, H) or (R, L, H)
         qk_text, v_text = self.text.qk_heads(x_text, mod_text[0], mod_text[1], text_out)  # (B, L, nh, 2|1, hd)
         qk_latent, v_latent = self.latent.qk_heads(x_latent, mod_latent[0], mod_latent[1], latent_out)

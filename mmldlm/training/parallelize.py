@@ -41,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from mmldlm.config import DistributedConfig, PerfConfig
+from mmldlm.model.mmdit import AdaLN
 from mmldlm.training.distributed import DistInfo
 
 aten = torch.ops.aten
@@ -145,6 +146,8 @@ def apply_compile(
     if recompile_limit is not None and recompile_limit > torch._dynamo.config.recompile_limit:
         torch._dynamo.config.recompile_limit = recompile_limit
     kwargs = {"mode": mode} if mode is not None else {}
+    if isinstance(getattr(model, "modulation", None), AdaLN):
+        model.modulation.stacked = True  # one input per block's graph for its adaLN tensors
     for block in model.blocks:
         block.compile(backend=backend, dynamic=dynamic, **kwargs)
     if outside_blocks:
@@ -171,11 +174,12 @@ OUTSIDE_BLOCKS = (
 
 
 def outside_block_methods(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(module, method name) of each of `OUTSIDE_BLOCKS` that `model` has."""
+    """(module, method name) of each of `OUTSIDE_BLOCKS` that `model` has (none of the plain transformer
+    of `bench --reference`, whose blocks alone compile)."""
     found = []
     for path, name in OUTSIDE_BLOCKS:
         module = getattr(model, path, None) if path else model
-        if isinstance(module, nn.Module):
+        if isinstance(module, nn.Module) and callable(getattr(module, name, None)):
             found.append((module, name))
     return found
 
