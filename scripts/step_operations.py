@@ -10,6 +10,12 @@ Prints, per row, every operation and the kernels (operations that are not views)
 block, and the ratios to the reference; `--top N` lists the most frequent operations of each row, and
 `--sites N` the N lines of the package that cause the most (forward: the line that runs it;
 backward: the forward line whose gradient it computes), with each line's operations per block.
+
+A dispatch mode runs compiled code eagerly. `--host` counts instead what the host calls in a step,
+compiled or not (torch.profiler, `mmldlm.tools.operations.host_operations`): the outermost ATen
+operations outside compiled code and inside it, and the compiled calls:
+
+    python scripts/step_operations.py --host --config compiled data.pad_to_multiple=256
 """
 
 from __future__ import annotations
@@ -38,22 +44,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="optimized", help="config name or file (default optimized)")
     parser.add_argument("--top", type=int, default=0, help="the N most frequent operations of each row")
     parser.add_argument("--sites", type=int, default=0, help="the N lines causing the most operations, per row")
+    parser.add_argument("--host", action="store_true", help="the host's calls, compiled steps too (torch.profiler)")
     args = parser.parse_args(argv)
+    if args.host and args.sites:
+        parser.error("--sites counts under a dispatch mode; --host under torch.profiler: one or the other")
 
     from mmldlm.data.synthetic import SyntheticShape, write_synthetic
     from mmldlm.tools.bench import build_reference, build_trainer
-    from mmldlm.tools.operations import METADATA_OPS, step_operations
+    from mmldlm.tools.operations import METADATA_OPS, host_operations, step_operations
 
     with tempfile.TemporaryDirectory() as scratch:
         shape = SyntheticShape(vocab_size=30522, min_length=60, max_length=256, latent_dim=32, num_samples=64)
         overrides = [f"data.path={write_synthetic(shape, Path(scratch) / 'data')}", *DEFAULTS, *args.overrides]
         _, _, trainer, _ = build_reference(args.config, overrides, str(Path(scratch) / "reference"))
-        by_site = args.sites > 0
-        rows = {"reference: plain transformer": step_operations(trainer, by_site)}
+        count = host_operations if args.host else lambda trainer: step_operations(trainer, args.sites > 0)
+        rows = {"reference: plain transformer": count(trainer)}
         for mode in ("l2t", "t2l", "joint"):
             run_dir = str(Path(scratch) / mode)
             _, _, trainer, _ = build_trainer(args.config, [*overrides, f"objective.mode={mode}"], run_dir)
-            rows[mode] = step_operations(trainer, by_site)
+            rows[mode] = count(trainer)
+    if args.host:
+        print_host_calls(rows, args.top)
+        return 0
     depth = len(trainer.raw_model.blocks)
     reference = rows["reference: plain transformer"]
     print("| row | operations | per block | x reference | kernels | per block | x reference |")
@@ -79,6 +91,23 @@ def main(argv: list[str] | None = None) -> int:
             listed = ", ".join(f"{op} {n}" for op, n in sorted(counts.items(), key=lambda item: -item[1]))
             print(f"| {site} | {total} | {total / depth:.1f} | {kernels} | {listed} |")
     return 0
+
+
+def print_host_calls(rows: dict, top: int) -> None:
+    """The table of `--host`: per row, the host's calls of one step and their parts."""
+    reference = rows["reference: plain transformer"]
+    print(
+        "| row | host calls | x reference | eager ATen operations | ATen operations in compiled code | compiled calls |"
+    )
+    print("|---|---|---|---|---|---|")
+    for name, calls in rows.items():
+        print(
+            f"| {name} | {calls.total:,} | {calls.total / reference.total:.2f} | {sum(calls.eager.values()):,} "
+            f"| {sum(calls.in_compiled.values()):,} | {calls.compiled_calls} |"
+        )
+    for name, calls in rows.items() if top else ():
+        for part, counts in (("eager", calls.eager), ("in compiled code", calls.in_compiled)):
+            print(f"{name}, {part}: " + ", ".join(f"{op} {n}" for op, n in counts.most_common(top)))
 
 
 if __name__ == "__main__":

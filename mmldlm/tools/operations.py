@@ -3,15 +3,22 @@ per launch whatever a kernel's size. Counted under a dispatch mode, on any devic
 within `dispatch_as_on_a_gpu` it dispatches what a CUDA device does where the two differ: no fp32
 detour around bf16 attention, `mmldlm.model.attention.sdpa`, and QK-norm's RMSNorm as the two fused
 operations a CUDA device runs, `mmldlm.model.attention.rms_norm`), for `scripts/step_operations.py`
-and the tests that hold the count down."""
+and the tests that hold the count down.
+
+A dispatch mode sees every operation, views and no-ops below it included, but runs compiled code
+eagerly; `host_operations` counts what the host calls in a compiled step too: the outermost ATen
+operations that torch.profiler records (a no-op `Tensor.to` included, which reaches no dispatch mode),
+outside compiled code and called by it, and the compiled calls themselves."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import re
 import traceback
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -116,3 +123,53 @@ def step_operations(trainer, by_site: bool = False) -> OperationCounter:
         with anomaly, OperationCounter(by_site) as counter:
             trainer.run_step()
     return counter
+
+
+@dataclass
+class HostOperations:
+    """The host's calls in one training step: `eager`, outermost ATen operations run outside compiled
+    code, by name ('aten::mm'); `in_compiled`, those that compiled code calls (inductor's external
+    kernels: matrix products, attention); `compiled_calls`, the compiled graphs run, forward
+    ('Torch-Compiled Region') and backward ('CompiledFunctionBackward')."""
+
+    eager: collections.Counter = field(default_factory=collections.Counter)
+    in_compiled: collections.Counter = field(default_factory=collections.Counter)
+    compiled_calls: int = 0
+
+    @property
+    def total(self) -> int:
+        """Every host call: the ATen operations, eager or called by compiled code, and the compiled calls."""
+        return sum(self.eager.values()) + sum(self.in_compiled.values()) + self.compiled_calls
+
+
+_COMPILED = ("Torch-Compiled Region", "CompiledFunctionBackward")
+
+
+def host_operations(trainer, warmup: int = 2) -> HostOperations:
+    """The host's calls in one queued training step (`Trainer.run_step`) after `warmup` steps (compiles,
+    the optimizer's state), recorded by torch.profiler, compiled or not (`HostOperations`). An eager
+    step dispatches as on a GPU (`dispatch_as_on_a_gpu`); a compiled one as it is, its graphs holding
+    the CPU's detours fused (and the GPU's fused RMSNorm would break them)."""
+    eager = not trainer.cfg.perf.compile
+    with dispatch_as_on_a_gpu() if eager else contextlib.nullcontext():
+        for _ in range(warmup):
+            trainer.train_step()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            trainer.run_step()
+    found = HostOperations()
+    for event in profile.events():
+        if event.name.startswith(_COMPILED) and not _under(event, _COMPILED):
+            found.compiled_calls += 1
+        if event.name.startswith("aten::") and not _under(event, ("aten::",)):
+            (found.in_compiled if _under(event, _COMPILED) else found.eager)[event.name] += 1
+    return found
+
+
+def _under(event, prefixes: tuple[str, ...]) -> bool:
+    """Whether a profiler event runs within one whose name starts with one of `prefixes`."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(prefixes):
+            return True
+        parent = parent.cpu_parent
+    return False
