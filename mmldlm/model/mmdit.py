@@ -108,11 +108,10 @@ class AdaLN(nn.Module):
     The scale is DiT's 1 + scale (its bias starts at 1): `modulate` adds no 1 + scale. Weights and
     every other bias (and the offsets) start at 0, so every gate is 0 and each block starts as the identity.
 
-    `stacked` (set where the blocks compile, training/parallelize.py): each block's 12 tensors handed
-    over as one (B, 12, 1, H) tensor that the block unbinds inside its graph: one input of the
-    compiled graph and one tensor saved for its backward where twelve views are twelve of each (and
-    under CUDA graphs one copy into the graph's input where there would be twelve). Eagerly the
-    twelve views: unbinding in each block would add a stack per block to the backward."""
+    `stacked`: each block's 12 tensors handed over as one (B, 12, 1, H) tensor that the block unbinds
+    itself, where they are otherwise twelve views: one argument of the block where there would be
+    twelve (training/parallelize.py sets it where that matters). Off by default: unbinding in each
+    block adds a stack per block to the backward."""
 
     def __init__(self, hidden_size: int, num_blocks: int, kind: str = "per_block"):
         super().__init__()

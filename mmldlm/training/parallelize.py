@@ -147,7 +147,10 @@ def apply_compile(
         torch._dynamo.config.recompile_limit = recompile_limit
     kwargs = {"mode": mode} if mode is not None else {}
     if isinstance(getattr(model, "modulation", None), AdaLN):
-        model.modulation.stacked = True  # one input per block's graph for its adaLN tensors
+        # Each block's adaLN tensors as one input of its graph: given as twelve views, AOTAutograd
+        # detaches the eight it saves for the backward at every call, and CUDA graphs copy each input
+        # that is not a parameter into the graph's memory at every replay (twelve copies for one).
+        model.modulation.stacked = True
     for block in model.blocks:
         block.compile(backend=backend, dynamic=dynamic, **kwargs)
     if outside_blocks:
