@@ -209,9 +209,10 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim)
         # The parameters as they train (FSDP2's shards once wrapped), listed once for every step's
         # gradient norm: parameters() walks every module, about 0.6 ms a step at 24 blocks. Plain
-        # gradients of one device and dtype take `gradient_norm`'s shortest path unchecked.
+        # parameters (not FSDP2's DTensors) of one device and dtype have plain gradients of one device
+        # and dtype: they take `gradient_norm`'s shortest path unchecked.
         self._params = list(self.raw_model.parameters())
-        self._plain_grads = not (info.distributed and cfg.distributed.shards_model) and (
+        self._plain_grads = all(type(p) is nn.Parameter for p in self._params) and (
             len({(p.device, p.dtype) for p in self._params}) == 1
         )
         self.schedule = LRSchedule(cfg.schedule, cfg.optim.lr, cfg.train.steps)
