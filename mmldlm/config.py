@@ -70,8 +70,9 @@ class ModelConfig:
     pos_embedding: Literal["rope", "learned"] = "rope"
     qk_norm: bool = True  # RMSNorm on queries and keys, per head
     # sdpa: SDPA, with a padding mask where a batch has padding (none, so flash, where it has none);
-    # varlen: on a CUDA device a padded or packed training batch attends over its real positions alone
-    # with flash attention's variable-length kernel (less device time, more host time per call: slower
+    # varlen: on a CUDA device a padded or packed batch attends over its real positions alone with
+    # flash attention's variable-length kernel, in shapes that follow the batch's shape alone, so it
+    # takes static compiled graphs and CUDA graphs (less device time, more host time per call: slower
     # at the older codebase's shape in eager mode, docs/benchmarks-gpu.md); explicit: the baseline
     # recipe (mmldlm/baseline.py). All three are exact; model/attention.py says which runs when.
     attention: Literal["sdpa", "varlen", "explicit"] = "sdpa"
@@ -942,8 +943,8 @@ class PerfConfig:
     compile_outside_blocks: bool = False
     # CUDA graphs (torch.compile's "reduce-overhead"): each compiled block's forward and backward replay
     # as one launch per shape. Needs perf.compile, static shapes (compile_dynamic null or false) and
-    # batches of few shapes: data.length_buckets (or packed rows with data.pack_rows), SDPA attention.
-    # CUDA only (elsewhere: compile alone).
+    # batches of few shapes: data.length_buckets (or packed rows with data.pack_rows), SDPA or varlen
+    # attention. CUDA only (elsewhere: compile alone).
     cuda_graphs: bool = False
     # cuDNN's fused attention for SDPA on a CUDA device, which the trainer otherwise turns off: on a
     # padded batch's key mask about half the memory-efficient kernel's time, but in training on batches
@@ -1029,10 +1030,7 @@ class RunConfig:
         if self.perf.cuda_graphs:
             self._refuse_beside(
                 "perf.cuda_graphs",
-                {
-                    "model.attention": self.model.attention == "varlen",  # the batch's real token total
-                    "data.packing": self.data.packing and self.data.pack_rows is None,  # the number of rows
-                },
+                {"data.packing": self.data.packing and self.data.pack_rows is None},  # the number of rows
                 "its shapes change with every batch, and a CUDA graph is recorded for each shape: pad "
                 "batches to data.length_buckets, or packed rows to data.pack_rows",
             )

@@ -47,8 +47,9 @@ def timed(fn, warmup: int, iters: int, cuda: bool) -> float:
 
 
 def varlen_rows(q, k, v, grad, keep, doc, args, cuda: bool) -> list[str]:
-    """The padded and packed batches through the model's own path (model.attention=varlen): the real
-    positions gathered, flash attention's variable-length kernel, the outputs scattered back."""
+    """The padded and packed batches through the model's own path (model.attention=varlen): the rows'
+    positions reordered text by text, flash attention's variable-length kernel over the real ones, the
+    outputs put back in place."""
     from mmldlm.model.attention import JointAttention, varlen_supported
 
     if not varlen_supported(q.device):
@@ -65,7 +66,7 @@ def varlen_rows(q, k, v, grad, keep, doc, args, cuda: bool) -> list[str]:
             docs = int(doc.max()) + 1
             text_of = torch.where(doc[None] >= 0, doc[None] + docs * torch.arange(B, device=doc.device)[:, None], -1)
             lens = [int((doc[:L] == d).sum()) for d in range(docs)] * B
-        attention = JointAttention.build("varlen", text_of, L, packed, lens, 0, K)
+        attention = JointAttention.build("varlen", text_of, L, packed, len(lens), L, 0, K)
         qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
         g = grad.transpose(1, 2)
 

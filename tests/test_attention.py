@@ -1,15 +1,18 @@
 """The joint attention's kernels (mmldlm/model/attention.py): a batch with no padding takes no mask,
-and model.attention=varlen attends over each text's real positions gathered end to end, which gives
-every real position exactly what the masked attention gives it (forward and gradients), padded or
-packed, with prefix tokens, several latent slots, and the last block's queries of one stream alone.
+and model.attention=varlen attends over each text's real positions in the variable-length kernel's
+segments, which gives every real position exactly what the masked attention gives it (forward and
+gradients), padded or packed, with prefix tokens, several latent slots, and the last block's queries
+of one stream alone.
 
-The variable-length kernel itself is CUDA's (tests/test_cuda.py compares it there); here a
-reference that attends one text at a time stands in for it, so the gather, the segment bounds
-and the scatter back are checked on a CPU."""
+The variable-length kernel itself is CUDA's (tests/test_cuda.py compares it there); here a kernel of
+plain torch operations stands in for it (`kernel_on_segments`), keeping its contract: each segment
+attends within itself, and the rows no segment covers are neither read nor written, forward or
+backward (NaN here, so that a caller relying on them fails). The reordering, the segment bounds, the
+zeroed padding and the way back are checked on a CPU, and their shapes follow the batch's shape alone."""
 
 import pytest
 import torch
-from test_packing import LENGTHS, batch, inputs, tiny_model
+from test_packing import LENGTHS, PAD_ID, batch, inputs, tiny_model
 
 from mmldlm.model import attention
 from mmldlm.model.mmdit import Packing
@@ -17,18 +20,60 @@ from mmldlm.model.mmdit import Packing
 ATOL = 1e-5
 
 
-@pytest.fixture
-def reference_varlen(monkeypatch):
-    """The CPU stands in for a CUDA device with the variable-length kernel; the calls are counted."""
+class _UnwrittenGradient(torch.autograd.Function):
+    """Identity forward; backward, NaN in the rows `inside` (T,) is False at: what a kernel leaves
+    in a gradient it does not write."""
+
+    @staticmethod
+    def forward(ctx, x, inside):
+        ctx.save_for_backward(inside)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inside,) = ctx.saved_tensors
+        return grad.where(inside[:, None, None], float("nan")), None
+
+
+def kernel_on_segments(q, k, v, cu_q, cu_k, max_q, max_k):
+    """The variable-length kernel's result, q (Tq, nh, hd), k and v (Tk, nh, hd) -> (Tq, nh, hd): each
+    query of segment i attends to the keys of segment i; rows past the last segment are left NaN in
+    the output and in the gradients of q, k and v. Static shapes (compiles as the model's code does)."""
+    N = cu_q.numel() - 1
+    assert cu_k.numel() == N + 1
+
+    def segment_of(x, cu):
+        return torch.searchsorted(cu[1:], torch.arange(x.shape[0], device=x.device, dtype=cu.dtype), right=True)
+
+    seg_q, seg_k = segment_of(q, cu_q), segment_of(k, cu_k)
+    in_q, in_k = seg_q < N, seg_k < N
+    assert max_q >= 1 and max_k >= 1
+    q, k, v = (_UnwrittenGradient.apply(x, inside) for x, inside in ((q, in_q), (k, in_k), (v, in_k)))
+    # Queries outside every segment attend to every key, so that their (discarded) softmax is finite.
+    mask = ((seg_q[:, None] == seg_k[None, :]) & in_k[None, :]) | ~in_q[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask
+    ).transpose(0, 1)
+    return out.where(in_q[:, None, None], float("nan"))
+
+
+def stand_in_for_the_varlen_kernel(monkeypatch) -> list:
+    """The CPU stands in for a CUDA device with the variable-length kernel (`kernel_on_segments`); the
+    calls' (rows, real positions of the queries, longest segment bound) are recorded."""
     calls = []
 
-    def kernel(*args):
-        calls.append(args[0].shape[0])
-        return attention.reference_varlen(*args)
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k):
+        calls.append((q.shape[0], cu_q[-1], max_q))
+        return kernel_on_segments(q, k, v, cu_q, cu_k, max_q, max_k)
 
     monkeypatch.setattr(attention, "varlen_supported", lambda device: True)
     monkeypatch.setattr(attention, "varlen_kernel", kernel)
     return calls
+
+
+@pytest.fixture
+def reference_varlen(monkeypatch):
+    return stand_in_for_the_varlen_kernel(monkeypatch)
 
 
 def outputs_and_grads(model, b, packed, text_head=True, latent_head=True):
@@ -73,11 +118,31 @@ def test_attention_over_real_positions_alone_equals_the_masked_attention(referen
         torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=ATOL, msg=name)
 
 
-def test_the_variable_length_kernel_sees_only_real_positions(reference_varlen):
+def test_the_variable_length_kernels_segments_cover_the_real_positions_in_shapes_of_the_batchs_shape(
+    reference_varlen,
+):
+    """Two padded batches of one shape and other lengths (the longest 16 and 9): the kernel gets every
+    position of the rows (the rows' shape, not the real count, so one static graph and one CUDA graph
+    serve both), its segments end at the real positions' count, and its longest-segment bound is the
+    rows' width, not the batch's longest text."""
     model = tiny_model(attention="varlen")
-    outputs_and_grads(model, batch(packed=False), packed=False)
-    K = model.cfg.num_latents
-    assert reference_varlen == [int(LENGTHS.sum()) + len(LENGTHS) * K] * model.cfg.num_blocks
+    K, L = model.cfg.num_latents, model.cfg.max_seq_len
+    seen = []
+    for lengths in (LENGTHS.tolist(), [9, 1, 2, 3, 4, 5, 6, 7]):  # both padded to 16, as to a length bucket
+        b = batch(lengths=lengths, packed=False)
+        padding = L - b["tokens"].shape[1]
+        b = {
+            **b,
+            "tokens": torch.nn.functional.pad(b["tokens"], (0, padding), value=PAD_ID),
+            "pad_mask": torch.nn.functional.pad(b["pad_mask"], (0, padding), value=False),
+        }
+        reference_varlen.clear()
+        outputs_and_grads(model, b, packed=False)
+        assert [int(real) for _, real, _ in reference_varlen] == [
+            sum(lengths) + len(lengths) * K
+        ] * model.cfg.num_blocks
+        seen.append({(rows, bound) for rows, _, bound in reference_varlen})
+    assert seen[0] == seen[1] == {(len(LENGTHS) * (L + K), L + K)}, seen
 
 
 def test_a_batch_with_no_padding_attends_with_no_mask(monkeypatch):
@@ -160,7 +225,7 @@ def test_the_mask_is_made_once_per_forward_not_once_per_block(packed):
         counts[num_blocks] = ops.counts.get("where", 0)
     assert counts[2] == counts[4], counts
     text_of = torch.tensor([[0, 0, -1, 0], [1, -1, -1, 1]])  # (R, S): two texts, padding -1
-    made = attention.JointAttention.build("sdpa", text_of, 3, False, None, 0, 1, dtype=torch.bfloat16)
+    made = attention.JointAttention.build("sdpa", text_of, 3, False, 2, 3, 0, 1, dtype=torch.bfloat16)
     assert made.kind == "mask" and made.mask.dtype == torch.bfloat16
     assert made.mask[:, 0, 0].tolist() == [[0, 0, float("-inf"), 0], [0, float("-inf"), float("-inf"), 0]]
     q, k, v = (torch.randn(2, 4, 2, 8, dtype=torch.bfloat16) for _ in range(3))

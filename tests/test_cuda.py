@@ -41,7 +41,7 @@ class PackedLoader:
             )
 
 
-def cuda_trainer(tmp_path, overrides, steps=6, loader=RandomLoader):
+def cuda_trainer(tmp_path, overrides, steps=6, loader=RandomLoader, attention="sdpa"):
     cfg = load_config(
         None,
         [
@@ -57,7 +57,8 @@ def cuda_trainer(tmp_path, overrides, steps=6, loader=RandomLoader):
             *overrides,
         ],
     )
-    return Trainer(cfg, tiny_model(), objective_for(cfg), lambda micro: loader(micro), DistInfo(device=CUDA))
+    model = tiny_model(attention=attention)
+    return Trainer(cfg, model, objective_for(cfg), lambda micro: loader(micro), DistInfo(device=CUDA))
 
 
 def on_cuda(inputs):
@@ -108,6 +109,53 @@ def test_attention_runs_a_flash_or_memory_efficient_kernel(tmp_path):
         ops
     )
     assert not any("cudnn" in op or "math" in op for op in attention), attention
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed-rows"])
+def test_the_variable_length_kernel_gives_the_masked_attentions_outputs_and_gradients(packed):
+    """model.attention=varlen through flash attention's own variable-length kernel (bf16 autocast):
+    the outputs at real positions and every gradient are the masked attention's within bf16's
+    rounding, with no NaN anywhere (the kernel leaves the rows outside its segments unwritten, which
+    the model zeroes; tests/test_attention.py checks the same with a stand-in on a CPU)."""
+    from test_packing import batch
+    from test_packing import tiny_model as packing_model
+
+    from mmldlm.model import attention
+    from mmldlm.model.mmdit import Packing
+
+    b = {
+        key: value.to(CUDA) if isinstance(value, torch.Tensor) else value for key, value in batch(packed=packed).items()
+    }
+    g = torch.Generator(device=CUDA).manual_seed(2)
+    N = b["tokens"].shape[0]
+    t_text, t_latent = torch.rand(N, generator=g, device=CUDA), torch.rand(N, generator=g, device=CUDA)
+    rows = b["pad_mask"].flatten().nonzero().squeeze(1)
+    results = {}
+    for kind in ("sdpa", "varlen"):
+        model = packing_model(attention=kind).to(CUDA)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(
+                b["tokens"],
+                b["latents"],
+                t_text,
+                t_latent,
+                text_pad_mask=b["pad_mask"],
+                text_rows=rows,
+                packing=Packing.from_batch(b) if packed else None,
+                text_lengths=tuple(b["pad_mask"].sum(1).tolist()),
+            )
+        outputs = [out.text_logits.float(), out.latent.float()]
+        sum(x.square().mean() for x in outputs).backward()
+        results[kind] = outputs, {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+    assert attention.varlen_supported(CUDA)
+    (want, want_grads), (got, got_grads) = results["sdpa"], results["varlen"]
+    for a, x in zip(want, got):
+        assert torch.isfinite(x).all()
+        torch.testing.assert_close(x, a, rtol=0.05, atol=0.02)
+    assert got_grads.keys() == want_grads.keys()
+    for name in want_grads:
+        assert torch.isfinite(got_grads[name]).all(), name
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=0.05, atol=0.02, msg=name)
 
 
 def attention_ops(trainer) -> set[str]:
@@ -200,16 +248,19 @@ def test_compiled_checkpointed_block_keeps_loss_and_gradients_on_cuda(checkpoint
 
 
 @pytest.mark.parametrize(
-    "micro_batch, packed",
-    [(8, False), (4, False), (8, True)],
-    ids=["micro-batch-8", "accumulating-4x2", "packed-rows"],
+    "micro_batch, packed, attention",
+    [(8, False, "sdpa"), (4, False, "sdpa"), (8, True, "sdpa"), (8, False, "varlen"), (8, True, "varlen")],
+    ids=["micro-batch-8", "accumulating-4x2", "packed-rows", "varlen", "varlen-packed-rows"],
 )
-def test_cuda_graphs_replay_the_compiled_blocks_with_the_losses_of_compile_alone(tmp_path, micro_batch, packed):
+def test_cuda_graphs_replay_the_compiled_blocks_with_the_losses_of_compile_alone(
+    tmp_path, micro_batch, packed, attention
+):
     """perf.cuda_graphs: the compiled blocks' forward and backward are recorded and replayed (inductor
     skips no graph), and six steps train to the losses of the same blocks compiled without CUDA
     graphs (the same kernels, replayed), also accumulating two micro-batches a step (whose first
-    gradients the second replay would overwrite without buffers of their own), and on packed rows
-    padded to few row counts (data.pack_rows: 6 or 8 rows)."""
+    gradients the second replay would overwrite without buffers of their own), on packed rows
+    padded to few row counts (data.pack_rows: 6 or 8 rows), and through flash attention's
+    variable-length kernel (model.attention=varlen), padded and packed."""
     from torch._dynamo.utils import counters
 
     losses = {}
@@ -221,9 +272,11 @@ def test_cuda_graphs_replay_the_compiled_blocks_with_the_losses_of_compile_alone
             "train.precision=bf16",
             f"train.micro_batch_size={micro_batch}",
             f"perf.cuda_graphs={str(graphs).lower()}",
+            f"model.attention={attention}",
             *(["data.packing=true", "data.pack_rows=[6]"] if packed else []),
         ]
-        trainer = cuda_trainer(tmp_path / str(graphs), overrides, loader=PackedLoader if packed else RandomLoader)
+        loader = PackedLoader if packed else RandomLoader
+        trainer = cuda_trainer(tmp_path / str(graphs), overrides, loader=loader, attention=attention)
         assert trainer.cuda_graphs is graphs
         records = [trainer.train_step() for _ in range(6)]
         losses[graphs] = [r["loss"] for r in records]

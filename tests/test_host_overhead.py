@@ -9,11 +9,13 @@ import pytest
 import torch
 from data_support import prepared
 from loader_support import SyntheticLoader
+from test_attention import kernel_on_segments
 from test_perf import DIM, LEN, PAD_ID, VOCAB, objective_for, tiny_model
 from test_perf import model_inputs as model_inputs_of
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmldlm.config import load_config
+from mmldlm.model import attention as joint_attention
 from mmldlm.tools.operations import step_operations
 from mmldlm.training import trainer as trainer_module
 from mmldlm.training.distributed import DistInfo
@@ -105,17 +107,31 @@ def test_a_step_that_does_not_log_never_waits_for_the_device(tmp_path, monkeypat
 
 @pytest.mark.parametrize(
     "config, extra",
-    [("default", []), ("optimized", []), ("optimized", ["data.packing=true", "data.pack_rows=[2]"])],
-    ids=["default", "optimized", "optimized-packed-rows"],
+    [
+        ("default", []),
+        ("optimized", []),
+        ("optimized", ["data.packing=true", "data.pack_rows=[2]"]),
+        ("optimized", ["model.attention=varlen"]),
+        ("optimized", ["data.packing=true", "data.pack_rows=[2]", "model.attention=varlen"]),
+    ],
+    ids=["default", "optimized", "optimized-packed-rows", "optimized-varlen", "optimized-packed-rows-varlen"],
 )
 def test_the_presets_steps_on_real_batches_queue_without_reading_the_device(
     tmp_path, tmp_path_factory, monkeypatch, config, extra
 ):
     """The real loader, objective and model of a preset (the random mixture of modes, accumulation of
-    two micro-batches, checkpointed blocks; packed rows padded to a row count), built on the meta
-    device: three steps queue, and the record is where the host reads (a meta tensor has no value to
-    read). Activation checkpointing is named: `auto` probes memory at start-up, which needs a real device."""
+    two micro-batches, checkpointed blocks; packed rows padded to a row count; the variable-length
+    kernel, whose CPU stand-in is tests/test_attention.py's, its segments built from the batch on the
+    device), built on the meta device: three steps queue, and the record is where the host reads (a
+    meta tensor has no value to read). Activation checkpointing is named: `auto` probes memory at
+    start-up, which needs a real device."""
     monkeypatch.setattr(trainer_module, "build_optimizer", lambda model, cfg: LoopAsFused(model.parameters(), cfg.lr))
+    built = []
+    if "model.attention=varlen" in extra:
+        monkeypatch.setattr(joint_attention, "varlen_supported", lambda device: True)
+        monkeypatch.setattr(joint_attention, "varlen_kernel", kernel_on_segments)
+        real_segments = joint_attention.segments
+        monkeypatch.setattr(joint_attention, "segments", lambda *args: built.append(args) or real_segments(*args))
     overrides = [
         f"data.path={prepared(tmp_path_factory)}",
         "model=tiny",
@@ -132,6 +148,7 @@ def test_the_presets_steps_on_real_batches_queue_without_reading_the_device(
         pending = [trainer.run_step() for _ in range(3)]
     assert copies.found == [] and [p.num_accum for p in pending] == [2, 2, 2]
     assert {p.mode for p in pending} <= {"l2t", "t2l", "joint"}
+    assert bool(built) == ("model.attention=varlen" in extra)  # the variable-length path was taken
     with pytest.raises(NotImplementedError, match="meta"):
         trainer.read_record(pending[-1])
 
@@ -163,9 +180,12 @@ def dynamo_limits():
         yield
 
 
-def compiled_trainer(tmp_path, monkeypatch, lengths, overrides=(), loader=None, backend="aot_eager"):
+def compiled_trainer(
+    tmp_path, monkeypatch, lengths, overrides=(), loader=None, backend="aot_eager", attention_kind="sdpa"
+):
     """A trainer whose blocks compile with a counting backend (aot_eager: forward and backward traced,
-    no code generated) over batches cycling through `lengths`, the mode changing every round of them."""
+    no code generated) over batches cycling through `lengths`, the mode changing every round of them.
+    `attention_kind` varlen: the variable-length kernel's CPU stand-in (tests/test_attention.py)."""
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
@@ -190,7 +210,10 @@ def compiled_trainer(tmp_path, monkeypatch, lengths, overrides=(), loader=None, 
             *overrides,
         ],
     )
-    model = tiny_model()
+    if attention_kind == "varlen":
+        monkeypatch.setattr(joint_attention, "varlen_supported", lambda device: True)
+        monkeypatch.setattr(joint_attention, "varlen_kernel", kernel_on_segments)
+    model = tiny_model(attention=attention_kind)
     model.cfg.max_seq_len = max(lengths)
     trainer = Trainer(cfg, model, objective_for(cfg), loader or CyclingLengths(lengths), DistInfo())
     monkeypatch.setattr(trainer.objective, "mode_at", lambda step: MODES[(step // len(lengths)) % len(MODES)])
@@ -237,20 +260,28 @@ def test_inductor_trains_the_blocks_through_lengths_it_has_not_seen(tmp_path, mo
 
 
 @pytest.mark.slow  # aot_eager traces forward and backward of each graph: 2-3 s a graph
-@pytest.mark.parametrize("switch", ["perf.compile_dynamic=false", "perf.cuda_graphs=true"])
+@pytest.mark.parametrize(
+    "switch, attention_kind",
+    [("perf.compile_dynamic=false", "sdpa"), ("perf.cuda_graphs=true", "sdpa"), ("perf.cuda_graphs=true", "varlen")],
+    ids=["static", "cuda-graphs", "cuda-graphs-varlen"],
+)
 def test_static_shapes_compile_one_graph_per_length_bucket_and_block_variant_then_nothing(
-    tmp_path, monkeypatch, dynamo_limits, switch
+    tmp_path, monkeypatch, dynamo_limits, switch, attention_kind
 ):
     """Static shapes (what CUDA graphs need; on a CPU perf.cuda_graphs compiles the same graphs
     without them): the first round over four lengths and the three modes compiles one graph per
     length for each of the three block variants (every block but the last; the last of l2t, of t2l;
     joint's last block is the first variant), 12 in all, past dynamo's default limit of 8 graphs per
     code object, which the trainer raises for the lengths its batches can have; the second round
-    compiles nothing and the shapes stay static (no graph has a symbolic size)."""
+    compiles nothing and the shapes stay static (no graph has a symbolic size). The same with the
+    variable-length kernel, whose real positions differ from batch to batch of one length."""
     from mmldlm.config import MODES
 
     lengths = (8, 16, 24, 32)
-    trainer, counter, counters = compiled_trainer(tmp_path, monkeypatch, lengths, [switch, "data.pad_to_multiple=8"])
+    overrides = [switch, "data.pad_to_multiple=8", f"model.attention={attention_kind}"]
+    trainer, counter, counters = compiled_trainer(
+        tmp_path, monkeypatch, lengths, overrides, attention_kind=attention_kind
+    )
     compiled = []
     for _ in range(2):
         for _ in range(len(MODES) * len(lengths)):
@@ -321,16 +352,21 @@ class CyclingPacked:
 
 
 @pytest.mark.slow  # aot_eager traces forward and backward of each graph: 2-3 s a graph
+@pytest.mark.parametrize("attention_kind", ["sdpa", "varlen"])
 def test_packed_rows_padded_to_few_counts_compile_one_graph_per_count_and_block_variant_then_nothing(
-    tmp_path, monkeypatch, dynamo_limits
+    tmp_path, monkeypatch, dynamo_limits, attention_kind
 ):
     """data.pack_rows with static shapes: packed batches that fill 1-4 rows reach the blocks as 2 or 4
     rows (the latent groups of a row rounded to data.pad_to_multiple=8), so the first round over them
-    and the three modes compiles 2 graphs for each of the three block variants, the second none."""
+    and the three modes compiles 2 graphs for each of the three block variants, the second none; the
+    variable-length kernel's segments too."""
     from mmldlm.config import MODES
 
     overrides = ["perf.cuda_graphs=true", "data.pad_to_multiple=8", "data.packing=true", "data.pack_rows=[2]"]
-    trainer, counter, counters = compiled_trainer(tmp_path, monkeypatch, (32,), overrides, CyclingPacked())
+    overrides.append(f"model.attention={attention_kind}")
+    trainer, counter, counters = compiled_trainer(
+        tmp_path, monkeypatch, (32,), overrides, CyclingPacked(), attention_kind=attention_kind
+    )
     monkeypatch.setattr(trainer.objective, "mode_at", lambda step: MODES[(step // 4) % len(MODES)])
     compiled = []
     for _ in range(2):

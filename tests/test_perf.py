@@ -440,12 +440,14 @@ def test_compiled_preset_adds_only_compile_and_its_padding():
 
 def test_cuda_graphs_are_refused_where_shapes_change_with_every_batch():
     """perf.cuda_graphs records a graph per shape: it needs compile and static shapes, and refuses the
-    batches whose shapes change every step (the variable-length kernel's token total, packed rows)."""
+    batches whose shapes change every step (packed rows in as many rows as they fill); the
+    variable-length kernel's shapes are the batch's (tests/test_attention.py), so it is taken."""
     assert load_config("compiled", ["perf.cuda_graphs=true", "data.length_buckets=[64,128]"]).perf.cuda_graphs
+    for taken in (["model.attention=varlen"], ["data.packing=true", "data.pack_rows=[4]", "model.attention=varlen"]):
+        assert load_config("compiled", ["perf.cuda_graphs=true", *taken]).perf.cuda_graphs
     refusals = {
         "perf.compile=false": r"'perf.cuda_graphs': got True; expected false with perf.compile=false",
         "perf.compile_dynamic=true": r"'perf.compile_dynamic': got True; expected null or false with perf.cuda_graphs",
-        "model.attention=varlen": r"'perf.cuda_graphs': got True; expected false with model.attention=varlen",
         "data.packing=true": r"'perf.cuda_graphs': got True; expected false with data.packing=True",
     }
     for override, message in refusals.items():

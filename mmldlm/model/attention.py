@@ -7,19 +7,23 @@ other. Three exact ways to compute it, chosen once per forward by `JointAttentio
 
 - no padding at all (every text as long as the batch): SDPA with no mask, which on a GPU is the
   flash kernel (a mask rules flash out and leaves the slower memory-efficient kernel);
-- `model.attention=varlen` on a CUDA device, when the batch's text lengths are known on the host
-  (the loader's collate puts them in the batch): the real positions of each text gathered end to
-  end and handed to flash attention's variable-length kernel (`torch.nn.attention.varlen`), which
-  computes no padding and no cross-text block; the outputs are scattered back (zero at padding);
+- `model.attention=varlen` on a CUDA device: every position of the rows reordered text by text
+  (padding last) and handed to flash attention's variable-length kernel (`torch.nn.attention.varlen`),
+  whose segments cover each text's real positions alone, so it computes no padding and no cross-text
+  block; the outputs are put back in place (zero at padding);
 - otherwise SDPA with a mask, additive (0 or -inf, in the queries' dtype, made once per forward):
   (B, 1, 1, S) for a padded batch, (R, 1, S, S) block-diagonal for packed rows (and
   `model.attention=explicit`, the baseline recipe, with the same masks as booleans).
 
 Which is exact and which is fastest is measured on one GPU by scripts/attention_kernels.py.
 
-The gather order is built on the device from each position's text (argsort of a key, no read-back);
-the sizes it needs (how many real positions, the longest text) come from the host's lengths, so
-building it never waits for the GPU.
+The variable-length path's shapes are the rows' shapes alone: the reordering is built on the device
+from each position's text (argsort of a key), the segments' bounds too, and the kernel's longest
+segment is bounded by the rows' width and the model's longest text, not read from the batch. So it
+never waits for the GPU, and batches of one shape (data.length_buckets, data.pack_rows) compile one
+static graph and record one CUDA graph whatever their texts' lengths. The kernel reads and writes
+only the positions its segments cover: padding, at the end of the order, is zeroed on the way in
+(which also zeroes the gradient the kernel leaves unwritten there) and on the way out.
 
 Layout: q, k, v (R, T, nh, hd) rows first, heads third, as the qkv projection leaves them; the
 output likewise.
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -46,44 +50,34 @@ except ImportError:  # pragma: no cover - depends on the torch build
 
 
 class Segments(NamedTuple):
-    """The real positions of a set of rows, grouped text by text, as a variable-length kernel reads them."""
+    """Every position of a set of rows in the order a variable-length kernel reads them: text by text,
+    then the padding, which no segment covers."""
 
-    index: Tensor  # (T,) int64: the flat (rows * positions) index of each real position, text by text
-    cu_seqlens: Tensor  # (N + 1,) int32: where each text's positions start in `index`, and the end
-    max_len: int  # the longest text's positions (a host int: the kernel's launch needs it)
+    index: Tensor  # (T,) int64: the flat (rows * positions) index of each position, text by text, padding last
+    cu_seqlens: Tensor  # (N + 1,) int32: where each text's positions start in `index`, and where the last ends
+    inside: Tensor  # (T, 1, 1) bool: whether the position at that place in the order is a text's (not padding)
+    max_len: int  # a bound on a text's positions (a host int from the shapes: the kernel's launch needs it)
 
 
-def segments(text_of: Tensor, num_texts: int, total: int, max_len: int) -> Segments:
-    """Segments of positions whose text is text_of (R, T) int64, -1 = padding; `total` real positions
-    and `max_len` for the longest text, known on the host (so that nothing here reads the device)."""
+def segments(text_of: Tensor, num_texts: int, max_len: int) -> Segments:
+    """Segments of positions whose text is text_of (R, T) int64 in [0, num_texts), -1 = padding;
+    `max_len` bounds a text's positions. Built on the device; every shape follows text_of's."""
     flat = text_of.flatten()  # (R * T,)
     n = flat.numel()
     position = torch.arange(n, device=flat.device)
     # Text by text, in position order within each; padding sorts after every text.
     key = torch.where(flat >= 0, flat * n + position, num_texts * n + position)
-    index = torch.argsort(key)[:total]
+    index = torch.argsort(key)
     real = (flat >= 0).to(torch.int32)
     counts = torch.zeros(num_texts, dtype=torch.int32, device=flat.device).scatter_add_(0, flat.clamp_min(0), real)
     cu_seqlens = F.pad(torch.cumsum(counts, 0, dtype=torch.int32), (1, 0))  # (N + 1,)
-    return Segments(index, cu_seqlens, max_len)
+    inside = (position < cu_seqlens[-1])[:, None, None]
+    return Segments(index, cu_seqlens, inside, min(max_len, text_of.shape[1]))
 
 
 def varlen_supported(device: torch.device) -> bool:
     """Whether the variable-length flash kernel can run on `device` (CUDA with a torch that has it)."""
     return varlen_attn is not None and device.type == "cuda"
-
-
-def reference_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int) -> Tensor:
-    """The variable-length kernel's result computed one text at a time with SDPA: q (Tq, nh, hd), k and
-    v (Tk, nh, hd) -> (Tq, nh, hd). For checking the gather on a CPU (tests); slow."""
-    out = []
-    starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
-    for i in range(len(starts_q) - 1):
-        qi = q[starts_q[i] : starts_q[i + 1]].transpose(0, 1)  # (nh, n, hd)
-        ki = k[starts_k[i] : starts_k[i + 1]].transpose(0, 1)
-        vi = v[starts_k[i] : starts_k[i + 1]].transpose(0, 1)
-        out.append(F.scaled_dot_product_attention(qi, ki, vi).transpose(0, 1))
-    return torch.cat(out)
 
 
 class JointAttention:
@@ -103,7 +97,8 @@ class JointAttention:
         text_of: Tensor | None,
         text_length: int,
         packed: bool,
-        lengths: Sequence[int] | None,
+        num_texts: int,
+        max_text: int,
         num_prefix: int,
         num_latents: int,
         last_queries: str = "all",
@@ -113,7 +108,8 @@ class JointAttention:
         """The attention of rows whose joint positions [prefix; text; latent slots] belong to the texts
         text_of (R, S) int64 (-1 = padding; None: no padding at all), the first `text_length`
         positions of each row being the text stream's; `packed`: rows hold several texts each (else
-        row b is text b). `lengths`: each text's real tokens, on the host (None: unknown);
+        row b is text b); `num_texts`: how many texts (text_of's values are 0 .. num_texts - 1);
+        `max_text`: the longest text in tokens the model takes (model.max_seq_len);
         each text adds `num_prefix` + `num_latents` positions of its own. `attention`: model.attention;
         `last_queries`: the queries of the last block ("all", "text" or "latent"), the others' are all;
         `dtype`: the queries' (autocast's where it is on). Everything is built here, before the blocks
@@ -126,21 +122,16 @@ class JointAttention:
             mask = text_of[:, None, :, None] == text_of[:, None, None, :]
         else:
             mask = (text_of >= 0)[:, None, None, :]  # (R, 1, 1, S)
-        usable = attention == "varlen" and lengths is not None and dropout_p == 0.0 and varlen_supported(text_of.device)
+        usable = attention == "varlen" and dropout_p == 0.0 and varlen_supported(text_of.device)
         if not usable:
             if attention == "explicit":  # the baseline recipe fills its scores where the mask is False
                 return cls("explicit", text_length, mask=mask)
             additive = torch.full(mask.shape, float("-inf"), dtype=dtype, device=mask.device).masked_fill_(mask, 0.0)
             return cls("mask", text_length, mask=additive)
-        total, longest = sum(lengths), max(lengths)
-        P, K, N = num_prefix, num_latents, len(lengths)
-        sizes = {  # the real positions and the longest text of each query set
-            "all": (total + N * (P + K), longest + P + K),
-            "text": (total + N * P, longest + P),
-            "latent": (N * K, K),
-        }
+        P, K = num_prefix, num_latents
+        longest = {"all": max_text + P + K, "text": max_text + P, "latent": K}  # a text's positions in each set
         parts = {"all": text_of, "text": text_of[:, :text_length], "latent": text_of[:, text_length:]}
-        built = {queries: segments(parts[queries], N, *sizes[queries]) for queries in {"all", last_queries}}
+        built = {queries: segments(parts[queries], num_texts, longest[queries]) for queries in {"all", last_queries}}
         return cls("varlen", text_length, segments=built)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, queries: str = "all", dropout_p: float = 0.0) -> Tensor:
@@ -164,12 +155,15 @@ class JointAttention:
     def _varlen(self, q: Tensor, k: Tensor, v: Tensor, queries: str) -> Tensor:
         R, Sq, nh, hd = q.shape
         keys, rows = self.segments["all"], self.segments[queries]
-        q_real = q.reshape(R * Sq, nh, hd).index_select(0, rows.index)  # (Tq, nh, hd)
-        k_real = k.reshape(-1, nh, hd).index_select(0, keys.index)  # (Tk, nh, hd)
-        v_real = v.reshape(-1, nh, hd).index_select(0, keys.index)
-        out = varlen_kernel(q_real, k_real, v_real, rows.cu_seqlens, keys.cu_seqlens, rows.max_len, keys.max_len)
+        # In the kernel's order, padding last and zeroed: the kernel neither reads nor writes the rows no
+        # segment covers, so the zero also stands for the gradient it leaves unwritten there.
+        q_all = q.reshape(R * Sq, nh, hd).index_select(0, rows.index).where(rows.inside, 0.0)  # (Tq, nh, hd)
+        k_all = k.reshape(-1, nh, hd).index_select(0, keys.index).where(keys.inside, 0.0)  # (Tk, nh, hd)
+        v_all = v.reshape(-1, nh, hd).index_select(0, keys.index).where(keys.inside, 0.0)
+        out = varlen_kernel(q_all, k_all, v_all, rows.cu_seqlens, keys.cu_seqlens, rows.max_len, keys.max_len)
         # Padding queries get zero: their outputs reach no loss, and no real position attends to them.
-        return out.new_zeros(R * Sq, nh, hd).index_copy(0, rows.index, out).view(R, Sq, nh, hd)
+        out = out.where(rows.inside, 0.0)
+        return torch.zeros_like(out).index_copy(0, rows.index, out).view(R, Sq, nh, hd)
 
 
 _cpu_detour = True  # `sdpa` attends in fp32 on a CPU, `rms_norm` is torch's; off inside `dispatch_as_on_a_gpu`

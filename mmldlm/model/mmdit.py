@@ -588,7 +588,8 @@ class MultimodalMMDiT(nn.Module):
         the one forward that DDP and FSDP2 see). packing: the blocks run on packed rows of the B texts
         (data.packing; inputs and outputs keep the padded layout, and equal those without packing).
         text_lengths: the real tokens of each text, known on the host (the loader's collate gives them):
-        they let the attention skip padding without reading the device (model/attention.py).
+        a batch with no padding then attends with no mask, which the device is not read to find out
+        (model/attention.py).
         text_targets (with text_rows): the text head is fused with its loss at those rows, and
         ModelOutput.text_logits is that loss, a `TextLoss`, instead of logits (`text_loss`)."""
         L = tokens.shape[1]
@@ -603,7 +604,9 @@ class MultimodalMMDiT(nn.Module):
         x_latent = self.latent_stream(latents, latent_self_cond)  # (B, K, H)
         x_text, rope, text_doc, latent_rows = self.text_stream(tokens, latents, packing)
         last_queries = "all" if text_head and latent_head else "text" if text_head else "latent"
-        attention = self.joint_attention(text_pad_mask, packing, text_lengths, x_text.shape[1], last_queries)
+        attention = self.joint_attention(
+            text_pad_mask, packing, text_lengths, tokens.shape[0], x_text.shape[1], last_queries
+        )
 
         rope = self.rope_for_blocks(rope, x_text)
         last = len(self.blocks) - 1
@@ -693,11 +696,12 @@ class MultimodalMMDiT(nn.Module):
         text_pad_mask: Tensor | None,
         packing: Packing | None,
         text_lengths: Sequence[int] | None,
+        B: int,
         T: int,
         last_queries: str,
     ) -> JointAttention:
-        """How this forward's blocks attend (model/attention.py), the text stream being T positions
-        long: no mask where nothing is padded, else a mask or the real positions alone."""
+        """How this forward's blocks attend (model/attention.py) to B texts, the text stream being T
+        positions long: no mask where nothing is padded, else a mask or the real positions alone."""
         K, P = self.cfg.num_latents, self.cfg.num_prefix_tokens
         if packing is not None:
             text_of = packing.text_of(K)  # (R, S)
@@ -715,7 +719,8 @@ class MultimodalMMDiT(nn.Module):
             text_of,
             T,
             packing is not None,
-            text_lengths,
+            B,
+            self.cfg.max_seq_len,
             P,
             K,
             last_queries,
