@@ -516,7 +516,10 @@ class DataConfig:
     pad_to_multiple: int = 8  # batch length rounded up to this; 64 bounds the shapes torch.compile sees
     # Fixed batch lengths, ascending: a batch is padded to the shortest that holds its longest text
     # (data.max_length past the last), so torch.compile and CUDA graphs see only these shapes.
-    # Null: every multiple of pad_to_multiple is a length of its own.
+    # Null: every multiple of pad_to_multiple is a length of its own. With data.packing, the packed
+    # rows' widths: a micro-batch's rows are as wide as the shortest that holds its fullest row
+    # (data.pack_length past the last), so that one wide row of a whole micro-batch
+    # (data.pack_length its texts' most, data.pack_rows=[1]) computes little more than its tokens.
     length_buckets: list[int] | None = None
     num_workers: int | None = None  # null: min(8, cpus // local ranks)
     prefetch_factor: int | None = 4  # batches each worker keeps ready; null: torch's default (2)
@@ -566,11 +569,13 @@ class DataConfig:
                     f"null or a non-empty ascending list of positive multiples of {prefix}.pad_to_multiple="
                     f"{self.pad_to_multiple}",
                 )
-            if self.packing:
+            width = (self.pack_length or self.max_length) if self.packing else None
+            if width is not None and buckets[-1] > width:
                 _fail(
                     f"{prefix}.length_buckets",
                     buckets,
-                    f"null with {prefix}.packing=true (packed rows have one length)",
+                    f"widths of packed rows at most data.pack_length={width} with {prefix}.packing=true "
+                    "(the rows' width past the last bucket)",
                 )
         if self.pack_rows is not None:
             rows = self.pack_rows

@@ -14,10 +14,11 @@
 #         the GPU's memory: measured 2026-11-27);
 #      b. compiled (the reference compiled too), without and with CUDA graphs and cuDNN's attention
 #         (perf.cuda_graphs: each block's forward and backward one replay per shape; batches padded
-#         to data.length_buckets, 1536 or 2048 tokens), and CUDA graphs on packed rows padded to 6 or
-#         8 rows (data.pack_rows: 2 shapes as the buckets have, 7 rows on average, about 90% of the
-#         padded rows' positions) through flash's variable-length kernel (model.attention=varlen,
-#         static shapes since 2026-12-05; compiled varlen with symbolic shapes was measured 2026-11-27);
+#         to data.length_buckets, 1536 or 2048 tokens), and CUDA graphs on the micro-batch packed in
+#         one row as wide as the shortest of 12,288 and 16,384 that holds it (2 shapes as the buckets
+#         have, 77% of the padded rows' positions) through flash's variable-length kernel
+#         (model.attention=varlen, static shapes since 2026-12-05; compiled varlen with symbolic
+#         shapes was measured 2026-11-27);
 #      c. one optimized step at micro-batch 8 under torch.profiler: how busy the GPU is and the top
 #         kernels and host operators, the row that names the next lever (scripts/profile_step.py);
 #      d. the attention kernel that each kind of batch reaches at that shape (no padding, a padded
@@ -123,8 +124,9 @@ if [ "$MODE" = gpu ]; then
     CUDNN="perf.cudnn_attention=true data.length_buckets=[1536]"
     # First-fit puts 8 texts of 600-2048 tokens in 6 or fewer rows of 2048 half the time. [6,7] would
     # compute less (6.6 rows on average) but compile a third more graphs than the lease has time for.
-    # Packed rows through flash's variable-length kernel (real positions alone), one graph per row count.
-    PACKED="perf.cuda_graphs=true model.attention=varlen data.packing=true data.pack_rows=[6]"
+    # The micro-batch in one packed row of 12,288 positions (93% of micro-batches; else 16,384: two
+    # shapes), 84% of them real tokens, through flash's variable-length kernel (real positions alone).
+    PACKED="perf.cuda_graphs=true model.attention=varlen data.packing=true data.pack_length=16384 data.pack_rows=[1] data.length_buckets=[12288]"
     SHORT_GRAPHS="perf.cuda_graphs=true"  # glosses padded to 64: one or two lengths
     OUTSIDE="perf.compile_outside_blocks=true"
     export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
@@ -146,7 +148,7 @@ else
     # Compile is off here, and CUDA graphs are compile's: the rows keep their length buckets alone.
     GRAPHS="data.length_buckets=[64]"
     CUDNN="perf.cudnn_attention=true data.length_buckets=[64]"
-    PACKED="model.attention=varlen data.packing=true data.pack_rows=[2]"
+    PACKED="model.attention=varlen data.packing=true data.pack_length=512 data.pack_rows=[1] data.length_buckets=[384]"
     SHORT_GRAPHS="data.length_buckets=[64]"
     OUTSIDE=""
 fi
@@ -198,7 +200,7 @@ part "1a. The older codebase's shape, eager, micro-batch 8: masked attention vs 
     "$T_SHAPE4" "$RUN_OUT/shape-4.log" --bench "$RUN_OUT/shape-4" -- \
     "$PY" -m mmldlm bench $SHAPE $MB8 $SYNTHETIC --baseline optimized --optimized "optimized perf.compute_weights=true" \
     --variant "optimized $CUDNN" "${SHAPE_ROWS[@]}" --reference $STEPS $FITTING $ROWS --out "$RUN_OUT/shape-4"
-part "1b. The older codebase's shape, compiled, micro-batch 8: masked attention vs CUDA graphs with cuDNN's attention on padded rows vs CUDA graphs with the variable-length kernel on packed rows, vs the plain transformer" \
+part "1b. The older codebase's shape, compiled, micro-batch 8: masked attention vs CUDA graphs with cuDNN's attention on padded rows vs CUDA graphs with the variable-length kernel on one packed row, vs the plain transformer" \
     "$T_SHAPE8" "$RUN_OUT/shape-8.log" --bench "$RUN_OUT/shape-8" -- \
     "$PY" -m mmldlm bench $SHAPE $MB8 $SYNTHETIC --baseline compiled --optimized "compiled $GRAPHS perf.cudnn_attention=true" \
     --variant "compiled $PACKED" --reference $COMPILED_STEPS --no-fit $ROWS --out "$RUN_OUT/shape-8"

@@ -98,14 +98,21 @@ def outputs_and_grads(model, b, packed, text_head=True, latent_head=True):
 @pytest.mark.parametrize("heads", ["both", "text", "latent"])
 @pytest.mark.parametrize(
     "layout,overrides",
-    [("padded", {}), ("packed", {}), ("padded", {"num_prefix_tokens": 2}), ("packed", {"num_latents": 2})],
-    ids=["padded", "packed", "prefix", "packed-two-latents"],
+    [
+        ("padded", {}),
+        ("packed", {}),
+        ("padded", {"num_prefix_tokens": 2}),
+        ("packed", {"num_latents": 2}),
+        ("one-wide-row", {}),
+    ],
+    ids=["padded", "packed", "prefix", "packed-two-latents", "one-wide-row"],
 )
 def test_attention_over_real_positions_alone_equals_the_masked_attention(reference_varlen, layout, overrides, heads):
-    packed = layout == "packed"
+    packed = layout != "padded"
     masked = tiny_model(attention="sdpa", **overrides)
     varlen = tiny_model(attention="varlen", **overrides)
-    b = batch(num_latents=masked.cfg.num_latents, packed=packed)
+    wide = {"rows": [1], "widths": [56]} if layout == "one-wide-row" else {}  # 8 texts in one row of 56
+    b = batch(num_latents=masked.cfg.num_latents, packed=packed, **wide)
     flags = {"text_head": heads != "latent", "latent_head": heads != "text"}
     want, want_grads = outputs_and_grads(masked, b, packed, **flags)
     assert reference_varlen == []  # model.attention=sdpa keeps the mask

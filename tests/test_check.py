@@ -118,6 +118,7 @@ def test_memory_is_estimated_under_the_activation_checkpointing_auto_would_pick(
         (["perf.cudnn_attention=true"], {}, [("cudnn_attention_shapes", "warning")]),
         (["perf.cudnn_attention=true", "data.packing=true"], {}, [("cudnn_attention_packing", "warning")]),
         (["data.packing=true", "data.bucket_batches=32"], {}, [("packing_gaps", "warning")]),
+        (["data.packing=true", "data.pack_length=1024"], {}, [("packed_rows_mask", "warning")]),
         (["checkpoint.async_save=true"], {"device": "cpu", "native_bf16": True}, [("async_save", "warning")]),
         (["optim.step_in_backward=true", "optim.grad_clip=0"], {}, [("step_in_backward", "error")]),
         (["optim.step_in_backward=true", "optim.grad_clip=0"], {"nproc_per_node": 1}, [("step_in_backward", "error")]),

@@ -332,14 +332,19 @@ def test_the_parts_outside_the_blocks_compile_once_whatever_the_lengths(tmp_path
 
 class CyclingPacked:
     """Packed batches of 4 texts (rows of 32 positions, data.pack_rows=[2]) that first-fit puts in 1,
-    2, 3 and 4 rows in turn: padded to 2 rows, or one row per text past it, so the blocks see 2 shapes."""
+    2, 3 and 4 rows in turn: padded to 2 rows, or one row per text past it, so the blocks see 2 shapes.
+    `wide`: the same texts in one row (data.pack_length=128, data.pack_rows=[1]) as wide as the
+    shortest of data.length_buckets=[64] that holds them, 64 for the first three, 128 for the last:
+    2 shapes too."""
 
     FILLS = ((4, 5, 6, 7), (20, 9, 8, 5), (20, 17, 16, 3), (25, 26, 27, 28))  # 1, 2, 3, 4 rows of 32
 
-    def __init__(self):
+    def __init__(self, wide: bool = False):
         from mmldlm.data.dataset import PadCollate
 
-        self.collate, self.generator = PadCollate(PAD_ID, 8, None, 32, pack_rows=[2]), torch.Generator().manual_seed(0)
+        layout = dict(buckets=[64], pack_rows=[1]) if wide else dict(pack_rows=[2])
+        self.collate = PadCollate(PAD_ID, 8, None, 128 if wide else 32, **layout)
+        self.generator = torch.Generator().manual_seed(0)
 
     def __iter__(self):
         while True:
@@ -352,20 +357,28 @@ class CyclingPacked:
 
 
 @pytest.mark.slow  # aot_eager traces forward and backward of each graph: 2-3 s a graph
-@pytest.mark.parametrize("attention_kind", ["sdpa", "varlen"])
+@pytest.mark.parametrize(
+    "attention_kind, wide",
+    [("sdpa", False), ("varlen", False), ("varlen", True)],
+    ids=["sdpa", "varlen", "varlen-wide"],
+)
 def test_packed_rows_padded_to_few_counts_compile_one_graph_per_count_and_block_variant_then_nothing(
-    tmp_path, monkeypatch, dynamo_limits, attention_kind
+    tmp_path, monkeypatch, dynamo_limits, attention_kind, wide
 ):
     """data.pack_rows with static shapes: packed batches that fill 1-4 rows reach the blocks as 2 or 4
     rows (the latent groups of a row rounded to data.pad_to_multiple=8), so the first round over them
     and the three modes compiles 2 graphs for each of the three block variants, the second none; the
-    variable-length kernel's segments too."""
+    variable-length kernel's segments too, and one wide row of 64 or 128 positions (its width from
+    data.length_buckets)."""
     from mmldlm.config import MODES
 
-    overrides = ["perf.cuda_graphs=true", "data.pad_to_multiple=8", "data.packing=true", "data.pack_rows=[2]"]
+    overrides = ["perf.cuda_graphs=true", "data.pad_to_multiple=8", "data.packing=true"]
+    overrides += (
+        ["data.pack_length=128", "data.pack_rows=[1]", "data.length_buckets=[64]"] if wide else ["data.pack_rows=[2]"]
+    )
     overrides.append(f"model.attention={attention_kind}")
     trainer, counter, counters = compiled_trainer(
-        tmp_path, monkeypatch, (32,), overrides, CyclingPacked(), attention_kind=attention_kind
+        tmp_path, monkeypatch, (32,), overrides, CyclingPacked(wide), attention_kind=attention_kind
     )
     monkeypatch.setattr(trainer.objective, "mode_at", lambda step: MODES[(step // 4) % len(MODES)])
     compiled = []

@@ -48,13 +48,16 @@ def tiny_model(**overrides):
     return model
 
 
-def batch(lengths=LENGTHS, num_latents=1, packed=True, seed=1, rows=None):
+def batch(lengths=LENGTHS, num_latents=1, packed=True, seed=1, rows=None, widths=None):
+    """A batch of texts of these lengths, packed in rows of PACK positions (padded to the row counts
+    `rows`), or with `widths` in rows as wide as the shortest that holds them, at most 64."""
     g = np.random.default_rng(seed)
     samples = [
         (i, g.integers(2, VOCAB, n), g.standard_normal((num_latents, DIM), dtype=np.float32))
         for i, n in enumerate(lengths)
     ]
-    return PadCollate(PAD_ID, 1, None, PACK if packed else None, pack_rows=rows)(samples)
+    pack = (64 if widths is not None else PACK) if packed else None
+    return PadCollate(PAD_ID, 1, None, pack, buckets=widths, pack_rows=rows)(samples)
 
 
 def inputs(b, seed=2):
@@ -127,11 +130,34 @@ def test_packed_rows_pad_to_the_fewest_row_count_that_holds_them_else_one_row_pe
         assert collate.positions(LENGTHS) == expected * (PACK + groups)  # the cost the micro-batch probe sizes
 
 
+def test_one_wide_row_is_as_wide_as_the_shortest_length_bucket_that_holds_its_texts():
+    """data.length_buckets with data.packing: the rows' widths. A micro-batch in one row of at most 64
+    positions (data.pack_rows=[1]) is 40 wide where its texts fill 40 or fewer, 48 up to 48, else 64;
+    the texts' padded layout keeps its own length (the longest text), and the micro-batch probe
+    counts the positions the blocks compute."""
+    for lengths, width in (([5, 12, 1, 9], 40), ([16, 16, 8], 40), ([16, 16, 16], 48), (LENGTHS, 64)):
+        lengths = np.array(lengths)
+        collate = PadCollate(PAD_ID, 1, None, 64, buckets=[40, 48], pack_rows=[1])
+        samples = [(i, np.arange(2, 2 + n), np.zeros((1, DIM), dtype=np.float32)) for i, n in enumerate(lengths)]
+        b = collate(samples)
+        assert b["pack_doc"].shape == (1, width) and b["tokens"].shape == (len(lengths), lengths.max())
+        assert (b["pack_doc"] >= 0).sum() == lengths.sum()
+        assert collate.positions(lengths) == width + len(lengths)  # one row: its width and its latent groups
+    with pytest.raises(UserError, match="a text of 16 tokens does not fit data.pack_length=8"):
+        packed_layout(LENGTHS, 8, widths=[4])
+
+
 @pytest.mark.parametrize("mode", ["joint", "l2t", "t2l"])
-@pytest.mark.parametrize("rows", [None, [6], [3]], ids=["as-filled", "padded-rows", "row-per-text"])
-def test_packed_loss_and_gradients_equal_the_padded_ones(mode, rows):
+@pytest.mark.parametrize(
+    "rows, widths",
+    [(None, None), ([6], None), ([3], None), ([1], [48, 56])],
+    ids=["as-filled", "padded-rows", "row-per-text", "one-wide-row"],
+)
+def test_packed_loss_and_gradients_equal_the_padded_ones(mode, rows, widths):
     model = tiny_model()
-    b = batch(rows=rows)
+    b = batch(rows=rows, widths=widths)
+    if widths is not None:
+        assert b["pack_doc"].shape == (1, 56)  # 55 tokens
     unpacked = {k: v for k, v in b.items() if not k.startswith("pack_")}
     results = []
     for one in (unpacked, b):

@@ -235,7 +235,8 @@ class PadCollate:
 
     With `pack_length` (data.packing) the batch also says where each text goes in packed rows of
     that many positions (`pack_rows`; the model runs its blocks on those rows, mmldlm/model/mmdit.py
-    `Packing`): "pack_doc" (R, P) the text (row of the padded batch) of each packed position, -1
+    `Packing`), or with `buckets` as wide as the shortest bucket that holds the fullest row:
+    "pack_doc" (R, P) the text (row of the padded batch) of each packed position, -1
     for padding; "pack_position" (R, P) its position in its text; "pack_latent_doc" (R, M) the text
     of each row's m-th group of latent slots, -1 for padding (M: the most texts in one row)."""
 
@@ -258,9 +259,10 @@ class PadCollate:
 
     def padded_length(self, lengths: np.ndarray) -> int:
         """L of a batch of samples of these (kept) lengths: the longest, rounded up to the multiple, or
-        with buckets the shortest bucket that holds it (max_length past the last)."""
+        with buckets the shortest bucket that holds it (max_length past the last; packed, the buckets
+        are the rows' widths, and L only lays the texts out for the packing to gather from)."""
         longest = max(int(lengths.max()), 1)
-        if self.buckets is not None:
+        if self.buckets is not None and self.pack_length is None:
             if longest <= self.buckets[-1]:
                 return int(self.buckets[np.searchsorted(self.buckets, longest)])
             if self.max_length is not None:
@@ -275,7 +277,8 @@ class PadCollate:
         if self.pack_length is not None:
             rows = pack_rows(lengths, self.pack_length)
             slots = _rounded_up(max(map(len, rows)), self.multiple)
-            return packed_row_count(len(rows), len(lengths), self.pack_rows) * (self.pack_length + slots)
+            width = packed_width(rows, lengths, self.pack_length, self.buckets)
+            return packed_row_count(len(rows), len(lengths), self.pack_rows) * (width + slots)
         return len(lengths) * self.padded_length(lengths)
 
     def __call__(self, samples: list[tuple[int, np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
@@ -291,7 +294,7 @@ class PadCollate:
             "index": torch.tensor([i for i, _, _ in samples], dtype=torch.int64),  # (B,)
         }
         if self.pack_length is not None:
-            batch.update(packed_layout(lengths, self.pack_length, self.multiple, self.pack_rows))
+            batch.update(packed_layout(lengths, self.pack_length, self.multiple, self.pack_rows, self.buckets))
         return batch
 
 
@@ -324,19 +327,34 @@ def packed_row_count(num_rows: int, num_texts: int, buckets: Sequence[int] | Non
     return next((n for n in buckets if n >= num_rows), num_texts)  # first-fit fills at most one row per text
 
 
+def packed_width(rows: list[list[int]], lengths: np.ndarray, pack_length: int, widths: Sequence[int] | None) -> int:
+    """P of packed rows: pack_length, or with `widths` (data.length_buckets, ascending) the shortest
+    that holds the fullest row's tokens, pack_length past the last."""
+    if widths is None:
+        return pack_length
+    fill = max((int(lengths[row].sum()) for row in rows if row), default=1)
+    return next((int(w) for w in widths if fill <= w <= pack_length), pack_length)
+
+
 def packed_layout(
-    lengths: np.ndarray, pack_length: int, multiple: int = 1, row_buckets: Sequence[int] | None = None
+    lengths: np.ndarray,
+    pack_length: int,
+    multiple: int = 1,
+    row_buckets: Sequence[int] | None = None,
+    widths: Sequence[int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """pack_doc, pack_position (R, P) and pack_latent_doc (R, M) of texts of these lengths (PadCollate),
     M the most texts in a row rounded up to `multiple`: like the padded length, it bounds the number
     of distinct shapes the kernels see (oneDNN keeps memory per matrix shape on CPU). With
-    `row_buckets` (data.pack_rows) R is padded with empty rows (`packed_row_count`)."""
+    `row_buckets` (data.pack_rows) R is padded with empty rows (`packed_row_count`); with `widths`
+    (data.length_buckets) P is the shortest that holds the fullest row (`packed_width`)."""
     if lengths.max(initial=0) > pack_length:
         raise DataError(f"a text of {int(lengths.max())} tokens does not fit data.pack_length={pack_length}")
     rows = pack_rows(lengths, pack_length)
+    width = packed_width(rows, lengths, pack_length, widths)
     rows += [[] for _ in range(packed_row_count(len(rows), len(lengths), row_buckets) - len(rows))]
-    doc = np.full((len(rows), pack_length), -1, dtype=np.int64)  # (R, P)
-    position = np.zeros((len(rows), pack_length), dtype=np.int64)
+    doc = np.full((len(rows), width), -1, dtype=np.int64)  # (R, P)
+    position = np.zeros((len(rows), width), dtype=np.int64)
     latent_doc = np.full((len(rows), _rounded_up(max(map(len, rows)), multiple)), -1, dtype=np.int64)  # (R, M)
     for r, row in enumerate(rows):
         start = 0
@@ -552,10 +570,15 @@ def _collate(dataset: PreparedDataset, cfg: DataConfig) -> PadCollate:
 
 def batch_shape_count(cfg: DataConfig, max_length: int) -> int | None:
     """How many shapes the blocks' inputs can take over the loader's batches: the text lengths
-    (`padded_lengths`), or packed, the row counts of data.pack_rows and one row per text (None: packed
-    rows without it, as many as the texts fill)."""
+    (`padded_lengths`), or packed, the row counts of data.pack_rows and one row per text, times the
+    rows' widths (data.length_buckets up to data.pack_length, and it; None: packed rows without
+    data.pack_rows, as many as the texts fill)."""
     if cfg.packing:
-        return len(cfg.pack_rows) + 1 if cfg.pack_rows is not None else None
+        if cfg.pack_rows is None:
+            return None
+        width = cfg.pack_length or max_length
+        widths = len({*(n for n in cfg.length_buckets or () if n < width), width})
+        return (len(cfg.pack_rows) + 1) * widths
     return len(padded_lengths(cfg, max_length))
 
 
@@ -670,8 +693,12 @@ def resolve_for_model(data: DataConfig, model: ModelConfig, dataset: PreparedDat
         data = dataclasses.replace(data, max_length=max_length)
     if data.max_length > model.max_seq_len:
         _fail("data.max_length", data.max_length, f"<= model.max_seq_len={model.max_seq_len}")
-    if data.length_buckets is not None and data.length_buckets[-1] > data.max_length:
-        _fail("data.length_buckets", data.length_buckets, f"lengths <= data.max_length={data.max_length}")
     if data.packing and data.pack_length is not None and data.pack_length < data.max_length:
         _fail("data.pack_length", data.pack_length, f"null or >= data.max_length={data.max_length} (the longest text)")
+    if data.length_buckets is not None:
+        if not data.packing and data.length_buckets[-1] > data.max_length:
+            _fail("data.length_buckets", data.length_buckets, f"lengths <= data.max_length={data.max_length}")
+        width = data.pack_length or data.max_length
+        if data.packing and data.length_buckets[-1] > width:
+            _fail("data.length_buckets", data.length_buckets, f"packed rows' widths <= data.pack_length={width}")
     return data

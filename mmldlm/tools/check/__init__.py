@@ -428,6 +428,7 @@ def check_slow_switches(cfg: RunConfig, env: Environment, est: Estimate) -> list
     found = [finding(name, **values) for name, fired in fires.items() if fired]
     if cfg.perf.compute_weights:
         found += compute_weights_findings(cfg, env)
+    found += packed_rows_mask_findings(cfg, env)
     if (cfg.perf.cuda_graphs or cfg.perf.cudnn_attention) and cfg.data.length_buckets is None:
         found += few_shapes_findings(cfg)
     return found
@@ -441,6 +442,17 @@ def compute_weights_findings(cfg: RunConfig, env: Environment) -> list[Finding]:
         precision = auto_precision(env.device, env.native_bf16)
     reason = compute_weights_off_reason(precision, env.world_size > 1, cfg.optim.step_in_backward)
     return [] if reason is None else [finding("compute_weights_off", reason=reason)]
+
+
+def packed_rows_mask_findings(cfg: RunConfig, env: Environment) -> list[Finding]:
+    """Packed rows at least 4x as wide as the longest text (a whole micro-batch in one row) attended
+    through SDPA's block-diagonal mask on a CUDA device, where the variable-length kernel runs."""
+    max_length = max_length_of(cfg)
+    width = cfg.data.pack_length or max_length
+    if not cfg.data.packing or env.device != "cuda" or cfg.model.attention == "varlen" or width < 4 * max_length:
+        return []
+    values = dict(width=width, attention=cfg.model.attention, times=width // max_length, max_length=max_length)
+    return [finding("packed_rows_mask", **values)]
 
 
 def few_shapes_findings(cfg: RunConfig) -> list[Finding]:

@@ -531,6 +531,18 @@ RULES = {
         "every length it cost about 2.7 ms of host time a call (base preset, H100), more than its kernel",
         "data.length_buckets={buckets}",
     ),
+    "packed_rows_mask": Rule(
+        "packed_rows_mask",
+        "warning",
+        "packed rows {width} wide (data.pack_length) on model.attention={attention}, {times}x the longest text "
+        "({max_length})",
+        "SDPA attends over packed rows through their block-diagonal mask, and its kernel computes every "
+        "pair of a row's positions: {width} x {width} a row and head, where its texts need their own "
+        "lengths squared, and the mask itself is that large; the variable-length kernel computes each "
+        "text's positions alone",
+        "model.attention=varlen",
+        {"model.attention": "varlen"},
+    ),
     "cudnn_attention_packing": Rule(
         "cudnn_attention_packing",
         "warning",
