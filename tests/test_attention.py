@@ -72,7 +72,7 @@ def stand_in_for_the_varlen_kernel(monkeypatch) -> list:
 
 
 @pytest.fixture
-def reference_varlen(monkeypatch):
+def varlen_calls(monkeypatch):
     return stand_in_for_the_varlen_kernel(monkeypatch)
 
 
@@ -107,7 +107,7 @@ def outputs_and_grads(model, b, packed, text_head=True, latent_head=True):
     ],
     ids=["padded", "packed", "prefix", "packed-two-latents", "one-wide-row"],
 )
-def test_attention_over_real_positions_alone_equals_the_masked_attention(reference_varlen, layout, overrides, heads):
+def test_attention_over_real_positions_alone_equals_the_masked_attention(varlen_calls, layout, overrides, heads):
     packed = layout != "padded"
     masked = tiny_model(attention="sdpa", **overrides)
     varlen = tiny_model(attention="varlen", **overrides)
@@ -115,9 +115,9 @@ def test_attention_over_real_positions_alone_equals_the_masked_attention(referen
     b = batch(num_latents=masked.cfg.num_latents, packed=packed, **wide)
     flags = {"text_head": heads != "latent", "latent_head": heads != "text"}
     want, want_grads = outputs_and_grads(masked, b, packed, **flags)
-    assert reference_varlen == []  # model.attention=sdpa keeps the mask
+    assert varlen_calls == []  # model.attention=sdpa keeps the mask
     got, got_grads = outputs_and_grads(varlen, b, packed, **flags)
-    assert len(reference_varlen) == masked.cfg.num_blocks  # every block took the variable-length path
+    assert len(varlen_calls) == masked.cfg.num_blocks  # every block took the variable-length path
     for a, g in zip(want, got):
         torch.testing.assert_close(g, a, rtol=0, atol=ATOL)
     assert got_grads.keys() == want_grads.keys()
@@ -126,7 +126,7 @@ def test_attention_over_real_positions_alone_equals_the_masked_attention(referen
 
 
 def test_the_variable_length_kernels_segments_cover_the_real_positions_in_shapes_of_the_batchs_shape(
-    reference_varlen,
+    varlen_calls,
 ):
     """Two padded batches of one shape and other lengths (the longest 16 and 9): the kernel gets every
     position of the rows (the rows' shape, not the real count, so one static graph and one CUDA graph
@@ -143,12 +143,10 @@ def test_the_variable_length_kernels_segments_cover_the_real_positions_in_shapes
             "tokens": torch.nn.functional.pad(b["tokens"], (0, padding), value=PAD_ID),
             "pad_mask": torch.nn.functional.pad(b["pad_mask"], (0, padding), value=False),
         }
-        reference_varlen.clear()
+        varlen_calls.clear()
         outputs_and_grads(model, b, packed=False)
-        assert [int(real) for _, real, _ in reference_varlen] == [
-            sum(lengths) + len(lengths) * K
-        ] * model.cfg.num_blocks
-        seen.append({(rows, bound) for rows, _, bound in reference_varlen})
+        assert [int(real) for _, real, _ in varlen_calls] == [sum(lengths) + len(lengths) * K] * model.cfg.num_blocks
+        seen.append({(rows, bound) for rows, _, bound in varlen_calls})
     assert seen[0] == seen[1] == {(len(LENGTHS) * (L + K), L + K)}, seen
 
 
