@@ -134,6 +134,28 @@ def test_compiled_block_keeps_loss_and_gradients(checkpointing):
 
 
 @pytest.mark.slow  # inductor from a cold cache: tens of seconds
+def test_compiled_blocks_through_the_variable_length_kernel_keep_loss_and_gradients(monkeypatch):
+    """model.attention=varlen with the blocks compiled by inductor in static shapes (the kernel's CPU
+    stand-in, tests/test_attention.py, which leaves NaN where the real kernel writes nothing): the
+    loss and every gradient of the eager blocks, on a batch with padding, and none of them NaN."""
+    from test_attention import kernel_on_segments
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from mmldlm.model import attention
+
+    monkeypatch.setattr(attention, "varlen_supported", lambda device: True)
+    monkeypatch.setattr(attention, "varlen_kernel", kernel_on_segments)
+    plain = tiny_model(attention="varlen")
+    compiled = copy.deepcopy(plain)
+    counter = CompileCounterWithBackend("inductor")
+    apply_compile(compiled, backend=counter, dynamic=False)
+    reference = loss_and_grads(plain)
+    assert torch.isfinite(reference[0]) and all(torch.isfinite(g).all() for g in reference[1].values())
+    assert_same(reference, loss_and_grads(compiled))
+    assert counter.frame_count >= 1 and counter.op_count > 0
+
+
+@pytest.mark.slow  # inductor from a cold cache: tens of seconds
 def test_compiled_parts_outside_the_blocks_keep_loss_and_gradients():
     """perf.compile_outside_blocks with inductor: the loss and every gradient as eager, the length
     head's too, with the parameters' names unchanged; every part outside the blocks was compiled (a
