@@ -569,14 +569,6 @@ class DataConfig:
                     f"null or a non-empty ascending list of positive multiples of {prefix}.pad_to_multiple="
                     f"{self.pad_to_multiple}",
                 )
-            width = (self.pack_length or self.max_length) if self.packing else None
-            if width is not None and buckets[-1] > width:
-                _fail(
-                    f"{prefix}.length_buckets",
-                    buckets,
-                    f"widths of packed rows at most data.pack_length={width} with {prefix}.packing=true "
-                    "(the rows' width past the last bucket)",
-                )
         if self.pack_rows is not None:
             rows = self.pack_rows
             if (

@@ -264,13 +264,8 @@ def test_data_config_checks():
     for buckets in ("[16,8]", "[12]", "[]"):
         with pytest.raises(ConfigError, match=r"'data.length_buckets': got .*; expected null or a non-empty ascending"):
             load_config(None, [f"data.length_buckets={buckets}"])
-    # packed, the buckets are the rows' widths: none past the rows' width
+    # packed, the buckets are the rows' widths (none past the rows' width: resolve_for_model)
     assert load_config(None, ["data.length_buckets=[8]", "data.packing=true"]).data.length_buckets == [8]
-    with pytest.raises(
-        ConfigError,
-        match=r"'data.length_buckets': got \[8, 32\]; expected widths of packed rows at most data.pack_length=16",
-    ):
-        load_config(None, ["data.length_buckets=[8, 32]", "data.packing=true", "data.pack_length=16"])
 
 
 def test_model_must_match_the_dataset(train, data_dir):
@@ -300,6 +295,11 @@ def test_model_must_match_the_dataset(train, data_dir):
         match=r"'data.length_buckets': got \[64, 256\]; expected packed rows' widths <= data.pack_length=128",
     ):
         resolve_for_model(DataConfig(packing=True, length_buckets=[64, 256]), ModelConfig(), train)
+    with pytest.raises(
+        ConfigError,
+        match=r"'data.length_buckets': got \[64, 512\]; expected packed rows' widths <= data.pack_length=256",
+    ):
+        resolve_for_model(DataConfig(packing=True, pack_length=256, length_buckets=[64, 512]), ModelConfig(), train)
 
 
 def test_a_null_latent_shape_is_the_datasets(train):

@@ -333,7 +333,7 @@ def packed_width(rows: list[list[int]], lengths: np.ndarray, pack_length: int, w
     if widths is None:
         return pack_length
     fill = max((int(lengths[row].sum()) for row in rows if row), default=1)
-    return next((int(w) for w in widths if fill <= w <= pack_length), pack_length)
+    return next((int(w) for w in widths if fill <= w), pack_length)  # none past pack_length (resolve_for_model)
 
 
 def packed_layout(

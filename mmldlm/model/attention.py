@@ -163,7 +163,8 @@ class JointAttention:
         out = varlen_kernel(q_all, k_all, v_all, rows.cu_seqlens, keys.cu_seqlens, rows.max_len, keys.max_len)
         # Padding queries get zero: their outputs reach no loss, and no real position attends to them.
         out = out.where(rows.inside, 0.0)
-        return torch.zeros_like(out).index_copy(0, rows.index, out).view(R, Sq, nh, hd)
+        # `index` is a permutation of every position: each row of the result is written, none left to fill
+        return torch.empty_like(out).index_copy(0, rows.index, out).view(R, Sq, nh, hd)
 
 
 _cpu_detour = True  # `sdpa` attends in fp32 on a CPU, `rms_norm` is torch's; off inside `dispatch_as_on_a_gpu`
