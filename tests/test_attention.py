@@ -57,17 +57,18 @@ def kernel_on_segments(q, k, v, cu_q, cu_k, max_q, max_k):
     return out.where(in_q[:, None, None], float("nan"))
 
 
-def stand_in_for_the_varlen_kernel(monkeypatch) -> list:
-    """The CPU stands in for a CUDA device with the variable-length kernel (`kernel_on_segments`); the
-    calls' (rows, real positions of the queries, longest segment bound) are recorded."""
+def stand_in_for_the_varlen_kernel(monkeypatch, record: bool = True) -> list:
+    """The CPU stands in for a CUDA device with the variable-length kernel (`kernel_on_segments`); with
+    `record`, the calls' (rows, real positions of the queries, longest segment bound) are recorded
+    (without, compiled blocks trace the stand-in itself)."""
     calls = []
 
-    def kernel(q, k, v, cu_q, cu_k, max_q, max_k):
+    def recording(q, k, v, cu_q, cu_k, max_q, max_k):
         calls.append((q.shape[0], cu_q[-1], max_q))
         return kernel_on_segments(q, k, v, cu_q, cu_k, max_q, max_k)
 
     monkeypatch.setattr(attention, "varlen_supported", lambda device: True)
-    monkeypatch.setattr(attention, "varlen_kernel", kernel)
+    monkeypatch.setattr(attention, "varlen_kernel", recording if record else kernel_on_segments)
     return calls
 
 

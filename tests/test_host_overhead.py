@@ -9,7 +9,7 @@ import pytest
 import torch
 from data_support import prepared
 from loader_support import SyntheticLoader
-from test_attention import kernel_on_segments
+from test_attention import stand_in_for_the_varlen_kernel
 from test_perf import DIM, LEN, PAD_ID, VOCAB, objective_for, tiny_model
 from test_perf import model_inputs as model_inputs_of
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -128,8 +128,7 @@ def test_the_presets_steps_on_real_batches_queue_without_reading_the_device(
     monkeypatch.setattr(trainer_module, "build_optimizer", lambda model, cfg: LoopAsFused(model.parameters(), cfg.lr))
     built = []
     if "model.attention=varlen" in extra:
-        monkeypatch.setattr(joint_attention, "varlen_supported", lambda device: True)
-        monkeypatch.setattr(joint_attention, "varlen_kernel", kernel_on_segments)
+        stand_in_for_the_varlen_kernel(monkeypatch, record=False)
         real_segments = joint_attention.segments
         monkeypatch.setattr(joint_attention, "segments", lambda *args: built.append(args) or real_segments(*args))
     overrides = [
@@ -211,8 +210,7 @@ def compiled_trainer(
         ],
     )
     if attention_kind == "varlen":
-        monkeypatch.setattr(joint_attention, "varlen_supported", lambda device: True)
-        monkeypatch.setattr(joint_attention, "varlen_kernel", kernel_on_segments)
+        stand_in_for_the_varlen_kernel(monkeypatch, record=False)
     model = tiny_model(attention=attention_kind)
     model.cfg.max_seq_len = max(lengths)
     trainer = Trainer(cfg, model, objective_for(cfg), loader or CyclingLengths(lengths), DistInfo())

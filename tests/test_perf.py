@@ -138,13 +138,10 @@ def test_compiled_blocks_through_the_variable_length_kernel_keep_loss_and_gradie
     """model.attention=varlen with the blocks compiled by inductor in static shapes (the kernel's CPU
     stand-in, tests/test_attention.py, which leaves NaN where the real kernel writes nothing): the
     loss and every gradient of the eager blocks, on a batch with padding, and none of them NaN."""
-    from test_attention import kernel_on_segments
+    from test_attention import stand_in_for_the_varlen_kernel
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from mmldlm.model import attention
-
-    monkeypatch.setattr(attention, "varlen_supported", lambda device: True)
-    monkeypatch.setattr(attention, "varlen_kernel", kernel_on_segments)
+    stand_in_for_the_varlen_kernel(monkeypatch, record=False)
     plain = tiny_model(attention="varlen")
     compiled = copy.deepcopy(plain)
     counter = CompileCounterWithBackend("inductor")
