@@ -954,6 +954,12 @@ class PerfConfig:
     # head then the loss keep about three (N, V) tensors alive (docs/benchmarks.md). Same loss and
     # gradients; sampling and evaluation read logits as before.
     fused_text_loss: bool = False
+    # The text head's rows in training (the masked real positions, about half the batch's) filled up to
+    # the next multiple of the batch's text positions / text_row_buckets, the filling rows weighted 0:
+    # the head and its loss then take a few row counts (each one graph when the whole model compiles,
+    # perf.compile_model, and so one CUDA graph), where otherwise every step has its own. The same loss
+    # and gradients; the head computes up to a bucket more rows. null: exactly the masked rows.
+    text_row_buckets: int | None = None
     # bf16 compute weights: in training the blocks and the adaLN modulation read bf16 copies of their
     # weights, refreshed once a step, and their bf16 gradients are added into the float32 ones in one
     # operation after each backward, where autocast casts each weight and its gradient at every use
@@ -982,6 +988,8 @@ class PerfConfig:
                 True,
                 f"null or false with {prefix}.cuda_graphs=true (a CUDA graph is recorded for each shape anyway)",
             )
+        if self.text_row_buckets is not None and self.text_row_buckets < 1:
+            _fail(f"{prefix}.text_row_buckets", self.text_row_buckets, "null or an integer >= 1")
         self.profiler.check(f"{prefix}.profiler")
 
 

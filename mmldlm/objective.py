@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from mmldlm.config import MODES, ObjectiveConfig
 from mmldlm.diffusion import GaussianDiffusion, MaskedDiffusion, rng
+from mmldlm.diffusion.masked import pad_rows
 from mmldlm.model.mmdit import ModelOutput, Packing
 
 HOST = torch.device("cpu")  # where the step's random draws and the decisions that follow them are made
@@ -51,6 +52,10 @@ class NoisedInputs(NamedTuple):
     latent_null: torch.Tensor | None  # (B,) bool: rows whose latent condition is dropped (l2t)
     noise: torch.Tensor | None  # (B, K, D): the Gaussian noise of the latent, where it is generated
     rows: torch.Tensor | None  # (N,) int64: the masked real positions (flat B * L), where the text is generated
+    # With text_row_buckets: rows filled up to a fixed count, True at the masked positions (`pad_rows`),
+    # and how many those are (a host int); None otherwise.
+    valid: torch.Tensor | None = None
+    num_masked: int | None = None
 
 
 class Objective:
@@ -65,10 +70,14 @@ class Objective:
         length_head: bool = False,
         per_sample: bool = False,
         fused_text_loss: bool = False,
+        text_row_buckets: int | None = None,
     ):
         self.cfg = cfg
         # perf.fused_text_loss: the model's text head fused with its loss (no (N, V) logits in training)
         self.fused_text_loss = fused_text_loss
+        # perf.text_row_buckets: the text head's rows filled up to a multiple of the batch's text
+        # positions / text_row_buckets, so that they take a few counts (None: exactly the masked ones)
+        self.text_row_buckets = text_row_buckets
         # Evaluation: the text ELBO and latent loss of each sample as metrics too (mmldlm/evaluation/evaluate.py).
         self.per_sample = per_sample
         self.text = text
@@ -159,7 +168,7 @@ class Objective:
         if self.length_head:
             extra["length_from"] = latents  # every step, from the clean latents
         if self.fused_text_loss and text_on and x.rows is not None:
-            extra["text_targets"] = self.text.loss_targets(tokens, x.t_text, x.rows)
+            extra["text_targets"] = self.text.loss_targets(tokens, x.t_text, x.rows, x.valid)
         out = model(
             x.text,
             x.latent,
@@ -192,12 +201,15 @@ class Objective:
         as cond_drop_prob says. Drawn on the host, `real` (B, L) the host's pad mask; then moved."""
         (B, L), device = tokens.shape, tokens.device
         t_text, t_latent = torch.zeros(B), torch.zeros(B)
-        masked = noise = rows = None
+        masked = noise = rows = valid = num_masked = None
         if text_on:
             drawn = self.sample_t(B, HOST, generator) if given_t_text is None else given_t_text.to(HOST)
             t_text = self.text.bound_time(drawn)
             masked = self.text.draw_masked(t_text, (B, L), HOST, generator) & real
             rows = masked.flatten().nonzero().squeeze(1)  # (N,) on the host: no read-back
+            if self.text_row_buckets:
+                num_masked = rows.shape[0]
+                rows, valid = pad_rows(rows, -(-B * L // self.text_row_buckets))
         if latent_on:
             t_latent = self.sample_t(B, HOST, generator)
             noise = rng.normal(latents.shape, HOST, generator, dtype=latents.dtype)  # (B, K, D)
@@ -210,6 +222,7 @@ class Objective:
         if text_on:
             text_in = tokens.masked_fill(move(masked), self.text.mask_token_id)  # (B, L)
             rows = move(rows)
+            valid = move(valid) if valid is not None else None
         if latent_on:
             noise = move(noise)
             latent_in = self.latent.add_noise(latents, move(t_latent), noise)
@@ -218,7 +231,9 @@ class Objective:
         if mode == "t2l" and drop is not None:
             hide = move(drop)[:, None] if pad_mask is None else move(drop)[:, None] & pad_mask  # (B, L)
             text_in = tokens.masked_fill(hide, self.text.mask_token_id)
-        return NoisedInputs(text_in, latent_in, move(t_text), move(t_latent), latent_null, noise, rows)
+        return NoisedInputs(
+            text_in, latent_in, move(t_text), move(t_latent), latent_null, noise, rows, valid, num_masked
+        )
 
     def _draw_condition_drop(self, mode: str, batch_size: int, generator: torch.Generator | None):
         """Classifier-free guidance: (B,) bool on the host, the rows whose condition is replaced by "no
@@ -263,7 +278,15 @@ class Objective:
         loss = 0.0
         if text_on:
             text_loss, text_metrics = self.text.loss(
-                out.text_logits, tokens, x.text, x.t_text, pad_mask, per_sample=self.per_sample, rows=x.rows
+                out.text_logits,
+                tokens,
+                x.text,
+                x.t_text,
+                pad_mask,
+                per_sample=self.per_sample,
+                rows=x.rows,
+                valid=x.valid,
+                num_masked=x.num_masked,
             )
             loss = loss + self.cfg.text_loss_weight * text_loss
             metrics["text_loss"] = text_loss.detach()

@@ -45,6 +45,16 @@ from mmldlm.device import autocast_off, compute_dtype
 from mmldlm.diffusion import rng
 
 
+def pad_rows(rows: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows (N,) int64 filled up to the next multiple of `step` (one step at least) with position 0,
+    and (N',) bool, True at the given rows: the text head and its loss then see a few row counts (each
+    a fixed graph: compiled, CUDA graphs), the filling rows weighted 0 (`MaskedDiffusion.loss`' valid)."""
+    count = max(1, -(-rows.shape[0] // step)) * step
+    filled = torch.zeros(count, dtype=rows.dtype, device=rows.device)
+    filled[: rows.shape[0]] = rows
+    return filled, torch.arange(count, device=rows.device) < rows.shape[0]
+
+
 def _per_row(t, batch_size: int, device, dtype=torch.float64) -> torch.Tensor:
     """A time given as a number, a 0-d or a (B,) tensor -> (B,) tensor."""
     t = torch.as_tensor(t, device=device, dtype=dtype)
@@ -279,21 +289,26 @@ class MaskedDiffusion:
         masked = noised == self.mask_token_id
         return masked & pad_mask if pad_mask is not None else masked
 
-    def row_weights(self, t, batch_size: int, rows: torch.Tensor, L: int) -> torch.Tensor:
+    def row_weights(
+        self, t, batch_size: int, rows: torch.Tensor, L: int, valid: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """(N,) float32: the weight of each row's cross-entropy in the summed loss (before its divisor):
-        the ELBO weight of its text's time (cfg.loss "elbo") or 1 (masked_ce)."""
+        the ELBO weight of its text's time (cfg.loss "elbo") or 1 (masked_ce); 0 where `valid` (N,)
+        bool is False (rows that only fill a fixed row count, `pad_rows`)."""
         if self.cfg.loss != "elbo":
-            return torch.ones(rows.shape[0], device=rows.device)
-        weight = self.elbo_weight(_per_row(t, batch_size, rows.device, torch.float32))  # (B,)
-        return weight.index_select(0, torch.div(rows, L, rounding_mode="floor"))
+            weight = torch.ones(rows.shape[0], device=rows.device)
+        else:
+            per_text = self.elbo_weight(_per_row(t, batch_size, rows.device, torch.float32))  # (B,)
+            weight = per_text.index_select(0, torch.div(rows, L, rounding_mode="floor"))
+        return weight if valid is None else weight * valid
 
-    def loss_targets(self, tokens: torch.Tensor, t, rows: torch.Tensor) -> TextTargets:
+    def loss_targets(self, tokens: torch.Tensor, t, rows: torch.Tensor, valid: torch.Tensor | None = None) -> TextTargets:
         """What the model needs to fuse its text head with `loss` at rows (N,) of tokens (B, L), the
-        masked real positions (`MultimodalMMDiT.text_loss`): `loss` then takes the model's TextLoss
-        for the logits, and equals the loss of the head's logits."""
+        masked real positions (`MultimodalMMDiT.text_loss`; `valid` as `loss` takes it): `loss` then
+        takes the model's TextLoss for the logits, and equals the loss of the head's logits."""
         B, L = tokens.shape
         targets = tokens.reshape(-1).index_select(0, rows)
-        return TextTargets(targets, self.row_weights(t, B, rows, L), self.mask_token_id)
+        return TextTargets(targets, self.row_weights(t, B, rows, L, valid), self.mask_token_id)
 
     def loss(
         self,
@@ -304,6 +319,8 @@ class MaskedDiffusion:
         pad_mask: torch.Tensor | None = None,
         per_sample: bool = False,
         rows: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
+        num_masked: int | None = None,
     ) -> tuple[torch.Tensor, dict]:
         """The training loss over masked non-pad tokens and its metrics.
 
@@ -312,7 +329,9 @@ class MaskedDiffusion:
         there (a TextLoss, of `loss_targets`' targets); tokens (B, L) clean; t (B,) the times
         `noised` was drawn at. rows (N,) int64: those positions' flat (B * L) indices in row-major
         order where the caller knows them (training decides them on the host); without them they are
-        found here, which reads the device. cfg.loss "elbo": NELBO in nats per non-pad token (module docstring);
+        found here, which reads the device. valid (N,) bool, with rows: False at rows that only fill a
+        fixed row count (`pad_rows`), which then count for nothing; num_masked, with valid, the host's
+        count of its True rows. cfg.loss "elbo": NELBO in nats per non-pad token (module docstring);
         "masked_ce": unweighted mean cross-entropy over masked non-pad tokens.
         Metrics (detached): accuracy of the argmax over masked non-pad tokens, num_masked (an int),
         num_tokens
@@ -325,18 +344,21 @@ class MaskedDiffusion:
         device = tokens.device
         if rows is None:
             rows = self.loss_positions(noised, pad_mask).flatten().nonzero().squeeze(1)  # (N,)
-        num_masked = rows.shape[0]
+        if valid is None:
+            num_masked = rows.shape[0]
+        elif num_masked is None:
+            raise ValueError("valid rows need num_masked, the host's count of them")
         num_real = pad_mask.sum() if pad_mask is not None else torch.full((), B * L, device=device)
 
         # SUBS: the mask is never the answer (its logit is -inf); unmasked positions copy their
         # input and contribute zero, so only masked rows are gathered (saves a (B, L, V) copy).
         targets = tokens.reshape(-1).index_select(0, rows)  # (N,)
         fused = isinstance(logits, TextLoss)  # the model's head fused with the loss (`loss_targets`)
-        rows_given = logits.ce.shape[0] if fused else logits.shape[0] if logits.dim() == 2 else num_masked
-        if rows_given != num_masked:
+        rows_given = logits.ce.shape[0] if fused else logits.shape[0] if logits.dim() == 2 else rows.shape[0]
+        if rows_given != rows.shape[0]:
             raise ValueError(
                 f"text logits of {rows_given} rows: expected (B, L, V) or one row per masked non-pad "
-                f"position ({num_masked})"
+                f"position ({rows.shape[0]})"
             )
         if fused:
             ce, predicted = logits.ce, logits.predicted
@@ -347,7 +369,7 @@ class MaskedDiffusion:
         extra = {}
         if self.cfg.loss == "elbo":
             # (N,); the fused head summed them already (`loss_targets`' weights)
-            weighted = None if fused and not per_sample else self.row_weights(t, B, rows, L) * ce
+            weighted = None if fused and not per_sample else self.row_weights(t, B, rows, L, valid) * ce
             loss = (logits.weighted if fused else weighted.sum()) / num_real.clamp_min(1)
             if per_sample:
                 text_of = torch.div(rows, L, rounding_mode="floor")  # (N,) the text of each row
@@ -355,10 +377,12 @@ class MaskedDiffusion:
                 real = pad_mask.sum(dim=1) if pad_mask is not None else torch.full((B,), L, device=device)
                 extra = {"nats_per_sample": nats, "num_tokens_per_sample": real}
         else:
-            loss = (logits.weighted if fused else ce.sum()) / max(num_masked, 1)
+            unweighted = ce.sum() if valid is None else (ce * valid).sum()
+            loss = (logits.weighted if fused else unweighted) / max(num_masked, 1)
 
         with torch.no_grad():
-            accuracy = (predicted == targets).sum().float() / max(num_masked, 1)
+            right = predicted == targets
+            accuracy = (right if valid is None else right & valid).sum().float() / max(num_masked, 1)
         return loss, {"accuracy": accuracy, "num_masked": num_masked, "num_tokens": num_real, **extra}
 
     # --- reverse process -------------------------------------------------------------------------

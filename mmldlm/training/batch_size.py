@@ -152,6 +152,7 @@ def joint_objective(objective) -> Objective:
         objective.self_condition,
         objective.length_head,
         fused_text_loss=objective.fused_text_loss,
+        text_row_buckets=objective.text_row_buckets,
     )
 
 

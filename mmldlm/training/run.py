@@ -91,6 +91,7 @@ def build_model_and_objective(cfg: RunConfig, dataset):
         self_condition=cfg.model.self_condition,
         length_head=cfg.model.length_head,
         fused_text_loss=cfg.perf.fused_text_loss,
+        text_row_buckets=cfg.perf.text_row_buckets,
     )
 
 
