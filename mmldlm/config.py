@@ -938,6 +938,14 @@ class PerfConfig:
     # few compiled calls: the host work left beside CUDA graphs of the blocks, where short texts make
     # the step host-bound.
     compile_outside_blocks: bool = False
+    # With perf.compile, compile the model's whole forward as one graph (every block, the parts
+    # outside them, the heads and, with perf.fused_text_loss, the text loss) instead of each block
+    # alone: one graph per mode and shape (and per text_row_buckets count), each compiled once, so a
+    # step is one compiled forward and one backward, and under perf.cuda_graphs one CUDA graph each.
+    # Costs a compile of the whole depth per graph (minutes for deep models: per-block compile shares
+    # one graph among the blocks). One process or DDP; FSDP2 gathers parameters per block and keeps
+    # per-block compile.
+    compile_model: bool = False
     # CUDA graphs (torch.compile's "reduce-overhead"): each compiled block's forward and backward replay
     # as one launch per shape. Needs perf.compile, static shapes (compile_dynamic null or false) and
     # batches of few shapes: data.length_buckets (or packed rows with data.pack_rows), SDPA or varlen
@@ -974,14 +982,27 @@ class PerfConfig:
     def check(self, prefix: str = "perf") -> None:
         if self.checkpoint_every_k < 1:
             _fail(f"{prefix}.checkpoint_every_k", self.checkpoint_every_k, "an integer >= 1")
-        if self.compile_outside_blocks and not self.compile:
+        needs_compile = {
+            "compile_outside_blocks": "it compiles beside the blocks",
+            "compile_model": "it chooses what compiles",
+            "cuda_graphs": "CUDA graphs are compile's",
+        }
+        for name, why in needs_compile.items():
+            if getattr(self, name) and not self.compile:
+                _fail(f"{prefix}.{name}", True, f"false with {prefix}.compile=false ({why})")
+        if self.compile_model and self.compile_outside_blocks:
             _fail(
                 f"{prefix}.compile_outside_blocks",
                 True,
-                f"false with {prefix}.compile=false (it compiles beside the blocks)",
+                f"false with {prefix}.compile_model=true (the whole model's graph holds those parts)",
             )
-        if self.cuda_graphs and not self.compile:
-            _fail(f"{prefix}.cuda_graphs", True, f"false with {prefix}.compile=false (CUDA graphs are compile's)")
+        if self.compile_model and self.cuda_graphs and self.text_row_buckets is None:
+            _fail(
+                f"{prefix}.text_row_buckets",
+                None,
+                f"an integer such as 16 with {prefix}.compile_model and {prefix}.cuda_graphs (the model's graph "
+                "holds the text head, and each count of masked rows would record a CUDA graph of its own)",
+            )
         if self.cuda_graphs and self.compile_dynamic:
             _fail(
                 f"{prefix}.compile_dynamic",
@@ -1031,6 +1052,12 @@ class RunConfig:
                     "distributed.strategy": self.distributed.strategy == "fsdp2",
                 },
                 "packed rows take SDPA attention, no prefix tokens, and one process or DDP",
+            )
+        if self.perf.compile_model:
+            self._refuse_beside(
+                "perf.compile_model",
+                {"distributed.strategy": self.distributed.shards_model},
+                "FSDP2 gathers each block's parameters in hooks around it: compile per block",
             )
         if self.perf.cuda_graphs:
             self._refuse_beside(

@@ -179,6 +179,28 @@ def dynamo_limits():
         yield
 
 
+def has_symbolic_shapes(counter) -> bool:
+    """Whether a graph `counter` (dynamo's CompileCounterWithBackend) captured has a symbolic size."""
+    return any(
+        isinstance(dim, torch.SymInt)
+        for graph in counter.graphs
+        for node in graph.graph.nodes
+        if isinstance(node.meta.get("example_value"), torch.Tensor)
+        for dim in node.meta["example_value"].shape
+    )
+
+
+def compiled_functions(counter) -> set[str]:
+    """The functions the graphs `counter` captured were compiled from: the outermost frame of their
+    operations' stack traces."""
+    return {
+        re.match(r'\s*File "[^"]+", line \d+, in (\w+)', node.meta["stack_trace"]).group(1)
+        for graph in counter.graphs
+        for node in graph.graph.nodes
+        if node.meta.get("stack_trace")
+    }
+
+
 def compiled_trainer(
     tmp_path, monkeypatch, lengths, overrides=(), loader=None, backend="aot_eager", attention_kind="sdpa"
 ):
@@ -287,13 +309,7 @@ def test_static_shapes_compile_one_graph_per_length_bucket_and_block_variant_the
         compiled.append(counter.frame_count)
     assert dict(counters["graph_break"]) == {}
     assert compiled == [3 * len(lengths)] * 2
-    assert not any(
-        isinstance(dim, torch.SymInt)
-        for graph in counter.graphs
-        for node in graph.graph.nodes
-        if isinstance(node.meta.get("example_value"), torch.Tensor)
-        for dim in node.meta["example_value"].shape
-    )
+    assert not has_symbolic_shapes(counter)
 
 
 @pytest.mark.slow  # aot_eager traces forward and backward of each graph: 2-3 s a graph
@@ -318,13 +334,7 @@ def test_the_parts_outside_the_blocks_compile_once_whatever_the_lengths(tmp_path
         compiled.append(counter.frame_count)
     assert dict(counters["graph_break"]) == {}
     assert compiled == [3 * len(lengths) + 6] * 2
-    # The function each graph was compiled from: the outermost frame of its operations' stack traces.
-    outermost = {
-        re.match(r'\s*File "[^"]+", line \d+, in (\w+)', node.meta["stack_trace"]).group(1)
-        for graph in counter.graphs
-        for node in graph.graph.nodes
-        if node.meta.get("stack_trace")
-    }
+    outermost = compiled_functions(counter)
     assert {"forward", "projected", "latent_stream", "shift_scale", "checkpointed_forward"} == outermost, outermost
 
 
@@ -604,3 +614,62 @@ def test_a_compiled_steps_host_calls_are_counted_and_each_block_takes_its_adaln_
         assert inputs.count((B, 12, 1, H)) == 1 and inputs.count((B, 1, H)) == 1, inputs
     assert calls.eager["aten::_foreach_norm"] == 1 and calls.eager["aten::_fused_adamw_"] >= 1, calls.eager
     assert calls.total == sum(calls.eager.values()) + sum(calls.in_compiled.values()) + 2 * blocks
+
+
+@pytest.mark.slow  # aot_eager traces forward and backward of each graph: 2-3 s a graph
+def test_the_whole_model_compiles_one_graph_per_mode_and_length_then_nothing(tmp_path, monkeypatch, dynamo_limits):
+    """perf.compile_model under static shapes, the text head's rows filled to one count
+    (perf.text_row_buckets=1): over four lengths and the three modes, twice, the model's forward is
+    one graph per mode and length, its text head and fused loss inside, the blocks and the parts
+    outside them not compiled apart; no graph break, static shapes, and the second round compiles
+    nothing (the host's text lengths, which differ from batch to batch, are not in the graph). Its
+    losses are those of the same steps uncompiled."""
+    from mmldlm.config import MODES
+
+    lengths = (8, 16, 24, 32)
+    overrides = [
+        "perf.cuda_graphs=true",
+        "data.pad_to_multiple=8",
+        "perf.compile_model=true",
+        "perf.text_row_buckets=1",
+        "perf.fused_text_loss=true",
+    ]
+    trainer, counter, counters = compiled_trainer(tmp_path, monkeypatch, lengths, overrides)
+    compiled, losses = [], []
+    for _ in range(2):
+        for _ in range(len(MODES) * len(lengths)):
+            losses.append(trainer.train_step()["loss"])
+        compiled.append(counter.frame_count)
+    assert dict(counters["graph_break"]) == {}
+    assert compiled == [len(MODES) * len(lengths)] * 2
+    outermost = compiled_functions(counter)
+    assert outermost == {"forward"}, outermost
+    assert not has_symbolic_shapes(counter)
+    eager, _, _ = compiled_trainer(tmp_path / "eager", monkeypatch, lengths, ["perf.compile=false", *overrides[1:2]])
+    expected = [eager.train_step()["loss"] for _ in range(len(MODES) * len(lengths))]
+    torch.testing.assert_close(torch.tensor(losses[: len(expected)]), torch.tensor(expected), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # inductor generates and compiles C++ for each graph: tens of seconds cold
+def test_inductor_trains_the_whole_model_to_the_eager_losses(tmp_path, monkeypatch, dynamo_limits):
+    """The real backend on the whole model's graph (perf.compile_model), its text rows filled to a few
+    counts (perf.text_row_buckets=2), static shapes: each mode at one length, twice, trains to the
+    losses of the same steps uncompiled, with no graph break."""
+    from mmldlm.config import MODES
+
+    overrides = [
+        "perf.compile_dynamic=false",
+        "perf.activation_checkpointing=none",
+        "perf.compile_model=true",
+        "perf.text_row_buckets=2",
+        "perf.fused_text_loss=true",
+    ]
+    trainer, counter, counters = compiled_trainer(tmp_path, monkeypatch, (16,), overrides, backend="inductor")
+    losses = [trainer.train_step()["loss"] for _ in range(2 * len(MODES))]
+    assert dict(counters["graph_break"]) == {}
+    assert len(MODES) <= counter.frame_count <= 2 * len(MODES) - 1  # l2t and joint: one or two row counts
+    eager, _, _ = compiled_trainer(
+        tmp_path / "eager", monkeypatch, (16,), ["perf.compile=false", *overrides[1:2], *overrides[3:]]
+    )
+    expected = [eager.train_step()["loss"] for _ in range(2 * len(MODES))]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-4)

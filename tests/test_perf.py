@@ -215,6 +215,58 @@ def test_compiling_outside_the_blocks_needs_compile():
         load_config("optimized", ["perf.compile_outside_blocks=true"])
 
 
+def test_compiling_the_whole_model_is_refused_where_it_cannot_run():
+    """perf.compile_model chooses what compile compiles: refused without perf.compile, beside
+    perf.compile_outside_blocks (its graph holds those parts), under CUDA graphs without
+    perf.text_row_buckets (each masked count would record a graph) and under FSDP2 (per-block hooks)."""
+    whole = ["perf.compile_model=true"]
+    assert load_config("compiled", whole).perf.compile_model
+    assert load_config("compiled", [*whole, "perf.cuda_graphs=true", "perf.text_row_buckets=16"]).perf.compile_model
+    refusals = {
+        ("perf.compile=false",): r"'perf.compile_model': got True; expected false with perf.compile=false",
+        (
+            "perf.compile_outside_blocks=true",
+        ): r"'perf.compile_outside_blocks': got True; expected false with perf.compile_model",
+        ("perf.cuda_graphs=true",): r"'perf.text_row_buckets': got None; expected an integer such as 16",
+        (
+            "distributed.strategy=fsdp2",
+        ): r"'perf.compile_model': got True; expected false with distributed.strategy=fsdp2",
+        (
+            "distributed.strategy=hsdp",
+        ): r"'perf.compile_model': got True; expected false with distributed.strategy=hsdp",
+    }
+    for overrides, message in refusals.items():
+        with pytest.raises(ConfigError, match=message):
+            load_config("compiled", [*whole, *overrides])
+
+
+def test_the_whole_model_compiles_in_its_own_place_and_keeps_its_parameter_names():
+    """apply_compile(whole_model=True): the model's forward is compiled in the instance's place, not the
+    blocks'; parameter names and outputs are the uncompiled model's, and the host's text lengths
+    reach no graph (two batches of other lengths at one shape compile once)."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    model = tiny_model()
+    names = [name for name, _ in model.named_parameters()]
+    tokens, latents, t_text, t_latent, pad_mask = model_inputs()
+    expected = model(tokens, latents, t_text, t_latent, text_pad_mask=pad_mask)
+    counter = CompileCounter()
+    apply_compile(model, backend=counter, dynamic=False, whole_model=True)
+    assert "forward" in model.__dict__ and all(block._compiled_call_impl is None for block in model.blocks)
+    assert [name for name, _ in model.named_parameters()] == names
+    lengths = tuple(pad_mask.sum(dim=1).tolist())
+    got = model(tokens, latents, t_text, t_latent, text_pad_mask=pad_mask, text_lengths=lengths)
+    torch.testing.assert_close(got.text_logits, expected.text_logits)
+    torch.testing.assert_close(got.latent, expected.latent)
+    shorter = pad_mask & (torch.arange(pad_mask.shape[1]) < pad_mask.shape[1] - 1)
+    model(tokens, latents, t_text, t_latent, text_pad_mask=shorter, text_lengths=tuple(shorter.sum(dim=1).tolist()))
+    assert counter.frame_count == 1
+    full = torch.ones_like(pad_mask)  # no padding: the call gives no mask, one more graph
+    model(tokens, latents, t_text, t_latent, text_pad_mask=full, text_lengths=(tokens.shape[1],) * tokens.shape[0])
+    assert counter.frame_count == 2
+
+
 # ------------------------------------------------------------------------------------------- the loop
 
 
@@ -226,7 +278,11 @@ def RandomLoader(micro):
 def objective_for(cfg):
     text = MaskedDiffusion(cfg.text_diffusion, mask_token_id=MASK_ID, pad_token_id=PAD_ID)
     return Objective(
-        cfg.objective, text, GaussianDiffusion(cfg.latent_diffusion, mean=torch.zeros(DIM), std=torch.ones(DIM))
+        cfg.objective,
+        text,
+        GaussianDiffusion(cfg.latent_diffusion, mean=torch.zeros(DIM), std=torch.ones(DIM)),
+        fused_text_loss=cfg.perf.fused_text_loss,
+        text_row_buckets=cfg.perf.text_row_buckets,
     )
 
 

@@ -36,10 +36,14 @@ def test_pad_rows_fills_to_the_next_multiple_with_position_zero():
 def test_filled_rows_give_the_loss_metrics_and_gradients_of_the_masked_ones(mode, loss, fused, packed):
     model, b = tiny_model(), batch(packed)
     seen = []  # the text head's row counts
-    model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["text_rows"].shape[0]), with_kwargs=True)
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["text_rows"].shape[0]), with_kwargs=True
+    )
     results = []
     for buckets in (None, 3):
-        total, metrics = objective(mode, loss, fused, buckets)(model, b, step=0, generator=torch.Generator().manual_seed(4))
+        total, metrics = objective(mode, loss, fused, buckets)(
+            model, b, step=0, generator=torch.Generator().manual_seed(4)
+        )
         total.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         model.zero_grad(set_to_none=True)
@@ -66,7 +70,8 @@ def test_the_head_sees_a_few_row_counts_across_steps():
     for buckets in counts:
         model._forward_pre_hooks.clear()
         model.register_forward_pre_hook(
-            lambda module, args, kwargs, found=counts[buckets]: found.add(kwargs["text_rows"].shape[0]), with_kwargs=True
+            lambda module, args, kwargs, found=counts[buckets]: found.add(kwargs["text_rows"].shape[0]),
+            with_kwargs=True,
         )
         run = objective("l2t", "elbo", True, buckets)
         for step in range(20):

@@ -302,7 +302,9 @@ class MaskedDiffusion:
             weight = per_text.index_select(0, torch.div(rows, L, rounding_mode="floor"))
         return weight if valid is None else weight * valid
 
-    def loss_targets(self, tokens: torch.Tensor, t, rows: torch.Tensor, valid: torch.Tensor | None = None) -> TextTargets:
+    def loss_targets(
+        self, tokens: torch.Tensor, t, rows: torch.Tensor, valid: torch.Tensor | None = None
+    ) -> TextTargets:
         """What the model needs to fuse its text head with `loss` at rows (N,) of tokens (B, L), the
         masked real positions (`MultimodalMMDiT.text_loss`; `valid` as `loss` takes it): `loss` then
         takes the model's TextLoss for the logits, and equals the loss of the head's logits."""

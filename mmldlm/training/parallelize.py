@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import types
 import warnings
 from collections.abc import Callable
@@ -113,10 +114,15 @@ def compile_options(perf: PerfConfig, device: torch.device, num_shapes: int | No
     options: dict = {"dynamic": False if perf.cuda_graphs else perf.compile_dynamic}
     if perf.cuda_graphs and device.type == "cuda":
         options["mode"] = "reduce-overhead"
+    # The whole model's graph (perf.compile_model) has as many variants (its modes for the blocks'), and
+    # with a fixed number of text rows one each per row count: up to text_row_buckets + 1.
+    per_shape = GRAPHS_PER_SHAPE * (perf.text_row_buckets + 1 if perf.compile_model and perf.text_row_buckets else 1)
     if options["dynamic"] is not False:
-        options["recompile_limit"] = GRAPHS_PER_SHAPE * (1 if options["dynamic"] else 2)
+        options["recompile_limit"] = per_shape * (1 if options["dynamic"] else 2)
     elif num_shapes is not None:
-        options["recompile_limit"] = GRAPHS_PER_SHAPE * num_shapes
+        options["recompile_limit"] = per_shape * num_shapes
+    if perf.compile_model:
+        options["whole_model"] = True
     return options
 
 
@@ -137,15 +143,20 @@ def apply_compile(
     mode: str | None = None,
     recompile_limit: int | None = None,
     outside_blocks: bool = False,
+    whole_model: bool = False,
 ) -> None:
     """torch.compile each block in place (one graph per shape shared by all blocks; few shapes with
     padding to 64 or data.length_buckets), and with `outside_blocks` (perf.compile_outside_blocks) the
-    model's parts whose shapes are the batch size's alone (`OUTSIDE_BLOCKS`). `backend`: inductor;
-    tests pass a counting backend to see that graphs are really captured (`mode` is inductor's).
-    `dynamic`, `mode`, `recompile_limit`: `compile_options`."""
+    model's parts whose shapes are the batch size's alone (`OUTSIDE_BLOCKS`); with `whole_model`
+    (perf.compile_model) the model's forward as one graph instead (`compile_whole_model`). `backend`:
+    inductor; tests pass a counting backend to see that graphs are really captured (`mode` is
+    inductor's). `dynamic`, `mode`, `recompile_limit`: `compile_options`."""
     if recompile_limit is not None and recompile_limit > torch._dynamo.config.recompile_limit:
         torch._dynamo.config.recompile_limit = recompile_limit
     kwargs = {"mode": mode} if mode is not None else {}
+    if whole_model:
+        compile_whole_model(model, backend=backend, dynamic=dynamic, **kwargs)
+        return
     if isinstance(getattr(model, "modulation", None), AdaLN):
         # Each block's adaLN tensors as one input of its graph: given as twelve views, AOTAutograd
         # detaches the eight it saves for the backward at every call, and CUDA graphs copy each input
@@ -158,6 +169,25 @@ def apply_compile(
             # The bound method, compiled, in the instance's place: the module's hooks (FSDP2's gathering)
             # stay outside the graph, the parameters and their names are untouched.
             module.__dict__[name] = torch.compile(getattr(module, name), backend=backend, dynamic=dynamic, **kwargs)
+
+
+def compile_whole_model(model: nn.Module, **options) -> None:
+    """torch.compile `model.forward` as one graph per mode and shape, in the instance's place (its
+    hooks, DDP's included, stay outside; parameter names are untouched). The text lengths a batch
+    brings as host ints (`text_lengths`) stay outside the graph, which would otherwise hold them as
+    constants and compile again for every batch: they only say whether the batch has padding at
+    all, which the call then says by giving no padding mask."""
+    compiled = torch.compile(model.forward, **options)
+    signature = inspect.signature(model.forward)
+
+    def forward(*args, **kwargs):
+        call = signature.bind(*args, **kwargs)
+        lengths = call.arguments.pop("text_lengths", None)
+        if lengths is not None and min(lengths) == call.arguments["tokens"].shape[1]:
+            call.arguments["text_pad_mask"] = None  # every text fills the length: no mask to attend with
+        return compiled(*call.args, **call.kwargs)
+
+    model.__dict__["forward"] = forward
 
 
 # The methods perf.compile_outside_blocks compiles, as (attribute of the model or '' for the model,
