@@ -29,10 +29,11 @@
 #         in the optimized and compiled presets), time and peak memory (scripts/text_loss.py);
 #   2. short texts: the small preset on the default data at micro-batch 64, compiled vs CUDA graphs
 #      with the parts outside the blocks compiled too (perf.compile_outside_blocks: the host's work
-#      left beside the blocks' replays), and the same at micro-batch 512 (what a batch that fills the
-#      GPU gives), beside the plain transformer at 64 (the eager row was measured on 2026-11-27; 64
-#      is the batch whose loss after equal samples larger batches do not keep on the main job:
-#      docs/log/quality.md, "Batch size at equal samples");
+#      left beside the blocks' replays) vs CUDA graphs of the whole model (perf.compile_model: one
+#      replay for the forward and one for the backward, the text head's rows filled to a quarter of
+#      the batch's positions by perf.text_row_buckets), beside the plain transformer at 64 (the eager row was measured on
+#      2026-11-27; 64 is the batch whose loss after equal samples larger batches do not keep on the
+#      main job: docs/log/quality.md, "Batch size at equal samples");
 #   3. a first writing rung: the small preset trained on the default data for what its limit leaves
 #      and evaluated on 128 validation texts (t2l retrieval@1, l2t word F1 and BLEU, with intervals),
 #      as scripts/writing_ladder.py measures it (off unless T_RUNG is set: with part 1's 480 s it
@@ -114,10 +115,8 @@ if [ "$MODE" = gpu ]; then
     FIT="--memory-cap-gib $CAP --max-micro-batch 64"
     # 64 texts a step ran at 10 steps a second (2026-11-27): the host, not the GPU, set the pace. On
     # the main job every batch above 64 left a worse loss after equal samples (128: +0.27 nats per
-    # token; 512: +0.65 and t2l retrieval 5% against 71%), so the goal's samples/s are those at 64;
-    # the row at 512 says what the GPU gives where the host is not the limit.
+    # token; 512: +0.65 and t2l retrieval 5% against 71%), so the goal's samples/s are those at 64.
     BASE="model=small train.micro_batch_size=64 train.global_batch_size=64"
-    FILL="train.micro_batch_size=512 train.global_batch_size=512"
     # writing_ladder.py fits its timing run, training and evaluations into --minutes (with a 10%
     # margin of its own); 15 s of the part's limit are left for its start-up and its table.
     RUNG="--minutes $("$PY" -c "print(round(($T_RUNG - 15) / 60, 2))") --rungs small:1 --timing-steps 16"
@@ -135,6 +134,11 @@ if [ "$MODE" = gpu ]; then
     PACKED="perf.cuda_graphs=true model.attention=varlen data.packing=true data.pack_length=16384 data.pack_rows=[1] data.length_buckets=[12288]"
     SHORT_GRAPHS="perf.cuda_graphs=true"  # glosses padded to 64: one or two lengths
     OUTSIDE="perf.compile_outside_blocks=true"
+    # The whole forward one graph per mode, length and count of text rows. Glosses padded to 64 are
+    # 16% real tokens, so the masked ones (about 330 of 4,096 positions) fill a quarter of the batch's
+    # positions in one count: one graph a mode, where sixteenths made two or three (on a CPU some
+    # first met after 12 warm-up steps); the head computes 1,024 rows, 3% of the blocks' products.
+    WHOLE="perf.compile_model=true perf.text_row_buckets=4"
     export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 else
     # Tiny shapes and no compile (torch.compile's own CPU tests are in tests/test_perf.py): every
@@ -146,7 +150,6 @@ else
     COMPILED_STEPS=$STEPS
     FIT="--memory-cap-gib 2 --max-micro-batch 8"
     BASE="$TINY perf.compile=false train.micro_batch_size=auto train.global_batch_size=16"
-    FILL="train.micro_batch_size=16 train.global_batch_size=32"
     RUNG="--minutes 0.5 --rungs tiny:1 --timing-steps 4"  # less than its timing run: one training step
     RUNG_KEYS="$TINY train.global_batch_size=8 train.micro_batch_size=8"
     EVAL="--num-samples 8 --best-of 1 --no-encoder"
@@ -158,6 +161,7 @@ else
     PACKED="model.attention=varlen data.packing=true data.pack_length=512 data.pack_rows=[1] data.length_buckets=[384]"
     SHORT_GRAPHS="data.length_buckets=[64]"
     OUTSIDE=""
+    WHOLE="perf.text_row_buckets=4"  # the filled text rows alone: compile_model is compile's
 fi
 SHORT="compiled $SHORT_GRAPHS${OUTSIDE:+ $OUTSIDE}"  # part 2's rows at both batches
 mkdir -p "$RUN_OUT"
@@ -220,10 +224,10 @@ part "1d. The older codebase's shape, attention kernels per kind of batch" "$T_A
     --output -- "$PY" scripts/attention_kernels.py $ATTENTION
 part "1e. The older codebase's shape, the text head and its loss: logits then the loss vs the two fused" "$T_LOSS" \
     "$RUN_OUT/text-loss.log" --output -- "$PY" scripts/text_loss.py $LOSS
-part "2. Short texts: the small preset on the default data at micro-batch 64: compiled vs CUDA graphs with the parts outside the blocks compiled too, the same at a batch that fills the GPU, vs the plain transformer" \
+part "2. Short texts: the small preset on the default data at micro-batch 64: compiled vs CUDA graphs with the parts outside the blocks compiled too vs CUDA graphs of the whole model, vs the plain transformer" \
     "$T_BASE" "$RUN_OUT/base.log" --bench "$RUN_OUT/base" -- \
     "$PY" -m mmldlm bench $BASE data.path="$DATA" --baseline compiled --optimized "$SHORT" \
-    --variant "$SHORT $FILL" --reference $COMPILED_STEPS --no-fit $ROWS --out "$RUN_OUT/base"
+    --variant "compiled $SHORT_GRAPHS $WHOLE" --reference $COMPILED_STEPS --no-fit $ROWS --out "$RUN_OUT/base"
 part "3. A first writing rung" "$T_RUNG" "$RUN_OUT/rung.log" --ladder "$RUN_OUT/rung" -- \
     "$PY" scripts/writing_ladder.py $RUNG --eval-args "$EVAL" --out "$RUN_OUT/rung" $RUNG_KEYS data.path="$DATA"
 part "4. CUDA-only tests" "$T_TESTS" "$RUN_OUT/tests.log" --tests -- \
