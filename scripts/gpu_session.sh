@@ -27,11 +27,12 @@
 #      e. the text head and its loss at micro-batch 8's masked positions, forward + backward: the
 #         logits then the SUBS cross-entropy vs the two fused chunk by chunk (perf.fused_text_loss, on
 #         in the optimized and compiled presets), time and peak memory (scripts/text_loss.py);
-#   2. short texts: the small preset on the default data at micro-batch 64, compiled vs CUDA graphs
-#      with the parts outside the blocks compiled too (perf.compile_outside_blocks: the host's work
+#   2. short texts: the small preset on the default data at micro-batch 64, CUDA graphs of the
+#      blocks with the parts outside them compiled too (perf.compile_outside_blocks: the host's work
 #      left beside the blocks' replays) vs CUDA graphs of the whole model (perf.compile_model: one
 #      replay for the forward and one for the backward, the text head's rows filled to a quarter of
-#      the batch's positions by perf.text_row_buckets), beside the plain transformer at 64 (the eager row was measured on
+#      the batch's positions by perf.text_row_buckets; its compiles take the time that compile
+#      without CUDA graphs had as a row of its own), beside the plain transformer at 64 (the eager row was measured on
 #      2026-11-27; 64 is the batch whose loss after equal samples larger batches do not keep on the
 #      main job: docs/log/quality.md, "Batch size at equal samples");
 #   3. a first writing rung: the small preset trained on the default data for what its limit leaves
@@ -224,10 +225,10 @@ part "1d. The older codebase's shape, attention kernels per kind of batch" "$T_A
     --output -- "$PY" scripts/attention_kernels.py $ATTENTION
 part "1e. The older codebase's shape, the text head and its loss: logits then the loss vs the two fused" "$T_LOSS" \
     "$RUN_OUT/text-loss.log" --output -- "$PY" scripts/text_loss.py $LOSS
-part "2. Short texts: the small preset on the default data at micro-batch 64: compiled vs CUDA graphs with the parts outside the blocks compiled too vs CUDA graphs of the whole model, vs the plain transformer" \
+part "2. Short texts: the small preset on the default data at micro-batch 64: CUDA graphs of the blocks with the parts outside them compiled too vs CUDA graphs of the whole model, vs the plain transformer" \
     "$T_BASE" "$RUN_OUT/base.log" --bench "$RUN_OUT/base" -- \
-    "$PY" -m mmldlm bench $BASE data.path="$DATA" --baseline compiled --optimized "$SHORT" \
-    --variant "compiled $SHORT_GRAPHS $WHOLE" --reference $COMPILED_STEPS --no-fit $ROWS --out "$RUN_OUT/base"
+    "$PY" -m mmldlm bench $BASE data.path="$DATA" --baseline "$SHORT" --optimized "compiled $SHORT_GRAPHS $WHOLE" \
+    --reference $COMPILED_STEPS --no-fit $ROWS --out "$RUN_OUT/base"
 part "3. A first writing rung" "$T_RUNG" "$RUN_OUT/rung.log" --ladder "$RUN_OUT/rung" -- \
     "$PY" scripts/writing_ladder.py $RUNG --eval-args "$EVAL" --out "$RUN_OUT/rung" $RUNG_KEYS data.path="$DATA"
 part "4. CUDA-only tests" "$T_TESTS" "$RUN_OUT/tests.log" --tests -- \
