@@ -32,7 +32,8 @@
 #      left beside the blocks' replays) vs CUDA graphs of the whole model (perf.compile_model: one
 #      replay for the forward and one for the backward, the text head's rows filled to a quarter of
 #      the batch's positions by perf.text_row_buckets; its compiles take the time that compile
-#      without CUDA graphs had as a row of its own), beside the plain transformer at 64 (the eager row was measured on
+#      without CUDA graphs had as a row of its own), and the first on the micro-batch packed in one
+#      row of 1,024 positions (data.packing) where padding to 64 makes 4,096, beside the plain transformer at 64 (the eager row was measured on
 #      2026-11-27; 64 is the batch whose loss after equal samples larger batches do not keep on the
 #      main job: docs/log/quality.md, "Batch size at equal samples");
 #   3. a first writing rung: the small preset trained on the default data for what its limit leaves
@@ -140,6 +141,10 @@ if [ "$MODE" = gpu ]; then
     # positions in one count: one graph a mode, where sixteenths made two or three (on a CPU some
     # first met after 12 warm-up steps); the head computes 1,024 rows, 3% of the blocks' products.
     WHOLE="perf.compile_model=true perf.text_row_buckets=4"
+    # The 64 glosses (about 650 tokens and 64 latent slots) laid end to end in one row of 1,024
+    # positions (else 2,048), where padding each to 64 makes 4,096: a quarter of the products. With
+    # the blocks compiled alone: on a CPU the whole model's graph of that row took 75 s to compile.
+    PACKED_SHORT="data.packing=true data.pack_length=2048 data.pack_rows=[1] data.length_buckets=[1024]"
     export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 else
     # Tiny shapes and no compile (torch.compile's own CPU tests are in tests/test_perf.py): every
@@ -163,6 +168,7 @@ else
     SHORT_GRAPHS="data.length_buckets=[64]"
     OUTSIDE=""
     WHOLE="perf.text_row_buckets=4"  # the filled text rows alone: compile_model is compile's
+    PACKED_SHORT="data.packing=true data.pack_length=256 data.pack_rows=[1] data.length_buckets=[128]"
 fi
 SHORT="compiled $SHORT_GRAPHS${OUTSIDE:+ $OUTSIDE}"  # part 2's rows at both batches
 mkdir -p "$RUN_OUT"
@@ -225,10 +231,10 @@ part "1d. The older codebase's shape, attention kernels per kind of batch" "$T_A
     --output -- "$PY" scripts/attention_kernels.py $ATTENTION
 part "1e. The older codebase's shape, the text head and its loss: logits then the loss vs the two fused" "$T_LOSS" \
     "$RUN_OUT/text-loss.log" --output -- "$PY" scripts/text_loss.py $LOSS
-part "2. Short texts: the small preset on the default data at micro-batch 64: CUDA graphs of the blocks with the parts outside them compiled too vs CUDA graphs of the whole model, vs the plain transformer" \
+part "2. Short texts: the small preset on the default data at micro-batch 64: CUDA graphs of the blocks with the parts outside them compiled too vs CUDA graphs of the whole model vs the first on the micro-batch packed in one row, vs the plain transformer" \
     "$T_BASE" "$RUN_OUT/base.log" --bench "$RUN_OUT/base" -- \
     "$PY" -m mmldlm bench $BASE data.path="$DATA" --baseline "$SHORT" --optimized "compiled $SHORT_GRAPHS $WHOLE" \
-    --reference $COMPILED_STEPS --no-fit $ROWS --out "$RUN_OUT/base"
+    --variant "$SHORT $PACKED_SHORT" --reference $COMPILED_STEPS --no-fit $ROWS --out "$RUN_OUT/base"
 part "3. A first writing rung" "$T_RUNG" "$RUN_OUT/rung.log" --ladder "$RUN_OUT/rung" -- \
     "$PY" scripts/writing_ladder.py $RUNG --eval-args "$EVAL" --out "$RUN_OUT/rung" $RUNG_KEYS data.path="$DATA"
 part "4. CUDA-only tests" "$T_TESTS" "$RUN_OUT/tests.log" --tests -- \

@@ -200,10 +200,12 @@ def test_gpu_session_rehearsal_on_a_cpu_runs_every_part_and_reports_each(tmp_pat
     assert "| compiled data.length_buckets=[64] perf.cudnn_attention=true | 8 x 1" in text
     wide = "model.attention=varlen data.packing=true data.pack_length=512 data.pack_rows=[1] data.length_buckets=[384]"
     assert f"| compiled {wide} | 8 x 1" in text
-    # part 2: short texts at the batch whose loss after equal samples holds, the blocks' graphs and the
-    # whole model's (its filled text rows alone on a CPU, where compile is off)
+    # part 2: short texts at the batch whose loss after equal samples holds, the blocks' graphs, the
+    # whole model's (its filled text rows alone on a CPU, where compile is off) and one packed row
     assert "| compiled data.length_buckets=[64] | 16 x 1" in text
     assert "| compiled data.length_buckets=[64] perf.text_row_buckets=4 | 16 x 1" in text
+    packed = "data.packing=true data.pack_length=256 data.pack_rows=[1] data.length_buckets=[128]"
+    assert f"| compiled data.length_buckets=[64] {packed} | 16 x 1" in text
     assert text.count("| reference: plain transformer | ") == 3  # parts 1a, 1b and 2, each beside its rows
     assert "tokens/s ÷ reference" in text
     # what comes back from the device: the report so far and every part's log, as each part ended

@@ -673,3 +673,45 @@ def test_inductor_trains_the_whole_model_to_the_eager_losses(tmp_path, monkeypat
     )
     expected = [eager.train_step()["loss"] for _ in range(2 * len(MODES))]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow  # aot_eager traces forward and backward of each graph: 2-3 s a graph
+def test_the_whole_model_on_one_packed_row_compiles_one_graph_per_mode_and_width_then_nothing(
+    tmp_path, monkeypatch, dynamo_limits
+):
+    """perf.compile_model on a micro-batch packed in one row as wide as the shortest of 64 and 128 that
+    holds it (data.pack_rows=[1], data.length_buckets=[64]), the text rows filled to one count: over
+    the four fills and the three modes, twice, one graph per mode and shape, the shape being the
+    row's width and the length of the padded layout the model takes and the loss reads (64 and 8, 64
+    and 24, 128 and 32: the blocks alone would see two), 9 in all, none in the second round, no graph
+    break; the losses are those of the same steps uncompiled."""
+    from mmldlm.config import MODES
+
+    overrides = [
+        "perf.cuda_graphs=true",
+        "data.pad_to_multiple=8",
+        "data.packing=true",
+        "data.pack_length=128",
+        "data.pack_rows=[1]",
+        "data.length_buckets=[64]",
+        "perf.compile_model=true",
+        "perf.text_row_buckets=1",
+        "perf.fused_text_loss=true",
+    ]
+    runs = {}
+    for name, switches in (("compiled", overrides), ("eager", ["perf.compile=false", *overrides[1:6]])):
+        trainer, counter, counters = compiled_trainer(
+            tmp_path / name, monkeypatch, (32,), switches, CyclingPacked(wide=True)
+        )
+        monkeypatch.setattr(trainer.objective, "mode_at", lambda step: MODES[(step // 4) % len(MODES)])
+        compiled, losses = [], []
+        for _ in range(2):
+            for _ in range(len(MODES) * len(CyclingPacked.FILLS)):
+                losses.append(trainer.train_step()["loss"])
+            compiled.append(counter.frame_count)
+        runs[name] = (compiled, losses)
+        if name == "compiled":
+            assert dict(counters["graph_break"]) == {}
+            assert compiled == [len(MODES) * 3] * 2
+            assert compiled_functions(counter) == {"forward"}
+    torch.testing.assert_close(torch.tensor(runs["compiled"][1]), torch.tensor(runs["eager"][1]), rtol=1e-5, atol=1e-5)
