@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import types
 import warnings
 from collections.abc import Callable
@@ -178,14 +177,14 @@ def compile_whole_model(model: nn.Module, **options) -> None:
     constants and compile again for every batch: they only say whether the batch has padding at
     all, which the call then says by giving no padding mask."""
     compiled = torch.compile(model.forward, **options)
-    signature = inspect.signature(model.forward)
 
-    def forward(*args, **kwargs):
-        call = signature.bind(*args, **kwargs)
-        lengths = call.arguments.pop("text_lengths", None)
-        if lengths is not None and min(lengths) == call.arguments["tokens"].shape[1]:
-            call.arguments["text_pad_mask"] = None  # every text fills the length: no mask to attend with
-        return compiled(*call.args, **call.kwargs)
+    def forward(*args, text_lengths=None, **kwargs):
+        tokens = args[0] if args else kwargs["tokens"]
+        if text_lengths is not None and min(text_lengths) == tokens.shape[1]:
+            # Every text fills the length: no mask to attend with (a mask given by position beside
+            # text_lengths is refused by the call as given twice, not dropped).
+            kwargs["text_pad_mask"] = None
+        return compiled(*args, **kwargs)
 
     model.__dict__["forward"] = forward
 
