@@ -7,7 +7,8 @@
     python scripts/cpu_step_costs.py loss                               # the SUBS cross-entropy, fused and chained
 
 `steps` times `--steps` training steps of a config (default configs/default.yaml) one by one and prints
-the sum and median of all but the first 20; alternate two variants in separate processes, e.g. with
+the sum and median of all but the first 20 (`--each`: also each step's time and the process's resident
+memory, now and at its peak, as it ends: what a compile costs); alternate two variants in separate processes, e.g. with
 and without `MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647` (what `keep_freed_memory` sets).
 """
 
@@ -36,6 +37,16 @@ def timed(fn, *args, repeats: int = 50, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
+def memory() -> str:
+    """This process's resident memory now and at its peak so far (Linux)."""
+    import resource
+
+    with open("/proc/self/statm") as statm:
+        now = int(statm.read().split()[1]) * resource.getpagesize()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return f"RSS {now / 2**30:.2f} GiB, peak {peak / 2**30:.2f} GiB"
+
+
 def steps(args) -> None:
     from mmldlm.model.attention import dispatch_as_on_a_gpu
     from mmldlm.tools.bench import build_trainer
@@ -43,13 +54,18 @@ def steps(args) -> None:
     variant = dispatch_as_on_a_gpu() if args.as_on_a_gpu else contextlib.nullcontext()
     with tempfile.TemporaryDirectory() as run_dir, variant:
         _, _, trainer, _ = build_trainer(args.config, args.overrides, run_dir)
+        if args.each:
+            print(f"built: {memory()}", flush=True)
         times = []
-        for _ in range(args.steps):
+        for step in range(args.steps):
             started = time.perf_counter()
             trainer.train_step()
             times.append(time.perf_counter() - started)
+            if args.each:
+                print(f"step {step}: {times[-1]:.2f} s, {memory()}", flush=True)
     times = times[20:]
-    print(f"{len(times)} steps: sum {sum(times):.2f} s, median {statistics.median(times) * 1e3:.1f} ms")
+    if times:  # none past the first 20 with --steps 20 or fewer (--each has printed them)
+        print(f"{len(times)} steps: sum {sum(times):.2f} s, median {statistics.median(times) * 1e3:.1f} ms")
 
 
 def attend(q, k, v, mask) -> None:
@@ -105,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="configs/default.yaml", help="steps: config name or file")
     parser.add_argument("--steps", type=int, default=120, help="steps: how many (the first 20 are not counted)")
     parser.add_argument("--as-on-a-gpu", action="store_true", help="steps: no fp32 detour for bf16 attention")
+    parser.add_argument("--each", action="store_true", help="steps: each step's time, RSS and peak RSS as it ends")
     parser.add_argument("--threads", type=int, default=2, help="torch's threads (default 2)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
