@@ -143,7 +143,7 @@ if [ "$MODE" = gpu ]; then
     WHOLE="perf.compile_model=true perf.text_row_buckets=4"
     # The 64 glosses (about 650 tokens and 64 latent slots) laid end to end in one row of 1,024
     # positions (else 2,048), where padding each to 64 makes 4,096: a quarter of the products. With
-    # the blocks compiled alone: on a CPU the whole model's graph of that row took 75 s to compile.
+    # the blocks compiled alone: on a CPU each whole-model graph took about a minute to compile.
     PACKED_SHORT="data.packing=true data.pack_length=2048 data.pack_rows=[1] data.length_buckets=[1024]"
     export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 else
