@@ -17,10 +17,14 @@ the other node restarts its workers with a restart count of 0, and ranks may mov
 With MMLDLM_TEST_DUMP_SHARDS=DIR every rank writes DIR/rank-R.pt after training: its device-mesh
 coordinate and the local shard of every parameter. With MMLDLM_TEST_RECORD=DIR each rank appends
 "STEP INDEX INDEX ..." of every micro-batch it trains on to DIR/rank-RANK.txt (which samples each step read).
+With MMLDLM_TEST_COMPILE=DIR what perf.compile compiles goes to a tracing backend (aot_eager: forward and
+backward traced, run eagerly, seconds instead of inductor's minutes on a CPU), and after training each
+rank writes DIR/rank-R.json: the graphs dynamo captured and the graph breaks it took.
 Installed by tests/train_worker.py, and in the workers of scripts/launch.sh by
 tests/launcher_faults/sitecustomize.py."""
 
 import errno
+import json
 import os
 import signal
 import time
@@ -31,6 +35,7 @@ import torch
 from mmldlm import objective as objective_module
 from mmldlm.runs.checkpoints import step_dir_name
 from mmldlm.training import checkpoint as checkpoint_module
+from mmldlm.training import parallelize as parallelize_module
 from mmldlm.training import trainer as trainer_module
 
 
@@ -142,9 +147,32 @@ def _record_samples(directory: Path) -> None:
     objective_module.Objective.__call__ = recording_call
 
 
+def _trace_compiles(directory: Path) -> None:
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    counter = CompileCounterWithBackend("aot_eager")
+    real_apply = parallelize_module.apply_compile
+
+    def apply_traced(model, backend="inductor", **options):
+        real_apply(model, backend=counter, **options)
+
+    parallelize_module.apply_compile = apply_traced
+    real_fit = trainer_module.Trainer.fit
+
+    def fit_then_write(self, *fit_args, **fit_kwargs):
+        status = real_fit(self, *fit_args, **fit_kwargs)
+        directory.mkdir(parents=True, exist_ok=True)
+        found = {"graphs": counter.frame_count, "graph_breaks": sum(counters["graph_break"].values())}
+        (directory / f"rank-{self.info.rank}.json").write_text(json.dumps(found))
+        return status
+
+    trainer_module.Trainer.fit = fit_then_write
+
+
 def install_from_environment() -> None:
     """The fault of MMLDLM_TEST_FAULT (first start only, before it fired), the shard dump of MMLDLM_TEST_DUMP_SHARDS and
-    the sample record of MMLDLM_TEST_RECORD."""
+    the sample record of MMLDLM_TEST_RECORD and the compile trace of MMLDLM_TEST_COMPILE."""
     first_start = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0 and not _fired_before()
     if os.environ.get("MMLDLM_TEST_FAULT") and first_start:
         _install_fault(os.environ["MMLDLM_TEST_FAULT"])
@@ -152,3 +180,5 @@ def install_from_environment() -> None:
         _dump_shards_after_fit(Path(os.environ["MMLDLM_TEST_DUMP_SHARDS"]))
     if os.environ.get("MMLDLM_TEST_RECORD"):
         _record_samples(Path(os.environ["MMLDLM_TEST_RECORD"]))
+    if os.environ.get("MMLDLM_TEST_COMPILE"):
+        _trace_compiles(Path(os.environ["MMLDLM_TEST_COMPILE"]))

@@ -75,9 +75,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env(fault: str | None = None, dump_shards: Path | None = None, record: Path | None = None) -> dict:
+def _env(
+    fault: str | None = None,
+    dump_shards: Path | None = None,
+    record: Path | None = None,
+    compile_trace: Path | None = None,
+) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    for name in ("MMLDLM_TEST_FAULT", "MMLDLM_TEST_FIRED", "MMLDLM_TEST_DUMP_SHARDS", "MMLDLM_TEST_RECORD"):
+    for name in (
+        "MMLDLM_TEST_FAULT",
+        "MMLDLM_TEST_FIRED",
+        "MMLDLM_TEST_DUMP_SHARDS",
+        "MMLDLM_TEST_RECORD",
+        "MMLDLM_TEST_COMPILE",
+    ):
         env.pop(name, None)
     if fault:
         env["MMLDLM_TEST_FAULT"] = fault
@@ -86,6 +97,8 @@ def _env(fault: str | None = None, dump_shards: Path | None = None, record: Path
     if record:
         record.mkdir(parents=True, exist_ok=True)
         env["MMLDLM_TEST_RECORD"] = str(record)
+    if compile_trace:
+        env["MMLDLM_TEST_COMPILE"] = str(compile_trace)
     return env
 
 
@@ -98,9 +111,10 @@ def train(
     timeout: float = 180,
     dump_shards: Path | None = None,
     record: Path | None = None,
+    compile_trace: Path | None = None,
 ) -> subprocess.CompletedProcess:
     cmd = [*BASE, f"train.run_dir={run_dir}", *args] + (["--resume", resume] if resume else [])
-    if nproc == 1 and not (fault or dump_shards or record):
+    if nproc == 1 and not (fault or dump_shards or record or compile_trace):
         return train_in_process(cmd)
     if nproc == 1:
         full = [PYTHON, str(WORKER), *cmd]
@@ -116,7 +130,7 @@ def train(
             str(WORKER),
             *cmd,
         ]
-    env = _env(fault, dump_shards, record)
+    env = _env(fault, dump_shards, record, compile_trace)
     return subprocess.run(full, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
@@ -173,6 +187,32 @@ def test_two_processes_match_one_process(tmp_path, mode, strategy):
     assert_params_close(final_params(tmp_path / "one"), final_params(tmp_path / "two"))
     # The EMA of the weights too (under FSDP2 each rank averages its shards; the checkpoint gathers them).
     assert_params_close(final_params(tmp_path / "one", "ema"), final_params(tmp_path / "two", "ema"))
+
+
+@training_scenario
+@pytest.mark.parametrize("compiled", ["perf.compile_model=true", "perf.compile_outside_blocks=true"])
+def test_ddp_with_compiled_graphs_trains_as_one_eager_process_does(tmp_path, compiled):
+    # DDP's hooks stay outside the graphs (the whole model's forward, or each block and the parts
+    # outside them); the anchor of the idle head's parameters is added outside them too. Traced with
+    # aot_eager (tests/fault_injection.py): forward and backward as the compiler sees them, run eagerly.
+    args = [
+        "train.steps=6",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=2",
+        "objective.mode=random",
+        "distributed.strategy=ddp",
+    ]
+    assert_ok(train(tmp_path / "one", args))
+    trace = tmp_path / "trace"
+    assert_ok(train(tmp_path / "two", [*args, "perf.compile=true", compiled], nproc=2, compile_trace=trace))
+    one, two = records(tmp_path / "one"), records(tmp_path / "two")
+    assert {"l2t", "t2l"} <= {r["mode"] for r in one}  # the anchored idle head at some steps
+    for a, b in zip(one, two, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
+    assert_params_close(final_params(tmp_path / "one"), final_params(tmp_path / "two"))
+    for rank in (0, 1):
+        found = json.loads((trace / f"rank-{rank}.json").read_text())
+        assert found["graphs"] > 0 and found["graph_breaks"] == 0, (rank, found)
 
 
 @training_scenario
