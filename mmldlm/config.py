@@ -996,12 +996,15 @@ class PerfConfig:
                 True,
                 f"false with {prefix}.compile_model=true (the whole model's graph holds those parts)",
             )
-        if self.compile_model and self.cuda_graphs and self.text_row_buckets is None:
+        static = self.cuda_graphs or self.compile_dynamic is False
+        if self.compile_model and static and self.text_row_buckets is None:
+            why = f"{prefix}.cuda_graphs" if self.cuda_graphs else f"{prefix}.compile_dynamic=false"
             _fail(
                 f"{prefix}.text_row_buckets",
                 None,
-                f"an integer such as 16 with {prefix}.compile_model and {prefix}.cuda_graphs (the model's graph "
-                "holds the text head, and each count of masked rows would record a CUDA graph of its own)",
+                f"an integer such as 16 with {prefix}.compile_model and {why} (the model's graph holds the text "
+                "head, and its static shapes would compile a graph for each count of masked rows: a new one "
+                "nearly every step, until dynamo's limit of graphs, then the model runs eagerly)",
             )
         if self.cuda_graphs and self.compile_dynamic:
             _fail(

@@ -217,8 +217,9 @@ def test_compiling_outside_the_blocks_needs_compile():
 
 def test_compiling_the_whole_model_is_refused_where_it_cannot_run():
     """perf.compile_model chooses what compile compiles: refused without perf.compile, beside
-    perf.compile_outside_blocks (its graph holds those parts), under CUDA graphs without
-    perf.text_row_buckets (each masked count would record a graph) and under FSDP2 (per-block hooks)."""
+    perf.compile_outside_blocks (its graph holds those parts), with static shapes (CUDA graphs, or
+    compile_dynamic=false) without perf.text_row_buckets (each masked count would compile a graph) and
+    under FSDP2 (per-block hooks)."""
     whole = ["perf.compile_model=true"]
     assert load_config("compiled", whole).perf.compile_model
     assert load_config("compiled", [*whole, "perf.cuda_graphs=true", "perf.text_row_buckets=16"]).perf.compile_model
@@ -227,7 +228,10 @@ def test_compiling_the_whole_model_is_refused_where_it_cannot_run():
         (
             "perf.compile_outside_blocks=true",
         ): r"'perf.compile_outside_blocks': got True; expected false with perf.compile_model",
-        ("perf.cuda_graphs=true",): r"'perf.text_row_buckets': got None; expected an integer such as 16",
+        ("perf.cuda_graphs=true",): r"'perf.text_row_buckets': got None; expected an integer such as 16 .*cuda_graphs",
+        (
+            "perf.compile_dynamic=false",
+        ): r"'perf.text_row_buckets': got None; expected an integer such as 16 .*compile_dynamic=false",
         (
             "distributed.strategy=fsdp2",
         ): r"'perf.compile_model': got True; expected false with distributed.strategy=fsdp2",
