@@ -942,9 +942,10 @@ class PerfConfig:
     # outside them, the heads and, with perf.fused_text_loss, the text loss) instead of each block
     # alone: one graph per mode and shape (and per text_row_buckets count), each compiled once, so a
     # step is one compiled forward and one backward, and under perf.cuda_graphs one CUDA graph each.
-    # Costs a compile of the whole depth per graph (minutes for deep models: per-block compile shares
-    # one graph among the blocks). One process or DDP; FSDP2 gathers parameters per block and keeps
-    # per-block compile.
+    # The blocks' code compiles once inside each graph and serves every block (a nested compile
+    # region), so a graph's compile grows little with depth; still each mode, shape and row count is a
+    # graph of its own (about a minute each on a CPU). One process or DDP; FSDP2 gathers parameters per
+    # block and keeps per-block compile.
     compile_model: bool = False
     # CUDA graphs (torch.compile's "reduce-overhead"): each compiled block's forward and backward replay
     # as one launch per shape. Needs perf.compile, static shapes (compile_dynamic null or false) and

@@ -271,6 +271,77 @@ def test_the_whole_model_compiles_in_its_own_place_and_keeps_its_parameter_names
     assert counter.frame_count == 2
 
 
+@pytest.mark.parametrize(
+    "checkpointing,every_k,regions,heads",
+    [("none", 1, 1, "both"), ("none", 1, 1, "text"), ("every_k", 2, 2, "both"), ("selective", 1, 1, "text")],
+)
+def test_the_whole_models_graph_compiles_the_blocks_code_once(checkpointing, every_k, regions, heads):
+    """perf.compile_model: the blocks are one nested compile region, so the whole model's graph calls
+    one subgraph for every block that runs the same code (checkpointed or not: a region each, its
+    checkpoint inside); a last block that skips a stream (the text head alone) returns no tensor for
+    it, and the region does not take it: it is traced into the graph itself. Gradients are the eager
+    ones."""
+    from torch._dynamo import lookup_backend
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def inspecting(gm, example_inputs):
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    num_blocks = 5
+    model = tiny_model(num_blocks=num_blocks)
+    perf = PerfConfig(activation_checkpointing=checkpointing, checkpoint_every_k=every_k)
+    apply_activation_checkpointing(model, perf)
+    compiled = copy.deepcopy(model)
+    apply_compile(compiled, backend=inspecting, dynamic=False, whole_model=True)
+    tokens, latents, t_text, t_latent, pad_mask = model_inputs()
+
+    def loss_and_grads(m):
+        out = m(tokens, latents, t_text, t_latent, text_pad_mask=pad_mask, latent_head=heads == "both")
+        loss = F.cross_entropy(out.text_logits.transpose(1, 2), tokens)
+        if heads == "both":
+            loss = loss + out.latent.pow(2).mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    assert_same(loss_and_grads(model), loss_and_grads(compiled))
+    (graph,) = graphs
+    calls = [n for n in graph.graph.nodes if n.op == "call_function" and "invoke_subgraph" in str(n.target)]
+    subgraphs = {call.args[0].target for call in calls}  # the get_attr of the subgraph each call runs
+    assert len(calls) == num_blocks - (heads == "text")
+    assert len(subgraphs) == regions
+
+
+def test_the_plain_transformers_blocks_share_their_compiled_code_each_with_its_own_weights():
+    """`bench --reference` compiles the plain transformer as ours: its blocks one region too. Each call
+    of the shared subgraph takes its own block's weights (a region bound to each instance took the
+    first block's for all of them: outputs off by the size of the outputs themselves)."""
+    from torch._dynamo import lookup_backend
+
+    from mmldlm.model.reference import PlainTransformer
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def inspecting(gm, example_inputs):
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(hidden_size=32, num_blocks=3, num_heads=2, max_seq_len=LEN, latent_dim=DIM, num_latents=1)
+    model = PlainTransformer(cfg, VOCAB)
+    tokens = torch.randint(0, VOCAB, (2, LEN))
+    expected = model(tokens)
+    apply_compile(model, backend=inspecting, dynamic=False, whole_model=True)
+    torch.testing.assert_close(model(tokens), expected)
+    calls = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "invoke_subgraph" in str(n.target)]
+    assert len(calls) == 3 and len({call.args[0].target for call in calls}) == 1
+    weights = [{str(a) for a in call.args if "qkv" in str(a)} for call in calls]
+    assert all(len(w) == 1 for w in weights) and len(set.union(*weights)) == 3  # each block's own
+
+
 # ------------------------------------------------------------------------------------------- the loop
 
 

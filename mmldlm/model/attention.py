@@ -80,15 +80,19 @@ def varlen_supported(device: torch.device) -> bool:
     return varlen_attn is not None and device.type == "cuda"
 
 
-class JointAttention:
+class JointAttention(NamedTuple):
     """One forward's way of attending (the module docstring): no mask, a mask for SDPA, or the segments
     of the variable-length kernel. Calling it attends all queries, or only the text stream's or the
-    latent stream's (the last block computes only the streams whose head is used)."""
+    latent stream's (the last block computes only the streams whose head is used).
 
-    def __init__(
-        self, kind: str, text_length: int = 0, mask: Tensor | None = None, segments: dict[str, Segments] | None = None
-    ):
-        self.kind, self.text_length, self.mask, self.segments = kind, text_length, mask, segments or {}
+    A tuple of tensors and constants, as every argument of a block is: torch.compile can then compile
+    the blocks of the whole model's graph once and call that code for each (`nested_compile_region`
+    reuses a region only for inputs it can compare)."""
+
+    kind: str
+    text_length: int = 0
+    mask: Tensor | None = None
+    segments: dict[str, Segments] | None = None
 
     @classmethod
     def build(

@@ -87,7 +87,8 @@ def apply_activation_checkpointing(model: nn.Module, cfg: PerfConfig) -> None:
 
     def checkpointed_forward(block: nn.Module, *args, **forward_kwargs):
         # Non-reentrant checkpoint: works with keyword arguments, inputs that need no grad, and compile.
-        return checkpoint(type(block).forward, block, *args, use_reentrant=False, **kwargs, **forward_kwargs)
+        forward = plain_class(block).forward  # not a compile region's (blocks_as_one_region), which calls this
+        return checkpoint(forward, block, *args, use_reentrant=False, **kwargs, **forward_kwargs)
 
     for i in checkpointed_blocks(len(model.blocks), cfg):
         # A bound method, not a functools.partial: dynamo traces a method through (the checkpoint
@@ -175,7 +176,11 @@ def compile_whole_model(model: nn.Module, **options) -> None:
     hooks, DDP's included, stay outside; parameter names are untouched). The text lengths a batch
     brings as host ints (`text_lengths`) stay outside the graph, which would otherwise hold them as
     constants and compile again for every batch: they only say whether the batch has padding at
-    all, which the call then says by giving no padding mask."""
+    all, which the call then says by giving no padding mask.
+
+    The blocks' code is traced and compiled once and called for every block (`blocks_as_one_region`),
+    not once per block: the compile takes about the time of a few blocks, whatever the depth."""
+    blocks_as_one_region(model)
     compiled = torch.compile(model.forward, **options)
 
     def forward(*args, text_lengths=None, **kwargs):
@@ -187,6 +192,39 @@ def compile_whole_model(model: nn.Module, **options) -> None:
         return compiled(*args, **kwargs)
 
     model.__dict__["forward"] = forward
+
+
+def blocks_as_one_region(model: nn.Module) -> None:
+    """Make each block's forward torch.compile's nested compile region (hierarchical compilation): in
+    the whole model's graph the blocks that run the same code with inputs of the same kinds share one
+    compiled subgraph, forward and backward, where the graph would otherwise hold every block's
+    operations and compile each anew. Checkpointed blocks (their checkpoint inside the region) and the
+    others are a region each; the last block, which may skip a stream (returning None for it), is
+    traced into the graph itself.
+
+    The region is the forward of a subclass of the block's class, which the block takes (as FSDP2's
+    fully_shard does), not a method of the instance: torch 2.13 reuses a region bound to an instance
+    with the first block's parameters for every block. It reuses its code only for inputs it can
+    compare: tensors, constants and tuples of them (the attention's `JointAttention` is one) and no two
+    inputs that are views of one tensor, so each block's adaLN tensors come as one tensor
+    (`AdaLN.stacked`). Eagerly a region is the plain call."""
+    if isinstance(getattr(model, "modulation", None), AdaLN):
+        model.modulation.stacked = True
+    classes: dict[tuple[type, Callable], type] = {}
+    for block in model.blocks:
+        cls = plain_class(block)
+        checkpointed = block.__dict__.pop("forward", None)  # activation checkpointing's, in the instance
+        forward = checkpointed.__func__ if checkpointed is not None else cls.forward
+        if (cls, forward) not in classes:
+            region = torch.compiler.nested_compile_region(forward)
+            namespace = {"forward": region, "plain_class": cls, "__module__": cls.__module__}
+            classes[cls, forward] = type(cls.__name__, (cls,), namespace)
+        block.__class__ = classes[cls, forward]
+
+
+def plain_class(block: nn.Module) -> type:
+    """The block's own class, under the subclass `blocks_as_one_region` may have given it."""
+    return getattr(type(block), "plain_class", type(block))
 
 
 # The methods perf.compile_outside_blocks compiles, as (attribute of the model or '' for the model,
