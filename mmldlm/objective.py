@@ -27,7 +27,6 @@ of the step before.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -217,23 +216,23 @@ class Objective:
         if mode == "t2l" and drop is not None:
             t_text = drop.float()  # all masked = time 1
 
-        move = functools.partial(rng.to_device, device=device)
+        hide = None
+        if mode == "t2l" and drop is not None:
+            hide = drop[:, None] & real  # (B, L): every real token of a dropped row
+        # Every draw to the device in one copy: the host never waits for it (rng.to_device_together).
+        masked, rows, valid, noise, t_text, t_latent, drop, hide = rng.to_device_together(
+            [masked, rows, valid, noise, t_text, t_latent, drop, hide], device
+        )
         text_in, latent_in, latent_null = tokens, latents, None
         if text_on:
-            text_in = tokens.masked_fill(move(masked), self.text.mask_token_id)  # (B, L)
-            rows = move(rows)
-            valid = move(valid) if valid is not None else None
+            text_in = tokens.masked_fill(masked, self.text.mask_token_id)  # (B, L)
         if latent_on:
-            noise = move(noise)
-            latent_in = self.latent.add_noise(latents, move(t_latent), noise)
+            latent_in = self.latent.add_noise(latents, t_latent, noise)
         if mode == "l2t" and drop is not None:
-            latent_null = move(drop)
-        if mode == "t2l" and drop is not None:
-            hide = move(drop)[:, None] if pad_mask is None else move(drop)[:, None] & pad_mask  # (B, L)
+            latent_null = drop
+        if hide is not None:
             text_in = tokens.masked_fill(hide, self.text.mask_token_id)
-        return NoisedInputs(
-            text_in, latent_in, move(t_text), move(t_latent), latent_null, noise, rows, valid, num_masked
-        )
+        return NoisedInputs(text_in, latent_in, t_text, t_latent, latent_null, noise, rows, valid, num_masked)
 
     def _draw_condition_drop(self, mode: str, batch_size: int, generator: torch.Generator | None):
         """Classifier-free guidance: (B,) bool on the host, the rows whose condition is replaced by "no

@@ -43,24 +43,27 @@ class LoopAsFused(torch.optim.AdamW):
             self.__dict__.update(given)
 
 
-class BlockingCopies(TorchDispatchMode):
-    """Copies from the host to another device that the host waits for (non_blocking=False)."""
+class HostToDevice(TorchDispatchMode):
+    """Copies from the host to another device, each as (dtype, whether the host waits for it:
+    non_blocking=False)."""
 
     def __init__(self):
         super().__init__()
-        self.found = []
+        self.copies = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is aten._to_copy.default:
             target = kwargs.get("device")
             if args[0].device.type == "cpu" and target is not None and target.type != "cpu":
-                if not kwargs.get("non_blocking", False):
-                    self.found.append(str(func))
+                self.copies.append((args[0].dtype, not kwargs.get("non_blocking", False)))
         elif func is aten.copy_.default and args[1].device.type == "cpu" and args[0].device.type != "cpu":
-            if not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)):
-                self.found.append(str(func))
+            self.copies.append((args[1].dtype, not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))))
         return func(*args, **kwargs)
+
+    @property
+    def blocking(self) -> list:
+        return [copy for copy in self.copies if copy[1]]
 
 
 def meta_trainer(tmp_path, monkeypatch, mode, overrides=(), model_options=None):
@@ -97,12 +100,88 @@ def test_a_step_that_does_not_log_never_waits_for_the_device(tmp_path, monkeypat
     device tensor raises), with no blocking copy to the device; the fused optimizer is handed the skip
     flag and the clipping factor on the device."""
     trainer = meta_trainer(tmp_path, monkeypatch, mode, ["optim.grad_clip=1.0", "objective.cond_drop_prob=0.5"])
-    with BlockingCopies() as copies:
+    with HostToDevice() as copies:
         pending = [trainer.run_step(), trainer.run_step()]
-    assert copies.found == []
+    assert copies.blocking == []
     assert [p.step for p in pending] == [1, 2]
     assert trainer.optimizer.handed_over == [{"grad_scale": "meta", "found_inf": "meta"}] * 2
     assert next(trainer.raw_model.parameters()).device.type == "meta"
+
+
+@pytest.mark.parametrize("mode", ["l2t", "t2l", "joint", "random"])
+def test_each_micro_batch_reaches_the_device_in_two_copies_its_batch_and_its_draws(tmp_path, monkeypatch, mode):
+    """Two micro-batches a step, every draw of the objective in play (classifier-free dropping, the
+    text head's rows filled to a count): each micro-batch's tensors go to the device in one copy of
+    bytes and the objective's draws in another, where each tensor took a copy of its own (9-11 a
+    micro-batch, and a pinning each on a CUDA device)."""
+    overrides = ["optim.grad_clip=1.0", "objective.cond_drop_prob=0.5", "perf.text_row_buckets=4"]
+    trainer = meta_trainer(tmp_path, monkeypatch, mode, [*overrides, "train.micro_batch_size=4"])
+    trainer.run_step()  # the first also moves the latents' statistics, once
+    with HostToDevice() as moved:
+        pending = [trainer.run_step(), trainer.run_step()]
+    assert [p.num_accum for p in pending] == [2, 2]
+    assert [dtype for dtype, _ in moved.copies] == [torch.uint8] * 8, moved.copies
+
+
+def test_tensors_laid_end_to_end_come_back_as_they_were_from_their_copy():
+    """`laid_end_to_end` and `views_of`, the one copy of `to_device_together`: every dtype the step
+    moves (and bf16, 0-d, empty and non-contiguous tensors) comes back equal from a copy of the
+    buffer, each part starting at a multiple of 16 bytes."""
+    from mmldlm.diffusion.rng import ALIGNMENT, laid_end_to_end, views_of
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.tensor(0.25),
+        torch.randint(0, 9, (5,), generator=g),
+        torch.rand(3, 4, generator=g) > 0.5,
+        torch.randn(2, 3, generator=g).to(torch.bfloat16),
+        torch.empty(0, dtype=torch.int64),
+        torch.randn(4, 6, generator=g)[:, ::2],
+        torch.randn(3, 1, 7, generator=g, dtype=torch.float64),
+    ]
+    buffer, places = laid_end_to_end(tensors)
+    assert buffer.dtype == torch.uint8 and [offset % ALIGNMENT for offset, *_ in places] == [0] * len(tensors)
+    back = views_of(buffer.clone(), places)
+    for before, after in zip(tensors, back):
+        assert after.dtype == before.dtype and after.shape == before.shape and torch.equal(after, before)
+
+
+def through_one_copy(tensors, device):
+    """`rng.to_device_together` as it goes to a GPU, on the host: the tensors (None passing through)
+    come back as views of a copy of one buffer, whatever `device` is."""
+    from mmldlm.diffusion import rng
+
+    present = [x for x in tensors if x is not None]
+    buffer, places = rng.laid_end_to_end(present)
+    views = iter(rng.views_of(buffer.clone(), places))
+    return [None if x is None else next(views) for x in tensors]
+
+
+def test_the_objectives_draws_moved_together_give_the_losses_they_gave_moved_one_by_one(monkeypatch):
+    """Each draw of the objective reaches the model as itself through the shared copy: on a CPU the
+    draws do not move, so here they go through a copy of `laid_end_to_end`'s buffer on the host
+    anyway, and every mode (with dropping and filled text rows) gives the losses and metrics of the
+    draws as they were, bit for bit."""
+    from mmldlm.diffusion import rng
+
+    cfg = load_config(None, ["objective.cond_drop_prob=0.5", "perf.text_row_buckets=4"])
+    objective, model = objective_for(cfg), tiny_model()
+    tokens, latents, _, _, pad_mask = model_inputs_of(batch=6)
+    batch = {"tokens": tokens, "pad_mask": pad_mask, "latents": latents}
+
+    for mode in ("l2t", "t2l", "joint"):
+        objective.cfg.mode = mode
+        runs = []
+        for patched in (False, True):
+            if patched:
+                monkeypatch.setattr(rng, "to_device_together", through_one_copy)
+            loss, metrics = objective(model, batch, step=0, generator=torch.Generator().manual_seed(3))
+            runs.append((loss, {k: v for k, v in metrics.items() if torch.is_tensor(v)}))
+            monkeypatch.undo()
+        (loss, metrics), (loss_copied, metrics_copied) = runs
+        assert torch.equal(loss, loss_copied), mode
+        assert metrics.keys() == metrics_copied.keys()
+        assert all(torch.equal(metrics[k], metrics_copied[k]) for k in metrics), mode
 
 
 @pytest.mark.parametrize(
@@ -143,9 +222,9 @@ def test_the_presets_steps_on_real_batches_queue_without_reading_the_device(
     ]
     cfg = load_config(config, overrides)
     trainer = build_trainer(cfg, DistInfo(device=torch.device("meta")))
-    with BlockingCopies() as copies:
+    with HostToDevice() as copies:
         pending = [trainer.run_step() for _ in range(3)]
-    assert copies.found == [] and [p.num_accum for p in pending] == [2, 2, 2]
+    assert copies.blocking == [] and [p.num_accum for p in pending] == [2, 2, 2]
     assert {p.mode for p in pending} <= {"l2t", "t2l", "joint"}
     assert bool(built) == ("model.attention=varlen" in extra)  # the variable-length path was taken
     with pytest.raises(NotImplementedError, match="meta"):
@@ -617,14 +696,23 @@ def test_a_compiled_steps_host_calls_are_counted_and_each_block_takes_its_adaln_
 
 
 @pytest.mark.slow  # aot_eager traces forward and backward of each graph: 2-3 s a graph
-def test_the_whole_model_compiles_one_graph_per_mode_and_length_then_nothing(tmp_path, monkeypatch, dynamo_limits):
+@pytest.mark.parametrize("moved", ["one-by-one", "together"])
+def test_the_whole_model_compiles_one_graph_per_mode_and_length_then_nothing(
+    tmp_path, monkeypatch, dynamo_limits, moved
+):
     """perf.compile_model under static shapes, the text head's rows filled to one count
     (perf.text_row_buckets=1): over four lengths and the three modes, twice, the model's forward is
     one graph per mode and length, its text head and fused loss inside, the blocks and the parts
     outside them not compiled apart; no graph break, static shapes, and the second round compiles
     nothing (the host's text lengths, which differ from batch to batch, are not in the graph). Its
-    losses are those of the same steps uncompiled."""
+    losses are those of the same steps uncompiled. `together`: the batch and the draws reach the
+    model as views of one copy each, as they do on a GPU (`rng.to_device_together`): their sharing
+    of one buffer, and their places in it, compile nothing more."""
     from mmldlm.config import MODES
+    from mmldlm.diffusion import rng
+
+    if moved == "together":
+        monkeypatch.setattr(rng, "to_device_together", through_one_copy)
 
     lengths = (8, 16, 24, 32)
     overrides = [

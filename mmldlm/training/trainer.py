@@ -43,6 +43,7 @@ from mmldlm.config import ConfigError, PerfConfig, RunConfig, batch_split, infea
 from mmldlm.data.dataset import batch_shape_count
 from mmldlm.data.errors import DataError
 from mmldlm.device import auto_precision
+from mmldlm.diffusion import rng
 from mmldlm.model.info import training_flops_per_sample
 from mmldlm.model.mmdit import padded_row_count
 from mmldlm.runs.files import CheckpointError
@@ -668,7 +669,9 @@ class Trainer:
         except StopIteration:  # end of an epoch: the loader starts the next one
             self._batches = iter(self.loader)
             batch = next(self._batches)
-        moved = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+        # The batch's tensors to the device in one copy that the host does not wait for.
+        keys = [k for k, v in batch.items() if torch.is_tensor(v)]
+        moved = {**batch, **dict(zip(keys, rng.to_device_together([batch[k] for k in keys], self.device)))}
         if "pad_mask" in batch:  # each text's real tokens, counted on the host's copy: no read-back
             moved["text_lengths"] = tuple(batch["pad_mask"].numpy().sum(axis=1).tolist())
         return moved
