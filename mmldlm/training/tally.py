@@ -23,12 +23,13 @@ _METRICS = ("text_loss", "latent_loss", "accuracy")  # of the objective, absent 
 
 class StepTotals:
     """One step's sums over its micro-batches, on the device: the REDUCED entries (the mean loss and
-    metrics over this rank's micro-batches, its real tokens, a non-finite flag, a stop request), and
-    this rank's FLOPs; on the host its seconds waiting for data."""
+    metrics over this rank's micro-batches, its real tokens, a non-finite flag, a stop request); on the
+    host this rank's FLOPs (known from the batch's shape: adding them on the device would launch a
+    kernel each) and its seconds waiting for data."""
 
     def __init__(self, device: torch.device):
         self.values = torch.zeros(len(REDUCED), dtype=torch.float64, device=device)
-        self.flops = torch.zeros(2, dtype=torch.float64, device=device)  # on real tokens, as computed
+        self.flops = [0.0, 0.0]  # on real tokens, as computed (host)
         self.positions = 0  # text positions the blocks computed, padding included (host)
         self.real_positions = 0  # of them, real tokens (host)
         self.data_wait_s = 0.0
@@ -36,8 +37,8 @@ class StepTotals:
     def add(self, loss: torch.Tensor, metrics: dict, tokens: torch.Tensor | float, num_accum: int) -> None:
         """One micro-batch's loss, metrics (detached tensors) and real tokens."""
         zero = loss.new_zeros(())
-        parts = [loss.detach(), *(metrics.get(name, zero) for name in _METRICS)]
-        self.values[:4] += torch.stack([p.to(torch.float64) for p in parts]) / num_accum
+        parts = torch.stack([loss.detach(), *(metrics.get(name, zero).to(loss.dtype) for name in _METRICS)])
+        self.values[:4] += parts.to(torch.float64) / num_accum  # one cast, where each part took one
         self.values[4] += tokens
 
     def close(self, stop: bool) -> None:
@@ -91,7 +92,8 @@ class Window:
     data_wait_s: float = 0.0
 
     def __post_init__(self):
-        self.sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # tokens, FLOPs real, computed
+        self.tokens = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.flops = [0.0, 0.0]  # on real tokens, as computed (host)
 
     def add(self, samples: int, totals: StepTotals, started: float) -> None:
         """A step queued, which began at `started` (time.perf_counter)."""
@@ -101,12 +103,14 @@ class Window:
         self.positions += totals.positions
         self.real_positions += totals.real_positions
         self.data_wait_s += totals.data_wait_s
-        self.sums += torch.cat([totals.values[4:5], totals.flops])
+        self.tokens += totals.values[4]
+        self.flops = [mine + step for mine, step in zip(self.flops, totals.flops)]
 
     def close(self) -> dict[str, float]:
         """The window's throughput (after a read-back, so the clock includes the device's work)."""
         waiting = time.perf_counter()
-        tokens, real_flops, computed_flops = self.sums.tolist()  # the read-back that waits for the device
+        tokens = self.tokens.item()  # the read-back that waits for the device
+        real_flops, computed_flops = self.flops
         seconds = self.seconds + time.perf_counter() - waiting
         return {
             "record_steps": self.steps,

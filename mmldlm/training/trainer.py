@@ -803,7 +803,7 @@ class Trainer:
         totals.positions += rows * positions
         totals.real_positions += sum(lengths)
         if num_masked is not None:
-            totals.flops += num_masked * per_head_row
+            totals.flops = [flops + num_masked * per_head_row for flops in totals.flops]
         self._input_shapes.add((mode, rows, positions, padded_row_count(num_masked or 0)))
 
     def _flops_polynomial(self, mode: str) -> tuple[float, float, float, float]:
