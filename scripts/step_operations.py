@@ -13,7 +13,9 @@ backward: the forward line whose gradient it computes), with each line's operati
 
 A dispatch mode runs compiled code eagerly. `--host` counts instead what the host calls in a step,
 compiled or not (torch.profiler, `mmldlm.tools.operations.host_operations`): the outermost ATen
-operations outside compiled code and inside it, and the compiled calls:
+operations outside compiled code and inside it, the compiled calls, and the kernels the compiled
+code runs (inductor's generated ones, profiled, and the external ones that are not views: what a GPU
+launches, or replays under CUDA graphs):
 
     python scripts/step_operations.py --host --config compiled data.pad_to_multiple=256
 """
@@ -49,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.host and args.sites:
         parser.error("--sites counts under a dispatch mode; --host under torch.profiler: one or the other")
 
+    if args.host:  # a profiler event for each kernel inductor generates, from the first compile on
+        import torch._inductor.config
+
+        torch._inductor.config.cpp.enable_kernel_profile = True
     from mmldlm.data.synthetic import SyntheticShape, write_synthetic
     from mmldlm.tools.bench import build_reference, build_trainer
     from mmldlm.tools.operations import METADATA_OPS, host_operations, step_operations
@@ -97,13 +103,16 @@ def print_host_calls(rows: dict, top: int) -> None:
     """The table of `--host`: per row, the host's calls of one step and their parts."""
     reference = rows["reference: plain transformer"]
     print(
-        "| row | host calls | x reference | eager ATen operations | ATen operations in compiled code | compiled calls |"
+        "| row | host calls | x reference | eager ATen operations | ATen operations in compiled code "
+        "| compiled calls | kernels in compiled code | x reference |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name, calls in rows.items():
+        kernels = calls.compiled_kernels
         print(
             f"| {name} | {calls.total:,} | {calls.total / reference.total:.2f} | {sum(calls.eager.values()):,} "
-            f"| {sum(calls.in_compiled.values()):,} | {calls.compiled_calls} |"
+            f"| {sum(calls.in_compiled.values()):,} | {calls.compiled_calls} | {kernels:,} "
+            f"| {kernels / max(reference.compiled_kernels, 1):.2f} |"
         )
     for name, calls in rows.items() if top else ():
         for part, counts in (("eager", calls.eager), ("in compiled code", calls.in_compiled)):

@@ -669,6 +669,30 @@ def test_the_gradient_norm_is_torchs_to_the_bit_in_three_host_operations_whateve
     assert torch.equal(gradient_norm(mixed), torch.nn.utils.get_total_norm(mixed))
 
 
+@pytest.mark.slow  # inductor generates and builds C++ for two graphs: about 10 s cold
+def test_the_kernels_compiled_code_runs_are_counted_inductors_own_and_the_external_ones():
+    """`counted_calls` (scripts/step_operations.py --host) of a compiled linear layer, GELU and sum,
+    forward and backward: one compiled call each way, the two matrix products as external kernels,
+    and the pointwise and reduction kernels inductor generated, which a GPU would launch too."""
+    import torch._inductor.config
+
+    from mmldlm.tools.operations import counted_calls
+
+    torch._dynamo.reset()
+    layer = torch.nn.Linear(8, 8, bias=False)
+    with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
+        f = torch.compile(lambda x: torch.nn.functional.gelu(layer(x)).sum(), backend="inductor")
+        x = torch.randn(4, 8)
+        f(x).backward()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            f(x).backward()
+    calls = counted_calls(profile)
+    assert calls.compiled_calls == 2
+    assert calls.in_compiled["aten::mm"] == 2, calls.in_compiled  # the product, then the weight's gradient
+    assert calls.fused_kernels >= 2  # GELU and the sum forward, GELU's gradient backward
+    assert calls.compiled_kernels == calls.fused_kernels + 2
+
+
 @pytest.mark.slow  # aot_eager traces forward and backward of each graph: 2-3 s a graph
 def test_a_compiled_steps_host_calls_are_counted_and_each_block_takes_its_adaln_tensors_as_one_input(
     tmp_path, monkeypatch, dynamo_limits

@@ -130,11 +130,21 @@ class HostOperations:
     """The host's calls in one training step: `eager`, outermost ATen operations run outside compiled
     code, by name ('aten::mm'); `in_compiled`, those that compiled code calls (inductor's external
     kernels: matrix products, attention); `compiled_calls`, the compiled graphs run, forward
-    ('Torch-Compiled Region') and backward ('CompiledFunctionBackward')."""
+    ('Torch-Compiled Region') and backward ('CompiledFunctionBackward'); `fused_kernels`, the kernels
+    inductor generated that the compiled graphs ran (on a CPU, counted where the graphs were compiled
+    with `torch._inductor.config.cpp.enable_kernel_profile`, else 0): with the external ones, the
+    kernels a GPU would launch in compiled code, or replay under CUDA graphs."""
 
     eager: collections.Counter = field(default_factory=collections.Counter)
     in_compiled: collections.Counter = field(default_factory=collections.Counter)
     compiled_calls: int = 0
+    fused_kernels: int = 0
+
+    @property
+    def compiled_kernels(self) -> int:
+        """Kernels run in compiled code: inductor's own, and the external ones that are not views."""
+        external = sum(n for op, n in self.in_compiled.items() if op.removeprefix("aten::") not in METADATA_OPS)
+        return self.fused_kernels + external
 
     @property
     def total(self) -> int:
@@ -143,6 +153,7 @@ class HostOperations:
 
 
 _COMPILED = ("Torch-Compiled Region", "CompiledFunctionBackward")
+_FUSED_KERNEL = re.compile(r"(?:graph_\d+_)?cpp_fused_")  # inductor's CPU kernels, under enable_kernel_profile
 
 
 def host_operations(trainer, warmup: int = 2) -> HostOperations:
@@ -156,10 +167,17 @@ def host_operations(trainer, warmup: int = 2) -> HostOperations:
             trainer.train_step()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
             trainer.run_step()
+    return counted_calls(profile)
+
+
+def counted_calls(profile) -> HostOperations:
+    """`HostOperations` of a torch.profiler record."""
     found = HostOperations()
     for event in profile.events():
         if event.name.startswith(_COMPILED) and not _under(event, _COMPILED):
             found.compiled_calls += 1
+        if _FUSED_KERNEL.match(event.name):
+            found.fused_kernels += 1
         if event.name.startswith("aten::") and not _under(event, ("aten::",)):
             (found.in_compiled if _under(event, _COMPILED) else found.eager)[event.name] += 1
     return found
