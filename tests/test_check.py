@@ -154,6 +154,30 @@ def test_few_shapes_keep_cuda_graphs_and_cudnn_attention_quiet(tmp_path):
         assert serious(findings) == [], overrides
 
 
+def test_the_whole_models_graphs_are_counted_where_its_shapes_are_static(tmp_path):
+    """perf.compile_model under static shapes: a note with the number of graphs the batches can ask
+    for (shapes x, per shape, one for t2l and one per text-row count for each text mode), a warning
+    past 24; with symbolic shapes, or each block compiled, nothing."""
+    whole = ["perf.compile=true", "perf.compile_model=true", "perf.compile_dynamic=false", "perf.text_row_buckets=4"]
+
+    def graphs_finding(overrides):
+        _, findings = findings_of(tmp_path, overrides)
+        found = [f for f in findings if f.rule == "compile_model_graphs"]
+        assert len(found) <= 1
+        return found[0] if found else None
+
+    one_length = graphs_finding([*whole, "data.pad_to_multiple=64"])  # tiny: texts of at most 64 tokens
+    assert one_length.severity == "info"
+    assert "up to 9 graphs" in one_length.message and "1 batch shape x 9" in one_length.message
+    assert "l2t, t2l, joint" in one_length.message
+    l2t_alone = graphs_finding([*whole, "data.pad_to_multiple=64", "objective.mode=l2t"])
+    assert "up to 4 graphs" in l2t_alone.message
+    every_eighth = graphs_finding(whole)  # lengths 8, 16, ..., 64
+    assert every_eighth.severity == "warning" and "up to 72 graphs" in every_eighth.message
+    assert graphs_finding(["perf.compile=true", "perf.compile_model=true", "perf.text_row_buckets=4"]) is None
+    assert graphs_finding(["perf.compile=true", "perf.compile_dynamic=false", "data.pad_to_multiple=64"]) is None
+
+
 def test_a_micro_batch_larger_than_the_share_of_each_process_is_a_note_not_an_error(tmp_path):
     """configs/default.yaml (micro-batch 64 = global batch 64) on 2 processes: the trainer runs 32 on each."""
     cfg, findings = findings_of(tmp_path, ["train.micro_batch_size=32", "train.global_batch_size=32"])

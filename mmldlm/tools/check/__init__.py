@@ -25,7 +25,7 @@ import yaml
 
 from mmldlm.config import MODES, RunConfig, from_dict, infeasible, to_dict
 from mmldlm.data import long_texts
-from mmldlm.data.dataset import default_num_workers, open_dataset, padded_lengths
+from mmldlm.data.dataset import batch_shape_count, default_num_workers, open_dataset, padded_lengths
 from mmldlm.device import auto_precision
 from mmldlm.runs.checkpoints import find_latest, is_full_state
 from mmldlm.runs.files import CheckpointError, current_run_config
@@ -434,6 +434,24 @@ def check_slow_switches(cfg: RunConfig, env: Environment, est: Estimate) -> list
     return found
 
 
+def check_compile_model_graphs(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
+    """perf.compile_model under static shapes (perf.cuda_graphs, or perf.compile_dynamic=false): how
+    many whole-model graphs the batches can ask for, one per batch shape, mode and count of text
+    rows (perf.text_row_buckets, for the modes that run the text head); a warning past 24."""
+    perf = cfg.perf
+    if not (perf.compile and perf.compile_model and (perf.cuda_graphs or perf.compile_dynamic is False)):
+        return []
+    shapes = batch_shape_count(cfg.data, max_length_of(cfg))
+    if shapes is None:  # packed rows without data.pack_rows: the config refuses static shapes there
+        return []
+    modes = _modes_in_mix(cfg)
+    rows = perf.text_row_buckets or 1
+    per_shape = sum(1 if mode == "t2l" else rows for mode in modes)
+    graphs = shapes * per_shape
+    values = dict(graphs=graphs, shapes=shapes, per_shape=per_shape, modes=", ".join(modes), rows=rows)
+    return [finding("compile_model_graphs", severity="warning" if graphs > 24 else None, **values)]
+
+
 def compute_weights_findings(cfg: RunConfig, env: Environment) -> list[Finding]:
     """perf.compute_weights=true where the trainer turns it off (training/compute_weights.py): precision
     resolved as the trainer resolves it on `env`, more than one process, or optim.step_in_backward."""
@@ -484,6 +502,7 @@ CHECKS = (
     check_lr_schedule,
     check_resume_topology,
     check_slow_switches,
+    check_compile_model_graphs,
     check_long_texts,
 )
 

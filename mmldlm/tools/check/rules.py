@@ -543,6 +543,19 @@ RULES = {
         "model.attention=varlen",
         {"model.attention": "varlen"},
     ),
+    "compile_model_graphs": Rule(
+        "compile_model_graphs",
+        "info",
+        "perf.compile_model=true with static shapes: up to {graphs} graphs of the whole model "
+        "({shapes:batch shape} x {per_shape} for the modes {modes}, a text mode at up to {rows} "
+        "text-row counts: perf.text_row_buckets)",
+        "each compiles when a batch first brings its shape, and the step waits for it: one took 50-64 s "
+        "on a 2-core CPU at 4 to 12 blocks (docs/benchmarks.md, \"The blocks' code compiled once in "
+        "the whole model's graph\"); the masked positions of a batch usually fall in one or two of the "
+        "row counts, so fewer come in practice",
+        "fewer shapes (data.length_buckets, a smaller perf.text_row_buckets), or perf.compile_model=false: "
+        "each block compiled, a few graphs per shape whatever the modes' row counts",
+    ),
     "cudnn_attention_packing": Rule(
         "cudnn_attention_packing",
         "warning",
