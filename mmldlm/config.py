@@ -952,6 +952,12 @@ class PerfConfig:
     # batches of few shapes: data.length_buckets (or packed rows with data.pack_rows), SDPA or varlen
     # attention. CUDA only (elsewhere: compile alone).
     cuda_graphs: bool = False
+    # inductor's combo kernels (experimental in torch): kernels of one graph that read and write
+    # nothing of each other's launched as one, such as the text and the latent stream's norms,
+    # modulations and gates (the same code on tensors of other sizes). A CPU's generated C++ already
+    # runs such loops in one function, so the switch changes nothing there; on a GPU each is a Triton
+    # kernel of its own without it. Needs perf.compile; not yet measured on a GPU.
+    combo_kernels: bool = False
     # cuDNN's fused attention for SDPA on a CUDA device, which the trainer otherwise turns off: on a
     # padded batch's key mask about half the memory-efficient kernel's time, but in training on batches
     # of every length it rebuilt its execution plan per padding mask, about 2.7 ms of host time a call
@@ -987,6 +993,7 @@ class PerfConfig:
             "compile_outside_blocks": "it compiles beside the blocks",
             "compile_model": "it chooses what compiles",
             "cuda_graphs": "CUDA graphs are compile's",
+            "combo_kernels": "they are inductor's",
         }
         for name, why in needs_compile.items():
             if getattr(self, name) and not self.compile:

@@ -536,7 +536,8 @@ def test_compile_options_follow_the_perf_switches():
     """perf.cuda_graphs is inductor's "reduce-overhead" on a CUDA device, with static shapes and a
     limit of graphs per code object that holds every length (12 variants each); elsewhere static
     shapes alone; perf.compile_dynamic otherwise passes through as torch.compile's `dynamic`, with a
-    limit for the 12 variants dynamic, twice that where each first compiles for one length."""
+    limit for the 12 variants dynamic, twice that where each first compiles for one length.
+    perf.combo_kernels turns the mode into inductor's options, which torch.compile takes instead."""
     from mmldlm.config import PerfConfig
     from mmldlm.training.parallelize import compile_options
 
@@ -547,6 +548,11 @@ def test_compile_options_follow_the_perf_switches():
     assert compile_options(PerfConfig(compile=True), cuda, 5) == {"dynamic": None, "recompile_limit": 24}
     dynamic = PerfConfig(compile=True, compile_dynamic=True)
     assert compile_options(dynamic, cuda, 5) == {"dynamic": True, "recompile_limit": 12}
+    # perf.combo_kernels: inductor's options, CUDA graphs among them in place of the mode
+    combo = PerfConfig(compile=True, cuda_graphs=True, combo_kernels=True)
+    combined, alone = {"combo_kernels": True, "triton.cudagraphs": True}, {"combo_kernels": True}
+    assert compile_options(combo, cuda, 5) == {"dynamic": False, "options": combined, "recompile_limit": 60}
+    assert compile_options(combo, cpu, 5) == {"dynamic": False, "options": alone, "recompile_limit": 60}
 
 
 @pytest.mark.parametrize("compute_weights", [False, True], ids=["autocast-casts", "bf16-compute-weights"])

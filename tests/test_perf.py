@@ -134,6 +134,24 @@ def test_compiled_block_keeps_loss_and_gradients(checkpointing):
 
 
 @pytest.mark.slow  # inductor from a cold cache: tens of seconds
+def test_combo_kernels_reach_inductor_and_keep_loss_and_gradients(monkeypatch):
+    """perf.combo_kernels: each block's torch.compile is given inductor's combo_kernels option, and the
+    blocks inductor compiles with it keep the eager loss and gradients. (A CPU's generated code runs
+    such kernels' loops in one function already: this checks the path, not a gain.)"""
+    from mmldlm.training.parallelize import compile_options
+
+    given = []
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: given.append(kwargs) or real_compile(*args, **kwargs))
+    torch._dynamo.reset()
+    plain = tiny_model(num_blocks=2)
+    compiled = copy.deepcopy(plain)
+    apply_compile(compiled, **compile_options(PerfConfig(compile=True, combo_kernels=True), torch.device("cpu")))
+    assert len(given) == 2 and all(kwargs["options"] == {"combo_kernels": True} for kwargs in given), given
+    assert_same(loss_and_grads(plain), loss_and_grads(compiled))
+
+
+@pytest.mark.slow  # inductor from a cold cache: tens of seconds
 def test_compiled_blocks_through_the_variable_length_kernel_keep_loss_and_gradients(monkeypatch):
     """model.attention=varlen with the blocks compiled by inductor in static shapes (the kernel's CPU
     stand-in, tests/test_attention.py, which leaves NaN where the real kernel writes nothing): the
@@ -207,12 +225,14 @@ def test_the_reference_models_blocks_compile_alone_with_the_parts_outside_them_a
     assert all(block._compiled_call_impl is not None for block in plain.blocks)  # nn.Module.compile's
 
 
-def test_compiling_outside_the_blocks_needs_compile():
-    """perf.compile_outside_blocks compiles beside the blocks: refused with perf.compile=false."""
-    assert load_config("compiled", ["perf.compile_outside_blocks=true"]).perf.compile_outside_blocks
-    message = r"'perf.compile_outside_blocks': got True; expected false with perf.compile=false"
+@pytest.mark.parametrize("switch", ["compile_outside_blocks", "combo_kernels"])
+def test_compiling_outside_the_blocks_and_combo_kernels_need_compile(switch):
+    """perf.compile_outside_blocks compiles beside the blocks, and combo kernels are inductor's:
+    each refused with perf.compile=false."""
+    assert getattr(load_config("compiled", [f"perf.{switch}=true"]).perf, switch)
+    message = rf"'perf.{switch}': got True; expected false with perf.compile=false"
     with pytest.raises(ConfigError, match=message):
-        load_config("optimized", ["perf.compile_outside_blocks=true"])
+        load_config("optimized", [f"perf.{switch}=true"])
 
 
 def test_compiling_the_whole_model_is_refused_where_it_cannot_run():

@@ -114,6 +114,9 @@ def compile_options(perf: PerfConfig, device: torch.device, num_shapes: int | No
     options: dict = {"dynamic": False if perf.cuda_graphs else perf.compile_dynamic}
     if perf.cuda_graphs and device.type == "cuda":
         options["mode"] = "reduce-overhead"
+    if perf.combo_kernels:  # inductor's options, which torch.compile takes in place of a mode
+        mode = options.pop("mode", None)
+        options["options"] = {"combo_kernels": True, **(torch._inductor.list_mode_options(mode) if mode else {})}
     # The whole model's graph (perf.compile_model) has as many variants (its modes for the blocks'), and
     # with a fixed number of text rows one each per row count: up to text_row_buckets + 1.
     per_shape = GRAPHS_PER_SHAPE * (perf.text_row_buckets + 1 if perf.compile_model and perf.text_row_buckets else 1)
@@ -144,16 +147,19 @@ def apply_compile(
     recompile_limit: int | None = None,
     outside_blocks: bool = False,
     whole_model: bool = False,
+    options: dict | None = None,
 ) -> None:
     """torch.compile each block in place (one graph per shape shared by all blocks; few shapes with
     padding to 64 or data.length_buckets), and with `outside_blocks` (perf.compile_outside_blocks) the
     model's parts whose shapes are the batch size's alone (`OUTSIDE_BLOCKS`); with `whole_model`
     (perf.compile_model) the model's forward as one graph instead (`compile_whole_model`). `backend`:
-    inductor; tests pass a counting backend to see that graphs are really captured (`mode` is
-    inductor's). `dynamic`, `mode`, `recompile_limit`: `compile_options`."""
+    inductor; tests pass a counting backend to see that graphs are really captured (`mode` and
+    `options` are inductor's). `dynamic`, `mode`, `recompile_limit`, `options`: `compile_options`."""
     if recompile_limit is not None and recompile_limit > torch._dynamo.config.recompile_limit:
         torch._dynamo.config.recompile_limit = recompile_limit
     kwargs = {"mode": mode} if mode is not None else {}
+    if options is not None:
+        kwargs["options"] = options
     if whole_model:
         compile_whole_model(model, backend=backend, dynamic=dynamic, **kwargs)
         return
