@@ -157,7 +157,7 @@ def test_few_shapes_keep_cuda_graphs_and_cudnn_attention_quiet(tmp_path):
 def test_the_whole_models_graphs_are_counted_where_its_shapes_are_static(tmp_path):
     """perf.compile_model under static shapes: a note with the number of graphs the batches can ask
     for (shapes x, per shape, one for t2l and one per text-row count for each text mode), a warning
-    past 24; with symbolic shapes, or each block compiled, nothing."""
+    past 24 and on packed rows of any count; with symbolic shapes, or each block compiled, nothing."""
     whole = ["perf.compile=true", "perf.compile_model=true", "perf.compile_dynamic=false", "perf.text_row_buckets=4"]
 
     def graphs_finding(overrides):
@@ -174,6 +174,8 @@ def test_the_whole_models_graphs_are_counted_where_its_shapes_are_static(tmp_pat
     assert "up to 4 graphs" in l2t_alone.message
     every_eighth = graphs_finding(whole)  # lengths 8, 16, ..., 64
     assert every_eighth.severity == "warning" and "up to 72 graphs" in every_eighth.message
+    packed_any_count = graphs_finding([*whole, "data.packing=true"])
+    assert packed_any_count.severity == "warning" and "without data.pack_rows" in packed_any_count.message
     assert graphs_finding(["perf.compile=true", "perf.compile_model=true", "perf.text_row_buckets=4"]) is None
     assert graphs_finding(["perf.compile=true", "perf.compile_dynamic=false", "data.pad_to_multiple=64"]) is None
 

@@ -437,15 +437,16 @@ def check_slow_switches(cfg: RunConfig, env: Environment, est: Estimate) -> list
 def check_compile_model_graphs(cfg: RunConfig, env: Environment, est: Estimate) -> list[Finding]:
     """perf.compile_model under static shapes (perf.cuda_graphs, or perf.compile_dynamic=false): how
     many whole-model graphs the batches can ask for, one per batch shape, mode and count of text
-    rows (perf.text_row_buckets, for the modes that run the text head); a warning past 24."""
+    rows (perf.text_row_buckets, for the modes that run the text head); a warning past 24, and on
+    packed rows of any count (no data.pack_rows)."""
     perf = cfg.perf
     if not (perf.compile and perf.compile_model and (perf.cuda_graphs or perf.compile_dynamic is False)):
         return []
     shapes = batch_shape_count(cfg.data, max_length_of(cfg))
-    if shapes is None:  # packed rows without data.pack_rows: the config refuses static shapes there
-        return []
+    if shapes is None:  # packed rows without data.pack_rows: as many row counts as the texts fill
+        return [finding("compile_model_graphs_rows")]
     modes = _modes_in_mix(cfg)
-    rows = perf.text_row_buckets or 1
+    rows = perf.text_row_buckets  # the config asks for it under static shapes
     per_shape = sum(1 if mode == "t2l" else rows for mode in modes)
     graphs = shapes * per_shape
     values = dict(graphs=graphs, shapes=shapes, per_shape=per_shape, modes=", ".join(modes), rows=rows)

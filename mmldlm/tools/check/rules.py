@@ -556,6 +556,14 @@ RULES = {
         "fewer shapes (data.length_buckets, a smaller perf.text_row_buckets), or perf.compile_model=false: "
         "each block compiled, a few graphs per shape whatever the modes' row counts",
     ),
+    "compile_model_graphs_rows": Rule(
+        "compile_model_graphs",
+        "warning",
+        "perf.compile_model=true with static shapes on packed rows without data.pack_rows",
+        "the number of packed rows changes from batch to batch, and each count is a graph of the whole "
+        "model, compiled while the step waits, until torch's limit of graphs; past it the model runs eagerly",
+        "data.pack_rows=[...] (a few row counts), or perf.compile_dynamic=null",
+    ),
     "cudnn_attention_packing": Rule(
         "cudnn_attention_packing",
         "warning",
