@@ -3,6 +3,7 @@
 
     python scripts/cpu_step_costs.py steps data.path=DIR              # the main job's step, in-process
     python scripts/cpu_step_costs.py steps data.path=DIR --as-on-a-gpu  # bf16 attention without the fp32 detour
+    python scripts/cpu_step_costs.py parts data.path=DIR model.hidden_size=16 ...  # the step's host time by part
     python scripts/cpu_step_costs.py attention                          # the attention kernel, bf16 and fp32
     python scripts/cpu_step_costs.py loss                               # the SUBS cross-entropy, fused and chained
 
@@ -10,6 +11,14 @@
 the sum and median of all but the first 20 (`--each`: also each step's time and the process's resident
 memory, now and at its peak, as it ends: what a compile costs); alternate two variants in separate processes, e.g. with
 and without `MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647` (what `keep_freed_memory` sets).
+
+`parts` runs `--steps` steps the same way and prints, per step, the time spent in each part of the
+step outside the model's forward and backward (`PARTS`: the batch, the objective's draws and its
+losses, the gradient norm, the update and within it the optimizer's own pieces), and the whole step.
+At a width where the arithmetic is negligible (say `model.hidden_size=16`) that is the host's work a
+GPU step pays beside its kernels; but torch's foreach and fused optimizer operations loop over the
+tensors on a CPU, where a GPU launches a few kernels for them all, so their figures here are the
+CPU's arithmetic, not a GPU's host time.
 """
 
 from __future__ import annotations
@@ -68,6 +77,80 @@ def steps(args) -> None:
         print(f"{len(times)} steps: sum {sum(times):.2f} s, median {statistics.median(times) * 1e3:.1f} ms")
 
 
+# (object path, attribute, label) of what `parts` times: the trainer's and objective's methods, and
+# torch's optimizer pieces called by name from torch.optim.adam (patched in its module namespace).
+PARTS = (
+    ("trainer", "_next_batch", "the batch (loader, copy to the device)"),
+    ("objective", "_noised_inputs", "the objective's draws and noised inputs"),
+    ("objective", "_loss_and_metrics", "the objective's losses and metrics"),
+    ("trainer", "_gradient_norm", "the gradient norm and the clipping factor"),
+    ("trainer", "_update", "the update (optimizer step, skip flag, zero_grad)"),
+    ("adam", "Adam._init_group", "  AdamW's parameter lists (Python, per group)"),
+    ("torch", "_foreach_add_", "  foreach add (AdamW's step counts; any other caller too)"),
+    ("torch", "_C._group_tensors_by_device_and_dtype", "  the tensors grouped by device and dtype"),
+    ("torch", "_fused_adamw_", "  fused AdamW (on a CPU: the arithmetic)"),
+    ("optimizer", "Optimizer.zero_grad", "  zero_grad"),
+)
+
+
+def parts(args) -> None:
+    import collections
+    import importlib
+    from unittest import mock
+
+    from mmldlm.tools.bench import build_trainer
+
+    spent, calls, counting = collections.defaultdict(float), collections.Counter(), [False]
+
+    def timed_call(fn, label):
+        def call(*a, **k):
+            if not counting[0]:
+                return fn(*a, **k)
+            started = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[label] += time.perf_counter() - started
+                calls[label] += 1
+
+        return call
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        _, _, trainer, _ = build_trainer(args.config, args.overrides, run_dir)
+        owners = {
+            "trainer": trainer,
+            "objective": trainer.objective,
+            "adam": importlib.import_module("torch.optim.adam"),  # torch.optim hides its modules' names
+            "torch": importlib.import_module("torch.optim.adam").torch,
+            "optimizer": importlib.import_module("torch.optim.optimizer"),
+        }
+        patches = []
+        for owner, attribute, label in PARTS:
+            *path, name = attribute.split(".")
+            target = owners[owner]
+            for part in path:
+                target = getattr(target, part)
+            patches.append(mock.patch.object(target, name, timed_call(getattr(target, name), label)))
+        whole = []
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch)
+            for step in range(args.steps):
+                counting[0] = step >= 20
+                started = time.perf_counter()
+                trainer.run_step()
+                if counting[0]:
+                    whole.append(time.perf_counter() - started)
+    if not whole:
+        print("no step past the first 20 was timed: give --steps above 20")
+        return
+    n = len(whole)
+    print(f"{n} steps after 20; per step, mean ms (calls):")
+    for _, _, label in PARTS:
+        print(f"{label}: {spent[label] / n * 1e3:.3f} ({calls[label] / n:g})")
+    print(f"the whole step: {sum(whole) / n * 1e3:.3f}, median {statistics.median(whole) * 1e3:.3f}")
+
+
 def attend(q, k, v, mask) -> None:
     F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum().backward()
 
@@ -116,18 +199,18 @@ def loss(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["steps", "attention", "loss"])
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="steps: config overrides")
-    parser.add_argument("--config", default="configs/default.yaml", help="steps: config name or file")
-    parser.add_argument("--steps", type=int, default=120, help="steps: how many (the first 20 are not counted)")
+    parser.add_argument("what", choices=["steps", "parts", "attention", "loss"])
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="steps, parts: config overrides")
+    parser.add_argument("--config", default="configs/default.yaml", help="steps, parts: config name or file")
+    parser.add_argument("--steps", type=int, default=120, help="steps, parts: how many (the first 20 are not counted)")
     parser.add_argument("--as-on-a-gpu", action="store_true", help="steps: no fp32 detour for bf16 attention")
     parser.add_argument("--each", action="store_true", help="steps: each step's time, RSS and peak RSS as it ends")
     parser.add_argument("--threads", type=int, default=2, help="torch's threads (default 2)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.what == "steps":
+    if args.what in ("steps", "parts"):
         args.overrides = [f"train.threads={args.threads}", *args.overrides]
-    {"steps": steps, "attention": attention, "loss": loss}[args.what](args)
+    {"steps": steps, "parts": parts, "attention": attention, "loss": loss}[args.what](args)
     return 0
 
 

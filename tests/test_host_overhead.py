@@ -833,3 +833,35 @@ def test_the_whole_model_on_one_packed_row_compiles_one_graph_per_mode_and_width
             assert compiled == [len(MODES) * 3] * 2
             assert compiled_functions(counter) == {"forward"}
     torch.testing.assert_close(torch.tensor(runs["compiled"][1]), torch.tensor(runs["eager"][1]), rtol=1e-5, atol=1e-5)
+
+
+def test_the_step_parts_script_times_each_part_of_a_real_step_outside_the_model(tmp_path_factory, capsys):
+    """`scripts/cpu_step_costs.py parts` (docs/benchmarks.md, "The host's work per step outside the
+    model"): each part it names is really called within the timed steps, as often as a step calls it
+    (AdamW once per parameter group), and the parts outside the model add up to less than the step."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "scripts" / "cpu_step_costs.py"
+    spec = importlib.util.spec_from_file_location("cpu_step_costs", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    overrides = [f"data.path={prepared(tmp_path_factory)}", "model=tiny", "data.num_workers=0"]
+    overrides += ["train.micro_batch_size=4", "train.global_batch_size=4", "perf.activation_checkpointing=none"]
+    assert script.main(["parts", *overrides, "--config", "optimized", "--steps", "23", "--threads", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "3 steps after 20; per step, mean ms (calls):"
+    parts = {}
+    for line in lines[1:-1]:
+        label, figures = line.rsplit(": ", 1)
+        ms, calls = figures.split(" (")
+        parts[label] = (float(ms), float(calls.rstrip(")")))
+    assert [label for *_, label in script.PARTS] == list(parts)
+    calls = {label.strip(): n for label, (_, n) in parts.items()}
+    assert calls["the update (optimizer step, skip flag, zero_grad)"] == 1
+    assert calls["AdamW's parameter lists (Python, per group)"] == 2  # decayed and not
+    assert calls["fused AdamW (on a CPU: the arithmetic)"] == 2
+    assert all(n >= 1 for n in calls.values()), calls
+    whole = float(lines[-1].split(": ")[1].split(",")[0])
+    outside = [ms for label, (ms, _) in parts.items() if not label.startswith("  ")]  # not the update's pieces
+    assert 0 < sum(outside) < whole
