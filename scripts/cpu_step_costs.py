@@ -18,7 +18,9 @@ losses, the gradient norm, the update and within it the optimizer's own pieces),
 At a width where the arithmetic is negligible (say `model.hidden_size=16`) that is the host's work a
 GPU step pays beside its kernels; but torch's foreach and fused optimizer operations loop over the
 tensors on a CPU, where a GPU launches a few kernels for them all, so their figures here are the
-CPU's arithmetic, not a GPU's host time.
+CPU's arithmetic, not a GPU's host time. On a GPU (`scripts/gpu_session.sh`, part 2b) the figures
+are the host's own time, as nothing in a step that does not log waits for the device, so long as
+the device keeps up with what the host queues.
 """
 
 from __future__ import annotations
@@ -85,11 +87,11 @@ PARTS = (
     ("objective", "_loss_and_metrics", "the objective's losses and metrics"),
     ("trainer", "_gradient_norm", "the gradient norm and the clipping factor"),
     ("trainer", "_update", "the update (optimizer step, skip flag, zero_grad)"),
-    ("adam", "Adam._init_group", "  AdamW's parameter lists (Python, per group)"),
-    ("torch", "_foreach_add_", "  foreach add (AdamW's step counts; any other caller too)"),
-    ("torch", "_C._group_tensors_by_device_and_dtype", "  the tensors grouped by device and dtype"),
-    ("torch", "_fused_adamw_", "  fused AdamW (on a CPU: the arithmetic)"),
-    ("optimizer", "Optimizer.zero_grad", "  zero_grad"),
+    ("adam", "Adam._init_group", "of it: AdamW's parameter lists (Python, per group)"),
+    ("torch", "_foreach_add_", "of it: foreach add (AdamW's step counts; any other caller too)"),
+    ("torch", "_C._group_tensors_by_device_and_dtype", "of it: the tensors grouped by device and dtype"),
+    ("torch", "_fused_adamw_", "of it: fused AdamW (on a CPU: the arithmetic)"),
+    ("optimizer", "Optimizer.zero_grad", "of it: zero_grad"),
 )
 
 
@@ -145,10 +147,11 @@ def parts(args) -> None:
         print("no step past the first 20 was timed: give --steps above 20")
         return
     n = len(whole)
-    print(f"{n} steps after 20; per step, mean ms (calls):")
+    print(f"| part of the step, {n} steps after 20 | ms per step (mean) | calls per step |")
+    print("|---|---|---|")
     for _, _, label in PARTS:
-        print(f"{label}: {spent[label] / n * 1e3:.3f} ({calls[label] / n:g})")
-    print(f"the whole step: {sum(whole) / n * 1e3:.3f}, median {statistics.median(whole) * 1e3:.3f}")
+        print(f"| {label} | {spent[label] / n * 1e3:.3f} | {calls[label] / n:g} |")
+    print(f"| the whole step | {sum(whole) / n * 1e3:.3f} (median {statistics.median(whole) * 1e3:.3f}) | 1 |")
 
 
 def attend(q, k, v, mask) -> None:
@@ -206,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--as-on-a-gpu", action="store_true", help="steps: no fp32 detour for bf16 attention")
     parser.add_argument("--each", action="store_true", help="steps: each step's time, RSS and peak RSS as it ends")
     parser.add_argument("--threads", type=int, default=2, help="torch's threads (default 2)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides before and after the options alike
     torch.set_num_threads(args.threads)
     if args.what in ("steps", "parts"):
         args.overrides = [f"train.threads={args.threads}", *args.overrides]

@@ -849,19 +849,16 @@ def test_the_step_parts_script_times_each_part_of_a_real_step_outside_the_model(
     overrides = [f"data.path={prepared(tmp_path_factory)}", "model=tiny", "data.num_workers=0"]
     overrides += ["train.micro_batch_size=4", "train.global_batch_size=4", "perf.activation_checkpointing=none"]
     assert script.main(["parts", *overrides, "--config", "optimized", "--steps", "23", "--threads", "1"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "3 steps after 20; per step, mean ms (calls):"
-    parts = {}
-    for line in lines[1:-1]:
-        label, figures = line.rsplit(": ", 1)
-        ms, calls = figures.split(" (")
-        parts[label] = (float(ms), float(calls.rstrip(")")))
+    rows = [line.strip("| ").split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    assert rows[0] == ["part of the step, 3 steps after 20", "ms per step (mean)", "calls per step"]
+    parts = {label: (float(ms), float(calls)) for label, ms, calls in rows[2:-1]}
     assert [label for *_, label in script.PARTS] == list(parts)
-    calls = {label.strip(): n for label, (_, n) in parts.items()}
+    calls = {label: n for label, (_, n) in parts.items()}
     assert calls["the update (optimizer step, skip flag, zero_grad)"] == 1
-    assert calls["AdamW's parameter lists (Python, per group)"] == 2  # decayed and not
-    assert calls["fused AdamW (on a CPU: the arithmetic)"] == 2
+    assert calls["of it: AdamW's parameter lists (Python, per group)"] == 2  # decayed and not
+    assert calls["of it: fused AdamW (on a CPU: the arithmetic)"] == 2
     assert all(n >= 1 for n in calls.values()), calls
-    whole = float(lines[-1].split(": ")[1].split(",")[0])
-    outside = [ms for label, (ms, _) in parts.items() if not label.startswith("  ")]  # not the update's pieces
+    assert rows[-1][0] == "the whole step"
+    whole = float(rows[-1][1].split()[0])
+    outside = [ms for label, (ms, _) in parts.items() if not label.startswith("of it: ")]  # not the update's pieces
     assert 0 < sum(outside) < whole
