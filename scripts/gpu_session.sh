@@ -36,10 +36,14 @@
 #      row of 1,024 positions (data.packing) where padding to 64 makes 4,096, beside the plain transformer at 64 (the eager row was measured on
 #      2026-11-27; 64 is the batch whose loss after equal samples larger batches do not keep on the
 #      main job: docs/log/quality.md, "Batch size at equal samples");
+#      b. the host's time per step by part outside the model (the batch, the objective's draws and
+#         losses, the gradient norm, the update and the optimizer's pieces), the small preset eager at
+#         micro-batch 64 (scripts/cpu_step_costs.py parts): the host's work that CUDA graphs of the
+#         model leave (off unless T_PARTS is set; the second call's);
 #   3. a first writing rung: the small preset trained on the default data for what its limit leaves
 #      and evaluated on 128 validation texts (t2l retrieval@1, l2t word F1 and BLEU, with intervals),
 #      as scripts/writing_ladder.py measures it (off unless T_RUNG is set: with part 1's 480 s it
-#      does not fit one command; `T_SHAPE4=0 T_SHAPE8=0 T_PROFILE=0 T_RUNG=180` is the second call,
+#      does not fit one command; `T_SHAPE4=0 T_SHAPE8=0 T_LOSS=0 T_BASE=0 T_PARTS=40 T_RUNG=150` is the second call,
 #      on the warm machine, where the lease has 4 minutes left);
 #   4. the CUDA-only tests (`pytest -m cuda`; off unless T_TESTS is set: they passed on this image
 #      on 2026-11-26, and a lease is no time to debug one that fails).
@@ -78,9 +82,9 @@ fi
 # three 1B rows and their fit searches at 2048 tokens did not finish in 170 s (its rows then shared
 # the GPU's memory: the baseline ran out of it), hence rows one at a time and two benches.
 if [ "$MODE" = gpu ]; then
-    DEFAULTS=(140 250 0 0 25 125 0 0)  # 1a, 1b, 1c, 1d, 1e, 2, 3, 4 (1c measured on 2026-11-27)
+    DEFAULTS=(140 250 0 0 25 125 0 0 0)  # 1a, 1b, 1c, 1d, 1e, 2, 3, 4, 2b (1c measured on 2026-11-27)
 else
-    DEFAULTS=(80 80 60 40 40 80 80 60)  # every part, at tiny shapes
+    DEFAULTS=(80 80 60 40 40 70 70 60 40)  # every part, at tiny shapes
 fi
 T_SHAPE4=${T_SHAPE4:-${DEFAULTS[0]}} # 1a. three rows of 1B parameters and the reference, 3 + 10 steps each
 T_SHAPE8=${T_SHAPE8:-${DEFAULTS[1]}} # 1b. three compiled rows and the compiled reference, 12 + 10 steps
@@ -90,7 +94,8 @@ T_LOSS=${T_LOSS:-${DEFAULTS[4]}}     # 1e. the text head and its loss, two ways,
 T_BASE=${T_BASE:-${DEFAULTS[5]}}     # 2. three rows and the reference, compile, 12 + 10 steps
 T_RUNG=${T_RUNG:-${DEFAULTS[6]}}     # 3. a 16-step timing run and its eval, the training, the eval of 128 texts
 T_TESTS=${T_TESTS:-${DEFAULTS[7]}}   # 4. pytest -m cuda
-TOTAL=$(( T_SHAPE4 + T_SHAPE8 + T_PROFILE + T_ATTENTION + T_LOSS + T_BASE + T_RUNG + T_TESTS ))
+T_PARTS=${T_PARTS:-${DEFAULTS[8]}}   # 2b. one eager row built, 20 + 100 steps timed by part
+TOTAL=$(( T_SHAPE4 + T_SHAPE8 + T_PROFILE + T_ATTENTION + T_LOSS + T_BASE + T_RUNG + T_TESTS + T_PARTS ))
 if [ "$TOTAL" -gt 540 ]; then
     echo "gpu_session: the parts' limits add up to $TOTAL s; expected at most 540 (the device's 600 s less the report and copies)"
     exit 2
@@ -99,8 +104,8 @@ RUN_OUT=${OUT_DIR:-runs/gpu_session}
 # The rehearsal's figures mean nothing: its report stays beside its outputs unless REPORT says otherwise.
 [ "$MODE" = gpu ] && REPORT=${REPORT:-docs/benchmarks-gpu.md} || REPORT=${REPORT:-$RUN_OUT/report.md}
 DATA=${DATA:-runs/gpu-data}
-# Parts 2 and 3 read it; part 1 makes its own synthetic tokens.
-if [ $(( T_BASE + T_RUNG )) -gt 0 ] && [ ! -f "$DATA/meta.json" ]; then
+# Parts 2, 2b and 3 read it; part 1 makes its own synthetic tokens.
+if [ $(( T_BASE + T_PARTS + T_RUNG )) -gt 0 ] && [ ! -f "$DATA/meta.json" ]; then
     echo "gpu_session: $DATA: no prepared dataset; make it on a CPU first:" \
         "python -m mmldlm prepare --input default --max-samples 50000 --out $DATA"
     exit 2
@@ -119,6 +124,7 @@ if [ "$MODE" = gpu ]; then
     # the main job every batch above 64 left a worse loss after equal samples (128: +0.27 nats per
     # token; 512: +0.65 and t2l retrieval 5% against 71%), so the goal's samples/s are those at 64.
     BASE="model=small train.micro_batch_size=64 train.global_batch_size=64"
+    PARTS="$BASE --steps 120"
     # writing_ladder.py fits its timing run, training and evaluations into --minutes (with a 10%
     # margin of its own); 15 s of the part's limit are left for its start-up and its table.
     RUNG="--minutes $("$PY" -c "print(round(($T_RUNG - 15) / 60, 2))") --rungs small:1 --timing-steps 16"
@@ -156,6 +162,7 @@ else
     COMPILED_STEPS=$STEPS
     FIT="--memory-cap-gib 2 --max-micro-batch 8"
     BASE="$TINY perf.compile=false train.micro_batch_size=auto train.global_batch_size=16"
+    PARTS="$TINY train.micro_batch_size=4 train.global_batch_size=4 --steps 25"
     RUNG="--minutes 0.5 --rungs tiny:1 --timing-steps 4"  # less than its timing run: one training step
     RUNG_KEYS="$TINY train.global_batch_size=8 train.micro_batch_size=8"
     EVAL="--num-samples 8 --best-of 1 --no-encoder"
@@ -235,6 +242,9 @@ part "2. Short texts: the small preset on the default data at micro-batch 64: CU
     "$T_BASE" "$RUN_OUT/base.log" --bench "$RUN_OUT/base" -- \
     "$PY" -m mmldlm bench $BASE data.path="$DATA" --baseline "$SHORT" --optimized "compiled $SHORT_GRAPHS $WHOLE" \
     --variant "$SHORT $PACKED_SHORT" --reference $COMPILED_STEPS --no-fit $ROWS --out "$RUN_OUT/base"
+part "2b. Short texts: the host's time per step by part outside the model, the small preset eager at micro-batch 64" \
+    "$T_PARTS" "$RUN_OUT/parts.log" --output -- \
+    "$PY" scripts/cpu_step_costs.py parts $PARTS data.path="$DATA" --config optimized
 part "3. A first writing rung" "$T_RUNG" "$RUN_OUT/rung.log" --ladder "$RUN_OUT/rung" -- \
     "$PY" scripts/writing_ladder.py $RUNG --eval-args "$EVAL" --out "$RUN_OUT/rung" $RUNG_KEYS data.path="$DATA"
 part "4. CUDA-only tests" "$T_TESTS" "$RUN_OUT/tests.log" --tests -- \

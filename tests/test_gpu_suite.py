@@ -106,7 +106,7 @@ def test_gpu_session_refuses_limits_that_add_up_past_its_ten_minutes(tmp_path):
     result = session(tmp_path, "--cpu", T_RUNG="300")
     assert result.returncode == 2
     assert result.stdout.strip() == (
-        "gpu_session: the parts' limits add up to 740 s; expected at most 540 (the device's 600 s less the report "
+        "gpu_session: the parts' limits add up to 770 s; expected at most 540 (the device's 600 s less the report "
         "and copies)"
     )
     assert not (tmp_path / "out").exists()
@@ -175,7 +175,7 @@ def test_gpu_session_rehearsal_on_a_cpu_runs_every_part_and_reports_each(tmp_pat
     result = session(tmp_path, "--cpu", DATA=str(prepared(tmp_path_factory)), COPY_TO=str(copies))
     assert result.returncode == 0, result.stdout + result.stderr
     text = (tmp_path / "out" / "report.md").read_text()
-    assert text.count("done in ") == 8 and "failed" not in text and "cut off" not in text
+    assert text.count("done in ") == 9 and "failed" not in text and "cut off" not in text
     for title in (
         "1a. The older",
         "1b. The older",
@@ -183,6 +183,7 @@ def test_gpu_session_rehearsal_on_a_cpu_runs_every_part_and_reports_each(tmp_pat
         "1d. The older",
         "1e. The older",
         "2. Short texts",
+        "2b. Short texts",
         "3. A first",
         "4. CUDA-only",
     ):
@@ -217,10 +218,14 @@ def test_gpu_session_rehearsal_on_a_cpu_runs_every_part_and_reports_each(tmp_pat
         "attention.log",
         "text-loss.log",
         "base.log",
+        "parts.log",
         "rung.log",
         "tests.log",
     }
     assert {p.name for p in copies.iterdir()} == {"session.md", "profile.txt", *logs}
+    # part 2b: the host's time by part outside the model, the update's pieces among them
+    assert "| part of the step, 5 steps after 20 | ms per step (mean) | calls per step |" in text
+    assert "| of it: AdamW's parameter lists (Python, per group) | " in text
     assert "Data: synthetic tokens: 64 texts of uniformly random length 20-64 tokens" in text
     assert "| tiny:1 | " in text and "l2t word F1" in text
     assert "Session ended" in text
