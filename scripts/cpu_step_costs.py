@@ -79,25 +79,25 @@ def steps(args) -> None:
         print(f"{len(times)} steps: sum {sum(times):.2f} s, median {statistics.median(times) * 1e3:.1f} ms")
 
 
-# (object path, attribute, label) of what `parts` times: the trainer's and objective's methods, and
-# torch's optimizer pieces called by name from torch.optim.adam (patched in its module namespace).
+# (object, attribute, label) of what `parts` times: the trainer's, objective's and optimizer's methods
+# (on the instances: torch.compile, once used in the process, puts a wrapped `_init_group` on each
+# optimizer class), and the torch functions AdamW calls by name.
 PARTS = (
     ("trainer", "_next_batch", "the batch (loader, copy to the device)"),
     ("objective", "_noised_inputs", "the objective's draws and noised inputs"),
     ("objective", "_loss_and_metrics", "the objective's losses and metrics"),
     ("trainer", "_gradient_norm", "the gradient norm and the clipping factor"),
     ("trainer", "_update", "the update (optimizer step, skip flag, zero_grad)"),
-    ("adam", "Adam._init_group", "of it: AdamW's parameter lists (Python, per group)"),
+    ("optimizer", "_init_group", "of it: AdamW's parameter lists (Python, per group)"),
     ("torch", "_foreach_add_", "of it: foreach add (AdamW's step counts; any other caller too)"),
     ("torch", "_C._group_tensors_by_device_and_dtype", "of it: the tensors grouped by device and dtype"),
     ("torch", "_fused_adamw_", "of it: fused AdamW (on a CPU: the arithmetic)"),
-    ("optimizer", "Optimizer.zero_grad", "of it: zero_grad"),
+    ("optimizer", "zero_grad", "of it: zero_grad"),
 )
 
 
 def parts(args) -> None:
     import collections
-    import importlib
     from unittest import mock
 
     from mmldlm.tools.bench import build_trainer
@@ -122,9 +122,8 @@ def parts(args) -> None:
         owners = {
             "trainer": trainer,
             "objective": trainer.objective,
-            "adam": importlib.import_module("torch.optim.adam"),  # torch.optim hides its modules' names
-            "torch": importlib.import_module("torch.optim.adam").torch,
-            "optimizer": importlib.import_module("torch.optim.optimizer"),
+            "optimizer": trainer.optimizer,
+            "torch": torch,
         }
         patches = []
         for owner, attribute, label in PARTS:
