@@ -90,7 +90,7 @@ PARTS = (
     ("trainer", "_update", "the update (optimizer step, skip flag, zero_grad)"),
     ("optimizer", "_init_group", "of it: AdamW's parameter lists (Python, per group)"),
     ("torch", "_foreach_add_", "of it: foreach add (AdamW's step counts; any other caller too)"),
-    ("torch", "_C._group_tensors_by_device_and_dtype", "of it: the tensors grouped by device and dtype"),
+    ("torch._C", "_group_tensors_by_device_and_dtype", "of it: the tensors grouped by device and dtype"),
     ("torch", "_fused_adamw_", "of it: fused AdamW (on a CPU: the arithmetic)"),
     ("optimizer", "zero_grad", "of it: zero_grad"),
 )
@@ -102,12 +102,10 @@ def parts(args) -> None:
 
     from mmldlm.tools.bench import build_trainer
 
-    spent, calls, counting = collections.defaultdict(float), collections.Counter(), [False]
+    spent, calls = collections.defaultdict(float), collections.Counter()
 
     def timed_call(fn, label):
         def call(*a, **k):
-            if not counting[0]:
-                return fn(*a, **k)
             started = time.perf_counter()
             try:
                 return fn(*a, **k)
@@ -119,29 +117,19 @@ def parts(args) -> None:
 
     with tempfile.TemporaryDirectory() as run_dir:
         _, _, trainer, _ = build_trainer(args.config, args.overrides, run_dir)
-        owners = {
-            "trainer": trainer,
-            "objective": trainer.objective,
-            "optimizer": trainer.optimizer,
-            "torch": torch,
-        }
-        patches = []
-        for owner, attribute, label in PARTS:
-            *path, name = attribute.split(".")
-            target = owners[owner]
-            for part in path:
-                target = getattr(target, part)
-            patches.append(mock.patch.object(target, name, timed_call(getattr(target, name), label)))
+        owners = {"trainer": trainer, "objective": trainer.objective, "optimizer": trainer.optimizer}
+        owners.update({"torch": torch, "torch._C": torch._C})
+        for _ in range(min(20, args.steps)):  # warm-up, untimed
+            trainer.run_step()
         whole = []
         with contextlib.ExitStack() as stack:
-            for patch in patches:
-                stack.enter_context(patch)
-            for step in range(args.steps):
-                counting[0] = step >= 20
+            for owner, name, label in PARTS:
+                target = owners[owner]
+                stack.enter_context(mock.patch.object(target, name, timed_call(getattr(target, name), label)))
+            for _ in range(args.steps - 20):
                 started = time.perf_counter()
                 trainer.run_step()
-                if counting[0]:
-                    whole.append(time.perf_counter() - started)
+                whole.append(time.perf_counter() - started)
     if not whole:
         print("no step past the first 20 was timed: give --steps above 20")
         return

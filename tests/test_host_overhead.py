@@ -835,17 +835,15 @@ def test_the_whole_model_on_one_packed_row_compiles_one_graph_per_mode_and_width
     torch.testing.assert_close(torch.tensor(runs["compiled"][1]), torch.tensor(runs["eager"][1]), rtol=1e-5, atol=1e-5)
 
 
-def test_the_step_parts_script_times_each_part_of_a_real_step_outside_the_model(tmp_path_factory, capsys):
+def test_the_step_parts_script_times_each_part_of_a_real_step_outside_the_model(tmp_path_factory, capsys, monkeypatch):
     """`scripts/cpu_step_costs.py parts` (docs/benchmarks.md, "The host's work per step outside the
     model"): each part it names is really called within the timed steps, as often as a step calls it
     (AdamW once per parameter group), and the parts outside the model add up to less than the step."""
-    import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).parent.parent / "scripts" / "cpu_step_costs.py"
-    spec = importlib.util.spec_from_file_location("cpu_step_costs", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
+    import cpu_step_costs as script
+
     overrides = [f"data.path={prepared(tmp_path_factory)}", "model=tiny", "data.num_workers=0"]
     overrides += ["train.micro_batch_size=4", "train.global_batch_size=4", "perf.activation_checkpointing=none"]
     assert script.main(["parts", *overrides, "--config", "optimized", "--steps", "23", "--threads", "1"]) == 0
