@@ -555,9 +555,10 @@ def test_compile_options_follow_the_perf_switches():
     assert compile_options(combo, cpu, 5) == {"dynamic": False, "options": alone, "recompile_limit": 60}
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["linear-layers", "grouped-products"])
 @pytest.mark.parametrize("compute_weights", [False, True], ids=["autocast-casts", "bf16-compute-weights"])
 def test_a_step_at_the_older_shapes_depth_dispatches_under_2_45_times_a_plain_transformers_operations(
-    tmp_path, compute_weights
+    tmp_path, compute_weights, grouped
 ):
     """bf16 autocast, depth 24 (the older codebase's), width 64 so that it runs in seconds: the ATen
     operations of one step of each mode over those of the plain transformer of the same dimensions
@@ -570,7 +571,9 @@ def test_a_step_at_the_older_shapes_depth_dispatches_under_2_45_times_a_plain_tr
     2,958 in joint mode, the reference then rotating in float32); now 2.36-2.44x, and 2.56-2.66x of
     the operations that run a kernel (QK-norm's RMSNorm counted as the fused kernel a CUDA device
     runs: `dispatch_as_on_a_gpu`): 6,755 operations against 2,766 in joint mode. With bf16 compute
-    weights (both rows) the casts of every weight go: 6,233 against 2,574."""
+    weights (both rows) the casts of every weight go: 6,233 against 2,574. With the streams' products
+    grouped (perf.grouped_linears): 2.16-2.21x (6,093 against 2,753 in joint mode), 2.32-2.40x the
+    kernels; 2.19-2.25x and 2.42-2.51x beside bf16 compute weights."""
     from mmldlm.data.synthetic import SyntheticShape, write_synthetic
     from mmldlm.tools.bench import build_reference
     from mmldlm.tools.bench import build_trainer as build_bench_trainer
@@ -591,6 +594,8 @@ def test_a_step_at_the_older_shapes_depth_dispatches_under_2_45_times_a_plain_tr
         f"perf.compute_weights={str(compute_weights).lower()}",
     ]
     _, _, reference, _ = build_reference("optimized", common, str(tmp_path / "reference"))
+    common.append(f"perf.grouped_linears={str(grouped).lower()}")
+    most, most_kernels = (2.26, 2.52) if grouped else (2.45, 2.7)
     assert (reference.compute_weights is not None) is compute_weights
     assert len(reference.raw_model.blocks) == 24
     reference_ops = step_operations(reference)
@@ -601,7 +606,9 @@ def test_a_step_at_the_older_shapes_depth_dispatches_under_2_45_times_a_plain_tr
             f"{mode}: {ours.total} operations ({ours.kernels} kernels) against {reference_ops.total} "
             f"({reference_ops.kernels})"
         )
-        assert ours.total <= 2.45 * reference_ops.total and ours.kernels <= 2.7 * reference_ops.kernels, message
+        assert ours.total <= most * reference_ops.total and ours.kernels <= most_kernels * reference_ops.kernels, (
+            message
+        )
 
 
 def test_operations_are_traced_to_the_lines_that_cause_them_forward_and_backward(tmp_path):
@@ -769,10 +776,12 @@ def test_the_whole_model_compiles_one_graph_per_mode_and_length_then_nothing(
 
 
 @pytest.mark.slow  # inductor generates and compiles C++ for each graph: tens of seconds cold
-def test_inductor_trains_the_whole_model_to_the_eager_losses(tmp_path, monkeypatch, dynamo_limits):
+@pytest.mark.parametrize("grouped", [False, True], ids=["linear-layers", "grouped-products"])
+def test_inductor_trains_the_whole_model_to_the_eager_losses(tmp_path, monkeypatch, dynamo_limits, grouped):
     """The real backend on the whole model's graph (perf.compile_model), its text rows filled to a few
     counts (perf.text_row_buckets=2), static shapes: each mode at one length, twice, trains to the
-    losses of the same steps uncompiled, with no graph break."""
+    losses of the same steps uncompiled, with no graph break; the same with the streams' products
+    grouped (perf.grouped_linears), whose grouped_mm inductor calls as it is."""
     from mmldlm.config import MODES
 
     overrides = [
@@ -781,8 +790,11 @@ def test_inductor_trains_the_whole_model_to_the_eager_losses(tmp_path, monkeypat
         "perf.compile_model=true",
         "perf.text_row_buckets=2",
         "perf.fused_text_loss=true",
+        f"perf.grouped_linears={str(grouped).lower()}",
+        f"train.precision={'bf16' if grouped else 'fp32'}",  # compiled grouped_mm takes bf16 alone
     ]
     trainer, counter, counters = compiled_trainer(tmp_path, monkeypatch, (16,), overrides, backend="inductor")
+    assert all(block.grouped_linears is grouped for block in trainer.raw_model.blocks)
     losses = [trainer.train_step()["loss"] for _ in range(2 * len(MODES))]
     assert dict(counters["graph_break"]) == {}
     assert len(MODES) <= counter.frame_count <= 2 * len(MODES) - 1  # l2t and joint: one or two row counts
@@ -790,7 +802,8 @@ def test_inductor_trains_the_whole_model_to_the_eager_losses(tmp_path, monkeypat
         tmp_path / "eager", monkeypatch, (16,), ["perf.compile=false", *overrides[1:2], *overrides[3:]]
     )
     expected = [eager.train_step()["loss"] for _ in range(2 * len(MODES))]
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-4)
+    tolerance = 2e-3 if grouped else 1e-4  # bf16: inductor's fused kernels round elsewhere than eager ones
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.slow  # aot_eager traces forward and backward of each graph: 2-3 s a graph

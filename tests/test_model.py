@@ -441,7 +441,8 @@ def test_qk_rmsnorm_of_bf16_activations_keeps_the_fp32_mean_of_squares():
     x = torch.randn(4, 10, cfg.hidden_size) * 30
     shift, scale = torch.zeros(4, 1, cfg.hidden_size), torch.ones(4, 1, cfg.hidden_size)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        qk, v = stream.qk_heads(x, shift, scale)
+        qkv = stream.qkv(stream.attention_input(x, shift, scale))
+        qk, v = stream.qk_heads(qkv)
         raw = stream.qkv(modulate(stream.norm_attn(x), shift, scale)).view(4, 10, cfg.num_heads, 3, hd)
     assert qk.dtype == v.dtype == torch.bfloat16 and qk.shape == (4, 10, cfg.num_heads, 2, hd)
     gains = (stream.q_norm.weight, stream.k_norm.weight)

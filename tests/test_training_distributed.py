@@ -164,10 +164,14 @@ def assert_params_close(a: dict, b: dict, tol: float = 1e-5):
 
 
 @training_scenario
-@pytest.mark.parametrize("mode,strategy", [("joint", "ddp"), ("random", "ddp"), ("joint", "fsdp2")])
-def test_two_processes_match_one_process(tmp_path, mode, strategy):
+@pytest.mark.parametrize(
+    "mode,strategy,grouped",
+    [("joint", "ddp", False), ("random", "ddp", False), ("joint", "fsdp2", False), ("random", "fsdp2", True)],
+)
+def test_two_processes_match_one_process(tmp_path, mode, strategy, grouped):
     # The loader strides samples over ranks (rank r takes r, r + W, ...): with one sample per
     # micro-batch, 1 process x 2 accumulation steps sees exactly the two ranks' micro-batches.
+    # The last case stacks FSDP2's gathered weights for the streams' grouped products.
     args = [
         "train.steps=10",
         "train.micro_batch_size=1",
@@ -175,6 +179,7 @@ def test_two_processes_match_one_process(tmp_path, mode, strategy):
         f"objective.mode={mode}",
         f"distributed.strategy={strategy}",
         "train.ema_decay=0.9",
+        f"perf.grouped_linears={str(grouped).lower()}",
     ]
     assert_ok(train(tmp_path / "one", args))
     assert_ok(train(tmp_path / "two", args, nproc=2))

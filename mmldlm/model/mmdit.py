@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mmldlm.config import ConfigError, ModelConfig
-from mmldlm.device import compute_dtype
+from mmldlm.device import autocast_off, compute_dtype
 from mmldlm.diffusion.masked import TextLoss, TextTargets, subs_linear_cross_entropy
 from mmldlm.model.attention import JointAttention, rms_norm
 
@@ -92,6 +92,48 @@ def per_position(mod: Sequence[Tensor], doc: Tensor | None) -> Sequence[Tensor]:
     # index_select, not m[doc]: its backward (index_add) is about 4x faster on CPU than indexing's
     # (index_put with accumulate).
     return [m.squeeze(1).index_select(0, doc.flatten()).view(*doc.shape, -1) for m in mod]  # (R, T, H) each
+
+
+def group_ends(first: int, second: int, device: torch.device) -> Tensor:
+    """grouped_mm's offsets (int32 ends of the two groups of rows), made on the device without a host
+    copy (a copy from pageable host memory would wait for the device) and kept per shape in eager mode."""
+    if torch.compiler.is_compiling():
+        return torch.tensor([first, first + second], dtype=torch.int32, device=device)
+    key = (first, second, device)
+    ends = _GROUP_ENDS.get(key)
+    if ends is None:
+        ends = torch.full((2,), first, dtype=torch.int32, device=device)
+        ends[1:].add_(second)  # a scalar operand: no tensor comes from the host
+        if len(_GROUP_ENDS) >= 256:  # as many shapes as a run's buckets; forget the oldest beyond
+            del _GROUP_ENDS[next(iter(_GROUP_ENDS))]
+        _GROUP_ENDS[key] = ends
+    return ends
+
+
+_GROUP_ENDS: dict[tuple[int, int, torch.device], Tensor] = {}
+# Public from torch 2.10 on (torch._grouped_mm before); None where this torch has neither.
+grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_rows(rows: Tensor, first: nn.Linear, second: nn.Linear, num_first: int) -> Tensor:
+    """rows (N, H): the first num_first through `first`, the rest through `second`, in one grouped
+    matrix product (the two weights stacked, cast once to the compute dtype), where two linear layers
+    would be two products, two casts and their gradients' each."""
+    dtype = compute_dtype(rows)
+    weight = torch.stack([first.weight, second.weight]).to(dtype)  # (2, out, in)
+    ends = group_ends(num_first, rows.shape[0] - num_first, rows.device)
+    with autocast_off(rows.device.type):
+        return grouped_mm(rows.to(dtype), weight.transpose(1, 2), offs=ends)
+
+
+def paired_linear(a: Tensor, b: Tensor, first: nn.Linear, second: nn.Linear) -> tuple[Tensor, Tensor]:
+    """(first(a), second(b)) for a (..., H) and b (..., H) of any leading shapes, by `grouped_rows`
+    over their rows concatenated (one copy)."""
+    H = a.shape[-1]
+    na, nb = a.numel() // H, b.numel() // H
+    out = grouped_rows(torch.cat([a.reshape(na, H), b.reshape(nb, H)]), first, second, na)
+    out_a, out_b = out.split([na, nb])
+    return out_a.view(*a.shape[:-1], -1), out_b.view(*b.shape[:-1], -1)
 
 
 class AdaLN(nn.Module):
@@ -182,14 +224,19 @@ class StreamLayers(nn.Module):
         self.mlp = MLP(H, int(cfg.mlp_ratio * H))
         self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
-    def qk_heads(self, x: Tensor, shift: Tensor, scale: Tensor, queries: bool = True) -> tuple[Tensor, Tensor]:
-        """x (B, T, H) -> qk (B, T, nh, 2, hd), queries and keys normalised per head, and v (B, T, nh, hd);
-        without `queries`, qk is the keys alone, (B, T, nh, 1, hd). The projection's rows are head by
-        head (q, k, v of head 0, then of head 1, ...): positions and heads stay before q/k/v, so the
-        joint sequence is concatenated along T, the variable-length kernel reads (positions, nh, hd)
-        with no transposed copy, and the gains' gradient sums over leading dimensions only."""
-        B, T, _ = x.shape
-        qkv = self.qkv(modulate(self.norm_attn(x), shift, scale)).view(B, T, self.num_heads, 3, self.head_dim)
+    def attention_input(self, x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+        """x (B, T, H) normalised and modulated for the qkv projection."""
+        return modulate(self.norm_attn(x), shift, scale)
+
+    def qk_heads(self, qkv: Tensor, queries: bool = True) -> tuple[Tensor, Tensor]:
+        """The qkv projection's output (B, T, 3H) -> qk (B, T, nh, 2, hd), queries and keys normalised
+        per head, and v (B, T, nh, hd); without `queries`, qk is the keys alone, (B, T, nh, 1, hd). The
+        projection's rows are head by head (q, k, v of head 0, then of head 1, ...): positions and heads
+        stay before q/k/v, so the joint sequence is concatenated along T, the variable-length kernel
+        reads (positions, nh, hd) with no transposed copy, and the gains' gradient sums over leading
+        dimensions only."""
+        B, T, _ = qkv.shape
+        qkv = qkv.view(B, T, self.num_heads, 3, self.head_dim)
         # split, not slices: its backward is one cat, where slices' are a zero-filled tensor each and a sum
         qk, v = qkv.split([2, 1], dim=3) if queries else qkv.split([1, 1, 1], dim=3)[1:]
         v = v.squeeze(3)  # (B, T, nh, hd)
@@ -206,7 +253,11 @@ class StreamLayers(nn.Module):
         six adaLN tensors from `per_position`."""
         _, _, gate_attn, shift_mlp, scale_mlp, gate_mlp = mod
         x = x + gate_attn * self.dropout(self.attn_proj(attn_out))
-        return x + gate_mlp * self.dropout(self.mlp(modulate(self.norm_mlp(x), shift_mlp, scale_mlp)))
+        return x + gate_mlp * self.dropout(self.mlp(self.mlp_input(x, shift_mlp, scale_mlp)))
+
+    def mlp_input(self, x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+        """x (B, T, H) normalised and modulated for the MLP."""
+        return modulate(self.norm_mlp(x), shift, scale)
 
     def output_parameters(self) -> list[nn.Parameter]:
         """The parameters that serve only this stream's own outputs (its queries, output projection
@@ -223,6 +274,9 @@ class MMDiTBlock(nn.Module):
         self.text = StreamLayers(cfg)
         self.latent = StreamLayers(cfg)
         self.dropout = cfg.dropout
+        # Each pair of the two streams' linear layers as one grouped matrix product (`paired_linear`):
+        # the same values, fewer operations (perf.grouped_linears sets it in training).
+        self.grouped_linears = False
 
     def forward(
         self,
@@ -253,8 +307,15 @@ class MMDiTBlock(nn.Module):
         if isinstance(mod, Tensor):
             mod = mod.unbind(1)
         mod_text, mod_latent = per_position(mod[:6], text_doc), mod[6:]  # 6 x (B, 1, H) or (R, L, H)
-        qk_text, v_text = self.text.qk_heads(x_text, mod_text[0], mod_text[1], text_out)  # (B, L, nh, 2|1, hd)
-        qk_latent, v_latent = self.latent.qk_heads(x_latent, mod_latent[0], mod_latent[1], latent_out)
+        text, latent = self.text, self.latent
+        h_text = text.attention_input(x_text, mod_text[0], mod_text[1])
+        h_latent = latent.attention_input(x_latent, mod_latent[0], mod_latent[1])
+        if self.grouped_linears:
+            qkv_text, qkv_latent = paired_linear(h_text, h_latent, text.qkv, latent.qkv)
+        else:
+            qkv_text, qkv_latent = text.qkv(h_text), latent.qkv(h_latent)
+        qk_text, v_text = text.qk_heads(qkv_text, text_out)  # (B, L, nh, 2|1, hd)
+        qk_latent, v_latent = latent.qk_heads(qkv_latent, latent_out)
         if rope is not None:
             # Only text positions rotate. Latent slots have no place in the token order; leaving
             # them unrotated is the same as putting them all at position 0, so a text token sees the
@@ -283,9 +344,39 @@ class MMDiTBlock(nn.Module):
             y_text = y_latent = y
         if latent_out and latent_rows is not None:
             y_latent = latent_rows.from_rows(y_latent)  # (N, K, H)
-        x_text = self.text.residual(x_text, y_text, mod_text) if text_out else None
-        x_latent = self.latent.residual(x_latent, y_latent, mod_latent) if latent_out else None
+        if self.grouped_linears and text_out and latent_out:
+            return self.grouped_residuals(x_text, x_latent, y_text, y_latent, mod_text, mod_latent)
+        x_text = text.residual(x_text, y_text, mod_text) if text_out else None
+        x_latent = latent.residual(x_latent, y_latent, mod_latent) if latent_out else None
         return x_text, x_latent
+
+    def grouped_residuals(
+        self,
+        x_text: Tensor,
+        x_latent: Tensor,
+        y_text: Tensor,
+        y_latent: Tensor,
+        mod_text: Sequence[Tensor],
+        mod_latent: Sequence[Tensor],
+    ) -> tuple[Tensor, Tensor]:
+        """Both streams' `StreamLayers.residual` with each pair of their products grouped
+        (`grouped_linears`): the output projections, then the MLPs on the two streams' rows at once
+        (one GELU)."""
+        text, latent = self.text, self.latent
+        a_text, a_latent = paired_linear(y_text, y_latent, text.attn_proj, latent.attn_proj)
+        x_text = x_text + mod_text[2] * text.dropout(a_text)
+        x_latent = x_latent + mod_latent[2] * latent.dropout(a_latent)
+        h_text = text.mlp_input(x_text, mod_text[3], mod_text[4])
+        h_latent = latent.mlp_input(x_latent, mod_latent[3], mod_latent[4])
+        H = x_text.shape[-1]
+        n_text = h_text.numel() // H
+        rows = torch.cat([h_text.reshape(n_text, H), h_latent.reshape(-1, H)])
+        hidden = F.gelu(grouped_rows(rows, text.mlp.fc, latent.mlp.fc, n_text), approximate="tanh")
+        out = text.dropout(grouped_rows(hidden, text.mlp.proj, latent.mlp.proj, n_text))
+        m_text, m_latent = out.split([n_text, out.shape[0] - n_text])
+        return x_text + mod_text[5] * m_text.view(x_text.shape), x_latent + mod_latent[5] * m_latent.view(
+            x_latent.shape
+        )
 
 
 def padded_row_count(num_rows: int) -> int:

@@ -54,6 +54,7 @@ _SAVED_OPS = {
     aten.mm.default,
     aten.addmm.default,
     aten.bmm.default,
+    aten._grouped_mm.default,
     aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_cudnn_attention.default,

@@ -45,7 +45,7 @@ from mmldlm.data.errors import DataError
 from mmldlm.device import auto_precision
 from mmldlm.diffusion import rng
 from mmldlm.model.info import training_flops_per_sample
-from mmldlm.model.mmdit import padded_row_count
+from mmldlm.model.mmdit import grouped_mm, padded_row_count
 from mmldlm.runs.files import CheckpointError
 from mmldlm.threads import AutoThreads
 from mmldlm.training.batch_size import (
@@ -272,6 +272,26 @@ class Trainer:
             else:
                 log.info("perf.compute_weights: off: %s", off)
 
+    def _group_linears(self, wanted: bool, compiled: bool) -> None:
+        """perf.grouped_linears on every block of the trained model where grouped_mm has kernels for
+        it: a CUDA device's and the compiled one's (perf.compile, any device) take bf16 alone, in rows
+        of a multiple of 16 bytes; a CPU runs any precision and size eagerly."""
+        blocks = getattr(self.raw_model, "blocks", [])
+        off = None
+        if wanted and grouped_mm is None:
+            off = f"torch {torch.__version__} has no grouped_mm"
+        elif wanted and (self.device.type == "cuda" or compiled):
+            where = "compiled" if compiled else f"on {self.device}"
+            sizes = {n for block in blocks for m in block.modules() if isinstance(m, nn.Linear) for n in m.weight.shape}
+            if self.precision != "bf16":
+                off = f"grouped products {where} need bf16 precision, not {self.precision}"
+            elif any(n % 8 for n in sizes):
+                off = f"grouped products {where} need layer sizes of multiples of 8, not {sorted(sizes)}"
+        if off is not None:
+            log.info("perf.grouped_linears: off: %s", off)
+        for block in blocks:
+            block.grouped_linears = wanted and off is None
+
     def _set_up_model(self, model: nn.Module, objective, max_seq_len: int | None, heaviest_batch) -> None:
         """The model on the device with its EMA copy, activation checkpointing resolved, parallelized, and
         the micro-batch size (probed on the set-up model under "auto")."""
@@ -286,6 +306,7 @@ class Trainer:
             # it for few shapes and CUDA graphs (docs/benchmarks-gpu.md). Set both ways: the switch
             # is the process's, and an earlier trainer may have turned it off.
             torch.backends.cuda.enable_cudnn_sdp(cfg.perf.cudnn_attention)
+        self._group_linears(cfg.perf.grouped_linears, cfg.perf.compile)
         self.micro_batch_size = cfg.train.micro_batch_size  # "auto": probed once the model is set up
         if self.micro_batch_size != "auto":
             self.micro_batch_size = self._micro_batch_for_world_size(self.micro_batch_size)
@@ -634,13 +655,21 @@ class Trainer:
     def bytes_per_parameter(self) -> float:
         """The bytes each parameter moves per optimizer step of the first scheduled batch size, as this
         trainer runs it (training/traffic.py): its precision, accumulation, checkpointed blocks,
-        clipping, EMA, optimizer state and bf16 compute weights."""
+        clipping, EMA, optimizer state, bf16 compute weights and grouped products."""
         num_accum = accumulation_steps(
             self.global_batch_at(0), self.micro_batch_size, self.info.world_size, "train.global_batch_size"
         )
         perf = dataclasses.replace(self.cfg.perf, activation_checkpointing=self.activation_checkpointing)
         blocks = self.raw_model.blocks
         recomputed = sum(p.numel() for i in checkpointed_blocks(len(blocks), perf) for p in blocks[i].parameters())
+        stacked = sum(
+            m.weight.numel()
+            for block in blocks
+            if getattr(block, "grouped_linears", False)
+            for m in block.modules()
+            if isinstance(m, nn.Linear)
+        )
+        total = sum(p.numel() for p in self.raw_model.parameters())
         if self.cfg.optim.grad_clip <= 0 or self.step_in_backward:
             clip = "none"
         else:
@@ -648,12 +677,13 @@ class Trainer:
         return bytes_per_parameter(
             self.precision,
             num_accum,
-            recomputed / sum(p.numel() for p in self.raw_model.parameters()),
+            recomputed / total,
             recomputes_products=self.activation_checkpointing != "selective",
             clip=clip,
             ema=self.ema is not None,
             state_dtype=self.cfg.optim.state_dtype,
             covered_share=self.compute_weights.share() if self.compute_weights is not None else 0.0,
+            stacked_share=stacked / total,
         )
 
     def idle_parameters(self, mode: str) -> list[nn.Parameter]:
