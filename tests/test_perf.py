@@ -798,6 +798,21 @@ def test_bytes_per_parameter_count_the_casts_gradients_clipping_and_adamw_of_a_s
     assert bytes_per_parameter("bf16", accumulation_steps=2, covered_share=0.5) == 58 + (18 + 12 + 6 + 10) / 2
     assert bytes_per_parameter("bf16", recomputed_share=1.0, covered_share=1.0) == 58 + 2
     assert bytes_per_parameter("fp32", covered_share=1.0) == 52
+    # grouped products: every use stacks the weights as the products take them, recomputed uses too
+    assert bytes_per_parameter("bf16", stacked_share=1.0) == 58 + 8
+    assert bytes_per_parameter("bf16", accumulation_steps=2, recomputed_share=0.5, stacked_share=0.5) == (
+        bytes_per_parameter("bf16", accumulation_steps=2, recomputed_share=0.5) + 0.5 * 8 * 2 * 1.5
+    )
+    assert bytes_per_parameter("bf16", covered_share=1.0, stacked_share=1.0) == 58 + 4
     _, trainer = run_losses(tmp_path, ["train.micro_batch_size=4", "train.precision=bf16"], steps=1)
     assert trainer.clip_in_optimizer  # fused AdamW, one process
     assert trainer.bytes_per_parameter() == bytes_per_parameter("bf16", accumulation_steps=2, clip="in_optimizer")
+    blocks = trainer.raw_model.blocks
+    grouped = sum(m.weight.numel() for m in blocks.modules() if isinstance(m, torch.nn.Linear))
+    for block in blocks:
+        block.grouped_linears = True
+    share = grouped / sum(p.numel() for p in trainer.raw_model.parameters())
+    assert 0.3 < share < 1
+    assert trainer.bytes_per_parameter() == bytes_per_parameter(
+        "bf16", accumulation_steps=2, clip="in_optimizer", stacked_share=share
+    )

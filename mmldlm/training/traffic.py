@@ -26,6 +26,11 @@ the float32 one after the first micro-batch (read 2, write 4: 6) and added after
 and 4, write 4: 10); a recomputed forward reads the copy again (2) or nothing (selective). One
 micro-batch moves what autocast's casts move (18 bytes before the step's own passes): the copies save
 launches, and bytes only where a step accumulates or recomputes.
+
+With the two streams' products grouped (perf.grouped_linears) each use of a block's linear layers
+first stacks the pair's two weights into one tensor: it reads and writes each weight as the products
+take it, 8 bytes in float32 (before autocast's cast), 4 as bf16 compute weights, at every forward and
+recomputed forward. Launches go, bytes come: 8 more per grouped parameter and micro-batch.
 """
 
 from __future__ import annotations
@@ -42,13 +47,15 @@ def bytes_per_parameter(
     ema: bool = False,
     state_dtype: str = "fp32",
     covered_share: float = 0.0,
+    stacked_share: float = 0.0,
 ) -> float:
     """Bytes one parameter moves per optimizer step (the module docstring). precision: "bf16"/"fp16"
     (autocast over fp32 weights) or "fp32"; recomputed_share: the share of parameters in blocks whose
     forward activation checkpointing runs again, with its matrix products (full) or without them
     (selective: the casts alone); clip: "separate" (norm, then a pass that scales), "in_optimizer"
     (norm; the fused AdamW divides) or "none" (optim.grad_clip=0: the norm alone, for the record);
-    covered_share: the share of parameters read through bf16 compute weights (16-bit precision only)."""
+    covered_share: the share of parameters read through bf16 compute weights (16-bit precision only);
+    stacked_share: the share of parameters whose weights grouped products stack at every use."""
     low = precision in ("bf16", "fp16")
     weight = 2 if low else 4  # the copy the products read
     cast = 6 if low else 0  # fp32 -> 16 bits, and back for the gradient
@@ -61,8 +68,10 @@ def bytes_per_parameter(
         copies += accumulation_steps * recomputed_share * (weight if recomputes_products else 0)
         cast_path = accumulation_steps * micro + accumulate
         micro, accumulate = 0.0, (1 - covered_share) * cast_path + covered_share * copies
+    stack = (4 if low and covered_share else 8) * accumulation_steps * (1 + recomputed_share)
     norm = 4
     scale = {"separate": 8, "in_optimizer": 0, "none": 0}[clip]
     moments = STATE_BYTES[state_dtype]  # both moments, each read and written once
     adamw = 4 + 4 + 4 + 2 * moments  # read weight and gradient, write weight; moments read and written
-    return accumulation_steps * micro + accumulate + norm + scale + adamw + (12 if ema else 0)
+    grouped = stacked_share * stack
+    return accumulation_steps * micro + accumulate + grouped + norm + scale + adamw + (12 if ema else 0)
