@@ -27,6 +27,10 @@
 #      e. the text head and its loss at micro-batch 8's masked positions, forward + backward: the
 #         logits then the SUBS cross-entropy vs the two fused chunk by chunk (perf.fused_text_loss, on
 #         in the optimized and compiled presets), time and peak memory (scripts/text_loss.py);
+#      f. eager, micro-batch 8: the optimized config vs the same with each pair of the two streams'
+#         products grouped (perf.grouped_linears: fewer launches, but are grouped_mm's kernels as fast
+#         as cuBLAS's on 10,000 text rows beside 8 latent ones?) (off unless T_GROUPED is set; the
+#         second call's);
 #   2. short texts: the small preset on the default data at micro-batch 64, CUDA graphs of the
 #      blocks with the parts outside them compiled too (perf.compile_outside_blocks: the host's work
 #      left beside the blocks' replays) vs CUDA graphs of the whole model (perf.compile_model: one
@@ -43,8 +47,8 @@
 #   3. a first writing rung: the small preset trained on the default data for what its limit leaves
 #      and evaluated on 128 validation texts (t2l retrieval@1, l2t word F1 and BLEU, with intervals),
 #      as scripts/writing_ladder.py measures it (off unless T_RUNG is set: with part 1's 480 s it
-#      does not fit one command; `T_SHAPE4=0 T_SHAPE8=0 T_LOSS=0 T_BASE=0 T_PARTS=40 T_RUNG=150` is the second call,
-#      on the warm machine, where the lease has 4 minutes left);
+#      does not fit one command; `T_SHAPE4=0 T_SHAPE8=0 T_LOSS=0 T_BASE=0 T_GROUPED=45 T_PARTS=40 T_RUNG=120`
+#      is the second call, on the warm machine, where the lease has about 4 minutes left);
 #   4. the CUDA-only tests (`pytest -m cuda`; off unless T_TESTS is set: they passed on this image
 #      on 2026-11-26, and a lease is no time to debug one that fails).
 #
@@ -82,9 +86,9 @@ fi
 # three 1B rows and their fit searches at 2048 tokens did not finish in 170 s (its rows then shared
 # the GPU's memory: the baseline ran out of it), hence rows one at a time and two benches.
 if [ "$MODE" = gpu ]; then
-    DEFAULTS=(140 250 0 0 25 125 0 0 0)  # 1a, 1b, 1c, 1d, 1e, 2, 3, 4, 2b (1c measured on 2026-11-27)
+    DEFAULTS=(140 250 0 0 25 125 0 0 0 0)  # 1a, 1b, 1c, 1d, 1e, 2, 3, 4, 2b, 1f (1c measured on 2026-11-27)
 else
-    DEFAULTS=(80 80 60 40 40 70 70 60 40)  # every part, at tiny shapes
+    DEFAULTS=(80 80 60 40 40 70 70 40 40 20)  # every part, at tiny shapes
 fi
 T_SHAPE4=${T_SHAPE4:-${DEFAULTS[0]}} # 1a. three rows of 1B parameters and the reference, 3 + 10 steps each
 T_SHAPE8=${T_SHAPE8:-${DEFAULTS[1]}} # 1b. three compiled rows and the compiled reference, 12 + 10 steps
@@ -95,7 +99,8 @@ T_BASE=${T_BASE:-${DEFAULTS[5]}}     # 2. three rows and the reference, compile,
 T_RUNG=${T_RUNG:-${DEFAULTS[6]}}     # 3. a 16-step timing run and its eval, the training, the eval of 128 texts
 T_TESTS=${T_TESTS:-${DEFAULTS[7]}}   # 4. pytest -m cuda
 T_PARTS=${T_PARTS:-${DEFAULTS[8]}}   # 2b. one eager row built, 20 + 100 steps timed by part
-TOTAL=$(( T_SHAPE4 + T_SHAPE8 + T_PROFILE + T_ATTENTION + T_LOSS + T_BASE + T_RUNG + T_TESTS + T_PARTS ))
+T_GROUPED=${T_GROUPED:-${DEFAULTS[9]}} # 1f. two rows of 1B parameters, 3 + 10 steps each
+TOTAL=$(( T_SHAPE4 + T_SHAPE8 + T_PROFILE + T_ATTENTION + T_LOSS + T_BASE + T_RUNG + T_TESTS + T_PARTS + T_GROUPED ))
 if [ "$TOTAL" -gt 540 ]; then
     echo "gpu_session: the parts' limits add up to $TOTAL s; expected at most 540 (the device's 600 s less the report and copies)"
     exit 2
@@ -238,6 +243,10 @@ part "1d. The older codebase's shape, attention kernels per kind of batch" "$T_A
     --output -- "$PY" scripts/attention_kernels.py $ATTENTION
 part "1e. The older codebase's shape, the text head and its loss: logits then the loss vs the two fused" "$T_LOSS" \
     "$RUN_OUT/text-loss.log" --output -- "$PY" scripts/text_loss.py $LOSS
+part "1f. The older codebase's shape, eager, micro-batch 8: each pair of the two streams' products grouped" \
+    "$T_GROUPED" "$RUN_OUT/grouped.log" --bench "$RUN_OUT/grouped" -- \
+    "$PY" -m mmldlm bench $SHAPE $MB8 $SYNTHETIC --baseline optimized --optimized "optimized perf.grouped_linears=true" \
+    $STEPS --no-fit $ROWS --out "$RUN_OUT/grouped"
 part "2. Short texts: the small preset on the default data at micro-batch 64: CUDA graphs of the blocks with the parts outside them compiled too vs CUDA graphs of the whole model vs the first on the micro-batch packed in one row, vs the plain transformer" \
     "$T_BASE" "$RUN_OUT/base.log" --bench "$RUN_OUT/base" -- \
     "$PY" -m mmldlm bench $BASE data.path="$DATA" --baseline "$SHORT" --optimized "compiled $SHORT_GRAPHS $WHOLE" \

@@ -175,13 +175,14 @@ def test_gpu_session_rehearsal_on_a_cpu_runs_every_part_and_reports_each(tmp_pat
     result = session(tmp_path, "--cpu", DATA=str(prepared(tmp_path_factory)), COPY_TO=str(copies))
     assert result.returncode == 0, result.stdout + result.stderr
     text = (tmp_path / "out" / "report.md").read_text()
-    assert text.count("done in ") == 9 and "failed" not in text and "cut off" not in text
+    assert text.count("done in ") == 10 and "failed" not in text and "cut off" not in text
     for title in (
         "1a. The older",
         "1b. The older",
         "1c. The older",
         "1d. The older",
         "1e. The older",
+        "1f. The older",
         "2. Short texts",
         "2b. Short texts",
         "3. A first",
@@ -195,6 +196,7 @@ def test_gpu_session_rehearsal_on_a_cpu_runs_every_part_and_reports_each(tmp_pat
     assert "| packed: block-diagonal mask | default | " in text  # part 1d's attention kernels
     assert "| padded: a new key mask each call | default | " in text
     assert "| fused, chunk by chunk | " in text  # part 1e's text head and loss
+    assert "| optimized perf.grouped_linears=true | 8 x 1" in text  # part 1f
     # part 1b: compiled without and with CUDA graphs and cuDNN's attention, padded and packed (their
     # length buckets and packed row counts alone on a CPU, where compile is off and cuDNN absent)
     assert "| compiled | 8 x 1, AC " in text
@@ -217,6 +219,7 @@ def test_gpu_session_rehearsal_on_a_cpu_runs_every_part_and_reports_each(tmp_pat
         "profile.log",
         "attention.log",
         "text-loss.log",
+        "grouped.log",
         "base.log",
         "parts.log",
         "rung.log",
