@@ -732,6 +732,27 @@ def test_a_compiled_steps_host_calls_are_counted_and_each_block_takes_its_adaln_
     assert calls.total == sum(calls.eager.values()) + sum(calls.in_compiled.values()) + 2 * blocks
 
 
+@pytest.mark.slow  # inductor generates and compiles C++ for each graph: tens of seconds cold
+def test_compiled_blocks_with_grouped_products_call_four_products_a_block_forward_and_eight_backward(
+    tmp_path, monkeypatch, dynamo_limits
+):
+    """perf.grouped_linears under compile (bf16, which compiled grouped_mm takes): the external calls
+    a compiled block makes are the plain transformer block's count, four products forward and eight
+    backward, each a grouped_mm over both streams' rows, and no matrix product of one stream alone."""
+    from mmldlm.tools.operations import host_operations
+
+    overrides = ["perf.compile_dynamic=false", "train.precision=bf16", "perf.grouped_linears=true"]
+    trainer, _, counters = compiled_trainer(tmp_path, monkeypatch, (8,), overrides, backend="inductor")
+    monkeypatch.setattr(trainer.objective, "mode_at", lambda step: "joint")
+    assert all(block.grouped_linears for block in trainer.raw_model.blocks)
+    calls = host_operations(trainer, warmup=2)
+    assert dict(counters["graph_break"]) == {}
+    blocks = len(trainer.raw_model.blocks)
+    assert calls.compiled_calls == 2 * blocks
+    assert calls.in_compiled["aten::_grouped_mm"] == 12 * blocks, calls.in_compiled
+    assert calls.in_compiled["aten::mm"] + calls.in_compiled["aten::addmm"] == 0, calls.in_compiled
+
+
 @pytest.mark.slow  # aot_eager traces forward and backward of each graph: 2-3 s a graph
 @pytest.mark.parametrize("moved", ["one-by-one", "together"])
 def test_the_whole_model_compiles_one_graph_per_mode_and_length_then_nothing(
