@@ -984,9 +984,9 @@ class PerfConfig:
     # Each pair of the two streams' linear layers in a block (qkv, attention output, the MLP's two) as
     # one grouped matrix product over both streams' rows (torch's grouped_mm, two weights stacked),
     # and one GELU: the same products with about 26 fewer operations (15 kernels) a block forward and backward
-    # (docs/benchmarks.md), at one stack of the two weights per product and use. On a CUDA device it
-    # needs bf16 precision (grouped_mm's kernels are bf16; elsewhere it stays off and says why). Not
-    # yet measured on a GPU.
+    # (docs/benchmarks.md), at one stack of the two weights per product and use. On a CUDA device and
+    # under perf.compile it needs bf16 precision and layer sizes of multiples of 8 (grouped_mm's kernels
+    # there; elsewhere it stays off and says why). Not yet measured on a GPU.
     grouped_linears: bool = False
     # Toggle requires_grad over every parameter at every step: baseline recipe (mmldlm/baseline.py;
     # the idle head is otherwise handled once per mode, see parallelize.py).

@@ -140,6 +140,17 @@ def test_the_group_offsets_are_made_on_the_device_once_per_shape_with_nothing_fr
     assert group_ends(37, 5, torch.device("cpu")).tolist() == [37, 42]
 
 
+def test_the_plain_transformers_blocks_of_bench_reference_are_left_alone():
+    """`bench --reference` builds its plain transformer with the row's overrides: its blocks have no
+    second stream to group, take no flag, and count no stacked weights in their bytes per parameter."""
+    from mmldlm.model.reference import PlainTransformer
+
+    cfg = ModelConfig(hidden_size=32, num_blocks=2, num_heads=2, max_seq_len=16, latent_dim=16, num_latents=1)
+    model = PlainTransformer(cfg, vocab_size=50)
+    Trainer._group_linears(SimpleNamespace(device=torch.device("cpu"), precision="fp32", raw_model=model), True, False)
+    assert not any(hasattr(block, "grouped_linears") for block in model.blocks)
+
+
 def test_a_torch_without_grouped_mm_trains_with_the_layers_one_by_one_and_says_why(caplog, monkeypatch):
     from mmldlm.training import trainer as trainer_module
 

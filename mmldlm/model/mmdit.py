@@ -126,14 +126,24 @@ def grouped_rows(rows: Tensor, first: nn.Linear, second: nn.Linear, num_first: i
         return grouped_mm(rows.to(dtype), weight.transpose(1, 2), offs=ends)
 
 
-def paired_linear(a: Tensor, b: Tensor, first: nn.Linear, second: nn.Linear) -> tuple[Tensor, Tensor]:
-    """(first(a), second(b)) for a (..., H) and b (..., H) of any leading shapes, by `grouped_rows`
-    over their rows concatenated (one copy)."""
+def joint_rows(a: Tensor, b: Tensor) -> tuple[Tensor, int]:
+    """The rows of a (..., H) and b (..., H), of any leading shapes, in one (N, H) tensor (one copy),
+    and how many are a's."""
     H = a.shape[-1]
-    na, nb = a.numel() // H, b.numel() // H
-    out = grouped_rows(torch.cat([a.reshape(na, H), b.reshape(nb, H)]), first, second, na)
-    out_a, out_b = out.split([na, nb])
+    return torch.cat([a.reshape(-1, H), b.reshape(-1, H)]), a.numel() // H
+
+
+def split_rows(out: Tensor, num_first: int, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """`joint_rows`'s inverse for outputs (N, F) of those rows: views (a's leading shape, F) and
+    (b's leading shape, F)."""
+    out_a, out_b = out.split([num_first, out.shape[0] - num_first])
     return out_a.view(*a.shape[:-1], -1), out_b.view(*b.shape[:-1], -1)
+
+
+def paired_linear(a: Tensor, b: Tensor, first: nn.Linear, second: nn.Linear) -> tuple[Tensor, Tensor]:
+    """(first(a), second(b)) for a (..., H) and b (..., H), by `grouped_rows` over their joint rows."""
+    rows, num_a = joint_rows(a, b)
+    return split_rows(grouped_rows(rows, first, second, num_a), num_a, a, b)
 
 
 class AdaLN(nn.Module):
@@ -366,17 +376,13 @@ class MMDiTBlock(nn.Module):
         a_text, a_latent = paired_linear(y_text, y_latent, text.attn_proj, latent.attn_proj)
         x_text = x_text + mod_text[2] * text.dropout(a_text)
         x_latent = x_latent + mod_latent[2] * latent.dropout(a_latent)
-        h_text = text.mlp_input(x_text, mod_text[3], mod_text[4])
-        h_latent = latent.mlp_input(x_latent, mod_latent[3], mod_latent[4])
-        H = x_text.shape[-1]
-        n_text = h_text.numel() // H
-        rows = torch.cat([h_text.reshape(n_text, H), h_latent.reshape(-1, H)])
+        rows, n_text = joint_rows(
+            text.mlp_input(x_text, mod_text[3], mod_text[4]), latent.mlp_input(x_latent, mod_latent[3], mod_latent[4])
+        )
         hidden = F.gelu(grouped_rows(rows, text.mlp.fc, latent.mlp.fc, n_text), approximate="tanh")
         out = text.dropout(grouped_rows(hidden, text.mlp.proj, latent.mlp.proj, n_text))
-        m_text, m_latent = out.split([n_text, out.shape[0] - n_text])
-        return x_text + mod_text[5] * m_text.view(x_text.shape), x_latent + mod_latent[5] * m_latent.view(
-            x_latent.shape
-        )
+        m_text, m_latent = split_rows(out, n_text, x_text, x_latent)
+        return x_text + mod_text[5] * m_text, x_latent + mod_latent[5] * m_latent
 
 
 def padded_row_count(num_rows: int) -> int:

@@ -273,10 +273,11 @@ class Trainer:
                 log.info("perf.compute_weights: off: %s", off)
 
     def _group_linears(self, wanted: bool, compiled: bool) -> None:
-        """perf.grouped_linears on every block of the trained model where grouped_mm has kernels for
-        it: a CUDA device's and the compiled one's (perf.compile, any device) take bf16 alone, in rows
-        of a multiple of 16 bytes; a CPU runs any precision and size eagerly."""
-        blocks = getattr(self.raw_model, "blocks", [])
+        """perf.grouped_linears on every block of the trained model that has two streams to group
+        (not the plain transformer's of `bench --reference`), where grouped_mm has kernels for it: a
+        CUDA device's and the compiled one's (perf.compile, any device) take bf16 alone, in rows of a
+        multiple of 16 bytes; a CPU runs any precision and size eagerly."""
+        blocks = [block for block in getattr(self.raw_model, "blocks", []) if hasattr(block, "grouped_linears")]
         off = None
         if wanted and grouped_mm is None:
             off = f"torch {torch.__version__} has no grouped_mm"
