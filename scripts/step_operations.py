@@ -18,20 +18,31 @@ code runs (inductor's generated ones, profiled, and the external ones that are n
 launches, or replays under CUDA graphs):
 
     python scripts/step_operations.py --host --config compiled data.pad_to_multiple=256
+
+`--time R` also times the eager steps, dispatched as counted: each row runs R rounds of `--steps`
+steps, the rows in turn within a round, and the table gains each row's median milliseconds per step
+and the median of its per-round ratios to the reference. At a shape where the arithmetic is small
+(`--vocab 512 --max-length 16 model.hidden_size=16 model.num_heads=2 train.micro_batch_size=1
+train.global_batch_size=1`), that is the host's time the
+operation counts stand for; it tells a change that saves operations but costs Python (an autograd
+Function's) from one that saves time. On a CPU the QK-RMSNorm of the two-stream rows dispatches its
+fused operations from Python there (`dispatch_as_on_a_gpu`), which a GPU does in C++: their ratios
+are the higher for it.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 DEFAULTS = [
     "model=base-2k",
     "model.hidden_size=64",
     "model.num_heads=4",
-    "model.max_seq_len=256",
     "train.micro_batch_size=8",
     "train.global_batch_size=8",
     "train.precision=bf16",
@@ -47,9 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=0, help="the N most frequent operations of each row")
     parser.add_argument("--sites", type=int, default=0, help="the N lines causing the most operations, per row")
     parser.add_argument("--host", action="store_true", help="the host's calls, compiled steps too (torch.profiler)")
+    parser.add_argument("--time", type=int, default=0, metavar="R", help="also time R rounds of eager steps per row")
+    parser.add_argument("--steps", type=int, default=10, help="steps per row and round of --time (default 10)")
+    parser.add_argument("--vocab", type=int, default=30522, help="the synthetic data's vocabulary (default 30522)")
+    parser.add_argument("--max-length", type=int, default=256, help="its and the model's longest text (default 256)")
     args = parser.parse_args(argv)
     if args.host and args.sites:
         parser.error("--sites counts under a dispatch mode; --host under torch.profiler: one or the other")
+    if args.time and args.host:
+        parser.error("--time times eager steps as they are counted; --host counts compiled ones: one or the other")
 
     if args.host:  # a profiler event for each kernel inductor generates, from the first compile on
         import torch._inductor.config
@@ -60,26 +77,38 @@ def main(argv: list[str] | None = None) -> int:
     from mmldlm.tools.operations import METADATA_OPS, host_operations, step_operations
 
     with tempfile.TemporaryDirectory() as scratch:
-        shape = SyntheticShape(vocab_size=30522, min_length=60, max_length=256, latent_dim=32, num_samples=64)
-        overrides = [f"data.path={write_synthetic(shape, Path(scratch) / 'data')}", *DEFAULTS, *args.overrides]
+        shape = SyntheticShape(
+            vocab_size=args.vocab,
+            min_length=min(60, args.max_length),
+            max_length=args.max_length,
+            latent_dim=32,
+            num_samples=64,
+        )
+        data = write_synthetic(shape, Path(scratch) / "data")
+        overrides = [f"data.path={data}", *DEFAULTS, f"model.max_seq_len={args.max_length}", *args.overrides]
         _, _, trainer, _ = build_reference(args.config, overrides, str(Path(scratch) / "reference"))
-        count = host_operations if args.host else lambda trainer: step_operations(trainer, args.sites > 0)
-        rows = {"reference: plain transformer": count(trainer)}
+        trainers = {"reference: plain transformer": trainer}
         for mode in ("l2t", "t2l", "joint"):
             run_dir = str(Path(scratch) / mode)
-            _, _, trainer, _ = build_trainer(args.config, [*overrides, f"objective.mode={mode}"], run_dir)
-            rows[mode] = count(trainer)
+            _, _, trainers[mode], _ = build_trainer(args.config, [*overrides, f"objective.mode={mode}"], run_dir)
+        count = host_operations if args.host else lambda trainer: step_operations(trainer, args.sites > 0)
+        rows = {name: count(trainer) for name, trainer in trainers.items()}
+        times = step_times(trainers, args.time, args.steps) if args.time else None
     if args.host:
         print_host_calls(rows, args.top)
         return 0
     depth = len(trainer.raw_model.blocks)
     reference = rows["reference: plain transformer"]
-    print("| row | operations | per block | x reference | kernels | per block | x reference |")
-    print("|---|---|---|---|---|---|---|")
+    timed = " ms per step | x reference |" if times else ""
+    print("| row | operations | per block | x reference | kernels | per block | x reference |" + timed)
+    print("|---|---|---|---|---|---|---|" + "---|---|" * bool(times))
     for name, ops in rows.items():
+        if times:
+            ratios = [t / r for t, r in zip(times[name], times["reference: plain transformer"])]
+            timed = f" {statistics.median(times[name]) * 1e3:.1f} | {statistics.median(ratios):.2f} |"
         print(
             f"| {name} | {ops.total:,} | {ops.total / depth:.0f} | {ops.total / reference.total:.2f} "
-            f"| {ops.kernels:,} | {ops.kernels / depth:.0f} | {ops.kernels / reference.kernels:.2f} |"
+            f"| {ops.kernels:,} | {ops.kernels / depth:.0f} | {ops.kernels / reference.kernels:.2f} |" + timed
         )
     for name, ops in rows.items() if args.top else ():
         top = sorted(ops.counts.items(), key=lambda item: -item[1])[: args.top]
@@ -97,6 +126,23 @@ def main(argv: list[str] | None = None) -> int:
             listed = ", ".join(f"{op} {n}" for op, n in sorted(counts.items(), key=lambda item: -item[1]))
             print(f"| {site} | {total} | {total / depth:.1f} | {kernels} | {listed} |")
     return 0
+
+
+def step_times(trainers: dict, rounds: int, steps: int) -> dict[str, list[float]]:
+    """Per row, the mean seconds of an eager step (`Trainer.train_step`, dispatched as counted) in each
+    of `rounds` rounds of `steps` steps, the rows taking turns within a round (a machine's slow spell
+    then falls on every row alike)."""
+    from mmldlm.model.attention import dispatch_as_on_a_gpu
+
+    found: dict[str, list[float]] = {name: [] for name in trainers}
+    with dispatch_as_on_a_gpu():
+        for _ in range(rounds):
+            for name, trainer in trainers.items():
+                started = time.perf_counter()
+                for _ in range(steps):
+                    trainer.train_step()
+                found[name].append((time.perf_counter() - started) / steps)
+    return found
 
 
 def print_host_calls(rows: dict, top: int) -> None:

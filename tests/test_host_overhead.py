@@ -894,3 +894,37 @@ def test_the_step_parts_script_times_each_part_of_a_real_step_outside_the_model(
     whole = float(rows[-1][1].split()[0])
     outside = [ms for label, (ms, _) in parts.items() if not label.startswith("of it: ")]  # not the update's pieces
     assert 0 < sum(outside) < whole
+
+
+def test_the_operations_script_times_each_row_in_turns_beside_its_counts(capsys, monkeypatch):
+    """`scripts/step_operations.py --time R`: every row's eager steps are timed in R rounds, the rows
+    taking turns within each round (a slow spell of the machine falls on all alike), and the table gives
+    each row's milliseconds per step and its ratio to the plain transformer beside the counts."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
+    import step_operations as script
+
+    calls = []
+
+    class Trainer:
+        def __init__(self, name):
+            self.name = name
+
+        def train_step(self):
+            calls.append(self.name)
+
+    names = ["reference: plain transformer", "l2t", "t2l"]
+    times = script.step_times({name: Trainer(name) for name in names}, rounds=2, steps=3)
+    assert calls == [name for _ in range(2) for name in names for _ in range(3)]
+    assert {name: len(found) for name, found in times.items()} == dict.fromkeys(names, 2)
+
+    tiny = ["model.num_blocks=2", "model.hidden_size=16", "model.num_heads=2"]
+    tiny += ["train.micro_batch_size=1", "train.global_batch_size=1"]
+    assert script.main(["--time", "2", "--steps", "2", "--vocab", "64", "--max-length", "16", *tiny]) == 0
+    rows = [line.strip("| ").split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    assert rows[0][-2:] == ["ms per step", "x reference"]
+    table = {row[0]: row for row in rows[2:]}
+    assert list(table) == ["reference: plain transformer", "l2t", "t2l", "joint"]
+    assert table["reference: plain transformer"][-1] == "1.00"
+    assert all(float(row[-2]) > 0 and float(row[-1]) > 0 for row in table.values())
