@@ -21,13 +21,15 @@ launches, or replays under CUDA graphs):
 
 `--time R` also times the eager steps, dispatched as counted: each row runs R rounds of `--steps`
 steps, the rows in turn within a round, and the table gains each row's median milliseconds per step
-and the median of its per-round ratios to the reference. At a shape where the arithmetic is small
-(`--vocab 512 --max-length 16 model.hidden_size=16 model.num_heads=2 train.micro_batch_size=1
-train.global_batch_size=1`), that is the host's time the
-operation counts stand for; it tells a change that saves operations but costs Python (an autograd
-Function's) from one that saves time. On a CPU the QK-RMSNorm of the two-stream rows dispatches its
-fused operations from Python there (`dispatch_as_on_a_gpu`), which a GPU does in C++: their ratios
-are the higher for it.
+and the median of its per-round ratios to the reference. At a shape where the arithmetic is small,
+that is the host's time the operation counts stand for, which tells a change that saves operations
+but costs Python (an autograd Function's, say) from one that saves time:
+
+    python scripts/step_operations.py --time 9 --vocab 512 --max-length 16 model.hidden_size=16 \
+        model.num_heads=2 train.micro_batch_size=1 train.global_batch_size=1
+
+On a CPU the two-stream rows' QK-RMSNorm dispatches its fused operations from Python there
+(`dispatch_as_on_a_gpu`), where a GPU does it in C++: their ratios are the higher for it.
 """
 
 from __future__ import annotations
@@ -86,18 +88,21 @@ def main(argv: list[str] | None = None) -> int:
         )
         data = write_synthetic(shape, Path(scratch) / "data")
         overrides = [f"data.path={data}", *DEFAULTS, f"model.max_seq_len={args.max_length}", *args.overrides]
+        count = host_operations if args.host else lambda trainer: step_operations(trainer, args.sites > 0)
         _, _, trainer, _ = build_reference(args.config, overrides, str(Path(scratch) / "reference"))
-        trainers = {"reference: plain transformer": trainer}
+        depth = len(trainer.raw_model.blocks)
+        rows = {"reference: plain transformer": count(trainer)}
+        trainers = {"reference: plain transformer": trainer} if args.time else {}  # else one alive at a time
         for mode in ("l2t", "t2l", "joint"):
             run_dir = str(Path(scratch) / mode)
-            _, _, trainers[mode], _ = build_trainer(args.config, [*overrides, f"objective.mode={mode}"], run_dir)
-        count = host_operations if args.host else lambda trainer: step_operations(trainer, args.sites > 0)
-        rows = {name: count(trainer) for name, trainer in trainers.items()}
+            _, _, trainer, _ = build_trainer(args.config, [*overrides, f"objective.mode={mode}"], run_dir)
+            rows[mode] = count(trainer)
+            if args.time:
+                trainers[mode] = trainer
         times = step_times(trainers, args.time, args.steps) if args.time else None
     if args.host:
         print_host_calls(rows, args.top)
         return 0
-    depth = len(trainer.raw_model.blocks)
     reference = rows["reference: plain transformer"]
     timed = " ms per step | x reference |" if times else ""
     print("| row | operations | per block | x reference | kernels | per block | x reference |" + timed)
