@@ -661,6 +661,8 @@ class Trainer:
             self.global_batch_at(0), self.micro_batch_size, self.info.world_size, "train.global_batch_size"
         )
         perf = dataclasses.replace(self.cfg.perf, activation_checkpointing=self.activation_checkpointing)
+        # Grouped: every linear layer of a grouped block, as in joint mode (l2t's and t2l's last block
+        # groups its qkv alone): the most a step stacks.
         blocks = self.raw_model.blocks
         recomputed = sum(p.numel() for i in checkpointed_blocks(len(blocks), perf) for p in blocks[i].parameters())
         stacked = sum(
