@@ -555,6 +555,27 @@ def test_compile_options_follow_the_perf_switches():
     assert compile_options(combo, cpu, 5) == {"dynamic": False, "options": alone, "recompile_limit": 60}
 
 
+def older_depth(tmp_path) -> list[str]:
+    """Overrides for the older codebase's depth (24) at width 64 on 16 synthetic texts of 8-24 tokens,
+    bf16 autocast, 4 texts a step, no checkpointing: a step's operations counted in seconds."""
+    from mmldlm.data.synthetic import SyntheticShape, write_synthetic
+
+    shape = SyntheticShape(vocab_size=300, min_length=8, max_length=24, latent_dim=32, num_samples=16)
+    data = write_synthetic(shape, tmp_path / "data")
+    return [
+        f"data.path={data}",
+        "model=base-2k",
+        "model.hidden_size=64",
+        "model.num_heads=4",
+        "model.max_seq_len=24",
+        "train.micro_batch_size=4",
+        "train.global_batch_size=4",
+        "train.precision=bf16",
+        "data.num_workers=0",
+        "perf.activation_checkpointing=none",
+    ]
+
+
 @pytest.mark.parametrize("grouped", [False, True], ids=["linear-layers", "grouped-products"])
 @pytest.mark.parametrize("compute_weights", [False, True], ids=["autocast-casts", "bf16-compute-weights"])
 def test_a_step_at_the_older_shapes_depth_dispatches_under_2_45_times_a_plain_transformers_operations(
@@ -574,25 +595,10 @@ def test_a_step_at_the_older_shapes_depth_dispatches_under_2_45_times_a_plain_tr
     weights (both rows) the casts of every weight go: 6,233 against 2,574. With the streams' products
     grouped (perf.grouped_linears): 2.16-2.21x (6,093 against 2,753 in joint mode), 2.32-2.40x the
     kernels; 2.19-2.25x and 2.42-2.51x beside bf16 compute weights."""
-    from mmldlm.data.synthetic import SyntheticShape, write_synthetic
     from mmldlm.tools.bench import build_reference
     from mmldlm.tools.bench import build_trainer as build_bench_trainer
 
-    shape = SyntheticShape(vocab_size=300, min_length=8, max_length=24, latent_dim=32, num_samples=16)
-    data = write_synthetic(shape, tmp_path / "data")
-    common = [
-        f"data.path={data}",
-        "model=base-2k",
-        "model.hidden_size=64",
-        "model.num_heads=4",
-        "model.max_seq_len=24",
-        "train.micro_batch_size=4",
-        "train.global_batch_size=4",
-        "train.precision=bf16",
-        "data.num_workers=0",
-        "perf.activation_checkpointing=none",
-        f"perf.compute_weights={str(compute_weights).lower()}",
-    ]
+    common = [*older_depth(tmp_path), f"perf.compute_weights={str(compute_weights).lower()}"]
     _, _, reference, _ = build_reference("optimized", common, str(tmp_path / "reference"))
     common.append(f"perf.grouped_linears={str(grouped).lower()}")
     most, most_kernels = (2.26, 2.52) if grouped else (2.45, 2.7)
@@ -608,6 +614,30 @@ def test_a_step_at_the_older_shapes_depth_dispatches_under_2_45_times_a_plain_tr
         )
         assert ours.total <= most * reference_ops.total and ours.kernels <= most_kernels * reference_ops.kernels, (
             message
+        )
+
+
+def test_packed_rows_add_few_operations_a_block_to_the_padded_step(tmp_path):
+    """The same micro-batch padded and packed in rows (data.packing), depth 24, bf16 autocast: packing
+    places each position's adaLN tensors and each text's latent keys, queries and values in the rows
+    and takes the latent outputs back. Two gathers of a block's six text modulations (the shifts, which
+    the backward does not keep, apart from the scales and gates) and one of its latent q, k and v
+    together keep that to about 39 operations (12 kernels) a block; a gather per tensor made it 69 (25
+    kernels), and one gather of all six would make it 28 (7) but keep the shifts for the backward."""
+    from mmldlm.tools.bench import build_trainer as build_bench_trainer
+
+    common = older_depth(tmp_path)
+    for mode in ("l2t", "t2l", "joint"):
+        counts = []
+        for packing in ("false", "true"):
+            overrides = [*common, f"objective.mode={mode}", f"data.packing={packing}"]
+            _, _, trainer, _ = build_bench_trainer("optimized", overrides, str(tmp_path / f"{mode}-{packing}"))
+            counts.append(step_operations(trainer))
+        padded, packed = counts
+        blocks = len(trainer.raw_model.blocks)
+        extra, extra_kernels = (packed.total - padded.total) / blocks, (packed.kernels - padded.kernels) / blocks
+        assert 0 < extra <= 42 and extra_kernels <= 13, (
+            f"{mode}: {extra:.1f} operations, {extra_kernels:.1f} kernels a block"
         )
 
 
