@@ -82,15 +82,22 @@ def keep_freed_memory() -> bool:
     return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
 
 
+def has_autocast(device_type: str) -> bool:
+    """Whether torch has autocast for `device_type`. CPU and CUDA always do, and are answered without
+    asking torch: torch.compile before torch 2.13 cannot trace the question (a graph break in every
+    compiled block that asks)."""
+    return device_type in ("cpu", "cuda") or torch.amp.is_autocast_available(device_type)
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype that products of x compute in: autocast's where it is on for x's device, else x's."""
     device = x.device.type
-    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    autocast = has_autocast(device) and torch.is_autocast_enabled(device)
     return torch.get_autocast_dtype(device) if autocast else x.dtype
 
 
 def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     """A context with autocast off on `device_type` (nothing to turn off where it has no autocast)."""
-    if torch.amp.is_autocast_available(device_type):
+    if has_autocast(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()

@@ -1,4 +1,5 @@
-"""The process set-up of the sampling commands: freed large blocks are reused, not faulted in again."""
+"""The process set-up of the sampling commands: freed large blocks are reused, not faulted in again;
+the autocast questions the model asks inside compiled code."""
 
 import json
 import platform
@@ -39,3 +40,23 @@ def test_keep_freed_memory_reuses_freed_blocks_instead_of_faulting_them_in_at_ev
     kept, reused = faults("keep")
     # the heap settles within the first few blocks (where they land in it), then reuses the freed memory
     assert kept and all(f < pages // 20 for f in reused[-4:]), reused
+
+
+def test_compiled_code_asks_torch_nothing_about_autocast_on_a_cpu_or_cuda_device(monkeypatch):
+    """torch.compile before torch 2.13 cannot trace `torch.amp.is_autocast_available` and breaks the
+    graph of every block that asks: CPU and CUDA, which always have autocast, are answered without it.
+    Another device type still asks torch."""
+    import torch
+
+    from mmldlm.device import autocast_off, compute_dtype, has_autocast
+
+    asked = []
+    monkeypatch.setattr(torch.amp, "is_autocast_available", lambda device: asked.append(device) or False)
+    assert has_autocast("cpu") and has_autocast("cuda") and not asked
+    x = torch.ones(2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert compute_dtype(x) == torch.bfloat16
+        with autocast_off("cpu"):
+            assert compute_dtype(x) == torch.float32
+    assert compute_dtype(x) == torch.float32 and not asked
+    assert not has_autocast("meta") and asked == ["meta"]
