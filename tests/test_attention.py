@@ -211,6 +211,23 @@ def test_under_bf16_autocast_a_cpu_attends_in_fp32_and_returns_bf16():
     assert (got - want).abs().max() <= (bf16_kernel - want).abs().max() * 1.5 + 1e-2
 
 
+def test_every_block_but_the_last_takes_the_same_segments_in_every_mode(varlen_calls):
+    """The variable-length kernel's segments of all queries go to every block, and those of the last
+    block's queries (the text's or the latent's alone where one head is skipped) to the last alone:
+    compiled, a block is one graph for every mode at a length, where a dictionary of segments that
+    changed with the mode made torch 2.11's checkpoint guards compile three."""
+    model = tiny_model(attention="varlen")
+    b = batch(packed=True)
+    taken = []
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda module, args: taken.append(sorted(args[3].segments)))
+    for heads in ("both", "text", "latent"):
+        taken.clear()
+        outputs_and_grads(model, b, True, text_head=heads != "latent", latent_head=heads != "text")
+        last = {"both": ["all"], "text": ["all", "text"], "latent": ["all", "latent"]}[heads]
+        assert taken == [["all"]] * (len(model.blocks) - 1) + [last], heads
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_mask_is_made_once_per_forward_not_once_per_block(packed):
     """SDPA turns a boolean mask into an additive one (a `where` over the whole mask) at every call:

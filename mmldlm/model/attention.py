@@ -138,6 +138,15 @@ class JointAttention(NamedTuple):
         built = {queries: segments(parts[queries], num_texts, longest[queries]) for queries in {"all", last_queries}}
         return cls("varlen", text_length, segments=built)
 
+    def all_queries(self) -> JointAttention:
+        """This attention with the segments of all queries alone: what every block but the last takes,
+        the same in every mode. A compiled block is then one graph for all modes at a length: torch
+        2.11's checkpoint guards every entry of its inputs, and a block's graph of one mode failed on
+        another mode's last-block segments (three graphs a length where one serves)."""
+        if self.segments is None or len(self.segments) == 1:
+            return self
+        return self._replace(segments={"all": self.segments["all"]})
+
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, queries: str = "all", dropout_p: float = 0.0) -> Tensor:
         """q (R, Sq, nh, hd) of the query set `queries`, k and v (R, S, nh, hd) -> (R, Sq, nh, hd)."""
         if self.kind == "varlen":

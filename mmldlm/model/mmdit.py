@@ -720,12 +720,13 @@ class MultimodalMMDiT(nn.Module):
 
         rope = self.rope_for_blocks(rope, x_text)
         last = len(self.blocks) - 1
+        every_query = attention.all_queries()  # every block's but the last's, alike in every mode
         for i, (block, mod) in enumerate(zip(self.blocks, self.modulation(c))):
             x_text, x_latent = block(
                 x_text,
                 x_latent,
                 mod,
-                attention,
+                every_query if i < last else attention,
                 rope,
                 text_out=text_head or i < last,
                 latent_out=latent_head or i < last,
