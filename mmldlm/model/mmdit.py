@@ -176,12 +176,16 @@ class AdaLN(nn.Module):
     `stacked`: each block's 12 tensors handed over as one (B, 12, 1, H) tensor that the block unbinds
     itself, where they are otherwise twelve views: one argument of the block where there would be
     twelve (training/parallelize.py sets it where that matters). Off by default: unbinding in each
-    block adds a stack per block to the backward."""
+    block adds a stack per block to the backward. `copied` (with `stacked`): each block's tensor a
+    copy of its own, where it is otherwise a view at the block's offset into one tensor: torch 2.11
+    reuses a nested compile region's code only for inputs at equal storage offsets
+    (training/parallelize.py)."""
 
     def __init__(self, hidden_size: int, num_blocks: int, kind: str = "per_block"):
         super().__init__()
         self.num_blocks = num_blocks
         self.stacked = False
+        self.copied = False
         projected = num_blocks if kind == "per_block" else 1
         self.proj = nn.Linear(hidden_size, projected * 2 * 6 * hidden_size)
         self.table = nn.Parameter(torch.empty(num_blocks, 12, hidden_size)) if kind == "single" else None
@@ -203,7 +207,8 @@ class AdaLN(nn.Module):
         per block and stream would be three.)"""
         B, H = c.shape
         if self.stacked:
-            return self.projected(c).view(B, self.num_blocks, 12, 1, H).unbind(1)
+            mods = self.projected(c).view(B, self.num_blocks, 12, 1, H).unbind(1)
+            return tuple(m.clone() for m in mods) if self.copied else mods
         mods = self.projected(c).view(B, self.num_blocks * 12, 1, H).unbind(1)
         return [mods[12 * i : 12 * (i + 1)] for i in range(self.num_blocks)]
 

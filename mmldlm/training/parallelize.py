@@ -207,17 +207,21 @@ def blocks_as_one_region(model: nn.Module) -> None:
     the whole model's graph the blocks that run the same code with inputs of the same kinds share one
     compiled subgraph, forward and backward, where the graph would otherwise hold every block's
     operations and compile each anew. Checkpointed blocks (their checkpoint inside the region) and the
-    others are a region each; the last block, which may skip a stream (returning None for it), is
-    traced into the graph itself.
+    others are a region each; the last block, where it skips a stream (returning None for it), is
+    compiled apart: traced into the graph itself (torch 2.13) or a subgraph of its own (2.11).
 
     The region is the forward of a subclass of the block's class, which the block takes (as FSDP2's
     fully_shard does), not a method of the instance: torch 2.13 reuses a region bound to an instance
     with the first block's parameters for every block. It reuses its code only for inputs it can
     compare: tensors, constants and tuples of them (the attention's `JointAttention` is one) and no two
     inputs that are views of one tensor, so each block's adaLN tensors come as one tensor
-    (`AdaLN.stacked`). Eagerly a region is the plain call."""
+    (`AdaLN.stacked`). torch 2.11 (the GPU machines' image) also compares the inputs' storage offsets:
+    given views into the tensor of all blocks' modulation, at a different offset in every block, it
+    compiled each block's code anew, so each block takes a copy of its own (`AdaLN.copied`: 16 MB
+    copied a step at the small preset and micro-batch 64, 64 x 10 blocks x 12 x 512 float32). Eagerly
+    a region is the plain call."""
     if isinstance(getattr(model, "modulation", None), AdaLN):
-        model.modulation.stacked = True
+        model.modulation.stacked = model.modulation.copied = True
     classes: dict[tuple[type, Callable], type] = {}
     for block in model.blocks:
         cls = plain_class(block)
