@@ -28,6 +28,13 @@ but costs Python (an autograd Function's, say) from one that saves time:
     python scripts/step_operations.py --time 9 --vocab 512 --max-length 16 model.hidden_size=16 \
         model.num_heads=2 train.micro_batch_size=1 train.global_batch_size=1
 
+`--stacked` counts (and times) the two-stream rows as if each pair of the streams' grouped weights
+and each stream's q and k gains were stored as one parameter: `stacked_parameters` then hands over
+that tensor where it now stacks a copy each step. A what-if for a parameter layout the model does not
+have: the step's other operations are the model's own.
+
+    python scripts/step_operations.py --stacked perf.grouped_linears=true
+
 On a CPU the two-stream rows' QK-RMSNorm dispatches its fused operations from Python there
 (`dispatch_as_on_a_gpu`), where a GPU does it in C++: their ratios are the higher for it.
 """
@@ -61,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sites", type=int, default=0, help="the N lines causing the most operations, per row")
     parser.add_argument("--host", action="store_true", help="the host's calls, compiled steps too (torch.profiler)")
     parser.add_argument("--time", type=int, default=0, metavar="R", help="also time R rounds of eager steps per row")
+    parser.add_argument("--stacked", action="store_true", help="as if each pair of parameters were stored stacked")
     parser.add_argument("--steps", type=int, default=10, help="steps per row and round of --time (default 10)")
     parser.add_argument("--vocab", type=int, default=30522, help="the synthetic data's vocabulary (default 30522)")
     parser.add_argument("--max-length", type=int, default=256, help="its and the model's longest text (default 256)")
@@ -69,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--sites counts under a dispatch mode; --host under torch.profiler: one or the other")
     if args.time and args.host:
         parser.error("--time times eager steps as they are counted; --host counts compiled ones: one or the other")
+    if args.stacked and args.host:
+        parser.error("--stacked stands in for parameters outside compiled code: not with --host")
 
     if args.host:  # a profiler event for each kernel inductor generates, from the first compile on
         import torch._inductor.config
@@ -77,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     from mmldlm.data.synthetic import SyntheticShape, write_synthetic
     from mmldlm.tools.bench import build_reference, build_trainer
     from mmldlm.tools.operations import METADATA_OPS, host_operations, step_operations
+
+    if args.stacked:
+        store_stacked()
 
     with tempfile.TemporaryDirectory() as scratch:
         shape = SyntheticShape(
@@ -131,6 +144,28 @@ def main(argv: list[str] | None = None) -> int:
             listed = ", ".join(f"{op} {n}" for op, n in sorted(counts.items(), key=lambda item: -item[1]))
             print(f"| {site} | {total} | {total / depth:.1f} | {kernels} | {listed} |")
     return 0
+
+
+def store_stacked() -> None:
+    """`--stacked`: `mmdit.stacked_parameters` answers each group of parameters with one leaf tensor
+    of their values, made at its first use, its gradient cleared at every use as zero_grad would: the
+    operations of a step with those parameters stored as one. The leaves are not trained (the
+    optimizer steps the model's own parameters, whose gradients stay None); the counts and host
+    times are what this measures."""
+    import torch
+
+    from mmldlm.model import mmdit
+
+    leaves: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def stacked_parameters(*params: torch.Tensor) -> torch.Tensor:
+        leaf = leaves.get(tuple(map(id, params)))
+        if leaf is None:
+            leaf = leaves[tuple(map(id, params))] = torch.stack([p.detach() for p in params]).requires_grad_()
+        leaf.grad = None
+        return leaf
+
+    mmdit.stacked_parameters = stacked_parameters
 
 
 def step_times(trainers: dict, rounds: int, steps: int) -> dict[str, list[float]]:

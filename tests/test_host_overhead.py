@@ -958,3 +958,30 @@ def test_the_operations_script_times_each_row_in_turns_beside_its_counts(capsys,
     assert list(table) == ["reference: plain transformer", "l2t", "t2l", "joint"]
     assert table["reference: plain transformer"][-1] == "1.00"
     assert all(float(row[-2]) > 0 and float(row[-1]) > 0 for row in table.values())
+
+
+def test_the_operations_scripts_stacked_layout_runs_the_models_step_without_stacking_parameters(tmp_path, monkeypatch):
+    """`scripts/step_operations.py --stacked`: each grouped pair of the streams' weights and each
+    stream's q and k gains come from one leaf tensor of their values, so the first step's loss is the
+    model's own to the bit, and the step stacks no parameters: at least the four grouped pairs of
+    every block fewer `stack` operations, and fewer operations and kernels in all."""
+    from pathlib import Path
+
+    from mmldlm.model import mmdit
+    from mmldlm.tools.bench import build_trainer as build_bench_trainer
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
+    monkeypatch.setattr(mmdit, "stacked_parameters", mmdit.stacked_parameters)  # restored after the test
+    import step_operations as script
+
+    overrides = [*older_depth(tmp_path), "model.num_blocks=4", "objective.mode=joint", "perf.grouped_linears=true"]
+    _, _, stored_apart, _ = build_bench_trainer("optimized", overrides, str(tmp_path / "apart"))
+    first_apart = stored_apart.train_step()["loss"]
+    apart = step_operations(stored_apart)
+    script.store_stacked()
+    _, _, stored_stacked, _ = build_bench_trainer("optimized", overrides, str(tmp_path / "stacked"))
+    assert all(block.grouped_linears for block in stored_stacked.raw_model.blocks)
+    assert stored_stacked.train_step()["loss"] == first_apart
+    stacked = step_operations(stored_stacked)
+    assert apart.counts["stack"] - stacked.counts.get("stack", 0) >= 4 * 4, (apart.counts, stacked.counts)
+    assert stacked.total < apart.total and stacked.kernels < apart.kernels

@@ -133,10 +133,17 @@ def grouped_rows(rows: Tensor, first: nn.Linear, second: nn.Linear, num_first: i
     matrix product (the two weights stacked, cast once to the compute dtype), where two linear layers
     would be two products, two casts and their gradients' each."""
     dtype = compute_dtype(rows)
-    weight = torch.stack([first.weight, second.weight]).to(dtype)  # (2, out, in)
+    weight = stacked_parameters(first.weight, second.weight).to(dtype)  # (2, out, in)
     ends = group_ends(num_first, rows.shape[0] - num_first, rows.device)
     with autocast_off(rows.device.type):
         return grouped_mm(rows.to(dtype), weight.transpose(1, 2), offs=ends)
+
+
+def stacked_parameters(*params: Tensor) -> Tensor:
+    """Parameters of one shape as one tensor (n, ...) for an operation that takes them together: a
+    copy each step, which the backward splits again (a stack forward; selects and a gradient per
+    parameter backward). `scripts/step_operations.py --stacked` counts a step without that copy."""
+    return torch.stack(params)
 
 
 def joint_rows(a: Tensor, b: Tensor) -> tuple[Tensor, int]:
@@ -272,7 +279,7 @@ class StreamLayers(nn.Module):
             return qk, v
         # One RMSNorm over q and k at once, in the activations' dtype with an fp32 mean of squares and
         # outside autocast (`rms_norm`), then their gains.
-        gain = torch.stack([self.q_norm.weight, self.k_norm.weight]) if queries else self.k_norm.weight[None]
+        gain = stacked_parameters(self.q_norm.weight, self.k_norm.weight) if queries else self.k_norm.weight[None]
         normed = rms_norm(qk, self.eps)
         return normed * gain.to(qk.dtype), v
 
