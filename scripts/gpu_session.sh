@@ -254,8 +254,13 @@ part "2. Short texts: the small preset on the default data at micro-batch 64: CU
 part "2b. Short texts: the host's time per step by part outside the model, the small preset eager at micro-batch 64" \
     "$T_PARTS" "$RUN_OUT/parts.log" --output -- \
     "$PY" scripts/cpu_step_costs.py parts $PARTS data.path="$DATA" --config optimized
-part "3. A first writing rung" "$T_RUNG" "$RUN_OUT/rung.log" --ladder "$RUN_OUT/rung" -- \
-    "$PY" scripts/writing_ladder.py $RUNG --eval-args "$EVAL" --out "$RUN_OUT/rung" $RUNG_KEYS data.path="$DATA"
+# The ladder in a folder of its own: writing_ladder.py refuses one that holds an earlier ladder (a call
+# run again on the warm machine, whose runs/ stays between calls; or a rehearsal run twice).
+LADDER=$RUN_OUT/rung
+n=2
+while [ -e "$LADDER" ]; do LADDER=$RUN_OUT/rung-$n; n=$(( n + 1 )); done
+part "3. A first writing rung" "$T_RUNG" "$LADDER.log" --ladder "$LADDER" -- \
+    "$PY" scripts/writing_ladder.py $RUNG --eval-args "$EVAL" --out "$LADDER" $RUNG_KEYS data.path="$DATA"
 part "4. CUDA-only tests" "$T_TESTS" "$RUN_OUT/tests.log" --tests -- \
     "$PY" -m pytest -m cuda -q -p no:cacheprovider tests
 

@@ -202,6 +202,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.minutes <= 0 or args.timing_steps < 4:
         parser.error("expected --minutes > 0 and --timing-steps >= 4")
     rungs = parse_rungs(args.rungs)
+    # Each run directory is named by its preset and rung: an earlier ladder's would make `mmldlm train`
+    # refuse (or resume) it after minutes of other runs, so say so before any starts.
+    earlier = sorted(p.name for pattern in ("timing-*", "rung-*") for p in args.out.glob(pattern) if p.is_dir())
+    if earlier:
+        parser.error(
+            f"--out {args.out} already holds an earlier ladder's runs ({', '.join(earlier)});"
+            " expected a new or empty directory: choose another --out, or move those runs away"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
 

@@ -232,3 +232,11 @@ def test_gpu_session_rehearsal_on_a_cpu_runs_every_part_and_reports_each(tmp_pat
     assert "Data: synthetic tokens: 64 texts of uniformly random length 20-64 tokens" in text
     assert "| tiny:1 | " in text and "l2t word F1" in text
     assert "Session ended" in text
+    # the lease's second call on the warm machine, whose runs/ keeps the first call's outputs: the
+    # ladder runs in a folder of its own, the first's left as it was
+    first = sorted(p.relative_to(tmp_path) for p in (tmp_path / "out" / "rung").rglob("*"))
+    parts = {f"T_{name}": "0" for name in ("SHAPE4", "SHAPE8", "PROFILE", "ATTENTION", "LOSS", "BASE", "TESTS")}
+    again = session(tmp_path, "--cpu", DATA=str(prepared(tmp_path_factory)), T_GROUPED="0", T_PARTS="0", **parts)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "out" / "rung").rglob("*")) == first
+    assert (tmp_path / "out" / "rung-2" / "ladder.md").exists() and (tmp_path / "out" / "rung-2.log").exists()

@@ -49,3 +49,13 @@ def test_the_ladder_trains_each_rung_with_more_samples_evaluates_it_and_writes_t
     table = (out / "ladder.md").read_text()
     assert "| tiny:1 |" in table and "| tiny:3 |" in table and "t2l retrieval@1" in table
     assert (out / "ladder.png").stat().st_size > 0
+
+
+def test_the_ladder_refuses_a_directory_holding_an_earlier_ladders_runs_before_training(tmp_path):
+    (tmp_path / "timing-tiny" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "rung-0-tiny-1").mkdir()
+    args = [sys.executable, str(ROOT / "scripts" / "writing_ladder.py"), "--minutes", "1", "--out", str(tmp_path)]
+    done = subprocess.run([*args, "--rungs", "tiny:1"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"--out {tmp_path} already holds an earlier ladder's runs (rung-0-tiny-1, timing-tiny)" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rung-0-tiny-1", "timing-tiny"]  # nothing written
