@@ -202,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.minutes <= 0 or args.timing_steps < 4:
         parser.error("expected --minutes > 0 and --timing-steps >= 4")
     rungs = parse_rungs(args.rungs)
-    # Each run directory is named by its preset and rung: an earlier ladder's would make `mmldlm train`
-    # refuse (or resume) it after minutes of other runs, so say so before any starts.
+    # Each run directory is named by its preset and rung: `mmldlm train` would refuse an earlier
+    # ladder's, a rung's after minutes of the runs before it, so say so before any starts.
     earlier = sorted(p.name for pattern in ("timing-*", "rung-*") for p in args.out.glob(pattern) if p.is_dir())
     if earlier:
         parser.error(

@@ -235,8 +235,8 @@ def test_gpu_session_rehearsal_on_a_cpu_runs_every_part_and_reports_each(tmp_pat
     # the lease's second call on the warm machine, whose runs/ keeps the first call's outputs: the
     # ladder runs in a folder of its own, the first's left as it was
     first = sorted(p.relative_to(tmp_path) for p in (tmp_path / "out" / "rung").rglob("*"))
-    parts = {f"T_{name}": "0" for name in ("SHAPE4", "SHAPE8", "PROFILE", "ATTENTION", "LOSS", "BASE", "TESTS")}
-    again = session(tmp_path, "--cpu", DATA=str(prepared(tmp_path_factory)), T_GROUPED="0", T_PARTS="0", **parts)
+    others = ("SHAPE4", "SHAPE8", "PROFILE", "ATTENTION", "LOSS", "GROUPED", "BASE", "PARTS", "TESTS")
+    again = session(tmp_path, "--cpu", DATA=str(prepared(tmp_path_factory)), **{f"T_{n}": "0" for n in others})
     assert again.returncode == 0, again.stdout + again.stderr
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "out" / "rung").rglob("*")) == first
     assert (tmp_path / "out" / "rung-2" / "ladder.md").exists() and (tmp_path / "out" / "rung-2.log").exists()
