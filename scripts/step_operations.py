@@ -152,16 +152,22 @@ def store_stacked() -> None:
     operations of a step with those parameters stored as one. The leaves are not trained (the
     optimizer steps the model's own parameters, whose gradients stay None); the counts and host
     times are what this measures."""
+    import weakref
+
     import torch
 
     from mmldlm.model import mmdit
 
-    leaves: dict[tuple[int, ...], torch.Tensor] = {}
+    # keyed by the parameters' ids, each leaf beside weak references to its parameters: a row's
+    # trainer freed, the next row's parameters may take their ids, and get a leaf of their own
+    leaves: dict[tuple[int, ...], tuple[tuple[weakref.ref, ...], torch.Tensor]] = {}
 
     def stacked_parameters(*params: torch.Tensor) -> torch.Tensor:
-        leaf = leaves.get(tuple(map(id, params)))
-        if leaf is None:
-            leaf = leaves[tuple(map(id, params))] = torch.stack([p.detach() for p in params]).requires_grad_()
+        key = tuple(map(id, params))
+        refs, leaf = leaves.get(key, ((), None))
+        if leaf is None or any(ref() is not p for ref, p in zip(refs, params)):
+            leaf = torch.stack([p.detach() for p in params]).requires_grad_()
+            leaves[key] = tuple(map(weakref.ref, params)), leaf
         leaf.grad = None
         return leaf
 

@@ -985,3 +985,25 @@ def test_the_operations_scripts_stacked_layout_runs_the_models_step_without_stac
     stacked = step_operations(stored_stacked)
     assert apart.counts["stack"] - stacked.counts.get("stack", 0) >= 4 * 4, (apart.counts, stacked.counts)
     assert stacked.total < apart.total and stacked.kernels < apart.kernels
+
+
+def test_the_operations_scripts_stacked_layout_gives_parameters_that_take_freed_ones_ids_their_own_values(monkeypatch):
+    """`--stacked` keys its leaves by the parameters' ids: a row's trainer freed, the next row's
+    parameters may take those ids (CPython reuses them at once), and still get a leaf of their values."""
+    import gc
+    from pathlib import Path
+
+    from mmldlm.model import mmdit
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
+    monkeypatch.setattr(mmdit, "stacked_parameters", mmdit.stacked_parameters)  # restored after the test
+    import step_operations as script
+
+    script.store_stacked()
+    for i in range(20):
+        a, b = torch.nn.Parameter(torch.full((3,), float(i))), torch.nn.Parameter(torch.full((3,), -float(i)))
+        leaf = mmdit.stacked_parameters(a, b)
+        assert torch.equal(leaf.detach(), torch.stack([a.detach(), b.detach()])), i
+        assert leaf.requires_grad and leaf.grad is None
+        del a, b, leaf
+        gc.collect()
