@@ -488,3 +488,27 @@ def test_weights_of_the_earlier_per_block_modulation_load_and_give_the_same_outp
     x = inputs(cfg)
     for a, b in zip(model(*x, pad_mask()), loaded(*x, pad_mask())):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"vocab_prior": True, "length_head": True, "self_condition": True, "num_prefix_tokens": 2, "adaln": "single"}],
+    ids=["default", "every-optional-part"],
+)
+def test_a_model_built_on_the_meta_device_materialises_to_the_initialisation_of_one_built_in_place(overrides):
+    """On the meta device the model is built without initialising (there are no values: `mmldlm check`
+    and `migrate` count its shapes); `to_empty` then `init_weights` gives every parameter and buffer the
+    values a model built in place gets from `init_weights` with the same generator state."""
+    cfg = tiny(**overrides)
+    torch.manual_seed(0)
+    in_place = MultimodalMMDiT(cfg, VOCAB)
+    with torch.device("meta"):
+        meta = MultimodalMMDiT(cfg, VOCAB)
+    assert all(t.is_meta for t in (*meta.parameters(), *meta.buffers()))
+    meta.to_empty(device="cpu")
+    for model in (in_place, meta):
+        torch.manual_seed(1)
+        model.init_weights()
+    assert meta.state_dict().keys() == in_place.state_dict().keys()
+    for name, value in in_place.state_dict().items():
+        assert torch.equal(meta.state_dict()[name], value), name

@@ -636,7 +636,8 @@ class MultimodalMMDiT(nn.Module):
             self.vocab_prior_scale = nn.Linear(H, 1)
         else:
             self.token_latents = self.vocab_prior_scale = None
-        self.init_weights()
+        if not self.latent_pos.is_meta:  # on the meta device (shapes only) there is nothing to set
+            self.init_weights()
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -663,6 +664,8 @@ class MultimodalMMDiT(nn.Module):
             nn.init.zeros_(self.latent_self_cond_proj.weight)
         if self.length_head is not None:
             nn.init.zeros_(self.length_head[-1].weight)  # a uniform length distribution to start from
+        if self.token_latents is not None:
+            self.token_latents.zero_()  # until the training setup sets them (`set_token_latents`)
         if self.vocab_prior_scale is not None:
             # s = softplus(10) ~ 10 at every t to start: a cosine gap of 0.5 between a sentence's own words
             # and the rest is 5 logits, enough to matter from the first step; training adjusts it per t.
