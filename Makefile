@@ -23,11 +23,19 @@ lint: install
 # The fast tier, what every contributor runs: every module's behaviour, in minutes. The slow scenarios
 # (marker `slow` in pyproject.toml: torchrun, the two-node launcher, cold compiles, long runs) are
 # left to `make test-all`, which CI runs. docs/testing.md says what each tier covers.
+# The fast tier runs in one test process per core, at most 4 (beyond, its longest file bounds the
+# time), each with torch on one thread (tests/conftest.py); a file's tests share a process, so a
+# module's fixture is built once. TEST_PROCS=0 runs them all in one process. The slow tier runs in
+# one: its torchrun, launchers and compilers would compete with another test's processes for the cores.
+TEST_PROCS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
+FAST := -m "not slow" -n $(TEST_PROCS) --dist loadfile
+
 test: lint
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q $(FAST)
 
 test-all: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(FAST)
+	$(PY) -m pytest -q -m slow
 
 # The main job: prepare the bundled corpus (first time only, cached), train configs/default.yaml
 # with a progress bar; checkpoints and metrics go to runs/default/. Running it again continues.
