@@ -298,16 +298,13 @@ def test_the_whole_model_compiles_in_its_own_place_and_keeps_its_parameter_names
 
 # Dynamo and AOT autograd trace five blocks forward and backward: 6-10 s a case on an avx2-only CPU.
 # The plain case stays in the fast tier; the others, which add a region or a last block of its own, are slow.
-TRACED = pytest.mark.slow
-
-
 @pytest.mark.parametrize(
     "checkpointing,every_k,regions,heads",
     [
         ("none", 1, 1, "both"),
-        pytest.param("none", 1, 1, "text", marks=TRACED),
-        pytest.param("every_k", 2, 2, "both", marks=TRACED),
-        pytest.param("selective", 1, 1, "text", marks=TRACED),
+        pytest.param("none", 1, 1, "text", marks=pytest.mark.slow),
+        pytest.param("every_k", 2, 2, "both", marks=pytest.mark.slow),
+        pytest.param("selective", 1, 1, "text", marks=pytest.mark.slow),
     ],
 )
 def test_the_whole_models_graph_compiles_the_blocks_code_once(checkpointing, every_k, regions, heads):
